@@ -1,0 +1,231 @@
+"""Ops by name, backends per op, and the dispatcher that picks one per call.
+
+    from backends import backend_registry
+    op = backend_registry.get("flash")
+    out = op.forward(q, k, v, causal=True)
+    print(op.explain(q, k, v, causal=True))
+
+Backends are registered as ``"module:Class"`` strings and imported on first use, so registering one (or importing
+this module) never imports torch or numba.cuda. Third-party backends register through the entry-point group
+``numba_flash.backends`` (name = backend name, value = ``"module:Class"``, the class listing its ops in ``OPS``).
+
+Choosing: a backend named by ``backend=`` on the call, else on ``get``, else by ``backend_registry.use(...)``,
+else by the environment variable ``NUMBA_FLASH_BACKEND``, is forced: it serves the call or ``NoBackendError`` says
+why not. Otherwise the first backend by priority with no reasons against the call is taken. Each decision is
+logged at DEBUG on the ``numba_flash`` logger.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import logging
+import os
+import threading
+from typing import Any, Iterator
+
+from numba_flash.errors import NoBackendError
+from numba_flash.validation import AttentionCall, validate_backward, validate_forward
+
+from .base import Backend
+
+ENTRY_POINT_GROUP = "numba_flash.backends"
+ENV_VAR = "NUMBA_FLASH_BACKEND"
+
+logger = logging.getLogger("numba_flash")
+
+_BUILTIN = {
+    "cuda": "backends.cuda:CudaBackend",
+    "rocm": "backends.rocm:RocmBackend",
+    "cpu": "backends.cpu:CpuBackend",
+}
+
+_lock = threading.RLock()
+_targets: dict[str, dict[str, Any]] = {"flash": dict(_BUILTIN)}   # op -> backend name -> target
+_instances: dict[tuple[str, str], Backend] = {}
+_entry_points_loaded = False
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("numba_flash_forced_backend", default=None)
+
+
+def register(op: str, name: str, target: str | type | Backend, *, replace: bool = False) -> None:
+    """Register ``target`` (a ``"module:Class"`` string, a Backend subclass or instance) as backend ``name`` of
+    ``op``. A string is imported only when the backend is first used."""
+    with _lock:
+        backends = _targets.setdefault(op, {})
+        if name in backends and not replace:
+            raise ValueError(f"backend {name!r} is already registered for op {op!r} (pass replace=True)")
+        backends[name] = target
+        _instances.pop((op, name), None)
+
+
+def unregister(op: str, name: str) -> None:
+    with _lock:
+        _targets.get(op, {}).pop(name, None)
+        _instances.pop((op, name), None)
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    from importlib.metadata import entry_points
+
+    with _lock:
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            # The ops a third-party class serves are known only once it is imported; park it under every op and
+            # let _instance() drop it where its OPS do not list the op.
+            for backends in _targets.values():
+                backends.setdefault(ep.name, ep.value)
+            _targets.setdefault("*", {}).setdefault(ep.name, ep.value)
+        _entry_points_loaded = True
+
+
+def _resolve(target: Any) -> Backend:
+    if isinstance(target, Backend):
+        return target
+    if isinstance(target, str):
+        module, _, attr = target.partition(":")
+        target = getattr(importlib.import_module(module), attr)
+    return target()
+
+
+def _instance(op: str, name: str) -> Backend | None:
+    key = (op, name)
+    with _lock:
+        if key not in _instances:
+            targets = _targets.get(op, {})
+            if name not in targets and name in _targets.get("*", {}):
+                targets = _targets["*"]
+            if name not in targets:
+                return None
+            be = _resolve(targets[name])
+            if not be.name:
+                be.name = name
+            if op not in be.OPS:
+                return None
+            _instances[key] = be
+        return _instances[key]
+
+
+def backends(op: str) -> list[Backend]:
+    """Every backend registered for ``op``, highest priority first."""
+    _load_entry_points()
+    names = list(_targets.get(op, {}))
+    found = [be for be in (_instance(op, n) for n in names) if be is not None]
+    return sorted(found, key=lambda be: -be.PRIORITY)
+
+
+def names(op: str) -> list[str]:
+    return [be.name for be in backends(op)]
+
+
+def available(op: str) -> list[str]:
+    """Backends of ``op`` that this machine can run without being forced, highest priority first."""
+    return [be.name for be in backends(op) if not be.unavailable_reasons(forced=False)]
+
+
+@contextlib.contextmanager
+def use(backend: str | None) -> Iterator[None]:
+    """Force ``backend`` for every call made inside the block (like ``torch.nn.attention.sdpa_kernel``)."""
+    token = _forced.set(backend)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def get(op: str, backend: str | None = None) -> "Dispatcher":
+    """The dispatcher of ``op``; ``backend`` forces one backend for every call made through it."""
+    _load_entry_points()
+    if op not in _targets:
+        raise KeyError(f"unknown op {op!r}; registered ops: {', '.join(sorted(k for k in _targets if k != '*'))}")
+    return Dispatcher(op, backend)
+
+
+class Dispatcher:
+    """Validates each call, picks a backend for it and runs it. Get one with ``backend_registry.get(op)``."""
+
+    def __init__(self, op: str, backend: str | None = None):
+        self.op = op
+        self.backend = backend
+
+    def _forced_name(self, backend: str | None) -> str | None:
+        for choice in (backend, self.backend, _forced.get(), os.environ.get(ENV_VAR) or None):
+            if choice:
+                return choice
+        return None
+
+    def _rank(self, call: AttentionCall, backend: str | None) -> tuple[Backend | None, dict[str, list[str]], str | None]:
+        forced = self._forced_name(backend)
+        if forced is not None:
+            be = _instance(self.op, forced)
+            if be is None:
+                raise NoBackendError(self.op, {forced: [f"no such backend (registered: {', '.join(names(self.op))})"]},
+                                     forced=forced)
+            reasons = be.not_supported_reasons(call, forced=True)
+            return (None if reasons else be), {forced: reasons}, forced
+        chosen, table = None, {}
+        for be in backends(self.op):
+            reasons = be.not_supported_reasons(call, forced=False)
+            table[be.name] = reasons
+            if chosen is None and not reasons:
+                chosen = be
+        return chosen, table, None
+
+    def select(self, call: AttentionCall, backend: str | None = None) -> Backend:
+        """The backend that will serve ``call``, or ``NoBackendError`` listing every backend's reasons."""
+        chosen, table, forced = self._rank(call, backend)
+        if chosen is None:
+            raise NoBackendError(self.op, table, forced=forced)
+        if logger.isEnabledFor(logging.DEBUG):
+            passed = "; ".join(f"{n}: {', '.join(r)}" for n, r in table.items() if r)
+            logger.debug("%s: %s -> %s%s%s", self.op, call.describe(), chosen.name,
+                         " (forced)" if forced else "", f"; passed over {passed}" if passed else "")
+        return chosen
+
+    def forward(self, q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
+                window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd",
+                return_lse: bool = False, backend: str | None = None) -> Any:
+        """Attention forward.
+
+        q: (B, Sq, Hq, D) for layout "bshd" or (B, Hq, Sq, D) for "bhsd"; k, v: (B, Sk, Hkv, D) / (B, Hkv, Sk, D).
+        Returns out shaped like q (same array kind, device, dtype), and with ``return_lse`` also lse (B, Hq, Sq)
+        float32.
+        """
+        call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                softcap=softcap, layout=layout, return_lse=return_lse)
+        out, lse = self.select(call, backend).forward(call)
+        return (out, lse) if return_lse else out
+
+    def backward(self, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: bool = False,
+                 softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                 layout: str = "bshd", backend: str | None = None) -> tuple[Any, Any, Any]:
+        """Attention backward. dout and out are shaped like q; lse is (B, Hq, Sq) as ``forward`` returned it.
+        Returns dq, dk, dv shaped like q, k, v; with GQA dk and dv are summed over each group of query heads."""
+        call = validate_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                 window_size=window_size, softcap=softcap, layout=layout)
+        return self.select(call, backend).backward(call)
+
+    def explain(self, q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
+                window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd",
+                return_lse: bool = False, backend: str | None = None) -> str:
+        """A few lines saying which backend a forward call would use and why each other one was passed over."""
+        call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                softcap=softcap, layout=layout, return_lse=return_lse)
+        chosen, table, forced = self._rank(call, backend)
+        lines = [f"{self.op}: {call.describe()}"]
+        if chosen is not None:
+            lines.append(f"chosen: {chosen.name}" + (f" (forced by backend={forced!r})" if forced else ""))
+        else:
+            lines.append("chosen: none (a call would raise NoBackendError)")
+        for name, reasons in table.items():
+            be = _instance(self.op, name)
+            prio = f" [priority {be.PRIORITY}]" if be is not None else ""
+            verdict = "can serve" if not reasons else "; ".join(reasons)
+            mark = "  <- chosen" if chosen is not None and name == chosen.name else ""
+            lines.append(f"  {name}{prio}: {verdict}{mark}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<Dispatcher op={self.op!r} backend={self.backend!r}>"

@@ -1,0 +1,72 @@
+"""The base class every attention backend derives from.
+
+Capabilities are plain class attributes (as in xformers' fmha operators) and ``not_supported_reasons`` turns them
+into human-readable reasons; the dispatcher takes the first backend, by priority, that has none. A backend module
+is the only place that knows its device, and it imports torch or numba.cuda inside its methods, never at import.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from numba_flash.validation import AttentionCall
+
+
+class Backend:
+    """One way to run attention. Subclasses set the class attributes and implement ``forward``/``backward``."""
+
+    name: ClassVar[str] = ""
+    OPS: ClassVar[tuple[str, ...]] = ("flash",)
+    PRIORITY: ClassVar[int] = 0                      # higher is tried first
+    SUPPORTED_KINDS: ClassVar[tuple[str, ...]] = ()  # array kinds, see numba_flash.arrays.array_kind
+    SUPPORTED_DEVICES: ClassVar[tuple[str, ...]] = ()
+    SUPPORTED_DTYPES: ClassVar[tuple[str, ...]] = ()
+    SUPPORTED_LAYOUTS: ClassVar[tuple[str, ...]] = ("bshd", "bhsd")
+    SUPPORTED_MAX_HEAD_DIM: ClassVar[int] = 256
+    SUPPORTS_WINDOW: ClassVar[bool] = True
+    SUPPORTS_SOFTCAP: ClassVar[bool] = True
+    SUPPORTS_BACKWARD: ClassVar[bool] = True
+    IS_DETERMINISTIC: ClassVar[bool] = True
+
+    def unavailable_reasons(self, forced: bool = False) -> list[str]:
+        """Why this machine cannot run the backend at all (no GPU, a package missing); empty when it can.
+        ``forced`` is True when the user named this backend, which may unlock paths (e.g. the CUDA simulator)."""
+        return []
+
+    def not_supported_reasons(self, call: AttentionCall, forced: bool = False) -> list[str]:
+        """Why this backend cannot serve ``call``; empty when it can. Cheap checks first, machine checks last, so
+        that a call turned down for its dtype never pays for probing a GPU."""
+        reasons = []
+        if self.SUPPORTED_KINDS and call.kind not in self.SUPPORTED_KINDS:
+            reasons.append(f"{call.kind} arrays not supported")
+        elif self.SUPPORTED_DEVICES and call.device not in self.SUPPORTED_DEVICES:
+            reasons.append(f"{call.device} tensors not supported (runs on {', '.join(self.SUPPORTED_DEVICES)})")
+        if self.SUPPORTED_DTYPES and call.dtype not in self.SUPPORTED_DTYPES:
+            reasons.append(f"{call.dtype} not supported")
+        if call.layout not in self.SUPPORTED_LAYOUTS:
+            reasons.append(f"layout {call.layout!r} not supported")
+        if call.head_dim > self.SUPPORTED_MAX_HEAD_DIM:
+            reasons.append(f"head dim {call.head_dim} > {self.SUPPORTED_MAX_HEAD_DIM}")
+        if call.has_window and not self.SUPPORTS_WINDOW:
+            reasons.append("sliding window not supported")
+        if call.softcap and not self.SUPPORTS_SOFTCAP:
+            reasons.append("softcap not supported")
+        if call.is_backward and not self.SUPPORTS_BACKWARD:
+            reasons.append("backward not supported")
+        if not reasons:
+            reasons.extend(self.unavailable_reasons(forced))
+        return reasons
+
+    def supports(self, call: AttentionCall, forced: bool = False) -> bool:
+        return not self.not_supported_reasons(call, forced)
+
+    def forward(self, call: AttentionCall) -> tuple[Any, Any]:
+        """Return ``(out, lse)``: out shaped like q, same array kind, device and dtype; lse (B, Hq, Sq) float32."""
+        raise NotImplementedError
+
+    def backward(self, call: AttentionCall) -> tuple[Any, Any, Any]:
+        """Return ``(dq, dk, dv)`` shaped like q, k, v, same kind, device and dtype as q."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} priority={self.PRIORITY}>"

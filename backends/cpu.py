@@ -1,0 +1,74 @@
+"""CPU backend: the ``numba.njit(parallel=True)`` tiled kernels of ``numba_flash.cpu`` on host memory.
+
+Serves numpy arrays, torch CPU tensors and host DLPack exporters; returns numpy for numpy (and DLPack) inputs and
+torch tensors for torch inputs. Numba has no float16 on the CPU, so float16 inputs are widened to float32 once
+(O(B*S*H*D) extra memory, never S x S) and the output is narrowed back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from numba_flash.arrays import to_numpy
+from numba_flash.validation import AttentionCall
+
+from .base import Backend
+
+
+def _bshd(a: np.ndarray, layout: str) -> np.ndarray:
+    """A (B, S, H, D) view of an array in ``layout``; no copy."""
+    return a.transpose(0, 2, 1, 3) if layout == "bhsd" else a
+
+
+def _compute_dtype(dtype: str) -> type:
+    return np.float64 if dtype == "float64" else np.float32
+
+
+def _host(x: Any, compute: type) -> np.ndarray:
+    a = to_numpy(x)
+    return a if a.dtype == compute else a.astype(compute)
+
+
+def _like(ref: Any, a: np.ndarray, dtype: str) -> Any:
+    """``a`` as the same array kind and dtype as ``ref`` (numpy for anything but torch)."""
+    if a.dtype != np.dtype(dtype):
+        a = a.astype(dtype)
+    if type(ref).__module__.split(".")[0] == "torch":
+        import torch
+
+        return torch.from_numpy(a)
+    return a
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    PRIORITY = 10
+    SUPPORTED_KINDS = ("numpy", "torch", "dlpack")
+    SUPPORTED_DEVICES = ("cpu",)
+    SUPPORTED_DTYPES = ("float32", "float16", "float64")
+
+    def forward(self, call: AttentionCall) -> tuple[Any, Any]:
+        from numba_flash.cpu import flash_forward
+
+        compute = _compute_dtype(call.dtype)
+        q, k, v = (_host(x, compute) for x in (call.q, call.k, call.v))
+        out = np.empty(q.shape, dtype=compute)
+        lse = np.empty((call.batch, call.nheads_q, call.seqlen_q), dtype=compute)
+        flash_forward(_bshd(q, call.layout), _bshd(k, call.layout), _bshd(v, call.layout), _bshd(out, call.layout),
+                      lse, call.softmax_scale, call.window_left, call.window_right, call.softcap)
+        lse_dtype = "float64" if call.dtype == "float64" else "float32"
+        return _like(call.q, out, call.dtype), _like(call.q, lse, lse_dtype)
+
+    def backward(self, call: AttentionCall) -> tuple[Any, Any, Any]:
+        from numba_flash.cpu import flash_backward
+
+        compute = _compute_dtype(call.dtype)
+        dout, q, k, v, out, lse = (_host(x, compute) for x in (call.dout, call.q, call.k, call.v, call.out, call.lse))
+        dq, dk, dv = np.empty(q.shape, compute), np.empty(k.shape, compute), np.empty(v.shape, compute)
+        lay = call.layout
+        flash_backward(_bshd(dout, lay), _bshd(q, lay), _bshd(k, lay), _bshd(v, lay), _bshd(out, lay), lse,
+                       _bshd(dq, lay), _bshd(dk, lay), _bshd(dv, lay),
+                       call.softmax_scale, call.window_left, call.window_right, call.softcap)
+        return tuple(_like(call.q, g, call.dtype) for g in (dq, dk, dv))

@@ -1,0 +1,41 @@
+"""numba-flash: exact FlashAttention (tiled, online softmax, no S x S matrix) written as Numba kernels.
+
+    from backends import backend_registry
+    out = backend_registry.get("flash").forward(q, k, v, causal=True)
+
+    import numba_flash
+    o = numba_flash.flash_attn_func(q, k, v, causal=True)   # torch tensors, autograd-aware
+
+Importing this package needs only numpy and numba; torch and numba.cuda are imported where they are used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import AttentionInputError, NoBackendError
+from .reference import attention_ref, attention_ref_backward
+from .validation import AttentionCall, validate_backward, validate_forward
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionInputError",
+    "NoBackendError",
+    "AttentionCall",
+    "attention_ref",
+    "attention_ref_backward",
+    "validate_forward",
+    "validate_backward",
+    "flash_attn_func",
+    "__version__",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # flash_attn_func needs torch; import it only when somebody asks for it.
+    if name == "flash_attn_func":
+        from .torch_api import flash_attn_func
+
+        return flash_attn_func
+    raise AttributeError(f"module 'numba_flash' has no attribute {name!r}")

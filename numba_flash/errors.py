@@ -1,0 +1,36 @@
+"""Exceptions raised by numba-flash.
+
+Both live here, away from any kernel or backend, so that user code can catch them without importing torch or
+numba.cuda.
+"""
+
+from __future__ import annotations
+
+
+class AttentionInputError(ValueError):
+    """An argument breaks the attention contract.
+
+    The message names the argument, what was expected and what came, e.g.
+    ``k: expected 4 dimensions (B, Sk, Hkv, D) for layout 'bshd', got shape (2, 3, 4)``.
+    Raised before any work is done; the inputs are never modified.
+    """
+
+
+class NoBackendError(RuntimeError):
+    """No registered backend can serve a call.
+
+    ``reasons`` maps each backend name to the list of reasons it turned the call down, and the message lists them
+    all (``cuda: no CUDA GPU; cpu: bfloat16 not supported``) so that the choice can be debugged from the traceback.
+    """
+
+    def __init__(self, op: str, reasons: dict[str, list[str]], forced: str | None = None):
+        self.op = op
+        self.reasons = dict(reasons)
+        self.forced = forced
+        parts = [f"{name}: {', '.join(why) if why else 'unavailable'}" for name, why in self.reasons.items()]
+        head = (
+            f"backend {forced!r} cannot serve this {op!r} call"
+            if forced
+            else f"no backend can serve this {op!r} call"
+        )
+        super().__init__(f"{head} ({'; '.join(parts) if parts else 'no backend registered'})")

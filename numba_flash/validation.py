@@ -1,0 +1,204 @@
+"""Checks every rule of the contract's "Bad input" section before any work, and describes a valid call.
+
+``validate_forward`` / ``validate_backward`` return an ``AttentionCall``: the arrays as given (never modified, never
+copied) plus every derived fact a backend needs to decide whether it can serve the call and to run it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .arrays import array_kind, device_of, dtype_name
+from .errors import AttentionInputError
+from .semantics import default_scale, effective_window
+
+LAYOUTS = ("bshd", "bhsd")
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+MAX_HEAD_DIM = 256
+
+_DIM_NAMES = {
+    "bshd": {"q": "(B, Sq, Hq, D)", "k": "(B, Sk, Hkv, D)", "v": "(B, Sk, Hkv, D)"},
+    "bhsd": {"q": "(B, Hq, Sq, D)", "k": "(B, Hkv, Sk, D)", "v": "(B, Hkv, Sk, D)"},
+}
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """A validated attention call. Sizes are layout-independent: ``seqlen_q`` is Sq whatever the layout."""
+
+    q: Any
+    k: Any
+    v: Any
+    kind: str          # 'numpy', 'torch', 'cuda_array', 'dlpack'
+    device: str        # 'cpu', 'cuda', 'hip', ...
+    dtype: str         # 'float32', 'float16', 'bfloat16', 'float64'
+    layout: str
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads_q: int
+    nheads_kv: int
+    head_dim: int
+    causal: bool
+    softmax_scale: float
+    window_left: int   # -1: unbounded
+    window_right: int  # -1: unbounded; 0 when causal
+    softcap: float
+    return_lse: bool = False
+    # backward only
+    dout: Any = None
+    out: Any = None
+    lse: Any = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def is_backward(self) -> bool:
+        return self.dout is not None
+
+    @property
+    def has_window(self) -> bool:
+        """True when a sliding window (not plain causal) restricts the keys."""
+        return self.window_left >= 0 or (self.window_right >= 0 and not (self.causal and self.window_right == 0))
+
+    @property
+    def group_size(self) -> int:
+        return self.nheads_q // self.nheads_kv
+
+    def describe(self) -> str:
+        parts = [f"{self.kind}/{self.device}", self.dtype, self.layout,
+                 f"B={self.batch} Sq={self.seqlen_q} Sk={self.seqlen_k} Hq={self.nheads_q} Hkv={self.nheads_kv} "
+                 f"D={self.head_dim}"]
+        if self.causal:
+            parts.append("causal")
+        if self.has_window:
+            parts.append(f"window=({self.window_left}, {self.window_right})")
+        if self.softcap:
+            parts.append(f"softcap={self.softcap:g}")
+        parts.append("backward" if self.is_backward else "forward")
+        return " ".join(parts)
+
+
+def _bad(arg: str, expected: str, got: Any) -> AttentionInputError:
+    return AttentionInputError(f"{arg}: expected {expected}, got {got}")
+
+
+def _check_array(name: str, x: Any, layout: str) -> tuple[str, tuple[int, ...], str, str]:
+    kind = array_kind(x)
+    if kind is None:
+        raise _bad(name, "an array (numpy, torch, __cuda_array_interface__ or __dlpack__ exporter)",
+                   f"an object of type {type(x).__name__}")
+    shape = tuple(int(s) for s in x.shape)
+    dims = _DIM_NAMES[layout].get(name, _DIM_NAMES[layout]["q"])
+    if len(shape) != 4:
+        raise _bad(name, f"4 dimensions {dims} for layout {layout!r}", f"shape {shape}")
+    dt = dtype_name(x)
+    if dt not in FLOAT_DTYPES:
+        raise _bad(name, f"a floating dtype ({', '.join(FLOAT_DTYPES)})", f"dtype {dt}")
+    if 0 in shape:
+        raise _bad(name, f"every size >= 1 in {dims}", f"shape {shape}")
+    return kind, shape, dt, device_of(x)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise _bad(name, "a bool", repr(value))
+    return bool(value)
+
+
+def _check_options(causal: Any, softmax_scale: Any, window_size: Any, softcap: Any, layout: Any,
+                   return_lse: Any) -> tuple[bool, Any, tuple[int, int], float, str, bool]:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise _bad("layout", "'bshd' or 'bhsd'", repr(layout))
+    causal = _check_bool("causal", causal)
+    return_lse = _check_bool("return_lse", return_lse)
+    if softmax_scale is not None:
+        if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
+                or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+            raise _bad("softmax_scale", "None or a finite number > 0", repr(softmax_scale))
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in window_size)):
+        raise _bad("window_size", "a pair of ints (left, right)", repr(window_size))
+    if any(w < -1 for w in window_size):
+        raise _bad("window_size", "each bound >= 0, or -1 for unbounded", repr(tuple(window_size)))
+    if (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap)
+            or softcap < 0):
+        raise _bad("softcap", "a finite number >= 0 (0 disables it)", repr(softcap))
+    return causal, softmax_scale, (int(window_size[0]), int(window_size[1])), float(softcap), layout, return_lse
+
+
+def validate_forward(
+    q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd",
+    return_lse: bool = False,
+) -> AttentionCall:
+    """Check a forward call against the contract; raise ``AttentionInputError`` on the first violation.
+
+    q: (B, Sq, Hq, D) ["bshd"] or (B, Hq, Sq, D) ["bhsd"]; k, v: (B, Sk, Hkv, D) or (B, Hkv, Sk, D).
+    """
+    causal, softmax_scale, window_size, softcap, layout, return_lse = _check_options(
+        causal, softmax_scale, window_size, softcap, layout, return_lse)
+    infos = {name: _check_array(name, x, layout) for name, x in (("q", q), ("k", k), ("v", v))}
+    (qkind, qshape, qdt, qdev), (_, kshape, kdt, kdev), (_, vshape, vdt, vdev) = infos["q"], infos["k"], infos["v"]
+    for name, (_, _, dt, dev) in (("k", infos["k"]), ("v", infos["v"])):
+        if dt != qdt:
+            raise _bad(name, f"the same dtype as q ({qdt})", f"dtype {dt}")
+        if dev != qdev:
+            raise _bad(name, f"the same device as q ({qdev})", f"device {dev}")
+    if vshape != kshape:
+        raise _bad("v", f"the same shape as k {kshape}", f"shape {vshape}")
+    s_axis, h_axis = (1, 2) if layout == "bshd" else (2, 1)
+    batch, sq, hq, d = qshape[0], qshape[s_axis], qshape[h_axis], qshape[3]
+    sk, hkv = kshape[s_axis], kshape[h_axis]
+    if kshape[0] != batch:
+        raise _bad("k", f"batch size {batch} like q", f"batch size {kshape[0]} (shape {kshape})")
+    if kshape[3] != d:
+        raise _bad("k", f"head dim {d} like q", f"head dim {kshape[3]} (shape {kshape})")
+    if d > MAX_HEAD_DIM:
+        raise _bad("q", f"head dim D between 1 and {MAX_HEAD_DIM}", f"D={d} (shape {qshape})")
+    if hq % hkv != 0:
+        raise _bad("k", f"a number of heads that divides q's {hq} (grouped-query attention)",
+                   f"Hkv={hkv} (shape {kshape})")
+    scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
+    left, right = effective_window(causal, window_size)
+    return AttentionCall(q=q, k=k, v=v, kind=qkind, device=qdev, dtype=qdt, layout=layout, batch=batch,
+                         seqlen_q=sq, seqlen_k=sk, nheads_q=hq, nheads_kv=hkv, head_dim=d, causal=causal,
+                         softmax_scale=scale, window_left=left, window_right=right, softcap=softcap,
+                         return_lse=return_lse)
+
+
+def validate_backward(
+    dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: bool = False,
+    softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    layout: str = "bshd",
+) -> AttentionCall:
+    """Check a backward call. dout and out are shaped like q with q's dtype; lse is (B, Hq, Sq), float32 (float64
+    for float64 inputs), as the forward returned it."""
+    call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                            softcap=softcap, layout=layout)
+    qshape = tuple(int(s) for s in q.shape)
+    for name, x in (("dout", dout), ("out", out)):
+        _, shape, dt, dev = _check_array(name, x, layout)
+        if shape != qshape:
+            raise _bad(name, f"the shape of q {qshape}", f"shape {shape}")
+        if dt != call.dtype:
+            raise _bad(name, f"the dtype of q ({call.dtype})", f"dtype {dt}")
+        if dev != call.device:
+            raise _bad(name, f"the device of q ({call.device})", f"device {dev}")
+    kind = array_kind(lse)
+    if kind is None:
+        raise _bad("lse", "an array", f"an object of type {type(lse).__name__}")
+    lshape = tuple(int(s) for s in lse.shape)
+    want = (call.batch, call.nheads_q, call.seqlen_q)
+    if lshape != want:
+        raise _bad("lse", f"shape (B, Hq, Sq) = {want}", f"shape {lshape}")
+    ldt = dtype_name(lse)
+    if ldt not in ("float32", "float64"):
+        raise _bad("lse", "dtype float32 (as the forward returns it)", f"dtype {ldt}")
+    if device_of(lse) != call.device:
+        raise _bad("lse", f"the device of q ({call.device})", f"device {device_of(lse)}")
+    return AttentionCall(**{**call.__dict__, "dout": dout, "out": out, "lse": lse})

@@ -1,0 +1,28 @@
+import os
+
+import numpy as np
+import pytest
+
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    # Simulator tests need NUMBA_ENABLE_CUDASIM=1 set before numba.cuda is imported, so they run in a process of
+    # their own (make test does both); every other test runs without the simulator.
+    skip_sim = pytest.mark.skip(reason="CUDA simulator test: run with NUMBA_ENABLE_CUDASIM=1 -m cudasim")
+    skip_real = pytest.mark.skip(reason="needs the real CUDA compiler, not the simulator")
+    for item in items:
+        is_sim = "cudasim" in item.keywords
+        if is_sim and not SIM:
+            item.add_marker(skip_sim)
+        elif SIM and not is_sim:
+            item.add_marker(skip_real)
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random inputs each run; the seed is printed on failure so a failure can be replayed."""
+    seed = int(os.environ.get("NUMBA_FLASH_TEST_SEED", np.random.SeedSequence().entropy % (2**32)))
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
