@@ -65,9 +65,9 @@ def unregister(op: str, name: str) -> None:
         _instances.pop((op, name), None)
 
 
-def _load_entry_points() -> None:
+def _load_entry_points(refresh: bool = False) -> None:
     global _entry_points_loaded
-    if _entry_points_loaded:
+    if _entry_points_loaded and not refresh:
         return
     from importlib.metadata import entry_points
 
@@ -81,13 +81,30 @@ def _load_entry_points() -> None:
         _entry_points_loaded = True
 
 
-def _resolve(target: Any) -> Backend:
+class _Unloadable(Backend):
+    """Stands in for a backend whose module failed to import, so one broken plugin cannot break dispatch: it is
+    listed with the import error as its reason and never chosen."""
+
+    def __init__(self, name: str, error: BaseException):
+        self.name = name
+        self.error = f"failed to load: {type(error).__name__}: {error}"
+        self.OPS = tuple(_targets)
+
+    def unavailable_reasons(self, forced: bool = False) -> list[str]:
+        return [self.error]
+
+
+def _resolve(name: str, target: Any) -> Backend:
     if isinstance(target, Backend):
         return target
-    if isinstance(target, str):
-        module, _, attr = target.partition(":")
-        target = getattr(importlib.import_module(module), attr)
-    return target()
+    try:
+        if isinstance(target, str):
+            module, _, attr = target.partition(":")
+            target = getattr(importlib.import_module(module), attr)
+        return target()
+    except Exception as exc:  # a broken third-party module must not take the registry down
+        logger.warning("numba_flash backend %r could not be loaded: %s", name, exc)
+        return _Unloadable(name, exc)
 
 
 def _instance(op: str, name: str) -> Backend | None:
@@ -99,13 +116,18 @@ def _instance(op: str, name: str) -> Backend | None:
                 targets = _targets["*"]
             if name not in targets:
                 return None
-            be = _resolve(targets[name])
+            be = _resolve(name, targets[name])
             if not be.name:
                 be.name = name
             if op not in be.OPS:
                 return None
             _instances[key] = be
         return _instances[key]
+
+
+def refresh_entry_points() -> None:
+    """Read the ``numba_flash.backends`` entry points again (after installing a plugin in a running process)."""
+    _load_entry_points(refresh=True)
 
 
 def backends(op: str) -> list[Backend]:

@@ -144,7 +144,9 @@ def validate_forward(
         causal, softmax_scale, window_size, softcap, layout, return_lse)
     infos = {name: _check_array(name, x, layout) for name, x in (("q", q), ("k", k), ("v", v))}
     (qkind, qshape, qdt, qdev), (_, kshape, kdt, kdev), (_, vshape, vdt, vdev) = infos["q"], infos["k"], infos["v"]
-    for name, (_, _, dt, dev) in (("k", infos["k"]), ("v", infos["v"])):
+    for name, (kind, _, dt, dev) in (("k", infos["k"]), ("v", infos["v"])):
+        if kind != qkind:
+            raise _bad(name, f"the same array kind as q ({qkind})", kind)
         if dt != qdt:
             raise _bad(name, f"the same dtype as q ({qdt})", f"dtype {dt}")
         if dev != qdev:
@@ -182,7 +184,9 @@ def validate_backward(
                             softcap=softcap, layout=layout)
     qshape = tuple(int(s) for s in q.shape)
     for name, x in (("dout", dout), ("out", out)):
-        _, shape, dt, dev = _check_array(name, x, layout)
+        kind, shape, dt, dev = _check_array(name, x, layout)
+        if kind != call.kind:
+            raise _bad(name, f"the same array kind as q ({call.kind})", kind)
         if shape != qshape:
             raise _bad(name, f"the shape of q {qshape}", f"shape {shape}")
         if dt != call.dtype:
@@ -192,6 +196,8 @@ def validate_backward(
     kind = array_kind(lse)
     if kind is None:
         raise _bad("lse", "an array", f"an object of type {type(lse).__name__}")
+    if kind != call.kind:
+        raise _bad("lse", f"the same array kind as q ({call.kind})", kind)
     lshape = tuple(int(s) for s in lse.shape)
     want = (call.batch, call.nheads_q, call.seqlen_q)
     if lshape != want:
