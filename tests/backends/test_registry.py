@@ -175,7 +175,7 @@ def test_broken_backend_module_is_reported_not_fatal(rng, fakes):
     try:
         assert fakes.forward(*_qkv(rng)) == "slow"
         text = fakes.explain(*_qkv(rng))
-        assert "broken: failed to load: ModuleNotFoundError" in text
+        assert "broken [priority 0]: failed to load: ModuleNotFoundError" in text
         with pytest.raises(NoBackendError, match="broken: failed to load"):
             fakes.forward(*_qkv(rng), backend="broken")
     finally:
