@@ -20,7 +20,8 @@ def array_kind(x: Any) -> str | None:
         return "numpy"
     if type(x).__module__.split(".")[0] == "torch" and hasattr(x, "data_ptr"):
         return "torch"
-    if hasattr(x, "__cuda_array_interface__"):
+    # numba device arrays, real or simulated (the simulator's export no __cuda_array_interface__)
+    if hasattr(x, "__cuda_array_interface__") or getattr(type(x), "__cuda_ndarray__", False) is True:
         return "cuda_array"
     if hasattr(x, "__dlpack__") and hasattr(x, "shape") and hasattr(x, "dtype"):
         return "dlpack"

@@ -1,0 +1,236 @@
+"""CUDA backend: the ``numba.cuda`` kernels of ``numba_flash.cuda`` on NVIDIA GPUs.
+
+Takes GPU arrays zero-copy: torch CUDA tensors, numba device arrays, CuPy and other ``__cuda_array_interface__``
+exporters, and DLPack exporters on a CUDA device (through torch). It returns the kind it was given (torch for
+torch and DLPack inputs, CuPy for CuPy, numba device arrays otherwise), and launches on torch's current stream for
+torch inputs. numpy inputs are copied to the GPU and back only when the backend is forced (``backend="cuda"``).
+
+The Numba CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) runs these kernels too, slowly, for tests: the registry
+never picks the backend there on its own, only when forced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from numba_flash.validation import AttentionCall
+
+from .base import Backend
+
+HOST_REASON = "host (numpy) input: GPU backends take it only when forced, backend='cuda'"
+BF16_REASON = "bfloat16 not supported by numba-cuda"
+SIM_REASON = "CUDA simulator (NUMBA_ENABLE_CUDASIM=1): used only when forced, backend='cuda'"
+
+
+def _is_numba_device_array(x: Any) -> bool:
+    # Real and simulated numba device arrays both carry this class attribute; the simulated ones export no
+    # __cuda_array_interface__, so the generic array-kind test sees them as host DLPack arrays.
+    return getattr(type(x), "__cuda_ndarray__", False) is True
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def _is_cupy(x: Any) -> bool:
+    return type(x).__module__.split(".")[0] == "cupy"
+
+
+def _bshd(arr: Any, layout: str) -> Any:
+    """A (B, S, H, D) view of a numba device array in ``layout``, sharing its memory."""
+    if layout == "bshd":
+        return arr
+    if hasattr(arr, "_ary"):  # simulator array: a numpy wrapper that transposes like numpy
+        return arr.transpose((0, 2, 1, 3))
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    shape = tuple(arr.shape[i] for i in (0, 2, 1, 3))
+    strides = tuple(arr.strides[i] for i in (0, 2, 1, 3))
+    return DeviceNDArray(shape, strides, arr.dtype, stream=arr.stream, gpu_data=arr.gpu_data)
+
+
+class _Session:
+    """Moves one call's arrays to numba device arrays and brings results back as the caller's array kind."""
+
+    def __init__(self, call: AttentionCall):
+        from numba import cuda
+
+        self.cuda = cuda
+        self.call = call
+        self.ref = call.q
+        self.stream = 0
+        self.host = call.kind == "numpy"
+        self.torch = _is_torch(self.ref) or (call.kind == "dlpack" and not _is_numba_device_array(self.ref))
+        if self.torch:
+            import torch
+
+            dev = self.ref.device if _is_torch(self.ref) else None
+            self.torch_device = dev
+            if dev is not None and dev.type == "cuda":
+                self.stream = cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
+
+    def device(self, x: Any, name: str) -> Any:
+        """A numba device array for input ``x``, without copying unless ``x`` lives on the host."""
+        cuda = self.cuda
+        if self.host:
+            # to_device needs contiguous data; the copy is of the host array, never a write to it.
+            return cuda.to_device(np.ascontiguousarray(x), stream=self.stream)
+        if _is_numba_device_array(x):
+            return x
+        if self.torch:
+            import torch
+
+            t = x if _is_torch(x) else torch.from_dlpack(x)
+            if self.torch_device is None:
+                self.torch_device = t.device
+                self.stream = cuda.external_stream(torch.cuda.current_stream(t.device).cuda_stream)
+            return cuda.as_cuda_array(t.detach(), sync=False)
+        return cuda.as_cuda_array(x)
+
+    def lse_in(self, x: Any) -> Any:
+        """lse as a float32 numba device array (the forward's float32 lse passes through without a copy)."""
+        if str(getattr(x, "dtype", "")).endswith("float32"):
+            return self.device(x, "lse")
+        if self.host:
+            return self.cuda.to_device(np.ascontiguousarray(x, dtype=np.float32), stream=self.stream)
+        if self.torch:
+            return self.device(self._as_torch(x).float(), "lse")
+        host = np.asarray(self.cuda.as_cuda_array(x).copy_to_host(), dtype=np.float32)
+        return self.cuda.to_device(host, stream=self.stream)
+
+    def _as_torch(self, x: Any) -> Any:
+        import torch
+
+        return x if _is_torch(x) else torch.from_dlpack(x)
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> tuple[Any, Any]:
+        """(what the caller gets back, the numba device array kernels write)."""
+        if self.torch:
+            import torch
+
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.torch_device)
+            return t, self.cuda.as_cuda_array(t, sync=False)
+        arr = self.cuda.device_array(shape, dtype=np.dtype(dtype), stream=self.stream)
+        if _is_cupy(self.ref):
+            import cupy
+
+            return cupy.asarray(arr), arr
+        return arr, arr
+
+    def result(self, user: Any, dev: Any) -> Any:
+        if self.host:
+            return dev.copy_to_host(stream=self.stream)
+        return user
+
+    def finish(self) -> None:
+        if self.host and self.stream:
+            self.stream.synchronize()
+
+
+class CudaBackend(Backend):
+    """``numba.cuda`` FlashAttention kernels. ``config`` overrides tile sizes for every call made through this
+    instance (see ``numba_flash.cuda.tile_config_override`` for a scoped override)."""
+
+    name = "cuda"
+    PRIORITY = 30
+    SUPPORTED_KINDS = ("torch", "cuda_array", "dlpack", "numpy")
+    SUPPORTED_DEVICES = ("cuda",)
+    SUPPORTED_DTYPES = ("float32", "float16")
+    IS_DETERMINISTIC = True
+
+    def __init__(self, config: Any = None):
+        self.config = config
+        self._availability: tuple[bool, str | None] | None = None
+
+    def _probe(self) -> tuple[bool, str | None]:
+        """(is it the simulator, reason it cannot run at all or None); probed once."""
+        if self._availability is None:
+            try:
+                from numba import config as numba_config
+                from numba import cuda
+            except Exception as exc:  # numba-cuda missing or broken
+                self._availability = (False, f"numba.cuda cannot be imported ({type(exc).__name__}: {exc})")
+            else:
+                if numba_config.ENABLE_CUDASIM:
+                    self._availability = (True, None)
+                else:
+                    try:
+                        ok = cuda.is_available()
+                    except Exception:
+                        ok = False
+                    self._availability = (False, None if ok else "no CUDA GPU")
+        return self._availability
+
+    def unavailable_reasons(self, forced: bool = False) -> list[str]:
+        simulator, reason = self._probe()
+        if reason:
+            return [reason]
+        if simulator and not forced:
+            return [SIM_REASON]
+        return []
+
+    def not_supported_reasons(self, call: AttentionCall, forced: bool = False) -> list[str]:
+        reasons = []
+        if call.kind == "numpy":
+            if not forced:
+                reasons.append(HOST_REASON)
+        elif _is_numba_device_array(call.q):
+            pass  # a real or simulated numba device array
+        elif call.kind not in self.SUPPORTED_KINDS:
+            reasons.append(f"{call.kind} arrays not supported")
+        elif call.device != "cuda":
+            reasons.append(f"{call.device} tensors not supported (runs on cuda)")
+        elif call.kind == "torch":
+            import torch
+
+            if getattr(torch.version, "hip", None):
+                reasons.append("HIP (ROCm) tensors not supported (runs on NVIDIA CUDA)")
+        if call.dtype == "bfloat16":
+            reasons.append(BF16_REASON)
+        elif call.dtype not in self.SUPPORTED_DTYPES:
+            reasons.append(f"{call.dtype} not supported")
+        if call.head_dim > self.SUPPORTED_MAX_HEAD_DIM:
+            reasons.append(f"head dim {call.head_dim} > {self.SUPPORTED_MAX_HEAD_DIM}")
+        if not reasons:
+            reasons.extend(self.unavailable_reasons(forced))
+        return reasons
+
+    def forward(self, call: AttentionCall) -> tuple[Any, Any]:
+        """out like q (same kind, dtype, layout); lse (B, Hq, Sq) float32."""
+        from numba_flash.cuda.launch import flash_forward
+
+        io = _Session(call)
+        q, k, v = (io.device(x, n) for x, n in ((call.q, "q"), (call.k, "k"), (call.v, "v")))
+        out_user, out = io.empty(tuple(int(s) for s in call.q.shape), call.dtype)
+        lse_user, lse = io.empty((call.batch, call.nheads_q, call.seqlen_q), "float32")
+        lay = call.layout
+        flash_forward(_bshd(q, lay), _bshd(k, lay), _bshd(v, lay), _bshd(out, lay), lse,
+                      softmax_scale=call.softmax_scale, window_left=call.window_left,
+                      window_right=call.window_right, softcap=call.softcap, dtype=call.dtype,
+                      override=self.config, stream=io.stream)
+        result = io.result(out_user, out), io.result(lse_user, lse)
+        io.finish()
+        return result
+
+    def backward(self, call: AttentionCall) -> tuple[Any, Any, Any]:
+        """dq, dk, dv shaped like q, k, v (same kind and dtype as q); dk, dv summed over each GQA group."""
+        from numba_flash.cuda.launch import flash_backward
+
+        io = _Session(call)
+        names = ("dout", "q", "k", "v", "out")
+        dout, q, k, v, out = (io.device(getattr(call, n), n) for n in names)
+        lse = io.lse_in(call.lse)
+        grads = [io.empty(tuple(int(s) for s in x.shape), call.dtype) for x in (call.q, call.k, call.v)]
+        _, delta = io.empty((call.batch, call.nheads_q, call.seqlen_q), "float32")
+        lay = call.layout
+        (dq_user, dq), (dk_user, dk), (dv_user, dv) = grads
+        flash_backward(_bshd(dout, lay), _bshd(q, lay), _bshd(k, lay), _bshd(v, lay), _bshd(out, lay), lse,
+                       _bshd(dq, lay), _bshd(dk, lay), _bshd(dv, lay), delta,
+                       softmax_scale=call.softmax_scale, window_left=call.window_left,
+                       window_right=call.window_right, softcap=call.softcap, dtype=call.dtype,
+                       override=self.config, stream=io.stream)
+        result = tuple(io.result(u, d) for u, d in grads)
+        io.finish()
+        return result

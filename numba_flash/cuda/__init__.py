@@ -1,0 +1,32 @@
+"""CUDA kernels of numba-flash: ``numba.cuda`` ``@cuda.jit`` kernels with K/V tiles staged in shared memory.
+
+    config.py         tile configs, the picker ``tile_config_for`` and ``tile_config_override``
+    forward.py        the forward kernel factory (online softmax, one block per query tile)
+    backward.py       delta pre-pass, dK/dV kernel (per key tile), dQ kernel (per query tile)
+    launch.py         host wrappers that pick configs and launch on (B, S, H, D) device-array views
+    compile_check.py  PTX/SASS compile of every specialisation with register and spill report (no GPU needed)
+
+Importing this package does not import ``numba.cuda``; the kernel factories do, on first use.
+"""
+
+from __future__ import annotations
+
+from .config import (
+    HEAD_DIM_BUCKETS,
+    FlashAttentionConfig,
+    TileOverride,
+    all_tile_configs,
+    head_dim_bucket,
+    tile_config_for,
+    tile_config_override,
+)
+
+__all__ = [
+    "HEAD_DIM_BUCKETS",
+    "FlashAttentionConfig",
+    "TileOverride",
+    "all_tile_configs",
+    "head_dim_bucket",
+    "tile_config_for",
+    "tile_config_override",
+]

@@ -1,0 +1,433 @@
+"""Backward kernels, FlashAttention-2 style: a delta pre-pass, a dK/dV kernel over key tiles, a dQ kernel over
+query tiles.
+
+dQ gets its own pass instead of atomics from the dK/dV kernel: float atomics add in whatever order the blocks
+finish, so dQ would change in its last bits from run to run, and the contract's backends are deterministic. The
+price is recomputing the scores once more (about 1.4x the work of an atomic dQ).
+
+Scores are recomputed in the log2 domain exactly as the forward computed them (Q pre-multiplied by
+``scale * log2(e)``, or ``scale / softcap`` with softcap), and ``P = exp2(s - lse * log2(e))``. Masked entries,
+padded rows and rows with ``lse = +inf`` (no visible key) get ``P = 0`` and so contribute nothing: no NaN.
+
+Arrays reach the kernels as (B, S, H, D) views with any strides; lse and delta are (B, Hq, Sq) float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+# numba.cuda at module level (not in the factories): the simulator swaps the kernel's global `cuda` for its
+# fake module, which a closure variable would escape. Only launch.py and compile_check.py import this module.
+from numba import cuda, float32
+
+from .config import FlashAttentionConfig
+from .forward import LOG2E
+
+
+@functools.lru_cache(maxsize=None)
+def make_delta_kernel() -> Any:
+    """``delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d]`` in float32, one thread per row.
+    Launch with ``ceil(B * Hq * Sq / 128)`` blocks of 128 threads; arguments dout, out (B, Sq, Hq, D) any dtype and
+    strides, delta (B, Hq, Sq) float32, then seqlen_q, nheads_q, head_dim, total rows (ints)."""
+    def flash_delta_kernel(dout, out, delta, seqlen_q, nheads_q, head_dim, rows):
+        idx = cuda.grid(1)
+        if idx < rows:
+            i = idx % seqlen_q
+            bh = idx // seqlen_q
+            h = bh % nheads_q
+            b = bh // nheads_q
+            total = float32(0.0)
+            for d in range(head_dim):
+                total += float32(dout[b, i, h, d]) * float32(out[b, i, h, d])
+            delta[b, h, i] = total
+
+    return cuda.jit(flash_delta_kernel)
+
+
+def _checked(cfg: FlashAttentionConfig) -> None:
+    why = cfg.problems(1 << 62)
+    if why:
+        raise ValueError(f"{cfg}: " + "; ".join(why))
+
+
+@functools.lru_cache(maxsize=None)
+def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool) -> Any:
+    """dK and dV: one block per (key tile, kv head, batch). The block loops over the query heads of its GQA group
+    and over the query tiles that can see its keys, so dK and dV are summed over the group in registers, no atomics.
+
+    Launch with grid ``(ceil(Sk / block_n), Hkv, B)`` and ``cfg.threads`` threads, arguments:
+      q, dout (B, Sq, Hq, D), k, v (B, Sk, Hkv, D): float32 or float16, any strides;
+      lse, delta (B, Hq, Sq) float32; dk, dv (B, Sk, Hkv, D) like k;
+      seqlen_q, seqlen_k, head_dim, group, window_left, window_right: ints;
+      qmult (as the forward's), capmult (softcap * log2(e)), scale: float32.
+    """
+    _checked(cfg)
+    BM, BN, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
+    S_TR, S_TC = cfg.score_grid
+    G_TR, G_TC = cfg.kv_grid
+    S_TM, S_TN = BM // S_TR, BN // S_TC
+    G_TN, G_TD = BN // G_TR, DB // G_TC      # dK/dV elements per thread: key rows x head-dim columns
+    LD, LDP = DB + 1, BN + 1
+    X_TOTAL, KV_TOTAL = BM * DB, BN * DB
+    HAS_LEFT, HAS_RIGHT, SOFTCAP = has_left, has_right, softcap
+
+    def flash_dkdv_kernel(q, k, v, dout, lse, delta, dk, dv, seqlen_q, seqlen_k, head_dim, group, window_left,
+                          window_right, qmult, capmult, scale):
+        t = cuda.threadIdx.x
+        n0 = cuda.blockIdx.x * BN
+        hk = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+
+        k_s = cuda.shared.array((BN, LD), float32)
+        v_s = cuda.shared.array((BN, LD), float32)
+        x_s = cuda.shared.array((BM, LD), float32)    # scaled Q, then dO, then unscaled Q
+        p_s = cuda.shared.array((BM, LDP), float32)
+        ds_s = cuda.shared.array((BM, LDP), float32)
+        lse_s = cuda.shared.array(BM, float32)        # log2 domain
+        delta_s = cuda.shared.array(BM, float32)
+
+        dk_acc = cuda.local.array((G_TN, G_TD), float32)
+        dv_acc = cuda.local.array((G_TN, G_TD), float32)
+        s = cuda.local.array((S_TM, S_TN), float32)
+        dcap = cuda.local.array((S_TM, S_TN), float32)
+        dp = cuda.local.array((S_TM, S_TN), float32)
+        sa_reg = cuda.local.array(S_TM, float32)
+        sb_reg = cuda.local.array(S_TN, float32)
+        ga_reg = cuda.local.array(G_TN, float32)
+        gb_reg = cuda.local.array(G_TD, float32)
+        for i in range(G_TN):
+            for j in range(G_TD):
+                dk_acc[i, j] = float32(0.0)
+                dv_acc[i, j] = float32(0.0)
+
+        for idx in range(t, KV_TOTAL, NT):
+            r = idx // DB
+            d = idx - r * DB
+            xk = float32(0.0)
+            xv = float32(0.0)
+            if n0 + r < seqlen_k and d < head_dim:
+                xk = float32(k[b, n0 + r, hk, d])
+                xv = float32(v[b, n0 + r, hk, d])
+            k_s[r, d] = xk
+            v_s[r, d] = xv
+
+        # Query rows that can see any key of the tile: row i sees key j iff
+        # j - offset - right <= i <= j - offset + left.
+        offset = seqlen_k - seqlen_q
+        last_key = min(n0 + BN, seqlen_k) - 1
+        i_lo = 0
+        i_hi = seqlen_q
+        if HAS_RIGHT:
+            i_lo = max(0, n0 - offset - window_right)
+        if HAS_LEFT:
+            i_hi = min(seqlen_q, last_key - offset + window_left + 1)
+        m_start = (i_lo // BM) * BM
+
+        s_tr = t // S_TC
+        s_tc = t - s_tr * S_TC
+        g_tr = t // G_TC
+        g_tc = t - g_tr * G_TC
+
+        for g in range(group):
+            h = hk * group + g
+            for m0 in range(m_start, i_hi, BM):
+                cuda.syncthreads()   # the previous iteration's readers of x_s, ds_s are done
+                for idx in range(t, X_TOTAL, NT):
+                    r = idx // DB
+                    d = idx - r * DB
+                    x = float32(0.0)
+                    if m0 + r < seqlen_q and d < head_dim:
+                        x = float32(q[b, m0 + r, h, d]) * qmult
+                    x_s[r, d] = x
+                for r in range(t, BM, NT):
+                    row = m0 + r
+                    if row < seqlen_q:
+                        lse_s[r] = lse[b, h, row] * float32(LOG2E)
+                        delta_s[r] = delta[b, h, row]
+                    else:
+                        lse_s[r] = float32(math.inf)
+                        delta_s[r] = float32(0.0)
+                cuda.syncthreads()
+
+                # P for this thread's score block, kept in s; the softcap derivative 1 - tanh^2 in dcap.
+                for i in range(S_TM):
+                    for j in range(S_TN):
+                        s[i, j] = float32(0.0)
+                for d in range(DB):
+                    for i in range(S_TM):
+                        sa_reg[i] = x_s[s_tr + S_TR * i, d]
+                    for j in range(S_TN):
+                        sb_reg[j] = k_s[s_tc + S_TC * j, d]
+                    for i in range(S_TM):
+                        for j in range(S_TN):
+                            s[i, j] += sa_reg[i] * sb_reg[j]
+                for i in range(S_TM):
+                    r = s_tr + S_TR * i
+                    row = m0 + r
+                    for j in range(S_TN):
+                        c = s_tc + S_TC * j
+                        col = n0 + c
+                        x = s[i, j]
+                        if SOFTCAP:
+                            th = math.tanh(x)
+                            dcap[i, j] = float32(1.0) - th * th
+                            x = capmult * th
+                        else:
+                            dcap[i, j] = float32(1.0)
+                        ok = col < seqlen_k
+                        if HAS_LEFT:
+                            ok = ok and col >= row + offset - window_left
+                        if HAS_RIGHT:
+                            ok = ok and col <= row + offset + window_right
+                        p = math.exp2(x - lse_s[r]) if ok else float32(0.0)
+                        s[i, j] = p
+                        p_s[r, c] = p
+                cuda.syncthreads()
+
+                for idx in range(t, X_TOTAL, NT):
+                    r = idx // DB
+                    d = idx - r * DB
+                    x = float32(0.0)
+                    if m0 + r < seqlen_q and d < head_dim:
+                        x = float32(dout[b, m0 + r, h, d])
+                    x_s[r, d] = x
+                cuda.syncthreads()
+
+                # dP = dO . V^T, then dS = P * (dP - delta) (times the softcap derivative).
+                for i in range(S_TM):
+                    for j in range(S_TN):
+                        dp[i, j] = float32(0.0)
+                for d in range(DB):
+                    for i in range(S_TM):
+                        sa_reg[i] = x_s[s_tr + S_TR * i, d]
+                    for j in range(S_TN):
+                        sb_reg[j] = v_s[s_tc + S_TC * j, d]
+                    for i in range(S_TM):
+                        for j in range(S_TN):
+                            dp[i, j] += sa_reg[i] * sb_reg[j]
+                for i in range(S_TM):
+                    r = s_tr + S_TR * i
+                    for j in range(S_TN):
+                        c = s_tc + S_TC * j
+                        ds_s[r, c] = s[i, j] * (dp[i, j] - delta_s[r]) * dcap[i, j]
+
+                # dV += P^T . dO for this thread's (key rows x head-dim columns) block.
+                for m in range(BM):
+                    for i in range(G_TN):
+                        ga_reg[i] = p_s[m, g_tr + G_TR * i]
+                    for j in range(G_TD):
+                        gb_reg[j] = x_s[m, g_tc + G_TC * j]
+                    for i in range(G_TN):
+                        for j in range(G_TD):
+                            dv_acc[i, j] += ga_reg[i] * gb_reg[j]
+                cuda.syncthreads()
+
+                for idx in range(t, X_TOTAL, NT):
+                    r = idx // DB
+                    d = idx - r * DB
+                    x = float32(0.0)
+                    if m0 + r < seqlen_q and d < head_dim:
+                        x = float32(q[b, m0 + r, h, d])
+                    x_s[r, d] = x
+                cuda.syncthreads()
+
+                # dK += dS^T . Q (the softmax scale is applied once, at the end).
+                for m in range(BM):
+                    for i in range(G_TN):
+                        ga_reg[i] = ds_s[m, g_tr + G_TR * i]
+                    for j in range(G_TD):
+                        gb_reg[j] = x_s[m, g_tc + G_TC * j]
+                    for i in range(G_TN):
+                        for j in range(G_TD):
+                            dk_acc[i, j] += ga_reg[i] * gb_reg[j]
+
+        for i in range(G_TN):
+            key = n0 + g_tr + G_TR * i
+            if key < seqlen_k:
+                for j in range(G_TD):
+                    d = g_tc + G_TC * j
+                    if d < head_dim:
+                        dk[b, key, hk, d] = dk_acc[i, j] * scale
+                        dv[b, key, hk, d] = dv_acc[i, j]
+
+    return cuda.jit(flash_dkdv_kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool) -> Any:
+    """dQ: one block per (query tile, query head, batch), looping over the key tiles its rows can see.
+
+    Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments:
+      q, dout (B, Sq, Hq, D), k, v (B, Sk, Hkv, D): float32 or float16, any strides;
+      lse, delta (B, Hq, Sq) float32; dq (B, Sq, Hq, D) like q;
+      seqlen_q, seqlen_k, head_dim, group, window_left, window_right: ints;
+      qmult, capmult, scale: float32 (as for the dK/dV kernel).
+    """
+    _checked(cfg)
+    BM, BN, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
+    S_TR, S_TC = cfg.score_grid
+    O_TR, O_TC = cfg.out_grid
+    S_TM, S_TN = BM // S_TR, BN // S_TC
+    O_TM, O_TD = BM // O_TR, DB // O_TC
+    LD, LDP = DB + 1, BN + 1
+    X_TOTAL, KV_TOTAL = BM * DB, BN * DB
+    HAS_LEFT, HAS_RIGHT, SOFTCAP = has_left, has_right, softcap
+
+    def flash_dq_kernel(q, k, v, dout, lse, delta, dq, seqlen_q, seqlen_k, head_dim, group, window_left,
+                        window_right, qmult, capmult, scale):
+        t = cuda.threadIdx.x
+        m0 = cuda.blockIdx.x * BM
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        hk = h // group
+
+        q_s = cuda.shared.array((BM, LD), float32)
+        do_s = cuda.shared.array((BM, LD), float32)
+        kv_s = cuda.shared.array((BN, LD), float32)   # K, then V, then K again
+        ds_s = cuda.shared.array((BM, LDP), float32)
+
+        acc = cuda.local.array((O_TM, O_TD), float32)
+        p = cuda.local.array((S_TM, S_TN), float32)
+        dcap = cuda.local.array((S_TM, S_TN), float32)
+        dp = cuda.local.array((S_TM, S_TN), float32)
+        row_lse = cuda.local.array(S_TM, float32)
+        row_delta = cuda.local.array(S_TM, float32)
+        sa_reg = cuda.local.array(S_TM, float32)
+        sb_reg = cuda.local.array(S_TN, float32)
+        a_reg = cuda.local.array(O_TM, float32)
+        b_reg = cuda.local.array(O_TD, float32)
+        for i in range(O_TM):
+            for j in range(O_TD):
+                acc[i, j] = float32(0.0)
+
+        for idx in range(t, X_TOTAL, NT):
+            r = idx // DB
+            d = idx - r * DB
+            xq = float32(0.0)
+            xd = float32(0.0)
+            if m0 + r < seqlen_q and d < head_dim:
+                xq = float32(q[b, m0 + r, h, d]) * qmult
+                xd = float32(dout[b, m0 + r, h, d])
+            q_s[r, d] = xq
+            do_s[r, d] = xd
+
+        s_tr = t // S_TC
+        s_tc = t - s_tr * S_TC
+        o_tr = t // O_TC
+        o_tc = t - o_tr * O_TC
+        for i in range(S_TM):
+            row = m0 + s_tr + S_TR * i
+            if row < seqlen_q:
+                row_lse[i] = lse[b, h, row] * float32(LOG2E)
+                row_delta[i] = delta[b, h, row]
+            else:
+                row_lse[i] = float32(math.inf)
+                row_delta[i] = float32(0.0)
+
+        offset = seqlen_k - seqlen_q
+        last_row = min(m0 + BM, seqlen_q) - 1
+        lo = 0
+        hi = seqlen_k
+        if HAS_LEFT:
+            lo = max(0, m0 + offset - window_left)
+        if HAS_RIGHT:
+            hi = min(seqlen_k, last_row + offset + window_right + 1)
+        n_start = (lo // BN) * BN
+
+        for n0 in range(n_start, hi, BN):
+            cuda.syncthreads()   # previous iteration's readers of kv_s are done (and the Q/dO loads visible)
+            for idx in range(t, KV_TOTAL, NT):
+                r = idx // DB
+                d = idx - r * DB
+                x = float32(0.0)
+                if n0 + r < seqlen_k and d < head_dim:
+                    x = float32(k[b, n0 + r, hk, d])
+                kv_s[r, d] = x
+            cuda.syncthreads()
+
+            for i in range(S_TM):
+                for j in range(S_TN):
+                    p[i, j] = float32(0.0)
+            for d in range(DB):
+                for i in range(S_TM):
+                    sa_reg[i] = q_s[s_tr + S_TR * i, d]
+                for j in range(S_TN):
+                    sb_reg[j] = kv_s[s_tc + S_TC * j, d]
+                for i in range(S_TM):
+                    for j in range(S_TN):
+                        p[i, j] += sa_reg[i] * sb_reg[j]
+            for i in range(S_TM):
+                row = m0 + s_tr + S_TR * i
+                for j in range(S_TN):
+                    col = n0 + s_tc + S_TC * j
+                    x = p[i, j]
+                    if SOFTCAP:
+                        th = math.tanh(x)
+                        dcap[i, j] = float32(1.0) - th * th
+                        x = capmult * th
+                    else:
+                        dcap[i, j] = float32(1.0)
+                    ok = col < seqlen_k
+                    if HAS_LEFT:
+                        ok = ok and col >= row + offset - window_left
+                    if HAS_RIGHT:
+                        ok = ok and col <= row + offset + window_right
+                    p[i, j] = math.exp2(x - row_lse[i]) if ok else float32(0.0)
+            cuda.syncthreads()
+
+            for idx in range(t, KV_TOTAL, NT):
+                r = idx // DB
+                d = idx - r * DB
+                x = float32(0.0)
+                if n0 + r < seqlen_k and d < head_dim:
+                    x = float32(v[b, n0 + r, hk, d])
+                kv_s[r, d] = x
+            cuda.syncthreads()
+
+            for i in range(S_TM):
+                for j in range(S_TN):
+                    dp[i, j] = float32(0.0)
+            for d in range(DB):
+                for i in range(S_TM):
+                    sa_reg[i] = do_s[s_tr + S_TR * i, d]
+                for j in range(S_TN):
+                    sb_reg[j] = kv_s[s_tc + S_TC * j, d]
+                for i in range(S_TM):
+                    for j in range(S_TN):
+                        dp[i, j] += sa_reg[i] * sb_reg[j]
+            for i in range(S_TM):
+                r = s_tr + S_TR * i
+                for j in range(S_TN):
+                    ds_s[r, s_tc + S_TC * j] = p[i, j] * (dp[i, j] - row_delta[i]) * dcap[i, j]
+            cuda.syncthreads()
+
+            for idx in range(t, KV_TOTAL, NT):
+                r = idx // DB
+                d = idx - r * DB
+                x = float32(0.0)
+                if n0 + r < seqlen_k and d < head_dim:
+                    x = float32(k[b, n0 + r, hk, d])
+                kv_s[r, d] = x
+            cuda.syncthreads()
+
+            # dQ += dS . K for this thread's (O_TM x O_TD) block.
+            for n in range(BN):
+                for i in range(O_TM):
+                    a_reg[i] = ds_s[o_tr + O_TR * i, n]
+                for j in range(O_TD):
+                    b_reg[j] = kv_s[n, o_tc + O_TC * j]
+                for i in range(O_TM):
+                    for j in range(O_TD):
+                        acc[i, j] += a_reg[i] * b_reg[j]
+
+        for i in range(O_TM):
+            row = m0 + o_tr + O_TR * i
+            if row < seqlen_q:
+                for j in range(O_TD):
+                    d = o_tc + O_TC * j
+                    if d < head_dim:
+                        dq[b, row, h, d] = acc[i, j] * scale
+
+    return cuda.jit(flash_dq_kernel)

@@ -1,0 +1,169 @@
+"""Compile every CUDA kernel specialisation with the real compiler, no GPU needed, and report its resources.
+
+``numba.cuda.compile_ptx`` types and lowers a kernel to PTX for a compute capability (this is what catches typing
+errors: the simulator runs kernels as plain Python); nvJitLink (cuda-bindings) then assembles the PTX to SASS and
+its verbose log gives registers, spills, stack and shared memory per kernel.
+
+    python -m numba_flash.cuda.compile_check       # prints the table, exit status 1 if any kernel is bad
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from .config import STATIC_SMEM_LIMIT, FlashAttentionConfig, all_tile_configs
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    kernel: str
+    cc: tuple[int, int]
+    dtype: str
+    config: FlashAttentionConfig | None
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack: int
+    lmem: int
+    smem: int
+    f64_instructions: int
+
+    def problems(self, smem_limit: int = STATIC_SMEM_LIMIT) -> list[str]:
+        why = []
+        if self.spill_stores or self.spill_loads or self.lmem or self.stack:
+            why.append(f"local memory: {self.spill_stores} B spill stores, {self.spill_loads} B spill loads, "
+                       f"{self.stack} B stack, {self.lmem} B lmem")
+        if self.smem > smem_limit:
+            why.append(f"{self.smem} B shared memory > {smem_limit}")
+        if self.registers > 255:
+            why.append(f"{self.registers} registers")
+        if self.f64_instructions:
+            why.append(f"{self.f64_instructions} float64 instructions (a float literal leaked into the math)")
+        return why
+
+
+def kernel_signature(kernel: str, dtype: str) -> Any:
+    """The numba signature the backend launches ``kernel`` with: any-stride arrays ('A' layout, which also covers
+    contiguous inputs), int64 sizes, float32 multipliers."""
+    from numba import types
+
+    x = types.Array(getattr(types, dtype), 4, "A")
+    rows = types.Array(types.float32, 3, "A")
+    i64, f32 = types.int64, types.float32
+    if kernel == "forward":
+        return types.void(x, x, x, x, rows, i64, i64, i64, i64, i64, i64, f32, f32)
+    if kernel == "backward_dkdv":
+        return types.void(x, x, x, x, rows, rows, x, x, i64, i64, i64, i64, i64, i64, f32, f32, f32)
+    if kernel == "backward_dq":
+        return types.void(x, x, x, x, rows, rows, x, i64, i64, i64, i64, i64, i64, f32, f32, f32)
+    if kernel == "backward_delta":
+        return types.void(x, x, rows, i64, i64, i64, i64)
+    raise ValueError(kernel)
+
+
+def _python_kernel(kernel: str, cfg: FlashAttentionConfig | None) -> Any:
+    # The mask flags and softcap all on: the variant with the most live values, so the worst case for registers.
+    from .backward import make_delta_kernel, make_dkdv_kernel, make_dq_kernel
+    from .forward import make_forward_kernel
+
+    if kernel == "backward_delta":
+        return make_delta_kernel().py_func
+    factory = {"forward": make_forward_kernel, "backward_dkdv": make_dkdv_kernel, "backward_dq": make_dq_kernel}
+    return factory[kernel](cfg, True, True, True).py_func
+
+
+def _int(pattern: str, log: str) -> int:
+    found = re.findall(pattern, log)
+    return max((int(x) for x in found), default=0)
+
+
+def kernel_ptx(kernel: str, cfg: FlashAttentionConfig | None, dtype: str, cc: tuple[int, int]) -> str:
+    """PTX of one kernel specialisation for compute capability ``cc`` (types and lowers it: typing errors show)."""
+    from numba import cuda
+
+    ptx, _ = cuda.compile_ptx(_python_kernel(kernel, cfg), kernel_signature(kernel, dtype), cc=cc)
+    return ptx
+
+
+def assemble(ptx: str, kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
+             cc: tuple[int, int]) -> KernelResources:
+    """Assemble PTX to SASS for ``cc`` with nvJitLink and read the kernel's resources from its log."""
+    from cuda.bindings import nvjitlink
+
+    handle = nvjitlink.create(2, [f"-arch=sm_{cc[0]}{cc[1]}", "-verbose"])
+    try:
+        data = ptx.encode()
+        nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), kernel)
+        nvjitlink.complete(handle)
+        buf = bytearray(nvjitlink.get_info_log_size(handle))
+        nvjitlink.get_info_log(handle, buf)
+    finally:
+        nvjitlink.destroy(handle)
+    log = buf.decode(errors="replace")
+    f64 = sum(1 for line in ptx.splitlines() if re.search(r"\.f64\b", line) and not line.lstrip().startswith("//"))
+    return KernelResources(
+        kernel=kernel, cc=cc, dtype=dtype, config=cfg,
+        registers=_int(r"used (\d+) registers", log),
+        spill_stores=_int(r"(\d+) bytes spill stores", log),
+        spill_loads=_int(r"(\d+) bytes spill loads", log),
+        stack=_int(r"(\d+) bytes stack frame", log) or _int(r"(\d+) stack", log),
+        lmem=_int(r"(\d+) bytes lmem", log),
+        smem=_int(r"(\d+) bytes smem", log),
+        f64_instructions=f64,
+    )
+
+
+def compile_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
+                   cc: tuple[int, int]) -> KernelResources:
+    """Compile one kernel to PTX and SASS for ``cc`` and report its resources."""
+    return assemble(kernel_ptx(kernel, cfg, dtype, cc), kernel, cfg, dtype, cc)
+
+
+def check_all(progress: Any = None) -> list[KernelResources]:
+    """Every (compute capability, dtype, tile config) the picker produces, plus the delta pre-pass.
+
+    numba lowers each specialisation to PTX once, for the lowest compute capability that has that config (that
+    is most of the time: numba's front end is the slow part); nvJitLink then assembles that PTX for every target
+    that uses the config, which is how a driver runs sm_80 PTX on an sm_90 GPU.
+    """
+    targets: dict[tuple[str, str, FlashAttentionConfig | None], list[tuple[int, int]]] = {}
+    for cc, dtype, cfg in all_tile_configs():
+        targets.setdefault((cfg.kernel, dtype, cfg), []).append(cc)
+    for cc in sorted({cc for cc, _, _ in all_tile_configs()}):
+        for dtype in sorted({dt for _, dt, _ in all_tile_configs()}):
+            targets.setdefault(("backward_delta", dtype, None), []).append(cc)
+    results = []
+    for (kernel, dtype, cfg), ccs in targets.items():
+        ccs = sorted(ccs)
+        ptx = kernel_ptx(kernel, cfg, dtype, ccs[0])
+        for cc in ccs:
+            results.append(assemble(ptx, kernel, cfg, dtype, cc))
+            if progress:
+                progress(results[-1])
+    return results
+
+
+def format_table(results: list[KernelResources]) -> str:
+    head = (f"{'kernel':<15}{'cc':>5} {'D':>4} {'dtype':<8}{'tiles (m x n / thr)':<20}{'regs':>5}"
+            f"{'spill':>7}{'smem':>7}  problems")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        cfg = r.config
+        tiles = f"{cfg.block_m} x {cfg.block_n} / {cfg.threads}" if cfg else "1 row / thread"
+        bucket = str(cfg.head_dim_bucket) if cfg else "any"
+        lines.append(f"{r.kernel:<15}{r.cc[0]}.{r.cc[1]:<3} {bucket:>4} {r.dtype:<8}{tiles:<20}{r.registers:>5}"
+                     f"{r.spill_stores + r.spill_loads:>7}{r.smem:>7}  {'; '.join(r.problems()) or 'ok'}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    results = check_all()
+    print(format_table(results))
+    return 1 if any(r.problems() for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

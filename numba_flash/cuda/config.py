@@ -1,0 +1,237 @@
+"""Tile configurations of the CUDA kernels: what each kernel keeps in shared memory, and the picker.
+
+Every kernel stages its tiles in float32 shared memory (float16 inputs are widened on load, so one config serves
+both dtypes) with one padding word per row, which keeps the column walks of the register-blocked products free of
+bank conflicts. Static shared memory is limited to 48 KiB per block on every NVIDIA GPU numba-cuda targets; dynamic
+shared memory above that needs a per-kernel attribute numba does not set, so the picker stays under 48 KiB.
+
+Users can override tile sizes for a block of code::
+
+    with numba_flash.cuda.tile_config_override(block_m=32, block_n=32):
+        out = backend_registry.get("flash", backend="cuda").forward(q, k, v)
+
+or for one backend instance: ``CudaBackend(config=TileOverride(block_m=32, block_n=32))``. An override that does
+not fit shared memory (or cannot be split over its threads) raises ``AttentionInputError`` when a call uses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+from numba_flash.errors import AttentionInputError
+
+#: Head dims are padded up to one of these (a compile-time constant of each kernel).
+HEAD_DIM_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256)
+#: Kernels with a tile config. The delta pre-pass of the backward has none (one thread per row).
+KERNELS: tuple[str, ...] = ("forward", "backward_dkdv", "backward_dq")
+#: Dtypes the kernels are built for (bfloat16: see backends.cuda, numba-cuda has no bfloat16 device arrays).
+KERNEL_DTYPES: tuple[str, ...] = ("float32", "float16")
+#: Compute capabilities the compile check builds for.
+COMPUTE_CAPABILITIES: tuple[tuple[int, int], ...] = ((8, 0), (9, 0))
+STATIC_SMEM_LIMIT = 48 * 1024
+#: Upper bound on float32 accumulators one thread keeps in registers; above it ptxas starts spilling at D = 256.
+MAX_ACCUMULATORS_PER_THREAD = 64
+_FLOAT = 4
+
+# Preferred (block_m, block_n, threads) per kernel and head-dim bucket, chosen to fill most of 48 KiB while keeping
+# each thread's accumulators at or under 64 registers. Big buckets get narrow key tiles: the float32 Q (or dO) tile
+# has to stay resident, and it alone is block_m * (D + 1) * 4 bytes.
+_PREFERRED: dict[str, dict[int, tuple[int, int, int]]] = {
+    "forward": {16: (64, 64, 128), 32: (64, 64, 128), 64: (64, 32, 128), 128: (32, 32, 128), 256: (32, 8, 128)},
+    "backward_dkdv": {16: (32, 64, 128), 32: (32, 64, 128), 64: (32, 32, 128), 128: (16, 32, 128),
+                      256: (8, 16, 128)},
+    "backward_dq": {16: (64, 64, 128), 32: (64, 64, 128), 64: (32, 64, 128), 128: (32, 16, 128),
+                    256: (16, 8, 128)},
+}
+# Fallbacks, best first, for devices with less shared memory than 48 KiB (or callers that ask for a lower limit).
+_CANDIDATES: tuple[tuple[int, int, int], ...] = (
+    (64, 64, 128), (64, 32, 128), (32, 64, 128), (32, 32, 128), (64, 16, 128), (32, 16, 128), (16, 32, 128),
+    (16, 16, 128), (32, 8, 128), (16, 8, 128), (8, 16, 128), (8, 8, 64), (8, 8, 32),
+)
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    """The smallest bucket >= ``head_dim`` (1 <= head_dim <= 256)."""
+    for b in HEAD_DIM_BUCKETS:
+        if head_dim <= b:
+            return b
+    raise AttentionInputError(f"q: expected head dim D between 1 and {HEAD_DIM_BUCKETS[-1]}, got D={head_dim}")
+
+
+def thread_grid(rows: int, cols: int, threads: int) -> tuple[int, int] | None:
+    """Split a ``rows x cols`` product tile over ``threads`` threads as a ``(tr, tc)`` grid, each thread owning
+    ``rows // tr`` rows and ``cols // tc`` columns (strided). The most square per-thread block wins: it needs the
+    fewest shared-memory loads per multiply-add. None when no split divides evenly."""
+    best, best_cost = None, None
+    tc = 1
+    while tc <= threads:
+        tr = threads // tc
+        if tr * tc == threads and rows % tr == 0 and cols % tc == 0:
+            cost = rows // tr + cols // tc
+            if best_cost is None or cost < best_cost or (cost == best_cost and tc > best[1]):
+                best, best_cost = (tr, tc), cost
+        tc *= 2
+    return best
+
+
+@dataclass(frozen=True)
+class FlashAttentionConfig:
+    """Tile sizes of one kernel. All sizes are compile-time constants of the kernel built from this config.
+
+    kernel: 'forward' (one block per query tile), 'backward_dkdv' (one block per key tile), 'backward_dq'.
+    block_m: query rows per tile; block_n: key rows per tile; threads: threads per block;
+    head_dim_bucket: the head dim the kernel is compiled for (inputs with a smaller D are zero-padded in smem).
+    """
+
+    kernel: str
+    block_m: int
+    block_n: int
+    threads: int
+    head_dim_bucket: int
+
+    # Thread grids of the products each kernel computes (see thread_grid).
+    @property
+    def score_grid(self) -> tuple[int, int] | None:
+        """(block_m x block_n) scores / probabilities / dP."""
+        return thread_grid(self.block_m, self.block_n, self.threads)
+
+    @property
+    def out_grid(self) -> tuple[int, int] | None:
+        """(block_m x D) output accumulator (forward) or dQ accumulator."""
+        return thread_grid(self.block_m, self.head_dim_bucket, self.threads)
+
+    @property
+    def kv_grid(self) -> tuple[int, int] | None:
+        """(block_n x D) dK and dV accumulators (backward_dkdv)."""
+        return thread_grid(self.block_n, self.head_dim_bucket, self.threads)
+
+    def smem_floats(self) -> int:
+        """float32 words of static shared memory the kernel declares."""
+        bm, bn, ld, ldp = self.block_m, self.block_n, self.head_dim_bucket + 1, self.block_n + 1
+        if self.kernel == "forward":      # Q tile, one K-then-V tile, probabilities, row max/sum/rescale
+            return bm * ld + bn * ld + bm * ldp + 3 * bm
+        if self.kernel == "backward_dkdv":  # K and V tiles, one Q-then-dO-then-Q tile, P and dS, lse and delta
+            return 2 * bn * ld + bm * ld + 2 * bm * ldp + 2 * bm
+        if self.kernel == "backward_dq":  # Q and dO tiles, one K-then-V-then-K tile, dS
+            return 2 * bm * ld + bn * ld + bm * ldp
+        raise ValueError(f"unknown kernel {self.kernel!r}")
+
+    def smem_bytes(self) -> int:
+        return self.smem_floats() * _FLOAT
+
+    def accumulators_per_thread(self) -> int:
+        """float32 accumulators each thread keeps in registers across the whole loop."""
+        if self.kernel == "backward_dkdv":
+            return 2 * self.block_n * self.head_dim_bucket // self.threads
+        return self.block_m * self.head_dim_bucket // self.threads
+
+    def problems(self, smem_limit: int = STATIC_SMEM_LIMIT) -> list[str]:
+        """Why this config cannot be compiled or run; empty when it can."""
+        why = []
+        for name, v in (("block_m", self.block_m), ("block_n", self.block_n), ("threads", self.threads)):
+            if v < 1 or v & (v - 1):
+                why.append(f"{name} must be a power of two >= 1, got {v}")
+        if why:
+            return why
+        if self.threads > 1024:
+            why.append(f"threads must be at most 1024, got {self.threads}")
+        if self.smem_bytes() > smem_limit:
+            why.append(f"needs {self.smem_bytes()} bytes of shared memory for head-dim bucket "
+                       f"{self.head_dim_bucket}, more than the {smem_limit} a block may use")
+        grids = [("block_m x block_n", self.score_grid)]
+        if self.kernel == "backward_dkdv":
+            grids.append(("block_n x D", self.kv_grid))
+        else:
+            grids.append(("block_m x D", self.out_grid))
+        for what, grid in grids:
+            if grid is None:
+                why.append(f"{self.threads} threads cannot split the {what} tile evenly")
+        return why
+
+
+@dataclass(frozen=True)
+class TileOverride:
+    """Tile sizes a user wants instead of the picker's; None keeps the picker's value. Applies to every kernel."""
+
+    block_m: int | None = None
+    block_n: int | None = None
+    threads: int | None = None
+
+    def apply(self, cfg: FlashAttentionConfig) -> FlashAttentionConfig:
+        return replace(cfg, **{k: v for k, v in (("block_m", self.block_m), ("block_n", self.block_n),
+                                                    ("threads", self.threads)) if v is not None})
+
+
+_override: contextvars.ContextVar[TileOverride | None] = contextvars.ContextVar("numba_flash_cuda_tiles",
+                                                                               default=None)
+
+
+@contextlib.contextmanager
+def tile_config_override(block_m: int | None = None, block_n: int | None = None,
+                         threads: int | None = None) -> Iterator[TileOverride]:
+    """Use these tile sizes for every CUDA kernel launched inside the block. Sizes are powers of two; a config
+    that does not fit shared memory raises ``AttentionInputError`` at the call that would use it."""
+    for name, v in (("block_m", block_m), ("block_n", block_n), ("threads", threads)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1)):
+            raise AttentionInputError(f"{name}: expected a power of two >= 1, got {v!r}")
+    token = _override.set(TileOverride(block_m, block_n, threads))
+    try:
+        yield _override.get()
+    finally:
+        _override.reset(token)
+
+
+def active_override() -> TileOverride | None:
+    return _override.get()
+
+
+def tile_config_for(head_dim: int, dtype: str = "float32", compute_capability: tuple[int, int] = (9, 0),
+                    smem_limit: int = STATIC_SMEM_LIMIT, kernel: str = "forward",
+                    override: TileOverride | None = None) -> FlashAttentionConfig:
+    """The tile config of ``kernel`` for a head dim, dtype and device.
+
+    ``override`` (else the active ``tile_config_override``) replaces the picked sizes; an override that does not
+    fit raises ``AttentionInputError``. Without one, the preferred config of the head-dim bucket is taken if it fits
+    ``smem_limit``, else the first fallback that does. ``dtype`` and ``compute_capability`` do not change the choice
+    today (tiles are float32 in shared memory and 48 KiB static is the limit on sm_80 and sm_90) but are part of the
+    signature so that a tuned table can depend on them.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+    bucket = head_dim_bucket(head_dim)
+    bm, bn, nt = _PREFERRED[kernel][bucket]
+    cfg = FlashAttentionConfig(kernel, bm, bn, nt, bucket)
+    override = override if override is not None else active_override()
+    if override is not None:
+        cfg = override.apply(cfg)
+        why = cfg.problems(smem_limit)
+        if why:
+            raise AttentionInputError(f"tile override {override}: {kernel} kernel, head dim {head_dim}: "
+                                      + "; ".join(why))
+        return cfg
+    if not cfg.problems(smem_limit):
+        return cfg
+    for bm, bn, nt in _CANDIDATES:
+        cand = FlashAttentionConfig(kernel, bm, bn, nt, bucket)
+        if not cand.problems(smem_limit) and cand.accumulators_per_thread() <= MAX_ACCUMULATORS_PER_THREAD:
+            return cand
+    raise AttentionInputError(f"no {kernel} tile config for head dim {head_dim} fits {smem_limit} bytes of "
+                              "shared memory")
+
+
+def all_tile_configs() -> list[tuple[tuple[int, int], str, FlashAttentionConfig]]:
+    """Every (compute capability, dtype, config) the picker produces with no override, for the compile check.
+    Head dims are bucketed, so one representative per bucket covers every head dim from 1 to 256."""
+    seen = []
+    for cc in COMPUTE_CAPABILITIES:
+        for dtype in KERNEL_DTYPES:
+            for kernel in KERNELS:
+                for bucket in HEAD_DIM_BUCKETS:
+                    cfg = tile_config_for(bucket, dtype, cc, STATIC_SMEM_LIMIT, kernel, override=TileOverride())
+                    entry = (cc, dtype, cfg)
+                    if entry not in seen:
+                        seen.append(entry)
+    return seen

@@ -1,0 +1,49 @@
+"""Tile-config picker and overrides (normal process, no GPU needed)."""
+
+import pytest
+
+from numba_flash import AttentionInputError
+from numba_flash.cuda import (HEAD_DIM_BUCKETS, TileOverride, all_tile_configs, head_dim_bucket, tile_config_for,
+                              tile_config_override)
+from numba_flash.cuda.config import KERNELS, MAX_ACCUMULATORS_PER_THREAD, STATIC_SMEM_LIMIT
+
+
+def test_every_config_fits_and_splits():
+    configs = all_tile_configs()
+    assert {cfg.kernel for _, _, cfg in configs} == set(KERNELS)
+    assert {cfg.head_dim_bucket for _, _, cfg in configs} == set(HEAD_DIM_BUCKETS)
+    for _, _, cfg in configs:
+        assert cfg.problems(STATIC_SMEM_LIMIT) == [], cfg
+        assert cfg.smem_bytes() <= STATIC_SMEM_LIMIT
+        assert cfg.accumulators_per_thread() <= MAX_ACCUMULATORS_PER_THREAD
+
+
+@pytest.mark.parametrize("d", [1, 7, 16, 17, 33, 64, 65, 100, 128, 129, 200, 255, 256])
+def test_bucket_covers_head_dim(d):
+    b = head_dim_bucket(d)
+    assert b >= d and b in HEAD_DIM_BUCKETS
+    smaller = [x for x in HEAD_DIM_BUCKETS if x < b]
+    assert not smaller or max(smaller) < d
+    for kernel in KERNELS:
+        assert tile_config_for(d, "float32", kernel=kernel).head_dim_bucket == b
+
+
+def test_smaller_smem_limit_falls_back():
+    cfg = tile_config_for(256, "float32", smem_limit=24 * 1024)
+    assert cfg.smem_bytes() <= 24 * 1024 and not cfg.problems(24 * 1024)
+
+
+def test_override_context_and_validation():
+    with tile_config_override(block_m=16, block_n=8, threads=32):
+        cfg = tile_config_for(64)
+        assert (cfg.block_m, cfg.block_n, cfg.threads) == (16, 8, 32)
+    assert tile_config_for(64) != cfg
+    with tile_config_override(block_m=128, block_n=128):
+        with pytest.raises(AttentionInputError, match="shared memory"):
+            tile_config_for(256)
+    with pytest.raises(AttentionInputError, match="threads cannot split"):
+        tile_config_for(16, override=TileOverride(block_m=1, block_n=1, threads=4))
+    for bad in (0, 3, -8, 2.0, True):
+        with pytest.raises(AttentionInputError):
+            with tile_config_override(block_m=bad):
+                pass

@@ -1,0 +1,144 @@
+"""The CUDA kernels under the Numba CUDA simulator, against the float64 reference.
+
+Shapes are tiny and tiles small (8 x 8, 16 threads, set through tile_config_override) so that the simulator, one
+Python thread per CUDA thread, runs a case in about a second; odd sizes make every last tile ragged.
+Run: NUMBA_ENABLE_CUDASIM=1 .venv/bin/python -m pytest -q -m cudasim tests/numba_flash/cuda
+"""
+
+import numpy as np
+import pytest
+
+from backends import backend_registry
+from numba_flash import attention_ref, attention_ref_backward
+from numba_flash.cuda import tile_config_override
+
+pytestmark = pytest.mark.cudasim
+
+TILES = dict(block_m=8, block_n=8, threads=16)
+
+
+def _inputs(rng, b, sq, sk, hq, hkv, d, dtype=np.float32, layout="bshd"):
+    def shape(s, h):
+        return (b, s, h, d) if layout == "bshd" else (b, h, s, d)
+
+    q = rng.standard_normal(shape(sq, hq)).astype(dtype)
+    k = rng.standard_normal(shape(sk, hkv)).astype(dtype)
+    v = rng.standard_normal(shape(sk, hkv)).astype(dtype)
+    return q, k, v
+
+
+def _rel_l2(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _forward(q, k, v, **kw):
+    with tile_config_override(**TILES):
+        return backend_registry.get("flash", backend="cuda").forward(q, k, v, return_lse=True, **kw)
+
+
+def _check_lse(lse, ref_lse):
+    assert lse.dtype == np.float32
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), finite)           # rows that see nothing: +inf, same rows
+    assert np.all(lse[~finite] == np.inf)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=0, atol=1e-5)
+
+
+CASES = [
+    # (B, Sq, Sk, Hq, Hkv, D, kwargs)
+    pytest.param(2, 13, 21, 2, 2, 12, {}, id="ragged"),
+    pytest.param(1, 19, 11, 2, 1, 8, dict(causal=True), id="causal-sq>sk"),
+    pytest.param(1, 11, 23, 2, 2, 8, dict(causal=True), id="causal-sq<sk"),
+    pytest.param(1, 17, 17, 1, 1, 16, dict(causal=True), id="causal-square"),
+    pytest.param(1, 21, 14, 3, 1, 9, dict(window_size=(2, 1)), id="window-empty-rows-mqa"),
+    pytest.param(1, 15, 26, 4, 2, 7, dict(window_size=(4, -1)), id="left-only-gqa"),
+    pytest.param(1, 14, 19, 2, 1, 12, dict(window_size=(-1, 3), softcap=1.5, softmax_scale=0.7), id="softcap"),
+    pytest.param(1, 9, 12, 1, 1, 33, {}, id="d33-bucket64"),
+]
+
+
+@pytest.mark.parametrize("b,sq,sk,hq,hkv,d,kw", CASES)
+def test_forward_matches_reference(rng, b, sq, sk, hq, hkv, d, kw):
+    q, k, v = _inputs(rng, b, sq, sk, hq, hkv, d)
+    out, lse = _forward(q, k, v, **kw)
+    ref, ref_lse = attention_ref(q, k, v, **kw)
+    assert out.dtype == np.float32 and out.shape == q.shape
+    assert np.all(np.isfinite(out))
+    assert np.max(np.abs(out - ref)) <= 1e-5
+    _check_lse(lse, ref_lse)
+
+
+def test_rows_that_see_no_key_give_zero_and_inf(rng):
+    # Sq > Sk with causal: the first Sq - Sk rows see nothing.
+    q, k, v = _inputs(rng, 1, 20, 6, 1, 1, 8)
+    out, lse = _forward(q, k, v, causal=True)
+    assert np.all(out[:, :14] == 0) and np.all(lse[:, :, :14] == np.inf)
+    ref, _ = attention_ref(q, k, v, causal=True)
+    assert np.max(np.abs(out - ref)) <= 1e-5
+
+
+@pytest.mark.parametrize("b,sq,sk,hq,hkv,d,kw", [CASES[0], CASES[2], CASES[4], CASES[6]])
+def test_backward_matches_reference(rng, b, sq, sk, hq, hkv, d, kw):
+    q, k, v = _inputs(rng, b, sq, sk, hq, hkv, d)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    out, lse = _forward(q, k, v, **kw)
+    with tile_config_override(**TILES):
+        dq, dk, dv = backend_registry.get("flash", backend="cuda").backward(dout, q, k, v, out, lse, **kw)
+    rdq, rdk, rdv = attention_ref_backward(dout, q, k, v, **kw)
+    for got, ref in ((dq, rdq), (dk, rdk), (dv, rdv)):
+        assert got.shape == ref.shape and got.dtype == np.float32
+        assert np.all(np.isfinite(got))
+        assert _rel_l2(got, ref) <= 1e-5
+
+
+def test_float16_forward_and_backward(rng):
+    q, k, v = _inputs(rng, 1, 14, 19, 2, 1, 16, dtype=np.float16)
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    out, lse = _forward(q, k, v, causal=True)
+    assert out.dtype == np.float16 and lse.dtype == np.float32
+    ref, _ = attention_ref(q, k, v, causal=True)
+    # Naive attention computed in float16 sets the bar the kernel must stay within 2x of.
+    qf, kf, vf = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    kf, vf = np.repeat(kf, 2, axis=1), np.repeat(vf, 2, axis=1)
+    s = (qf @ kf.transpose(0, 1, 3, 2)) * np.float16(0.25)
+    mask = np.tril(np.ones((14, 19), bool), k=19 - 14)
+    s = np.where(mask, s, np.float16(-np.inf))
+    p = np.exp(s - s.max(-1, keepdims=True))
+    naive = ((p / p.sum(-1, keepdims=True)).astype(np.float16) @ vf).transpose(0, 2, 1, 3)
+    err, naive_err = _rel_l2(out, ref), _rel_l2(naive, ref)
+    assert err <= 2e-3 and err <= 2 * naive_err
+    with tile_config_override(**TILES):
+        grads = backend_registry.get("flash", backend="cuda").backward(dout, q, k, v, out, lse, causal=True)
+    for got, ref_g in zip(grads, attention_ref_backward(dout, q, k, v, causal=True)):
+        assert got.dtype == np.float16
+        assert _rel_l2(got, ref_g) <= 2e-3
+
+
+def test_bhsd_layout(rng):
+    q, k, v = _inputs(rng, 1, 13, 10, 2, 1, 8, layout="bhsd")
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    out, lse = _forward(q, k, v, causal=True, layout="bhsd")
+    ref, ref_lse = attention_ref(q, k, v, causal=True, layout="bhsd")
+    assert out.shape == q.shape and np.max(np.abs(out - ref)) <= 1e-5
+    _check_lse(lse, ref_lse)
+    with tile_config_override(**TILES):
+        grads = backend_registry.get("flash", backend="cuda").backward(dout, q, k, v, out, lse, causal=True,
+                                                                       layout="bhsd")
+    for got, ref_g in zip(grads, attention_ref_backward(dout, q, k, v, causal=True, layout="bhsd")):
+        assert got.shape == ref_g.shape and _rel_l2(got, ref_g) <= 1e-5
+
+
+def test_non_contiguous_device_arrays(rng):
+    from numba import cuda
+
+    # Strided views of bigger device arrays: every other sequence position, heads reversed.
+    big = [rng.standard_normal((1, 2 * s, 3, 10)).astype(np.float32) for s in (11, 15, 15)]
+    dq_, dk_, dv_ = (cuda.to_device(x) for x in big)
+    q, k, v = dq_[:, ::2, ::-1], dk_[:, ::2, ::-1], dv_[:, ::2, ::-1]
+    assert not q.is_c_contiguous()
+    out, lse = _forward(q, k, v, window_size=(5, 2))
+    hq, hk, hv = (x[:, ::2, ::-1] for x in big)
+    ref, ref_lse = attention_ref(hq, hk, hv, window_size=(5, 2))
+    assert np.max(np.abs(out.copy_to_host() - ref)) <= 1e-5
+    _check_lse(lse.copy_to_host(), ref_lse)
