@@ -3,15 +3,24 @@
 How the work is laid out:
 
 * The host wrappers first copy q, k, v (and dout) into packed ``(B, H, S_pad, D_pad)`` buffers, zero-padded so
-  that S_pad is a multiple of the tile size and D_pad a multiple of 8 (one AVX2 vector of float32). This costs
-  O(B*H*S*D) memory and time, makes every tile a fixed-size, unit-stride block, and means the big kernels are
-  compiled for exactly one array type per dtype whatever the strides of the caller's views.
-* The inner products run in two register-blocked micro-kernels: ``_dot_tile`` (``A @ B.T`` for two row-major
-  blocks, the shape of ``Q K^T`` and ``dO V^T``) and ``_axpy_tile`` (``C += A @ X``, the shape of ``P V``,
-  ``P^T dO``, ``dS^T Q`` and ``dS K``). Their innermost loop runs over the head dimension with unit stride, so
-  LLVM turns it into FMA vectors; blocking 4x2 and 4x4 keeps the loads per FMA low enough to run near peak.
-* ``exp`` for float32 is a polynomial on the bits of the float (``_fast_exp``) because ``math.exp`` is a scalar
-  libm call that LLVM cannot vectorise and would cost as much as the matrix products.
+  that S_pad is a multiple of the tile size and D_pad a multiple of 16 (two AVX2 vectors of float32). K (and, for
+  the backward, V) is also packed tile by tile transposed, ``(B, H, S_pad / BLOCK_N, D_pad, BLOCK_N)``. This
+  costs O(B*H*S*D) memory and time (nothing for a C-contiguous "bhsd" q/v/out with aligned sizes), makes every
+  tile a fixed-size, unit-stride block, and means the big kernels are compiled for exactly one array type per
+  dtype whatever the strides of the caller's views.
+* Every matrix product is ``C (+)= A @ B`` (``_mm``) or ``C (+)= A^T @ B`` (``_mm_at``) with B and C row-major,
+  run by a 4x16 register-blocked outer-product micro-kernel written directly in LLVM IR (``_mm_block_codegen``):
+  eight 8-wide accumulators stay in registers over the whole reduction, each step is four broadcasts, two vector
+  loads and eight FMAs, and there are no horizontal sums. ``Q K^T`` and ``dO V^T`` read the transposed K/V
+  tiles; ``P^T dO`` and ``dS^T Q`` read P and dS in place through ``_mm_at`` (no transposed copies). The blocks
+  are visited column-block-major, so the B panel in use (kdim x 16) stays in L1 while A streams as broadcasts.
+  (Plain Python loop nests for these shapes come out as dot products with a horizontal sum each, or not
+  vectorised at all, at about half the speed.)
+* ``exp`` for float32 is a polynomial on the bits of the float (``_fast_exp``, ``_fast_exp2_nonpos``) because
+  ``math.exp`` is a scalar libm call that LLVM cannot vectorise and would cost as much as the matrix products.
+  The forward keeps scores in base 2 (log2 e folded into the query scale) so its exp is the cheaper exp2; row
+  maxima and sums are vector trees (``_row_max``, ``_row_sum``), since LLVM leaves a max reduction that may see
+  -inf as a serial scalar chain.
 * Tiles entirely outside the causal/window band are never visited (loop bounds); only tiles that straddle the
   band's edge look at per-row key ranges.
 
@@ -27,11 +36,12 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 BLOCK_M = 64  # query rows per tile
 BLOCK_N = 64  # keys per tile
-_D_ALIGN = 8  # head dim padded to a multiple of one float32 AVX2 vector
+_D_ALIGN = 16  # head dim padded to a multiple of the micro-kernel width (two float32 AVX2 vectors)
 
 # No 'nnan'/'ninf': the online softmax relies on -inf and +inf comparing correctly.
 _FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
@@ -89,6 +99,39 @@ def _fast_exp_impl(x):
     return None
 
 
+_EXP2_MIN = np.float32(-126.0)  # 2^-126 is the smallest normal float32
+_E1 = np.float32(0.6931471805599453)  # ln(2)^k / k!: 2^f = exp(f ln 2) as a polynomial in f directly
+_E2 = np.float32(0.6931471805599453 ** 2 / 2)
+_E3 = np.float32(0.6931471805599453 ** 3 / 6)
+_E4 = np.float32(0.6931471805599453 ** 4 / 24)
+_E5 = np.float32(0.6931471805599453 ** 5 / 120)
+_E6 = np.float32(0.6931471805599453 ** 6 / 720)
+
+
+def _fast_exp2_nonpos(x):  # pragma: no cover - typed by the overload below
+    raise NotImplementedError
+
+
+@overload(_fast_exp2_nonpos, inline="always")
+def _fast_exp2_nonpos_impl(x):
+    if x == types.float32:
+        def impl(x):
+            # 2^x for x <= 0 (the forward only ever exponentiates score - running max). Working in base 2 (log2(e)
+            # folded into the query scale) saves the multiply and the two-step ln 2 range reduction of _fast_exp:
+            # n = round(x), |f| <= 1/2, degree-6 Taylor of exp(f ln 2) is within ~2 ulp. -inf clamps to 2^-126.
+            x = max(x, _EXP2_MIN)
+            n = np.floor(x + _HALF)
+            f = x - n
+            p = _ONE + f * (_E1 + f * (_E2 + f * (_E3 + f * (_E4 + f * (_E5 + f * _E6)))))
+            return p * _pow2_f32(n)
+        return impl
+    if x == types.float64:
+        def impl(x):
+            return math.exp(x * 0.6931471805599453)
+        return impl
+    return None
+
+
 def _as_dtype_of(a, x):  # pragma: no cover - typed by the overload below
     raise NotImplementedError
 
@@ -105,74 +148,234 @@ def _as_dtype_of_impl(a, x):
     return impl
 
 
-@njit(fastmath=_FASTMATH, cache=True)
-def _dot_tile(a, b, out):
-    """out[i, j] = a[i] . b[j] for a (R, Dp), b (C, Dp), out (R, C); R % 4 == 0, C % 2 == 0, rows unit-stride.
-    Eight independent dot products share each load of a and b: the loads per FMA stay below one, which is what
-    lets the vectorised loop run at FMA throughput rather than load throughput."""
-    zero = _as_dtype_of(out, 0.0)
-    dp = a.shape[1]
-    for i in range(0, a.shape[0], 4):
-        for j in range(0, b.shape[0], 2):
-            s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = zero
-            for d in range(dp):
-                b0 = b[j, d]
-                b1 = b[j + 1, d]
-                a0 = a[i, d]
-                a1 = a[i + 1, d]
-                a2 = a[i + 2, d]
-                a3 = a[i + 3, d]
-                s00 += a0 * b0
-                s01 += a0 * b1
-                s10 += a1 * b0
-                s11 += a1 * b1
-                s20 += a2 * b0
-                s21 += a2 * b1
-                s30 += a3 * b0
-                s31 += a3 * b1
-            out[i, j] = s00
-            out[i, j + 1] = s01
-            out[i + 1, j] = s10
-            out[i + 1, j + 1] = s11
-            out[i + 2, j] = s20
-            out[i + 2, j + 1] = s21
-            out[i + 3, j] = s30
-            out[i + 3, j + 1] = s31
+_MR = 4    # rows of C per register block
+_NR = 16   # columns of C per register block: two AVX2 vectors of float32
 
 
-@njit(fastmath=_FASTMATH, cache=True)
-def _axpy_tile(c, coef, x, ncols):
-    """c += coef[:, :ncols] @ x[:ncols] for c (R, Dp), coef (R, >= ncols), x (>= ncols, Dp); R % 4 == 0 and
-    ncols % 4 == 0. Four rows of c take four rows of x at a time, so each loaded x vector feeds four FMAs and each
-    c vector is loaded and stored once per four keys."""
-    dp = c.shape[1]
-    for i in range(0, c.shape[0], 4):
-        for j in range(0, ncols, 4):
-            p00 = coef[i, j]
-            p01 = coef[i, j + 1]
-            p02 = coef[i, j + 2]
-            p03 = coef[i, j + 3]
-            p10 = coef[i + 1, j]
-            p11 = coef[i + 1, j + 1]
-            p12 = coef[i + 1, j + 2]
-            p13 = coef[i + 1, j + 3]
-            p20 = coef[i + 2, j]
-            p21 = coef[i + 2, j + 1]
-            p22 = coef[i + 2, j + 2]
-            p23 = coef[i + 2, j + 3]
-            p30 = coef[i + 3, j]
-            p31 = coef[i + 3, j + 1]
-            p32 = coef[i + 3, j + 2]
-            p33 = coef[i + 3, j + 3]
-            for d in range(dp):
-                x0 = x[j, d]
-                x1 = x[j + 1, d]
-                x2 = x[j + 2, d]
-                x3 = x[j + 3, d]
-                c[i, d] += p00 * x0 + p01 * x1 + p02 * x2 + p03 * x3
-                c[i + 1, d] += p10 * x0 + p11 * x1 + p12 * x2 + p13 * x3
-                c[i + 2, d] += p20 * x0 + p21 * x1 + p22 * x2 + p23 * x3
-                c[i + 3, d] += p30 * x0 + p31 * x1 + p32 * x2 + p33 * x3
+def _mm_block_codegen(a_transposed):
+    """LLVM IR for C[i:i+4, j:j+16] (+)= A[i:i+4, :kdim] @ B[:kdim, j:j+16] on float32 arrays whose last axis is
+    unit-stride, A given as is or (``a_transposed``) as A^T, shape (kdim, >= i+4).
+
+    Written as IR because neither of LLVM's vectorisers finds this shape in a Python loop nest: the eight 8-wide
+    accumulators stay in registers for the whole k loop, each step broadcasting four A values, loading two B
+    vectors and issuing eight FMAs, so loads stay below FMAs and no horizontal sum is ever needed."""
+    def codegen(context, builder, signature, args):
+        cty, aty, bty, ity, jty, kty, accty = signature.args
+        f32 = ir.FloatType()
+        v8 = ir.VectorType(f32, 8)
+        i64 = ir.IntType(64)
+        i8p = ir.IntType(8).as_pointer()
+        arrs = [context.make_array(t)(context, builder, v) for t, v in zip((cty, aty, bty), args[:3])]
+        bases = [builder.bitcast(x.data, i8p) for x in arrs]
+        rs = [cgutils.unpack_tuple(builder, x.strides, 2)[0] for x in arrs]
+        ii = context.cast(builder, args[3], ity, types.int64)
+        jj = context.cast(builder, args[4], jty, types.int64)
+        kd = context.cast(builder, args[5], kty, types.int64)
+        acc_flag = context.cast(builder, args[6], accty, types.boolean)
+        four = ir.Constant(i64, 4)
+
+        def addr(base, row, rstride, col, ty):
+            off = builder.add(builder.mul(row, rstride), builder.mul(col, four))
+            return builder.bitcast(builder.gep(base, [off]), ty.as_pointer())
+
+        def vload(p):
+            return builder.load(p, align=4)
+
+        accs = [[cgutils.alloca_once(builder, v8) for _ in range(2)] for _ in range(_MR)]
+        cptr = [[addr(bases[0], builder.add(ii, ir.Constant(i64, r)), rs[0],
+                      builder.add(jj, ir.Constant(i64, 8 * h)), v8) for h in range(2)] for r in range(_MR)]
+        with builder.if_else(acc_flag) as (then, otherwise):
+            with then:
+                for r in range(_MR):
+                    for h in range(2):
+                        builder.store(vload(cptr[r][h]), accs[r][h])
+            with otherwise:
+                for r in range(_MR):
+                    for h in range(2):
+                        builder.store(ir.Constant(v8, None), accs[r][h])
+        zero_mask = ir.Constant(ir.VectorType(ir.IntType(32), 8), None)
+        with cgutils.for_range(builder, kd) as loop:
+            k = loop.index
+            b0 = vload(addr(bases[2], k, rs[2], jj, v8))
+            b1 = vload(addr(bases[2], k, rs[2], builder.add(jj, ir.Constant(i64, 8)), v8))
+            for r in range(_MR):
+                if a_transposed:
+                    av = builder.load(addr(bases[1], k, rs[1], builder.add(ii, ir.Constant(i64, r)), f32))
+                else:
+                    av = builder.load(addr(bases[1], builder.add(ii, ir.Constant(i64, r)), rs[1], k, f32))
+                bc = builder.shuffle_vector(builder.insert_element(ir.Constant(v8, ir.Undefined), av,
+                                                                   ir.Constant(ir.IntType(32), 0)),
+                                            ir.Constant(v8, ir.Undefined), zero_mask)
+                for h, bv in enumerate((b0, b1)):
+                    # 'contract' lets LLVM fuse into an FMA where the target has one (and stay correct where it has not)
+                    prod = builder.fmul(bc, bv, flags=("contract",))
+                    builder.store(builder.fadd(builder.load(accs[r][h]), prod, flags=("contract",)), accs[r][h])
+        for r in range(_MR):
+            for h in range(2):
+                builder.store(builder.load(accs[r][h]), cptr[r][h], align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _unit_stride_f32(*arrays) -> bool:
+    """Whether every array is a 2-D C-contiguous float32 array: what the IR micro-kernels assume about strides."""
+    return all(isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 2 and x.layout == "C"
+               for x in arrays)
+
+
+def _mm_block_sig(c, a, b, i, j, kdim, accumulate):
+    if not _unit_stride_f32(c, a, b):
+        return None
+    return types.none(c, a, b, i, j, kdim, accumulate)
+
+
+@intrinsic
+def _mm_block_f32(typingctx, c, a, b, i, j, kdim, accumulate):
+    """C[i:i+4, j:j+16] (+)= A[i:i+4, :kdim] @ B[:kdim, j:j+16], float32, rows unit-stride."""
+    sig = _mm_block_sig(c, a, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(False))
+
+
+@intrinsic
+def _mm_block_at_f32(typingctx, c, at, b, i, j, kdim, accumulate):
+    """C[i:i+4, j:j+16] (+)= AT[:kdim, i:i+4]^T @ B[:kdim, j:j+16], float32, rows unit-stride."""
+    sig = _mm_block_sig(c, at, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(True))
+
+
+def _mm(c, a, b, kdim, accumulate):  # pragma: no cover - typed by the overload below
+    """c (=|+=) a[:, :kdim] @ b[:kdim] for 2-D arrays with unit-stride rows: c (R, N), a (R, >= kdim),
+    b (>= kdim, N); R % 4 == 0 and N % 16 == 0."""
+    raise NotImplementedError
+
+
+def _mm_at(c, at, b, kdim, accumulate):  # pragma: no cover - typed by the overload below
+    """c (=|+=) at[:kdim].T @ b[:kdim] for 2-D arrays with unit-stride rows: c (R, N), at (>= kdim, R),
+    b (>= kdim, N); R % 4 == 0 and N % 16 == 0. Saves transposing P and dS in the backward."""
+    raise NotImplementedError
+
+
+@overload(_mm_at, inline="never")
+def _mm_at_impl(c, at, b, kdim, accumulate):
+    if _unit_stride_f32(c, at, b):
+        def impl(c, at, b, kdim, accumulate):
+            for j in range(0, c.shape[1], _NR):
+                for i in range(0, c.shape[0], _MR):
+                    _mm_block_at_f32(c, at, b, i, j, kdim, accumulate)
+        return impl
+
+    def impl(c, at, b, kdim, accumulate):
+        if not accumulate:
+            c[:] = 0
+        for k in range(kdim):
+            for i in range(c.shape[0]):
+                aik = at[k, i]
+                for j in range(c.shape[1]):
+                    c[i, j] += aik * b[k, j]
+    return impl
+
+
+@overload(_mm, inline="never")
+def _mm_impl(c, a, b, kdim, accumulate):
+    if _unit_stride_f32(c, a, b):
+        def impl(c, a, b, kdim, accumulate):
+            for j in range(0, c.shape[1], _NR):
+                for i in range(0, c.shape[0], _MR):
+                    _mm_block_f32(c, a, b, i, j, kdim, accumulate)
+        return impl
+
+    def impl(c, a, b, kdim, accumulate):
+        if not accumulate:
+            c[:] = 0
+        for i in range(c.shape[0]):
+            for k in range(kdim):
+                aik = a[i, k]
+                for j in range(c.shape[1]):
+                    c[i, j] += aik * b[k, j]
+    return impl
+
+
+def _row_reduce_codegen(kind):
+    def codegen(context, builder, signature, args):
+        sty, rty, ity = signature.args
+        f32 = ir.FloatType()
+        v8 = ir.VectorType(f32, 8)
+        i8p = ir.IntType(8).as_pointer()
+        arr = context.make_array(sty)(context, builder, args[0])
+        rstride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
+        row = context.cast(builder, args[1], rty, types.int64)
+        init = context.cast(builder, args[2], ity, types.float32)
+        base = builder.gep(builder.bitcast(arr.data, i8p), [builder.mul(row, rstride)])
+        vptr = builder.bitcast(base, v8.as_pointer())
+        vals = [builder.load(builder.gep(vptr, [ir.Constant(ir.IntType(64), g)]), align=4)
+                for g in range(BLOCK_N // 8)]
+        if kind == "max":
+            vfn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8]), "llvm.maxnum.v8f32")
+            sfn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, f32]), "llvm.maxnum.f32")
+            vop = lambda x, y: builder.call(vfn, [x, y])  # noqa: E731
+            sop = lambda x, y: builder.call(sfn, [x, y])  # noqa: E731
+        else:
+            vop = builder.fadd
+            sop = builder.fadd
+        while len(vals) > 1:  # a tree: independent operations, no serial dependency chain
+            vals = [vop(vals[g], vals[g + 1]) for g in range(0, len(vals), 2)]
+        lanes = [builder.extract_element(vals[0], ir.Constant(ir.IntType(32), x)) for x in range(8)]
+        while len(lanes) > 1:
+            lanes = [sop(lanes[g], lanes[g + 1]) for g in range(0, len(lanes), 2)]
+        return sop(lanes[0], init)
+    return codegen
+
+
+@intrinsic
+def _row_max_f32(typingctx, s, r, init):
+    """max(init, max(s[r, :BLOCK_N])) for a float32 2-D array with unit-stride rows. A vector tree: LLVM will not
+    vectorise a max reduction without the no-NaN flag, which the -inf masking cannot allow; -inf compares fine here."""
+    if not _unit_stride_f32(s):
+        return None
+    return types.float32(s, r, init), _row_reduce_codegen("max")
+
+
+@intrinsic
+def _row_sum_f32(typingctx, s, r, init):
+    """init + sum(s[r, :BLOCK_N]) for a float32 2-D array with unit-stride rows, summed as a vector tree."""
+    if not _unit_stride_f32(s):
+        return None
+    return types.float32(s, r, init), _row_reduce_codegen("sum")
+
+
+def _row_max(s, r, init):  # pragma: no cover - typed by the overload below
+    raise NotImplementedError
+
+
+def _row_sum(s, r, init):  # pragma: no cover - typed by the overload below
+    raise NotImplementedError
+
+
+@overload(_row_max, inline="always")
+def _row_max_impl(s, r, init):
+    if _unit_stride_f32(s):
+        return lambda s, r, init: _row_max_f32(s, r, init)
+
+    def impl(s, r, init):
+        mx = init
+        for c in range(BLOCK_N):
+            mx = max(mx, s[r, c])
+        return mx
+    return impl
+
+
+@overload(_row_sum, inline="always")
+def _row_sum_impl(s, r, init):
+    if _unit_stride_f32(s):
+        return lambda s, r, init: _row_sum_f32(s, r, init)
+
+    def impl(s, r, init):
+        tot = init
+        for c in range(BLOCK_N):
+            tot += s[r, c]
+        return tot
+    return impl
 
 
 @njit(inline="always", cache=True)
@@ -233,20 +436,42 @@ def _unpack(src, dst):
                 dst[b, s, h, d] = src[b, h, s, d]
 
 
+@njit(parallel=True, cache=True)
+def _pack_kt(src, dst):
+    """dst[b, h, t, d, c] = src[b, t * BN + c, h, d], zero in the padding. src (B, S, H, D) any strides;
+    dst (B, H, n_tiles, Dp, BN)."""
+    batch, seqlen, nheads, hd = src.shape
+    n_t, dp, bn = dst.shape[2], dst.shape[3], dst.shape[4]
+    for u in prange(batch * nheads * n_t):
+        b = u // (nheads * n_t)
+        h = (u // n_t) % nheads
+        t = u % n_t
+        blk = dst[b, h, t]
+        blk[:] = 0
+        for c in range(min(bn, seqlen - t * bn)):
+            for d in range(hd):
+                blk[d, c] = src[b, t * bn + c, h, d]
+
+
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _forward_kernel(qp, kp, vp, op, lse, seqlen_q, seqlen_k, scale, left, right, softcap):
+def _forward_kernel(qp, ktp, vp, op, lse, seqlen_q, seqlen_k, scale, left, right, softcap):
     """Online-softmax forward over packed buffers.
 
-    qp, op: (B, Hq, Sq_pad, Dp); kp, vp: (B, Hkv, Sk_pad, Dp); lse: (B, Hq, Sq) -- all one float dtype.
+    qp, op: (B, Hq, Sq_pad, Dp); ktp: (B, Hkv, Sk_pad / BLOCK_N, Dp, BLOCK_N), K transposed tile by tile;
+    vp: (B, Hkv, Sk_pad, Dp); lse: (B, Hq, Sq) -- all one float dtype.
     One prange iteration per (batch, query head, query tile): each writes its own rows of op and lse only.
     """
     batch, nheads_q, sq_pad, dp = qp.shape
-    nheads_kv = kp.shape[1]
+    nheads_kv = ktp.shape[1]
     group = nheads_q // nheads_kv
-    n_qt = sq_pad // BLOCK_M
+    bm = BLOCK_M
+    n_qt = sq_pad // bm
     sc = _as_dtype_of(qp, scale)
     cap = _as_dtype_of(qp, softcap)
     inv_cap = _as_dtype_of(qp, 1.0 / softcap if softcap > 0 else 0.0)
+    log2e = _as_dtype_of(qp, 1.4426950408889634)
+    ln2 = _as_dtype_of(qp, 0.6931471805599453)
+    cap2 = _as_dtype_of(qp, softcap * 1.4426950408889634)
     neg_inf = _as_dtype_of(qp, -np.inf)
     zero = _as_dtype_of(qp, 0.0)
     for u in prange(batch * nheads_q * n_qt):
@@ -254,75 +479,66 @@ def _forward_kernel(qp, kp, vp, op, lse, seqlen_q, seqlen_k, scale, left, right,
         h = (u // n_qt) % nheads_q
         qt = u % n_qt
         hk = h // group
-        i0 = qt * BLOCK_M
-        row_lo = np.empty(BLOCK_M, np.int64)
-        row_hi = np.empty(BLOCK_M, np.int64)
+        i0 = qt * bm
+        row_lo = np.empty(bm, np.int64)
+        row_hi = np.empty(bm, np.int64)
         span_lo, span_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
-        # Fold the scale (and 1/softcap) into the query tile once instead of into every score.
-        qscale = sc * inv_cap if softcap > 0 else sc
-        qs = np.empty((BLOCK_M, dp), qp.dtype)
-        for r in range(BLOCK_M):
+        # Scores are kept in base-2 units (times log2 e) so that the softmax needs exp2, which is cheaper.
+        qscale = sc * inv_cap if softcap > 0 else sc * log2e
+        qs = np.empty((bm, dp), qp.dtype)
+        for r in range(bm):
             for d in range(dp):
                 qs[r, d] = qp[b, h, i0 + r, d] * qscale
-        s = np.empty((BLOCK_M, BLOCK_N), qp.dtype)
-        acc = np.zeros((BLOCK_M, dp), qp.dtype)
-        m_run = np.full(BLOCK_M, neg_inf, qp.dtype)
-        l_run = np.zeros(BLOCK_M, qp.dtype)
-        kv_k = kp[b, hk]
+        s = np.empty((bm, BLOCK_N), qp.dtype)
+        acc = np.zeros((bm, dp), qp.dtype)
+        m_run = np.full(bm, neg_inf, qp.dtype)
+        l_run = np.zeros(bm, qp.dtype)
         kv_v = vp[b, hk]
-        # Only key tiles that intersect the band of some row of this tile: the rest are skipped, not masked.
         kt_first = span_lo // BLOCK_N
         kt_end = (span_hi + BLOCK_N - 1) // BLOCK_N if span_lo < span_hi else kt_first
         for kt in range(kt_first, kt_end):
             j0 = kt * BLOCK_N
-            kb = kv_k[j0:j0 + BLOCK_N]
-            _dot_tile(qs, kb, s)
-            ncols = min(BLOCK_N, ((span_hi - j0 + 3) // 4) * 4)  # keys past the last visible one: not multiplied
-            for r in range(BLOCK_M):
+            _mm(s, qs, ktp[b, hk, kt], dp, False)
+            ncols = min(BLOCK_N, ((span_hi - j0 + 3) // 4) * 4)
+            for r in range(bm):
                 a = max(row_lo[r] - j0, 0)
                 e = min(row_hi[r] - j0, BLOCK_N)
                 if a >= e:
                     for c in range(BLOCK_N):
                         s[r, c] = zero
                     continue
-                # Loops over the whole tile width (a compile-time trip count) vectorise far better than loops over
-                # [a, e); masked keys are set to -inf before the max and to 0 after the exp.
                 edge = a > 0 or e < BLOCK_N
                 if softcap > 0:
                     for c in range(BLOCK_N):
-                        s[r, c] = cap * math.tanh(s[r, c])
+                        s[r, c] = cap2 * math.tanh(s[r, c])
                 if edge:
                     for c in range(a):
                         s[r, c] = neg_inf
                     for c in range(e, BLOCK_N):
                         s[r, c] = neg_inf
-                mx = m_run[r]
+                mx = _row_max(s, r, m_run[r])
                 for c in range(BLOCK_N):
-                    mx = max(mx, s[r, c])
-                for c in range(BLOCK_N):
-                    s[r, c] = _fast_exp(s[r, c] - mx)
+                    s[r, c] = _fast_exp2_nonpos(s[r, c] - mx)
                 if edge:
                     for c in range(a):
                         s[r, c] = zero
                     for c in range(e, BLOCK_N):
                         s[r, c] = zero
-                tot = zero
-                for c in range(BLOCK_N):
-                    tot += s[r, c]
-                alpha = _fast_exp(m_run[r] - mx)
+                tot = _row_sum(s, r, zero)
+                alpha = _fast_exp2_nonpos(m_run[r] - mx)
                 l_run[r] = l_run[r] * alpha + tot
                 m_run[r] = mx
                 if alpha != 1:
                     for d in range(dp):
                         acc[r, d] *= alpha
-            _axpy_tile(acc, s, kv_v[j0:j0 + BLOCK_N], ncols)
-        for r in range(min(BLOCK_M, seqlen_q - i0)):
+            _mm(acc, s, kv_v[j0:j0 + BLOCK_N], ncols, True)
+        for r in range(min(bm, seqlen_q - i0)):
             if l_run[r] > 0:
                 inv = 1 / l_run[r]
                 for d in range(dp):
                     op[b, h, i0 + r, d] = acc[r, d] * inv
-                lse[b, h, i0 + r] = m_run[r] + math.log(l_run[r])
-            else:  # the row sees no key: FlashAttention's convention
+                lse[b, h, i0 + r] = m_run[r] * ln2 + math.log(l_run[r])
+            else:
                 for d in range(dp):
                     op[b, h, i0 + r, d] = zero
                 lse[b, h, i0 + r] = -neg_inf
@@ -381,7 +597,7 @@ def _query_tiles_seeing(j0, j1, seqlen_q, seqlen_k, left, right):
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _backward_kv_kernel(qp, kp, vp, dop, lse, delta, dqp, dkp, dvp, seqlen_q, seqlen_k, scale, left, right,
+def _backward_kv_kernel(qp, kp, ktp, vtp, dop, lse, delta, dqp, dkp, dvp, seqlen_q, seqlen_k, scale, left, right,
                         softcap, kt_per_unit, fuse_dq):
     """dK and dV (and, with ``fuse_dq``, dQ) over packed buffers.
 
@@ -408,14 +624,13 @@ def _backward_kv_kernel(qp, kp, vp, dop, lse, delta, dqp, dkp, dvp, seqlen_q, se
         row_hi = np.empty(BLOCK_M, np.int64)
         s = np.empty((BLOCK_M, BLOCK_N), qp.dtype)
         dpm = np.empty((BLOCK_M, BLOCK_N), qp.dtype)
-        pt = np.empty((BLOCK_N, BLOCK_M), qp.dtype)
-        dst = np.empty((BLOCK_N, BLOCK_M), qp.dtype)
         dk_acc = np.empty((BLOCK_N, dp), qp.dtype)
         dv_acc = np.empty((BLOCK_N, dp), qp.dtype)
         for kt in range(chunk * kt_per_unit, min(n_kt, (chunk + 1) * kt_per_unit)):
             j0 = kt * BLOCK_N
             kb = kp[b, hk, j0:j0 + BLOCK_N]
-            vb = vp[b, hk, j0:j0 + BLOCK_N]
+            ktb = ktp[b, hk, kt]
+            vtb = vtp[b, hk, kt]
             dk_acc[:] = 0
             dv_acc[:] = 0
             qt_first, qt_end = _query_tiles_seeing(j0, min(j0 + BLOCK_N, seqlen_k), seqlen_q, seqlen_k, left, right)
@@ -425,24 +640,20 @@ def _backward_kv_kernel(qp, kp, vp, dop, lse, delta, dqp, dkp, dvp, seqlen_q, se
                     _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
                     qb = qp[b, h, i0:i0 + BLOCK_M]
                     dob = dop[b, h, i0:i0 + BLOCK_M]
-                    _dot_tile(qb, kb, s)
-                    _dot_tile(dob, vb, dpm)
+                    _mm(s, qb, ktb, dp, False)
+                    _mm(dpm, dob, vtb, dp, False)
                     _probs_and_dscores(s, dpm, lse[b, h], delta[b, h], i0, j0, row_lo, row_hi, sc, cap, inv_cap,
                                        softcap)
-                    for r in range(BLOCK_M):
-                        for c in range(BLOCK_N):
-                            pt[c, r] = s[r, c]
-                            dst[c, r] = dpm[r, c]
-                    _axpy_tile(dv_acc, pt, dob, BLOCK_M)
-                    _axpy_tile(dk_acc, dst, qb, BLOCK_M)
+                    _mm_at(dv_acc, s, dob, BLOCK_M, True)
+                    _mm_at(dk_acc, dpm, qb, BLOCK_M, True)
                     if fuse_dq:
-                        _axpy_tile(dqp[b, h, i0:i0 + BLOCK_M], dpm, kb, BLOCK_N)
+                        _mm(dqp[b, h, i0:i0 + BLOCK_M], dpm, kb, BLOCK_N, True)
             dkp[b, hk, j0:j0 + BLOCK_N] = dk_acc
             dvp[b, hk, j0:j0 + BLOCK_N] = dv_acc
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _backward_dq_kernel(qp, kp, vp, dop, lse, delta, dqp, seqlen_q, seqlen_k, scale, left, right, softcap):
+def _backward_dq_kernel(qp, kp, ktp, vtp, dop, lse, delta, dqp, seqlen_q, seqlen_k, scale, left, right, softcap):
     """dQ over packed buffers, one prange iteration per (batch, query head, query tile): it recomputes P and dS for
     the key tiles its rows see and is the only writer of its dQ rows. Shapes as in ``_backward_kv_kernel``."""
     batch, nheads_q, sq_pad, dp = qp.shape
@@ -471,10 +682,10 @@ def _backward_dq_kernel(qp, kp, vp, dop, lse, delta, dqp, seqlen_q, seqlen_k, sc
         for kt in range(kt_first, kt_end):
             j0 = kt * BLOCK_N
             kb = kp[b, hk, j0:j0 + BLOCK_N]
-            _dot_tile(qb, kb, s)
-            _dot_tile(dob, vp[b, hk, j0:j0 + BLOCK_N], dpm)
+            _mm(s, qb, ktp[b, hk, kt], dp, False)
+            _mm(dpm, dob, vtp[b, hk, kt], dp, False)
             _probs_and_dscores(s, dpm, lse[b, h], delta[b, h], i0, j0, row_lo, row_hi, sc, cap, inv_cap, softcap)
-            _axpy_tile(dq_acc, dpm, kb, BLOCK_N)
+            _mm(dq_acc, dpm, kb, BLOCK_N, True)
         dqp[b, h, i0:i0 + BLOCK_M] = dq_acc
 
 
@@ -500,6 +711,15 @@ def _packed(x: np.ndarray, seq_multiple: int) -> np.ndarray:
     batch, seqlen, nheads, hd = x.shape
     out = np.empty((batch, nheads, _padded(seqlen, seq_multiple), _padded(hd, _D_ALIGN)), dtype=x.dtype)
     _pack(x, out)
+    return out
+
+
+def _packed_transposed(x: np.ndarray) -> np.ndarray:
+    """(B, S, H, D) view -> (B, H, S_pad / BLOCK_N, D_pad, BLOCK_N): each key tile transposed, so that ``Q K^T``
+    runs through the same outer-product micro-kernel as ``P V``, zero-padded like ``_packed``."""
+    batch, seqlen, nheads, hd = x.shape
+    out = np.empty((batch, nheads, _padded(seqlen, BLOCK_N) // BLOCK_N, _padded(hd, _D_ALIGN), BLOCK_N), x.dtype)
+    _pack_kt(x, out)
     return out
 
 
@@ -536,10 +756,10 @@ def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
     """
     _check_dtypes(q, k, v, out, lse)
     qp = _packed(q, BLOCK_M)
-    kp = _packed(k, BLOCK_N)
+    ktp = _packed_transposed(k)
     vp = _packed(v, BLOCK_N)
     op, copy_back = _output_buffer(out, BLOCK_M)
-    _forward_kernel(qp, kp, vp, op, lse, q.shape[1], k.shape[1], float(scale), int(window_left),
+    _forward_kernel(qp, ktp, vp, op, lse, q.shape[1], k.shape[1], float(scale), int(window_left),
                     int(window_right), float(softcap))
     if copy_back:
         _unpack(op, out)
@@ -563,7 +783,8 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
     qp = _packed(q, BLOCK_M)
     dop = _packed(dout, BLOCK_M)
     kp = _packed(k, BLOCK_N)
-    vp = _packed(v, BLOCK_N)
+    ktp = _packed_transposed(k)
+    vtp = _packed_transposed(v)
     sq_pad = qp.shape[2]
     # delta_i = dO_i . O_i, the row term of the softmax gradient; padded rows get lse = +inf so that P = 0 there.
     delta = np.zeros((batch, nheads_q, sq_pad), dtype)
@@ -579,10 +800,10 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
     dqp, dq_back = _output_buffer(dq, BLOCK_M)
     if fuse_dq:
         dqp[:] = 0
-    _backward_kv_kernel(qp, kp, vp, dop, lse_p, delta, dqp, dkp, dvp, seqlen_q, seqlen_k, float(scale),
+    _backward_kv_kernel(qp, kp, ktp, vtp, dop, lse_p, delta, dqp, dkp, dvp, seqlen_q, seqlen_k, float(scale),
                         int(window_left), int(window_right), float(softcap), n_kt if fuse_dq else 1, fuse_dq)
     if not fuse_dq:
-        _backward_dq_kernel(qp, kp, vp, dop, lse_p, delta, dqp, seqlen_q, seqlen_k, float(scale),
+        _backward_dq_kernel(qp, kp, ktp, vtp, dop, lse_p, delta, dqp, seqlen_q, seqlen_k, float(scale),
                             int(window_left), int(window_right), float(softcap))
     for packed, user, back in ((dqp, dq, dq_back), (dkp, dk, dk_back), (dvp, dv, dv_back)):
         if back:
