@@ -1,0 +1,344 @@
+"""ROCm backend: attention in plain PyTorch, for AMD GPUs through a HIP build of torch.
+
+Numba has no AMD GPU target, so on AMD hardware the work is done by torch itself:
+
+* ``torch.nn.functional.scaled_dot_product_attention`` where its semantics are exactly the contract's: no sliding
+  window, no softcap, no lse asked for, and causal only when Sq == Sk (SDPA aligns ``is_causal`` to the top-left
+  corner, the contract to the bottom-right; the two agree only on square masks). The scale is always passed.
+* otherwise a blockwise online-softmax written with torch ops: query blocks and key blocks in Python loops, running
+  max and sum in float32 (float64 for float64 inputs), at most one block of scores alive per head, and key blocks
+  outside the causal/window band never computed. The backward recomputes each block of probabilities from the lse.
+
+Grouped-query attention never repeats K/V: the ``g = Hq // Hkv`` query heads of a group are folded into the rows of
+the query block, ``(B, Hkv, Sq_block * g, D)``, which multiplies against the group's single ``(B, Hkv, Sk_block, D)``
+key block. Every tensor op here works on any torch device, so forcing ``backend="rocm"`` runs it on CPU or NVIDIA
+tensors too (and on numpy arrays, through CPU tensors); without forcing it is chosen only for tensors on a HIP GPU.
+torch is imported inside functions: importing this module or registering the backend does not import it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+
+from numba_flash.semantics import key_range
+from numba_flash.validation import AttentionCall
+
+from .base import Backend
+
+# Elements of one block of scores (B * Hq * block_q * block_k); 2**24 float32 is 64 MiB. The backward keeps about
+# four such blocks alive (scores/probabilities, dP, dS and a product), the forward two.
+SCORE_BLOCK_ELEMENTS = 1 << 24
+# On a GPU each block costs a dozen kernel launches, so blocks are large; query blocks stay well below the sequence
+# so that causal calls still skip about half the key blocks. On a CPU the elementwise passes over the scores
+# dominate and blocks that stay in cache win (on 2 cores, S=2048: 256 x 256 took 1.5x to 3x less time than
+# 2048 x 512).
+GPU_BLOCK_Q, GPU_BLOCK_K = 1024, 1024
+CPU_BLOCK_Q, CPU_BLOCK_K = 256, 256
+MIN_BLOCK_Q = 16
+
+
+def block_sizes(call: AttentionCall) -> tuple[int, int]:
+    """(block_q, block_k) for ``call``: the device's preferred sizes, with fewer query rows where needed to keep
+    one block of scores within ``SCORE_BLOCK_ELEMENTS``. A narrow sliding window shrinks the query block so that
+    the band, not the rectangle around it, sets the work."""
+    on_cpu = call.device == "cpu"
+    block_q, block_k = (CPU_BLOCK_Q, CPU_BLOCK_K) if on_cpu else (GPU_BLOCK_Q, GPU_BLOCK_K)
+    block_k = min(block_k, call.seqlen_k)
+    block_q = min(block_q, max(MIN_BLOCK_Q, SCORE_BLOCK_ELEMENTS // (call.batch * call.nheads_q * block_k)))
+    if call.window_left >= 0 and call.window_right >= 0:
+        block_q = min(block_q, max(MIN_BLOCK_Q, call.window_left + call.window_right + 1))
+    return min(block_q, call.seqlen_q), block_k
+
+
+def _hip_runtime_reasons() -> list[str]:
+    """Why this process cannot run torch on a HIP GPU (read at call time, so that tests can fake a HIP build)."""
+    try:
+        import torch
+    except ImportError:
+        return ["torch is not installed"]
+    if getattr(torch.version, "hip", None) is None:
+        return ["not a HIP device (torch.version.hip is None)"]
+    if not torch.cuda.is_available():
+        return ["no HIP GPU (torch.cuda.is_available() is False)"]
+    return []
+
+
+def _tensor_on_gpu(t: Any) -> bool:
+    """True for a tensor in GPU memory. A HIP build of torch names its GPU device 'cuda'."""
+    return t.device.type == "cuda"
+
+
+def _as_torch(x: Any) -> Any:
+    """``x`` as a torch tensor without copying where possible (numpy arrays become CPU tensors sharing memory)."""
+    import torch
+
+    if isinstance(x, np.ndarray):
+        if any(s < 0 for s in x.strides):  # torch.from_numpy refuses negative strides
+            x = np.ascontiguousarray(x)
+        with warnings.catch_warnings():
+            # A read-only array gives a warning about writes; nothing here writes to the inputs.
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(x)
+    return x.detach()
+
+
+def _to_kind(ref: Any, t: Any) -> Any:
+    """``t`` (a torch tensor) back as the array kind of ``ref``: numpy for numpy inputs."""
+    if isinstance(ref, np.ndarray):
+        return t.numpy()
+    return t
+
+
+def _compute_dtype(dtype: Any) -> Any:
+    import torch
+
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _heads_view(x: Any, layout: str) -> Any:
+    """(B, H, S, D) view of a tensor in ``layout``; no copy."""
+    return x.permute(0, 2, 1, 3) if layout == "bshd" else x
+
+
+def _grouped_view(x: Any, layout: str, nheads_kv: int) -> Any:
+    """(B, Hkv, S, g, D) view of a query-shaped tensor: query head h = kv * g + r sits at [:, kv, :, r]. No copy
+    (splitting one dimension in two is always a view), so it can be read from and written to."""
+    return _heads_view(x, layout).unflatten(1, (nheads_kv, -1)).permute(0, 1, 3, 2, 4)
+
+
+def _lse_view(lse: Any, nheads_kv: int) -> Any:
+    """(B, Hkv, Sq, g) view of an lse of shape (B, Hq, Sq)."""
+    return lse.unflatten(1, (nheads_kv, -1)).permute(0, 1, 3, 2)
+
+
+class _Band:
+    """The key blocks each query block must visit, and whether a block needs the mask, from the contract's
+    visibility rule (``numba_flash.semantics.key_range``). Row i sees keys [lo_i, hi_i); lo_i and hi_i never
+    decrease with i, so a query block [q0, q1) sees at most keys [lo_q0, hi_{q1-1}) and sees all of a key block
+    [k0, k1) iff lo_{q1-1} <= k0 and k1 <= hi_q0."""
+
+    def __init__(self, call: AttentionCall):
+        self.sq, self.sk = call.seqlen_q, call.seqlen_k
+        self.left, self.right = call.window_left, call.window_right
+
+    def key_blocks(self, q0: int, q1: int, block_k: int) -> list[tuple[int, int, bool]]:
+        lo_first, hi_first = key_range(q0, self.sq, self.sk, self.left, self.right)
+        lo_last, hi_last = key_range(q1 - 1, self.sq, self.sk, self.left, self.right)
+        blocks = []
+        for k0 in range(lo_first, hi_last, block_k):
+            k1 = min(k0 + block_k, hi_last)
+            blocks.append((k0, k1, not (lo_last <= k0 and k1 <= hi_first)))
+        return blocks
+
+    def visible(self, q0: int, q1: int, k0: int, k1: int, device: Any) -> Any:
+        """Boolean (q1 - q0, 1, k1 - k0) mask, True where row i sees key j (the 1 broadcasts over a group)."""
+        import torch
+
+        i = torch.arange(q0 + self.sk - self.sq, q1 + self.sk - self.sq, device=device)[:, None, None]
+        j = torch.arange(k0, k1, device=device)[None, None, :]
+        ok = torch.ones((q1 - q0, 1, k1 - k0), dtype=torch.bool, device=device)
+        if self.left >= 0:
+            ok &= j >= i - self.left
+        if self.right >= 0:
+            ok &= j <= i + self.right
+        return ok
+
+
+def _scores(qb: Any, kb: Any, call: AttentionCall, band: _Band, q0: int, q1: int, k0: int, k1: int,
+            need_mask: bool) -> tuple[Any, Any]:
+    """Scores of a query block against a key block, softcapped and masked to -inf.
+
+    qb: (B, Hkv, n*g, D) compute dtype, already multiplied by the softmax scale; kb: (B, Hkv, m, D).
+    Returns s (B, Hkv, n*g, m) and, with softcap, tanh(raw / softcap) (the backward's chain factor) else None.
+    """
+    s = qb @ kb.transpose(-1, -2)
+    t = None
+    if call.softcap > 0:
+        t = s.div_(call.softcap).tanh_()
+        s = t * call.softcap
+    if need_mask:
+        b, h, rows, m = s.shape
+        s.view(b, h, q1 - q0, rows // (q1 - q0), m).masked_fill_(
+            ~band.visible(q0, q1, k0, k1, s.device), float("-inf"))
+    return s, t
+
+
+def _forward_sdpa(q: Any, k: Any, v: Any, call: AttentionCall) -> Any:
+    """Output of ``scaled_dot_product_attention`` in the call's layout, contiguous, q's dtype."""
+    import torch.nn.functional as F
+
+    qh, kh, vh = (_heads_view(x, call.layout) for x in (q, k, v))
+    kwargs = {"enable_gqa": True} if call.nheads_q != call.nheads_kv else {}
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=call.window_right == 0,
+                                         scale=call.softmax_scale, **kwargs)
+    return _heads_view(out, call.layout).contiguous()
+
+
+def sdpa_fits(call: AttentionCall) -> bool:
+    """True when ``scaled_dot_product_attention`` computes exactly what the contract asks for ``call``."""
+    if call.return_lse or call.is_backward or call.softcap > 0 or call.window_left >= 0:
+        return False
+    if call.window_right >= 0:
+        # SDPA's is_causal keeps j <= i (top-left); the contract keeps j <= i + Sk - Sq. Equal only when Sq == Sk.
+        return call.window_right == 0 and call.seqlen_q == call.seqlen_k
+    return True
+
+
+def _sdpa_has_gqa() -> bool:
+    """SDPA learnt ``enable_gqa`` in torch 2.5; before that, GQA calls take the blockwise path."""
+    import torch
+
+    return torch.__version__ >= "2.5"  # TorchVersion compares as a version, not as a string
+
+
+def forward_blockwise(q: Any, k: Any, v: Any, call: AttentionCall) -> tuple[Any, Any]:
+    """Blockwise online-softmax forward.
+
+    q: (B, Sq, Hq, D) ["bshd"] or (B, Hq, Sq, D) ["bhsd"]; k, v: (B, Sk, Hkv, D) or (B, Hkv, Sk, D); torch
+    tensors of one dtype on one device, any strides. Returns out shaped like q, contiguous, q's dtype, and lse
+    (B, Hq, Sq) float32 (float64 for float64 inputs), +inf for rows that see no key.
+    """
+    import torch
+
+    cdt = _compute_dtype(q.dtype)
+    B, Hkv, D, g = call.batch, call.nheads_kv, call.head_dim, call.group_size
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, call.nheads_q, call.seqlen_q), dtype=cdt, device=q.device)
+    qv, ov, lv = _grouped_view(q, call.layout, Hkv), _grouped_view(out, call.layout, Hkv), _lse_view(lse, Hkv)
+    kv, vv = _heads_view(k, call.layout), _heads_view(v, call.layout)
+    band = _Band(call)
+    block_q, block_k = block_sizes(call)
+    for q0 in range(0, call.seqlen_q, block_q):
+        q1 = min(q0 + block_q, call.seqlen_q)
+        rows = (q1 - q0) * g
+        qb = (qv[:, :, q0:q1].to(cdt) * call.softmax_scale).reshape(B, Hkv, rows, D)
+        m = torch.full((B, Hkv, rows), float("-inf"), dtype=cdt, device=q.device)
+        l = torch.zeros((B, Hkv, rows), dtype=cdt, device=q.device)
+        acc = torch.zeros((B, Hkv, rows, D), dtype=cdt, device=q.device)
+        for k0, k1, need_mask in band.key_blocks(q0, q1, block_k):
+            s, _ = _scores(qb, kv[:, :, k0:k1].to(cdt), call, band, q0, q1, k0, k1, need_mask)
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            # A row with every key so far masked keeps max -inf; shift it by 0 so that exp gives 0, not NaN.
+            m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
+            p = s.sub_(m_safe[..., None]).exp_()
+            alpha = torch.exp(m - m_safe)
+            l = l * alpha + p.sum(dim=-1)
+            acc.mul_(alpha[..., None]).add_(p @ vv[:, :, k0:k1].to(cdt))
+            m = m_new
+        seen = l > 0
+        l_safe = torch.where(seen, l, torch.ones_like(l))
+        ov[:, :, q0:q1] = (acc / l_safe[..., None]).view(B, Hkv, q1 - q0, g, D)
+        m_fin = m.masked_fill(~seen, 0.0)
+        lv[:, :, q0:q1] = torch.where(seen, m_fin + torch.log(l_safe), float("inf")).view(B, Hkv, q1 - q0, g)
+    return out, lse
+
+
+def backward_blockwise(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
+                       call: AttentionCall) -> tuple[Any, Any, Any]:
+    """Blockwise backward from the forward's lse: P is recomputed per block as exp(s - lse), never S x S.
+
+    dout, out, q: (B, Sq, Hq, D) ["bshd"] or (B, Hq, Sq, D); k, v: (B, Sk, Hkv, D) or (B, Hkv, Sk, D); lse
+    (B, Hq, Sq). Returns dq, dk, dv shaped like q, k, v, contiguous, q's dtype; dk, dv summed over each group.
+    """
+    import torch
+
+    cdt = _compute_dtype(q.dtype)
+    B, Hkv, D, g = call.batch, call.nheads_kv, call.head_dim, call.group_size
+    dev = q.device
+    dq = torch.empty(q.shape, dtype=q.dtype, device=dev)
+    dk_acc = torch.zeros((B, Hkv, call.seqlen_k, D), dtype=cdt, device=dev)
+    dv_acc = torch.zeros((B, Hkv, call.seqlen_k, D), dtype=cdt, device=dev)
+    qv, dqv = _grouped_view(q, call.layout, Hkv), _grouped_view(dq, call.layout, Hkv)
+    dov, ov = _grouped_view(dout, call.layout, Hkv), _grouped_view(out, call.layout, Hkv)
+    lv = _lse_view(lse, Hkv)
+    kv, vv = _heads_view(k, call.layout), _heads_view(v, call.layout)
+    band = _Band(call)
+    block_q, block_k = block_sizes(call)
+    for q0 in range(0, call.seqlen_q, block_q):
+        q1 = min(q0 + block_q, call.seqlen_q)
+        rows = (q1 - q0) * g
+        qb = (qv[:, :, q0:q1].to(cdt) * call.softmax_scale).reshape(B, Hkv, rows, D)
+        dob = dov[:, :, q0:q1].to(cdt).reshape(B, Hkv, rows, D)
+        delta = (dob * ov[:, :, q0:q1].to(cdt).reshape(B, Hkv, rows, D)).sum(dim=-1)
+        lse_b = lv[:, :, q0:q1].to(cdt).reshape(B, Hkv, rows)
+        dq_acc = torch.zeros((B, Hkv, rows, D), dtype=cdt, device=dev)
+        for k0, k1, need_mask in band.key_blocks(q0, q1, block_k):
+            kb, vb = kv[:, :, k0:k1].to(cdt), vv[:, :, k0:k1].to(cdt)
+            s, t = _scores(qb, kb, call, band, q0, q1, k0, k1, need_mask)
+            # lse is +inf on rows that see nothing: exp(s - inf) = 0 there, so those rows add no gradient.
+            p = s.sub_(lse_b[..., None]).exp_()
+            dv_acc[:, :, k0:k1] += p.transpose(-1, -2) @ dob
+            ds = (dob @ vb.transpose(-1, -2)).sub_(delta[..., None]).mul_(p)
+            if t is not None:
+                ds.mul_(1.0 - t * t)
+            dq_acc += ds @ kb
+            # qb carries the softmax scale, so this is scale * dS^T q; summing the g rows of a group sums the heads.
+            dk_acc[:, :, k0:k1] += ds.transpose(-1, -2) @ qb
+        dqv[:, :, q0:q1] = (dq_acc * call.softmax_scale).view(B, Hkv, q1 - q0, g, D)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=dev)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=dev)
+    _heads_view(dk, call.layout).copy_(dk_acc)
+    _heads_view(dv, call.layout).copy_(dv_acc)
+    return dq, dk, dv
+
+
+class RocmBackend(Backend):
+    """Torch attention for AMD GPUs: SDPA where it fits the contract exactly, a blockwise online softmax elsewhere.
+
+    Chosen automatically only for torch tensors on a HIP GPU; forced (``backend="rocm"``) it serves torch tensors
+    on any device and numpy arrays (run as CPU tensors, returned as numpy).
+    """
+
+    name = "rocm"
+    PRIORITY = 40
+    SUPPORTED_KINDS = ("torch", "numpy")
+    SUPPORTED_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+    def unavailable_reasons(self, forced: bool = False) -> list[str]:
+        if forced:
+            try:
+                import torch  # noqa: F401
+            except ImportError:
+                return ["torch is not installed"]
+            return []
+        return _hip_runtime_reasons()
+
+    def not_supported_reasons(self, call: AttentionCall, forced: bool = False) -> list[str]:
+        # Cheap facts first: a numpy call that is not forced here is turned down without importing torch.
+        if call.kind == "numpy" and not forced:
+            return ["numpy input (runs only torch tensors on a HIP GPU unless forced with backend='rocm')"]
+        reasons = super().not_supported_reasons(call, forced)
+        if call.kind == "numpy" and call.dtype == "bfloat16":
+            reasons.append("bfloat16 numpy arrays not supported (pass a torch tensor)")
+        if reasons or forced:
+            return reasons
+        if not _tensor_on_gpu(call.q):
+            return [f"{call.device} tensors not supported (runs on HIP GPUs unless forced with backend='rocm')"]
+        return []
+
+    def forward(self, call: AttentionCall) -> tuple[Any, Any]:
+        """Return ``(out, lse)``: out like q (kind, device, dtype, layout), contiguous; lse (B, Hq, Sq) float32
+        (float64 for float64 inputs), or None when the call did not ask for it and SDPA served it."""
+        import torch
+
+        q, k, v = (_as_torch(x) for x in (call.q, call.k, call.v))
+        with torch.no_grad():
+            if sdpa_fits(call) and (call.nheads_q == call.nheads_kv or _sdpa_has_gqa()):
+                return _to_kind(call.q, _forward_sdpa(q, k, v, call)), None
+            out, lse = forward_blockwise(q, k, v, call)
+        return _to_kind(call.q, out), _to_kind(call.q, lse)
+
+    def backward(self, call: AttentionCall) -> tuple[Any, Any, Any]:
+        """Return ``(dq, dk, dv)`` shaped like q, k, v, same kind, device and dtype as q, contiguous."""
+        import torch
+
+        dout, q, k, v, out, lse = (_as_torch(x) for x in (call.dout, call.q, call.k, call.v, call.out, call.lse))
+        with torch.no_grad():
+            grads = backward_blockwise(dout, q, k, v, out, lse, call)
+        return tuple(_to_kind(call.q, gr) for gr in grads)
+
+
+__all__ = ["RocmBackend", "block_sizes", "sdpa_fits", "forward_blockwise", "backward_blockwise"]

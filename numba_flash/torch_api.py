@@ -1,0 +1,160 @@
+"""``flash_attn_func``: attention on torch tensors with autograd, on whichever backend the registry picks.
+
+Forward and backward are two ops registered with ``torch.library.custom_op`` (``numba_flash::flash_fwd`` and
+``numba_flash::flash_bwd``) with fake implementations, so ``torch.compile`` sees them as opaque nodes with known
+output shapes instead of tracing into Numba. ``FlashAttnFunc`` (a ``torch.autograd.Function``) ties the two together;
+both ops send their work through ``backends.backend_registry.get("flash")``, so ``loss.backward()`` runs on the same
+backend choice as the forward.
+
+This module imports torch at import time; ``numba_flash`` imports it only when ``flash_attn_func`` is first used.
+Annotations are evaluated (no ``from __future__ import annotations``) because ``custom_op`` reads them as its schema.
+"""
+
+from typing import Optional
+
+import torch
+
+from backends import backend_registry
+from numba_flash.validation import validate_forward
+
+__all__ = ["flash_attn_func", "FlashAttnFunc"]
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _owned(t, like: torch.Tensor, dtype: torch.dtype, inputs: tuple) -> torch.Tensor:
+    """``t`` as a fresh contiguous tensor of ``dtype`` on ``like``'s device, as the fake implementations promise.
+
+    A custom op's outputs must not share memory with its inputs; a backend that returns an input unchanged (or a
+    view of one) would break that, so such an output is cloned."""
+    t = torch.as_tensor(t)
+    if t.device != like.device or t.dtype != dtype:
+        t = t.to(device=like.device, dtype=dtype)
+    t = t.contiguous()
+    ptr = t.untyped_storage().data_ptr()
+    if any(x.untyped_storage().data_ptr() == ptr for x in inputs):
+        t = t.clone()
+    return t
+
+
+def _q_heads_seq(q: torch.Tensor, layout: str) -> tuple[int, int]:
+    return (q.shape[2], q.shape[1]) if layout == "bshd" else (q.shape[1], q.shape[2])
+
+
+@torch.library.custom_op("numba_flash::flash_fwd", mutates_args=())
+def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
+              window_left: int, window_right: int, softcap: float, layout: str,
+              backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward through the registry. Returns out (shaped like q, q's dtype, contiguous) and lse (B, Hq, Sq)
+    float32 (float64 for float64 inputs), contiguous."""
+    out, lse = backend_registry.get("flash").forward(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
+        softcap=softcap, layout=layout, return_lse=True, backend=backend)
+    return _owned(out, q, q.dtype, (q, k, v)), _owned(lse, q, _lse_dtype(q.dtype), (q, k, v))
+
+
+@flash_fwd.register_fake
+def _flash_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, softcap, layout, backend):
+    hq, sq = _q_heads_seq(q, layout)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[0], hq, sq), dtype=_lse_dtype(q.dtype), device=q.device)
+    return out, lse
+
+
+@torch.library.custom_op("numba_flash::flash_bwd", mutates_args=())
+def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
+              softcap: float, layout: str,
+              backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward through the registry. Returns dq, dk, dv shaped like q, k, v, q's dtype, contiguous."""
+    dq, dk, dv = backend_registry.get("flash").backward(
+        dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+        window_size=(window_left, window_right), softcap=softcap, layout=layout, backend=backend)
+    inputs = (dout, q, k, v, out, lse)
+    return (_owned(dq, q, q.dtype, inputs), _owned(dk, q, q.dtype, inputs), _owned(dv, q, q.dtype, inputs))
+
+
+@flash_bwd.register_fake
+def _flash_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap, layout,
+                    backend):
+    return tuple(torch.empty(x.shape, dtype=q.dtype, device=q.device) for x in (q, k, v))
+
+
+class FlashAttnFunc(torch.autograd.Function):
+    """Autograd glue over ``flash_fwd`` / ``flash_bwd``. Always returns ``(out, lse)``; lse has no gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale, window_left, window_right, softcap, layout, backend):
+        out, lse = torch.ops.numba_flash.flash_fwd(q, k, v, causal, softmax_scale, window_left, window_right,
+                                                   softcap, layout, backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.params = (causal, softmax_scale, window_left, window_right, softcap, layout, backend)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        # Gradients arriving from a sum() or an expand() are broadcast views (stride 0); one contiguous copy of
+        # dout, the size of q, spares every backend that case.
+        dq, dk, dv = torch.ops.numba_flash.flash_bwd(dout.contiguous(), q, k, v, out, lse, *ctx.params)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    layout: str = "bshd",
+    return_lse: bool = False,
+    backend: Optional[str] = None,
+):
+    """Exact attention on torch tensors, differentiable, computed by the backend the registry picks.
+
+    Grouped-query / multi-query attention is supported by passing K and V with fewer heads than Q: query head h
+    reads key/value head ``h // (Hq // Hkv)``. Causal masking and the sliding window are aligned to the bottom-right
+    corner of the score matrix (FlashAttention >= 2.1): query i may see key j iff
+    ``i + Sk - Sq - window_size[0] <= j <= i + Sk - Sq + window_size[1]``.
+
+    Arguments:
+        q: (batch_size, seqlen_q, nheads, headdim) for layout "bshd", (batch_size, nheads, seqlen_q, headdim) for
+            "bhsd"; float16, bfloat16, float32 or float64; any device the chosen backend serves; any strides.
+        k: (batch_size, seqlen_k, nheads_k, headdim) for "bshd", (batch_size, nheads_k, seqlen_k, headdim) for
+            "bhsd"; nheads % nheads_k == 0; q's dtype and device.
+        v: shaped like k.
+        causal: bool. Mask keys after the query's bottom-right-aligned diagonal (same as window_size[1] = 0).
+        softmax_scale: float > 0. Scaling of q k^T before the softmax; default 1 / sqrt(headdim).
+        window_size: (left, right). Sliding-window attention; -1 means unbounded on that side.
+        softcap: float >= 0. If > 0, scores become softcap * tanh(scores / softcap); 0 disables it.
+        layout: "bshd" (FlashAttention's) or "bhsd" (PyTorch SDPA's).
+        return_lse: bool. Also return the log-sum-exp of each query row (for testing or merging partial results).
+        backend: str or None. Force one backend ("cuda", "rocm", "cpu", ...); None lets the registry choose.
+
+    Returns:
+        out: shaped like q, q's dtype and device, contiguous. Rows that see no key are 0.
+        lse [only if return_lse]: (batch_size, nheads, seqlen_q), float32 (float64 for float64 inputs): the natural
+            log of the sum of exp(score) over the visible keys; +inf for a row that sees no key. Not differentiable.
+
+    Raises ``numba_flash.AttentionInputError`` for arguments that break the contract and
+    ``numba_flash.NoBackendError`` when no backend can serve the call.
+    """
+    if not torch.compiler.is_compiling():
+        # Fail fast, naming the argument, before autograd records anything. Under torch.compile the ops validate
+        # when they run, and this Python-level check would only cost graph breaks.
+        validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                         softcap=softcap, layout=layout, return_lse=return_lse)
+        if backend is None:
+            # A backend forced with backend_registry.use() lives in a context variable of this thread, and autograd
+            # may run the backward on a thread of its own (one per GPU): name it now so both halves use it.
+            backend = backend_registry.get("flash")._forced_name(None)
+    scale = None if softmax_scale is None else float(softmax_scale)
+    left, right = (int(w) for w in window_size)
+    out, lse = FlashAttnFunc.apply(q, k, v, bool(causal), scale, left, right, float(softcap), layout, backend)
+    return (out, lse) if return_lse else out
