@@ -2,35 +2,42 @@
 
 How the work is laid out:
 
-* The host wrappers first copy q, k, v (and dout) into packed ``(B, H, S_pad, D_pad)`` buffers, zero-padded so
-  that S_pad is a multiple of the tile size and D_pad a multiple of 16 (two AVX2 vectors of float32). K (and, for
-  the backward, V) is also packed tile by tile transposed, ``(B, H, S_pad / BLOCK_N, D_pad, BLOCK_N)``. This
-  costs O(B*H*S*D) memory and time (nothing for a C-contiguous "bhsd" q/v/out with aligned sizes), makes every
-  tile a fixed-size, unit-stride block, and means the big kernels are compiled for exactly one array type per
-  dtype whatever the strides of the caller's views.
-* Every matrix product is ``C (+)= A @ B`` (``_mm``) or ``C (+)= A^T @ B`` (``_mm_at``) with B and C row-major,
-  run by a 4x16 register-blocked outer-product micro-kernel written directly in LLVM IR (``_mm_block_codegen``):
-  eight 8-wide accumulators stay in registers over the whole reduction, each step is four broadcasts, two vector
-  loads and eight FMAs, and there are no horizontal sums. ``Q K^T`` and ``dO V^T`` read the transposed K/V
-  tiles; ``P^T dO`` and ``dS^T Q`` read P and dS in place through ``_mm_at`` (no transposed copies). The blocks
-  are visited column-block-major, so the B panel in use (kdim x 16) stays in L1 while A streams as broadcasts.
-  (Plain Python loop nests for these shapes come out as dot products with a horizontal sum each, or not
-  vectorised at all, at about half the speed.)
-* ``exp`` for float32 is a polynomial on the bits of the float (``_fast_exp``, ``_fast_exp2_nonpos``) because
-  ``math.exp`` is a scalar libm call that LLVM cannot vectorise and would cost as much as the matrix products.
-  The forward keeps scores in base 2 (log2 e folded into the query scale) so its exp is the cheaper exp2; row
-  maxima and sums are vector trees (``_row_max``, ``_row_sum``), since LLVM leaves a max reduction that may see
-  -inf as a serial scalar chain.
-* Tiles entirely outside the causal/window band are never visited (loop bounds); only tiles that straddle the
-  band's edge look at per-row key ranges.
+* Scores are computed transposed, one (key tile x query tile) block at a time: ``S^T = K Q^T``, shape
+  (BLOCK_N, BLOCK_M). The softmax statistics of a query (running max, running sum, the rescale factor) then sit
+  along a row of the block, so the online-softmax updates are elementwise vector operations over 64 queries instead
+  of horizontal reductions; and every product of the forward and backward reads K, V, Q and dO as they are stored,
+  one row per key or query with the head dim contiguous:
 
-Everything runtime-variable (scale, window, softcap, sequence lengths) is a runtime argument, so each kernel is
-compiled once per dtype (float32, float64) and cached on disk (``cache=True``).
+      forward   S^T = K Q^T       O += P V            (P read as P^T)
+      backward  S^T = K Q^T       dP^T = V dO^T       dV += P^T dO      dK += dS^T Q      dQ += dS K
+
+  Only Q^T and dO^T tiles are built (the forward transposes each query tile once; the backward packs them once per
+  call). K, V (and, for the backward, Q and dO) are read in place from a head-major ``(B, H, S, D_pad)`` buffer:
+  the caller's own array when it already is one (contiguous "bhsd" with D a multiple of 16), else a copy made once
+  per call (``_head_major``). Extra memory is O(B*H*S*D); the S x S matrix is never stored: per thread there is one
+  score block and one accumulator tile.
+* Every product is ``C (+)= A @ B`` (``_mm``) or ``C (+)= A^T @ B`` (``_mm_at``) with row-major B and C, run by a
+  register-blocked outer-product micro-kernel written in LLVM IR (``_mm_block_codegen``): MR rows of C times two
+  vectors of columns stay in registers for the whole reduction, each step broadcasting MR values of A, loading two
+  vectors of B and issuing 2*MR fused multiply-adds. On CPUs with AVX-512 the block is 8 x 32 in 512-bit vectors,
+  elsewhere 4 x 16 in 256-bit vectors (LLVM splits those where vectors are narrower). Python loop nests for these
+  shapes compile to dot products with a horizontal sum each, at about half the speed of the 256-bit block and a
+  third of the 512-bit one.
+* ``exp`` is a polynomial on the bits of the float (``_fast_exp2``) because ``math.exp`` is a scalar libm call that
+  LLVM cannot vectorise. Scores are kept in base 2 (``log2 e`` folded into the scale) so the softmax needs exp2.
+* Tiles entirely outside the causal/window band are never visited (loop bounds); only tiles that straddle the
+  band's edge are masked.
+
+The kernels take (B, S, H, D) views with any strides and are compiled once per dtype (float32, float64) with
+layout-generic array types (``_entry``), so "bshd", "bhsd" and strided inputs share one cached compilation.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import threading
+from typing import Any, Callable
 
 import numba
 import numpy as np
@@ -41,28 +48,55 @@ from numba.extending import intrinsic, overload
 
 BLOCK_M = 64  # query rows per tile
 BLOCK_N = 64  # keys per tile
-_D_ALIGN = 16  # head dim padded to a multiple of the micro-kernel width (two float32 AVX2 vectors)
+_D_ALIGN = 16  # head dims are padded to a multiple of this in the accumulators (a 512-bit vector of float32)
 
 # No 'nnan'/'ninf': the online softmax relies on -inf and +inf comparing correctly.
 _FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
 
-_LOG2E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693145751953125)   # ln 2 split so that n * _LN2_HI is exact for |n| < 2^11
-_LN2_LO = np.float32(1.428606765330187e-06)
-_EXP_MIN = np.float32(-87.0)  # exp(-87) ~ 1.6e-38 is still a normal float32; below it we flush to ~0 anyway
-_EXP_MAX = np.float32(88.0)
+SIMD_ENV = "NUMBA_FLASH_CPU_SIMD"
+
+
+def _simd_lanes() -> int:
+    """float32 lanes of the vectors the micro-kernel is written with: 16 where the CPU numba compiles for has
+    AVX-512, else 8. ``NUMBA_FLASH_CPU_SIMD=256`` forces the 256-bit kernel (for testing it on an AVX-512 CPU)."""
+    forced = os.environ.get(SIMD_ENV, "").strip()
+    if forced in ("256", "avx2"):
+        return 8
+    if forced in ("512", "avx512"):
+        return 16
+    features = numba.config.CPU_FEATURES
+    if features is None:
+        try:
+            from llvmlite import binding as llvm
+
+            features = llvm.get_host_cpu_features().flatten()
+        except Exception:  # a host llvmlite cannot describe: the narrow kernel runs everywhere
+            return 8
+    return 16 if "+avx512f" in features.split(",") else 8
+
+
+_LANES = _simd_lanes()
+_MR = 8 if _LANES == 16 else 4  # rows of C per register block: 2 * MR accumulators, 16 of the 32 zmm / 8 of 16 ymm
+_NR = 2 * _LANES  # columns of C per register block
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+_EXP2_MIN = np.float32(-127.0)  # 2^-127 comes out of _pow2_f32 as exactly 0: masked scores give p = 0, not ~1e-38
+_EXP2_MAX = np.float32(127.0)
 _HALF = np.float32(0.5)
-_C2 = np.float32(1.0 / 2)
-_C3 = np.float32(1.0 / 6)
-_C4 = np.float32(1.0 / 24)
-_C5 = np.float32(1.0 / 120)
-_C6 = np.float32(1.0 / 720)
 _ONE = np.float32(1.0)
+_E1 = np.float32(_LN2)  # ln(2)^k / k!: 2^f = exp(f ln 2) as a polynomial in f
+_E2 = np.float32(_LN2 ** 2 / 2)
+_E3 = np.float32(_LN2 ** 3 / 6)
+_E4 = np.float32(_LN2 ** 4 / 24)
+_E5 = np.float32(_LN2 ** 5 / 120)
+_E6 = np.float32(_LN2 ** 6 / 720)
 
 
 @intrinsic
 def _pow2_f32(typingctx, n):
-    """2**n as float32 for a float32 ``n`` holding an integer in [-126, 127], built from the exponent bits."""
+    """2**n as float32 for a float32 ``n`` holding an integer in [-127, 127], built from the exponent bits
+    (n = -127 gives the bit pattern of +0.0)."""
     if n != types.float32:
         return None
     sig = types.float32(types.float32)
@@ -75,51 +109,18 @@ def _pow2_f32(typingctx, n):
     return sig, codegen
 
 
-def _fast_exp(x):  # pragma: no cover - typed by the overload below
+def _fast_exp2(x):  # pragma: no cover - typed by the overload below
     raise NotImplementedError
 
 
-@overload(_fast_exp, inline="always")
-def _fast_exp_impl(x):
+@overload(_fast_exp2, inline="always")
+def _fast_exp2_impl(x):
     if x == types.float32:
         def impl(x):
-            # exp(x) = 2^n * exp(r), n = round(x / ln 2), |r| <= ln2 / 2; degree-6 Taylor on r is within ~2 ulp.
-            # Pure arithmetic (no libm call), so loops over it vectorise. -inf is clamped to ~1e-38, which the
-            # callers only ever multiply by zero or add to sums that are at least 1.
-            x = min(max(x, _EXP_MIN), _EXP_MAX)
-            n = np.floor(x * _LOG2E + _HALF)
-            r = (x - n * _LN2_HI) - n * _LN2_LO
-            p = _ONE + r * (_ONE + r * (_C2 + r * (_C3 + r * (_C4 + r * (_C5 + r * _C6)))))
-            return p * _pow2_f32(n)
-        return impl
-    if x == types.float64:
-        def impl(x):
-            return math.exp(x)
-        return impl
-    return None
-
-
-_EXP2_MIN = np.float32(-126.0)  # 2^-126 is the smallest normal float32
-_E1 = np.float32(0.6931471805599453)  # ln(2)^k / k!: 2^f = exp(f ln 2) as a polynomial in f directly
-_E2 = np.float32(0.6931471805599453 ** 2 / 2)
-_E3 = np.float32(0.6931471805599453 ** 3 / 6)
-_E4 = np.float32(0.6931471805599453 ** 4 / 24)
-_E5 = np.float32(0.6931471805599453 ** 5 / 120)
-_E6 = np.float32(0.6931471805599453 ** 6 / 720)
-
-
-def _fast_exp2_nonpos(x):  # pragma: no cover - typed by the overload below
-    raise NotImplementedError
-
-
-@overload(_fast_exp2_nonpos, inline="always")
-def _fast_exp2_nonpos_impl(x):
-    if x == types.float32:
-        def impl(x):
-            # 2^x for x <= 0 (the forward only ever exponentiates score - running max). Working in base 2 (log2(e)
-            # folded into the query scale) saves the multiply and the two-step ln 2 range reduction of _fast_exp:
-            # n = round(x), |f| <= 1/2, degree-6 Taylor of exp(f ln 2) is within ~2 ulp. -inf clamps to 2^-126.
-            x = max(x, _EXP2_MIN)
+            # n = round(x), |f| <= 1/2, and a degree-6 Taylor polynomial of exp(f ln 2) is within ~2 ulp. Pure
+            # arithmetic, so loops over it vectorise. -inf (a masked score, or lse = +inf for a row that sees no
+            # key) clamps to -127 and comes out as exactly 0.
+            x = min(max(x, _EXP2_MIN), _EXP2_MAX)
             n = np.floor(x + _HALF)
             f = x - n
             p = _ONE + f * (_E1 + f * (_E2 + f * (_E3 + f * (_E4 + f * (_E5 + f * _E6)))))
@@ -127,7 +128,7 @@ def _fast_exp2_nonpos_impl(x):
         return impl
     if x == types.float64:
         def impl(x):
-            return math.exp(x * 0.6931471805599453)
+            return math.exp(x * _LN2)
         return impl
     return None
 
@@ -148,21 +149,23 @@ def _as_dtype_of_impl(a, x):
     return impl
 
 
-_MR = 4    # rows of C per register block
-_NR = 16   # columns of C per register block: two AVX2 vectors of float32
+# ---------------------------------------------------------------------------------------------------------------
+# The micro-kernel
 
 
-def _mm_block_codegen(a_transposed):
-    """LLVM IR for C[i:i+4, j:j+16] (+)= A[i:i+4, :kdim] @ B[:kdim, j:j+16] on float32 arrays whose last axis is
-    unit-stride, A given as is or (``a_transposed``) as A^T, shape (kdim, >= i+4).
+def _mm_block_codegen(a_transposed: bool, nvec: int) -> Callable:
+    """LLVM IR for C[i:i+MR, j:j+nvec*LANES] (+)= A[i:i+MR, :kdim] @ B[:kdim, j:j+nvec*LANES] on float32 2-D arrays
+    whose last axis is unit-stride, A given as is or (``a_transposed``) as A^T, shape (kdim, >= i+MR).
 
-    Written as IR because neither of LLVM's vectorisers finds this shape in a Python loop nest: the eight 8-wide
-    accumulators stay in registers for the whole k loop, each step broadcasting four A values, loading two B
-    vectors and issuing eight FMAs, so loads stay below FMAs and no horizontal sum is ever needed."""
+    Written as IR because neither of LLVM's vectorisers finds this shape in a Python loop nest: the MR * nvec
+    accumulators stay in registers for the whole k loop, each step broadcasting MR values of A, loading nvec vectors
+    of B and issuing MR * nvec multiply-adds, so loads stay below FMAs and no horizontal sum is ever needed."""
+    mr, lanes = _MR, _LANES
+
     def codegen(context, builder, signature, args):
         cty, aty, bty, ity, jty, kty, accty = signature.args
         f32 = ir.FloatType()
-        v8 = ir.VectorType(f32, 8)
+        vty = ir.VectorType(f32, lanes)
         i64 = ir.IntType(64)
         i8p = ir.IntType(8).as_pointer()
         arrs = [context.make_array(t)(context, builder, v) for t, v in zip((cty, aty, bty), args[:3])]
@@ -178,111 +181,110 @@ def _mm_block_codegen(a_transposed):
             off = builder.add(builder.mul(row, rstride), builder.mul(col, four))
             return builder.bitcast(builder.gep(base, [off]), ty.as_pointer())
 
-        def vload(p):
-            return builder.load(p, align=4)
+        def col(h):
+            return builder.add(jj, ir.Constant(i64, lanes * h))
 
-        accs = [[cgutils.alloca_once(builder, v8) for _ in range(2)] for _ in range(_MR)]
-        cptr = [[addr(bases[0], builder.add(ii, ir.Constant(i64, r)), rs[0],
-                      builder.add(jj, ir.Constant(i64, 8 * h)), v8) for h in range(2)] for r in range(_MR)]
+        accs = [[cgutils.alloca_once(builder, vty) for _ in range(nvec)] for _ in range(mr)]
+        cptr = [[addr(bases[0], builder.add(ii, ir.Constant(i64, r)), rs[0], col(h), vty) for h in range(nvec)]
+                for r in range(mr)]
         with builder.if_else(acc_flag) as (then, otherwise):
             with then:
-                for r in range(_MR):
-                    for h in range(2):
-                        builder.store(vload(cptr[r][h]), accs[r][h])
+                for r in range(mr):
+                    for h in range(nvec):
+                        builder.store(builder.load(cptr[r][h], align=4), accs[r][h])
             with otherwise:
-                for r in range(_MR):
-                    for h in range(2):
-                        builder.store(ir.Constant(v8, None), accs[r][h])
-        zero_mask = ir.Constant(ir.VectorType(ir.IntType(32), 8), None)
+                for r in range(mr):
+                    for h in range(nvec):
+                        builder.store(ir.Constant(vty, None), accs[r][h])
+        zero_mask = ir.Constant(ir.VectorType(ir.IntType(32), lanes), None)
         with cgutils.for_range(builder, kd) as loop:
             k = loop.index
-            b0 = vload(addr(bases[2], k, rs[2], jj, v8))
-            b1 = vload(addr(bases[2], k, rs[2], builder.add(jj, ir.Constant(i64, 8)), v8))
-            for r in range(_MR):
+            bv = [builder.load(addr(bases[2], k, rs[2], col(h), vty), align=4) for h in range(nvec)]
+            for r in range(mr):
+                row = builder.add(ii, ir.Constant(i64, r))
                 if a_transposed:
-                    av = builder.load(addr(bases[1], k, rs[1], builder.add(ii, ir.Constant(i64, r)), f32))
+                    av = builder.load(addr(bases[1], k, rs[1], row, f32))
                 else:
-                    av = builder.load(addr(bases[1], builder.add(ii, ir.Constant(i64, r)), rs[1], k, f32))
-                bc = builder.shuffle_vector(builder.insert_element(ir.Constant(v8, ir.Undefined), av,
+                    av = builder.load(addr(bases[1], row, rs[1], k, f32))
+                bc = builder.shuffle_vector(builder.insert_element(ir.Constant(vty, ir.Undefined), av,
                                                                    ir.Constant(ir.IntType(32), 0)),
-                                            ir.Constant(v8, ir.Undefined), zero_mask)
-                for h, bv in enumerate((b0, b1)):
-                    # 'contract' lets LLVM fuse into an FMA where the target has one (and stay correct where it has not)
-                    prod = builder.fmul(bc, bv, flags=("contract",))
+                                            ir.Constant(vty, ir.Undefined), zero_mask)
+                for h in range(nvec):
+                    # 'contract' lets LLVM fuse into an FMA where the target has one (and stay correct where not)
+                    prod = builder.fmul(bc, bv[h], flags=("contract",))
                     builder.store(builder.fadd(builder.load(accs[r][h]), prod, flags=("contract",)), accs[r][h])
-        for r in range(_MR):
-            for h in range(2):
+        for r in range(mr):
+            for h in range(nvec):
                 builder.store(builder.load(accs[r][h]), cptr[r][h], align=4)
         return context.get_dummy_value()
 
     return codegen
 
 
-def _unit_stride_f32(*arrays) -> bool:
-    """Whether every array is a 2-D C-contiguous float32 array: what the IR micro-kernels assume about strides."""
-    return all(isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 2 and x.layout == "C"
-               for x in arrays)
+def _rows_f32(*arrays) -> bool:
+    """Whether every array is a 2-D float32 array: what the IR micro-kernels take. They also assume a unit-stride
+    last axis, which numba's types cannot state for a strided view; the host code guarantees it."""
+    return all(isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 2 for x in arrays)
 
 
-def _mm_block_sig(c, a, b, i, j, kdim, accumulate):
-    if not _unit_stride_f32(c, a, b):
-        return None
-    return types.none(c, a, b, i, j, kdim, accumulate)
-
-
-@intrinsic
-def _mm_block_f32(typingctx, c, a, b, i, j, kdim, accumulate):
-    """C[i:i+4, j:j+16] (+)= A[i:i+4, :kdim] @ B[:kdim, j:j+16], float32, rows unit-stride."""
-    sig = _mm_block_sig(c, a, b, i, j, kdim, accumulate)
-    return None if sig is None else (sig, _mm_block_codegen(False))
+def _block_sig(c, a, b, i, j, kdim, accumulate):
+    return types.none(c, a, b, i, j, kdim, accumulate) if _rows_f32(c, a, b) else None
 
 
 @intrinsic
-def _mm_block_at_f32(typingctx, c, at, b, i, j, kdim, accumulate):
-    """C[i:i+4, j:j+16] (+)= AT[:kdim, i:i+4]^T @ B[:kdim, j:j+16], float32, rows unit-stride."""
-    sig = _mm_block_sig(c, at, b, i, j, kdim, accumulate)
-    return None if sig is None else (sig, _mm_block_codegen(True))
+def _block2(typingctx, c, a, b, i, j, kdim, accumulate):
+    """C[i:i+MR, j:j+NR] (+)= A[i:i+MR, :kdim] @ B[:kdim, j:j+NR], float32."""
+    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(False, 2))
+
+
+@intrinsic
+def _block1(typingctx, c, a, b, i, j, kdim, accumulate):
+    """C[i:i+MR, j:j+LANES] (+)= A[i:i+MR, :kdim] @ B[:kdim, j:j+LANES], float32."""
+    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(False, 1))
+
+
+@intrinsic
+def _block2_at(typingctx, c, at, b, i, j, kdim, accumulate):
+    """C[i:i+MR, j:j+NR] (+)= AT[:kdim, i:i+MR]^T @ B[:kdim, j:j+NR], float32."""
+    sig = _block_sig(c, at, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(True, 2))
+
+
+@intrinsic
+def _block1_at(typingctx, c, at, b, i, j, kdim, accumulate):
+    """C[i:i+MR, j:j+LANES] (+)= AT[:kdim, i:i+MR]^T @ B[:kdim, j:j+LANES], float32."""
+    sig = _block_sig(c, at, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(True, 1))
 
 
 def _mm(c, a, b, kdim, accumulate):  # pragma: no cover - typed by the overload below
-    """c (=|+=) a[:, :kdim] @ b[:kdim] for 2-D arrays with unit-stride rows: c (R, N), a (R, >= kdim),
-    b (>= kdim, N); R % 4 == 0 and N % 16 == 0."""
+    """c (=|+=) a[:, :kdim] @ b[:kdim, :c.shape[1]] for 2-D arrays with unit-stride rows: c (R, N), a (R, >= kdim),
+    b (>= kdim, >= N); R % 8 == 0 and N % 16 == 0."""
     raise NotImplementedError
 
 
 def _mm_at(c, at, b, kdim, accumulate):  # pragma: no cover - typed by the overload below
-    """c (=|+=) at[:kdim].T @ b[:kdim] for 2-D arrays with unit-stride rows: c (R, N), at (>= kdim, R),
-    b (>= kdim, N); R % 4 == 0 and N % 16 == 0. Saves transposing P and dS in the backward."""
+    """c (=|+=) at[:kdim].T @ b[:kdim, :c.shape[1]] for 2-D arrays with unit-stride rows: c (R, N),
+    at (>= kdim, R), b (>= kdim, >= N); R % 8 == 0 and N % 16 == 0. Saves transposing P and dS."""
     raise NotImplementedError
-
-
-@overload(_mm_at, inline="never")
-def _mm_at_impl(c, at, b, kdim, accumulate):
-    if _unit_stride_f32(c, at, b):
-        def impl(c, at, b, kdim, accumulate):
-            for j in range(0, c.shape[1], _NR):
-                for i in range(0, c.shape[0], _MR):
-                    _mm_block_at_f32(c, at, b, i, j, kdim, accumulate)
-        return impl
-
-    def impl(c, at, b, kdim, accumulate):
-        if not accumulate:
-            c[:] = 0
-        for k in range(kdim):
-            for i in range(c.shape[0]):
-                aik = at[k, i]
-                for j in range(c.shape[1]):
-                    c[i, j] += aik * b[k, j]
-    return impl
 
 
 @overload(_mm, inline="never")
 def _mm_impl(c, a, b, kdim, accumulate):
-    if _unit_stride_f32(c, a, b):
+    if _rows_f32(c, a, b):
         def impl(c, a, b, kdim, accumulate):
-            for j in range(0, c.shape[1], _NR):
+            # Column blocks outermost: the (kdim x NR) panel of B in use stays in L1 while A streams as broadcasts.
+            n = c.shape[1]
+            j = 0
+            while j + _NR <= n:
                 for i in range(0, c.shape[0], _MR):
-                    _mm_block_f32(c, a, b, i, j, kdim, accumulate)
+                    _block2(c, a, b, i, j, kdim, accumulate)
+                j += _NR
+            if j < n:  # a last 16 columns (512-bit vectors, D_pad % 32 == 16)
+                for i in range(0, c.shape[0], _MR):
+                    _block1(c, a, b, i, j, kdim, accumulate)
         return impl
 
     def impl(c, a, b, kdim, accumulate):
@@ -296,86 +298,34 @@ def _mm_impl(c, a, b, kdim, accumulate):
     return impl
 
 
-def _row_reduce_codegen(kind):
-    def codegen(context, builder, signature, args):
-        sty, rty, ity = signature.args
-        f32 = ir.FloatType()
-        v8 = ir.VectorType(f32, 8)
-        i8p = ir.IntType(8).as_pointer()
-        arr = context.make_array(sty)(context, builder, args[0])
-        rstride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
-        row = context.cast(builder, args[1], rty, types.int64)
-        init = context.cast(builder, args[2], ity, types.float32)
-        base = builder.gep(builder.bitcast(arr.data, i8p), [builder.mul(row, rstride)])
-        vptr = builder.bitcast(base, v8.as_pointer())
-        vals = [builder.load(builder.gep(vptr, [ir.Constant(ir.IntType(64), g)]), align=4)
-                for g in range(BLOCK_N // 8)]
-        if kind == "max":
-            vfn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8]), "llvm.maxnum.v8f32")
-            sfn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, f32]), "llvm.maxnum.f32")
-            vop = lambda x, y: builder.call(vfn, [x, y])  # noqa: E731
-            sop = lambda x, y: builder.call(sfn, [x, y])  # noqa: E731
-        else:
-            vop = builder.fadd
-            sop = builder.fadd
-        while len(vals) > 1:  # a tree: independent operations, no serial dependency chain
-            vals = [vop(vals[g], vals[g + 1]) for g in range(0, len(vals), 2)]
-        lanes = [builder.extract_element(vals[0], ir.Constant(ir.IntType(32), x)) for x in range(8)]
-        while len(lanes) > 1:
-            lanes = [sop(lanes[g], lanes[g + 1]) for g in range(0, len(lanes), 2)]
-        return sop(lanes[0], init)
-    return codegen
+@overload(_mm_at, inline="never")
+def _mm_at_impl(c, at, b, kdim, accumulate):
+    if _rows_f32(c, at, b):
+        def impl(c, at, b, kdim, accumulate):
+            n = c.shape[1]
+            j = 0
+            while j + _NR <= n:
+                for i in range(0, c.shape[0], _MR):
+                    _block2_at(c, at, b, i, j, kdim, accumulate)
+                j += _NR
+            if j < n:
+                for i in range(0, c.shape[0], _MR):
+                    _block1_at(c, at, b, i, j, kdim, accumulate)
+        return impl
 
-
-@intrinsic
-def _row_max_f32(typingctx, s, r, init):
-    """max(init, max(s[r, :BLOCK_N])) for a float32 2-D array with unit-stride rows. A vector tree: LLVM will not
-    vectorise a max reduction without the no-NaN flag, which the -inf masking cannot allow; -inf compares fine here."""
-    if not _unit_stride_f32(s):
-        return None
-    return types.float32(s, r, init), _row_reduce_codegen("max")
-
-
-@intrinsic
-def _row_sum_f32(typingctx, s, r, init):
-    """init + sum(s[r, :BLOCK_N]) for a float32 2-D array with unit-stride rows, summed as a vector tree."""
-    if not _unit_stride_f32(s):
-        return None
-    return types.float32(s, r, init), _row_reduce_codegen("sum")
-
-
-def _row_max(s, r, init):  # pragma: no cover - typed by the overload below
-    raise NotImplementedError
-
-
-def _row_sum(s, r, init):  # pragma: no cover - typed by the overload below
-    raise NotImplementedError
-
-
-@overload(_row_max, inline="always")
-def _row_max_impl(s, r, init):
-    if _unit_stride_f32(s):
-        return lambda s, r, init: _row_max_f32(s, r, init)
-
-    def impl(s, r, init):
-        mx = init
-        for c in range(BLOCK_N):
-            mx = max(mx, s[r, c])
-        return mx
+    def impl(c, at, b, kdim, accumulate):
+        if not accumulate:
+            c[:] = 0
+        for k in range(kdim):
+            for i in range(c.shape[0]):
+                aik = at[k, i]
+                for j in range(c.shape[1]):
+                    c[i, j] += aik * b[k, j]
     return impl
 
 
-@overload(_row_sum, inline="always")
-def _row_sum_impl(s, r, init):
-    if _unit_stride_f32(s):
-        return lambda s, r, init: _row_sum_f32(s, r, init)
-
-    def impl(s, r, init):
-        tot = init
-        for c in range(BLOCK_N):
-            tot += s[r, c]
-        return tot
-    return impl
+# ---------------------------------------------------------------------------------------------------------------
+# Masks
 
 
 @njit(inline="always", cache=True)
@@ -392,196 +342,24 @@ def _row_key_range(i, seqlen_q, seqlen_k, left, right):
 
 @njit(inline="always", cache=True)
 def _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi):
-    """Fill the per-row key ranges of the query tile starting at ``i0`` and return the union ``[lo, hi)`` over
-    its rows (empty when no row sees any key). Both ends of a row's range grow with the row, but a row may see
-    nothing, so the union is taken over the rows that see something."""
+    """Fill the per-row key ranges of the query tile starting at ``i0`` and return ``(lo, hi, full_lo, full_hi)``:
+    the union ``[lo, hi)`` of the ranges of its rows (empty when no row sees a key), and the keys
+    ``[full_lo, full_hi)`` that every real row sees (a key tile inside it needs no mask)."""
     lo = seqlen_k
     hi = 0
+    full_lo = 0
+    full_hi = seqlen_k
     for r in range(row_lo.shape[0]):
         a, e = _row_key_range(i0 + r, seqlen_q, seqlen_k, left, right)
         row_lo[r] = a
         row_hi[r] = e
+        if i0 + r < seqlen_q:
+            full_lo = max(full_lo, a)
+            full_hi = min(full_hi, e)
         if a < e:
             lo = min(lo, a)
             hi = max(hi, e)
-    return lo, hi
-
-
-@njit(parallel=True, cache=True)
-def _pack(src, dst):
-    """dst[b, h, s, d] = src[b, s, h, d], zero in the padding. src (B, S, H, D) any strides; dst (B, H, Sp, Dp)."""
-    batch, seqlen, nheads, hd = src.shape
-    for u in prange(batch * nheads):
-        b = u // nheads
-        h = u % nheads
-        for s in range(seqlen):
-            for d in range(hd):
-                dst[b, h, s, d] = src[b, s, h, d]
-            for d in range(hd, dst.shape[3]):
-                dst[b, h, s, d] = 0
-        for s in range(seqlen, dst.shape[2]):
-            for d in range(dst.shape[3]):
-                dst[b, h, s, d] = 0
-
-
-@njit(parallel=True, cache=True)
-def _unpack(src, dst):
-    """dst[b, s, h, d] = src[b, h, s, d] for the unpadded part. src (B, H, Sp, Dp); dst (B, S, H, D) any strides."""
-    batch, seqlen, nheads, hd = dst.shape
-    for u in prange(batch * nheads):
-        b = u // nheads
-        h = u % nheads
-        for s in range(seqlen):
-            for d in range(hd):
-                dst[b, s, h, d] = src[b, h, s, d]
-
-
-@njit(parallel=True, cache=True)
-def _pack_kt(src, dst):
-    """dst[b, h, t, d, c] = src[b, t * BN + c, h, d], zero in the padding. src (B, S, H, D) any strides;
-    dst (B, H, n_tiles, Dp, BN)."""
-    batch, seqlen, nheads, hd = src.shape
-    n_t, dp, bn = dst.shape[2], dst.shape[3], dst.shape[4]
-    for u in prange(batch * nheads * n_t):
-        b = u // (nheads * n_t)
-        h = (u // n_t) % nheads
-        t = u % n_t
-        blk = dst[b, h, t]
-        blk[:] = 0
-        for c in range(min(bn, seqlen - t * bn)):
-            for d in range(hd):
-                blk[d, c] = src[b, t * bn + c, h, d]
-
-
-@njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _forward_kernel(qp, ktp, vp, op, lse, seqlen_q, seqlen_k, scale, left, right, softcap):
-    """Online-softmax forward over packed buffers.
-
-    qp, op: (B, Hq, Sq_pad, Dp); ktp: (B, Hkv, Sk_pad / BLOCK_N, Dp, BLOCK_N), K transposed tile by tile;
-    vp: (B, Hkv, Sk_pad, Dp); lse: (B, Hq, Sq) -- all one float dtype.
-    One prange iteration per (batch, query head, query tile): each writes its own rows of op and lse only.
-    """
-    batch, nheads_q, sq_pad, dp = qp.shape
-    nheads_kv = ktp.shape[1]
-    group = nheads_q // nheads_kv
-    bm = BLOCK_M
-    n_qt = sq_pad // bm
-    sc = _as_dtype_of(qp, scale)
-    cap = _as_dtype_of(qp, softcap)
-    inv_cap = _as_dtype_of(qp, 1.0 / softcap if softcap > 0 else 0.0)
-    log2e = _as_dtype_of(qp, 1.4426950408889634)
-    ln2 = _as_dtype_of(qp, 0.6931471805599453)
-    cap2 = _as_dtype_of(qp, softcap * 1.4426950408889634)
-    neg_inf = _as_dtype_of(qp, -np.inf)
-    zero = _as_dtype_of(qp, 0.0)
-    for u in prange(batch * nheads_q * n_qt):
-        b = u // (nheads_q * n_qt)
-        h = (u // n_qt) % nheads_q
-        qt = u % n_qt
-        hk = h // group
-        i0 = qt * bm
-        row_lo = np.empty(bm, np.int64)
-        row_hi = np.empty(bm, np.int64)
-        span_lo, span_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
-        # Scores are kept in base-2 units (times log2 e) so that the softmax needs exp2, which is cheaper.
-        qscale = sc * inv_cap if softcap > 0 else sc * log2e
-        qs = np.empty((bm, dp), qp.dtype)
-        for r in range(bm):
-            for d in range(dp):
-                qs[r, d] = qp[b, h, i0 + r, d] * qscale
-        s = np.empty((bm, BLOCK_N), qp.dtype)
-        acc = np.zeros((bm, dp), qp.dtype)
-        m_run = np.full(bm, neg_inf, qp.dtype)
-        l_run = np.zeros(bm, qp.dtype)
-        kv_v = vp[b, hk]
-        kt_first = span_lo // BLOCK_N
-        kt_end = (span_hi + BLOCK_N - 1) // BLOCK_N if span_lo < span_hi else kt_first
-        for kt in range(kt_first, kt_end):
-            j0 = kt * BLOCK_N
-            _mm(s, qs, ktp[b, hk, kt], dp, False)
-            ncols = min(BLOCK_N, ((span_hi - j0 + 3) // 4) * 4)
-            for r in range(bm):
-                a = max(row_lo[r] - j0, 0)
-                e = min(row_hi[r] - j0, BLOCK_N)
-                if a >= e:
-                    for c in range(BLOCK_N):
-                        s[r, c] = zero
-                    continue
-                edge = a > 0 or e < BLOCK_N
-                if softcap > 0:
-                    for c in range(BLOCK_N):
-                        s[r, c] = cap2 * math.tanh(s[r, c])
-                if edge:
-                    for c in range(a):
-                        s[r, c] = neg_inf
-                    for c in range(e, BLOCK_N):
-                        s[r, c] = neg_inf
-                mx = _row_max(s, r, m_run[r])
-                for c in range(BLOCK_N):
-                    s[r, c] = _fast_exp2_nonpos(s[r, c] - mx)
-                if edge:
-                    for c in range(a):
-                        s[r, c] = zero
-                    for c in range(e, BLOCK_N):
-                        s[r, c] = zero
-                tot = _row_sum(s, r, zero)
-                alpha = _fast_exp2_nonpos(m_run[r] - mx)
-                l_run[r] = l_run[r] * alpha + tot
-                m_run[r] = mx
-                if alpha != 1:
-                    for d in range(dp):
-                        acc[r, d] *= alpha
-            _mm(acc, s, kv_v[j0:j0 + BLOCK_N], ncols, True)
-        for r in range(min(bm, seqlen_q - i0)):
-            if l_run[r] > 0:
-                inv = 1 / l_run[r]
-                for d in range(dp):
-                    op[b, h, i0 + r, d] = acc[r, d] * inv
-                lse[b, h, i0 + r] = m_run[r] * ln2 + math.log(l_run[r])
-            else:
-                for d in range(dp):
-                    op[b, h, i0 + r, d] = zero
-                lse[b, h, i0 + r] = -neg_inf
-
-
-@njit(inline="always", fastmath=_FASTMATH, cache=True)
-def _probs_and_dscores(s, dpm, lse_row, delta_row, i0, j0, row_lo, row_hi, sc, cap, inv_cap, softcap):
-    """Turn raw dot products into probabilities and score gradients for one (query tile, key tile) pair.
-
-    s: (BM, BN) holds q.k on entry and P = exp(score - lse) on exit; dpm: (BM, BN) holds dO.v on entry and
-    dS = P * (dP - delta) * dscore/draw * scale on exit (the gradient w.r.t. the raw dot product q.k).
-    Entries outside a row's visible keys are set to 0 in both.
-    """
-    zero = _as_dtype_of(s, 0.0)
-    one = _as_dtype_of(s, 1.0)
-    for r in range(BLOCK_M):
-        a = max(row_lo[r] - j0, 0)
-        e = min(row_hi[r] - j0, BLOCK_N)
-        if a >= e:
-            for c in range(BLOCK_N):
-                s[r, c] = zero
-                dpm[r, c] = zero
-            continue
-        lr = lse_row[i0 + r]
-        dl = delta_row[i0 + r]
-        # Whole-width loops vectorise (see the forward); masked entries are computed, then zeroed.
-        if softcap > 0:
-            for c in range(BLOCK_N):
-                t = math.tanh(s[r, c] * sc * inv_cap)
-                p = _fast_exp(cap * t - lr)
-                s[r, c] = p
-                dpm[r, c] = p * (dpm[r, c] - dl) * (one - t * t) * sc
-        else:
-            for c in range(BLOCK_N):
-                p = _fast_exp(s[r, c] * sc - lr)
-                s[r, c] = p
-                dpm[r, c] = p * (dpm[r, c] - dl) * sc
-        for c in range(a):
-            s[r, c] = zero
-            dpm[r, c] = zero
-        for c in range(e, BLOCK_N):
-            s[r, c] = zero
-            dpm[r, c] = zero
+    return lo, hi, full_lo, full_hi
 
 
 @njit(inline="always", cache=True)
@@ -596,141 +374,349 @@ def _query_tiles_seeing(j0, j1, seqlen_q, seqlen_k, left, right):
     return i_lo // BLOCK_M, (i_hi + BLOCK_M - 1) // BLOCK_M
 
 
-@njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _backward_kv_kernel(qp, kp, ktp, vtp, dop, lse, delta, dqp, dkp, dvp, seqlen_q, seqlen_k, scale, left, right,
-                        softcap, kt_per_unit, fuse_dq):
-    """dK and dV (and, with ``fuse_dq``, dQ) over packed buffers.
+@njit(inline="always", cache=True)
+def _mask_block(st, j0, nk, row_lo, row_hi, fill):
+    """st[c, r] = fill where query r does not see key j0 + c, for the first nk key rows of a (BN, BM) block."""
+    for c in range(nk):
+        j = j0 + c
+        for r in range(st.shape[1]):
+            if j < row_lo[r] or j >= row_hi[r]:
+                st[c, r] = fill
 
-    qp, dop, dqp: (B, Hq, Sq_pad, Dp); kp, vp, dkp, dvp: (B, Hkv, Sk_pad, Dp); lse, delta: (B, Hq, Sq_pad).
-    One prange iteration per (batch, kv head, run of ``kt_per_unit`` key tiles). It sums dK/dV for its key tiles
-    over every query head of the group and every query tile that sees them, and writes only those rows of dkp and
-    dvp. dQ rows collect contributions from all key tiles, so they may be accumulated here (``fuse_dq``) only when
-    one iteration owns all key tiles of its (batch, kv head): then it is also the only writer of its group's dQ,
-    no two iterations touch the same memory, and the scores need not be recomputed in a second pass.
+
+@njit(inline="always", cache=True)
+def _load_rows(dst, src, n, head_dim):
+    """dst[:n, :head_dim] = src[:n, :head_dim] and zero in dst's rows n..; columns past head_dim keep their
+    (zero) contents. src is a strided 2-D view of a caller's array."""
+    zero = _as_dtype_of(dst, 0.0)
+    for c in range(n):
+        for d in range(head_dim):
+            dst[c, d] = src[c, d]
+    for c in range(n, dst.shape[0]):
+        for d in range(dst.shape[1]):
+            dst[c, d] = zero
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Forward
+
+
+@njit(parallel=True, fastmath=_FASTMATH, cache=True)
+def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap):
+    """Online-softmax forward. One prange iteration per (batch, query head, query tile); each writes only its own
+    rows of out and lse.
+
+    q, out: (B, Sq, Hq, >= D), any strides; lse: (B, Hq, Sq), any strides;
+    k, v: (B, Sk, Hkv, D_pad) views of head-major buffers (``_head_major``), D_pad = D rounded up to 16, zero past D.
+    All one float dtype.
     """
-    batch, nheads_q, sq_pad, dp = qp.shape
-    nheads_kv, sk_pad = kp.shape[1], kp.shape[2]
+    batch, seqlen_q, nheads_q = q.shape[0], q.shape[1], q.shape[2]
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads_q // nheads_kv
-    n_kt = sk_pad // BLOCK_N
-    n_chunks = (n_kt + kt_per_unit - 1) // kt_per_unit
-    sc = _as_dtype_of(qp, scale)
-    cap = _as_dtype_of(qp, softcap)
-    inv_cap = _as_dtype_of(qp, 1.0 / softcap if softcap > 0 else 0.0)
-    for u in prange(batch * nheads_kv * n_chunks):
-        b = u // (nheads_kv * n_chunks)
-        hk = (u // n_chunks) % nheads_kv
-        chunk = u % n_chunks
-        row_lo = np.empty(BLOCK_M, np.int64)
-        row_hi = np.empty(BLOCK_M, np.int64)
-        s = np.empty((BLOCK_M, BLOCK_N), qp.dtype)
-        dpm = np.empty((BLOCK_M, BLOCK_N), qp.dtype)
-        dk_acc = np.empty((BLOCK_N, dp), qp.dtype)
-        dv_acc = np.empty((BLOCK_N, dp), qp.dtype)
-        for kt in range(chunk * kt_per_unit, min(n_kt, (chunk + 1) * kt_per_unit)):
-            j0 = kt * BLOCK_N
-            kb = kp[b, hk, j0:j0 + BLOCK_N]
-            ktb = ktp[b, hk, kt]
-            vtb = vtp[b, hk, kt]
-            dk_acc[:] = 0
-            dv_acc[:] = 0
-            qt_first, qt_end = _query_tiles_seeing(j0, min(j0 + BLOCK_N, seqlen_k), seqlen_q, seqlen_k, left, right)
-            for h in range(hk * group, (hk + 1) * group):
-                for qt in range(qt_first, qt_end):
-                    i0 = qt * BLOCK_M
-                    _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
-                    qb = qp[b, h, i0:i0 + BLOCK_M]
-                    dob = dop[b, h, i0:i0 + BLOCK_M]
-                    _mm(s, qb, ktb, dp, False)
-                    _mm(dpm, dob, vtb, dp, False)
-                    _probs_and_dscores(s, dpm, lse[b, h], delta[b, h], i0, j0, row_lo, row_hi, sc, cap, inv_cap,
-                                       softcap)
-                    _mm_at(dv_acc, s, dob, BLOCK_M, True)
-                    _mm_at(dk_acc, dpm, qb, BLOCK_M, True)
-                    if fuse_dq:
-                        _mm(dqp[b, h, i0:i0 + BLOCK_M], dpm, kb, BLOCK_N, True)
-            dkp[b, hk, j0:j0 + BLOCK_N] = dk_acc
-            dvp[b, hk, j0:j0 + BLOCK_N] = dv_acc
-
-
-@njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _backward_dq_kernel(qp, kp, ktp, vtp, dop, lse, delta, dqp, seqlen_q, seqlen_k, scale, left, right, softcap):
-    """dQ over packed buffers, one prange iteration per (batch, query head, query tile): it recomputes P and dS for
-    the key tiles its rows see and is the only writer of its dQ rows. Shapes as in ``_backward_kv_kernel``."""
-    batch, nheads_q, sq_pad, dp = qp.shape
-    nheads_kv = kp.shape[1]
-    group = nheads_q // nheads_kv
-    n_qt = sq_pad // BLOCK_M
-    sc = _as_dtype_of(qp, scale)
-    cap = _as_dtype_of(qp, softcap)
-    inv_cap = _as_dtype_of(qp, 1.0 / softcap if softcap > 0 else 0.0)
+    dp = (head_dim + _D_ALIGN - 1) // _D_ALIGN * _D_ALIGN
+    n_qt = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+    # Scores in base-2 units (times log2 e), so that the softmax needs exp2.
+    qscale = _as_dtype_of(q, scale / softcap if softcap > 0 else scale * _LOG2E)
+    cap2 = _as_dtype_of(q, softcap * _LOG2E)
+    ln2 = _as_dtype_of(q, _LN2)
+    neg_inf = _as_dtype_of(q, -np.inf)
+    zero = _as_dtype_of(q, 0.0)
+    one = _as_dtype_of(q, 1.0)
     for u in prange(batch * nheads_q * n_qt):
         b = u // (nheads_q * n_qt)
         h = (u // n_qt) % nheads_q
         qt = u % n_qt
         hk = h // group
         i0 = qt * BLOCK_M
+        nq = min(BLOCK_M, seqlen_q - i0)
         row_lo = np.empty(BLOCK_M, np.int64)
         row_hi = np.empty(BLOCK_M, np.int64)
-        span_lo, span_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
-        s = np.empty((BLOCK_M, BLOCK_N), qp.dtype)
-        dpm = np.empty((BLOCK_M, BLOCK_N), qp.dtype)
-        dq_acc = np.zeros((BLOCK_M, dp), qp.dtype)
-        qb = qp[b, h, i0:i0 + BLOCK_M]
-        dob = dop[b, h, i0:i0 + BLOCK_M]
+        span_lo, span_hi, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
+        q_t = np.zeros((head_dim, BLOCK_M), q.dtype)  # scaled Q^T; padding rows stay 0
+        for r in range(nq):
+            for d in range(head_dim):
+                q_t[d, r] = q[b, i0 + r, h, d] * qscale
+        k_tail = np.empty((BLOCK_N, head_dim), q.dtype)  # a last, partial key tile, zero-padded
+        st = np.empty((BLOCK_N, BLOCK_M), q.dtype)
+        acc = np.zeros((BLOCK_M, dp), q.dtype)
+        m_run = np.full(BLOCK_M, neg_inf, q.dtype)
+        m_use = np.empty(BLOCK_M, q.dtype)
+        l_run = np.zeros(BLOCK_M, q.dtype)
+        alpha = np.empty(BLOCK_M, q.dtype)
         kt_first = span_lo // BLOCK_N
         kt_end = (span_hi + BLOCK_N - 1) // BLOCK_N if span_lo < span_hi else kt_first
         for kt in range(kt_first, kt_end):
             j0 = kt * BLOCK_N
-            kb = kp[b, hk, j0:j0 + BLOCK_N]
-            _mm(s, qb, ktp[b, hk, kt], dp, False)
-            _mm(dpm, dob, vtp[b, hk, kt], dp, False)
-            _probs_and_dscores(s, dpm, lse[b, h], delta[b, h], i0, j0, row_lo, row_hi, sc, cap, inv_cap, softcap)
-            _mm(dq_acc, dpm, kb, BLOCK_N, True)
-        dqp[b, h, i0:i0 + BLOCK_M] = dq_acc
+            nk = min(BLOCK_N, seqlen_k - j0)
+            if nk == BLOCK_N:
+                _mm(st, k[b, j0:j0 + BLOCK_N, hk], q_t, head_dim, False)
+            else:
+                _load_rows(k_tail, k[b, j0:j0 + nk, hk], nk, head_dim)
+                _mm(st, k_tail, q_t, head_dim, False)
+            if softcap > 0:
+                for c in range(nk):
+                    for r in range(BLOCK_M):
+                        st[c, r] = cap2 * math.tanh(st[c, r])
+            if not (full_lo <= j0 and j0 + nk <= full_hi):
+                _mask_block(st, j0, nk, row_lo, row_hi, neg_inf)
+            for r in range(BLOCK_M):
+                m_use[r] = m_run[r]
+            for c in range(nk):
+                for r in range(BLOCK_M):
+                    m_use[r] = max(m_use[r], st[c, r])
+            for r in range(BLOCK_M):
+                m_new = m_use[r]
+                # A query that has seen no key yet keeps max -inf; shifting by 0 makes its exp2 0, never NaN.
+                if m_new == neg_inf:
+                    m_use[r] = zero
+                alpha[r] = _fast_exp2(m_run[r] - m_use[r])
+                l_run[r] *= alpha[r]
+                m_run[r] = m_new
+            for c in range(nk):
+                for r in range(BLOCK_M):
+                    p = _fast_exp2(st[c, r] - m_use[r])
+                    st[c, r] = p
+                    l_run[r] += p
+            for r in range(BLOCK_M):
+                a = alpha[r]
+                if a != one:
+                    for d in range(dp):
+                        acc[r, d] *= a
+            _mm_at(acc, st, v[b, j0:j0 + nk, hk], nk, True)
+        for r in range(nq):
+            if l_run[r] > zero:
+                inv = one / l_run[r]
+                for d in range(head_dim):
+                    out[b, i0 + r, h, d] = acc[r, d] * inv
+                lse[b, h, i0 + r] = m_run[r] * ln2 + math.log(l_run[r])
+            else:
+                for d in range(head_dim):
+                    out[b, i0 + r, h, d] = zero
+                lse[b, h, i0 + r] = -neg_inf
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backward
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _probs_and_dscores(st, dpt, lse2, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi, sc2, scale, inv_cap,
+                       cap2, softcap):
+    """Turn one (BN, BM) block of raw dot products into probabilities and score gradients, transposed.
+
+    st: holds k.q on entry, P^T on exit; dpt: holds v.dO (dP^T) on entry, dS^T on exit, where dS is the gradient
+    with respect to the raw dot product q.k: ``dS = P * (dP - delta) * dscore/draw * scale``. lse2 is the lse in
+    base-2 units, +inf for padding and for rows that see no key (P = 0 there). Key rows past nk and masked entries
+    become 0 in both.
+    """
+    zero = _as_dtype_of(st, 0.0)
+    one = _as_dtype_of(st, 1.0)
+    bm = st.shape[1]
+    if softcap > 0:
+        for c in range(nk):
+            for r in range(bm):
+                t = math.tanh(st[c, r] * inv_cap)
+                p = _fast_exp2(cap2 * t - lse2[i0 + r])
+                st[c, r] = p
+                dpt[c, r] = p * (dpt[c, r] - delta[i0 + r]) * (one - t * t) * scale
+    else:
+        for c in range(nk):
+            for r in range(bm):
+                p = _fast_exp2(st[c, r] * sc2 - lse2[i0 + r])
+                st[c, r] = p
+                dpt[c, r] = p * (dpt[c, r] - delta[i0 + r]) * scale
+    if not (full_lo <= j0 and j0 + nk <= full_hi):
+        _mask_block(st, j0, nk, row_lo, row_hi, zero)
+        _mask_block(dpt, j0, nk, row_lo, row_hi, zero)
+    for c in range(nk, st.shape[0]):
+        for r in range(bm):
+            st[c, r] = zero
+            dpt[c, r] = zero
+
+
+@njit(parallel=True, fastmath=_FASTMATH, cache=True)
+def _backward_kv_kernel(q, k, v, dout, q_t, do_t, lse2, delta, dq_acc, dk, dv, head_dim, scale, left, right,
+                        softcap, kt_per_unit, fuse_dq):
+    """dK and dV (and, with ``fuse_dq``, dQ into ``dq_acc``).
+
+    q, dout: (B, Sq, Hq, D_pad) and k, v: (B, Sk, Hkv, D_pad), views of head-major buffers (``_head_major``);
+    q_t, do_t: (B, Hq, n_qt, D, BLOCK_M), the query tiles of q and dout transposed, zero-padded;
+    lse2, delta: (B, Hq, n_qt * BLOCK_M), lse in base 2 (+inf in the padding) and rowsum(dO * O);
+    dq_acc: (B, Hq, n_qt * BLOCK_M, D_pad), zeroed, accumulated into when ``fuse_dq``; dk, dv: (B, Sk, Hkv, >= D),
+    any strides, written.
+    One prange iteration per (batch, kv head, run of ``kt_per_unit`` key tiles): it sums dK/dV for its key tiles
+    over every query head of the group and every query tile that sees them and writes only those rows of dk, dv.
+    dQ rows collect contributions from all key tiles, so they may be accumulated here only when one iteration owns
+    all key tiles of its (batch, kv head): then it is the only writer of its group's dQ, and the scores need not
+    be recomputed in a second pass.
+    """
+    batch, seqlen_q, nheads_q = q.shape[0], q.shape[1], q.shape[2]
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    group = nheads_q // nheads_kv
+    dp = dq_acc.shape[3]
+    n_kt = (seqlen_k + BLOCK_N - 1) // BLOCK_N
+    n_chunks = (n_kt + kt_per_unit - 1) // kt_per_unit
+    sc = _as_dtype_of(q, scale)
+    sc2 = _as_dtype_of(q, scale * _LOG2E)
+    inv_cap = _as_dtype_of(q, scale / softcap if softcap > 0 else 0.0)
+    cap2 = _as_dtype_of(q, softcap * _LOG2E)
+    for u in prange(batch * nheads_kv * n_chunks):
+        b = u // (nheads_kv * n_chunks)
+        hk = (u // n_chunks) % nheads_kv
+        chunk = u % n_chunks
+        row_lo = np.empty(BLOCK_M, np.int64)
+        row_hi = np.empty(BLOCK_M, np.int64)
+        k_s = np.zeros((BLOCK_N, dp), q.dtype)
+        v_s = np.zeros((BLOCK_N, dp), q.dtype)
+        st = np.empty((BLOCK_N, BLOCK_M), q.dtype)
+        dpt = np.empty((BLOCK_N, BLOCK_M), q.dtype)
+        dk_acc = np.empty((BLOCK_N, dp), q.dtype)
+        dv_acc = np.empty((BLOCK_N, dp), q.dtype)
+        for kt in range(chunk * kt_per_unit, min(n_kt, (chunk + 1) * kt_per_unit)):
+            j0 = kt * BLOCK_N
+            nk = min(BLOCK_N, seqlen_k - j0)
+            _load_rows(k_s, k[b, j0:j0 + nk, hk], nk, head_dim)
+            _load_rows(v_s, v[b, j0:j0 + nk, hk], nk, head_dim)
+            dk_acc[:] = 0
+            dv_acc[:] = 0
+            qt_first, qt_end = _query_tiles_seeing(j0, j0 + nk, seqlen_q, seqlen_k, left, right)
+            for h in range(hk * group, (hk + 1) * group):
+                for qt in range(qt_first, qt_end):
+                    i0 = qt * BLOCK_M
+                    nq = min(BLOCK_M, seqlen_q - i0)
+                    _, _, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
+                    _mm(st, k_s, q_t[b, h, qt], head_dim, False)
+                    _mm(dpt, v_s, do_t[b, h, qt], head_dim, False)
+                    _probs_and_dscores(st, dpt, lse2[b, h], delta[b, h], i0, j0, nk, row_lo, row_hi, full_lo,
+                                       full_hi, sc2, sc, inv_cap, cap2, softcap)
+                    _mm(dv_acc, st, dout[b, i0:i0 + nq, h], nq, True)
+                    _mm(dk_acc, dpt, q[b, i0:i0 + nq, h], nq, True)
+                    if fuse_dq:
+                        _mm_at(dq_acc[b, h, i0:i0 + BLOCK_M], dpt, k_s, nk, True)
+            for c in range(nk):
+                for d in range(head_dim):
+                    dk[b, j0 + c, hk, d] = dk_acc[c, d]
+                    dv[b, j0 + c, hk, d] = dv_acc[c, d]
+
+
+@njit(parallel=True, fastmath=_FASTMATH, cache=True)
+def _backward_dq_kernel(k, v, q_t, do_t, lse2, delta, dq, head_dim, scale, left, right, softcap):
+    """dQ, one prange iteration per (batch, query head, query tile): it recomputes P and dS for the key tiles its
+    rows see and is the only writer of its dq rows. k, v, q_t, do_t, lse2, delta as in ``_backward_kv_kernel``;
+    dq: (B, Sq, Hq, >= D), any strides, written."""
+    batch, nheads_q, n_qt = q_t.shape[0], q_t.shape[1], q_t.shape[2]
+    seqlen_q = dq.shape[1]
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    group = nheads_q // nheads_kv
+    dp = (head_dim + _D_ALIGN - 1) // _D_ALIGN * _D_ALIGN
+    sc = _as_dtype_of(k, scale)
+    sc2 = _as_dtype_of(k, scale * _LOG2E)
+    inv_cap = _as_dtype_of(k, scale / softcap if softcap > 0 else 0.0)
+    cap2 = _as_dtype_of(k, softcap * _LOG2E)
+    for u in prange(batch * nheads_q * n_qt):
+        b = u // (nheads_q * n_qt)
+        h = (u // n_qt) % nheads_q
+        qt = u % n_qt
+        hk = h // group
+        i0 = qt * BLOCK_M
+        nq = min(BLOCK_M, seqlen_q - i0)
+        row_lo = np.empty(BLOCK_M, np.int64)
+        row_hi = np.empty(BLOCK_M, np.int64)
+        span_lo, span_hi, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
+        k_s = np.zeros((BLOCK_N, dp), k.dtype)
+        v_s = np.zeros((BLOCK_N, dp), k.dtype)
+        st = np.empty((BLOCK_N, BLOCK_M), k.dtype)
+        dpt = np.empty((BLOCK_N, BLOCK_M), k.dtype)
+        acc = np.zeros((BLOCK_M, dp), k.dtype)
+        kt_first = span_lo // BLOCK_N
+        kt_end = (span_hi + BLOCK_N - 1) // BLOCK_N if span_lo < span_hi else kt_first
+        for kt in range(kt_first, kt_end):
+            j0 = kt * BLOCK_N
+            nk = min(BLOCK_N, seqlen_k - j0)
+            if nk == BLOCK_N:
+                kr = k[b, j0:j0 + BLOCK_N, hk]
+                vr = v[b, j0:j0 + BLOCK_N, hk]
+            else:  # a last, partial key tile: the products read whole tiles, so pad it with zero rows
+                _load_rows(k_s, k[b, j0:j0 + nk, hk], nk, head_dim)
+                _load_rows(v_s, v[b, j0:j0 + nk, hk], nk, head_dim)
+                kr = k_s[:, :]
+                vr = v_s[:, :]
+            _mm(st, kr, q_t[b, h, qt], head_dim, False)
+            _mm(dpt, vr, do_t[b, h, qt], head_dim, False)
+            _probs_and_dscores(st, dpt, lse2[b, h], delta[b, h], i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
+                               sc2, sc, inv_cap, cap2, softcap)
+            _mm_at(acc, dpt, kr, nk, True)
+        for r in range(nq):
+            for d in range(head_dim):
+                dq[b, i0 + r, h, d] = acc[r, d]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host side
 
 
 def _padded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _heads_major(x: np.ndarray, seq_multiple: int) -> np.ndarray | None:
-    """The (B, H, S, D) buffer behind a (B, S, H, D) view when it already has the packed form (C-contiguous, S and
-    D already multiples of the padding): the "bhsd" layout with aligned sizes needs no copy at all."""
+_entries: dict[tuple[str, str], Any] = {}
+_entries_lock = threading.Lock()
+
+
+def _entry(kernel: Any, dtype: np.dtype) -> Any:
+    """The compiled ``kernel`` for ``dtype``. The caller's arrays are typed layout-generic ('A'), so that
+    C-contiguous, transposed and strided views share one compilation (numba would otherwise compile, and cache, one
+    per layout combination); the buffers this module allocates are typed C-contiguous, which lets LLVM vectorise the
+    loops that read them (lse, delta). The first call of a process loads the kernel from numba's on-disk cache."""
+    key = (kernel.py_func.__name__, np.dtype(dtype).name)
+    fn = _entries.get(key)
+    if fn is None:
+        nb = numba.from_dtype(np.dtype(dtype))
+        user = {n: types.Array(nb, n, "A") for n in (3, 4)}
+        own = {n: types.Array(nb, n, "C") for n in (3, 4, 5)}
+        i64, f64, boolean = types.int64, types.float64, types.boolean
+        sigs = {
+            "_forward_kernel": (user[4], user[4], user[4], user[4], user[3], i64, f64, i64, i64, f64),
+            "_backward_kv_kernel": (user[4], user[4], user[4], user[4], own[5], own[5], own[3], own[3], own[4],
+                                    user[4], user[4], i64, f64, i64, i64, f64, i64, boolean),
+            "_backward_dq_kernel": (user[4], user[4], own[5], own[5], own[3], own[3], user[4], i64, f64, i64, i64,
+                                    f64),
+        }
+        with _entries_lock:
+            fn = _entries.get(key)
+            if fn is None:
+                fn = _entries[key] = kernel.compile(sigs[key[0]])
+    return fn
+
+
+def _head_major(x: np.ndarray, head_dim: int) -> np.ndarray:
+    """A (B, S, H, D_pad) view of a C-contiguous (B, H, S, D_pad) buffer holding ``x`` (zero-padded to D_pad = D
+    rounded up to 16): ``x`` itself when it already is one (a contiguous "bhsd" array, or "bshd" with H = 1), else a
+    copy.
+
+    The kernels read K, V, Q and dO rows in place as micro-kernel operands. Head-major rows make a tile one
+    contiguous block; in "bshd" a tile's rows sit H * D * 4 bytes apart, a power of two for the usual sizes, which
+    maps them onto a few L1 sets and made the products about 1.4x slower in a microbenchmark (2 cores, D = 64,
+    H = 8). The copy is O(B * H * S * D), about 1 ms per 8 MiB here, against O(S^2) work."""
     t = x.transpose(0, 2, 1, 3)
-    if t.flags.c_contiguous and t.shape[2] % seq_multiple == 0 and t.shape[3] % _D_ALIGN == 0:
-        return t
-    return None
+    if t.flags.c_contiguous and head_dim % _D_ALIGN == 0:
+        return x
+    batch, seqlen, nheads, _ = x.shape
+    dp = _padded(head_dim, _D_ALIGN)
+    buf = np.empty((batch, nheads, seqlen, dp), x.dtype)
+    buf[..., :head_dim] = t
+    buf[..., head_dim:] = 0
+    return buf.transpose(0, 2, 1, 3)
 
 
-def _packed(x: np.ndarray, seq_multiple: int) -> np.ndarray:
-    """(B, S, H, D) view -> (B, H, S_pad, D_pad) C-contiguous zero-padded array of the same dtype: a view of x's
-    own buffer when it already has that form (never written to), else a new copy."""
-    t = _heads_major(x, seq_multiple)
-    if t is not None:
-        return t
+def _query_tiles_transposed(x: np.ndarray) -> np.ndarray:
+    """(B, S, H, D) view -> (B, H, n_tiles, D, BLOCK_M): each query tile transposed, zero-padded past S. The
+    backward's score products take Q^T and dO^T tiles as their B operands."""
     batch, seqlen, nheads, hd = x.shape
-    out = np.empty((batch, nheads, _padded(seqlen, seq_multiple), _padded(hd, _D_ALIGN)), dtype=x.dtype)
-    _pack(x, out)
-    return out
-
-
-def _packed_transposed(x: np.ndarray) -> np.ndarray:
-    """(B, S, H, D) view -> (B, H, S_pad / BLOCK_N, D_pad, BLOCK_N): each key tile transposed, so that ``Q K^T``
-    runs through the same outer-product micro-kernel as ``P V``, zero-padded like ``_packed``."""
-    batch, seqlen, nheads, hd = x.shape
-    out = np.empty((batch, nheads, _padded(seqlen, BLOCK_N) // BLOCK_N, _padded(hd, _D_ALIGN), BLOCK_N), x.dtype)
-    _pack_kt(x, out)
-    return out
-
-
-def _output_buffer(out: np.ndarray, seq_multiple: int) -> tuple[np.ndarray, bool]:
-    """A packed (B, H, S_pad, D_pad) buffer to compute ``out`` in, and whether it must be copied back to ``out``
-    afterwards (False when it is ``out``'s own memory)."""
-    t = _heads_major(out, seq_multiple)
-    if t is not None:
-        return t, False
-    batch, seqlen, nheads, hd = out.shape
-    return np.empty((batch, nheads, _padded(seqlen, seq_multiple), _padded(hd, _D_ALIGN)), out.dtype), True
+    n_t = -(-seqlen // BLOCK_M)
+    buf = np.zeros((batch, nheads, n_t * BLOCK_M, hd), x.dtype)
+    buf[:, :, :seqlen] = x.transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(buf.reshape(batch, nheads, n_t, BLOCK_M, hd).transpose(0, 1, 2, 4, 3))
 
 
 def _check_dtypes(*arrays: np.ndarray) -> np.dtype:
@@ -748,21 +734,16 @@ def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
     Arguments:
         q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D) with Hq % Hkv == 0. Any strides; not modified.
         out: (B, Sq, Hq, D), any strides; written with the attention output.
-        lse: (B, Hq, Sq) C-contiguous; written with the natural-log sum of exp(score) over visible keys, +inf for
-            a row that sees no key (its output row is 0).
+        lse: (B, Hq, Sq), any strides; written with the natural-log sum of exp(score) over visible keys, +inf for a
+            row that sees no key (its output row is 0).
         All arrays float32, or all float64; accumulation is in that dtype.
         scale: multiplies q.k; window_left / window_right: -1 = unbounded (causal is right = 0);
         softcap: 0 = off, else scores become softcap * tanh(score / softcap).
     """
-    _check_dtypes(q, k, v, out, lse)
-    qp = _packed(q, BLOCK_M)
-    ktp = _packed_transposed(k)
-    vp = _packed(v, BLOCK_N)
-    op, copy_back = _output_buffer(out, BLOCK_M)
-    _forward_kernel(qp, ktp, vp, op, lse, q.shape[1], k.shape[1], float(scale), int(window_left),
-                    int(window_right), float(softcap))
-    if copy_back:
-        _unpack(op, out)
+    dtype = _check_dtypes(q, k, v, out, lse)
+    head_dim = q.shape[3]
+    _entry(_forward_kernel, dtype)(q, _head_major(k, head_dim), _head_major(v, head_dim), out, lse, head_dim,
+                                   float(scale), int(window_left), int(window_right), float(softcap))
 
 
 def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
@@ -778,33 +759,29 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
         All arrays float32, or all float64. scale, window_left, window_right, softcap as in ``flash_forward``.
     """
     dtype = _check_dtypes(dout, q, k, v, out, lse, dq, dk, dv)
-    batch, seqlen_q, nheads_q, _ = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    qp = _packed(q, BLOCK_M)
-    dop = _packed(dout, BLOCK_M)
-    kp = _packed(k, BLOCK_N)
-    ktp = _packed_transposed(k)
-    vtp = _packed_transposed(v)
-    sq_pad = qp.shape[2]
+    batch, seqlen_q, nheads_q, head_dim = q.shape
+    nheads_kv = k.shape[2]
+    q_t = _query_tiles_transposed(q)
+    do_t = _query_tiles_transposed(dout)
+    sq_pad = q_t.shape[2] * BLOCK_M
     # delta_i = dO_i . O_i, the row term of the softmax gradient; padded rows get lse = +inf so that P = 0 there.
     delta = np.zeros((batch, nheads_q, sq_pad), dtype)
     delta[:, :, :seqlen_q] = np.einsum("bshd,bshd->bhs", dout, out)
-    lse_p = np.full((batch, nheads_q, sq_pad), np.inf, dtype)
-    lse_p[:, :, :seqlen_q] = lse
-    dkp, dk_back = _output_buffer(dk, BLOCK_N)
-    dvp, dv_back = _output_buffer(dv, BLOCK_N)
-    n_kt = kp.shape[2] // BLOCK_N
+    lse2 = np.full((batch, nheads_q, sq_pad), np.inf, dtype)
+    lse2[:, :, :seqlen_q] = lse * _LOG2E
+    dp = _padded(head_dim, _D_ALIGN)
     # Fusing dQ into the key-tile pass saves recomputing P and dS, but it needs one iteration per (batch, kv head)
     # to own all key tiles; do it only when there are enough of those to keep every thread busy.
     fuse_dq = batch * nheads_kv >= 2 * numba.get_num_threads()
-    dqp, dq_back = _output_buffer(dq, BLOCK_M)
+    n_kt = -(-k.shape[1] // BLOCK_N)
+    dq_acc = np.zeros((batch, nheads_q, sq_pad, dp) if fuse_dq else (1, 1, 1, dp), dtype)
+    k_in, v_in = _head_major(k, head_dim), _head_major(v, head_dim)
+    _entry(_backward_kv_kernel, dtype)(
+        _head_major(q, head_dim), k_in, v_in, _head_major(dout, head_dim), q_t, do_t, lse2, delta, dq_acc, dk,
+        dv, head_dim, float(scale), int(window_left), int(window_right), float(softcap), n_kt if fuse_dq else 1,
+        fuse_dq)
     if fuse_dq:
-        dqp[:] = 0
-    _backward_kv_kernel(qp, kp, ktp, vtp, dop, lse_p, delta, dqp, dkp, dvp, seqlen_q, seqlen_k, float(scale),
-                        int(window_left), int(window_right), float(softcap), n_kt if fuse_dq else 1, fuse_dq)
-    if not fuse_dq:
-        _backward_dq_kernel(qp, kp, ktp, vtp, dop, lse_p, delta, dqp, seqlen_q, seqlen_k, float(scale),
-                            int(window_left), int(window_right), float(softcap))
-    for packed, user, back in ((dqp, dq, dq_back), (dkp, dk, dk_back), (dvp, dv, dv_back)):
-        if back:
-            _unpack(packed, user)
+        dq[...] = dq_acc[:, :, :seqlen_q, :head_dim].transpose(0, 2, 1, 3)
+    else:
+        _entry(_backward_dq_kernel, dtype)(k_in, v_in, q_t, do_t, lse2, delta, dq, head_dim, float(scale),
+                                           int(window_left), int(window_right), float(softcap))
