@@ -143,7 +143,7 @@ def validate_forward(
     causal, softmax_scale, window_size, softcap, layout, return_lse = _check_options(
         causal, softmax_scale, window_size, softcap, layout, return_lse)
     infos = {name: _check_array(name, x, layout) for name, x in (("q", q), ("k", k), ("v", v))}
-    (qkind, qshape, qdt, qdev), (_, kshape, kdt, kdev), (_, vshape, vdt, vdev) = infos["q"], infos["k"], infos["v"]
+    (qkind, qshape, qdt, qdev), kshape, vshape = infos["q"], infos["k"][1], infos["v"][1]
     for name, (kind, _, dt, dev) in (("k", infos["k"]), ("v", infos["v"])):
         if kind != qkind:
             raise _bad(name, f"the same array kind as q ({qkind})", kind)
