@@ -497,50 +497,90 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Backward
+#
+# The key-tile pass (dK, dV, and dQ when fused) walks query tiles inside a key tile, so it computes S = Q K^T with
+# queries as rows: it needs K^T and V^T of its key tile only, built once per tile, and reads Q and dO rows in place.
+# The query-tile pass (dQ alone) walks key tiles inside a query tile, so it computes S^T = K Q^T like the forward,
+# building Q^T and dO^T once per query tile and reading K and V rows in place. Either way every transposed copy
+# is made once per call, in parallel, and no O(S^2) array exists.
 
 
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
-def _probs_and_dscores(st, dpt, lse2, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi, sc2, scale, inv_cap,
-                       cap2, softcap):
-    """Turn one (BN, BM) block of raw dot products into probabilities and score gradients, transposed.
-
-    st: holds k.q on entry, P^T on exit; dpt: holds v.dO (dP^T) on entry, dS^T on exit, where dS is the gradient
-    with respect to the raw dot product q.k: ``dS = P * (dP - delta) * dscore/draw * scale``. lse2 is the lse in
-    base-2 units, +inf for padding and for rows that see no key (P = 0 there). Key rows past nk and masked entries
-    become 0 in both.
-    """
-    zero = _as_dtype_of(st, 0.0)
-    one = _as_dtype_of(st, 1.0)
-    bm = st.shape[1]
+def _gradient_terms(p, dp, lse2, delta, sc2, scale, inv_cap, cap2, softcap):
+    """(P, dS) for one raw dot product p = q.k and dp = dO.v, given the row's lse in base 2 and delta = dO . O:
+    dS is the gradient with respect to q.k, ``P * (dP - delta) * dscore/draw * scale``."""
     if softcap > 0:
-        for c in range(nk):
-            for r in range(bm):
-                t = math.tanh(st[c, r] * inv_cap)
-                p = _fast_exp2(cap2 * t - lse2[i0 + r])
-                st[c, r] = p
-                dpt[c, r] = p * (dpt[c, r] - delta[i0 + r]) * (one - t * t) * scale
-    else:
-        for c in range(nk):
-            for r in range(bm):
-                p = _fast_exp2(st[c, r] * sc2 - lse2[i0 + r])
-                st[c, r] = p
-                dpt[c, r] = p * (dpt[c, r] - delta[i0 + r]) * scale
+        t = math.tanh(p * inv_cap)
+        prob = _fast_exp2(cap2 * t - lse2)
+        return prob, prob * (dp - delta) * (scale - scale * t * t)
+    prob = _fast_exp2(p * sc2 - lse2)
+    return prob, prob * (dp - delta) * scale
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _probs_and_dscores_rows(s, dps, lse2, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi, sc2, scale, inv_cap,
+                            cap2, softcap):
+    """A (BM, BN) block with queries as rows: s holds q.k on entry and P on exit, dps holds dO.v on entry and dS on
+    exit. lse2 (base 2, +inf for padding rows and rows that see no key, which makes P = 0) and delta are indexed
+    by query. Masked entries and key columns past nk become 0 in both."""
+    zero = _as_dtype_of(s, 0.0)
+    for r in range(s.shape[0]):
+        lr = lse2[i0 + r]
+        dl = delta[i0 + r]
+        for c in range(s.shape[1]):
+            s[r, c], dps[r, c] = _gradient_terms(s[r, c], dps[r, c], lr, dl, sc2, scale, inv_cap, cap2, softcap)
+    if not (full_lo <= j0 and j0 + nk <= full_hi):
+        for r in range(s.shape[0]):
+            lo = row_lo[r] - j0
+            hi = row_hi[r] - j0
+            for c in range(s.shape[1]):
+                if c < lo or c >= hi:
+                    s[r, c] = zero
+                    dps[r, c] = zero
+    elif nk < s.shape[1]:
+        for r in range(s.shape[0]):
+            for c in range(nk, s.shape[1]):
+                s[r, c] = zero
+                dps[r, c] = zero
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _probs_and_dscores_cols(st, dpt, lse2, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi, sc2, scale,
+                            inv_cap, cap2, softcap):
+    """The same on a transposed (BN, BM) block, keys as rows: st holds k.q and becomes P^T, dpt holds v.dO and
+    becomes dS^T; lse2 and delta are indexed by column. Key rows past nk and masked entries become 0."""
+    zero = _as_dtype_of(st, 0.0)
+    for c in range(nk):
+        for r in range(st.shape[1]):
+            st[c, r], dpt[c, r] = _gradient_terms(st[c, r], dpt[c, r], lse2[i0 + r], delta[i0 + r], sc2, scale,
+                                                  inv_cap, cap2, softcap)
     if not (full_lo <= j0 and j0 + nk <= full_hi):
         _mask_block(st, j0, nk, row_lo, row_hi, zero)
         _mask_block(dpt, j0, nk, row_lo, row_hi, zero)
     for c in range(nk, st.shape[0]):
-        for r in range(bm):
+        for r in range(st.shape[1]):
             st[c, r] = zero
             dpt[c, r] = zero
 
 
+@njit(inline="always", cache=True)
+def _load_transposed(dst, src, n, head_dim):
+    """dst[:head_dim, :n] = src[:n, :head_dim].T and zero in dst's columns n..; dst (D, BN), src a 2-D view."""
+    zero = _as_dtype_of(dst, 0.0)
+    for c in range(n):
+        for d in range(head_dim):
+            dst[d, c] = src[c, d]
+    for d in range(head_dim):
+        for c in range(n, dst.shape[1]):
+            dst[d, c] = zero
+
+
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _backward_kv_kernel(q, k, v, dout, q_t, do_t, lse2, delta, dq_acc, dk, dv, head_dim, scale, left, right,
-                        softcap, kt_per_unit, fuse_dq):
+def _backward_kv_kernel(q, k, v, dout, lse2, delta, dq_acc, dk, dv, head_dim, scale, left, right, softcap,
+                        kt_per_unit, fuse_dq):
     """dK and dV (and, with ``fuse_dq``, dQ into ``dq_acc``).
 
     q, dout: (B, Sq, Hq, D_pad) and k, v: (B, Sk, Hkv, D_pad), views of head-major buffers (``_head_major``);
-    q_t, do_t: (B, Hq, n_qt, D, BLOCK_M), the query tiles of q and dout transposed, zero-padded;
     lse2, delta: (B, Hq, n_qt * BLOCK_M), lse in base 2 (+inf in the padding) and rowsum(dO * O);
     dq_acc: (B, Hq, n_qt * BLOCK_M, D_pad), zeroed, accumulated into when ``fuse_dq``; dk, dv: (B, Sk, Hkv, >= D),
     any strides, written.
@@ -553,7 +593,7 @@ def _backward_kv_kernel(q, k, v, dout, q_t, do_t, lse2, delta, dq_acc, dk, dv, h
     batch, seqlen_q, nheads_q = q.shape[0], q.shape[1], q.shape[2]
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads_q // nheads_kv
-    dp = dq_acc.shape[3]
+    dp = q.shape[3]
     n_kt = (seqlen_k + BLOCK_N - 1) // BLOCK_N
     n_chunks = (n_kt + kt_per_unit - 1) // kt_per_unit
     sc = _as_dtype_of(q, scale)
@@ -566,17 +606,20 @@ def _backward_kv_kernel(q, k, v, dout, q_t, do_t, lse2, delta, dq_acc, dk, dv, h
         chunk = u % n_chunks
         row_lo = np.empty(BLOCK_M, np.int64)
         row_hi = np.empty(BLOCK_M, np.int64)
-        k_s = np.zeros((BLOCK_N, dp), q.dtype)
-        v_s = np.zeros((BLOCK_N, dp), q.dtype)
-        st = np.empty((BLOCK_N, BLOCK_M), q.dtype)
-        dpt = np.empty((BLOCK_N, BLOCK_M), q.dtype)
+        k_t = np.empty((head_dim, BLOCK_N), q.dtype)
+        v_t = np.empty((head_dim, BLOCK_N), q.dtype)
+        q_tail = np.empty((BLOCK_M, dp), q.dtype)   # a last, partial query tile, zero-padded
+        do_tail = np.empty((BLOCK_M, dp), q.dtype)
+        s = np.empty((BLOCK_M, BLOCK_N), q.dtype)
+        dps = np.empty((BLOCK_M, BLOCK_N), q.dtype)
         dk_acc = np.empty((BLOCK_N, dp), q.dtype)
         dv_acc = np.empty((BLOCK_N, dp), q.dtype)
         for kt in range(chunk * kt_per_unit, min(n_kt, (chunk + 1) * kt_per_unit)):
             j0 = kt * BLOCK_N
             nk = min(BLOCK_N, seqlen_k - j0)
-            _load_rows(k_s, k[b, j0:j0 + nk, hk], nk, head_dim)
-            _load_rows(v_s, v[b, j0:j0 + nk, hk], nk, head_dim)
+            k_rows = k[b, j0:j0 + nk, hk]
+            _load_transposed(k_t, k_rows, nk, head_dim)
+            _load_transposed(v_t, v[b, j0:j0 + nk, hk], nk, head_dim)
             dk_acc[:] = 0
             dv_acc[:] = 0
             qt_first, qt_end = _query_tiles_seeing(j0, j0 + nk, seqlen_q, seqlen_k, left, right)
@@ -585,14 +628,22 @@ def _backward_kv_kernel(q, k, v, dout, q_t, do_t, lse2, delta, dq_acc, dk, dv, h
                     i0 = qt * BLOCK_M
                     nq = min(BLOCK_M, seqlen_q - i0)
                     _, _, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
-                    _mm(st, k_s, q_t[b, h, qt], head_dim, False)
-                    _mm(dpt, v_s, do_t[b, h, qt], head_dim, False)
-                    _probs_and_dscores(st, dpt, lse2[b, h], delta[b, h], i0, j0, nk, row_lo, row_hi, full_lo,
-                                       full_hi, sc2, sc, inv_cap, cap2, softcap)
-                    _mm(dv_acc, st, dout[b, i0:i0 + nq, h], nq, True)
-                    _mm(dk_acc, dpt, q[b, i0:i0 + nq, h], nq, True)
+                    q_rows = q[b, i0:i0 + nq, h]
+                    do_rows = dout[b, i0:i0 + nq, h]
+                    if nq == BLOCK_M:
+                        _mm(s, q_rows, k_t, head_dim, False)
+                        _mm(dps, do_rows, v_t, head_dim, False)
+                    else:  # the products read whole tiles of their A operand: pad the partial one
+                        _load_rows(q_tail, q_rows, nq, dp)
+                        _load_rows(do_tail, do_rows, nq, dp)
+                        _mm(s, q_tail, k_t, head_dim, False)
+                        _mm(dps, do_tail, v_t, head_dim, False)
+                    _probs_and_dscores_rows(s, dps, lse2[b, h], delta[b, h], i0, j0, nk, row_lo, row_hi, full_lo,
+                                            full_hi, sc2, sc, inv_cap, cap2, softcap)
+                    _mm_at(dv_acc, s, do_rows, nq, True)
+                    _mm_at(dk_acc, dps, q_rows, nq, True)
                     if fuse_dq:
-                        _mm_at(dq_acc[b, h, i0:i0 + BLOCK_M], dpt, k_s, nk, True)
+                        _mm(dq_acc[b, h, i0:i0 + BLOCK_M], dps, k_rows, nk, True)
             for c in range(nk):
                 for d in range(head_dim):
                     dk[b, j0 + c, hk, d] = dk_acc[c, d]
@@ -600,19 +651,19 @@ def _backward_kv_kernel(q, k, v, dout, q_t, do_t, lse2, delta, dq_acc, dk, dv, h
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _backward_dq_kernel(k, v, q_t, do_t, lse2, delta, dq, head_dim, scale, left, right, softcap):
+def _backward_dq_kernel(q, k, v, dout, lse2, delta, dq, head_dim, scale, left, right, softcap):
     """dQ, one prange iteration per (batch, query head, query tile): it recomputes P and dS for the key tiles its
-    rows see and is the only writer of its dq rows. k, v, q_t, do_t, lse2, delta as in ``_backward_kv_kernel``;
+    rows see and is the only writer of its dq rows. q, k, v, dout, lse2, delta as in ``_backward_kv_kernel``;
     dq: (B, Sq, Hq, >= D), any strides, written."""
-    batch, nheads_q, n_qt = q_t.shape[0], q_t.shape[1], q_t.shape[2]
-    seqlen_q = dq.shape[1]
+    batch, seqlen_q, nheads_q = q.shape[0], q.shape[1], q.shape[2]
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads_q // nheads_kv
-    dp = (head_dim + _D_ALIGN - 1) // _D_ALIGN * _D_ALIGN
-    sc = _as_dtype_of(k, scale)
-    sc2 = _as_dtype_of(k, scale * _LOG2E)
-    inv_cap = _as_dtype_of(k, scale / softcap if softcap > 0 else 0.0)
-    cap2 = _as_dtype_of(k, softcap * _LOG2E)
+    dp = q.shape[3]
+    n_qt = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+    sc = _as_dtype_of(q, scale)
+    sc2 = _as_dtype_of(q, scale * _LOG2E)
+    inv_cap = _as_dtype_of(q, scale / softcap if softcap > 0 else 0.0)
+    cap2 = _as_dtype_of(q, softcap * _LOG2E)
     for u in prange(batch * nheads_q * n_qt):
         b = u // (nheads_q * n_qt)
         h = (u // n_qt) % nheads_q
@@ -623,11 +674,15 @@ def _backward_dq_kernel(k, v, q_t, do_t, lse2, delta, dq, head_dim, scale, left,
         row_lo = np.empty(BLOCK_M, np.int64)
         row_hi = np.empty(BLOCK_M, np.int64)
         span_lo, span_hi, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
-        k_s = np.zeros((BLOCK_N, dp), k.dtype)
-        v_s = np.zeros((BLOCK_N, dp), k.dtype)
-        st = np.empty((BLOCK_N, BLOCK_M), k.dtype)
-        dpt = np.empty((BLOCK_N, BLOCK_M), k.dtype)
-        acc = np.zeros((BLOCK_M, dp), k.dtype)
+        q_t = np.empty((head_dim, BLOCK_M), q.dtype)
+        do_t = np.empty((head_dim, BLOCK_M), q.dtype)
+        _load_transposed(q_t, q[b, i0:i0 + nq, h], nq, head_dim)
+        _load_transposed(do_t, dout[b, i0:i0 + nq, h], nq, head_dim)
+        k_tail = np.zeros((BLOCK_N, dp), q.dtype)
+        v_tail = np.zeros((BLOCK_N, dp), q.dtype)
+        st = np.empty((BLOCK_N, BLOCK_M), q.dtype)
+        dpt = np.empty((BLOCK_N, BLOCK_M), q.dtype)
+        acc = np.zeros((BLOCK_M, dp), q.dtype)
         kt_first = span_lo // BLOCK_N
         kt_end = (span_hi + BLOCK_N - 1) // BLOCK_N if span_lo < span_hi else kt_first
         for kt in range(kt_first, kt_end):
@@ -637,14 +692,14 @@ def _backward_dq_kernel(k, v, q_t, do_t, lse2, delta, dq, head_dim, scale, left,
                 kr = k[b, j0:j0 + BLOCK_N, hk]
                 vr = v[b, j0:j0 + BLOCK_N, hk]
             else:  # a last, partial key tile: the products read whole tiles, so pad it with zero rows
-                _load_rows(k_s, k[b, j0:j0 + nk, hk], nk, head_dim)
-                _load_rows(v_s, v[b, j0:j0 + nk, hk], nk, head_dim)
-                kr = k_s[:, :]
-                vr = v_s[:, :]
-            _mm(st, kr, q_t[b, h, qt], head_dim, False)
-            _mm(dpt, vr, do_t[b, h, qt], head_dim, False)
-            _probs_and_dscores(st, dpt, lse2[b, h], delta[b, h], i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
-                               sc2, sc, inv_cap, cap2, softcap)
+                _load_rows(k_tail, k[b, j0:j0 + nk, hk], nk, head_dim)
+                _load_rows(v_tail, v[b, j0:j0 + nk, hk], nk, head_dim)
+                kr = k_tail[:, :]
+                vr = v_tail[:, :]
+            _mm(st, kr, q_t, head_dim, False)
+            _mm(dpt, vr, do_t, head_dim, False)
+            _probs_and_dscores_cols(st, dpt, lse2[b, h], delta[b, h], i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
+                                    sc2, sc, inv_cap, cap2, softcap)
             _mm_at(acc, dpt, kr, nk, True)
         for r in range(nq):
             for d in range(head_dim):
@@ -677,9 +732,9 @@ def _entry(kernel: Any, dtype: np.dtype) -> Any:
         i64, f64, boolean = types.int64, types.float64, types.boolean
         sigs = {
             "_forward_kernel": (user[4], user[4], user[4], user[4], user[3], i64, f64, i64, i64, f64),
-            "_backward_kv_kernel": (user[4], user[4], user[4], user[4], own[5], own[5], own[3], own[3], own[4],
-                                    user[4], user[4], i64, f64, i64, i64, f64, i64, boolean),
-            "_backward_dq_kernel": (user[4], user[4], own[5], own[5], own[3], own[3], user[4], i64, f64, i64, i64,
+            "_backward_kv_kernel": (user[4], user[4], user[4], user[4], own[3], own[3], own[4], user[4], user[4],
+                                    i64, f64, i64, i64, f64, i64, boolean),
+            "_backward_dq_kernel": (user[4], user[4], user[4], user[4], own[3], own[3], user[4], i64, f64, i64, i64,
                                     f64),
         }
         with _entries_lock:
@@ -707,16 +762,6 @@ def _head_major(x: np.ndarray, head_dim: int) -> np.ndarray:
     buf[..., :head_dim] = t
     buf[..., head_dim:] = 0
     return buf.transpose(0, 2, 1, 3)
-
-
-def _query_tiles_transposed(x: np.ndarray) -> np.ndarray:
-    """(B, S, H, D) view -> (B, H, n_tiles, D, BLOCK_M): each query tile transposed, zero-padded past S. The
-    backward's score products take Q^T and dO^T tiles as their B operands."""
-    batch, seqlen, nheads, hd = x.shape
-    n_t = -(-seqlen // BLOCK_M)
-    buf = np.zeros((batch, nheads, n_t * BLOCK_M, hd), x.dtype)
-    buf[:, :, :seqlen] = x.transpose(0, 2, 1, 3)
-    return np.ascontiguousarray(buf.reshape(batch, nheads, n_t, BLOCK_M, hd).transpose(0, 1, 2, 4, 3))
 
 
 def _check_dtypes(*arrays: np.ndarray) -> np.dtype:
@@ -761,27 +806,23 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
     dtype = _check_dtypes(dout, q, k, v, out, lse, dq, dk, dv)
     batch, seqlen_q, nheads_q, head_dim = q.shape
     nheads_kv = k.shape[2]
-    q_t = _query_tiles_transposed(q)
-    do_t = _query_tiles_transposed(dout)
-    sq_pad = q_t.shape[2] * BLOCK_M
+    sq_pad = _padded(seqlen_q, BLOCK_M)
     # delta_i = dO_i . O_i, the row term of the softmax gradient; padded rows get lse = +inf so that P = 0 there.
     delta = np.zeros((batch, nheads_q, sq_pad), dtype)
     delta[:, :, :seqlen_q] = np.einsum("bshd,bshd->bhs", dout, out)
     lse2 = np.full((batch, nheads_q, sq_pad), np.inf, dtype)
     lse2[:, :, :seqlen_q] = lse * _LOG2E
-    dp = _padded(head_dim, _D_ALIGN)
+    q_in, k_in, v_in, do_in = (_head_major(x, head_dim) for x in (q, k, v, dout))
     # Fusing dQ into the key-tile pass saves recomputing P and dS, but it needs one iteration per (batch, kv head)
     # to own all key tiles; do it only when there are enough of those to keep every thread busy.
     fuse_dq = batch * nheads_kv >= 2 * numba.get_num_threads()
     n_kt = -(-k.shape[1] // BLOCK_N)
-    dq_acc = np.zeros((batch, nheads_q, sq_pad, dp) if fuse_dq else (1, 1, 1, dp), dtype)
-    k_in, v_in = _head_major(k, head_dim), _head_major(v, head_dim)
-    _entry(_backward_kv_kernel, dtype)(
-        _head_major(q, head_dim), k_in, v_in, _head_major(dout, head_dim), q_t, do_t, lse2, delta, dq_acc, dk,
-        dv, head_dim, float(scale), int(window_left), int(window_right), float(softcap), n_kt if fuse_dq else 1,
-        fuse_dq)
+    dq_acc = np.zeros((batch, nheads_q, sq_pad, q_in.shape[3]) if fuse_dq else (1, 1, 1, 1), dtype)
+    _entry(_backward_kv_kernel, dtype)(q_in, k_in, v_in, do_in, lse2, delta, dq_acc, dk, dv, head_dim, float(scale),
+                                       int(window_left), int(window_right), float(softcap),
+                                       n_kt if fuse_dq else 1, fuse_dq)
     if fuse_dq:
         dq[...] = dq_acc[:, :, :seqlen_q, :head_dim].transpose(0, 2, 1, 3)
     else:
-        _entry(_backward_dq_kernel, dtype)(k_in, v_in, q_t, do_t, lse2, delta, dq, head_dim, float(scale),
+        _entry(_backward_dq_kernel, dtype)(q_in, k_in, v_in, do_in, lse2, delta, dq, head_dim, float(scale),
                                            int(window_left), int(window_right), float(softcap))
