@@ -153,14 +153,14 @@ def _as_dtype_of_impl(a, x):
 # The micro-kernel
 
 
-def _mm_block_codegen(a_transposed: bool, nvec: int) -> Callable:
+def _mm_block_codegen(a_transposed: bool, nvec: int, mr: int = _MR) -> Callable:
     """LLVM IR for C[i:i+MR, j:j+nvec*LANES] (+)= A[i:i+MR, :kdim] @ B[:kdim, j:j+nvec*LANES] on float32 2-D arrays
     whose last axis is unit-stride, A given as is or (``a_transposed``) as A^T, shape (kdim, >= i+MR).
 
     Written as IR because neither of LLVM's vectorisers finds this shape in a Python loop nest: the MR * nvec
     accumulators stay in registers for the whole k loop, each step broadcasting MR values of A, loading nvec vectors
     of B and issuing MR * nvec multiply-adds, so loads stay below FMAs and no horizontal sum is ever needed."""
-    mr, lanes = _MR, _LANES
+    lanes = _LANES
 
     def codegen(context, builder, signature, args):
         cty, aty, bty, ity, jty, kty, accty = signature.args
@@ -259,6 +259,13 @@ def _block1_at(typingctx, c, at, b, i, j, kdim, accumulate):
     return None if sig is None else (sig, _mm_block_codegen(True, 1))
 
 
+@intrinsic
+def _block4(typingctx, c, a, b, i, j, kdim, accumulate):
+    """C[i:i+4, j:j+4*LANES] (+)= A[i:i+4, :kdim] @ B[:kdim, j:j+4*LANES], float32."""
+    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(False, 4, 4))
+
+
 def _mm(c, a, b, kdim, accumulate):  # pragma: no cover - typed by the overload below
     """c (=|+=) a[:, :kdim] @ b[:kdim, :c.shape[1]] for 2-D arrays with unit-stride rows: c (R, N), a (R, >= kdim),
     b (>= kdim, >= N); R % 8 == 0 and N % 16 == 0."""
@@ -277,6 +284,10 @@ def _mm_impl(c, a, b, kdim, accumulate):
         def impl(c, a, b, kdim, accumulate):
             # Column blocks outermost: the (kdim x NR) panel of B in use stays in L1 while A streams as broadcasts.
             n = c.shape[1]
+            if n == 4 * _LANES and _LANES == 16:
+                for i in range(0, c.shape[0], 4):
+                    _block4(c, a, b, i, 0, kdim, accumulate)
+                return
             j = 0
             while j + _NR <= n:
                 for i in range(0, c.shape[0], _MR):
@@ -321,6 +332,144 @@ def _mm_at_impl(c, at, b, kdim, accumulate):
                 aik = at[k, i]
                 for j in range(c.shape[1]):
                     c[i, j] += aik * b[k, j]
+    return impl
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Column passes of the forward's online softmax
+#
+# In a transposed score block (keys as rows, queries as columns) the running max and sum of a query are a column
+# statistic. Written as plain loops, LLVM vectorises across columns but loads and stores the statistic vectors
+# once per key row; these keep them in registers for the whole block (one vector per LANES queries), so each score
+# is loaded once per pass. Measured on the (1, 8, 2048, 64) forward: the two loops took 8.4 of 41 ms.
+
+
+def _column_pass_codegen(kind: str) -> Callable:
+    """IR for ``stat (op)= column reduction of st[:nk]`` over float32 arrays: st (>= nk, BLOCK_M) with a
+    unit-stride last axis, stat (BLOCK_M,) contiguous. kind 'max': stat = max(stat, max_c st[c]); kind 'exp2':
+    st[c] = 2 ** (st[c] - shift) for every c < nk and stat += sum_c st[c], where shift (BLOCK_M,) is the third
+    array and every st[c] - shift <= 0 (clamped at -127, which comes out as exactly 0)."""
+    lanes = _LANES
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        i32 = ir.IntType(32)
+        i64 = ir.IntType(64)
+        vty = ir.VectorType(f32, lanes)
+        ity = ir.VectorType(i32, lanes)
+        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)
+                  if isinstance(t, types.Array)]
+        st = arrays[0]
+        nk = context.cast(builder, args[1], signature.args[1], types.int64)
+        rstride = cgutils.unpack_tuple(builder, st.strides, 2)[0]
+        i8p = ir.IntType(8).as_pointer()
+        base = builder.bitcast(st.data, i8p)
+
+        def splat(x):
+            return ir.Constant(vty, [x] * lanes)
+
+        def vec_ptr(arr, chunk):
+            p = builder.gep(arr.data, [builder.mul(chunk, ir.Constant(i64, lanes))])
+            return builder.bitcast(p, vty.as_pointer())
+
+        def st_ptr(row, chunk):
+            off = builder.add(builder.mul(row, rstride), builder.mul(chunk, ir.Constant(i64, 4 * lanes)))
+            return builder.bitcast(builder.gep(base, [off]), vty.as_pointer())
+
+        def intrinsic_fn(name, nargs):
+            return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty] * nargs),
+                                                  f"llvm.{name}.v{lanes}f32")
+
+        maxnum = intrinsic_fn("maxnum", 2)
+        floor = intrinsic_fn("floor", 1)
+        flags = ("contract",)
+
+        def exp2_nonpos(x):
+            # 2^x as in _fast_exp2: n = round(x), a degree-6 polynomial in f = x - n, 2^n from the exponent bits
+            x = builder.call(maxnum, [x, splat(float(_EXP2_MIN))])
+            n = builder.call(floor, [builder.fadd(x, splat(0.5))])
+            f = builder.fsub(x, n)
+            poly = splat(float(_E6))
+            for coef in (_E5, _E4, _E3, _E2, _E1, _ONE):
+                poly = builder.fadd(builder.fmul(poly, f, flags=flags), splat(float(coef)), flags=flags)
+            bits = builder.shl(builder.add(builder.fptosi(n, ity), ir.Constant(ity, [127] * lanes)),
+                               ir.Constant(ity, [23] * lanes))
+            return builder.fmul(poly, builder.bitcast(bits, vty))
+
+        # All BLOCK_M / LANES column chunks in flight at once: independent dependency chains for the max / sum.
+        chunks = range(BLOCK_M // lanes)
+        stat_p = [vec_ptr(arrays[1], ir.Constant(i64, ch)) for ch in chunks]
+        stat = [cgutils.alloca_once_value(builder, builder.load(ptr, align=4)) for ptr in stat_p]
+        shift = [builder.load(vec_ptr(arrays[2], ir.Constant(i64, ch)), align=4) for ch in chunks] \
+            if kind == "exp2" else None
+        with cgutils.for_range(builder, nk) as loop:
+            for ch in chunks:
+                p = st_ptr(loop.index, ir.Constant(i64, ch))
+                x = builder.load(p, align=4)
+                if kind == "max":
+                    builder.store(builder.call(maxnum, [builder.load(stat[ch]), x]), stat[ch])
+                else:
+                    prob = exp2_nonpos(builder.fsub(x, shift[ch]))
+                    builder.store(prob, p, align=4)
+                    builder.store(builder.fadd(builder.load(stat[ch]), prob, flags=flags), stat[ch])
+        for ch in chunks:
+            builder.store(builder.load(stat[ch]), stat_p[ch], align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _column_pass_ok(st, nk, *stats) -> bool:
+    return (_rows_f32(st) and isinstance(nk, types.Integer)
+            and all(isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 1 and x.layout == "C"
+                    for x in stats))
+
+
+@intrinsic
+def _column_max_f32(typingctx, st, nk, m):
+    """m = max(m, max over rows c < nk of st[c]), float32."""
+    return (types.none(st, nk, m), _column_pass_codegen("max")) if _column_pass_ok(st, nk, m) else None
+
+
+@intrinsic
+def _column_exp2_sum_f32(typingctx, st, nk, total, shift):
+    """st[c] = 2 ** (st[c] - shift) for rows c < nk, and total += the sum of those rows, float32."""
+    if not _column_pass_ok(st, nk, total, shift):
+        return None
+    return types.none(st, nk, total, shift), _column_pass_codegen("exp2")
+
+
+def _column_max(st, nk, m):  # pragma: no cover - typed by the overload below
+    raise NotImplementedError
+
+
+def _column_exp2_sum(st, nk, total, shift):  # pragma: no cover - typed by the overload below
+    raise NotImplementedError
+
+
+@overload(_column_max, inline="always")
+def _column_max_impl(st, nk, m):
+    if _column_pass_ok(st, nk, m):
+        return lambda st, nk, m: _column_max_f32(st, nk, m)
+
+    def impl(st, nk, m):
+        for c in range(nk):
+            for r in range(st.shape[1]):
+                m[r] = max(m[r], st[c, r])
+    return impl
+
+
+@overload(_column_exp2_sum, inline="always")
+def _column_exp2_sum_impl(st, nk, total, shift):
+    if _column_pass_ok(st, nk, total, shift):
+        return lambda st, nk, total, shift: _column_exp2_sum_f32(st, nk, total, shift)
+
+    def impl(st, nk, total, shift):
+        for c in range(nk):
+            for r in range(st.shape[1]):
+                p = _fast_exp2(st[c, r] - shift[r])
+                st[c, r] = p
+                total[r] += p
     return impl
 
 
@@ -461,9 +610,7 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap):
                 _mask_block(st, j0, nk, row_lo, row_hi, neg_inf)
             for r in range(BLOCK_M):
                 m_use[r] = m_run[r]
-            for c in range(nk):
-                for r in range(BLOCK_M):
-                    m_use[r] = max(m_use[r], st[c, r])
+            _column_max(st, nk, m_use)
             for r in range(BLOCK_M):
                 m_new = m_use[r]
                 # A query that has seen no key yet keeps max -inf; shifting by 0 makes its exp2 0, never NaN.
@@ -472,11 +619,7 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap):
                 alpha[r] = _fast_exp2(m_run[r] - m_use[r])
                 l_run[r] *= alpha[r]
                 m_run[r] = m_new
-            for c in range(nk):
-                for r in range(BLOCK_M):
-                    p = _fast_exp2(st[c, r] - m_use[r])
-                    st[c, r] = p
-                    l_run[r] += p
+            _column_exp2_sum(st, nk, l_run, m_use)
             for r in range(BLOCK_M):
                 a = alpha[r]
                 if a != one:
@@ -707,6 +850,86 @@ def _backward_dq_kernel(q, k, v, dout, lse2, delta, dq, head_dim, scale, left, r
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Packing
+
+
+def _copy_rows(dst, src, n, width):  # pragma: no cover - typed by the overload below
+    raise NotImplementedError
+
+
+@overload(_copy_rows, inline="always")
+def _copy_rows_impl(dst, src, n, width):
+    if _rows_f32(dst, src):
+        return lambda dst, src, n, width: _copy_rows_f32(dst, src, n, width)
+
+    def impl(dst, src, n, width):
+        for r in range(n):
+            for d in range(width):
+                dst[r, d] = src[r, d]
+    return impl
+
+
+@intrinsic
+def _copy_rows_f32(typingctx, dst, src, n, width):
+    """dst[:n, :width] = src[:n, :width] for float32 2-D arrays with unit-stride rows, a vector at a time."""
+    if not _rows_f32(dst, src):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        vty = ir.VectorType(f32, _LANES)
+        i64 = ir.IntType(64)
+        i8p = ir.IntType(8).as_pointer()
+        dst_a, src_a = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:2], args[:2]))
+        rows = context.cast(builder, args[2], signature.args[2], types.int64)
+        width = context.cast(builder, args[3], signature.args[3], types.int64)
+        d_stride = cgutils.unpack_tuple(builder, dst_a.strides, 2)[0]
+        s_stride = cgutils.unpack_tuple(builder, src_a.strides, 2)[0]
+        d_base = builder.bitcast(dst_a.data, i8p)
+        s_base = builder.bitcast(src_a.data, i8p)
+        n_vec = builder.udiv(width, ir.Constant(i64, _LANES))
+        with cgutils.for_range(builder, rows) as row:
+            d_row = builder.gep(d_base, [builder.mul(row.index, d_stride)])
+            s_row = builder.gep(s_base, [builder.mul(row.index, s_stride)])
+            d_vec, s_vec = (builder.bitcast(p, vty.as_pointer()) for p in (d_row, s_row))
+            with cgutils.for_range(builder, n_vec) as col:
+                value = builder.load(builder.gep(s_vec, [col.index]), align=4)
+                builder.store(value, builder.gep(d_vec, [col.index]), align=4)
+            d_flt, s_flt = (builder.bitcast(p, f32.as_pointer()) for p in (d_row, s_row))
+            tail = builder.mul(n_vec, ir.Constant(i64, _LANES))
+            with cgutils.for_range_slice(builder, tail, width, ir.Constant(i64, 1)) as (col, _):
+                builder.store(builder.load(builder.gep(s_flt, [col])), builder.gep(d_flt, [col]))
+        return context.get_dummy_value()
+
+    return types.none(dst, src, n, width), codegen
+
+
+@njit(parallel=True, cache=True)
+def _pack_kernel(src, dst, head_dim, unit_stride):
+    """dst[b, h, s, :D] = src[b, s, h, :D] and zero in dst's columns D.., in parallel over runs of 256 rows.
+    src (B, S, H, D) any strides (``unit_stride``: its last axis is); dst (B, H, S, D_pad) C-contiguous."""
+    batch, seqlen, nheads = src.shape[0], src.shape[1], src.shape[2]
+    n_runs = (seqlen + 255) // 256
+    zero = _as_dtype_of(dst, 0.0)
+    for u in prange(batch * nheads * n_runs):
+        b = u // (nheads * n_runs)
+        h = (u // n_runs) % nheads
+        s0 = (u % n_runs) * 256
+        n = min(256, seqlen - s0)
+        d_rows = dst[b, h, s0:s0 + n]
+        s_rows = src[b, s0:s0 + n, h]
+        if unit_stride:  # else the IR copy (float32) would read the wrong elements
+            _copy_rows(d_rows, s_rows, n, head_dim)
+        else:
+            for r in range(n):
+                for d in range(head_dim):
+                    d_rows[r, d] = s_rows[r, d]
+        for r in range(n):
+            for d in range(head_dim, dst.shape[3]):
+                d_rows[r, d] = zero
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Host side
 
 
@@ -736,6 +959,7 @@ def _entry(kernel: Any, dtype: np.dtype) -> Any:
                                     i64, f64, i64, i64, f64, i64, boolean),
             "_backward_dq_kernel": (user[4], user[4], user[4], user[4], own[3], own[3], user[4], i64, f64, i64, i64,
                                     f64),
+            "_pack_kernel": (user[4], own[4], i64, boolean),
         }
         with _entries_lock:
             fn = _entries.get(key)
@@ -752,15 +976,13 @@ def _head_major(x: np.ndarray, head_dim: int) -> np.ndarray:
     The kernels read K, V, Q and dO rows in place as micro-kernel operands. Head-major rows make a tile one
     contiguous block; in "bshd" a tile's rows sit H * D * 4 bytes apart, a power of two for the usual sizes, which
     maps them onto a few L1 sets and made the products about 1.4x slower in a microbenchmark (2 cores, D = 64,
-    H = 8). The copy is O(B * H * S * D), about 1 ms per 8 MiB here, against O(S^2) work."""
+    H = 8). The copy is O(B * H * S * D) against O(S^2) work: about 0.4 ms per 8 MiB here, on two threads."""
     t = x.transpose(0, 2, 1, 3)
     if t.flags.c_contiguous and head_dim % _D_ALIGN == 0:
         return x
     batch, seqlen, nheads, _ = x.shape
-    dp = _padded(head_dim, _D_ALIGN)
-    buf = np.empty((batch, nheads, seqlen, dp), x.dtype)
-    buf[..., :head_dim] = t
-    buf[..., head_dim:] = 0
+    buf = np.empty((batch, nheads, seqlen, _padded(head_dim, _D_ALIGN)), x.dtype)
+    _entry(_pack_kernel, x.dtype)(x, buf, head_dim, x.strides[3] == x.itemsize)
     return buf.transpose(0, 2, 1, 3)
 
 
