@@ -5,8 +5,13 @@ exporters, and DLPack exporters on a CUDA device (through torch). It returns the
 torch and DLPack inputs, CuPy for CuPy, numba device arrays otherwise), and launches on torch's current stream for
 torch inputs. numpy inputs are copied to the GPU and back only when the backend is forced (``backend="cuda"``).
 
+Dtypes: float32, float16, and bfloat16 on GPUs of compute capability >= 8.0. bfloat16 comes as torch tensors (or
+DLPack, through torch): numpy and ``__cuda_array_interface__`` have no bfloat16 type. The kernels get bfloat16
+tensors viewed zero-copy as int16 bit patterns (``numba_flash.cuda.dtypes``) and bfloat16 outputs the same way.
+
 The Numba CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) runs these kernels too, slowly, for tests: the registry
-never picks the backend there on its own, only when forced.
+never picks the backend there on its own, only when forced. Its "device memory" is host memory, so when forced it
+also takes torch CPU tensors (copied in and out like numpy arrays): the only host arrays that can hold bfloat16.
 """
 
 from __future__ import annotations
@@ -15,12 +20,16 @@ from typing import Any
 
 import numpy as np
 
+from numba_flash.cuda.config import MIN_COMPUTE_CAPABILITY
 from numba_flash.validation import AttentionCall
 
 from .base import Backend
 
 HOST_REASON = "host (numpy) input: GPU backends take it only when forced, backend='cuda'"
-BF16_REASON = "bfloat16 not supported by numba-cuda"
+BF16_HOST_REASON = "bfloat16 numpy arrays not supported (numpy has no bfloat16: pass torch CUDA tensors)"
+BF16_CAI_REASON = ("bfloat16 __cuda_array_interface__ arrays not supported (the interface has no bfloat16 type: "
+                   "pass torch CUDA tensors or DLPack)")
+BF16_CC_REASON = "bfloat16 needs a GPU of compute capability >= {need}, this one is {have}"
 SIM_REASON = "CUDA simulator (NUMBA_ENABLE_CUDASIM=1): used only when forced, backend='cuda'"
 
 
@@ -36,6 +45,35 @@ def _is_torch(x: Any) -> bool:
 
 def _is_cupy(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "cupy"
+
+
+def _simulating() -> bool:
+    from numba import config
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+def _torch_bits(t: Any) -> Any:
+    """``t`` as the kernels take it: a bfloat16 tensor viewed (zero-copy, any strides) as int16 bit patterns,
+    since torch exports no bfloat16 through ``__cuda_array_interface__``; other dtypes unchanged."""
+    import torch
+
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _gpu_compute_capability(x: Any) -> tuple[int, int]:
+    """Compute capability of the GPU holding ``x`` (a torch tensor or DLPack exporter on CUDA), else of numba's
+    current device."""
+    try:
+        import torch
+
+        index = x.device if _is_torch(x) else int(x.__dlpack_device__()[1])
+        major, minor = torch.cuda.get_device_capability(index)
+        return (int(major), int(minor))
+    except Exception:  # no torch, or a DLPack exporter torch cannot place: numba knows the current device
+        from numba_flash.cuda.launch import compute_capability
+
+        return compute_capability()
 
 
 def _bshd(arr: Any, layout: str) -> Any:
@@ -61,8 +99,9 @@ class _Session:
         self.call = call
         self.ref = call.q
         self.stream = 0
-        self.host = call.kind == "numpy"
         self.torch = _is_torch(self.ref) or (call.kind == "dlpack" and not _is_numba_device_array(self.ref))
+        # Host arrays are copied to the device and back: numpy always, torch CPU tensors under the simulator.
+        self.host = call.kind == "numpy" or (call.kind == "torch" and call.device == "cpu")
         if self.torch:
             import torch
 
@@ -76,7 +115,8 @@ class _Session:
         cuda = self.cuda
         if self.host:
             # to_device needs contiguous data; the copy is of the host array, never a write to it.
-            return cuda.to_device(np.ascontiguousarray(x), stream=self.stream)
+            host = _torch_bits(x.detach()).numpy() if _is_torch(x) else x
+            return cuda.to_device(np.ascontiguousarray(host), stream=self.stream)
         if _is_numba_device_array(x):
             return x
         if self.torch:
@@ -86,7 +126,7 @@ class _Session:
             if self.torch_device is None:
                 self.torch_device = t.device
                 self.stream = cuda.external_stream(torch.cuda.current_stream(t.device).cuda_stream)
-            return cuda.as_cuda_array(t.detach(), sync=False)
+            return cuda.as_cuda_array(_torch_bits(t.detach()), sync=False)
         return cuda.as_cuda_array(x)
 
     def lse_in(self, x: Any) -> Any:
@@ -106,13 +146,18 @@ class _Session:
         return x if _is_torch(x) else torch.from_dlpack(x)
 
     def empty(self, shape: tuple[int, ...], dtype: str) -> tuple[Any, Any]:
-        """(what the caller gets back, the numba device array kernels write)."""
-        if self.torch:
+        """(what the caller gets back, the numba device array kernels write); for host calls the first is the
+        dtype, and ``result`` makes the caller's array from the device one."""
+        from numba_flash.cuda.config import storage_dtype
+
+        if self.torch and not self.host:
             import torch
 
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.torch_device)
-            return t, self.cuda.as_cuda_array(t, sync=False)
-        arr = self.cuda.device_array(shape, dtype=np.dtype(dtype), stream=self.stream)
+            return t, self.cuda.as_cuda_array(_torch_bits(t), sync=False)
+        arr = self.cuda.device_array(shape, dtype=np.dtype(storage_dtype(dtype)), stream=self.stream)
+        if self.host:
+            return dtype, arr
         if _is_cupy(self.ref):
             import cupy
 
@@ -120,9 +165,14 @@ class _Session:
         return arr, arr
 
     def result(self, user: Any, dev: Any) -> Any:
-        if self.host:
-            return dev.copy_to_host(stream=self.stream)
-        return user
+        if not self.host:
+            return user
+        arr = dev.copy_to_host(stream=self.stream)
+        if self.torch:
+            import torch
+
+            return torch.from_numpy(arr).view(getattr(torch, user))
+        return arr
 
     def finish(self) -> None:
         if self.host and self.stream:
@@ -137,7 +187,7 @@ class CudaBackend(Backend):
     PRIORITY = 30
     SUPPORTED_KINDS = ("torch", "cuda_array", "dlpack", "numpy")
     SUPPORTED_DEVICES = ("cuda",)
-    SUPPORTED_DTYPES = ("float32", "float16")
+    SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
     IS_DETERMINISTIC = True
 
     def __init__(self, config: Any = None):
@@ -180,21 +230,31 @@ class CudaBackend(Backend):
             pass  # a real or simulated numba device array
         elif call.kind not in self.SUPPORTED_KINDS:
             reasons.append(f"{call.kind} arrays not supported")
-        elif call.device != "cuda":
+        elif call.device != "cuda" and not (forced and call.kind == "torch" and call.device == "cpu"
+                                            and _simulating()):
             reasons.append(f"{call.device} tensors not supported (runs on cuda)")
         elif call.kind == "torch":
             import torch
 
             if getattr(torch.version, "hip", None):
                 reasons.append("HIP (ROCm) tensors not supported (runs on NVIDIA CUDA)")
-        if call.dtype == "bfloat16":
-            reasons.append(BF16_REASON)
-        elif call.dtype not in self.SUPPORTED_DTYPES:
+        if call.dtype not in self.SUPPORTED_DTYPES:
             reasons.append(f"{call.dtype} not supported")
+        elif call.dtype == "bfloat16" and call.kind == "numpy":
+            reasons.append(BF16_HOST_REASON)
+        elif call.dtype == "bfloat16" and call.kind == "cuda_array":
+            reasons.append(BF16_CAI_REASON)
         if call.head_dim > self.SUPPORTED_MAX_HEAD_DIM:
             reasons.append(f"head dim {call.head_dim} > {self.SUPPORTED_MAX_HEAD_DIM}")
         if not reasons:
             reasons.extend(self.unavailable_reasons(forced))
+        if not reasons and call.dtype == "bfloat16" and not self._probe()[0]:
+            # The kernels only shift and round bfloat16 bits, which any GPU could do, but the contract offers
+            # bfloat16 where the hardware has it (sm_80 on). The simulator has no compute capability to speak of.
+            need = MIN_COMPUTE_CAPABILITY["bfloat16"]
+            have = _gpu_compute_capability(call.q)
+            if have < need:
+                reasons.append(BF16_CC_REASON.format(need=f"{need[0]}.{need[1]}", have=f"{have[0]}.{have[1]}"))
         return reasons
 
     def forward(self, call: AttentionCall) -> tuple[Any, Any]:

@@ -3,6 +3,7 @@
     config.py         tile configs, the picker ``tile_config_for`` and ``tile_config_override``
     forward.py        the forward kernel factory (online softmax, one block per query tile)
     backward.py       delta pre-pass, dK/dV kernel (per key tile), dQ kernel (per query tile)
+    dtypes.py         element load/store helpers: bfloat16 travels as int16 bits, widened to float32 and rounded back
     launch.py         host wrappers that pick configs and launch on (B, S, H, D) device-array views
     compile_check.py  PTX/SASS compile of every specialisation with register and spill report (no GPU needed)
 

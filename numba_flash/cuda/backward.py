@@ -9,7 +9,8 @@ Scores are recomputed in the log2 domain exactly as the forward computed them (Q
 ``scale * log2(e)``, or ``scale / softcap`` with softcap), and ``P = exp2(s - lse * log2(e))``. Masked entries,
 padded rows and rows with ``lse = +inf`` (no visible key) get ``P = 0`` and so contribute nothing: no NaN.
 
-Arrays reach the kernels as (B, S, H, D) views with any strides; lse and delta are (B, Hq, Sq) float32.
+Arrays reach the kernels as (B, S, H, D) views with any strides; lse and delta are (B, Hq, Sq) float32. bfloat16
+arrays arrive as int16 bit patterns, for kernels built with ``bf16`` (see dtypes.py).
 """
 
 from __future__ import annotations
@@ -23,14 +24,18 @@ from typing import Any
 from numba import cuda, float32
 
 from .config import FlashAttentionConfig
+from .dtypes import element_io
 from .forward import LOG2E
 
 
 @functools.lru_cache(maxsize=None)
-def make_delta_kernel() -> Any:
+def make_delta_kernel(bf16: bool) -> Any:
     """``delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d]`` in float32, one thread per row.
-    Launch with ``ceil(B * Hq * Sq / 128)`` blocks of 128 threads; arguments dout, out (B, Sq, Hq, D) any dtype and
-    strides, delta (B, Hq, Sq) float32, then seqlen_q, nheads_q, head_dim, total rows (ints)."""
+    Launch with ``ceil(B * Hq * Sq / 128)`` blocks of 128 threads; arguments dout, out (B, Sq, Hq, D) float32 or
+    float16 (int16 bfloat16 bits with ``bf16``), any strides, delta (B, Hq, Sq) float32, then seqlen_q, nheads_q,
+    head_dim, total rows (ints)."""
+    LOAD = element_io(bf16)[0]
+
     def flash_delta_kernel(dout, out, delta, seqlen_q, nheads_q, head_dim, rows):
         idx = cuda.grid(1)
         if idx < rows:
@@ -40,7 +45,7 @@ def make_delta_kernel() -> Any:
             b = bh // nheads_q
             total = float32(0.0)
             for d in range(head_dim):
-                total += float32(dout[b, i, h, d]) * float32(out[b, i, h, d])
+                total += LOAD(dout[b, i, h, d]) * LOAD(out[b, i, h, d])
             delta[b, h, i] = total
 
     return cuda.jit(flash_delta_kernel)
@@ -53,12 +58,14 @@ def _checked(cfg: FlashAttentionConfig) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool) -> Any:
+def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool,
+                     bf16: bool) -> Any:
     """dK and dV: one block per (key tile, kv head, batch). The block loops over the query heads of its GQA group
     and over the query tiles that can see its keys, so dK and dV are summed over the group in registers, no atomics.
 
     Launch with grid ``(ceil(Sk / block_n), Hkv, B)`` and ``cfg.threads`` threads, arguments:
-      q, dout (B, Sq, Hq, D), k, v (B, Sk, Hkv, D): float32 or float16, any strides;
+      q, dout (B, Sq, Hq, D), k, v (B, Sk, Hkv, D): float32 or float16 (int16 bfloat16 bits with ``bf16``), any
+      strides;
       lse, delta (B, Hq, Sq) float32; dk, dv (B, Sk, Hkv, D) like k;
       seqlen_q, seqlen_k, head_dim, group, window_left, window_right: ints;
       qmult (as the forward's), capmult (softcap * log2(e)), scale: float32.
@@ -72,6 +79,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     LD, LDP = DB + 1, BN + 1
     X_TOTAL, KV_TOTAL = BM * DB, BN * DB
     HAS_LEFT, HAS_RIGHT, SOFTCAP = has_left, has_right, softcap
+    LOAD, STORE = element_io(bf16)
 
     def flash_dkdv_kernel(q, k, v, dout, lse, delta, dk, dv, seqlen_q, seqlen_k, head_dim, group, window_left,
                           window_right, qmult, capmult, scale):
@@ -108,8 +116,8 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
             xk = float32(0.0)
             xv = float32(0.0)
             if n0 + r < seqlen_k and d < head_dim:
-                xk = float32(k[b, n0 + r, hk, d])
-                xv = float32(v[b, n0 + r, hk, d])
+                xk = LOAD(k[b, n0 + r, hk, d])
+                xv = LOAD(v[b, n0 + r, hk, d])
             k_s[r, d] = xk
             v_s[r, d] = xv
 
@@ -139,7 +147,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                     d = idx - r * DB
                     x = float32(0.0)
                     if m0 + r < seqlen_q and d < head_dim:
-                        x = float32(q[b, m0 + r, h, d]) * qmult
+                        x = LOAD(q[b, m0 + r, h, d]) * qmult
                     x_s[r, d] = x
                 for r in range(t, BM, NT):
                     row = m0 + r
@@ -191,7 +199,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                     d = idx - r * DB
                     x = float32(0.0)
                     if m0 + r < seqlen_q and d < head_dim:
-                        x = float32(dout[b, m0 + r, h, d])
+                        x = LOAD(dout[b, m0 + r, h, d])
                     x_s[r, d] = x
                 cuda.syncthreads()
 
@@ -229,7 +237,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                     d = idx - r * DB
                     x = float32(0.0)
                     if m0 + r < seqlen_q and d < head_dim:
-                        x = float32(q[b, m0 + r, h, d])
+                        x = LOAD(q[b, m0 + r, h, d])
                     x_s[r, d] = x
                 cuda.syncthreads()
 
@@ -249,18 +257,19 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                 for j in range(G_TD):
                     d = g_tc + G_TC * j
                     if d < head_dim:
-                        dk[b, key, hk, d] = dk_acc[i, j] * scale
-                        dv[b, key, hk, d] = dv_acc[i, j]
+                        dk[b, key, hk, d] = STORE(dk_acc[i, j] * scale)
+                        dv[b, key, hk, d] = STORE(dv_acc[i, j])
 
     return cuda.jit(flash_dkdv_kernel)
 
 
 @functools.lru_cache(maxsize=None)
-def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool) -> Any:
+def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool) -> Any:
     """dQ: one block per (query tile, query head, batch), looping over the key tiles its rows can see.
 
     Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments:
-      q, dout (B, Sq, Hq, D), k, v (B, Sk, Hkv, D): float32 or float16, any strides;
+      q, dout (B, Sq, Hq, D), k, v (B, Sk, Hkv, D): float32 or float16 (int16 bfloat16 bits with ``bf16``), any
+      strides;
       lse, delta (B, Hq, Sq) float32; dq (B, Sq, Hq, D) like q;
       seqlen_q, seqlen_k, head_dim, group, window_left, window_right: ints;
       qmult, capmult, scale: float32 (as for the dK/dV kernel).
@@ -274,6 +283,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
     LD, LDP = DB + 1, BN + 1
     X_TOTAL, KV_TOTAL = BM * DB, BN * DB
     HAS_LEFT, HAS_RIGHT, SOFTCAP = has_left, has_right, softcap
+    LOAD, STORE = element_io(bf16)
 
     def flash_dq_kernel(q, k, v, dout, lse, delta, dq, seqlen_q, seqlen_k, head_dim, group, window_left,
                         window_right, qmult, capmult, scale):
@@ -308,8 +318,8 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
             xq = float32(0.0)
             xd = float32(0.0)
             if m0 + r < seqlen_q and d < head_dim:
-                xq = float32(q[b, m0 + r, h, d]) * qmult
-                xd = float32(dout[b, m0 + r, h, d])
+                xq = LOAD(q[b, m0 + r, h, d]) * qmult
+                xd = LOAD(dout[b, m0 + r, h, d])
             q_s[r, d] = xq
             do_s[r, d] = xd
 
@@ -343,7 +353,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                 d = idx - r * DB
                 x = float32(0.0)
                 if n0 + r < seqlen_k and d < head_dim:
-                    x = float32(k[b, n0 + r, hk, d])
+                    x = LOAD(k[b, n0 + r, hk, d])
                 kv_s[r, d] = x
             cuda.syncthreads()
 
@@ -382,7 +392,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                 d = idx - r * DB
                 x = float32(0.0)
                 if n0 + r < seqlen_k and d < head_dim:
-                    x = float32(v[b, n0 + r, hk, d])
+                    x = LOAD(v[b, n0 + r, hk, d])
                 kv_s[r, d] = x
             cuda.syncthreads()
 
@@ -408,7 +418,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                 d = idx - r * DB
                 x = float32(0.0)
                 if n0 + r < seqlen_k and d < head_dim:
-                    x = float32(k[b, n0 + r, hk, d])
+                    x = LOAD(k[b, n0 + r, hk, d])
                 kv_s[r, d] = x
             cuda.syncthreads()
 
@@ -428,6 +438,6 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                 for j in range(O_TD):
                     d = o_tc + O_TC * j
                     if d < head_dim:
-                        dq[b, row, h, d] = acc[i, j] * scale
+                        dq[b, row, h, d] = STORE(acc[i, j] * scale)
 
     return cuda.jit(flash_dq_kernel)

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from .config import STATIC_SMEM_LIMIT, FlashAttentionConfig, all_tile_configs
+from .config import STATIC_SMEM_LIMIT, FlashAttentionConfig, all_tile_configs, storage_dtype
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,10 @@ class KernelResources:
 
 def kernel_signature(kernel: str, dtype: str) -> Any:
     """The numba signature the backend launches ``kernel`` with: any-stride arrays ('A' layout, which also covers
-    contiguous inputs), int64 sizes, float32 multipliers."""
+    contiguous inputs) of the dtype's storage type (int16 for bfloat16), int64 sizes, float32 multipliers."""
     from numba import types
 
-    x = types.Array(getattr(types, dtype), 4, "A")
+    x = types.Array(getattr(types, storage_dtype(dtype)), 4, "A")
     rows = types.Array(types.float32, 3, "A")
     i64, f32 = types.int64, types.float32
     if kernel == "forward":
@@ -64,15 +64,15 @@ def kernel_signature(kernel: str, dtype: str) -> Any:
     raise ValueError(kernel)
 
 
-def _python_kernel(kernel: str, cfg: FlashAttentionConfig | None) -> Any:
+def _python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str) -> Any:
     # The mask flags and softcap all on: the variant with the most live values, so the worst case for registers.
     from .backward import make_delta_kernel, make_dkdv_kernel, make_dq_kernel
     from .forward import make_forward_kernel
 
     if kernel == "backward_delta":
-        return make_delta_kernel().py_func
+        return make_delta_kernel(dtype == "bfloat16").py_func
     factory = {"forward": make_forward_kernel, "backward_dkdv": make_dkdv_kernel, "backward_dq": make_dq_kernel}
-    return factory[kernel](cfg, True, True, True).py_func
+    return factory[kernel](cfg, True, True, True, dtype == "bfloat16").py_func
 
 
 def _int(pattern: str, log: str) -> int:
@@ -84,7 +84,7 @@ def kernel_ptx(kernel: str, cfg: FlashAttentionConfig | None, dtype: str, cc: tu
     """PTX of one kernel specialisation for compute capability ``cc`` (types and lowers it: typing errors show)."""
     from numba import cuda
 
-    ptx, _ = cuda.compile_ptx(_python_kernel(kernel, cfg), kernel_signature(kernel, dtype), cc=cc)
+    ptx, _ = cuda.compile_ptx(_python_kernel(kernel, cfg, dtype), kernel_signature(kernel, dtype), cc=cc)
     return ptx
 
 
@@ -123,17 +123,19 @@ def compile_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
 
 
 def check_all(progress: Any = None) -> list[KernelResources]:
-    """Every (compute capability, dtype, tile config) the picker produces, plus the delta pre-pass.
+    """Every (compute capability, dtype, tile config) the picker produces, plus the delta pre-pass; bfloat16 only
+    for compute capabilities it is offered on (``config.MIN_COMPUTE_CAPABILITY``).
 
     numba lowers each specialisation to PTX once, for the lowest compute capability that has that config (that
     is most of the time: numba's front end is the slow part); nvJitLink then assembles that PTX for every target
     that uses the config, which is how a driver runs sm_80 PTX on an sm_90 GPU.
     """
+    configs = all_tile_configs()
     targets: dict[tuple[str, str, FlashAttentionConfig | None], list[tuple[int, int]]] = {}
-    for cc, dtype, cfg in all_tile_configs():
+    for cc, dtype, cfg in configs:
         targets.setdefault((cfg.kernel, dtype, cfg), []).append(cc)
-    for cc in sorted({cc for cc, _, _ in all_tile_configs()}):
-        for dtype in sorted({dt for _, dt, _ in all_tile_configs()}):
+    for cc in sorted({cc for cc, _, _ in configs}):
+        for dtype in sorted({dt for c, dt, _ in configs if c == cc}):
             targets.setdefault(("backward_delta", dtype, None), []).append(cc)
     results = []
     for (kernel, dtype, cfg), ccs in targets.items():
@@ -147,14 +149,14 @@ def check_all(progress: Any = None) -> list[KernelResources]:
 
 
 def format_table(results: list[KernelResources]) -> str:
-    head = (f"{'kernel':<15}{'cc':>5} {'D':>4} {'dtype':<8}{'tiles (m x n / thr)':<20}{'regs':>5}"
+    head = (f"{'kernel':<15}{'cc':>5} {'D':>4} {'dtype':<9}{'tiles (m x n / thr)':<20}{'regs':>5}"
             f"{'spill':>7}{'smem':>7}  problems")
     lines = [head, "-" * len(head)]
     for r in results:
         cfg = r.config
         tiles = f"{cfg.block_m} x {cfg.block_n} / {cfg.threads}" if cfg else "1 row / thread"
         bucket = str(cfg.head_dim_bucket) if cfg else "any"
-        lines.append(f"{r.kernel:<15}{r.cc[0]}.{r.cc[1]:<3} {bucket:>4} {r.dtype:<8}{tiles:<20}{r.registers:>5}"
+        lines.append(f"{r.kernel:<15}{r.cc[0]}.{r.cc[1]:<3} {bucket:>4} {r.dtype:<9}{tiles:<20}{r.registers:>5}"
                      f"{r.spill_stores + r.spill_loads:>7}{r.smem:>7}  {'; '.join(r.problems()) or 'ok'}")
     return "\n".join(lines)
 

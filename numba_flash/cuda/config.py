@@ -1,9 +1,10 @@
 """Tile configurations of the CUDA kernels: what each kernel keeps in shared memory, and the picker.
 
-Every kernel stages its tiles in float32 shared memory (float16 inputs are widened on load, so one config serves
-both dtypes) with one padding word per row, which keeps the column walks of the register-blocked products free of
-bank conflicts. Static shared memory is limited to 48 KiB per block on every NVIDIA GPU numba-cuda targets; dynamic
-shared memory above that needs a per-kernel attribute numba does not set, so the picker stays under 48 KiB.
+Every kernel stages its tiles in float32 shared memory (float16 and bfloat16 inputs are widened on load, so one
+config serves every dtype) with one padding word per row, which keeps the column walks of the register-blocked
+products free of bank conflicts. Static shared memory is limited to 48 KiB per block on every NVIDIA GPU numba-cuda
+targets; dynamic shared memory above that needs a per-kernel attribute numba does not set, so the picker stays
+under 48 KiB.
 
 Users can override tile sizes for a block of code::
 
@@ -27,8 +28,14 @@ from numba_flash.errors import AttentionInputError
 HEAD_DIM_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256)
 #: Kernels with a tile config. The delta pre-pass of the backward has none (one thread per row).
 KERNELS: tuple[str, ...] = ("forward", "backward_dkdv", "backward_dq")
-#: Dtypes the kernels are built for (bfloat16: see backends.cuda, numba-cuda has no bfloat16 device arrays).
-KERNEL_DTYPES: tuple[str, ...] = ("float32", "float16")
+#: Dtypes the kernels are built for.
+KERNEL_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+#: Element type of the arrays the kernels are launched with, per dtype. numba has no bfloat16 arrays, so bfloat16
+#: data travels as int16 bit patterns that the kernels widen to float32 (see dtypes.py).
+STORAGE_DTYPES: dict[str, str] = {"float32": "float32", "float16": "float16", "bfloat16": "int16"}
+#: Lowest compute capability a dtype is offered on: the contract keeps bfloat16 to GPUs with native bfloat16
+#: (sm_80 on), although the kernels themselves only shift and round its bits.
+MIN_COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {"bfloat16": (8, 0)}
 #: Compute capabilities the compile check builds for.
 COMPUTE_CAPABILITIES: tuple[tuple[int, int], ...] = ((8, 0), (9, 0))
 STATIC_SMEM_LIMIT = 48 * 1024
@@ -51,6 +58,19 @@ _CANDIDATES: tuple[tuple[int, int, int], ...] = (
     (64, 64, 128), (64, 32, 128), (32, 64, 128), (32, 32, 128), (64, 16, 128), (32, 16, 128), (16, 32, 128),
     (16, 16, 128), (32, 8, 128), (16, 8, 128), (8, 16, 128), (8, 8, 64), (8, 8, 32),
 )
+
+
+def storage_dtype(dtype: str) -> str:
+    """The element type of the kernels' arrays for ``dtype`` ('int16' bit patterns for 'bfloat16')."""
+    try:
+        return STORAGE_DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype: expected one of {KERNEL_DTYPES}, got {dtype!r}") from None
+
+
+def dtype_supported_on(dtype: str, compute_capability: tuple[int, int]) -> bool:
+    """Whether the kernels are offered for ``dtype`` on a device of ``compute_capability``."""
+    return dtype in KERNEL_DTYPES and tuple(compute_capability) >= MIN_COMPUTE_CAPABILITY.get(dtype, (0, 0))
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -224,10 +244,13 @@ def tile_config_for(head_dim: int, dtype: str = "float32", compute_capability: t
 
 def all_tile_configs() -> list[tuple[tuple[int, int], str, FlashAttentionConfig]]:
     """Every (compute capability, dtype, config) the picker produces with no override, for the compile check.
-    Head dims are bucketed, so one representative per bucket covers every head dim from 1 to 256."""
+    Head dims are bucketed, so one representative per bucket covers every head dim from 1 to 256; dtypes a
+    compute capability is not offered (``MIN_COMPUTE_CAPABILITY``) are left out for it."""
     seen = []
     for cc in COMPUTE_CAPABILITIES:
         for dtype in KERNEL_DTYPES:
+            if not dtype_supported_on(dtype, cc):
+                continue
             for kernel in KERNELS:
                 for bucket in HEAD_DIM_BUCKETS:
                     cfg = tile_config_for(bucket, dtype, cc, STATIC_SMEM_LIMIT, kernel, override=TileOverride())

@@ -5,7 +5,8 @@ shared memory, streams K and then V of each key tile through one shared buffer, 
 in registers: each thread owns a small strided ``rows x cols`` block of the (block_m x D) accumulator and of the
 (block_m x block_n) score tile ("register blocking"), so no thread ever holds a whole D = 256 row.
 
-Arrays reach the kernels as (B, S, H, D) views with any strides; ``lse`` is (B, Hq, Sq) float32.
+Arrays reach the kernels as (B, S, H, D) views with any strides; ``lse`` is (B, Hq, Sq) float32. bfloat16 arrays
+arrive as int16 bit patterns and the kernel built for them widens on load and rounds on store (see dtypes.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from numba import cuda, float32
 
 from .config import FlashAttentionConfig
+from .dtypes import element_io
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -34,16 +36,20 @@ def _grids(cfg: FlashAttentionConfig) -> tuple[int, int, int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool) -> Any:
-    """The forward kernel for one tile config and mask kind (a ``numba.cuda`` dispatcher, compiled lazily).
+def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool,
+                        bf16: bool) -> Any:
+    """The forward kernel for one tile config, mask kind and element kind (a ``numba.cuda`` dispatcher, compiled
+    lazily).
 
     Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments:
-      q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D): float32 or float16, any strides;
+      q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D): float32 or float16, or with ``bf16`` int16 arrays holding
+      bfloat16 bit patterns; any strides;
       out (B, Sq, Hq, D) like q; lse (B, Hq, Sq) float32;
       seqlen_q, seqlen_k, head_dim, group (= Hq // Hkv), window_left, window_right: ints;
       qmult: float32, scale * log2(e), or scale / softcap when softcap is on;
       capmult: float32, softcap * log2(e) (unused without softcap).
-    ``dtype`` is not a parameter: numba specialises the dispatcher on the array types it is called with.
+    float32 and float16 share one dispatcher (numba specialises it on the array types it is called with); bfloat16
+    bits need their own, since an int16 element must be widened, not converted.
     """
     BM, BN, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
     S_TR, S_TC, O_TR, O_TC = _grids(cfg)
@@ -52,6 +58,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     LD, LDP = DB + 1, BN + 1                 # +1: rows start in different banks
     HAS_LEFT, HAS_RIGHT, SOFTCAP = has_left, has_right, softcap
     Q_TOTAL, KV_TOTAL = BM * DB, BN * DB
+    LOAD, STORE = element_io(bf16)
 
     def flash_forward_kernel(q, k, v, out, lse, seqlen_q, seqlen_k, head_dim, group, window_left, window_right,
                              qmult, capmult):
@@ -81,13 +88,14 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
 
         # Tile loads: consecutive threads take consecutive d (coalesced global reads, conflict-free smem
         # writes); rows past the sequence and columns past head_dim become 0 and add nothing to any product.
-        # (Written out in each kernel: a device-function helper would need a GPU to compile against.)
+        # (A shared tile-load helper would have to be inline="always", as in dtypes.py: a plain device function
+        # is compiled for the current device's compute capability, so compile_ptx would need a GPU for it.)
         for idx in range(t, Q_TOTAL, NT):
             r = idx // DB
             d = idx - r * DB
             x = float32(0.0)
             if m0 + r < seqlen_q and d < head_dim:
-                x = float32(q[b, m0 + r, h, d]) * qmult
+                x = LOAD(q[b, m0 + r, h, d]) * qmult
             q_s[r, d] = x
         for r in range(t, BM, NT):
             row_max[r] = neg_inf
@@ -116,7 +124,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 d = idx - r * DB
                 x = float32(0.0)
                 if n0 + r < seqlen_k and d < head_dim:
-                    x = float32(k[b, n0 + r, hk, d])
+                    x = LOAD(k[b, n0 + r, hk, d])
                 kv_s[r, d] = x
             cuda.syncthreads()
 
@@ -155,7 +163,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 d = idx - r * DB
                 x = float32(0.0)
                 if n0 + r < seqlen_k and d < head_dim:
-                    x = float32(v[b, n0 + r, hk, d])
+                    x = LOAD(v[b, n0 + r, hk, d])
                 kv_s[r, d] = x
             for r in range(t, BM, NT):
                 m_old = row_max[r]
@@ -199,7 +207,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 for j in range(O_TD):
                     d = o_tc + O_TC * j
                     if d < head_dim:
-                        out[b, row, h, d] = acc[i, j] * inv
+                        out[b, row, h, d] = STORE(acc[i, j] * inv)
         for r in range(t, BM, NT):
             row = m0 + r
             if row < seqlen_q:

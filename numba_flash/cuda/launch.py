@@ -1,7 +1,8 @@
 """Host side of the CUDA kernels: pick the tile config, build (or fetch) the kernel, compute the grid, launch.
 
 Every function here takes numba device arrays already viewed as (B, S, H, D) (any strides) and writes into
-outputs the caller allocated; ``backends.cuda`` deals with array kinds, layouts and streams.
+outputs the caller allocated; ``backends.cuda`` deals with array kinds, layouts and streams. bfloat16 data comes
+as int16 device arrays of its bit patterns (``config.storage_dtype``), with ``dtype="bfloat16"``.
 """
 
 from __future__ import annotations
@@ -12,18 +13,21 @@ from typing import Any
 import numpy as np
 
 from .backward import make_delta_kernel, make_dkdv_kernel, make_dq_kernel
-from .config import STATIC_SMEM_LIMIT, FlashAttentionConfig, TileOverride, tile_config_for
+from .config import STATIC_SMEM_LIMIT, FlashAttentionConfig, TileOverride, storage_dtype, tile_config_for
 from .forward import LOG2E, make_forward_kernel
 
 
 def compute_capability() -> tuple[int, int]:
     """The current device's compute capability; (9, 0) under the simulator or when it cannot be read."""
-    from numba import cuda
+    from numba import config, cuda
 
+    # The simulator's device claims 5.2, which describes no hardware: it runs whatever the kernels do.
+    if config.ENABLE_CUDASIM:
+        return (9, 0)
     try:
         cc = tuple(cuda.get_current_device().compute_capability)
         return (int(cc[0]), int(cc[1]))
-    except Exception:  # simulator devices report nothing useful; the picker does not depend on cc today
+    except Exception:  # the picker does not depend on cc today, so a guess is harmless
         return (9, 0)
 
 
@@ -32,6 +36,15 @@ def configs_for(head_dim: int, dtype: str, override: TileOverride | None = None,
     """Tile configs of ``kernels`` for this device; a bad override raises AttentionInputError."""
     cc = compute_capability()
     return {kern: tile_config_for(head_dim, dtype, cc, STATIC_SMEM_LIMIT, kern, override) for kern in kernels}
+
+
+def _check_storage(dtype: str, **arrays: Any) -> None:
+    """Raise unless every array holds ``dtype``'s storage type: a kernel would read bfloat16 bits in a float array,
+    or floats in an int16 one, as numbers without complaint."""
+    want = storage_dtype(dtype)
+    for name, arr in arrays.items():
+        if str(arr.dtype) != want:
+            raise ValueError(f"{name}: expected {want} device array for dtype {dtype}, got {arr.dtype}")
 
 
 def _multipliers(softmax_scale: float, softcap: float) -> tuple[np.float32, np.float32]:
@@ -47,13 +60,15 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
                   stream: Any = 0) -> None:
     """Launch the forward kernel.
 
-    q, out: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D); float32 or float16 device arrays, any strides.
-    lse: (B, Hq, Sq) float32 device array. Writes out and lse.
+    q, out: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D); device arrays of ``storage_dtype(dtype)`` (float32, float16,
+    or int16 bfloat16 bits), any strides. lse: (B, Hq, Sq) float32 device array. Writes out and lse.
     """
+    _check_storage(dtype, q=q, k=k, v=v, out=out)
+    bf16 = dtype == "bfloat16"
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     cfg = configs_for(d, dtype, override)["forward"]
-    kernel = make_forward_kernel(cfg, window_left >= 0, window_right >= 0, softcap > 0)
+    kernel = make_forward_kernel(cfg, window_left >= 0, window_right >= 0, softcap > 0, bf16)
     qmult, capmult = _multipliers(softmax_scale, softcap)
     grid = (math.ceil(sq / cfg.block_m), hq, batch)
     kernel[grid, cfg.threads, stream](q, k, v, out, lse, sq, sk, d, hq // hkv, window_left, window_right,
@@ -65,19 +80,22 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
                    dtype: str, override: TileOverride | None = None, stream: Any = 0) -> None:
     """Launch the three backward kernels: delta pre-pass, dK/dV over key tiles, dQ over query tiles.
 
-    dout, q, out, dq: (B, Sq, Hq, D); k, v, dk, dv: (B, Sk, Hkv, D); float32 or float16 device arrays, any
-    strides. lse: (B, Hq, Sq) float32 as the forward wrote it; delta: (B, Hq, Sq) float32 scratch.
+    dout, q, out, dq: (B, Sq, Hq, D); k, v, dk, dv: (B, Sk, Hkv, D); device arrays of ``storage_dtype(dtype)``
+    (float32, float16, or int16 bfloat16 bits), any strides. lse: (B, Hq, Sq) float32 as the forward wrote it;
+    delta: (B, Hq, Sq) float32 scratch.
     """
+    _check_storage(dtype, dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
+    bf16 = dtype == "bfloat16"
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     cfgs = configs_for(d, dtype, override, ("backward_dkdv", "backward_dq"))
-    flags = (window_left >= 0, window_right >= 0, softcap > 0)
+    flags = (window_left >= 0, window_right >= 0, softcap > 0, bf16)
     qmult, capmult = _multipliers(softmax_scale, softcap)
     scale = np.float32(softmax_scale)
 
     rows = batch * hq * sq
     threads = 128
-    make_delta_kernel()[math.ceil(rows / threads), threads, stream](dout, out, delta, sq, hq, d, rows)
+    make_delta_kernel(bf16)[math.ceil(rows / threads), threads, stream](dout, out, delta, sq, hq, d, rows)
 
     cfg = cfgs["backward_dkdv"]
     grid = (math.ceil(sk / cfg.block_n), hkv, batch)

@@ -1,7 +1,9 @@
 """Compile every CUDA kernel specialisation with the real compiler (numba-cuda -> PTX -> nvJitLink SASS) for
 sm_80 and sm_90, print the resource table, and fail on spills, local memory, > 48 KiB static shared memory or
 float64 arithmetic. Head dims are bucketed (16/32/64/128/256), so the table covers every D from 1 to 256; each
-kernel is compiled with both window bounds and softcap on, its most register-hungry variant.
+kernel is compiled with both window bounds and softcap on, its most register-hungry variant, for float32, float16
+and bfloat16 (int16 bit arrays). PTX does not depend on the target, so each specialisation is lowered once and
+assembled for both.
 Run: .venv/bin/python -m pytest -q -s -m ptx tests/numba_flash/cuda/test_cuda_compile.py"""
 
 import pytest
@@ -17,6 +19,7 @@ def _needs_toolchain():
 def test_every_specialisation_compiles_without_spills():
     _needs_toolchain()
     from numba_flash.cuda.compile_check import check_all, format_table
+    from numba_flash.cuda.config import COMPUTE_CAPABILITIES, HEAD_DIM_BUCKETS, KERNEL_DTYPES, KERNELS
 
     results = check_all()
     print()
@@ -24,3 +27,9 @@ def test_every_specialisation_compiles_without_spills():
     bad = [(r.kernel, r.cc, r.dtype, r.config, r.problems()) for r in results if r.problems()]
     assert not bad, bad
     assert all(r.registers > 0 for r in results)   # the log was parsed
+    # Every kernel, head-dim bucket and dtype, bfloat16 included, on both targets.
+    covered = {(r.cc, r.dtype, r.kernel, r.config.head_dim_bucket if r.config else None) for r in results}
+    want = {(cc, dt, kern, b) for cc in COMPUTE_CAPABILITIES for dt in KERNEL_DTYPES
+            for kern, buckets in [("backward_delta", [None])] + [(k, HEAD_DIM_BUCKETS) for k in KERNELS]
+            for b in buckets}
+    assert covered == want, want ^ covered

@@ -5,7 +5,8 @@ import pytest
 from numba_flash import AttentionInputError
 from numba_flash.cuda import (HEAD_DIM_BUCKETS, TileOverride, all_tile_configs, head_dim_bucket, tile_config_for,
                               tile_config_override)
-from numba_flash.cuda.config import KERNELS, MAX_ACCUMULATORS_PER_THREAD, STATIC_SMEM_LIMIT
+from numba_flash.cuda.config import (KERNELS, MAX_ACCUMULATORS_PER_THREAD, STATIC_SMEM_LIMIT, dtype_supported_on,
+                                     storage_dtype)
 
 
 def test_every_config_fits_and_splits():
@@ -47,3 +48,18 @@ def test_override_context_and_validation():
         with pytest.raises(AttentionInputError):
             with tile_config_override(block_m=bad):
                 pass
+
+
+def test_bfloat16_configs_on_sm80_and_later_only():
+    configs = all_tile_configs()
+    assert {(cc, dt) for cc, dt, _ in configs} == {(cc, dt) for cc in ((8, 0), (9, 0))
+                                                   for dt in ("float32", "float16", "bfloat16")}
+    # Tiles live in float32 shared memory whatever the input dtype, so bfloat16 gets float16's configs.
+    assert ({(cc, cfg) for cc, dt, cfg in configs if dt == "bfloat16"}
+            == {(cc, cfg) for cc, dt, cfg in configs if dt == "float16"})
+    assert dtype_supported_on("bfloat16", (8, 0)) and dtype_supported_on("bfloat16", (12, 0))
+    assert not dtype_supported_on("bfloat16", (7, 5))
+    assert dtype_supported_on("float16", (7, 0)) and not dtype_supported_on("float64", (9, 0))
+    assert storage_dtype("bfloat16") == "int16" and storage_dtype("float16") == "float16"
+    with pytest.raises(ValueError, match="dtype"):
+        storage_dtype("float64")

@@ -142,3 +142,125 @@ def test_non_contiguous_device_arrays(rng):
     ref, ref_lse = attention_ref(hq, hk, hv, window_size=(5, 2))
     assert np.max(np.abs(out.copy_to_host() - ref)) <= 1e-5
     _check_lse(lse.copy_to_host(), ref_lse)
+
+
+# ---- bfloat16: int16 bit patterns in, float32 math, bit patterns out ----
+
+BF16_BOUND = 1.6e-2   # the contract's relative L2 bound for bfloat16
+
+
+def _bf16(rng, shape):
+    """(int16 bit patterns, the same values widened to float32) of random N(0, 1) bfloat16 numbers."""
+    torch = pytest.importorskip("torch")
+    t = torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(torch.bfloat16)
+    return t.view(torch.int16).numpy().copy(), t.float().numpy()
+
+
+def _round_bf16(x):
+    """int16 bit patterns of float32 ``x`` rounded to bfloat16 by torch (nearest, ties to even)."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(torch.bfloat16).view(torch.int16).numpy()
+
+
+def _widen(bits):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bfloat16).float().numpy()
+
+
+def test_bfloat16_helpers_match_torch_rounding(rng):
+    torch = pytest.importorskip("torch")
+    from numba_flash.cuda.dtypes import load_bf16, store_bf16
+
+    # Random magnitudes over the whole exponent range, exact ties (a set bit 15 and nothing below it, both parities
+    # of bit 16), values that round up into the next binade or to inf, subnormals, signed zeros and infinities.
+    x = (rng.standard_normal(300) * np.exp2(rng.integers(-140, 128, 300))).astype(np.float32)
+    bits = x.view(np.uint32)
+    ties = ((bits & 0xFFFF0000) | 0x8000).view(np.float32)
+    special = np.array([0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7F7F0000, 0x7F7F8000, 0xFF7FFFFF,
+                        0x3F808000, 0x3F818000, 0x3F80FFFF, 0x00008000, 0x0001C000, 0x807FFFFF], np.uint32)
+    x = np.concatenate([x, ties, special.view(np.float32)])
+    got = np.array([store_bf16(np.float32(v)) for v in x], np.int16)
+    want = _round_bf16(x)
+    assert np.array_equal(got, want), x[got != want]
+    nan = store_bf16(np.float32(np.nan))
+    assert np.isnan(torch.tensor([nan], dtype=torch.int16).view(torch.bfloat16).float().item())
+    back = np.array([load_bf16(b) for b in want], np.float32)
+    assert np.array_equal(back, _widen(want))
+
+
+def _launch_kw(q, causal, dtype):
+    from numba_flash.cuda import TileOverride
+
+    return dict(softmax_scale=1 / np.sqrt(q.shape[-1]), window_left=-1, window_right=0 if causal else -1,
+                softcap=0.0, dtype=dtype, override=TileOverride(**TILES))
+
+
+def _launch_forward(q, k, v, *, causal, dtype):
+    """numba_flash.cuda.launch.flash_forward on simulated device arrays of q's element type (int16 bfloat16 bits
+    or float32); host (out, lse)."""
+    from numba import cuda
+
+    from numba_flash.cuda.launch import flash_forward
+
+    b, sq, hq, _ = q.shape
+    out = cuda.device_array(q.shape, q.dtype)
+    lse = cuda.device_array((b, hq, sq), np.float32)
+    flash_forward(*(cuda.to_device(x) for x in (q, k, v)), out, lse, **_launch_kw(q, causal, dtype))
+    return out.copy_to_host(), lse.copy_to_host()
+
+
+def _launch_backward(dout, q, k, v, out, lse, *, causal, dtype):
+    """numba_flash.cuda.launch.flash_backward, as _launch_forward; host (dq, dk, dv)."""
+    from numba import cuda
+
+    from numba_flash.cuda.launch import flash_backward
+
+    b, sq, hq, _ = q.shape
+    grads = [cuda.device_array(x.shape, x.dtype) for x in (q, k, v)]
+    delta = cuda.device_array((b, hq, sq), np.float32)
+    flash_backward(*(cuda.to_device(x) for x in (dout, q, k, v, out, lse)), *grads, delta,
+                   **_launch_kw(q, causal, dtype))
+    return tuple(g.copy_to_host() for g in grads)
+
+
+def test_bfloat16_kernels_round_the_float32_result(rng):
+    # Ragged tiles, causal with Sq < Sk, GQA. The bfloat16 kernels widen exactly and then compute what the float32
+    # kernels compute on the widened values, so their outputs must be those results rounded, bit for bit.
+    b, sq, sk, hq, hkv, d = 1, 13, 19, 2, 1, 12
+    (q, q32), (k, k32), (v, v32), (do, do32) = (_bf16(rng, s) for s in
+                                                ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, hq, d)))
+    copies = [x.copy() for x in (q, k, v, do)]
+    out, lse = _launch_forward(q, k, v, causal=True, dtype="bfloat16")
+    grads = _launch_backward(do, q, k, v, out, lse, causal=True, dtype="bfloat16")
+    for x, c in zip((q, k, v, do), copies):
+        assert np.array_equal(x, c)
+    assert out.dtype == np.int16 and lse.dtype == np.float32
+
+    ref, ref_lse = attention_ref(q32, k32, v32, causal=True)
+    assert _rel_l2(_widen(out), ref) <= BF16_BOUND
+    _check_lse(lse, ref_lse)
+    for got, want in zip(grads, attention_ref_backward(do32, q32, k32, v32, causal=True)):
+        assert got.shape == want.shape and got.dtype == np.int16
+        assert np.all(np.isfinite(_widen(got)))
+        assert _rel_l2(_widen(got), want) <= BF16_BOUND
+
+    # The float32 kernels on the same values (the backward reads the bfloat16 output, for delta, widened).
+    out32, lse32 = _launch_forward(q32, k32, v32, causal=True, dtype="float32")
+    assert np.array_equal(out, _round_bf16(out32)) and np.array_equal(lse, lse32)
+    grads32 = _launch_backward(do32, q32, k32, v32, _widen(out), lse, causal=True, dtype="float32")
+    for got, want in zip(grads, grads32):
+        assert np.array_equal(got, _round_bf16(want))
+
+
+def test_storage_mismatch_raises(rng):
+    from numba import cuda
+
+    from numba_flash.cuda.launch import flash_forward
+
+    q, _ = _bf16(rng, (1, 5, 1, 4))
+    dq_ = cuda.to_device(q)
+    with pytest.raises(ValueError, match="expected float32 device array"):
+        flash_forward(dq_, dq_, dq_, cuda.device_array(q.shape, np.int16), cuda.device_array((1, 1, 5), np.float32),
+                      softmax_scale=0.5, window_left=-1, window_right=-1, softcap=0.0, dtype="float32")
