@@ -66,11 +66,6 @@ def _hip_runtime_reasons() -> list[str]:
     return []
 
 
-def _tensor_on_gpu(t: Any) -> bool:
-    """True for a tensor in GPU memory. A HIP build of torch names its GPU device 'cuda'."""
-    return t.device.type == "cuda"
-
-
 def _as_torch(x: Any) -> Any:
     """``x`` as a torch tensor without copying where possible (numpy arrays become CPU tensors sharing memory)."""
     import torch
@@ -309,13 +304,14 @@ class RocmBackend(Backend):
     def not_supported_reasons(self, call: AttentionCall, forced: bool = False) -> list[str]:
         # Cheap facts first: a numpy call that is not forced here is turned down without importing torch.
         if call.kind == "numpy" and not forced:
-            return ["numpy input (runs only torch tensors on a HIP GPU unless forced with backend='rocm')"]
+            return ["numpy input: rocm takes host arrays only when forced, backend='rocm'"]
         reasons = super().not_supported_reasons(call, forced)
         if call.kind == "numpy" and call.dtype == "bfloat16":
             reasons.append("bfloat16 numpy arrays not supported (pass a torch tensor)")
         if reasons or forced:
             return reasons
-        if not _tensor_on_gpu(call.q):
+        # A HIP build of torch names its GPU device "cuda"; _hip_runtime_reasons has already ruled out NVIDIA.
+        if call.device != "cuda":
             return [f"{call.device} tensors not supported (runs on HIP GPUs unless forced with backend='rocm')"]
         return []
 

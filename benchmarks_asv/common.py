@@ -5,15 +5,15 @@ base class whose ``setup`` skips (raises ``NotImplementedError``) what this mach
 asv starts one process per benchmark and parameter combination, so everything a skip needs is decided from cheap
 facts (device nodes, the grid rules below) before numpy, numba or torch is imported.
 
-The grid follows the machine, because each of its points costs a process even when it is skipped: the backends
-are cpu, numpy_naive and torch_sdpa, plus cuda where an NVIDIA device node exists and rocm where /dev/kfd does; the
-dtypes are float32, float16 and bfloat16 on a GPU machine and float32 alone on a host-only one. A backend listed but
-unusable (numba-cuda missing, a dtype it lacks) still skips cleanly in setup.
+Every backend and peer is a parameter on every machine (cpu, cuda, rocm, numpy_naive, torch_sdpa), so that results
+from different machines line up; one this machine cannot run (no GPU, numba-cuda missing, a dtype it lacks) skips
+in ``setup`` with the reason, which costs a process start (about 0.2 s) per point. The dtypes follow the machine,
+because low precision on the host would cost far more than skips: float32, float16 and bfloat16 on a GPU machine,
+float32 alone on a host-only one (``NUMBA_FLASH_ASV_DTYPES`` adds the others).
 
 Environment variables:
   NUMBA_FLASH_ASV_CONFIGS    comma-separated configs (default: all seven), e.g. ``tiny`` for CI.
-  NUMBA_FLASH_ASV_BACKENDS   comma-separated backends, overriding the machine's default (e.g. ``cpu,cuda,rocm,
-                             numpy_naive,torch_sdpa`` to list all five).
+  NUMBA_FLASH_ASV_BACKENDS   comma-separated backends (default: all five), e.g. ``cpu,numpy_naive`` for a quick look.
   NUMBA_FLASH_ASV_DTYPES     comma-separated dtypes, overriding the machine's default (e.g. ``float32,float16``).
   NUMBA_FLASH_ASV_FULL=1     lift the CPU budget below.
 
@@ -62,9 +62,7 @@ def selected_configs() -> list[str]:
 
 
 def selected_backends() -> list[str]:
-    default = ["cpu"] + (["cuda"] if nvidia_gpu_present() else []) + (["rocm"] if amd_gpu_present() else []) \
-        + ["numpy_naive", "torch_sdpa"]
-    return _from_env("NUMBA_FLASH_ASV_BACKENDS", BACKENDS, default)
+    return _from_env("NUMBA_FLASH_ASV_BACKENDS", BACKENDS, BACKENDS)
 
 
 def selected_dtypes() -> list[str]:

@@ -339,6 +339,48 @@ def measure_gpu_peak(fn: Callable[[], Any], device_api: str) -> tuple[int, Any]:
     return max(torch_peak, free_drop, 0), result
 
 
+def available_host_bytes() -> int | None:
+    """Memory the kernel says can be allocated without swapping (``MemAvailable``), or None where unknown."""
+    try:
+        return _read_meminfo_kib("MemAvailable") * 1024
+    except (OSError, ValueError):
+        return None
+
+
+def _read_meminfo_kib(field: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise ValueError(f"{field} not in /proc/meminfo")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+# Live (Sq, Sk) arrays at the peak of each S x S computation, counted from the code: the textbook backward keeps
+# P, dP and dS plus a temporary; the float64 reference's backward keeps scores, softcap factor, mask, P, dP, dS.
+NAIVE_SCORE_COPIES = 4
+REFERENCE_SCORE_COPIES = 8
+
+
+def fits_in_memory(needed: int, available: int | None) -> bool:
+    """False only when ``needed`` bytes surely do not fit: overcommitting Linux would rather kill the process
+    than raise MemoryError, so the S x S peers and the reference check before they allocate."""
+    return available is None or needed <= available
+
+
+def reference_bytes(case: Case) -> int:
+    """Peak bytes of the float64 reference for ``case`` (it works one (batch, head) at a time)."""
+    return REFERENCE_SCORE_COPIES * case.seqlen * case.seqlen * 8
+
+
+def naive_bytes(case: Case, itemsize: int) -> int:
+    """Peak bytes of textbook attention: every head's (Sq, Sk) scores at once, in the case's dtype."""
+    return NAIVE_SCORE_COPIES * case.batch * case.nheads * case.seqlen * case.seqlen * itemsize
+
+
 # --------------------------------------------------------------------------------------------------- runners
 
 
@@ -441,6 +483,9 @@ class NaiveNumpyRunner(Runner):
     def prepare(self, case: Case, inputs: Inputs) -> None:
         self.arrays = inputs.numpy()
         self.case = case
+        needed, available = naive_bytes(case, self.arrays["q"].itemsize), available_host_bytes()
+        if not fits_in_memory(needed, available):
+            raise Skip(f"the S x S scores need about {_gib(needed)}, {_gib(available)} available")
 
     def forward(self) -> Any:
         a = self.arrays
@@ -473,6 +518,11 @@ class TorchRunner(Runner):
         self.device_api = "torch-cuda" if self.device == "cuda" else "host"
         if self.device == "cpu" and case.dtype == "bfloat16" and self.naive:
             raise Skip("bfloat16 matmul on CPU is not a meaningful baseline")
+        if self.naive:
+            needed = naive_bytes(case, torch.finfo(getattr(torch, case.dtype)).bits // 8)
+            available = torch.cuda.mem_get_info()[0] if self.device == "cuda" else available_host_bytes()
+            if not fits_in_memory(needed, available):
+                raise Skip(f"the S x S scores need about {_gib(needed)}, {_gib(available)} available")
         self.arrays = {n: t.detach().clone() for n, t in inputs.torch(self.device).items()}
         self.case = case
         self.fn = bench_peers.naive_torch if self.naive else bench_peers.sdpa_torch
@@ -539,9 +589,17 @@ def run_pass(runner: Runner, case: Case, pass_: str, repeats: int, ref: Referenc
 
 
 def run_case(case: Case, runners: Sequence[Runner], passes: Sequence[str], repeats: int, check: bool,
-             rng: np.random.Generator, progress: Callable[[], None] = lambda: None) -> list[Row]:
+             rng: np.random.Generator, progress: Callable[[], None] = lambda: None,
+             notes: list[str] | None = None) -> list[Row]:
+    """Every runner's passes on one case, with speedups filled in. Lines worth printing under the table (a
+    reference too big to compute) are appended to ``notes``."""
     inputs = Inputs(case, rng)
     ref = Reference(inputs) if check else None
+    if ref is not None and not fits_in_memory(reference_bytes(case), available_host_bytes()):
+        ref = None
+        if notes is not None:
+            notes.append(f"max err not computed at S={case.seqlen}: the float64 reference needs about "
+                         f"{_gib(reference_bytes(case))} of host memory (more than is available)")
     rows = []
     for runner in runners:
         try:
@@ -557,6 +615,11 @@ def run_case(case: Case, runners: Sequence[Runner], passes: Sequence[str], repea
                 rows.append(run_pass(runner, case, p, repeats, ref))
             except Skip as exc:
                 rows.append(Row(case, runner.name, runner.kind, runner.device, p, status=f"skipped: {exc}"))
+            except MemoryError:
+                # Running out of memory is what naive attention does at long sequences: a result for a peer, a
+                # failure for a backend.
+                status = "skipped: out of memory" if runner.kind == "peer" else "error: MemoryError"
+                rows.append(Row(case, runner.name, runner.kind, runner.device, p, status=status))
             except Exception as exc:  # report and go on: one broken backend must not hide the others' figures
                 msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
                 rows.append(Row(case, runner.name, runner.kind, runner.device, p, status=f"error: {msg}"))
@@ -703,6 +766,28 @@ def _positive_int(text: str) -> int:
     return values[0]
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def _output_problem(path: str) -> str | None:
+    """Why ``path`` cannot be written, checked before the run so that a typo does not cost the results."""
+    if os.path.isdir(path):
+        return "is a directory"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"directory {parent} does not exist"
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return "not writable"
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="numba-flash bench",
@@ -728,7 +813,7 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--no-grad", action="store_true", help="forward only (default: forward and backward)")
     what.add_argument("--repeats", type=_positive_int, default=10, help="timed calls per pass (default 10)")
     what.add_argument("--no-check", action="store_true", help="skip the max error vs the float64 reference")
-    what.add_argument("--seed", type=int, help="seed of the random inputs (default: fresh)")
+    what.add_argument("--seed", type=_seed, help="seed of the random inputs (default: fresh)")
     out = p.add_argument_group("output")
     out.add_argument("--csv", metavar="FILE")
     out.add_argument("--json", metavar="FILE")
@@ -777,11 +862,23 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[Cas
     bad = [x for x in peers if x not in bench_peers.PEERS]
     if bad:
         parser.error(f"--compare: unknown peer {', '.join(bad)}; choose from {', '.join(bench_peers.PEERS)} or none")
+    for flag, path in (("--csv", args.csv), ("--json", args.json), ("--plot", args.plot)):
+        problem = path is not None and _output_problem(path)
+        if problem:
+            parser.error(f"{flag} {path}: {problem}")
     if args.plot:
         try:
-            import matplotlib  # noqa: F401
+            import matplotlib
+
+            matplotlib.use("Agg")
+            from matplotlib.backend_bases import FigureCanvasBase
         except ImportError:
             parser.error("--plot needs matplotlib (pip install matplotlib)")
+        formats = FigureCanvasBase.get_supported_filetypes()
+        ext = os.path.splitext(args.plot)[1].lstrip(".").lower()
+        if ext not in formats:
+            parser.error(f"--plot {args.plot}: the file name must end in one of "
+                         f"{', '.join('.' + f for f in sorted(formats))} (it picks the image format)")
     runners = [(n, "backend") for n in chosen] + [(n, "peer") for n in peers]
     if not runners:
         parser.error("nothing to run: no backend available and --compare none")
@@ -815,9 +912,17 @@ def _progress(total: int, enabled: bool) -> Iterator[Callable[[], None]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``numba-flash bench`` and ``python -m numba_flash.bench``; returns the exit status
-    (1 when a backend or peer raised an error)."""
-    args, cases, runner_specs = parse_args(argv)
+    """Entry point of ``numba-flash bench`` and ``python -m numba_flash.bench``; returns the exit status: 0, 1
+    when a backend or peer raised an error, 2 for a bad argument or an output file that cannot be written, 130
+    when interrupted."""
+    try:
+        return _run(*parse_args(argv))
+    except KeyboardInterrupt:
+        print("numba-flash bench: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace, cases: list[Case], runner_specs: list[tuple[str, str]]) -> int:
     _set_torch_threads()
     meta = machine_info()
     passes = ("fwd",) if args.no_grad else PASSES
@@ -842,24 +947,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.stdout.flush()
 
     rows: list[Row] = []
+    notes: list[str] = []
     total = len(cases) * len(runner_specs) * len(passes)
     with _progress(total, enabled=len(cases) > 1) as tick:
         for case in cases:
             runners = [make_runner(n, k) for n, k in runner_specs]
-            rows.extend(run_case(case, runners, passes, args.repeats, not args.no_check, rng, tick))
+            rows.extend(run_case(case, runners, passes, args.repeats, not args.no_check, rng, tick, notes))
     print()
     print(format_table(rows))
+    for note in notes:
+        print(note)
 
-    if args.csv:
-        write_csv(args.csv, rows)
-    if args.json:
-        write_json(args.json, rows, meta)
-    if args.plot:
-        write_plot(args.plot, rows, f"{c0.config} B={c0.batch} H={c0.nheads} D={c0.headdim} causal={c0.causal} "
-                   f"{c0.dtype} | {meta['cpu']}")
-    for path in (args.csv, args.json, args.plot):
-        if path:
-            print(f"wrote {path}")
+    title = f"{c0.config} B={c0.batch} H={c0.nheads} D={c0.headdim} causal={c0.causal} {c0.dtype} | {meta['cpu']}"
+    writers = ((args.csv, lambda p: write_csv(p, rows)), (args.json, lambda p: write_json(p, rows, meta)),
+               (args.plot, lambda p: write_plot(p, rows, title)))
+    for path, write in writers:
+        if not path:
+            continue
+        try:
+            write(path)
+        except OSError as exc:  # the paths were checked before the run; the disk may still fill up
+            print(f"numba-flash bench: error: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {path}")
     return 1 if any(r.status.startswith("error") for r in rows) else 0
 
 

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from backends import backend_registry
+from numba_flash.errors import AttentionInputError
 from numba_flash.validation import validate_forward
 
 __all__ = ["flash_attn_func", "FlashAttnFunc"]
@@ -148,6 +149,13 @@ def flash_attn_func(
     if not torch.compiler.is_compiling():
         # Fail fast, naming the argument, before autograd records anything. Under torch.compile the ops validate
         # when they run, and this Python-level check would only cost graph breaks.
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                # numpy and other arrays pass validate_forward but cannot carry gradients; the registry's
+                # op.forward takes them.
+                raise AttentionInputError(
+                    f"{name}: expected a torch.Tensor (flash_attn_func is the autograd entry point; use "
+                    f"backend_registry.get('flash').forward for other arrays), got {type(x).__name__}")
         validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                          softcap=softcap, layout=layout, return_lse=return_lse)
         if backend is None:

@@ -235,12 +235,27 @@ def test_sdpa_path_agrees_with_blockwise(rng, op, sdpa_spy, dtype, tol, sq, sk, 
     kw = dict(causal=causal, layout=layout, softmax_scale=0.3)
     fast = op.forward(q, k, v, **kw)
     assert len(sdpa_spy) == 1 and sdpa_spy[0]["scale"] == 0.3
+    assert sdpa_spy[0].get("enable_gqa", False) == (hq != hkv)   # GQA by SDPA itself, K/V not repeated first
     blockwise, _ = op.forward(q, k, v, return_lse=True, **kw)  # asking for lse takes the blockwise path
     assert len(sdpa_spy) == 1
     assert fast.dtype == q.dtype and fast.shape == q.shape and fast.is_contiguous()
     assert torch.allclose(fast, blockwise, rtol=0, atol=tol)
     ref_out, _ = attention_ref(q, k, v, **kw)
     assert np.abs(_np(fast) - ref_out).max() <= max(tol, 1e-5 if dtype == "float32" else 1e-12)
+
+
+@pytest.mark.parametrize("dtype,bound", [("float16", 2e-3), ("bfloat16", 1.6e-2)])
+@pytest.mark.parametrize("hq,hkv,causal", [(4, 4, False), (6, 2, True)])
+def test_sdpa_path_half_precision(rng, op, sdpa_spy, dtype, bound, hq, hkv, causal):
+    """The SDPA path keeps the contract's low-precision bound: within ``bound`` of the float64 reference and at
+    most twice the error of naive attention computed in the same dtype."""
+    q, k, v = _qkv(rng, 2, 57, 57, hq, hkv, 32, "bhsd", dtype)
+    out = op.forward(q, k, v, causal=causal, layout="bhsd")
+    assert len(sdpa_spy) == 1 and out.dtype == q.dtype
+    ref_out, _ = attention_ref(q, k, v, causal=causal, layout="bhsd")
+    err = _rel_l2(out, ref_out)
+    naive_err = _rel_l2(_naive(q, k, v, causal, (-1, -1), "bhsd"), ref_out)
+    assert err <= bound and err <= 2 * naive_err, (err, naive_err)
 
 
 @pytest.mark.parametrize("sq,sk,kw", [
@@ -283,8 +298,8 @@ def test_band_visits_exactly_the_visible_blocks(rng, trial):
 
 
 def test_score_blocks_stay_small_and_band_is_skipped(rng, op, monkeypatch):
-    """At most one block of scores of the configured size exists at a time, and a causal call computes about
-    half the score matrix."""
+    """Forward and backward never make a block of scores larger than the configured size, and a causal call
+    computes about half the score matrix."""
     b, h, s = 1, 2, 150
     limit = b * h * 16 * 24
     monkeypatch.setattr(rocm, "SCORE_BLOCK_ELEMENTS", limit)
@@ -299,10 +314,35 @@ def test_score_blocks_stay_small_and_band_is_skipped(rng, op, monkeypatch):
 
     monkeypatch.setattr(rocm, "_scores", spy)
     q, k, v = _qkv(rng, b, s, s, h, h, 8)
-    out, _ = op.forward(q, k, v, causal=True, return_lse=True)
+    out, lse = op.forward(q, k, v, causal=True, return_lse=True)
     assert max(sizes) <= limit
     assert sum(sizes) < 0.65 * b * h * s * s
     assert np.abs(_np(out) - attention_ref(q, k, v, causal=True)[0]).max() <= 1e-5
+    sizes.clear()
+    dout = torch.from_numpy(rng.standard_normal(q.shape)).float()
+    grads = op.backward(dout, q, k, v, out, lse, causal=True)
+    assert sizes and max(sizes) <= limit
+    assert sum(sizes) < 0.65 * b * h * s * s
+    for g, want in zip(grads, attention_ref_backward(dout, q, k, v, causal=True)):
+        assert _rel_l2(g, want) <= 1e-5
+
+
+def test_gqa_never_repeats_kv(rng, op, monkeypatch):
+    """The blockwise path serves grouped-query attention by indexing, without copying K/V once per query head."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("K/V repeated")
+
+    q, k, v = _qkv(rng, 2, 21, 30, 6, 2, 8)
+    dout = torch.from_numpy(rng.standard_normal(q.shape)).float()
+    with monkeypatch.context() as m:
+        for owner, name in ((torch, "repeat_interleave"), (torch.Tensor, "repeat_interleave"),
+                            (torch.Tensor, "repeat"), (torch.Tensor, "expand")):
+            m.setattr(owner, name, refuse)
+        out, lse = op.forward(q, k, v, causal=True, return_lse=True)
+        grads = op.backward(dout, q, k, v, out, lse, causal=True)
+    assert np.abs(_np(out) - attention_ref(q, k, v, causal=True)[0]).max() <= 1e-5
+    for g, want in zip(grads, attention_ref_backward(dout, q, k, v, causal=True)):
+        assert _rel_l2(g, want) <= 1e-5
 
 
 def test_bad_input_raises_before_work(rng, op):
@@ -329,28 +369,76 @@ def test_not_auto_selected_off_hip(rng, monkeypatch):
     assert be.not_supported_reasons(np_call, forced=True) == []
 
 
-def test_fake_hip_build_selects_rocm(rng, monkeypatch):
-    """On a HIP build of torch with a GPU, a tensor on that GPU goes to "rocm" without forcing, and explain says
-    why "cuda" (higher priority) was passed over."""
+@pytest.fixture
+def fake_hip(monkeypatch):
+    """A HIP build of torch with a visible GPU. Returns a function that makes torch tensors report the device a
+    HIP build gives its GPU tensors ("cuda"), so that CPU tensors can stand in for them."""
+    import numba_flash.validation as validation
+
     monkeypatch.delenv(backend_registry.ENV_VAR, raising=False)
     monkeypatch.setattr(torch.version, "hip", "6.2.41133", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(rocm, "_tensor_on_gpu", lambda t: True)  # the CPU tensor stands in for a HIP one
+    real_device_of = validation.device_of
+
+    def on_gpu():
+        monkeypatch.setattr(validation, "device_of",
+                            lambda x: "cuda" if isinstance(x, torch.Tensor) else real_device_of(x))
+
+    return on_gpu
+
+
+def test_fake_hip_build_selects_rocm(rng, fake_hip, monkeypatch):
+    """On a HIP build of torch with a GPU, a tensor on that GPU goes to "rocm" without forcing, explain says why
+    "cuda" (the numba kernels, NVIDIA only) and "cpu" were passed over, and flash_attn_func's forward and backward
+    both run on "rocm"."""
+    fake_hip()
     q, k, v = _qkv(rng, 1, 14, 19, 4, 2, 8)
     dispatcher = backend_registry.get("flash")
     text = dispatcher.explain(q, k, v, causal=True)
-    lines = {line.split()[0]: line for line in text.splitlines()[2:]}
-    assert "chosen: rocm" in text
-    assert "<- chosen" in lines["rocm"]
-    assert "cuda" in lines and "can serve" not in lines["cuda"], text
-    assert rocm.RocmBackend().unavailable_reasons() == []
+    head, rest = text.splitlines()[:2], text.splitlines()[2:]
+    lines = {line.split()[0]: line for line in rest}
+    assert head[1] == "chosen: rocm", text
+    assert [line.split()[0] for line in rest] == ["rocm", "cuda", "cpu"]   # rocm is tried first on a HIP device
+    assert lines["rocm"].endswith("can serve  <- chosen"), text
+    assert "HIP (ROCm) tensors not supported (runs on NVIDIA CUDA)" in lines["cuda"], text
+    assert "cuda tensors not supported" in lines["cpu"], text
+    assert "rocm" in backend_registry.available("flash")
     out = dispatcher.forward(q, k, v, causal=True)
     assert np.abs(_np(out) - attention_ref(q, k, v, causal=True)[0]).max() <= 1e-5
 
+    from numba_flash import flash_attn_func
+
+    chosen = []
+    real_select = backend_registry.Dispatcher.select
+
+    def spy(self, call, backend=None):
+        be = real_select(self, call, backend)
+        chosen.append((be.name, call.is_backward))
+        return be
+
+    monkeypatch.setattr(backend_registry.Dispatcher, "select", spy)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    dout = torch.from_numpy(rng.standard_normal(q.shape)).float()
+    flash_attn_func(*leaves, causal=True).backward(dout)
+    assert chosen == [("rocm", False), ("rocm", True)]
+    for leaf, want in zip(leaves, attention_ref_backward(dout, q, k, v, causal=True)):
+        assert _rel_l2(leaf.grad, want) <= 1e-5
+
+
+def test_fake_hip_build_leaves_host_tensors_to_cpu(rng, fake_hip, monkeypatch):
+    # CPU tensors on a HIP build are not rocm's to take: the cpu backend serves them.
+    q, k, v = _qkv(rng, 1, 6, 6, 2, 2, 4)
+    text = backend_registry.get("flash").explain(q, k, v)
+    lines = {line.split()[0]: line for line in text.splitlines()[2:]}
+    assert text.splitlines()[1] == "chosen: cpu", text
+    assert "cpu tensors not supported (runs on HIP GPUs unless forced with backend='rocm')" in lines["rocm"], text
+
     # A HIP build without a visible GPU is reported as such.
+    fake_hip()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     call = validate_forward(q, k, v)
     assert rocm.RocmBackend().not_supported_reasons(call) == ["no HIP GPU (torch.cuda.is_available() is False)"]
+    assert "rocm" not in backend_registry.available("flash")
 
 
 def test_registering_and_numpy_dispatch_do_not_import_torch():
