@@ -1,8 +1,9 @@
 """CPU backend: the ``numba.njit(parallel=True)`` tiled kernels of ``numba_flash.cpu`` on host memory.
 
 Serves numpy arrays, torch CPU tensors and host DLPack exporters; returns numpy for numpy (and DLPack) inputs and
-torch tensors for torch inputs. Numba has no float16 on the CPU, so float16 inputs are widened to float32 once
-(O(B*S*H*D) extra memory, never S x S) and the output is narrowed back.
+torch tensors for torch inputs. Numba has no float16 or bfloat16 arithmetic on the CPU, so such inputs are widened
+to float32 once (O(B*S*H*D) extra memory, never S x S) and the outputs are narrowed back (round to nearest even).
+bfloat16 comes only as torch tensors: numpy has no bfloat16 dtype.
 """
 
 from __future__ import annotations
@@ -33,13 +34,11 @@ def _host(x: Any, compute: type) -> np.ndarray:
 
 def _like(ref: Any, a: np.ndarray, dtype: str) -> Any:
     """``a`` as the same array kind and dtype as ``ref`` (numpy for anything but torch)."""
-    if a.dtype != np.dtype(dtype):
-        a = a.astype(dtype)
     if type(ref).__module__.split(".")[0] == "torch":
         import torch
 
-        return torch.from_numpy(a)
-    return a
+        return torch.from_numpy(a).to(getattr(torch, dtype))
+    return a if a.dtype == np.dtype(dtype) else a.astype(dtype)
 
 
 class CpuBackend(Backend):
@@ -47,7 +46,13 @@ class CpuBackend(Backend):
     PRIORITY = 10
     SUPPORTED_KINDS = ("numpy", "torch", "dlpack")
     SUPPORTED_DEVICES = ("cpu",)
-    SUPPORTED_DTYPES = ("float32", "float16", "float64")
+    SUPPORTED_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+    def not_supported_reasons(self, call: AttentionCall, forced: bool = False) -> list[str]:
+        reasons = super().not_supported_reasons(call, forced)
+        if call.dtype == "bfloat16" and call.kind != "torch":
+            reasons.append("bfloat16 only as torch tensors (numpy has no bfloat16)")
+        return reasons
 
     def forward(self, call: AttentionCall) -> tuple[Any, Any]:
         from numba_flash.cpu import flash_forward

@@ -118,3 +118,34 @@ def test_rows_without_keys_through_backend(rng):
     dq, dk, dv = op.backward(dout, q, k, v, out, lse, causal=True)
     assert not dq[:, :20].any()
     assert not any(np.isnan(g).any() for g in (dq, dk, dv))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bfloat16_torch_tensors(rng, causal):
+    # bfloat16 reaches the CPU backend as torch tensors only; it is widened to float32 and the results rounded back.
+    torch = pytest.importorskip("torch")
+    shape_q, shape_kv = (1, 97, 4, 64), (1, 130, 2, 64)    # GQA 2:1, Sq < Sk: causal aligned bottom-right
+    tq, tk, tv, tdo = (torch.from_numpy(rng.standard_normal(s).astype(np.float32)).to(torch.bfloat16)
+                       for s in (shape_q, shape_kv, shape_kv, shape_q))
+    before = [t.clone() for t in (tq, tk, tv, tdo)]
+    op = backend_registry.get("flash")
+    assert "chosen: cpu" in op.explain(tq, tk, tv, causal=causal)
+    out, lse = op.forward(tq, tk, tv, causal=causal, return_lse=True)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    q, k, v, dout = (t.float().numpy() for t in (tq, tk, tv, tdo))
+    ref_out, _ = attention_ref(q, k, v, causal=causal)
+    err = _rel_l2(out.float().numpy(), ref_out)
+    # The contract: relative L2 <= 1.6e-2, and at most 2x naive attention computed in bfloat16.
+    qh, kh, vh = (t.transpose(1, 2) for t in (tq, tk, tv))
+    kh, vh = (x.repeat_interleave(2, dim=1) for x in (kh, vh))
+    scores = (qh @ kh.transpose(-1, -2)) * (64 ** -0.5)
+    if causal:
+        scores = scores.masked_fill(~torch.from_numpy(visible_mask(97, 130, -1, 0)), float("-inf"))
+    naive = (torch.softmax(scores, dim=-1) @ vh).transpose(1, 2)
+    assert err <= 1.6e-2
+    assert err <= 2 * _rel_l2(naive.float().numpy(), ref_out)
+    grads = op.backward(tdo, tq, tk, tv, out, lse, causal=causal)
+    for g, r, t in zip(grads, attention_ref_backward(dout, q, k, v, causal=causal), (tq, tk, tv)):
+        assert g.dtype == torch.bfloat16 and g.shape == t.shape
+        assert _rel_l2(g.float().numpy(), r) <= 1.6e-2
+    assert all(torch.equal(a, b) for a, b in zip((tq, tk, tv, tdo), before))
