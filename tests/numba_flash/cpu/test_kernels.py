@@ -181,3 +181,43 @@ def test_property_matches_reference(rng, sq, sk, hkv, group, d, left, right, sof
     local = np.random.default_rng([seed, int(rng.integers(2**32))])
     q, k, v, dout = _inputs(local, 1, sq, sk, hkv * group, hkv, d)
     _check(q, k, v, dout, left=left, right=right, softcap=softcap)
+
+
+def test_scratch_reused_across_shapes_and_threads(rng):
+    # The kernels keep their scratch buffers between calls: a smaller call after a bigger one, a bigger one after
+    # that, GQA then MHA, and calls from another thread must all still match the reference.
+    import threading
+
+    from numba_flash.cpu import clear_workspace, kernels
+
+    cases = [(1, 150, 150, 4, 2, 40), (1, 20, 33, 2, 2, 64), (2, 200, 90, 2, 1, 24), (1, 70, 70, 3, 3, 40)]
+    for case in cases:
+        _check(*_inputs(rng, *case), right=0)
+    assert kernels._workspace.buffers, "the scratch buffers were not kept"
+    seeds = rng.integers(2**32, size=2)
+    errors = []
+
+    def other_thread(seed):
+        try:
+            _check(*_inputs(np.random.default_rng(seed), *cases[2]), left=7, right=3)
+        except AssertionError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=other_thread, args=(int(s),)) for s in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    clear_workspace()
+    assert not getattr(kernels._workspace, "buffers", None)
+    _check(*_inputs(rng, *cases[0]), right=0)
+
+
+def test_scratch_above_the_cap_is_not_kept(rng, monkeypatch):
+    from numba_flash.cpu import kernels
+
+    kernels.clear_workspace()
+    monkeypatch.setattr(kernels, "WORKSPACE_MAX_BYTES", 1024)
+    _check(*_inputs(rng, 1, 90, 90, 2, 2, 40), right=0)
+    assert all(b.nbytes <= 1024 for b in kernels._workspace.__dict__.get("buffers", {}).values())
