@@ -267,35 +267,24 @@ class RegistryTarget(Target):
 
 
 class NumpyNaiveTarget(Target):
-    """softmax(q k^T * scale) v in numpy with the (B, H, S, S) scores in memory, and its textbook backward."""
+    """softmax(q k^T * scale) v in numpy with the (B, H, S, S) scores in memory, and its textbook backward: the
+    same peer as ``numba-flash bench --compare naive`` (``numba_flash.bench_peers``)."""
 
     def build(self) -> None:
-        self.arrays = {n: _bhsd(a) for n, a in self.numpy_inputs().items()}
+        self.arrays = self.numpy_inputs()
         self.forward()  # warm-up (page faults, BLAS threads)
 
     def forward(self) -> Any:
-        from numba_flash.reference import naive_attention_numpy
+        from numba_flash.bench_peers import naive_forward_numpy
 
         a = self.arrays
-        return _bhsd(naive_attention_numpy(a["q"], a["k"], a["v"], causal=self.causal))
+        return naive_forward_numpy(a["q"], a["k"], a["v"], self.causal, "bshd")
 
     def backward(self) -> Any:
-        import numpy as np
+        from numba_flash.bench_peers import naive_backward_numpy
 
         a = self.arrays
-        q, k, v, do = a["q"], a["k"], a["v"], a["dout"]
-        scale = np.asarray(q.shape[-1] ** -0.5, dtype=q.dtype)
-        s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
-        if self.causal:
-            n = s.shape[-1]
-            s = np.where(np.tri(n, n, dtype=bool), s, -np.inf)
-        s -= s.max(axis=-1, keepdims=True)
-        p = np.exp(s, out=s)
-        p /= p.sum(axis=-1, keepdims=True)
-        dv = np.matmul(np.swapaxes(p, -1, -2), do)
-        dp = np.matmul(do, np.swapaxes(v, -1, -2))
-        ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True)) * scale
-        return _bhsd(np.matmul(ds, k)), _bhsd(np.matmul(np.swapaxes(ds, -1, -2), q)), _bhsd(dv)
+        return naive_backward_numpy(a["dout"], a["q"], a["k"], a["v"], self.causal, "bshd")
 
 
 class TorchSdpaTarget(Target):
