@@ -28,11 +28,24 @@ def array_kind(x: Any) -> str | None:
     return None
 
 
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
 def dtype_name(x: Any) -> str:
     """Canonical dtype name: 'float32', 'float16', 'bfloat16', 'float64', 'int64', ..."""
-    name = str(x.dtype)
-    name = name.rsplit(".", 1)[-1]  # torch.float32 -> float32
-    return {"half": "float16", "float": "float32", "double": "float64"}.get(name, name)
+    dt = x.dtype
+    try:
+        return _DTYPE_NAMES[dt]
+    except (KeyError, TypeError):  # TypeError: a dtype object that cannot be hashed
+        pass
+    name = str(dt).rsplit(".", 1)[-1]  # torch.float32 -> float32
+    name = {"half": "float16", "float": "float32", "double": "float64"}.get(name, name)
+    try:
+        # str(numpy dtype) costs microseconds, paid several times per call; dtype objects are few and immutable.
+        _DTYPE_NAMES[dt] = name
+    except TypeError:
+        pass
+    return name
 
 
 def device_of(x: Any) -> str:

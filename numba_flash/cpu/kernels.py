@@ -942,7 +942,7 @@ def _padded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-_entries: dict[tuple[str, str], Any] = {}
+_entries: dict[tuple[Any, Any], Any] = {}
 _entries_lock = threading.Lock()
 
 
@@ -951,9 +951,9 @@ def _entry(kernel: Any, dtype: np.dtype) -> Any:
     C-contiguous, transposed and strided views share one compilation (numba would otherwise compile, and cache, one
     per layout combination); the buffers this module allocates are typed C-contiguous, which lets LLVM vectorise the
     loops that read them (lse, delta). The first call of a process loads the kernel from numba's on-disk cache."""
-    key = (kernel.py_func.__name__, np.dtype(dtype).name)
-    fn = _entries.get(key)
+    fn = _entries.get((kernel, dtype))
     if fn is None:
+        key = (kernel.py_func.__name__, np.dtype(dtype).name)
         nb = numba.from_dtype(np.dtype(dtype))
         user = {n: types.Array(nb, n, "A") for n in (3, 4)}
         own = {n: types.Array(nb, n, "C") for n in (3, 4, 5)}
@@ -967,9 +967,9 @@ def _entry(kernel: Any, dtype: np.dtype) -> Any:
             "_pack_kernel": (user[4], own[4], i64, boolean),
         }
         with _entries_lock:
-            fn = _entries.get(key)
+            fn = _entries.get((kernel, dtype))
             if fn is None:
-                fn = _entries[key] = kernel.compile(sigs[key[0]])
+                fn = _entries[(kernel, dtype)] = kernel.compile(sigs[key[0]])
     return fn
 
 
@@ -985,7 +985,7 @@ def _scratch(slot: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised C-contiguous array of ``shape`` for use inside one call, backed by this thread's buffer
     for ``slot`` (grown as needed) when it fits ``WORKSPACE_MAX_BYTES``."""
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes > WORKSPACE_MAX_BYTES:
         return np.empty(shape, dtype)
     buffers = _workspace.__dict__.setdefault("buffers", {})
