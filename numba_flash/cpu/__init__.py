@@ -4,6 +4,6 @@
 into arrays the caller allocated; ``backends.cpu`` is the host side that converts user inputs.
 """
 
-from .kernels import BLOCK_M, BLOCK_N, WORKSPACE_MAX_BYTES, clear_workspace, flash_backward, flash_forward
+from .kernels import BLOCK_M, BLOCK_N, clear_workspace, flash_backward, flash_forward
 
-__all__ = ["flash_forward", "flash_backward", "clear_workspace", "WORKSPACE_MAX_BYTES", "BLOCK_M", "BLOCK_N"]
+__all__ = ["flash_forward", "flash_backward", "clear_workspace", "BLOCK_M", "BLOCK_N"]

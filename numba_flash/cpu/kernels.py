@@ -541,11 +541,9 @@ def _mask_block(st, j0, nk, row_lo, row_hi, fill):
 @njit(inline="always", cache=True)
 def _load_rows(dst, src, n, head_dim):
     """dst[:n, :head_dim] = src[:n, :head_dim] and zero in dst's rows n..; columns past head_dim keep their
-    (zero) contents. src is a strided 2-D view of a caller's array."""
+    (zero) contents. src is a 2-D view of a head-major buffer (unit-stride rows)."""
     zero = _as_dtype_of(dst, 0.0)
-    for c in range(n):
-        for d in range(head_dim):
-            dst[c, d] = src[c, d]
+    _copy_rows(dst, src, n, head_dim)
     for c in range(n, dst.shape[0]):
         for d in range(dst.shape[1]):
             dst[c, d] = zero
@@ -567,7 +565,7 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap):
     batch, seqlen_q, nheads_q = q.shape[0], q.shape[1], q.shape[2]
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads_q // nheads_kv
-    dp = (head_dim + _D_ALIGN - 1) // _D_ALIGN * _D_ALIGN
+    dp = v.shape[3]
     n_qt = (seqlen_q + BLOCK_M - 1) // BLOCK_M
     # Scores in base-2 units (times log2 e), so that the softmax needs exp2.
     qscale = _as_dtype_of(q, scale / softcap if softcap > 0 else scale * _LOG2E)
