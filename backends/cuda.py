@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from numba_flash.cuda.config import MIN_COMPUTE_CAPABILITY
+from numba_flash.cuda.config import MIN_COMPUTE_CAPABILITY, dtype_supported_on
 from numba_flash.validation import AttentionCall
 
 from .base import Backend
@@ -251,9 +251,9 @@ class CudaBackend(Backend):
         if not reasons and call.dtype == "bfloat16" and not self._probe()[0]:
             # The kernels only shift and round bfloat16 bits, which any GPU could do, but the contract offers
             # bfloat16 where the hardware has it (sm_80 on). The simulator has no compute capability to speak of.
-            need = MIN_COMPUTE_CAPABILITY["bfloat16"]
             have = _gpu_compute_capability(call.q)
-            if have < need:
+            if not dtype_supported_on(call.dtype, have):
+                need = MIN_COMPUTE_CAPABILITY[call.dtype]
                 reasons.append(BF16_CC_REASON.format(need=f"{need[0]}.{need[1]}", have=f"{have[0]}.{have[1]}"))
         return reasons
 
