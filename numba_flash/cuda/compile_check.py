@@ -64,15 +64,17 @@ def kernel_signature(kernel: str, dtype: str) -> Any:
     raise ValueError(kernel)
 
 
-def _python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str) -> Any:
-    # The mask flags and softcap all on: the variant with the most live values, so the worst case for registers.
+def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
+                  flags: tuple[bool, bool, bool] = (True, True, True)) -> Any:
+    """The Python function of one kernel specialisation; ``flags`` are (has_left, has_right, softcap). The compile
+    check builds every flag on: the variant with the most live values, so the worst case for registers."""
     from .backward import make_delta_kernel, make_dkdv_kernel, make_dq_kernel
     from .forward import make_forward_kernel
 
     if kernel == "backward_delta":
         return make_delta_kernel(dtype == "bfloat16").py_func
     factory = {"forward": make_forward_kernel, "backward_dkdv": make_dkdv_kernel, "backward_dq": make_dq_kernel}
-    return factory[kernel](cfg, True, True, True, dtype == "bfloat16").py_func
+    return factory[kernel](cfg, *flags, dtype == "bfloat16").py_func
 
 
 def _int(pattern: str, log: str) -> int:
@@ -80,40 +82,38 @@ def _int(pattern: str, log: str) -> int:
     return max((int(x) for x in found), default=0)
 
 
-def kernel_ptx(kernel: str, cfg: FlashAttentionConfig | None, dtype: str, cc: tuple[int, int]) -> str:
-    """PTX of one kernel specialisation for compute capability ``cc`` (types and lowers it: typing errors show)."""
+def kernel_ptx(kernel: str, cfg: FlashAttentionConfig | None, dtype: str, cc: tuple[int, int],
+               flags: tuple[bool, bool, bool] = (True, True, True), lineinfo: bool = False) -> str:
+    """PTX of one kernel specialisation for compute capability ``cc`` (types and lowers it: typing errors show).
+    ``lineinfo`` adds source-line directives (for the performance model); the code is the same."""
     from numba import cuda
 
-    ptx, _ = cuda.compile_ptx(_python_kernel(kernel, cfg, dtype), kernel_signature(kernel, dtype), cc=cc)
+    ptx, _ = cuda.compile_ptx(python_kernel(kernel, cfg, dtype, flags), kernel_signature(kernel, dtype), cc=cc,
+                              lineinfo=lineinfo)
     return ptx
+
+
+def parse_resources(log: str) -> dict[str, int]:
+    """Registers, spill bytes, stack, local and shared memory from nvJitLink's verbose log."""
+    return {
+        "registers": _int(r"used (\d+) registers", log),
+        "spill_stores": _int(r"(\d+) bytes spill stores", log),
+        "spill_loads": _int(r"(\d+) bytes spill loads", log),
+        "stack": _int(r"(\d+) bytes stack frame", log) or _int(r"(\d+) stack", log),
+        "lmem": _int(r"(\d+) bytes lmem", log),
+        "smem": _int(r"(\d+) bytes smem", log),
+    }
 
 
 def assemble(ptx: str, kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
              cc: tuple[int, int]) -> KernelResources:
     """Assemble PTX to SASS for ``cc`` with nvJitLink and read the kernel's resources from its log."""
-    from cuda.bindings import nvjitlink
+    from .sass import link
 
-    handle = nvjitlink.create(2, [f"-arch=sm_{cc[0]}{cc[1]}", "-verbose"])
-    try:
-        data = ptx.encode()
-        nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), kernel)
-        nvjitlink.complete(handle)
-        buf = bytearray(nvjitlink.get_info_log_size(handle))
-        nvjitlink.get_info_log(handle, buf)
-    finally:
-        nvjitlink.destroy(handle)
-    log = buf.decode(errors="replace")
+    _, log = link(ptx, cc)
     f64 = sum(1 for line in ptx.splitlines() if re.search(r"\.f64\b", line) and not line.lstrip().startswith("//"))
-    return KernelResources(
-        kernel=kernel, cc=cc, dtype=dtype, config=cfg,
-        registers=_int(r"used (\d+) registers", log),
-        spill_stores=_int(r"(\d+) bytes spill stores", log),
-        spill_loads=_int(r"(\d+) bytes spill loads", log),
-        stack=_int(r"(\d+) bytes stack frame", log) or _int(r"(\d+) stack", log),
-        lmem=_int(r"(\d+) bytes lmem", log),
-        smem=_int(r"(\d+) bytes smem", log),
-        f64_instructions=f64,
-    )
+    return KernelResources(kernel=kernel, cc=cc, dtype=dtype, config=cfg, f64_instructions=f64,
+                           **parse_resources(log))
 
 
 def compile_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,

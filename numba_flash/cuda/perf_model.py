@@ -1,0 +1,535 @@
+"""A static performance model of the CUDA kernels: SASS instruction counts and occupancy, no GPU.
+
+    python -m numba_flash.cuda.perf_model                 # table: every kernel x dtype x D x variant x GPU
+    python -m numba_flash.cuda.perf_model --json          # the same records as JSON
+    python -m numba_flash.cuda.perf_model --kernel forward --head-dim 64 128 --cc 9.0
+
+What it does, per kernel specialisation (kernel, dtype, head-dim bucket, mask variant, compute capability):
+
+1. Lowers the kernel to PTX with line info (numba), assembles it for the compute capability (nvJitLink: registers,
+   spills, shared memory) and disassembles the cubin (nvdisasm), so every SASS instruction has its source line.
+2. Counts what one *steady-state iteration* of the kernel's main loop issues per warp: the loop over key tiles in
+   the forward and dQ kernels, over query tiles in the dK/dV kernel. The source says how often each line runs per
+   iteration (``loop_counts``: the trip counts of the loops inside, from the tile config's constants, for the
+   lanes of each warp); the SASS says how the compiler laid those lines out (``dynamic_counts``: each inner SASS
+   loop's trip count is recovered from lines whose instructions issue exactly once per execution -- an FFMA, a
+   MUFU, a min/max, or one 32-bit word of a load or store -- which undoes unrolling; remainder loops get what the
+   main unrolled loop leaves).
+3. Turns the counts into cycles per SM for the blocks that fit an SM at once (``gpus.occupancy``), as the largest of
+   these bounds, and reports useful multiply-adds per cycle as a fraction of the peak (``ceiling``):
+   - issue: every warp instruction takes one issue slot; 4 schedulers per SM issue one each per clock (fewer
+     when fewer warps are resident);
+   - warp: one warp issues at most one instruction per clock, so a block's slowest warp bounds its iteration;
+   - pipes: float32 ops and IMAD on the FMA pipe (``fp32_lanes`` per clock per SM; IMAD at most ``int_lanes``),
+     integer adds, logic, compares and selects on the ALU (``int_lanes``), MUFU and conversions at
+     ``mufu_lanes``;
+   - shared memory: 128 bytes per clock per SM; an access costs its bytes (a 32-bit load by a whole warp is one
+     clock), assuming no bank conflicts (the tiles are padded) and giving no credit for broadcast.
+   Useful work is what the contract counts: the forward's two products (4 * Sq * Sk * D FLOP), the backward's
+   five, per score element. The peak is the float32 CUDA-core peak for SIMT kernels and the dense float16
+   tensor-core peak for kernels that issue HMMA (``unit``).
+
+It is a bound, not a measurement: latencies, barrier stalls, instruction-cache misses, global-memory bandwidth
+and the partial tiles on a causal diagonal are not modelled, so a real GPU runs below it. Its use is to compare
+kernels and commits, and to show where the instructions go. GPU figures (SMs, clocks, pipe widths) are in gpus.py.
+Results are cached on disk per source version (``--no-cache`` recomputes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import inspect
+import json
+import os
+import sys
+import textwrap
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable
+
+from .config import HEAD_DIM_BUCKETS, KERNEL_DTYPES, FlashAttentionConfig, TileOverride, tile_config_for
+from .gpus import GPUS, GpuSpec, gpu_spec, occupancy
+from .sass import FP32_PIPE, Function, disassemble, kernel_function, link, parse
+
+#: Mask variants: (has_left, has_right, softcap) flags of the kernel factories.
+VARIANTS: dict[str, tuple[bool, bool, bool]] = {
+    "plain": (False, False, False), "causal": (False, True, False),
+    "window": (True, True, False), "softcap": (False, False, True),
+}
+MODEL_KERNELS: tuple[str, ...] = ("forward", "backward_dkdv", "backward_dq")
+#: Products (matrix multiplies over the tile) each kernel executes per main-loop iteration, and how many of the
+#: contract's FLOP they are worth: the forward's QK^T and PV; dK/dV recomputes QK^T and dP, then dV and dK; dQ
+#: recomputes QK^T and dP, then dQ. The backward's useful work is five products per score element.
+PRODUCTS = {"forward": 2, "backward_dkdv": 4, "backward_dq": 3}
+USEFUL_PRODUCTS = {"forward": 2, "backward": 5}
+DEFAULT_CCS: tuple[tuple[int, int], ...] = ((8, 0), (9, 0))
+# Opcodes that issue once per execution of the source line holding them (the anchors that undo unrolling).
+_ANCHOR_OPS = frozenset({"FFMA", "MUFU", "FMNMX", "HMMA"})
+_ANCHOR_CLASSES = frozenset({"lds", "sts", "ldg", "stg"})
+
+
+# ---- how often each source line runs per main-loop iteration ----
+
+def _constants(py_func: Callable) -> dict[str, Any]:
+    """The compile-time constants a kernel closes over (tile sizes, flags)."""
+    code = py_func.__code__
+    cells = py_func.__closure__ or ()
+    env = {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
+    return {k: v for k, v in env.items() if isinstance(v, (int, bool, float))}
+
+
+def _range_args(node: ast.For) -> list[ast.expr] | None:
+    it = node.iter
+    if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range":
+        return list(it.args)
+    return None
+
+
+def _trips(args: list[ast.expr], env: dict[str, Any]) -> int | None:
+    """len(range(*args)) evaluated in ``env``; None when an argument depends on a runtime value."""
+    try:
+        values = [eval(compile(ast.Expression(a), "<range>", "eval"), {"__builtins__": {}}, env) for a in args]
+    except (NameError, TypeError):
+        return None
+    return len(range(*(int(v) for v in values)))
+
+
+@dataclass
+class LoopCounts:
+    """Per-warp executions of each source line during one iteration of the kernel's main loop."""
+
+    file: str
+    main_lines: tuple[int, int]            # first and last line of the main loop's statement
+    per_warp: list[dict[int, int]]         # warp -> {line: executions}
+
+
+def loop_counts(py_func: Callable, threads: int) -> LoopCounts:
+    """Executions of every line inside the kernel's main loop, per iteration, for each warp of a block of
+    ``threads`` threads. The main loop is the innermost loop whose trip count depends on runtime values (the
+    sequence lengths); loops inside it have compile-time trip counts, possibly depending on the thread index
+    ``t`` (``range(t, N, threads)``), and a warp runs a loop as often as its busiest lane. Branches are taken as
+    taken (full tiles, every key visible), the steady state of a long sequence."""
+    src = textwrap.dedent(inspect.getsource(py_func))
+    first = py_func.__code__.co_firstlineno - 1
+    tree = ast.parse(src)
+    consts = _constants(py_func)
+    thread_var = "t"
+
+    fors: list[tuple[ast.For, list[ast.For]]] = []   # every range loop with the loops enclosing it
+
+    def walk(node: ast.AST, chain: list[ast.For]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.For) and _range_args(child) is not None:
+                fors.append((child, chain))
+                walk(child, chain + [child])
+            else:
+                walk(child, chain)
+
+    walk(tree, [])
+    probe = dict(consts, **{thread_var: 0})
+    runtime = [f for f, _ in fors if _trips(_range_args(f), probe) is None]
+    inner = [f for f in runtime if not any(g is not f and f in chain for g, chain in fors if g in runtime)]
+    if not inner:
+        raise ValueError(f"{py_func.__name__}: no main loop (a loop over runtime bounds) found")
+    main = max(inner, key=lambda f: f.end_lineno - f.lineno)
+
+    statements: list[tuple[int, list[ast.For], ast.stmt]] = []
+    for node in ast.walk(main):
+        if isinstance(node, ast.stmt) and node is not main:
+            chain = [f for f, _ in fors if f is not main and f.lineno <= node.lineno <= f.end_lineno
+                     and main.lineno < f.lineno and (f is node or node in ast.walk(f))]
+            chain = [f for f in chain if f is not node]
+            statements.append((node.lineno, chain, node))
+
+    per_warp = []
+    for w in range(-(-threads // 32)):
+        counts: dict[int, int] = {main.lineno: 1}
+        for lane in range(32 * w, min(32 * w + 32, threads)):
+            env = dict(consts, **{thread_var: lane})
+            for lineno, chain, node in statements:
+                n = 1
+                for f in chain + ([node] if isinstance(node, ast.For) else []):
+                    n *= _trips(_range_args(f), env) or 0
+                counts[lineno] = max(counts.get(lineno, 0), n)
+        per_warp.append({first + k: v for k, v in counts.items()})
+    return LoopCounts(py_func.__code__.co_filename, (first + main.lineno, first + main.end_lineno), per_warp)
+
+
+# ---- what the SASS issues per main-loop iteration ----
+
+def _weight(ins) -> int:
+    """How many executions of its source line one anchor instruction stands for (a 128-bit load: four words)."""
+    return max(1, ins.bits // 32) if ins.cls in _ANCHOR_CLASSES else 1
+
+
+def _is_anchor(ins) -> bool:
+    return ins.base in _ANCHOR_OPS or ins.cls in _ANCHOR_CLASSES
+
+
+def dynamic_counts(fn: Function, counts: LoopCounts) -> list[dict[str, float]]:
+    """Per warp: instructions issued per main-loop iteration by class (see ``sass.classify``), plus
+    'smem_wavefronts' (shared-memory clocks) and 'total'."""
+    ins = fn.instructions
+    lo_line, hi_line = counts.main_lines
+
+    def in_main(i: int) -> bool:
+        src = ins[i].source
+        return src is not None and src[0] == counts.file and lo_line <= src[1] <= hi_line
+
+    loops = fn.loops()
+    tagged = [sum(1 for i in range(a, b + 1) if in_main(i)) for a, b in loops]
+    if not loops or max(tagged) == 0:
+        raise ValueError(f"{fn.name}: no SASS loop holds the main loop's lines")
+    best = max(tagged)
+    # The main loop: the shortest loop holding nearly all of the main loop's instructions (an outer loop, such as
+    # the dK/dV kernel's loop over the heads of a group, holds them too).
+    main = min((ab for ab, n in zip(loops, tagged) if n >= 0.9 * best), key=lambda ab: ab[1] - ab[0])
+    inner = [ab for ab in loops if main[0] <= ab[0] and ab[1] <= main[1] and ab != main]
+
+    def innermost(i: int) -> tuple[int, int] | None:
+        holding = [ab for ab in inner if ab[0] <= i <= ab[1]]
+        return min(holding, key=lambda ab: ab[1] - ab[0]) if holding else None
+
+    home = [innermost(i) for i in range(len(ins))]
+    results = []
+    for per_line in counts.per_warp:
+        # Anchor instructions of each line in each inner loop, in executions of the line per loop iteration.
+        anchors: dict[tuple[int, int] | None, dict[tuple[int, str], int]] = {}
+        plain: dict[tuple[int, int] | None, dict[int, int]] = {}
+        for i in range(main[0], main[1] + 1):
+            src = ins[i].source
+            if src is None or src[0] != counts.file or src[1] not in per_line:
+                continue
+            loop = home[i]
+            plain.setdefault(loop, {}).setdefault(src[1], 0)
+            plain[loop][src[1]] += 1
+            if _is_anchor(ins[i]):
+                key = (src[1], ins[i].base if ins[i].base in _ANCHOR_OPS else ins[i].cls)
+                anchors.setdefault(loop, {}).setdefault(key, 0)
+                anchors[loop][key] += _weight(ins[i])
+        remaining_anchor: dict[tuple[int, str], float] = {}
+        remaining_line = {line: float(n) for line, n in per_line.items()}
+        trips: dict[tuple[int, int] | None, float] = {None: 1.0}
+        # Inner loops with the most copies of a line first: an unrolled loop takes its share of the line's
+        # executions before the remainder loop that follows it.
+        order = sorted(inner, key=lambda ab: -max(anchors.get(ab, {0: 0}).values() or [0]))
+        for ab in order:
+            ab_anchors = anchors.get(ab, {})
+            if ab_anchors:
+                trip = max(remaining_anchor.setdefault(k, float(per_line[k[0]])) / n for k, n in ab_anchors.items())
+                for k, n in ab_anchors.items():
+                    remaining_anchor[k] = max(0.0, remaining_anchor[k] - trip * n)
+            elif plain.get(ab):
+                trip = max(remaining_line[line] / n for line, n in plain[ab].items())
+            else:
+                trip = 1.0
+            for line, n in plain.get(ab, {}).items():
+                remaining_line[line] = max(0.0, remaining_line[line] - trip * n)
+            trips[ab] = trip
+        # Straight-line code of the main loop runs once per iteration, except copies of a looped line that the
+        # compiler peeled off a loop (the runtime remainder of an unrolled loop): they get what the loops left.
+        straight: dict[int, float] = {}
+        for line, n in plain.get(None, {}).items():
+            keys = {k: c for k, c in anchors.get(None, {}).items() if k[0] == line}
+            if keys:   # lines without an anchor (a barrier, index arithmetic) run once
+                straight[line] = min(1.0, max(remaining_anchor.get(k, float(per_line[line])) / c
+                                              for k, c in keys.items()))
+        out: dict[str, float] = {"total": 0.0, "smem_wavefronts": 0.0}
+        for i in range(main[0], main[1] + 1):
+            loop = home[i]
+            src = ins[i].source
+            # An inner loop nested in another inner loop: its trip count already counts every execution.
+            m = trips.get(loop, 1.0)
+            if loop is None and src is not None and src[0] == counts.file:
+                m = straight.get(src[1], 1.0)
+            c = ins[i].cls
+            out[c] = out.get(c, 0.0) + m
+            out["total"] += m
+            if c in ("lds", "sts"):
+                out["smem_wavefronts"] += m * max(1, ins[i].bits // 32)
+        results.append(out)
+    return results
+
+
+# ---- bounds ----
+
+@dataclass
+class ModelRecord:
+    """One kernel specialisation's model result. ``ceiling``: useful multiply-adds per clock over the peak's, a
+    fraction in [0, 1] and an upper bound. ``per_iteration``: instructions per main-loop iteration summed over the
+    block's warps, by class."""
+
+    kernel: str
+    dtype: str
+    cc: str
+    head_dim: int
+    variant: str
+    unit: str
+    ceiling: float
+    bound: str
+    registers: int
+    spills: int
+    smem_bytes: int
+    threads: int
+    tiles: str
+    blocks_per_sm: int
+    warps_per_sm: int
+    ffma_share: float
+    flop_per_smem_byte: float
+    ffma_per_useful: float
+    bounds: dict[str, float] = field(default_factory=dict)
+    per_iteration: dict[str, float] = field(default_factory=dict)
+    cycles_per_score: float = 0.0        # SM clocks per score element (per head-dim column), for combining
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _cycles(spec: GpuSpec, per_warp: list[dict[str, float]], blocks: int) -> dict[str, float]:
+    """SM clocks per main-loop iteration of ``blocks`` resident blocks, per bound."""
+    def total(c: str) -> float:
+        return blocks * sum(w.get(c, 0.0) for w in per_warp)
+
+    warps = blocks * len(per_warp)
+    fma_pipe = sum(total(c) for c in FP32_PIPE) + total("imad")
+    return {
+        "issue": total("total") / min(spec.schedulers, warps),
+        "warp": max(w["total"] for w in per_warp),
+        # IMAD shares the FMA pipe with float32 work; on GPUs with 128 float32 lanes only half of them (the
+        # "heavy" half) take integer multiply-adds.
+        "fma pipe": max(fma_pipe * 32 / spec.fp32_lanes, total("imad") * 32 / spec.int_lanes),
+        "alu pipe": total("int") * 32 / spec.int_lanes,
+        "mufu pipe": (total("mufu") + total("conv")) * 32 / spec.mufu_lanes,
+        "shared memory": total("smem_wavefronts"),
+        "tensor pipe": total("hmma") * 16 * 8 * 16 / spec.tensor_fma if spec.tensor_fma else 0.0,
+    }
+
+
+def model_kernel(kernel: str, cfg: FlashAttentionConfig, dtype: str, variant: str, cc: tuple[int, int],
+                 sass_text: str, py_func: Callable, log: str) -> ModelRecord:
+    """The model record of one compiled specialisation (``sass_text``: nvdisasm output with line info)."""
+    from .compile_check import parse_resources
+
+    spec = gpu_spec(cc)
+    res = parse_resources(log)
+    fn = kernel_function(parse(sass_text, keep_file=py_func.__code__.co_filename), py_func.__name__)
+    per_warp = dynamic_counts(fn, loop_counts(py_func, cfg.threads))
+    occ = occupancy(spec, cfg.threads, res["registers"], res["smem"])
+    blocks = max(occ.blocks_per_sm, 1)
+    cycles = _cycles(spec, per_warp, blocks)
+    bound = max(cycles, key=lambda k: cycles[k])
+    tensor = sum(w.get("hmma", 0.0) for w in per_warp) > 0
+    peak = spec.tensor_fma if tensor else spec.fp32_lanes
+    area = cfg.block_m * cfg.block_n * blocks                      # score elements per iteration of the SM
+    executed = PRODUCTS[kernel] * area * cfg.head_dim_bucket       # multiply-adds
+    useful = USEFUL_PRODUCTS.get(kernel, PRODUCTS[kernel]) * area * cfg.head_dim_bucket
+    ceiling = min(1.0, useful / (cycles[bound] * peak)) if occ.launchable else 0.0
+    per_iter = {c: sum(w.get(c, 0.0) for w in per_warp) for c in per_warp[0]}
+    smem_bytes_moved = per_iter["smem_wavefronts"] * spec.smem_bytes_per_clock
+    ffma_thread = per_iter.get("ffma", 0.0) * 32
+    return ModelRecord(
+        kernel=kernel, dtype=dtype, cc=f"{cc[0]}.{cc[1]}", head_dim=cfg.head_dim_bucket, variant=variant,
+        unit="tensor" if tensor else "simt_fp32", ceiling=round(ceiling, 4), bound=bound,
+        registers=res["registers"], spills=res["spill_stores"] + res["spill_loads"], smem_bytes=res["smem"],
+        threads=cfg.threads, tiles=f"{cfg.block_m}x{cfg.block_n}", blocks_per_sm=occ.blocks_per_sm,
+        warps_per_sm=occ.warps_per_sm,
+        ffma_share=round(per_iter.get("ffma", 0.0) / per_iter["total"], 4),
+        flop_per_smem_byte=round(2 * executed / blocks / smem_bytes_moved, 3) if smem_bytes_moved else 0.0,
+        ffma_per_useful=round(ffma_thread / (executed / blocks), 4) if not tensor else 0.0,
+        bounds={k: round(v, 1) for k, v in cycles.items()},
+        per_iteration={k: round(v, 1) for k, v in per_iter.items()},
+        cycles_per_score=cycles[bound] / (area * cfg.head_dim_bucket) if occ.launchable else float("inf"),
+    )
+
+
+def combine_backward(dkdv: ModelRecord, dq: ModelRecord) -> ModelRecord:
+    """The backward pass as a whole: the contract's five products per score element over the clocks of both
+    kernels (the delta pre-pass reads O(S * D) and is left out)."""
+    spec = gpu_spec(tuple(int(x) for x in dkdv.cc.split(".")))
+    peak = spec.tensor_fma if dkdv.unit == "tensor" else spec.fp32_lanes
+    cps = dkdv.cycles_per_score + dq.cycles_per_score
+    ceiling = min(1.0, USEFUL_PRODUCTS["backward"] / (cps * peak)) if cps != float("inf") else 0.0
+    worse = dkdv if dkdv.ceiling <= dq.ceiling else dq
+    return ModelRecord(
+        kernel="backward", dtype=dkdv.dtype, cc=dkdv.cc, head_dim=dkdv.head_dim, variant=dkdv.variant,
+        unit=dkdv.unit, ceiling=round(ceiling, 4), bound=f"{worse.kernel}: {worse.bound}",
+        registers=max(dkdv.registers, dq.registers), spills=dkdv.spills + dq.spills,
+        smem_bytes=max(dkdv.smem_bytes, dq.smem_bytes), threads=dkdv.threads,
+        tiles=f"{dkdv.tiles} + {dq.tiles}", blocks_per_sm=min(dkdv.blocks_per_sm, dq.blocks_per_sm),
+        warps_per_sm=min(dkdv.warps_per_sm, dq.warps_per_sm),
+        ffma_share=round((dkdv.ffma_share + dq.ffma_share) / 2, 4),
+        flop_per_smem_byte=round(min(dkdv.flop_per_smem_byte, dq.flop_per_smem_byte), 3),
+        ffma_per_useful=round((dkdv.ffma_per_useful * 4 + dq.ffma_per_useful * 3) / 5, 4),
+        cycles_per_score=cps,
+    )
+
+
+# ---- driving it: which specialisations, caching, output ----
+
+def _source_key() -> str:
+    """Changes whenever anything that shapes the SASS changes: the kernels' sources and the compiler versions."""
+    import numba
+
+    h = hashlib.sha256()
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            with open(os.path.join(here, name), "rb") as f:
+                h.update(name.encode() + f.read())
+    h.update(numba.__version__.encode())
+    try:
+        from importlib.metadata import version
+
+        for dist in ("numba-cuda", "cuda-bindings", "nvidia-nvjitlink", "nvidia-cuda-nvdisasm"):
+            try:
+                h.update(f"{dist}={version(dist)}".encode())
+            except Exception:
+                pass
+    except ImportError:
+        pass
+    return h.hexdigest()[:20]
+
+
+def cache_dir() -> str:
+    base = os.environ.get("NUMBA_FLASH_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "numba-flash")
+    return os.path.join(base, "perf_model")
+
+
+def model_specialisation(kernel: str, dtype: str, head_dim: int, variant: str,
+                         ccs: Iterable[tuple[int, int]], use_cache: bool = True) -> list[ModelRecord]:
+    """Model one (kernel, dtype, head-dim bucket, variant) for each compute capability in ``ccs``: lowered to PTX
+    once (for the lowest cc, as a driver would JIT it on newer GPUs), assembled for each."""
+    from .compile_check import kernel_ptx, python_kernel
+
+    ccs = sorted(tuple(cc) for cc in ccs)
+    path = os.path.join(cache_dir(), f"{_source_key()}-{kernel}-{dtype}-{head_dim}-{variant}-"
+                        + "_".join(f"{a}{b}" for a, b in ccs) + ".json")
+    if use_cache and os.path.exists(path):
+        with open(path) as f:
+            return [ModelRecord(**r) for r in json.load(f)]
+    flags = VARIANTS[variant]
+    cfg = tile_config_for(head_dim, dtype, ccs[0], kernel=kernel, override=TileOverride())
+    py_func = python_kernel(kernel, cfg, dtype, flags)
+    ptx = kernel_ptx(kernel, cfg, dtype, ccs[0], flags, lineinfo=True)
+    records = []
+    for cc in ccs:
+        cubin, log = link(ptx, cc, lineinfo=True)
+        records.append(model_kernel(kernel, cfg, dtype, variant, cc, disassemble(cubin), py_func, log))
+    if use_cache:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump([r.as_json() for r in records], f)
+        os.replace(tmp, path)   # atomic: a concurrent reader never sees half a file
+    return records
+
+
+def run_model(kernels: Iterable[str] = ("forward", "backward"), dtypes: Iterable[str] = KERNEL_DTYPES,
+              head_dims: Iterable[int] = HEAD_DIM_BUCKETS, variants: Iterable[str] = tuple(VARIANTS),
+              ccs: Iterable[tuple[int, int]] = DEFAULT_CCS, use_cache: bool = True,
+              progress: Callable[[str], None] | None = None) -> list[ModelRecord]:
+    """Model records for every combination. ``kernels`` may name 'backward' (both backward kernels and their
+    combination) or the single kernels; bfloat16 is modelled only on compute capabilities that offer it."""
+    from .config import dtype_supported_on
+
+    wanted = []
+    for k in kernels:
+        wanted.extend(["backward_dkdv", "backward_dq", "backward"] if k == "backward" else [k])
+    records: list[ModelRecord] = []
+    for dtype in dtypes:
+        cc_ok = [cc for cc in ccs if dtype_supported_on(dtype, cc)]
+        if not cc_ok:
+            continue
+        for head_dim in head_dims:
+            for variant in variants:
+                done: dict[str, list[ModelRecord]] = {}
+                for kernel in wanted:
+                    if kernel == "backward":
+                        if "backward_dkdv" not in done or "backward_dq" not in done:
+                            for k in ("backward_dkdv", "backward_dq"):
+                                done.setdefault(k, model_specialisation(k, dtype, head_dim, variant, cc_ok,
+                                                                        use_cache))
+                        done[kernel] = [combine_backward(a, b) for a, b in
+                                        zip(done["backward_dkdv"], done["backward_dq"])]
+                    elif kernel not in done:
+                        done[kernel] = model_specialisation(kernel, dtype, head_dim, variant, cc_ok, use_cache)
+                    if progress:
+                        progress(f"{kernel} {dtype} D={head_dim} {variant}")
+                for kernel in wanted:
+                    records.extend(done[kernel])
+    return records
+
+
+def format_table(records: list[ModelRecord]) -> str:
+    head = (f"{'kernel':<14}{'dtype':<9}{'cc':>4}{'D':>5} {'variant':<8}{'tiles':<14}{'regs':>5}{'smem':>7}"
+            f"{'warps/SM':>9}{'FFMA%':>7}{'FLOP/B':>7}{'ceiling':>9}  bound")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        lines.append(f"{r.kernel:<14}{r.dtype:<9}{r.cc:>4}{r.head_dim:>5} {r.variant:<8}{r.tiles:<14}"
+                     f"{r.registers:>5}{r.smem_bytes:>7}{r.warps_per_sm:>9}{100 * r.ffma_share:>6.1f}%"
+                     f"{r.flop_per_smem_byte:>7.2f}{100 * r.ceiling:>8.1f}%  {r.bound}")
+    lines.append("ceiling: modelled upper bound on useful FLOP/s as a fraction of the float32 CUDA-core peak "
+                 "(tensor-core peak for HMMA kernels); not a measurement.")
+    return "\n".join(lines)
+
+
+def _cc(text: str) -> tuple[int, int]:
+    major, _, minor = text.replace("sm_", "").replace("sm", "").partition(".")
+    if not minor and len(major) >= 2:
+        major, minor = major[:-1], major[-1]
+    cc = (int(major), int(minor or 0))
+    gpu_spec(cc)
+    return cc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m numba_flash.cuda.perf_model",
+                                     description="Static performance model of the CUDA kernels (SASS instruction "
+                                                 "counts and occupancy; no GPU needed). Figures are upper bounds.")
+    parser.add_argument("--json", action="store_true", help="print the records as JSON")
+    parser.add_argument("--kernel", nargs="+", default=["forward", "backward"],
+                        choices=["forward", "backward", *MODEL_KERNELS])
+    parser.add_argument("--dtype", nargs="+", default=list(KERNEL_DTYPES), choices=list(KERNEL_DTYPES))
+    parser.add_argument("--head-dim", nargs="+", type=int, default=list(HEAD_DIM_BUCKETS),
+                        choices=list(HEAD_DIM_BUCKETS))
+    parser.add_argument("--variant", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--cc", nargs="+", type=_cc, default=list(DEFAULT_CCS),
+                        help=f"compute capabilities, e.g. 8.0 9.0 (known: "
+                             f"{', '.join(f'{a}.{b}' for a, b in GPUS if (a, b) >= (7, 5))})")
+    parser.add_argument("--no-cache", action="store_true", help="recompute instead of reading the disk cache")
+    args = parser.parse_args(argv)
+    if any(cc < (7, 5) for cc in args.cc):
+        parser.error("compute capability 7.0 needs the CUDA 12 toolchain (the 'cuda12' extra); "
+                     "this model runs on CUDA 13, which supports 7.5 and newer")
+
+    bar = None
+    if sys.stderr.isatty():
+        try:
+            from tqdm.auto import tqdm
+
+            total = len(args.dtype) * len(args.head_dim) * len(args.variant) * sum(
+                3 if k == "backward" else 1 for k in args.kernel)
+            bar = tqdm(total=total, desc="perf model", unit="kernel", file=sys.stderr)
+        except ImportError:
+            pass
+
+    def progress(what: str) -> None:
+        if bar is not None:
+            bar.set_postfix_str(what, refresh=False)
+            bar.update(1)
+
+    records = run_model(args.kernel, args.dtype, args.head_dim, args.variant, args.cc, not args.no_cache, progress)
+    if bar is not None:
+        bar.close()
+    if args.json:
+        json.dump([r.as_json() for r in records], sys.stdout, indent=1)
+        print()
+    else:
+        print(format_table(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

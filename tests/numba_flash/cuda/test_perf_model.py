@@ -1,0 +1,159 @@
+"""The static performance model: opcode classes, occupancy, and instruction counts on kernels whose SASS can be
+predicted, then the model on a production kernel. Compiles with the real toolchain (numba-cuda[cu13], nvJitLink,
+nvdisasm); no GPU. Run: .venv/bin/python -m pytest -q -m ptx tests/numba_flash/cuda/test_perf_model.py"""
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.ptx
+
+
+def _needs_toolchain():
+    pytest.importorskip("numba.cuda")
+    pytest.importorskip("cuda.bindings.nvjitlink")
+    from numba_flash.cuda.sass import nvdisasm_path
+
+    try:
+        nvdisasm_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.parametrize("opcode,cls,bits", [
+    ("FFMA", "ffma", 32), ("FFMA.FTZ", "ffma", 32), ("FMUL", "fp32", 32), ("FADD.FTZ", "fp32", 32),
+    ("HFMA2.MMA", "hfma2", 32), ("HMMA.16816.F32", "hmma", 32), ("MUFU.EX2", "mufu", 32), ("F2F.F32.F16", "conv", 32),
+    ("LDS.128", "lds", 128), ("LDS.U16", "lds", 16), ("LDSM.16.M88.4", "lds", 128), ("STS.64", "sts", 64),
+    ("LDG.E.128.CONSTANT", "ldg", 128), ("LD.E", "ldg", 32), ("ST.E.U16", "stg", 16), ("STL.64", "local", 64),
+    ("BAR.SYNC.DEFER_BLOCKING", "bar", 32), ("BRA", "branch", 32), ("IMAD.MOV.U32", "imad", 32),
+    ("IMAD.WIDE.U32", "imad", 32), ("IADD3", "int", 32), ("LOP3.LUT", "int", 32), ("FMNMX", "int", 32),
+    ("ISETP.GE.AND", "int", 32), ("S2R", "issue", 32), ("ULDC.64", "issue", 64),
+])
+def test_opcode_classes(opcode, cls, bits):
+    from numba_flash.cuda.sass import access_bits, classify
+
+    assert classify(opcode) == cls
+    assert access_bits(opcode) == bits
+
+
+def test_occupancy_rules():
+    from numba_flash.cuda.gpus import gpu_spec, occupancy
+
+    a100, h100, t4 = gpu_spec((8, 0)), gpu_spec((9, 0)), gpu_spec((7, 5))
+    # 128 threads, 64 registers: 8192 registers a block, 8 blocks by registers; 40 KiB + 1 KiB reserved a block:
+    # 164 KiB / 41 KiB = 4 blocks by shared memory.
+    occ = occupancy(a100, 128, 64, 40 * 1024)
+    assert (occ.blocks_per_sm, occ.warps_per_sm, occ.limited_by) == (4, 16, "shared memory")
+    # 168 registers round up to 5376 a warp, 21504 a block: 3 blocks by registers (65536 / 21504).
+    occ = occupancy(h100, 128, 168, 10 * 1024)
+    assert (occ.blocks_per_sm, occ.limited_by) == (3, "registers")
+    # A T4 holds 32 warps: 256-thread blocks with few registers and no shared memory stop at 4.
+    occ = occupancy(t4, 256, 16, 0)
+    assert (occ.blocks_per_sm, occ.limited_by) == (4, "warps")
+    # Too many resources: 1024 threads x 128 registers is twice an SM's register file.
+    bad = occupancy(a100, 1024, 128, 0)
+    assert not bad.launchable and "registers" in bad.limited_by
+    assert not occupancy(t4, 128, 32, 70 * 1024).launchable
+
+
+def _product_kernel_factory(rows_per_tile, cols, block_rows, threads, load_total):
+    """A kernel shaped like ours: a main loop over runtime-many tiles; inside, a strided tile load (each thread
+    stores range(t, load_total, threads) elements) and a register-blocked product of compile-time size."""
+    from numba import cuda, float32
+
+    RT, C, BR, NT, LT = rows_per_tile, cols, block_rows, threads, load_total
+    LDC = C + 1   # padded row: numba needs the shape as constants
+
+    def product_kernel(x, out, n_rows):
+        t = cuda.threadIdx.x
+        xs = cuda.shared.array((RT, LDC), float32)
+        acc = cuda.local.array(BR, float32)
+        for i in range(BR):
+            acc[i] = float32(0.0)
+        for n0 in range(0, n_rows, RT):
+            cuda.syncthreads()
+            for idx in range(t, LT, NT):
+                xs[idx // C, idx % C] = x[n0 + idx // C, idx % C]
+            cuda.syncthreads()
+            for d in range(C):
+                for i in range(BR):
+                    acc[i] += xs[i, d] * xs[(t + i) % RT, d]
+        for i in range(BR):
+            out[t, i] = acc[i]
+
+    return product_kernel
+
+
+def _counts(py_func, threads, cc=(8, 0)):
+    from numba import cuda, types
+
+    from numba_flash.cuda.perf_model import dynamic_counts, loop_counts
+    from numba_flash.cuda.sass import disassemble, kernel_function, link, parse
+
+    sig = types.void(types.float32[:, :], types.float32[:, :], types.int64)
+    ptx, _ = cuda.compile_ptx(py_func, sig, cc=cc, lineinfo=True)
+    cubin, _ = link(ptx, cc, lineinfo=True)
+    fn = kernel_function(parse(disassemble(cubin), keep_file=py_func.__code__.co_filename), py_func.__name__)
+    return loop_counts(py_func, threads), dynamic_counts(fn, loop_counts(py_func, threads))
+
+
+def test_counts_of_a_predictable_kernel():
+    _needs_toolchain()
+    # Per tile, every thread does C * BR = 32 * 4 multiply-adds (128 FFMA per warp, however ptxas unrolls the
+    # d loop) and stores range(t, 80, 64) elements: 2 for lanes 0-15 and 1 for the rest, so warp 0 issues its
+    # store loop twice and warp 1 once.
+    fn = _product_kernel_factory(rows_per_tile=16, cols=32, block_rows=4, threads=64, load_total=80)
+    lines, per_warp = _counts(fn, threads=64)
+    assert len(per_warp) == 2
+    assert [w["ffma"] for w in per_warp] == [128, 128]
+    assert [w["sts"] for w in per_warp] == [2, 1]
+    assert [w["bar"] for w in per_warp] == [2, 2]
+    # Loads from global memory: one per stored element at least.
+    assert per_warp[0]["ldg"] >= 2 and per_warp[1]["ldg"] >= 1
+    for w in per_warp:
+        assert w["total"] > w["ffma"] + w["sts"]
+
+
+def test_counts_follow_the_tile_size():
+    _needs_toolchain()
+    # Twice the columns: twice the multiply-adds per tile, and a 512-element tile load over 64 threads is 8 stores
+    # a thread (the compiler may unroll that loop; the count must not change).
+    fn = _product_kernel_factory(rows_per_tile=16, cols=64, block_rows=4, threads=64, load_total=512)
+    _, per_warp = _counts(fn, threads=64)
+    assert [w["ffma"] for w in per_warp] == [256, 256]
+    assert [w["sts"] for w in per_warp] == [8, 8]
+
+
+def test_model_of_the_forward_kernel(tmp_path, monkeypatch):
+    _needs_toolchain()
+    from numba_flash.cuda.perf_model import main, run_model
+
+    monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(tmp_path))
+    records = run_model(["forward"], ["float32"], [64], ["plain", "causal"], [(8, 0), (9, 0)])
+    assert [(r.variant, r.cc) for r in records] == [("plain", "8.0"), ("plain", "9.0"), ("causal", "8.0"),
+                                                    ("causal", "9.0")]
+    for r in records:
+        # The trip counts recovered from SASS account for exactly the tile's multiply-adds (2 * 64 * 32 * 64 per
+        # block per key tile); the few FFMA of the softmax bookkeeping may add a little.
+        assert 1.0 <= r.ffma_per_useful <= 1.02, r
+        assert r.unit == "simt_fp32" and 0 < r.ceiling <= 1
+        assert r.registers > 0 and r.spills == 0 and r.blocks_per_sm >= 1
+        # Every useful multiply-add is an FFMA issue slot, so the issue bound caps the ceiling at the FFMA share
+        # (x2 on sm_80, whose float32 pipe is half as wide as its issue rate).
+        assert r.ceiling <= r.ffma_share * (2 if r.cc == "8.0" else 1) + 1e-3
+    plain = {r.cc: r for r in records if r.variant == "plain"}
+    causal = {r.cc: r for r in records if r.variant == "causal"}
+    # The causal variant does the same products plus mask work per element.
+    assert all(causal[cc].per_iteration["total"] > plain[cc].per_iteration["total"] for cc in plain)
+
+    # The second run comes from the cache and agrees; the CLI prints the records as JSON with the documented keys.
+    again = run_model(["forward"], ["float32"], [64], ["plain"], [(8, 0), (9, 0)])
+    assert [r.ceiling for r in again] == [plain["8.0"].ceiling, plain["9.0"].ceiling]
+    capsys_out = []
+    monkeypatch.setattr("sys.stdout.write", lambda s: capsys_out.append(s) or len(s))
+    assert main(["--json", "--kernel", "forward", "--dtype", "float32", "--head-dim", "64", "--variant", "plain",
+                 "--cc", "9.0"]) == 0
+    data = json.loads("".join(capsys_out))
+    keys = {"kernel", "dtype", "cc", "head_dim", "variant", "unit", "ceiling", "registers", "smem_bytes",
+            "warps_per_sm"}
+    assert len(data) == 1 and keys <= set(data[0]) and data[0]["ceiling"] == plain["9.0"].ceiling
