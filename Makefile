@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install bench test test-fast test-cudasim clean
+.PHONY: install bench test test-fast test-cudasim compile-check-sm70 clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,5 +29,13 @@ test: $(STAMP)
 test-cudasim: $(STAMP)
 	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -q -m cudasim
 
+# The V100 (sm_70) compile check: CUDA 13 dropped sm_70, so this builds a second environment with the CUDA 12
+# toolchain (the 'cuda12' extra, about 800 MB) and runs the compile check for 7.0 in it. Not part of `make test`.
+VENV12 := .venv-cu12
+compile-check-sm70:
+	test -x $(VENV12)/bin/python || $(PYTHON) -m venv $(VENV12)
+	$(VENV12)/bin/python -m pip install -q -e ".[cuda12]"
+	$(VENV12)/bin/python -m numba_flash.cuda.compile_check --cc 7.0
+
 clean:
-	rm -rf $(VENV) .asv bench-out
+	rm -rf $(VENV) $(VENV12) .asv bench-out

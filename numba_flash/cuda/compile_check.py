@@ -14,7 +14,11 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from .config import STATIC_SMEM_LIMIT, FlashAttentionConfig, all_tile_configs, storage_dtype
+from .config import COMPUTE_CAPABILITIES, STATIC_SMEM_LIMIT, FlashAttentionConfig, all_tile_configs, storage_dtype
+from .gpus import Occupancy, gpu_spec, occupancy
+
+#: Threads per block of the delta pre-pass (launch.py launches it with this many).
+DELTA_THREADS = 128
 
 
 @dataclass(frozen=True)
@@ -31,8 +35,21 @@ class KernelResources:
     smem: int
     f64_instructions: int
 
+    @property
+    def threads(self) -> int:
+        return self.config.threads if self.config else DELTA_THREADS
+
+    @property
+    def occupancy(self) -> Occupancy:
+        """Blocks per SM on this compute capability; zero means the launch would fail with "too many resources
+        requested for launch"."""
+        return occupancy(gpu_spec(self.cc), self.threads, self.registers, self.smem)
+
     def problems(self, smem_limit: int = STATIC_SMEM_LIMIT) -> list[str]:
         why = []
+        occ = self.occupancy
+        if not occ.launchable:
+            why.append(f"cannot launch on sm_{self.cc[0]}{self.cc[1]}: {occ.limited_by}")
         if self.spill_stores or self.spill_loads or self.lmem or self.stack:
             why.append(f"local memory: {self.spill_stores} B spill stores, {self.spill_loads} B spill loads, "
                        f"{self.stack} B stack, {self.lmem} B lmem")
@@ -122,15 +139,34 @@ def compile_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
     return assemble(kernel_ptx(kernel, cfg, dtype, cc), kernel, cfg, dtype, cc)
 
 
-def check_all(progress: Any = None) -> list[KernelResources]:
+def toolchain_ccs() -> tuple[tuple[int, int], ...]:
+    """Compute capabilities the installed CUDA toolchain can assemble: CUDA 13 starts at 7.5, CUDA 12 (the
+    ``cuda12`` extra) still has 7.0."""
+    try:
+        from cuda.bindings import nvjitlink
+
+        major = nvjitlink.version()[0]
+    except Exception:
+        return COMPUTE_CAPABILITIES
+    return COMPUTE_CAPABILITIES if major >= 13 else ((7, 0),) + COMPUTE_CAPABILITIES
+
+
+def check_all(progress: Any = None, ccs: tuple[tuple[int, int], ...] | None = None) -> list[KernelResources]:
     """Every (compute capability, dtype, tile config) the picker produces, plus the delta pre-pass; bfloat16 only
-    for compute capabilities it is offered on (``config.MIN_COMPUTE_CAPABILITY``).
+    for compute capabilities it is offered on (``config.MIN_COMPUTE_CAPABILITY``). ``ccs`` narrows the targets
+    (default: ``config.COMPUTE_CAPABILITIES``); one the toolchain cannot build for raises ValueError saying why.
 
     numba lowers each specialisation to PTX once, for the lowest compute capability that has that config (that
     is most of the time: numba's front end is the slow part); nvJitLink then assembles that PTX for every target
-    that uses the config, which is how a driver runs sm_80 PTX on an sm_90 GPU.
+    that uses the config, which is how a driver runs sm_75 PTX on an sm_90 GPU.
     """
-    configs = all_tile_configs()
+    ccs = tuple(ccs) if ccs else COMPUTE_CAPABILITIES
+    missing = [cc for cc in ccs if cc not in toolchain_ccs()]
+    if missing:
+        raise ValueError(f"compute capability {', '.join(f'{a}.{b}' for a, b in missing)}: the installed CUDA "
+                         "toolchain cannot assemble for it (CUDA 13 dropped 7.0; install the 'cuda12' extra, "
+                         "numba-cuda[cu12], in a separate environment)")
+    configs = all_tile_configs(ccs)
     targets: dict[tuple[str, str, FlashAttentionConfig | None], list[tuple[int, int]]] = {}
     for cc, dtype, cfg in configs:
         targets.setdefault((cfg.kernel, dtype, cfg), []).append(cc)
@@ -138,10 +174,10 @@ def check_all(progress: Any = None) -> list[KernelResources]:
         for dtype in sorted({dt for c, dt, _ in configs if c == cc}):
             targets.setdefault(("backward_delta", dtype, None), []).append(cc)
     results = []
-    for (kernel, dtype, cfg), ccs in targets.items():
-        ccs = sorted(ccs)
-        ptx = kernel_ptx(kernel, cfg, dtype, ccs[0])
-        for cc in ccs:
+    for (kernel, dtype, cfg), target_ccs in targets.items():
+        target_ccs = sorted(target_ccs)
+        ptx = kernel_ptx(kernel, cfg, dtype, target_ccs[0])
+        for cc in target_ccs:
             results.append(assemble(ptx, kernel, cfg, dtype, cc))
             if progress:
                 progress(results[-1])
@@ -150,19 +186,38 @@ def check_all(progress: Any = None) -> list[KernelResources]:
 
 def format_table(results: list[KernelResources]) -> str:
     head = (f"{'kernel':<15}{'cc':>5} {'D':>4} {'dtype':<9}{'tiles (m x n / thr)':<20}{'regs':>5}"
-            f"{'spill':>7}{'smem':>7}  problems")
+            f"{'spill':>7}{'smem':>7}{'blocks/SM':>10}  problems")
     lines = [head, "-" * len(head)]
     for r in results:
         cfg = r.config
-        tiles = f"{cfg.block_m} x {cfg.block_n} / {cfg.threads}" if cfg else "1 row / thread"
+        tiles = f"{cfg.block_m} x {cfg.block_n} / {cfg.threads}" if cfg else f"1 row / {DELTA_THREADS} thr"
         bucket = str(cfg.head_dim_bucket) if cfg else "any"
         lines.append(f"{r.kernel:<15}{r.cc[0]}.{r.cc[1]:<3} {bucket:>4} {r.dtype:<9}{tiles:<20}{r.registers:>5}"
-                     f"{r.spill_stores + r.spill_loads:>7}{r.smem:>7}  {'; '.join(r.problems()) or 'ok'}")
+                     f"{r.spill_stores + r.spill_loads:>7}{r.smem:>7}{r.occupancy.blocks_per_sm:>10}  "
+                     f"{'; '.join(r.problems()) or 'ok'}")
     return "\n".join(lines)
 
 
-def main() -> int:
-    results = check_all()
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m numba_flash.cuda.compile_check",
+                                     description="Compile every CUDA kernel specialisation to SASS (no GPU needed) "
+                                                 "and report registers, spills, shared memory and occupancy.")
+    parser.add_argument("--cc", nargs="+", default=None, help="compute capabilities, e.g. 7.5 9.0 (default: "
+                        + " ".join(f"{a}.{b}" for a, b in COMPUTE_CAPABILITIES) + ")")
+    args = parser.parse_args(argv)
+    ccs = None
+    if args.cc:
+        try:
+            ccs = tuple(tuple(int(x) for x in c.split(".")) for c in args.cc)
+        except ValueError:
+            parser.error(f"--cc: expected versions like 8.0, got {args.cc}")
+    try:
+        results = check_all(ccs=ccs)
+    except ValueError as exc:
+        print(f"compile_check: {exc}", file=sys.stderr)
+        return 2
     print(format_table(results))
     return 1 if any(r.problems() for r in results) else 0
 

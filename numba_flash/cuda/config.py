@@ -36,8 +36,12 @@ STORAGE_DTYPES: dict[str, str] = {"float32": "float32", "float16": "float16", "b
 #: Lowest compute capability a dtype is offered on: the contract keeps bfloat16 to GPUs with native bfloat16
 #: (sm_80 on), although the kernels themselves only shift and round its bits.
 MIN_COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {"bfloat16": (8, 0)}
-#: Compute capabilities the compile check builds for.
-COMPUTE_CAPABILITIES: tuple[tuple[int, int], ...] = ((8, 0), (9, 0))
+#: Compute capabilities the compile check builds for with the CUDA 13 toolchain (T4, A100, A10/RTX 30, L4/RTX 40,
+#: H100). CUDA 13 dropped 7.0 (V100): ``python -m numba_flash.cuda.compile_check --cc 7.0`` needs the CUDA 12
+#: toolchain of the ``cuda12`` extra.
+COMPUTE_CAPABILITIES: tuple[tuple[int, int], ...] = ((7, 5), (8, 0), (8, 6), (8, 9), (9, 0))
+#: Compute capabilities a real GPU may run the kernels on (what the backend accepts).
+SUPPORTED_COMPUTE_CAPABILITIES: tuple[tuple[int, int], ...] = ((7, 0),) + COMPUTE_CAPABILITIES
 STATIC_SMEM_LIMIT = 48 * 1024
 #: Upper bound on float32 accumulators one thread keeps in registers; above it ptxas starts spilling at D = 256.
 MAX_ACCUMULATORS_PER_THREAD = 64
@@ -242,12 +246,13 @@ def tile_config_for(head_dim: int, dtype: str = "float32", compute_capability: t
                               "shared memory")
 
 
-def all_tile_configs() -> list[tuple[tuple[int, int], str, FlashAttentionConfig]]:
+def all_tile_configs(ccs: tuple[tuple[int, int], ...] = COMPUTE_CAPABILITIES,
+                     ) -> list[tuple[tuple[int, int], str, FlashAttentionConfig]]:
     """Every (compute capability, dtype, config) the picker produces with no override, for the compile check.
     Head dims are bucketed, so one representative per bucket covers every head dim from 1 to 256; dtypes a
     compute capability is not offered (``MIN_COMPUTE_CAPABILITY``) are left out for it."""
     seen = []
-    for cc in COMPUTE_CAPABILITIES:
+    for cc in ccs:
         for dtype in KERNEL_DTYPES:
             if not dtype_supported_on(dtype, cc):
                 continue
