@@ -10,7 +10,6 @@ NUMBA_ENABLE_CUDASIM=1 .venv/bin/python -m pytest -q -m cudasim tests/numba_flas
 import numpy as np
 import pytest
 
-import numba_flash.cuda.launch as launch
 from backends import backend_registry
 from numba_flash import attention_ref, attention_ref_backward
 from numba_flash.cuda import simcheck, tile_config_for
@@ -38,6 +37,8 @@ class _Recorder:
 @pytest.fixture
 def launches(monkeypatch):
     """The (kernel, tile config, launch configuration) of every kernel launch.py starts, under the checker."""
+    import numba_flash.cuda.launch as launch   # imports numba.cuda: only in the simulator's process
+
     seen = []
     for attr, name in (("make_forward_kernel", "forward"), ("make_dkdv_kernel", "backward_dkdv"),
                        ("make_dq_kernel", "backward_dq"), ("make_delta_kernel", "delta")):

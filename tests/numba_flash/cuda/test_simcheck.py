@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 import pytest
-from numba import cuda, float32
+from numba import cuda, float32, int32
 
 from numba_flash.cuda import SimulatorCheckError, simcheck
 
@@ -26,12 +26,13 @@ def checker():
 
 
 def _launch(kernel, blocks, threads, *args):
-    """Run ``kernel[blocks, threads](*args)``; re-raise what it raised; fail if it does not return in time."""
+    """Run ``kernel[blocks, threads](*args)`` (``kernel(*args)`` when blocks is None: a configured launch); re-raise
+    what it raised; fail if it does not return in time."""
     outcome = {}
 
     def go():
         try:
-            kernel[blocks, threads](*args)
+            (kernel if blocks is None else kernel[blocks, threads])(*args)
         except BaseException as exc:   # handed to the test's thread
             outcome["exc"] = exc
 
@@ -100,6 +101,27 @@ def sum_and_broadcast(x, out, total):
     out[cuda.blockIdx.x * N + t] = x[cuda.blockIdx.x * N + t] / part[0]
     if t == 0:
         total[cuda.blockIdx.x] = part[0]
+
+
+@cuda.jit
+def dynamic_no_barrier(x, out):
+    tile = cuda.shared.array(0, float32)   # dynamic shared memory, sized at launch
+    t = cuda.threadIdx.x
+    tile[t] = x[t]
+    out[t] = tile[(t + 1) % N]
+
+
+@cuda.jit
+def count_with_atomics_and_votes(x, out):
+    """Every thread adds to one shared counter atomically (no race), then votes; both must still work."""
+    counter = cuda.shared.array(1, int32)
+    t = cuda.threadIdx.x
+    if t == 0:
+        counter[0] = 0
+    cuda.syncthreads()
+    cuda.atomic.add(counter, 0, 1 if x[t] > 0 else 0)
+    positive = cuda.syncthreads_count(x[t] > 0)
+    out[t] = counter[0] * 1000 + positive
 
 
 @cuda.jit
@@ -205,6 +227,19 @@ def test_correct_kernel_with_barriers_and_broadcast_reads_passes(rng):
     sums = x.reshape(blocks, N).astype(np.float64).sum(axis=1)
     np.testing.assert_allclose(total, sums, rtol=1e-5)
     np.testing.assert_allclose(out, (x.reshape(blocks, N) / sums[:, None]).ravel(), rtol=1e-5)
+
+
+def test_race_in_dynamic_shared_memory_is_seen(rng):
+    with pytest.raises(SimulatorCheckError, match=r"race on 'tile'\["):
+        _launch(dynamic_no_barrier[1, N, 0, N * 4], None, None, _x(rng), np.zeros(N, np.float32))
+
+
+def test_atomics_on_one_shared_element_and_votes_pass(rng):
+    x = _x(rng)
+    out = np.zeros(N, np.int32)
+    _launch(count_with_atomics_and_votes, 1, N, x, out)
+    positive = int(np.sum(x > 0))
+    assert np.all(out == positive * 1000 + positive)
 
 
 # ---- indices ----
