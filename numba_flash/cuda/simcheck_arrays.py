@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray, FakeWithinKernelCUDAArray
@@ -95,6 +95,7 @@ def caller_site() -> tuple[str, int]:
 
 
 def format_site(site: tuple[str, int]) -> str:
+    """'file.py:LINE' of a (file, line) site."""
     return f"{os.path.basename(site[0])}:{site[1]}"
 
 
@@ -150,7 +151,7 @@ class LocalArray:
     def __len__(self) -> int:
         return len(self._a)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:   # without it Python would iterate until the index check fails
         return (self[i] for i in range(len(self._a)))
 
     def __getattr__(self, name: str) -> Any:   # shape, size, dtype, ndim...

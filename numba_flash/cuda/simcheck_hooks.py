@@ -81,6 +81,7 @@ class CheckedShared:
         return arr
 
     def reset(self) -> None:
+        """Forget every recorded access (a barrier, or the next block)."""
         for arr in list(self._allocations.values()):
             arr.reset()
 
