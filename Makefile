@@ -21,13 +21,13 @@ bench: $(STAMP)
 	$(PY) -m numba_flash.bench
 
 # Everything but the simulator suite, then the CUDA simulator suite in its own process (the simulator must be
-# switched on before numba.cuda is first imported).
+# switched on before numba.cuda is first imported), with the race, bounds and barrier checker on.
 test: $(STAMP)
 	$(PY) -m pytest -q
-	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -q -m cudasim
+	NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 $(PY) -m pytest -q -m cudasim
 
 test-cudasim: $(STAMP)
-	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -q -m cudasim
+	NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 $(PY) -m pytest -q -m cudasim
 
 # The V100 (sm_70) compile check: CUDA 13 dropped sm_70, so this builds a second environment with the CUDA 12
 # toolchain (the 'cuda12' extra, about 800 MB) and runs the compile check for 7.0 in it. Not part of `make test`.

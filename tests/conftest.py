@@ -6,6 +6,15 @@ import pytest
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 
+def pytest_configure(config):
+    # NUMBA_FLASH_SIMCHECK=1 (make test sets it) checks every simulated kernel for shared-memory races, bad indices
+    # and divergent barriers, the test kernels' included, from the first launch on.
+    if SIM:
+        from numba_flash.cuda import simcheck
+
+        simcheck.install_from_env()
+
+
 def pytest_collection_modifyitems(config, items):
     # Simulator tests need NUMBA_ENABLE_CUDASIM=1 set before numba.cuda is imported, so they run in a process of
     # their own (make test does both); every other test runs without the simulator.

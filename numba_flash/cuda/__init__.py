@@ -6,6 +6,8 @@
     dtypes.py         element load/store helpers: bfloat16 travels as int16 bits, widened to float32 and rounded back
     launch.py         host wrappers that pick configs and launch on (B, S, H, D) device-array views
     compile_check.py  PTX/SASS compile of every specialisation with register and spill report (no GPU needed)
+    simcheck.py       race, bounds and barrier checker for the simulator (NUMBA_FLASH_SIMCHECK=1), with
+                      simcheck_hooks.py and simcheck_arrays.py, which load only when it is switched on
 
 Importing this package does not import ``numba.cuda``; the kernel factories do, on first use.
 """
@@ -21,10 +23,12 @@ from .config import (
     tile_config_for,
     tile_config_override,
 )
+from .simcheck import SimulatorCheckError
 
 __all__ = [
     "HEAD_DIM_BUCKETS",
     "FlashAttentionConfig",
+    "SimulatorCheckError",
     "TileOverride",
     "all_tile_configs",
     "head_dim_bucket",

@@ -15,6 +15,7 @@ import numpy as np
 from .backward import make_delta_kernel, make_dkdv_kernel, make_dq_kernel
 from .config import STATIC_SMEM_LIMIT, FlashAttentionConfig, TileOverride, storage_dtype, tile_config_for
 from .forward import LOG2E, make_forward_kernel
+from .simcheck import install_from_env
 
 
 def compute_capability() -> tuple[int, int]:
@@ -64,6 +65,7 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
     or int16 bfloat16 bits), any strides. lse: (B, Hq, Sq) float32 device array. Writes out and lse.
     """
     _check_storage(dtype, q=q, k=k, v=v, out=out)
+    install_from_env()   # under the simulator with NUMBA_FLASH_SIMCHECK=1, check this and every later launch
     bf16 = dtype == "bfloat16"
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -85,6 +87,7 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
     delta: (B, Hq, Sq) float32 scratch.
     """
     _check_storage(dtype, dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
+    install_from_env()   # as in flash_forward
     bf16 = dtype == "bfloat16"
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]

@@ -1,0 +1,329 @@
+"""The simulator checker (numba_flash.cuda.simcheck): small user kernels with one planted bug each must raise
+SimulatorCheckError naming the bug, and correct kernels must pass with the right answer.
+
+Every launch runs on a helper thread with a deadline, so that a barrier bug that hangs the simulator fails the
+test instead of blocking CI. Run: NUMBA_ENABLE_CUDASIM=1 .venv/bin/python -m pytest -q -m cudasim <this file>
+"""
+
+import threading
+
+import numpy as np
+import pytest
+from numba import cuda, float32, int32
+
+from numba_flash.cuda import SimulatorCheckError, simcheck
+
+pytestmark = pytest.mark.cudasim
+
+N = 32
+DEADLINE = 60.0
+
+
+@pytest.fixture(autouse=True)
+def checker():
+    with simcheck.checking():
+        yield
+
+
+def _launch(kernel, blocks, threads, *args):
+    """Run ``kernel[blocks, threads](*args)`` (``kernel(*args)`` when blocks is None: a configured launch); re-raise
+    what it raised; fail if it does not return in time."""
+    outcome = {}
+
+    def go():
+        try:
+            (kernel if blocks is None else kernel[blocks, threads])(*args)
+        except BaseException as exc:   # handed to the test's thread
+            outcome["exc"] = exc
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(DEADLINE)
+    if t.is_alive():
+        pytest.fail(f"launch of {kernel} still running after {DEADLINE} s: the simulator hangs")
+    if "exc" in outcome:
+        raise outcome["exc"]
+
+
+# ---- kernels: each bug next to its fix ----
+
+@cuda.jit
+def neighbour_no_barrier(x, out):
+    tile = cuda.shared.array(N, float32)
+    t = cuda.threadIdx.x
+    tile[t] = x[t]
+    out[t] = tile[(t + 1) % N]        # thread t + 1 may not have written it yet
+
+
+@cuda.jit
+def neighbour(x, out):
+    tile = cuda.shared.array(N, float32)
+    t = cuda.threadIdx.x
+    tile[t] = x[t]
+    cuda.syncthreads()
+    out[t] = tile[(t + 1) % N]
+
+
+@cuda.jit
+def same_slot_writes(out):
+    slot = cuda.shared.array(1, float32)
+    t = cuda.threadIdx.x
+    slot[0] = t                         # every thread writes one element: the last writer wins, unpredictably
+    cuda.syncthreads()
+    out[t] = slot[0]
+
+
+@cuda.jit
+def rows_no_barrier(x, out):
+    tile = cuda.shared.array((N, 2), float32)
+    t = cuda.threadIdx.x
+    row = tile[t]                       # a view: its elements are still the tile's
+    row[0] = x[t]
+    row[1] = x[t]
+    out[t] = tile[(t + 1) % N, 1]
+
+
+@cuda.jit
+def sum_and_broadcast(x, out, total):
+    """Tree reduction (reads and writes of one element by different threads in different epochs), then every
+    thread reads the one total (a broadcast read), and each thread rewrites its own element twice."""
+    part = cuda.shared.array(N, float32)
+    t = cuda.threadIdx.x
+    part[t] = float32(0.0)
+    part[t] = x[cuda.blockIdx.x * N + t]
+    cuda.syncthreads()
+    stride = N // 2
+    while stride > 0:
+        if t < stride:
+            part[t] += part[t + stride]
+        cuda.syncthreads()
+        stride //= 2
+    out[cuda.blockIdx.x * N + t] = x[cuda.blockIdx.x * N + t] / part[0]
+    if t == 0:
+        total[cuda.blockIdx.x] = part[0]
+
+
+@cuda.jit
+def dynamic_no_barrier(x, out):
+    tile = cuda.shared.array(0, float32)   # dynamic shared memory, sized at launch
+    t = cuda.threadIdx.x
+    tile[t] = x[t]
+    out[t] = tile[(t + 1) % N]
+
+
+@cuda.jit
+def count_with_atomics_and_votes(x, out):
+    """Every thread adds to one shared counter atomically (no race), then votes; both must still work."""
+    counter = cuda.shared.array(1, int32)
+    t = cuda.threadIdx.x
+    if t == 0:
+        counter[0] = 0
+    cuda.syncthreads()
+    cuda.atomic.add(counter, 0, 1 if x[t] > 0 else 0)
+    positive = cuda.syncthreads_count(x[t] > 0)
+    out[t] = counter[0] * 1000 + positive
+
+
+@cuda.jit
+def shared_minus_one(x, out):
+    tile = cuda.shared.array(N, float32)
+    t = cuda.threadIdx.x
+    tile[t] = x[t]
+    cuda.syncthreads()
+    out[t] = tile[t - 1]                # thread 0 reads tile[-1]: numpy would quietly give tile[N - 1]
+
+
+@cuda.jit
+def global_minus_one(x, out):
+    t = cuda.threadIdx.x
+    out[t] = x[t - 1]
+
+
+@cuda.jit
+def global_past_end(x, out):
+    t = cuda.threadIdx.x
+    out[t] = x[t + 1]
+
+
+@cuda.jit
+def local_past_end(x, out):
+    acc = cuda.local.array(4, float32)
+    t = cuda.threadIdx.x
+    for i in range(5):
+        acc[i] = x[t]
+    out[t] = acc[0]
+
+
+@cuda.jit
+def barrier_in_branch(x, out):
+    t = cuda.threadIdx.x
+    if t < 4:
+        cuda.syncthreads()
+    out[t] = x[t]
+
+
+@cuda.jit
+def barrier_in_both_branches(x, out):
+    t = cuda.threadIdx.x
+    if t < 4:
+        cuda.syncthreads()
+    else:
+        cuda.syncthreads()
+    out[t] = x[t]
+
+
+@cuda.jit
+def early_exit_then_barrier(x, out):
+    t = cuda.threadIdx.x
+    if t >= 8:
+        return
+    cuda.syncthreads()
+    out[t] = x[t]
+
+
+@cuda.jit
+def divide(x, out):
+    t = cuda.threadIdx.x
+    out[t] = 1 // int(x[t])
+
+
+def _x(rng, n=N):
+    return rng.standard_normal(n).astype(np.float32)
+
+
+# ---- races ----
+
+def test_missing_barrier_between_write_and_neighbour_read_is_a_race(rng):
+    x, out = _x(rng), np.zeros(N, np.float32)
+    with pytest.raises(SimulatorCheckError, match="race") as err:
+        _launch(neighbour_no_barrier, 1, N, x, out)
+    msg = str(err.value)
+    assert "'neighbour_no_barrier'" in msg and "'tile'[" in msg and "epoch 0" in msg
+    assert "wrote it" in msg or "read it" in msg
+    assert msg.count("thread (") == 2
+
+
+def test_with_the_barrier_the_same_kernel_passes(rng):
+    x, out = _x(rng), np.zeros(N, np.float32)
+    _launch(neighbour, 1, N, x, out)
+    assert np.array_equal(out, np.roll(x, -1))
+
+
+def test_two_threads_writing_one_element_is_a_race():
+    with pytest.raises(SimulatorCheckError, match=r"race on 'slot'\[0\].*wrote it.*writes it"):
+        _launch(same_slot_writes, 1, N, np.zeros(N, np.float32))
+
+
+def test_race_through_a_row_view_is_seen(rng):
+    with pytest.raises(SimulatorCheckError, match=r"race on 'tile'\[\d+, 1\]"):
+        _launch(rows_no_barrier, 1, N, _x(rng), np.zeros(N, np.float32))
+
+
+def test_correct_kernel_with_barriers_and_broadcast_reads_passes(rng):
+    blocks = 3
+    x = np.abs(_x(rng, blocks * N)) + np.float32(0.5)
+    out, total = np.zeros_like(x), np.zeros(blocks, np.float32)
+    _launch(sum_and_broadcast, blocks, N, x, out, total)
+    sums = x.reshape(blocks, N).astype(np.float64).sum(axis=1)
+    np.testing.assert_allclose(total, sums, rtol=1e-5)
+    np.testing.assert_allclose(out, (x.reshape(blocks, N) / sums[:, None]).ravel(), rtol=1e-5)
+
+
+def test_race_in_dynamic_shared_memory_is_seen(rng):
+    with pytest.raises(SimulatorCheckError, match=r"race on 'tile'\["):
+        _launch(dynamic_no_barrier[1, N, 0, N * 4], None, None, _x(rng), np.zeros(N, np.float32))
+
+
+def test_atomics_on_one_shared_element_and_votes_pass(rng):
+    x = _x(rng)
+    out = np.zeros(N, np.int32)
+    _launch(count_with_atomics_and_votes, 1, N, x, out)
+    positive = int(np.sum(x > 0))
+    assert np.all(out == positive * 1000 + positive)
+
+
+# ---- indices ----
+
+def test_negative_shared_index_is_an_error(rng):
+    with pytest.raises(SimulatorCheckError, match=r"shared array 'tile'.*negative.*index \(-1,\)") as err:
+        _launch(shared_minus_one, 1, N, _x(rng), np.zeros(N, np.float32))
+    assert "thread (0, 0, 0)" in str(err.value) and "'shared_minus_one'" in str(err.value)
+
+
+def test_negative_global_index_is_an_error(rng):
+    with pytest.raises(SimulatorCheckError, match=r"global array 'x'.*index \(-1,\) for shape \(32,\)"):
+        _launch(global_minus_one, 1, N, _x(rng), np.zeros(N, np.float32))
+
+
+def test_global_index_past_the_end_is_an_error(rng):
+    with pytest.raises(SimulatorCheckError, match=r"global array 'x'.*index \(32,\).*thread \(31, 0, 0\)"):
+        _launch(global_past_end, 1, N, _x(rng), np.zeros(N, np.float32))
+
+
+def test_local_index_past_the_end_is_an_error(rng):
+    with pytest.raises(SimulatorCheckError, match=r"local array 'acc'.*index \(4,\) for shape \(4,\)"):
+        _launch(local_past_end, 1, N, _x(rng), np.zeros(N, np.float32))
+
+
+def test_device_array_arguments_are_checked_too(rng):
+    x = cuda.to_device(_x(rng))
+    with pytest.raises(SimulatorCheckError, match="global array 'x'"):
+        _launch(global_past_end, 1, N, x, cuda.device_array(N, np.float32))
+
+
+# ---- barriers ----
+
+def test_barrier_inside_a_divergent_branch_is_an_error_not_a_hang(rng):
+    with pytest.raises(SimulatorCheckError, match="barrier not reached by every thread") as err:
+        _launch(barrier_in_branch, 1, N, _x(rng), np.zeros(N, np.float32))
+    assert "test_simcheck.py" in str(err.value) and "'barrier_in_branch'" in str(err.value)
+
+
+def test_threads_waiting_at_different_barriers_is_an_error(rng):
+    with pytest.raises(SimulatorCheckError, match="barrier not reached by every thread.*waits at"):
+        _launch(barrier_in_both_branches, 1, N, _x(rng), np.zeros(N, np.float32))
+
+
+def test_barrier_after_some_threads_returned_is_an_error(rng):
+    with pytest.raises(SimulatorCheckError, match="barrier not reached by every thread"):
+        _launch(early_exit_then_barrier, 1, N, _x(rng), np.zeros(N, np.float32))
+
+
+# ---- the checker itself ----
+
+def test_other_kernel_exceptions_still_propagate():
+    with pytest.raises(ZeroDivisionError, match=r"tid=\[\d+, 0, 0\] ctaid=\[0, 0, 0\]"):
+        _launch(divide, 1, N, np.zeros(N, np.float32), np.zeros(N, np.float32))
+
+
+def test_uninstalled_checker_does_not_see_the_race(rng):
+    # The simulator alone runs the racy kernel without complaint: what catches it is the checker, and it comes
+    # off and back on cleanly.
+    simcheck.uninstall()
+    try:
+        assert not simcheck.is_installed()
+        _launch(barrier_in_branch, 1, N, _x(rng), np.zeros(N, np.float32))
+        _launch(global_minus_one, 1, N, _x(rng), np.zeros(N, np.float32))
+    finally:
+        simcheck.install()
+    with pytest.raises(SimulatorCheckError):
+        _launch(global_minus_one, 1, N, _x(rng), np.zeros(N, np.float32))
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("yes", True), ("0", False), ("", False), ("off", False)])
+def test_environment_variable(monkeypatch, value, on):
+    monkeypatch.setenv("NUMBA_FLASH_SIMCHECK", value)
+    assert simcheck.env_requested() is on
+
+
+def test_first_launch_installs_the_checker_when_the_environment_asks(rng, monkeypatch):
+    from backends import backend_registry
+    from numba_flash.cuda import tile_config_override
+
+    simcheck.uninstall()
+    monkeypatch.setenv("NUMBA_FLASH_SIMCHECK", "1")
+    monkeypatch.setattr(simcheck, "_env_checked", False)
+    q = rng.standard_normal((1, 5, 1, 4)).astype(np.float32)
+    with tile_config_override(block_m=8, block_n=8, threads=16):
+        backend_registry.get("flash", backend="cuda").forward(q, q, q)
+    assert simcheck.is_installed()
