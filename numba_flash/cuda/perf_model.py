@@ -475,6 +475,27 @@ def format_table(records: list[ModelRecord]) -> str:
     return "\n".join(lines)
 
 
+def format_markdown(records: list[ModelRecord]) -> str:
+    """One row per (kernel, dtype, D, variant) with each compute capability's ceiling, registers and warps per SM
+    side by side: the table BENCHMARKS.md carries."""
+    ccs = sorted({r.cc for r in records}, key=lambda c: tuple(int(x) for x in c.split(".")))
+    rows: dict[tuple[str, str, int, str], dict[str, ModelRecord]] = {}
+    for r in records:
+        rows.setdefault((r.kernel, r.dtype, r.head_dim, r.variant), {})[r.cc] = r
+    head = "| kernel | dtype | D | variant | tiles | " + " | ".join(
+        f"sm_{c.replace('.', '')} ceiling (model) | regs, warps/SM, FFMA % | bound" for c in ccs) + " |"
+    lines = [head, "|" + "---|" * (5 + 3 * len(ccs))]
+    for (kernel, dtype, d, variant), by_cc in rows.items():
+        cells = []
+        for c in ccs:
+            r = by_cc.get(c)
+            cells += ([f"{100 * r.ceiling:.1f}%", f"{r.registers}, {r.warps_per_sm}, {100 * r.ffma_share:.1f}",
+                       r.bound] if r else ["-", "-", "-"])
+        tiles = next(iter(by_cc.values())).tiles
+        lines.append(f"| {kernel} | {dtype} | {d} | {variant} | {tiles} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _cc(text: str) -> tuple[int, int]:
     major, _, minor = text.replace("sm_", "").replace("sm", "").partition(".")
     if not minor and len(major) >= 2:
@@ -489,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Static performance model of the CUDA kernels (SASS instruction "
                                                  "counts and occupancy; no GPU needed). Figures are upper bounds.")
     parser.add_argument("--json", action="store_true", help="print the records as JSON")
+    parser.add_argument("--markdown", action="store_true", help="print a Markdown table, GPUs side by side")
     parser.add_argument("--kernel", nargs="+", default=["forward", "backward"],
                         choices=["forward", "backward", *MODEL_KERNELS])
     parser.add_argument("--dtype", nargs="+", default=list(KERNEL_DTYPES), choices=list(KERNEL_DTYPES))
@@ -526,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         json.dump([r.as_json() for r in records], sys.stdout, indent=1)
         print()
+    elif args.markdown:
+        print(format_markdown(records))
     else:
         print(format_table(records))
     return 0
