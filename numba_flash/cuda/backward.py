@@ -21,7 +21,7 @@ from typing import Any
 
 # numba.cuda at module level (not in the factories): the simulator swaps the kernel's global `cuda` for its
 # fake module, which a closure variable would escape. Only launch.py and compile_check.py import this module.
-from numba import cuda, float32
+from numba import cuda, float32, uint32
 
 from .config import FlashAttentionConfig
 from .dtypes import element_io
@@ -137,6 +137,8 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
         s_tc = t - s_tr * S_TC
         g_tr = t // G_TC
         g_tc = t - g_tr * G_TC
+        # Unsigned copies for the product loops' shared-memory indices (see the forward kernel).
+        s_tr_u, s_tc_u, g_tr_u, g_tc_u = uint32(s_tr), uint32(s_tc), uint32(g_tr), uint32(g_tc)
 
         for g in range(group):
             h = hk * group + g
@@ -165,9 +167,9 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                         s[i, j] = float32(0.0)
                 for d in range(DB):
                     for i in range(S_TM):
-                        sa_reg[i] = x_s[s_tr + S_TR * i, d]
+                        sa_reg[i] = x_s[s_tr_u + uint32(S_TR * i), uint32(d)]
                     for j in range(S_TN):
-                        sb_reg[j] = k_s[s_tc + S_TC * j, d]
+                        sb_reg[j] = k_s[s_tc_u + uint32(S_TC * j), uint32(d)]
                     for i in range(S_TM):
                         for j in range(S_TN):
                             s[i, j] += sa_reg[i] * sb_reg[j]
@@ -209,9 +211,9 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                         dp[i, j] = float32(0.0)
                 for d in range(DB):
                     for i in range(S_TM):
-                        sa_reg[i] = x_s[s_tr + S_TR * i, d]
+                        sa_reg[i] = x_s[s_tr_u + uint32(S_TR * i), uint32(d)]
                     for j in range(S_TN):
-                        sb_reg[j] = v_s[s_tc + S_TC * j, d]
+                        sb_reg[j] = v_s[s_tc_u + uint32(S_TC * j), uint32(d)]
                     for i in range(S_TM):
                         for j in range(S_TN):
                             dp[i, j] += sa_reg[i] * sb_reg[j]
@@ -224,9 +226,9 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                 # dV += P^T . dO for this thread's (key rows x head-dim columns) block.
                 for m in range(BM):
                     for i in range(G_TN):
-                        ga_reg[i] = p_s[m, g_tr + G_TR * i]
+                        ga_reg[i] = p_s[uint32(m), g_tr_u + uint32(G_TR * i)]
                     for j in range(G_TD):
-                        gb_reg[j] = x_s[m, g_tc + G_TC * j]
+                        gb_reg[j] = x_s[uint32(m), g_tc_u + uint32(G_TC * j)]
                     for i in range(G_TN):
                         for j in range(G_TD):
                             dv_acc[i, j] += ga_reg[i] * gb_reg[j]
@@ -244,9 +246,9 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                 # dK += dS^T . Q (the softmax scale is applied once, at the end).
                 for m in range(BM):
                     for i in range(G_TN):
-                        ga_reg[i] = ds_s[m, g_tr + G_TR * i]
+                        ga_reg[i] = ds_s[uint32(m), g_tr_u + uint32(G_TR * i)]
                     for j in range(G_TD):
-                        gb_reg[j] = x_s[m, g_tc + G_TC * j]
+                        gb_reg[j] = x_s[uint32(m), g_tc_u + uint32(G_TC * j)]
                     for i in range(G_TN):
                         for j in range(G_TD):
                             dk_acc[i, j] += ga_reg[i] * gb_reg[j]
@@ -327,6 +329,8 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
         s_tc = t - s_tr * S_TC
         o_tr = t // O_TC
         o_tc = t - o_tr * O_TC
+        # Unsigned copies for the product loops' shared-memory indices (see the forward kernel).
+        s_tr_u, s_tc_u, o_tr_u, o_tc_u = uint32(s_tr), uint32(s_tc), uint32(o_tr), uint32(o_tc)
         for i in range(S_TM):
             row = m0 + s_tr + S_TR * i
             if row < seqlen_q:
@@ -362,9 +366,9 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                     p[i, j] = float32(0.0)
             for d in range(DB):
                 for i in range(S_TM):
-                    sa_reg[i] = q_s[s_tr + S_TR * i, d]
+                    sa_reg[i] = q_s[s_tr_u + uint32(S_TR * i), uint32(d)]
                 for j in range(S_TN):
-                    sb_reg[j] = kv_s[s_tc + S_TC * j, d]
+                    sb_reg[j] = kv_s[s_tc_u + uint32(S_TC * j), uint32(d)]
                 for i in range(S_TM):
                     for j in range(S_TN):
                         p[i, j] += sa_reg[i] * sb_reg[j]
@@ -401,9 +405,9 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                     dp[i, j] = float32(0.0)
             for d in range(DB):
                 for i in range(S_TM):
-                    sa_reg[i] = do_s[s_tr + S_TR * i, d]
+                    sa_reg[i] = do_s[s_tr_u + uint32(S_TR * i), uint32(d)]
                 for j in range(S_TN):
-                    sb_reg[j] = kv_s[s_tc + S_TC * j, d]
+                    sb_reg[j] = kv_s[s_tc_u + uint32(S_TC * j), uint32(d)]
                 for i in range(S_TM):
                     for j in range(S_TN):
                         dp[i, j] += sa_reg[i] * sb_reg[j]
@@ -425,9 +429,9 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
             # dQ += dS . K for this thread's (O_TM x O_TD) block.
             for n in range(BN):
                 for i in range(O_TM):
-                    a_reg[i] = ds_s[o_tr + O_TR * i, n]
+                    a_reg[i] = ds_s[o_tr_u + uint32(O_TR * i), uint32(n)]
                 for j in range(O_TD):
-                    b_reg[j] = kv_s[n, o_tc + O_TC * j]
+                    b_reg[j] = kv_s[uint32(n), o_tc_u + uint32(O_TC * j)]
                 for i in range(O_TM):
                     for j in range(O_TD):
                         acc[i, j] += a_reg[i] * b_reg[j]

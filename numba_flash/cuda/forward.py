@@ -17,7 +17,7 @@ from typing import Any
 
 # numba.cuda at module level (not in the factories): the simulator swaps the kernel's global `cuda` for its
 # fake module, which a closure variable would escape. Only launch.py and compile_check.py import this module.
-from numba import cuda, float32
+from numba import cuda, float32, uint32
 
 from .config import FlashAttentionConfig
 from .dtypes import element_io
@@ -116,6 +116,10 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
         s_tc = t - s_tr * S_TC
         o_tr = t // O_TC
         o_tc = t - o_tr * O_TC
+        # Unsigned copies for the product loops' shared-memory indices: numba wraps negative signed indices
+        # around (a compare and select per index), unsigned ones it does not, and ptxas then folds the unrolled
+        # loops' constant offsets into the loads (54 -> 38 instructions per 16 FFMA of the score loop at D = 64).
+        s_tr_u, s_tc_u, o_tr_u, o_tc_u = uint32(s_tr), uint32(s_tc), uint32(o_tr), uint32(o_tc)
         cuda.syncthreads()
 
         for n0 in range(n_start, hi, BN):
@@ -134,9 +138,9 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                     s[i, j] = float32(0.0)
             for d in range(DB):
                 for i in range(S_TM):
-                    sa_reg[i] = q_s[s_tr + S_TR * i, d]
+                    sa_reg[i] = q_s[s_tr_u + uint32(S_TR * i), uint32(d)]
                 for j in range(S_TN):
-                    sb_reg[j] = kv_s[s_tc + S_TC * j, d]
+                    sb_reg[j] = kv_s[s_tc_u + uint32(S_TC * j), uint32(d)]
                 for i in range(S_TM):
                     for j in range(S_TN):
                         s[i, j] += sa_reg[i] * sb_reg[j]
@@ -190,9 +194,9 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                     acc[i, j] *= alpha
             for n in range(BN):
                 for i in range(O_TM):
-                    a_reg[i] = p_s[o_tr + O_TR * i, n]
+                    a_reg[i] = p_s[o_tr_u + uint32(O_TR * i), uint32(n)]
                 for j in range(O_TD):
-                    b_reg[j] = kv_s[n, o_tc + O_TC * j]
+                    b_reg[j] = kv_s[uint32(n), o_tc_u + uint32(O_TC * j)]
                 for i in range(O_TM):
                     for j in range(O_TD):
                         acc[i, j] += a_reg[i] * b_reg[j]
