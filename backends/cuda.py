@@ -9,6 +9,11 @@ Dtypes: float32, float16, and bfloat16 on GPUs of compute capability >= 8.0. bfl
 DLPack, through torch): numpy and ``__cuda_array_interface__`` have no bfloat16 type. The kernels get bfloat16
 tensors viewed zero-copy as int16 bit patterns (``numba_flash.cuda.dtypes``) and bfloat16 outputs the same way.
 
+Self-check: on a real GPU each kernel specialisation checks itself against the reference on its first launch
+(``numba_flash.cuda.selfcheck``; ``NUMBA_FLASH_SELFCHECK=0`` turns that off). A failed check is replaced by a
+smaller tile config that passes, which ``explain()`` notes; when no config of a kernel passes, the backend
+declines calls that need it, with the failures as reasons.
+
 The Numba CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) runs these kernels too, slowly, for tests: the registry
 never picks the backend there on its own, only when forced. Its "device memory" is host memory, so when forced it
 also takes torch CPU tensors (copied in and out like numpy arrays): the only host arrays that can hold bfloat16.
@@ -21,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from numba_flash.cuda.config import MIN_COMPUTE_CAPABILITY, dtype_supported_on
+from numba_flash.errors import AttentionInputError
 from numba_flash.validation import AttentionCall
 
 from .base import Backend
@@ -248,6 +254,8 @@ class CudaBackend(Backend):
             reasons.append(f"head dim {call.head_dim} > {self.SUPPORTED_MAX_HEAD_DIM}")
         if not reasons:
             reasons.extend(self.unavailable_reasons(forced))
+        if not reasons:
+            reasons.extend(self._selfcheck_problems(call)[1])
         if not reasons and call.dtype == "bfloat16" and not self._probe()[0]:
             # The kernels only shift and round bfloat16 bits, which any GPU could do, but the contract offers
             # bfloat16 where the hardware has it (sm_80 on). The simulator has no compute capability to speak of.
@@ -256,6 +264,35 @@ class CudaBackend(Backend):
                 need = MIN_COMPUTE_CAPABILITY[call.dtype]
                 reasons.append(BF16_CC_REASON.format(need=f"{need[0]}.{need[1]}", have=f"{have[0]}.{have[1]}"))
         return reasons
+
+    def _selfcheck_problems(self, call: AttentionCall) -> tuple[list[str], list[str]]:
+        """(notes, reasons) from the self-checks already run for the kernels this call would use; runs none. The
+        notes cover the backward kernels of a forward call too, since explain() shows them ahead of a backward."""
+        from numba_flash.cuda import selfcheck
+
+        if not selfcheck.has_failures():   # the common case: keep the per-call cost at one lookup
+            return [], []
+        from numba_flash.cuda.launch import configs_for
+
+        flags = (call.window_left >= 0, call.window_right >= 0, call.softcap > 0)
+        used = ("backward_dkdv", "backward_dq") if call.is_backward else ("forward",)
+        try:
+            cfgs = configs_for(call.head_dim, call.dtype, self.config, ("forward", "backward_dkdv", "backward_dq"))
+        except AttentionInputError:       # a bad tile override: the call itself will say so
+            return [], []
+        device = selfcheck.current_device()
+        notes, reasons = [], []
+        for kern, cfg in cfgs.items():
+            n, r = selfcheck.problems([cfg], *flags, call.dtype, device=device)
+            notes.extend(n)
+            (reasons if kern in used else notes).extend(r)
+        return notes, reasons
+
+    def notes(self, call: AttentionCall) -> list[str]:
+        """Self-check failures that this call works around (a fallback tile config serves instead)."""
+        if self._probe()[1]:    # no GPU, nothing was checked
+            return []
+        return self._selfcheck_problems(call)[0]
 
     def forward(self, call: AttentionCall) -> tuple[Any, Any]:
         """out like q (same kind, dtype, layout); lse (B, Hq, Sq) float32."""
