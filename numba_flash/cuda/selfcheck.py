@@ -229,7 +229,9 @@ def problems(cfgs: list[FlashAttentionConfig], has_left: bool, has_right: bool, 
         for cand in candidates(cfg):
             spec = Specialisation(cand, has_left, has_right, softcap, dtype)
             verdict = _verdicts.get((dev, spec))
-            if verdict is None:       # not checked yet: nothing to say
+            if verdict is None:       # not checked yet: only what failed before it is known
+                if failures:
+                    notes.append(f"{'; '.join(failures)}; {spec.tiles()} not checked yet")
                 break
             if verdict.passed:
                 if failures:

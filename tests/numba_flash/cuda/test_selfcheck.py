@@ -122,6 +122,16 @@ def test_failed_pick_falls_back_and_is_noted(fake_runs):
     assert selfcheck.problems([cfg], *FLAGS, "float16", device=1) == ([], [])   # nothing known about GPU 1
 
 
+def test_failure_with_unchecked_fallback_is_noted_not_refused(fake_runs):
+    cfg = _cfg()
+    fake_runs.bad = {(64, 32, 128)}
+    assert not selfcheck.check(Specialisation(cfg, *FLAGS, "float32")).passed
+    notes, reasons = selfcheck.problems([cfg], *FLAGS, "float32")
+    assert reasons == [] and len(notes) == 1
+    assert notes[0].startswith("self-check failed for forward 64x32/128 D=64 float32 causal: ")
+    assert notes[0].endswith("; 32x16/128 not checked yet")
+
+
 def test_nothing_passes_raises_with_every_failure(fake_runs):
     cfg = _cfg()
     fake_runs.bad = {(64, 32, 128)} | set(selfcheck.FALLBACK_TILES)
