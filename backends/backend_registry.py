@@ -11,8 +11,10 @@ this module) never imports torch or numba.cuda. Third-party backends register th
 
 Choosing: a backend named by ``backend=`` on the call, else on ``get``, else by ``backend_registry.use(...)``,
 else by the environment variable ``NUMBA_FLASH_BACKEND``, is forced: it serves the call or ``NoBackendError`` says
-why not. Otherwise the first backend by priority with no reasons against the call is taken. Each decision is
-logged at DEBUG on the ``numba_flash`` logger.
+why not. Otherwise the first backend by priority with no reasons against the call is taken. A backend that finds
+out only while running that it cannot serve the call (the CUDA backend's first-use self-check) raises
+``BackendDeclined``; the call then goes to the next backend, as if the reasons had been known up front. Each
+decision is logged at DEBUG on the ``numba_flash`` logger.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import os
 import threading
 from typing import Any, Iterator
 
-from numba_flash.errors import NoBackendError
+from numba_flash.errors import BackendDeclined, NoBackendError
 from numba_flash.validation import AttentionCall, validate_backward, validate_forward
 
 from .base import Backend
@@ -178,26 +180,35 @@ class Dispatcher:
                 return choice
         return None
 
-    def _rank(self, call: AttentionCall, backend: str | None) -> tuple[Backend | None, dict[str, list[str]], str | None]:
+    def _rank(self, call: AttentionCall, backend: str | None,
+              declined: dict[str, list[str]] | None = None) -> tuple[Backend | None, dict[str, list[str]], str | None]:
+        declined = declined or {}
+
+        def reasons_of(be: Backend, forced: bool) -> list[str]:
+            # A backend that declined this call while running is out of it, whatever it says now.
+            return declined.get(be.name) or be.not_supported_reasons(call, forced=forced)
+
         forced = self._forced_name(backend)
         if forced is not None:
             be = _instance(self.op, forced)
             if be is None:
                 raise NoBackendError(self.op, {forced: [f"no such backend (registered: {', '.join(names(self.op))})"]},
                                      forced=forced)
-            reasons = be.not_supported_reasons(call, forced=True)
+            reasons = reasons_of(be, True)
             return (None if reasons else be), {forced: reasons}, forced
         chosen, table = None, {}
         for be in backends(self.op):
-            reasons = be.not_supported_reasons(call, forced=False)
+            reasons = reasons_of(be, False)
             table[be.name] = reasons
             if chosen is None and not reasons:
                 chosen = be
         return chosen, table, None
 
-    def select(self, call: AttentionCall, backend: str | None = None) -> Backend:
-        """The backend that will serve ``call``, or ``NoBackendError`` listing every backend's reasons."""
-        chosen, table, forced = self._rank(call, backend)
+    def select(self, call: AttentionCall, backend: str | None = None,
+               declined: dict[str, list[str]] | None = None) -> Backend:
+        """The backend that will serve ``call``, or ``NoBackendError`` listing every backend's reasons.
+        ``declined`` maps backends that already declined this call to their reasons."""
+        chosen, table, forced = self._rank(call, backend, declined)
         if chosen is None:
             raise NoBackendError(self.op, table, forced=forced)
         if logger.isEnabledFor(logging.DEBUG):
@@ -205,6 +216,19 @@ class Dispatcher:
             logger.debug("%s: %s -> %s%s%s", self.op, call.describe(), chosen.name,
                          " (forced)" if forced else "", f"; passed over {passed}" if passed else "")
         return chosen
+
+    def _run(self, call: AttentionCall, backend: str | None, method: str) -> Any:
+        """Run ``call`` on the backend ``select`` picks; when that backend declines while running, on the next one.
+        Each backend declines at most once, so this ends: with a result, or NoBackendError."""
+        declined: dict[str, list[str]] = {}
+        while True:
+            # The plain two-argument select while nothing has declined: it is the form other code wraps.
+            be = self.select(call, backend, declined=declined) if declined else self.select(call, backend)
+            try:
+                return getattr(be, method)(call)
+            except BackendDeclined as exc:
+                logger.warning("%s: backend %r declined %s: %s", self.op, be.name, call.describe(), exc)
+                declined[be.name] = exc.reasons or [str(exc) or "declined"]
 
     def forward(self, q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
                 window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd",
@@ -217,7 +241,7 @@ class Dispatcher:
         """
         call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                 softcap=softcap, layout=layout, return_lse=return_lse)
-        out, lse = self.select(call, backend).forward(call)
+        out, lse = self._run(call, backend, "forward")
         return (out, lse) if return_lse else out
 
     def backward(self, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: bool = False,
@@ -227,7 +251,7 @@ class Dispatcher:
         Returns dq, dk, dv shaped like q, k, v; with GQA dk and dv are summed over each group of query heads."""
         call = validate_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                                  window_size=window_size, softcap=softcap, layout=layout)
-        return self.select(call, backend).backward(call)
+        return self._run(call, backend, "backward")
 
     def explain(self, q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
                 window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd",
@@ -245,6 +269,9 @@ class Dispatcher:
             be = _instance(self.op, name)
             prio = f" [priority {be.PRIORITY}]" if be is not None else ""
             verdict = "can serve" if not reasons else "; ".join(reasons)
+            notes = be.notes(call) if be is not None and not reasons else []
+            if notes:
+                verdict += f" ({'; '.join(notes)})"
             mark = "  <- chosen" if chosen is not None and name == chosen.name else ""
             lines.append(f"  {name}{prio}: {verdict}{mark}")
         return "\n".join(lines)

@@ -57,11 +57,18 @@ class Backend:
             reasons.extend(self.unavailable_reasons(forced))
         return reasons
 
+    def notes(self, call: AttentionCall) -> list[str]:
+        """What ``explain()`` should say about a call this backend can serve besides "can serve" (e.g. that a
+        kernel failed its self-check and a fallback serves instead); empty by default. Must be cheap."""
+        return []
+
     def supports(self, call: AttentionCall, forced: bool = False) -> bool:
         return not self.not_supported_reasons(call, forced)
 
     def forward(self, call: AttentionCall) -> tuple[Any, Any]:
-        """Return ``(out, lse)``: out shaped like q, same array kind, device and dtype; lse (B, Hq, Sq) float32."""
+        """Return ``(out, lse)``: out shaped like q, same array kind, device and dtype; lse (B, Hq, Sq) float32.
+        May raise ``numba_flash.errors.BackendDeclined``, before writing anything, when the backend finds out only
+        while running that it cannot serve the call; the dispatcher then picks again."""
         raise NotImplementedError
 
     def backward(self, call: AttentionCall) -> tuple[Any, Any, Any]:

@@ -9,6 +9,15 @@ Dtypes: float32, float16, and bfloat16 on GPUs of compute capability >= 8.0. bfl
 DLPack, through torch): numpy and ``__cuda_array_interface__`` have no bfloat16 type. The kernels get bfloat16
 tensors viewed zero-copy as int16 bit patterns (``numba_flash.cuda.dtypes``) and bfloat16 outputs the same way.
 
+Several GPUs: a call runs on the GPU that holds its inputs (a torch tensor's device, CuPy's ``.device``, a DLPack
+exporter's device id, else the device the driver reports for the data pointer), whatever numba's current device
+is; its outputs are allocated there. Inputs on different GPUs are refused with ``AttentionInputError``.
+
+Self-check: on a real GPU each kernel specialisation checks itself against the reference on its first launch
+(``numba_flash.cuda.selfcheck``; ``NUMBA_FLASH_SELFCHECK=0`` turns that off). A failed check is replaced by a
+smaller tile config that passes, which ``explain()`` notes; when no config of a kernel passes, the backend
+declines calls that need it, with the failures as reasons.
+
 The Numba CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) runs these kernels too, slowly, for tests: the registry
 never picks the backend there on its own, only when forced. Its "device memory" is host memory, so when forced it
 also takes torch CPU tensors (copied in and out like numpy arrays): the only host arrays that can hold bfloat16.
@@ -16,11 +25,13 @@ also takes torch CPU tensors (copied in and out like numpy arrays): the only hos
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import numpy as np
 
 from numba_flash.cuda.config import MIN_COMPUTE_CAPABILITY, dtype_supported_on
+from numba_flash.errors import AttentionInputError
 from numba_flash.validation import AttentionCall
 
 from .base import Backend
@@ -76,6 +87,52 @@ def _gpu_compute_capability(x: Any) -> tuple[int, int]:
         return compute_capability()
 
 
+_DLPACK_CUDA = 2   # kDLCUDA in dlpack.h
+
+
+def _pointer_device(ptr: int) -> int:
+    """The ordinal of the GPU that owns device pointer ``ptr``, as the driver reports it (unified addressing makes
+    every device pointer unique across GPUs)."""
+    from cuda.bindings import driver as binding
+    from numba.cuda.cudadrv.driver import driver
+
+    attr = binding.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    return int(driver.cuPointerGetAttribute(attr, binding.CUdeviceptr(ptr)))
+
+
+def _device_index(x: Any) -> int | None:
+    """Index of the GPU holding ``x``; None for host memory (numpy, CPU tensors, simulated device arrays) or an
+    array with no data pointer, which then run on numba's current device."""
+    if isinstance(x, np.ndarray):
+        return None
+    if _is_torch(x):
+        if x.device.type != "cuda":
+            return None
+        if x.device.index is not None:
+            return int(x.device.index)
+        import torch
+
+        return int(torch.cuda.current_device())
+    if _is_cupy(x):
+        return int(x.device.id)
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is not None:
+        # The pointer, not a numba array's context: an array wrapped with as_cuda_array carries the context that
+        # was current when it was wrapped, which need not be the one that owns the memory.
+        ptr = int(cai["data"][0])
+        if not ptr:
+            return None
+        try:
+            return _pointer_device(ptr)
+        except Exception:  # memory the driver cannot place: a numba array's context is the best guess left
+            context = getattr(getattr(x, "gpu_data", None), "context", None)
+            return int(context.device.id) if context is not None else None
+    if hasattr(x, "__dlpack_device__"):
+        dev_type, dev_id = x.__dlpack_device__()
+        return int(dev_id) if int(dev_type) == _DLPACK_CUDA else None
+    return None
+
+
 def _bshd(arr: Any, layout: str) -> Any:
     """A (B, S, H, D) view of a numba device array in ``layout``, sharing its memory."""
     if layout == "bshd":
@@ -99,6 +156,7 @@ class _Session:
         self.call = call
         self.ref = call.q
         self.stream = 0
+        self.index = self._common_device(call)
         self.torch = _is_torch(self.ref) or (call.kind == "dlpack" and not _is_numba_device_array(self.ref))
         # Host arrays are copied to the device and back: numpy always, torch CPU tensors under the simulator.
         self.host = call.kind == "numpy" or (call.kind == "torch" and call.device == "cpu")
@@ -108,7 +166,36 @@ class _Session:
             dev = self.ref.device if _is_torch(self.ref) else None
             self.torch_device = dev
             if dev is not None and dev.type == "cuda":
-                self.stream = cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
+                # numba ties a stream object to the context current when it is made: make it on the tensors' GPU.
+                with self.on_device():
+                    self.stream = cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
+
+    @staticmethod
+    def _common_device(call: AttentionCall) -> int | None:
+        """The index of the GPU every input is on (None: host inputs); AttentionInputError naming the first input
+        found elsewhere. Checked before any work: a kernel on one GPU cannot read another's memory without peer
+        access, and even with it the call would run at interconnect speed."""
+        names = ("q", "k", "v") + (("dout", "out", "lse") if call.is_backward else ())
+        first = None
+        for name in names:
+            index = _device_index(getattr(call, name))
+            if index is None:
+                continue
+            if first is None:
+                first = (name, index)
+            elif index != first[1]:
+                raise AttentionInputError(f"{name}: expected an array on the GPU of {first[0]} (cuda:{first[1]}), "
+                                          f"got one on cuda:{index}")
+        return None if first is None else first[1]
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[None]:
+        """Make the inputs' GPU numba's current device for the block, so allocations and launches happen there."""
+        if self.index is None:
+            yield
+            return
+        with self.cuda.gpus[self.index]:
+            yield
 
     def device(self, x: Any, name: str) -> Any:
         """A numba device array for input ``x``, without copying unless ``x`` lives on the host."""
@@ -248,6 +335,8 @@ class CudaBackend(Backend):
             reasons.append(f"head dim {call.head_dim} > {self.SUPPORTED_MAX_HEAD_DIM}")
         if not reasons:
             reasons.extend(self.unavailable_reasons(forced))
+        if not reasons:
+            reasons.extend(self._selfcheck_problems(call)[1])
         if not reasons and call.dtype == "bfloat16" and not self._probe()[0]:
             # The kernels only shift and round bfloat16 bits, which any GPU could do, but the contract offers
             # bfloat16 where the hardware has it (sm_80 on). The simulator has no compute capability to speak of.
@@ -257,11 +346,45 @@ class CudaBackend(Backend):
                 reasons.append(BF16_CC_REASON.format(need=f"{need[0]}.{need[1]}", have=f"{have[0]}.{have[1]}"))
         return reasons
 
+    def _selfcheck_problems(self, call: AttentionCall) -> tuple[list[str], list[str]]:
+        """(notes, reasons) from the self-checks already run for the kernels this call would use; runs none. The
+        notes cover the backward kernels of a forward call too, since explain() shows them ahead of a backward."""
+        from numba_flash.cuda import selfcheck
+
+        if not selfcheck.has_failures():   # the common case: keep the per-call cost at one lookup
+            return [], []
+        from numba_flash.cuda.launch import configs_for
+
+        flags = (call.window_left >= 0, call.window_right >= 0, call.softcap > 0)
+        used = ("backward_dkdv", "backward_dq") if call.is_backward else ("forward",)
+        try:
+            cfgs = configs_for(call.head_dim, call.dtype, self.config, ("forward", "backward_dkdv", "backward_dq"))
+        except AttentionInputError:       # a bad tile override: the call itself will say so
+            return [], []
+        index = _device_index(call.q)
+        device = selfcheck.current_device() if index is None else index
+        notes, reasons = [], []
+        for kern, cfg in cfgs.items():
+            n, r = selfcheck.problems([cfg], *flags, call.dtype, device=device)
+            notes.extend(n)
+            (reasons if kern in used else notes).extend(r)
+        return notes, reasons
+
+    def notes(self, call: AttentionCall) -> list[str]:
+        """Self-check failures that this call works around (a fallback tile config serves instead)."""
+        if self._probe()[1]:    # no GPU, nothing was checked
+            return []
+        return self._selfcheck_problems(call)[0]
+
     def forward(self, call: AttentionCall) -> tuple[Any, Any]:
         """out like q (same kind, dtype, layout); lse (B, Hq, Sq) float32."""
+        io = _Session(call)
+        with io.on_device():
+            return self._forward(call, io)
+
+    def _forward(self, call: AttentionCall, io: _Session) -> tuple[Any, Any]:
         from numba_flash.cuda.launch import flash_forward
 
-        io = _Session(call)
         q, k, v = (io.device(x, n) for x, n in ((call.q, "q"), (call.k, "k"), (call.v, "v")))
         out_user, out = io.empty(tuple(int(s) for s in call.q.shape), call.dtype)
         lse_user, lse = io.empty((call.batch, call.nheads_q, call.seqlen_q), "float32")
@@ -276,9 +399,13 @@ class CudaBackend(Backend):
 
     def backward(self, call: AttentionCall) -> tuple[Any, Any, Any]:
         """dq, dk, dv shaped like q, k, v (same kind and dtype as q); dk, dv summed over each GQA group."""
+        io = _Session(call)
+        with io.on_device():
+            return self._backward(call, io)
+
+    def _backward(self, call: AttentionCall, io: _Session) -> tuple[Any, Any, Any]:
         from numba_flash.cuda.launch import flash_backward
 
-        io = _Session(call)
         names = ("dout", "q", "k", "v", "out")
         dout, q, k, v, out = (io.device(getattr(call, n), n) for n in names)
         lse = io.lse_in(call.lse)

@@ -34,3 +34,17 @@ class NoBackendError(RuntimeError):
             else f"no backend can serve this {op!r} call"
         )
         super().__init__(f"{head} ({'; '.join(parts) if parts else 'no backend registered'})")
+
+
+class BackendDeclined(RuntimeError):
+    """A backend found out while running a call, before writing anything, that it cannot serve it after all (the
+    CUDA backend's first-use self-check of a kernel failed on this GPU).
+
+    The dispatcher catches it and picks again as if the backend had given ``reasons`` up front: the next backend
+    serves the call, or ``NoBackendError`` lists the reasons when the backend was forced. The backend is expected
+    to report the same reasons from ``not_supported_reasons`` from then on.
+    """
+
+    def __init__(self, reasons: list[str]):
+        self.reasons = list(reasons)
+        super().__init__("; ".join(self.reasons))

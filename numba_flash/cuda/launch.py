@@ -3,6 +3,10 @@
 Every function here takes numba device arrays already viewed as (B, S, H, D) (any strides) and writes into
 outputs the caller allocated; ``backends.cuda`` deals with array kinds, layouts and streams. bfloat16 data comes
 as int16 device arrays of its bit patterns (``config.storage_dtype``), with ``dtype="bfloat16"``.
+
+``flash_forward`` and ``flash_backward`` pick a config and have ``selfcheck`` vouch for it (on a real GPU the first
+launch of each specialisation checks it against the reference, and a config that fails is replaced by one that
+passes); the ``launch_*`` functions launch one kernel with a given config, for them and for the self-check.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from . import selfcheck
 from .backward import make_delta_kernel, make_dkdv_kernel, make_dq_kernel
 from .config import STATIC_SMEM_LIMIT, FlashAttentionConfig, TileOverride, storage_dtype, tile_config_for
 from .forward import LOG2E, make_forward_kernel
@@ -56,6 +61,57 @@ def _multipliers(softmax_scale: float, softcap: float) -> tuple[np.float32, np.f
     return np.float32(softmax_scale * LOG2E), np.float32(0.0)
 
 
+def _flags(window_left: int, window_right: int, softcap: float) -> tuple[bool, bool, bool]:
+    """(has_left, has_right, softcap): the mask and softcap switches the kernels are compiled for."""
+    return window_left >= 0, window_right >= 0, softcap > 0
+
+
+def launch_forward(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float,
+                   window_left: int, window_right: int, softcap: float, bf16: bool, stream: Any = 0) -> None:
+    """Launch the forward kernel of ``cfg`` as it is, no self-check. Arrays as for ``flash_forward``."""
+    kernel = make_forward_kernel(cfg, *_flags(window_left, window_right, softcap), bf16)
+    batch, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    qmult, capmult = _multipliers(softmax_scale, softcap)
+    grid = (math.ceil(sq / cfg.block_m), hq, batch)
+    kernel[grid, cfg.threads, stream](q, k, v, out, lse, sq, sk, d, hq // hkv, window_left, window_right,
+                                      qmult, capmult)
+
+
+def launch_delta(dout: Any, out: Any, delta: Any, *, bf16: bool, stream: Any = 0) -> None:
+    """Launch the backward's delta pre-pass: delta (B, Hq, Sq) = rowsum(dout * out), dout and out (B, Sq, Hq, D)."""
+    batch, sq, hq, d = dout.shape
+    rows = batch * hq * sq
+    threads = 128
+    make_delta_kernel(bf16)[math.ceil(rows / threads), threads, stream](dout, out, delta, sq, hq, d, rows)
+
+
+def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dk: Any,
+                dv: Any, *, softmax_scale: float, window_left: int, window_right: int, softcap: float, bf16: bool,
+                stream: Any = 0) -> None:
+    """Launch the dK/dV kernel of ``cfg`` as it is, no self-check. Arrays as for ``flash_backward``."""
+    kernel = make_dkdv_kernel(cfg, *_flags(window_left, window_right, softcap), bf16)
+    batch, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    qmult, capmult = _multipliers(softmax_scale, softcap)
+    grid = (math.ceil(sk / cfg.block_n), hkv, batch)
+    kernel[grid, cfg.threads, stream](q, k, v, dout, lse, delta, dk, dv, sq, sk, d, hq // hkv, window_left,
+                                      window_right, qmult, capmult, np.float32(softmax_scale))
+
+
+def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dq: Any, *,
+              softmax_scale: float, window_left: int, window_right: int, softcap: float, bf16: bool,
+              stream: Any = 0) -> None:
+    """Launch the dQ kernel of ``cfg`` as it is, no self-check. Arrays as for ``flash_backward``."""
+    kernel = make_dq_kernel(cfg, *_flags(window_left, window_right, softcap), bf16)
+    batch, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    qmult, capmult = _multipliers(softmax_scale, softcap)
+    grid = (math.ceil(sq / cfg.block_m), hq, batch)
+    kernel[grid, cfg.threads, stream](q, k, v, dout, lse, delta, dq, sq, sk, d, hq // hkv, window_left,
+                                      window_right, qmult, capmult, np.float32(softmax_scale))
+
+
 def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float, window_left: int,
                   window_right: int, softcap: float, dtype: str, override: TileOverride | None = None,
                   stream: Any = 0) -> None:
@@ -63,18 +119,16 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
 
     q, out: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D); device arrays of ``storage_dtype(dtype)`` (float32, float16,
     or int16 bfloat16 bits), any strides. lse: (B, Hq, Sq) float32 device array. Writes out and lse.
+    Raises ``selfcheck.SelfCheckFailed`` (a ``BackendDeclined``), having written nothing, when no forward config
+    passes its self-check on this GPU.
     """
     _check_storage(dtype, q=q, k=k, v=v, out=out)
     install_from_env()   # under the simulator with NUMBA_FLASH_SIMCHECK=1, check this and every later launch
-    bf16 = dtype == "bfloat16"
-    batch, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    cfg = configs_for(d, dtype, override)["forward"]
-    kernel = make_forward_kernel(cfg, window_left >= 0, window_right >= 0, softcap > 0, bf16)
-    qmult, capmult = _multipliers(softmax_scale, softcap)
-    grid = (math.ceil(sq / cfg.block_m), hq, batch)
-    kernel[grid, cfg.threads, stream](q, k, v, out, lse, sq, sk, d, hq // hkv, window_left, window_right,
-                                      qmult, capmult)
+    picked = configs_for(q.shape[3], dtype, override)["forward"]
+    flags = _flags(window_left, window_right, softcap)
+    cfg = selfcheck.choose(picked, *flags, dtype, like=dict(q=q, k=k, v=v, out=out, lse=lse))
+    launch_forward(cfg, q, k, v, out, lse, softmax_scale=softmax_scale, window_left=window_left,
+                   window_right=window_right, softcap=softcap, bf16=dtype == "bfloat16", stream=stream)
 
 
 def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: Any, dk: Any, dv: Any,
@@ -84,28 +138,20 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
 
     dout, q, out, dq: (B, Sq, Hq, D); k, v, dk, dv: (B, Sk, Hkv, D); device arrays of ``storage_dtype(dtype)``
     (float32, float16, or int16 bfloat16 bits), any strides. lse: (B, Hq, Sq) float32 as the forward wrote it;
-    delta: (B, Hq, Sq) float32 scratch.
+    delta: (B, Hq, Sq) float32 scratch. Raises ``selfcheck.SelfCheckFailed``, having written nothing, when no
+    config of one of the two tiled kernels passes its self-check on this GPU.
     """
     _check_storage(dtype, dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
     install_from_env()   # as in flash_forward
+    picked = configs_for(q.shape[3], dtype, override, ("backward_dkdv", "backward_dq"))
+    flags = _flags(window_left, window_right, softcap)
+    like = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv, delta=delta)
+    # Both kernels are vouched for before either runs, so that a refusal leaves every output untouched.
+    dkdv_cfg = selfcheck.choose(picked["backward_dkdv"], *flags, dtype, like=like)
+    dq_cfg = selfcheck.choose(picked["backward_dq"], *flags, dtype, like=like)
     bf16 = dtype == "bfloat16"
-    batch, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    cfgs = configs_for(d, dtype, override, ("backward_dkdv", "backward_dq"))
-    flags = (window_left >= 0, window_right >= 0, softcap > 0, bf16)
-    qmult, capmult = _multipliers(softmax_scale, softcap)
-    scale = np.float32(softmax_scale)
-
-    rows = batch * hq * sq
-    threads = 128
-    make_delta_kernel(bf16)[math.ceil(rows / threads), threads, stream](dout, out, delta, sq, hq, d, rows)
-
-    cfg = cfgs["backward_dkdv"]
-    grid = (math.ceil(sk / cfg.block_n), hkv, batch)
-    make_dkdv_kernel(cfg, *flags)[grid, cfg.threads, stream](
-        q, k, v, dout, lse, delta, dk, dv, sq, sk, d, hq // hkv, window_left, window_right, qmult, capmult, scale)
-
-    cfg = cfgs["backward_dq"]
-    grid = (math.ceil(sq / cfg.block_m), hq, batch)
-    make_dq_kernel(cfg, *flags)[grid, cfg.threads, stream](
-        q, k, v, dout, lse, delta, dq, sq, sk, d, hq // hkv, window_left, window_right, qmult, capmult, scale)
+    kw = dict(softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap,
+              bf16=bf16, stream=stream)
+    launch_delta(dout, out, delta, bf16=bf16, stream=stream)
+    launch_dkdv(dkdv_cfg, q, k, v, dout, lse, delta, dk, dv, **kw)
+    launch_dq(dq_cfg, q, k, v, dout, lse, delta, dq, **kw)

@@ -1,0 +1,471 @@
+"""Self-check on first use: before a kernel specialisation serves its first call in a process, it runs once on a
+small input against the float64 reference, and one that fails is never used again in that process.
+
+Why: without a GPU the kernels are proven by the simulator, the race checker and the compile check, none of which
+runs the real compiler's machine code on real hardware. A miscompile, a driver bug or a race that only real warps
+expose would otherwise give wrong numbers silently; the contract wants a refusal with a reason instead.
+
+What is checked: a specialisation is what the kernel factories are keyed on, the kernel (``forward``,
+``backward_dkdv``, ``backward_dq``) x tile config x mask and softcap flags x dtype, and it is checked once per
+GPU (one that passes on one architecture may fail on another). The input is random N(0, 1) data from a fixed seed
+(so that a verdict never depends on luck), with odd sizes that make every tile edge ragged: B = 1, Hq = 2,
+Hkv = 1 (GQA), D = head-dim bucket - 1, Sq = block_m + 3 (two query tiles), Sk = 2 * block_n + 5 (three key
+tiles); causal when the specialisation has a right bound, a left window that crosses a key-tile edge when it has
+a left bound, softcap 1.5 when it has softcap. Outputs start as NaN, so an element the kernel never writes shows
+up. The backward kernels get ``out`` and ``lse`` from the reference, so each kernel is judged on its own. Bounds
+(the contract's): forward float32 out and every dtype's lse, max abs error <= max(1e-5, 4x the error of textbook
+float32 attention on the same input); float16 / bfloat16 out and gradients, relative L2 <= 2e-3 / 1.6e-2;
+float32 gradients, relative L2 <= 1e-5. An exception while compiling or running the check counts as a failure.
+
+Cost: the check launches the kernel with arrays of the same numba types (dtype and contiguity) as the call that
+triggers it, so it compiles nothing the call would not compile anyway. What it adds, once per specialisation, GPU
+and process, is one launch of a few blocks (microseconds), about ten allocations and copies of a few KiB each,
+and the float64 reference in numpy (median 0.8 ms over every config the picker makes, measured on a 2-core
+machine): a few milliseconds in all, far under 100 ms. Under the simulator the same check costs as much as a
+small simulated call, about a second with toy tiles and 3 to 10 s with the picker's 128-thread ones, which is why
+it is off there unless asked for.
+
+On a failure the call goes on with the next config of ``FALLBACK_TILES`` (other tile sizes and thread counts,
+valid for the head-dim bucket) that passes its own check, and ``explain()`` notes the failure. When none passes, ``choose`` raises
+``SelfCheckFailed`` before anything is written; the CUDA backend reports the failures from then on in
+``not_supported_reasons``, so the dispatcher moves on to the next backend, or ``NoBackendError`` lists them when
+cuda was forced. A check that crashes the GPU context (an illegal address) leaves the context unusable, as any
+such kernel would; the check cannot undo that, only make it happen on a tiny input first.
+
+Switch: ``NUMBA_FLASH_SELFCHECK=0`` turns the check off, ``=1`` on (the simulator included). Unset, it is on for a
+real GPU and off under the simulator. It is read at every launch; verdicts already reached are kept (``reset()``
+forgets them), and while the check is off nothing is checked or refused.
+
+This module imports no ``numba.cuda`` at import time; the checks import it, and the launchers, when they run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from numba_flash.errors import BackendDeclined
+
+from .config import STATIC_SMEM_LIMIT, FlashAttentionConfig
+
+ENV_VAR = "NUMBA_FLASH_SELFCHECK"
+
+#: Configs tried, in order, after the picked one fails: mostly smaller tiles and other thread counts than the
+#: picker's (a bug tied to one tile shape or warp count is likely to spare another), ending with a tiny one that
+#: every head-dim bucket fits. Each is tried only if it is valid for the bucket.
+FALLBACK_TILES: tuple[tuple[int, int, int], ...] = ((32, 16, 128), (16, 16, 64), (8, 8, 32))
+
+#: The contract's bounds.
+FLOAT32_MAX_ABS = 1e-5
+TEXTBOOK_FACTOR = 4.0
+LOW_PRECISION_REL_L2 = {"float16": 2e-3, "bfloat16": 1.6e-2}
+FLOAT32_BACKWARD_REL_L2 = 1e-5
+
+_SEED = 20_240_611
+_SOFTCAP = 1.5
+
+logger = logging.getLogger("numba_flash")
+
+
+@dataclass(frozen=True)
+class Specialisation:
+    """One compiled variant of one kernel: ``cfg.kernel`` is which kernel."""
+
+    cfg: FlashAttentionConfig
+    has_left: bool
+    has_right: bool
+    softcap: bool
+    dtype: str
+
+    def tiles(self) -> str:
+        """'64x32/128': block_m x block_n / threads."""
+        return f"{self.cfg.block_m}x{self.cfg.block_n}/{self.cfg.threads}"
+
+    def describe(self) -> str:
+        """e.g. 'forward 64x32/128 D=64 float16 causal softcap'."""
+        masks = {(False, False): "", (False, True): " causal", (True, False): " left window",
+                 (True, True): " window"}[(self.has_left, self.has_right)]
+        return (f"{self.cfg.kernel} {self.tiles()} D={self.cfg.head_dim_bucket} {self.dtype}{masks}"
+                + (" softcap" if self.softcap else ""))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of one check. ``detail`` gives the measured errors and their bounds (or the exception)."""
+
+    spec: Specialisation
+    passed: bool
+    detail: str
+
+    @property
+    def reason(self) -> str:
+        return f"self-check {'passed' if self.passed else 'failed'} for {self.spec.describe()}: {self.detail}"
+
+
+class SelfCheckFailed(BackendDeclined):
+    """No config of a kernel passed its self-check on this GPU; ``reasons`` has one line per config tried."""
+
+
+# Verdicts per (device id, specialisation). A verdict is stored only once complete, under the specialisation's own
+# lock, so a thread never sees half a check and two threads never run the same one; different specialisations
+# check in parallel.
+_verdicts: dict[tuple[int, Specialisation], Verdict] = {}
+_locks: dict[tuple[int, Specialisation], threading.Lock] = {}
+_guard = threading.Lock()
+_any_failed = False   # lets the per-call lookups of problems() return at once in the common case
+
+
+def enabled() -> bool:
+    """Whether launches check their specialisation first: ``NUMBA_FLASH_SELFCHECK``, else on for a real GPU and
+    off under the simulator."""
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    if value:
+        raise ValueError(f"{ENV_VAR}: expected 0 or 1, got {os.environ[ENV_VAR]!r}")
+    from numba import config
+
+    return not config.ENABLE_CUDASIM
+
+
+def current_device() -> int:
+    """Id of numba's current GPU, which verdicts are kept under (0 under the simulator, which has one)."""
+    from numba import config, cuda
+
+    if config.ENABLE_CUDASIM:
+        return 0
+    return int(cuda.get_current_device().id)
+
+
+def has_failures() -> bool:
+    """Whether any check has failed in this process (cheap: callers skip their lookups when not)."""
+    return _any_failed
+
+
+def reset() -> None:
+    """Forget every verdict (tests; or after a driver update in a long-lived process)."""
+    global _any_failed
+    with _guard:
+        _verdicts.clear()
+        _locks.clear()
+        _any_failed = False
+
+
+def verdicts() -> dict[tuple[int, Specialisation], Verdict]:
+    """A copy of the verdicts reached so far, keyed by (device id, specialisation)."""
+    return dict(_verdicts)
+
+
+def candidates(cfg: FlashAttentionConfig) -> list[FlashAttentionConfig]:
+    """``cfg``, then the ``FALLBACK_TILES`` configs of the same kernel and head-dim bucket that are valid for it."""
+    found = [cfg]
+    for bm, bn, nt in FALLBACK_TILES:
+        cand = FlashAttentionConfig(cfg.kernel, bm, bn, nt, cfg.head_dim_bucket)
+        if cand not in found and not cand.problems(STATIC_SMEM_LIMIT):
+            found.append(cand)
+    return found
+
+
+def check(spec: Specialisation, like: dict[str, Any] | None = None, device: int | None = None) -> Verdict:
+    """The verdict on ``spec`` for ``device`` (default: the current GPU), running the check only the first time.
+
+    ``like`` maps argument names of the launch (q, k, v, out, lse, dout, dq, dk, dv, delta) to the call's device
+    arrays: the check's arrays copy their contiguity, so the check compiles the same code the call runs.
+    """
+    global _any_failed
+    key = (current_device() if device is None else device, spec)
+    verdict = _verdicts.get(key)
+    if verdict is not None:
+        return verdict
+    with _guard:
+        lock = _locks.setdefault(key, threading.Lock())
+    with lock:
+        verdict = _verdicts.get(key)
+        if verdict is None:
+            verdict = _run(spec, like or {})
+            if verdict.passed:
+                logger.debug("numba_flash cuda: %s", verdict.reason)
+            else:
+                logger.warning("numba_flash cuda: %s", verdict.reason)
+                _any_failed = True
+            _verdicts[key] = verdict
+    return verdict
+
+
+def choose(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, dtype: str,
+           like: dict[str, Any] | None = None) -> FlashAttentionConfig:
+    """The config to launch: ``cfg`` if it passes its check (or the check is off), else the first fallback that
+    passes; ``SelfCheckFailed`` with every failure when none does."""
+    if not enabled():
+        return cfg
+    failures = []
+    for cand in candidates(cfg):
+        verdict = check(Specialisation(cand, has_left, has_right, softcap, dtype), like)
+        if verdict.passed:
+            return cand
+        failures.append(verdict.reason)
+    raise SelfCheckFailed(failures)
+
+
+def problems(cfgs: list[FlashAttentionConfig], has_left: bool, has_right: bool, softcap: bool, dtype: str,
+             device: int | None = None) -> tuple[list[str], list[str]]:
+    """What is known so far about the configs a call would pick, without running any check: (notes, reasons).
+    A note says a config failed and which fallback serves instead; a reason says no config of a kernel passed."""
+    notes: list[str] = []
+    reasons: list[str] = []
+    if not _any_failed or not enabled():
+        return notes, reasons
+    dev = current_device() if device is None else device
+    for cfg in cfgs:
+        failures = []
+        for cand in candidates(cfg):
+            spec = Specialisation(cand, has_left, has_right, softcap, dtype)
+            verdict = _verdicts.get((dev, spec))
+            if verdict is None:       # not checked yet: only what failed before it is known
+                if failures:
+                    notes.append(f"{'; '.join(failures)}; {spec.tiles()} not checked yet")
+                break
+            if verdict.passed:
+                if failures:
+                    notes.append(f"{'; '.join(failures)}; using {spec.tiles()} instead")
+                break
+            failures.append(verdict.reason)
+        else:
+            reasons.extend(failures)
+    return notes, reasons
+
+
+# ---- the checks ----
+
+def _run(spec: Specialisation, like: dict[str, Any]) -> Verdict:
+    """Run the check of ``spec`` on the current GPU: a verdict, never an exception."""
+    try:
+        failed, measured = _CHECKS[spec.cfg.kernel](spec, like)
+    except Exception as exc:  # any failure to compile or run is a failure of the specialisation
+        text = " ".join(str(exc).split())
+        return Verdict(spec, False, f"raised {type(exc).__name__}: {text[:300]}")
+    return Verdict(spec, not failed, "; ".join(failed or measured))
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """The check's input for one specialisation: host arrays in float32 (the values the kernel sees) and in the
+    kernel's storage dtype, the launch scalars, and the float64 reference."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    dout: np.ndarray
+    stored: dict[str, np.ndarray]
+    scale: float
+    window_left: int
+    window_right: int
+    softcap: float
+
+    @property
+    def window_size(self) -> tuple[int, int]:
+        return (self.window_left, self.window_right)
+
+
+def _to_storage(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values as the kernels' storage dtype: bfloat16 as int16 bits, rounded to nearest even."""
+    if dtype == "bfloat16":
+        bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return bits.astype(np.uint16).view(np.int16)
+    return np.asarray(x, dtype=dtype)
+
+
+def _widen(x: np.ndarray, dtype: str) -> np.ndarray:
+    """The float32 values of storage-dtype data."""
+    if dtype == "bfloat16":
+        return (np.ascontiguousarray(x).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(x, dtype=np.float32)
+
+
+def _problem(spec: Specialisation) -> _Problem:
+    cfg = spec.cfg
+    d = max(1, cfg.head_dim_bucket - 1)
+    sq, sk = cfg.block_m + 3, 2 * cfg.block_n + 5
+    rng = np.random.default_rng(_SEED)
+
+    def draw(*shape: int) -> tuple[np.ndarray, np.ndarray]:
+        stored = _to_storage(rng.standard_normal(shape).astype(np.float32), spec.dtype)
+        return stored, _widen(stored, spec.dtype)
+
+    (q_s, q), (k_s, k), (v_s, v), (do_s, dout) = (draw(1, sq, 2, d), draw(1, sk, 1, d), draw(1, sk, 1, d),
+                                                  draw(1, sq, 2, d))
+    return _Problem(q=q, k=k, v=v, dout=dout, stored=dict(q=q_s, k=k_s, v=v_s, dout=do_s),
+                    scale=1.0 / math.sqrt(d), window_left=cfg.block_n + 3 if spec.has_left else -1,
+                    window_right=0 if spec.has_right else -1, softcap=_SOFTCAP if spec.softcap else 0.0)
+
+
+def _device(host: np.ndarray, like: Any) -> Any:
+    """``host`` on the GPU, as a non-contiguous view when ``like`` is one (numba compiles per contiguity)."""
+    from numba import cuda
+
+    if like is None or like.is_c_contiguous():
+        return cuda.to_device(np.ascontiguousarray(host))
+    padded = np.zeros(host.shape[:-1] + (host.shape[-1] + 1,), host.dtype)
+    padded[..., :-1] = host
+    return cuda.to_device(padded)[(slice(None),) * (host.ndim - 1) + (slice(0, host.shape[-1]),)]
+
+
+def _nan_device(shape: tuple[int, ...], dtype: str, like: Any) -> Any:
+    """A device array of ``shape`` full of NaN in storage dtype ``dtype`` ('int16': bfloat16 NaN bits)."""
+    if dtype == "int16":
+        return _device(np.full(shape, 0x7FC0, np.int16), like)
+    return _device(np.full(shape, np.nan, dtype), like)
+
+
+def _max_abs(got: np.ndarray, ref: np.ndarray) -> float:
+    """Max abs error; inf when the non-finite entries (NaN for an element never written) differ."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    fin = np.isfinite(ref)
+    if not np.array_equal(np.isfinite(got), fin) or not np.array_equal(got[~fin], ref[~fin]):
+        return math.inf
+    return float(np.max(np.abs(got[fin] - ref[fin]), initial=0.0))
+
+
+def _rel_l2(got: np.ndarray, ref: np.ndarray) -> float:
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(got)):
+        return math.inf
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _textbook_float32(p: _Problem) -> tuple[np.ndarray, np.ndarray]:
+    """Attention computed plainly in float32 (whole score matrix, one softmax): the error the contract measures a
+    float32 kernel against. Returns out like q and lse (B, Hq, Sq)."""
+    from numba_flash.semantics import visible_mask
+
+    batch, sq, hq, _ = p.q.shape
+    sk, group = p.k.shape[1], hq // p.k.shape[2]
+    mask = visible_mask(sq, sk, p.window_left, p.window_right)
+    out = np.zeros(p.q.shape, np.float32)
+    lse = np.full((batch, hq, sq), np.inf, np.float32)
+    scale, cap = np.float32(p.scale), np.float32(p.softcap)
+    for b in range(batch):
+        for h in range(hq):
+            s = (p.q[b, :, h] @ p.k[b, :, h // group].T) * scale
+            if p.softcap > 0:
+                s = cap * np.tanh(s / cap)
+            s = np.where(mask, s, np.float32(-np.inf))
+            m = s.max(axis=1, keepdims=True)
+            seen = np.isfinite(m[:, 0])
+            m = np.where(seen[:, None], m, np.float32(0))
+            e = np.exp(s - m)
+            total = e.sum(axis=1, keepdims=True)
+            out[b, :, h] = np.where(seen[:, None], (e @ p.v[b, :, h // group]) / np.where(seen[:, None], total, 1),
+                                    0)
+            lse[b, h] = np.where(seen, m[:, 0] + np.log(np.where(seen, total[:, 0], 1)), np.inf)
+    return out, lse
+
+
+def _judge(measured: list[tuple[str, str, float, float]]) -> tuple[list[str], list[str]]:
+    """(failures, all measurements) as text, from (name, metric, error, bound) tuples."""
+    text, failed = [], []
+    for name, metric, err, bound in measured:
+        ok = err <= bound
+        line = f"{name}: {metric} {err:.3g} {'<=' if ok else '>'} {bound:.3g}"
+        if not math.isfinite(err):
+            line += " (non-finite or unwritten elements)"
+        text.append(line)
+        if not ok:
+            failed.append(line)
+    return failed, text
+
+
+def _launch_kw(spec: Specialisation, p: _Problem) -> dict[str, Any]:
+    return dict(softmax_scale=p.scale, window_left=p.window_left, window_right=p.window_right, softcap=p.softcap,
+                bf16=spec.dtype == "bfloat16")
+
+
+def _check_forward(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str], list[str]]:
+    from numba_flash.reference import attention_ref
+
+    from .config import storage_dtype
+    from .launch import launch_forward
+
+    p = _problem(spec)
+    store = storage_dtype(spec.dtype)
+    q, k, v = (_device(p.stored[n], like.get(n)) for n in ("q", "k", "v"))
+    out = _nan_device(p.q.shape, store, like.get("out"))
+    lse = _nan_device((p.q.shape[0], p.q.shape[2], p.q.shape[1]), "float32", like.get("lse"))
+    launch_forward(spec.cfg, q, k, v, out, lse, **_launch_kw(spec, p))
+    got_out, got_lse = _widen(out.copy_to_host(), spec.dtype), lse.copy_to_host()
+
+    ref_out, ref_lse = attention_ref(p.q, p.k, p.v, softmax_scale=p.scale, window_size=p.window_size,
+                                     softcap=p.softcap)
+    tb_out, tb_lse = _textbook_float32(p)
+    lse_bound = max(FLOAT32_MAX_ABS, TEXTBOOK_FACTOR * _max_abs(tb_lse, ref_lse))
+    if spec.dtype == "float32":
+        out_bound = max(FLOAT32_MAX_ABS, TEXTBOOK_FACTOR * _max_abs(tb_out, ref_out))
+        measured = [("out", "max abs error", _max_abs(got_out, ref_out), out_bound)]
+    else:
+        measured = [("out", "relative L2 error", _rel_l2(got_out, ref_out), LOW_PRECISION_REL_L2[spec.dtype])]
+    measured.append(("lse", "max abs error", _max_abs(got_lse, ref_lse), lse_bound))
+    return _judge(measured)
+
+
+def _backward_inputs(spec: Specialisation, like: dict[str, Any]) -> tuple[_Problem, dict[str, Any], tuple]:
+    """The problem, its device arrays with delta computed by the delta kernel, and the reference gradients."""
+    from numba_flash.reference import attention_ref, attention_ref_backward
+
+    from .launch import launch_delta
+
+    p = _problem(spec)
+    kw = dict(softmax_scale=p.scale, window_size=p.window_size, softcap=p.softcap)
+    ref_out, ref_lse = attention_ref(p.q, p.k, p.v, **kw)
+    grads = attention_ref_backward(p.dout, p.q, p.k, p.v, **kw)
+    dev = {n: _device(p.stored[n], like.get(n)) for n in ("q", "k", "v", "dout")}
+    dev["out"] = _device(_to_storage(ref_out.astype(np.float32), spec.dtype), like.get("out"))
+    dev["lse"] = _device(ref_lse.astype(np.float32), like.get("lse"))
+    dev["delta"] = _nan_device(ref_lse.shape, "float32", like.get("delta"))
+    launch_delta(dev["dout"], dev["out"], dev["delta"], bf16=spec.dtype == "bfloat16")
+    return p, dev, grads
+
+
+def _grad_bound(dtype: str) -> float:
+    return FLOAT32_BACKWARD_REL_L2 if dtype == "float32" else LOW_PRECISION_REL_L2[dtype]
+
+
+def _check_dkdv(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str], list[str]]:
+    from .config import storage_dtype
+    from .launch import launch_dkdv
+
+    p, dev, (_, ref_dk, ref_dv) = _backward_inputs(spec, like)
+    dk = _nan_device(p.k.shape, storage_dtype(spec.dtype), like.get("dk"))
+    dv = _nan_device(p.v.shape, storage_dtype(spec.dtype), like.get("dv"))
+    launch_dkdv(spec.cfg, dev["q"], dev["k"], dev["v"], dev["dout"], dev["lse"], dev["delta"], dk, dv,
+                **_launch_kw(spec, p))
+    bound = _grad_bound(spec.dtype)
+    return _judge([(name, "relative L2 error", _rel_l2(_widen(got.copy_to_host(), spec.dtype), ref), bound)
+                   for name, got, ref in (("dk", dk, ref_dk), ("dv", dv, ref_dv))])
+
+
+def _check_dq(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str], list[str]]:
+    from .config import storage_dtype
+    from .launch import launch_dq
+
+    p, dev, (ref_dq, _, _) = _backward_inputs(spec, like)
+    dq = _nan_device(p.q.shape, storage_dtype(spec.dtype), like.get("dq"))
+    launch_dq(spec.cfg, dev["q"], dev["k"], dev["v"], dev["dout"], dev["lse"], dev["delta"], dq,
+              **_launch_kw(spec, p))
+    got = _widen(dq.copy_to_host(), spec.dtype)
+    return _judge([("dq", "relative L2 error", _rel_l2(got, ref_dq), _grad_bound(spec.dtype))])
+
+
+_CHECKS: dict[str, Callable[[Specialisation, dict[str, Any]], tuple[list[str], list[str]]]] = {
+    "forward": _check_forward,
+    "backward_dkdv": _check_dkdv,
+    "backward_dq": _check_dq,
+}
