@@ -52,11 +52,12 @@ def test_override_context_and_validation():
 
 def test_bfloat16_configs_on_sm80_and_later_only():
     configs = all_tile_configs()
-    assert {(cc, dt) for cc, dt, _ in configs} == {(cc, dt) for cc in ((8, 0), (9, 0))
-                                                   for dt in ("float32", "float16", "bfloat16")}
+    ccs = ((7, 5), (8, 0), (8, 6), (8, 9), (9, 0))
+    assert {(cc, dt) for cc, dt, _ in configs} == {(cc, dt) for cc in ccs for dt in ("float32", "float16", "bfloat16")
+                                                   if dt != "bfloat16" or cc >= (8, 0)}
     # Tiles live in float32 shared memory whatever the input dtype, so bfloat16 gets float16's configs.
     assert ({(cc, cfg) for cc, dt, cfg in configs if dt == "bfloat16"}
-            == {(cc, cfg) for cc, dt, cfg in configs if dt == "float16"})
+            == {(cc, cfg) for cc, dt, cfg in configs if dt == "float16" and cc >= (8, 0)})
     assert dtype_supported_on("bfloat16", (8, 0)) and dtype_supported_on("bfloat16", (12, 0))
     assert not dtype_supported_on("bfloat16", (7, 5))
     assert dtype_supported_on("float16", (7, 0)) and not dtype_supported_on("float64", (9, 0))

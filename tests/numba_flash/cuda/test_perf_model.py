@@ -143,8 +143,9 @@ def test_model_of_the_forward_kernel(tmp_path, monkeypatch):
         assert r.ceiling <= r.ffma_share * (2 if r.cc == "8.0" else 1) + 1e-3
     plain = {r.cc: r for r in records if r.variant == "plain"}
     causal = {r.cc: r for r in records if r.variant == "causal"}
-    # The causal variant does the same products plus mask work per element.
-    assert all(causal[cc].per_iteration["total"] > plain[cc].per_iteration["total"] for cc in plain)
+    # The causal variant does the same products (its mask work may be scheduled into fewer or more instructions).
+    for cc in plain:
+        assert causal[cc].per_iteration["ffma"] == pytest.approx(plain[cc].per_iteration["ffma"], rel=0.01)
 
     # The second run comes from the cache and agrees; the CLI prints the records as JSON with the documented keys.
     again = run_model(["forward"], ["float32"], [64], ["plain"], [(8, 0), (9, 0)])
