@@ -246,6 +246,9 @@ def dynamic_counts(fn: Function, counts: LoopCounts) -> list[dict[str, float]]:
             c = ins[i].cls
             out[c] = out.get(c, 0.0) + m
             out["total"] += m
+            if c in ("lds", "sts", "ldg", "stg", "local"):   # memory instructions also by access width
+                key = f"{c}.{ins[i].bits}"
+                out[key] = out.get(key, 0.0) + m
             if c in ("lds", "sts"):
                 out["smem_wavefronts"] += m * max(1, ins[i].bits // 32)
         results.append(out)
@@ -464,11 +467,12 @@ def run_model(kernels: Iterable[str] = ("forward", "backward"), dtypes: Iterable
 
 def format_table(records: list[ModelRecord]) -> str:
     head = (f"{'kernel':<14}{'dtype':<9}{'cc':>4}{'D':>5} {'variant':<8}{'tiles':<14}{'regs':>5}{'smem':>7}"
-            f"{'warps/SM':>9}{'FFMA%':>7}{'FLOP/B':>7}{'ceiling':>9}  bound")
+            f"{'blk/SM':>7}{'warps/SM':>9}{'FFMA%':>7}{'FLOP/B':>7}{'ceiling':>9}  bound")
     lines = [head, "-" * len(head)]
     for r in records:
         lines.append(f"{r.kernel:<14}{r.dtype:<9}{r.cc:>4}{r.head_dim:>5} {r.variant:<8}{r.tiles:<14}"
-                     f"{r.registers:>5}{r.smem_bytes:>7}{r.warps_per_sm:>9}{100 * r.ffma_share:>6.1f}%"
+                     f"{r.registers:>5}{r.smem_bytes:>7}{r.blocks_per_sm:>7}{r.warps_per_sm:>9}"
+                     f"{100 * r.ffma_share:>6.1f}%"
                      f"{r.flop_per_smem_byte:>7.2f}{100 * r.ceiling:>8.1f}%  {r.bound}")
     lines.append("ceiling: modelled upper bound on useful FLOP/s as a fraction of the float32 CUDA-core peak "
                  "(tensor-core peak for HMMA kernels); not a measurement.")
