@@ -94,9 +94,9 @@ class Function:
 def classify(opcode: str) -> str:
     """The model's class of an opcode: 'ffma', 'fp32', 'hfma2', 'hmma', 'mufu', 'conv' (float/int
     conversions), 'lds', 'sts', 'ldg' (global, generic and constant-bank loads), 'stg', 'local', 'bar', 'branch',
-    'imad' (integer multiply-add, which ptxas
-    also uses for moves and shifts because it runs on the FMA pipe), 'issue' (uniform-datapath and
-    special-register moves), or 'int' (the integer/logic ALU: adds, shifts, compares, selects, min/max)."""
+    'imad' (integer multiply-add, which ptxas also uses for moves and shifts because it runs on the FMA pipe),
+    'issue' (uniform-datapath and special-register moves), or 'int' (the integer/logic ALU: adds, shifts,
+    compares, selects, min/max)."""
     base = opcode.split(".", 1)[0]
     for name, opcodes in _CLASSES:
         if base in opcodes or opcode in opcodes:
