@@ -13,8 +13,8 @@ What it does, per kernel specialisation (kernel, dtype, head-dim bucket, mask va
    iteration (``loop_counts``: the trip counts of the loops inside, from the tile config's constants, for the
    lanes of each warp); the SASS says how the compiler laid those lines out (``dynamic_counts``: each inner SASS
    loop's trip count is recovered from lines whose instructions issue exactly once per execution -- an FFMA, a
-   MUFU, a min/max, or one 32-bit word of a load or store -- which undoes unrolling; remainder loops get what the
-   main unrolled loop leaves).
+   MUFU, a min/max, or one 32-bit word of a load or store: the one the loop body holds most copies of -- which
+   undoes unrolling; remainder loops get what the main unrolled loop leaves).
 3. Turns the counts into cycles per SM for the blocks that fit an SM at once (``gpus.occupancy``), as the largest of
    these bounds, and reports useful multiply-adds per cycle as a fraction of the peak (``ceiling``):
    - issue: every warp instruction takes one issue slot; 4 schedulers per SM issue one each per clock (fewer
@@ -167,6 +167,16 @@ def _is_anchor(ins) -> bool:
     return ins.base in _ANCHOR_OPS or ins.cls in _ANCHOR_CLASSES
 
 
+def _trip(anchors: dict[tuple[int, str], int], remaining: dict[tuple[int, str], float]) -> float:
+    """Iterations of a loop body from its anchors: the executions left to one anchor, divided by the copies of it
+    the body holds. Stores come first (an assignment writes one element, however many it reads), then the
+    arithmetic anchors, then loads (a statement may read several elements); among those, the anchor with the most
+    copies (an anchor with few may be an instruction the compiler filed under a neighbouring line)."""
+    rank = {"sts": 2, "stg": 2, "lds": 0, "ldg": 0}
+    key = max(anchors, key=lambda k: (rank.get(k[1], 1), anchors[k], remaining[k]))
+    return remaining[key] / anchors[key]
+
+
 def dynamic_counts(fn: Function, counts: LoopCounts) -> list[dict[str, float]]:
     """Per warp: instructions issued per main-loop iteration by class (see ``sass.classify``), plus
     'smem_wavefronts' (shared-memory clocks) and 'total'."""
@@ -217,7 +227,9 @@ def dynamic_counts(fn: Function, counts: LoopCounts) -> list[dict[str, float]]:
         for ab in order:
             ab_anchors = anchors.get(ab, {})
             if ab_anchors:
-                trip = max(remaining_anchor.setdefault(k, float(per_line[k[0]])) / n for k, n in ab_anchors.items())
+                for k in ab_anchors:
+                    remaining_anchor.setdefault(k, float(per_line[k[0]]))
+                trip = _trip(ab_anchors, remaining_anchor)
                 for k, n in ab_anchors.items():
                     remaining_anchor[k] = max(0.0, remaining_anchor[k] - trip * n)
             elif plain.get(ab):
@@ -233,8 +245,8 @@ def dynamic_counts(fn: Function, counts: LoopCounts) -> list[dict[str, float]]:
         for line, n in plain.get(None, {}).items():
             keys = {k: c for k, c in anchors.get(None, {}).items() if k[0] == line}
             if keys:   # lines without an anchor (a barrier, index arithmetic) run once
-                straight[line] = min(1.0, max(remaining_anchor.get(k, float(per_line[line])) / c
-                                              for k, c in keys.items()))
+                straight[line] = min(1.0, _trip(keys, {k: remaining_anchor.get(k, float(per_line[line]))
+                                                       for k in keys}))
         out: dict[str, float] = {"total": 0.0, "smem_wavefronts": 0.0}
         for i in range(main[0], main[1] + 1):
             loop = home[i]
