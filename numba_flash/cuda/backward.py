@@ -26,6 +26,7 @@ from numba import cuda, float32, uint32
 from .config import FlashAttentionConfig
 from .dtypes import element_io
 from .forward import LOG2E
+from .tiles import make_tile_load
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,9 +78,10 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     S_TM, S_TN = BM // S_TR, BN // S_TC
     G_TN, G_TD = BN // G_TR, DB // G_TC      # dK/dV elements per thread: key rows x head-dim columns
     LD, LDP = DB + 1, BN + 1
-    X_TOTAL, KV_TOTAL = BM * DB, BN * DB
     HAS_LEFT, HAS_RIGHT, SOFTCAP = has_left, has_right, softcap
-    LOAD, STORE = element_io(bf16)
+    STORE = element_io(bf16)[1]
+    load_x = make_tile_load(BM, DB, NT, bf16)     # query-side tiles: Q, dO
+    load_kv = make_tile_load(BN, DB, NT, bf16)    # key-side tiles: K, V
 
     def flash_dkdv_kernel(q, k, v, dout, lse, delta, dk, dv, seqlen_q, seqlen_k, head_dim, group, window_left,
                           window_right, qmult, capmult, scale):
@@ -110,16 +112,8 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                 dk_acc[i, j] = float32(0.0)
                 dv_acc[i, j] = float32(0.0)
 
-        for idx in range(t, KV_TOTAL, NT):
-            r = idx // DB
-            d = idx - r * DB
-            xk = float32(0.0)
-            xv = float32(0.0)
-            if n0 + r < seqlen_k and d < head_dim:
-                xk = LOAD(k[b, n0 + r, hk, d])
-                xv = LOAD(v[b, n0 + r, hk, d])
-            k_s[r, d] = xk
-            v_s[r, d] = xv
+        load_kv(k_s, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
+        load_kv(v_s, v, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
 
         # Query rows that can see any key of the tile: row i sees key j iff
         # j - offset - right <= i <= j - offset + left.
@@ -144,13 +138,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
             h = hk * group + g
             for m0 in range(m_start, i_hi, BM):
                 cuda.syncthreads()   # the previous iteration's readers of x_s, ds_s are done
-                for idx in range(t, X_TOTAL, NT):
-                    r = idx // DB
-                    d = idx - r * DB
-                    x = float32(0.0)
-                    if m0 + r < seqlen_q and d < head_dim:
-                        x = LOAD(q[b, m0 + r, h, d]) * qmult
-                    x_s[r, d] = x
+                load_x(x_s, q, b, m0, h, seqlen_q, head_dim, qmult, t)
                 for r in range(t, BM, NT):
                     row = m0 + r
                     if row < seqlen_q:
@@ -196,13 +184,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                         p_s[r, c] = p
                 cuda.syncthreads()
 
-                for idx in range(t, X_TOTAL, NT):
-                    r = idx // DB
-                    d = idx - r * DB
-                    x = float32(0.0)
-                    if m0 + r < seqlen_q and d < head_dim:
-                        x = LOAD(dout[b, m0 + r, h, d])
-                    x_s[r, d] = x
+                load_x(x_s, dout, b, m0, h, seqlen_q, head_dim, float32(1.0), t)
                 cuda.syncthreads()
 
                 # dP = dO . V^T, then dS = P * (dP - delta) (times the softcap derivative).
@@ -234,13 +216,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                             dv_acc[i, j] += ga_reg[i] * gb_reg[j]
                 cuda.syncthreads()
 
-                for idx in range(t, X_TOTAL, NT):
-                    r = idx // DB
-                    d = idx - r * DB
-                    x = float32(0.0)
-                    if m0 + r < seqlen_q and d < head_dim:
-                        x = LOAD(q[b, m0 + r, h, d])
-                    x_s[r, d] = x
+                load_x(x_s, q, b, m0, h, seqlen_q, head_dim, float32(1.0), t)
                 cuda.syncthreads()
 
                 # dK += dS^T . Q (the softmax scale is applied once, at the end).
@@ -283,9 +259,10 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
     S_TM, S_TN = BM // S_TR, BN // S_TC
     O_TM, O_TD = BM // O_TR, DB // O_TC
     LD, LDP = DB + 1, BN + 1
-    X_TOTAL, KV_TOTAL = BM * DB, BN * DB
     HAS_LEFT, HAS_RIGHT, SOFTCAP = has_left, has_right, softcap
-    LOAD, STORE = element_io(bf16)
+    STORE = element_io(bf16)[1]
+    load_x = make_tile_load(BM, DB, NT, bf16)     # query-side tiles: Q, dO
+    load_kv = make_tile_load(BN, DB, NT, bf16)    # key-side tiles: K, V
 
     def flash_dq_kernel(q, k, v, dout, lse, delta, dq, seqlen_q, seqlen_k, head_dim, group, window_left,
                         window_right, qmult, capmult, scale):
@@ -314,16 +291,8 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
             for j in range(O_TD):
                 acc[i, j] = float32(0.0)
 
-        for idx in range(t, X_TOTAL, NT):
-            r = idx // DB
-            d = idx - r * DB
-            xq = float32(0.0)
-            xd = float32(0.0)
-            if m0 + r < seqlen_q and d < head_dim:
-                xq = LOAD(q[b, m0 + r, h, d]) * qmult
-                xd = LOAD(dout[b, m0 + r, h, d])
-            q_s[r, d] = xq
-            do_s[r, d] = xd
+        load_x(q_s, q, b, m0, h, seqlen_q, head_dim, qmult, t)
+        load_x(do_s, dout, b, m0, h, seqlen_q, head_dim, float32(1.0), t)
 
         s_tr = t // S_TC
         s_tc = t - s_tr * S_TC
@@ -352,13 +321,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
 
         for n0 in range(n_start, hi, BN):
             cuda.syncthreads()   # previous iteration's readers of kv_s are done (and the Q/dO loads visible)
-            for idx in range(t, KV_TOTAL, NT):
-                r = idx // DB
-                d = idx - r * DB
-                x = float32(0.0)
-                if n0 + r < seqlen_k and d < head_dim:
-                    x = LOAD(k[b, n0 + r, hk, d])
-                kv_s[r, d] = x
+            load_kv(kv_s, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
             cuda.syncthreads()
 
             for i in range(S_TM):
@@ -391,13 +354,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                     p[i, j] = math.exp2(x - row_lse[i]) if ok else float32(0.0)
             cuda.syncthreads()
 
-            for idx in range(t, KV_TOTAL, NT):
-                r = idx // DB
-                d = idx - r * DB
-                x = float32(0.0)
-                if n0 + r < seqlen_k and d < head_dim:
-                    x = LOAD(v[b, n0 + r, hk, d])
-                kv_s[r, d] = x
+            load_kv(kv_s, v, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
             cuda.syncthreads()
 
             for i in range(S_TM):
@@ -417,13 +374,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                     ds_s[r, s_tc + S_TC * j] = p[i, j] * (dp[i, j] - row_delta[i]) * dcap[i, j]
             cuda.syncthreads()
 
-            for idx in range(t, KV_TOTAL, NT):
-                r = idx // DB
-                d = idx - r * DB
-                x = float32(0.0)
-                if n0 + r < seqlen_k and d < head_dim:
-                    x = LOAD(k[b, n0 + r, hk, d])
-                kv_s[r, d] = x
+            load_kv(kv_s, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
             cuda.syncthreads()
 
             # dQ += dS . K for this thread's (O_TM x O_TD) block.

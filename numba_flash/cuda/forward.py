@@ -21,6 +21,7 @@ from numba import cuda, float32, uint32
 
 from .config import FlashAttentionConfig
 from .dtypes import element_io
+from .tiles import make_tile_load
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -57,8 +58,9 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     O_TM, O_TD = BM // O_TR, DB // O_TC      # accumulator elements per thread
     LD, LDP = DB + 1, BN + 1                 # +1: rows start in different banks
     HAS_LEFT, HAS_RIGHT, SOFTCAP = has_left, has_right, softcap
-    Q_TOTAL, KV_TOTAL = BM * DB, BN * DB
-    LOAD, STORE = element_io(bf16)
+    STORE = element_io(bf16)[1]
+    load_q = make_tile_load(BM, DB, NT, bf16)
+    load_kv = make_tile_load(BN, DB, NT, bf16)
 
     def flash_forward_kernel(q, k, v, out, lse, seqlen_q, seqlen_k, head_dim, group, window_left, window_right,
                              qmult, capmult):
@@ -86,17 +88,8 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
             for j in range(O_TD):
                 acc[i, j] = float32(0.0)
 
-        # Tile loads: consecutive threads take consecutive d (coalesced global reads, conflict-free smem
-        # writes); rows past the sequence and columns past head_dim become 0 and add nothing to any product.
-        # (A shared tile-load helper would have to be inline="always", as in dtypes.py: a plain device function
-        # is compiled for the current device's compute capability, so compile_ptx would need a GPU for it.)
-        for idx in range(t, Q_TOTAL, NT):
-            r = idx // DB
-            d = idx - r * DB
-            x = float32(0.0)
-            if m0 + r < seqlen_q and d < head_dim:
-                x = LOAD(q[b, m0 + r, h, d]) * qmult
-            q_s[r, d] = x
+        # Tile loads (tiles.py): rows past the sequence and columns past head_dim become 0 and add nothing.
+        load_q(q_s, q, b, m0, h, seqlen_q, head_dim, qmult, t)
         for r in range(t, BM, NT):
             row_max[r] = neg_inf
             row_sum[r] = float32(0.0)
@@ -123,13 +116,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
         cuda.syncthreads()
 
         for n0 in range(n_start, hi, BN):
-            for idx in range(t, KV_TOTAL, NT):
-                r = idx // DB
-                d = idx - r * DB
-                x = float32(0.0)
-                if n0 + r < seqlen_k and d < head_dim:
-                    x = LOAD(k[b, n0 + r, hk, d])
-                kv_s[r, d] = x
+            load_kv(kv_s, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
             cuda.syncthreads()
 
             # Scores of this thread's (S_TM x S_TN) block: s = q_s . k_s^T over the padded head dim.
@@ -162,13 +149,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
             cuda.syncthreads()
 
             # Every thread is done with K: the buffer takes V while the row pass runs.
-            for idx in range(t, KV_TOTAL, NT):
-                r = idx // DB
-                d = idx - r * DB
-                x = float32(0.0)
-                if n0 + r < seqlen_k and d < head_dim:
-                    x = LOAD(v[b, n0 + r, hk, d])
-                kv_s[r, d] = x
+            load_kv(kv_s, v, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
             for r in range(t, BM, NT):
                 m_old = row_max[r]
                 m_new = m_old
