@@ -1,6 +1,6 @@
 """Ops by name, backends per op, and the dispatcher that picks one per call.
 
-    from backends import backend_registry
+    from numba_flash import backend_registry      # also importable as backends.backend_registry
     op = backend_registry.get("flash")
     out = op.forward(q, k, v, causal=True)
     print(op.explain(q, k, v, causal=True))
@@ -30,7 +30,7 @@ from typing import Any, Iterator
 from numba_flash.errors import BackendDeclined, NoBackendError
 from numba_flash.validation import AttentionCall, validate_backward, validate_forward
 
-from .base import Backend
+from numba_flash.backends.base import Backend
 
 ENTRY_POINT_GROUP = "numba_flash.backends"
 ENV_VAR = "NUMBA_FLASH_BACKEND"
@@ -38,9 +38,9 @@ ENV_VAR = "NUMBA_FLASH_BACKEND"
 logger = logging.getLogger("numba_flash")
 
 _BUILTIN = {
-    "cuda": "backends.cuda:CudaBackend",
-    "rocm": "backends.rocm:RocmBackend",
-    "cpu": "backends.cpu:CpuBackend",
+    "cuda": "numba_flash.backends.cuda:CudaBackend",
+    "rocm": "numba_flash.backends.rocm:RocmBackend",
+    "cpu": "numba_flash.backends.cpu:CpuBackend",
 }
 
 _lock = threading.RLock()
