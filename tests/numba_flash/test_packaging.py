@@ -74,3 +74,40 @@ def test_old_import_paths_give_the_library_s_own_objects():
     assert backends.cpu.CpuBackend is numba_flash.backends.cpu.CpuBackend
     cpu = next(b for b in backend_registry.backends("flash") if b.name == "cpu")
     assert isinstance(cpu, backends.base.Backend)
+
+
+def test_licence_file_matches_the_metadata():
+    text = (REPO / "LICENSE").read_text()
+    assert _setup_cfg()["metadata"]["license"] == "BSD-3-Clause"
+    assert text.startswith("BSD 3-Clause License")
+    assert "the numba-flash developers" in text.splitlines()[2]
+    assert "Neither the name of the copyright holder" in text   # the third clause, which BSD-2 lacks
+
+
+def test_wheel_carries_licence_type_marker_and_classifiers(tmp_path):
+    """Built from a copy of the tree (the build writes build/ and egg-info next to its sources)."""
+    import shutil
+    import zipfile
+
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.split()
+    src = tmp_path / "src"
+    for name in files:
+        if (REPO / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, src / name)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                           str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = (tmp_path / "dist").glob("numba_flash-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        metadata = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "numba_flash/py.typed" in names
+    assert "numba_flash/backends/__init__.py" in names and "backends/__init__.py" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names), names
+    assert "BSD-3-Clause" in metadata
+    for minor in (10, 11, 12, 13):
+        assert f"Classifier: Programming Language :: Python :: 3.{minor}\n" in metadata
+    assert "Classifier: Typing :: Typed" in metadata
+    assert "Requires-Python: >=3.10" in metadata
