@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Where torch comes from: empty for pip's default index; https://download.pytorch.org/whl/cpu for the CPU build
+# on machines where the default index serves the CUDA one.
+TORCH_INDEX ?=
 
 .PHONY: install warmup bench test test-fast test-cudasim dashboard dashboard-assets compile-check-sm70 clean
 
@@ -11,7 +14,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch, pinned: an unpinned torch pulls several GB of CUDA packages.
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[torch,cuda,test,bench,notebook]"
 	# Headless Chromium for the offline-dashboard test: Debian's package (about 80 MB, half a minute), installed
 	# only where that is cheap and allowed: as root, with apt-get, when absent, unless NO_CHROMIUM=1. Elsewhere

@@ -111,3 +111,23 @@ def test_wheel_carries_licence_type_marker_and_classifiers(tmp_path):
         assert f"Classifier: Programming Language :: Python :: 3.{minor}\n" in metadata
     assert "Classifier: Typing :: Typed" in metadata
     assert "Requires-Python: >=3.10" in metadata
+
+
+def test_readme_points_at_things_that_exist():
+    """Every `make` target, local link and numba-flash subcommand the README names exists."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    makefile = (REPO / "Makefile").read_text()
+    targets = set(re.findall(r"^([a-z0-9-]+):", makefile, flags=re.M))
+    named = set(re.findall(r"`make ([a-z0-9-]+)", readme)) | set(re.findall(r"^make ([a-z0-9-]+)", readme, re.M))
+    assert {"bench", "test", "dashboard", "dashboard-assets", "install"} <= named, named
+    assert named <= targets, named - targets
+    for link in re.findall(r"\]\(([^)#:]+)\)", readme):
+        assert (REPO / link).exists(), link
+    from numba_flash.cli import SUBCOMMANDS
+
+    # In commands only: a code line or a backticked span that starts with the command.
+    subs = re.findall(r"(?:^|`)numba-flash ([a-z]+)\b", readme, flags=re.M)
+    assert {"bench", "warmup", "explain"} <= set(subs), subs
+    assert set(subs) <= set(SUBCOMMANDS), subs
