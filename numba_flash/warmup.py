@@ -35,6 +35,7 @@ class WarmupStep:
 
     @property
     def ok(self) -> bool:
+        """Whether the results matched the reference within ``TOLERANCE``."""
         return self.max_err <= TOLERANCE[self.dtype]
 
     @property
@@ -43,7 +44,8 @@ class WarmupStep:
         return tuple(n for n in self.compiled if "<locals>" not in n)
 
     def describe(self) -> str:
-        how = (f"compiled {len(self.compiled_kernels)} kernels" if self.compiled else "loaded from numba's cache")
+        """One line for the command's output."""
+        how = f"compiled {len(self.compiled_kernels)} kernels" if self.compiled else "nothing to compile: cached"
         check = "matches the reference" if self.ok else f"MISMATCH vs the reference: max err {self.max_err:.2e}"
         return f"{self.dtype}: forward and backward ready in {self.seconds:.1f} s ({how}); {check}"
 

@@ -116,6 +116,7 @@ def _sri(data: bytes, algorithm: str) -> str:
 
 
 def asset_for(url: str) -> Asset:
+    """The table's entry for a CDN address; OfflineError for one it does not know."""
     for asset in ASSETS:
         if url.endswith(asset.url_tail):
             return asset
@@ -133,7 +134,7 @@ def make_offline(html_dir: Path, cache: Path = DEFAULT_CACHE) -> list[str]:
     report = []
 
     def replace(match: re.Match) -> str:
-        tag, attr, url = match.group(1), match.group(2), match.group(3)
+        attr, url = match.group(2), match.group(3)
         asset = asset_for(url)
         base = html_dir / "vendor" / asset.dirname
         archive = tarball(asset.package, cache)
@@ -159,6 +160,7 @@ def fetch_all(cache: Path = DEFAULT_CACHE) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit status (1 when the page cannot be made offline-ready)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("html_dir", nargs="?", default=str(REPO / ".asv" / "html"), help="asv's html_dir")
     p.add_argument("--cache", default=str(DEFAULT_CACHE), help="where the npm tarballs are kept")

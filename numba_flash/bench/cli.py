@@ -37,6 +37,7 @@ def _positive_ints(text: str) -> list[int]:
 
 
 def positive_int(text: str) -> int:
+    """argparse type: one positive integer."""
     values = _positive_ints(text)
     if len(values) != 1:
         raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
@@ -101,6 +102,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser(prog: str = "numba-flash bench") -> argparse.ArgumentParser:
+    """The bench's own parser (``python -m numba_flash.bench``); ``numba_flash.cli`` builds the subcommand's."""
     from .. import __version__
 
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EPILOG)

@@ -104,6 +104,7 @@ class TimingStats:
 
     @classmethod
     def of(cls, times_ms: Sequence[float]) -> "TimingStats":
+        """The statistics of ``times_ms`` (at least one sample)."""
         t = np.asarray(times_ms, dtype=np.float64)
         if t.size == 0:
             raise ValueError("times_ms: no samples")
@@ -117,6 +118,7 @@ class TimingStats:
 
     @property
     def busy(self) -> bool:
+        """Whether the spread says the machine was busy (``BUSY_SPREAD``)."""
         return self.spread > BUSY_SPREAD
 
 

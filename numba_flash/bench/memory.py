@@ -143,6 +143,7 @@ def available_host_bytes() -> int | None:
 
 
 def gib(n: float) -> str:
+    """Bytes as GiB with one decimal."""
     return f"{n / 2**30:.1f} GiB"
 
 

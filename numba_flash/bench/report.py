@@ -37,6 +37,7 @@ def thread_pools() -> list[dict[str, Any]]:
 
 
 def describe_pools(pools: Sequence[dict[str, Any]]) -> str:
+    """``thread_pools()`` in one line for the header."""
     if not pools:
         return ("unknown (pip install threadpoolctl to list them); OPENBLAS_NUM_THREADS="
                 f"{os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}, "

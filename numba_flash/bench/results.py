@@ -38,10 +38,12 @@ class Row:
 
     @property
     def stats(self) -> TimingStats | None:
+        """Min, P50, P95, P99 and max of the timed calls; None when nothing was timed."""
         return TimingStats.of(self.times_ms) if self.times_ms else None
 
     @property
     def median_ms(self) -> float | None:
+        """P50 of the timed calls."""
         return self.stats.p50_ms if self.times_ms else None
 
     @property
@@ -51,10 +53,12 @@ class Row:
         return self.case.flops(self.pass_) / (med * 1e-3) / 1e12 if med else None
 
     def tflops_at(self, ms: float) -> float:
+        """TFLOP/s of this pass at a call time of ``ms``."""
         return self.case.flops(self.pass_) / (ms * 1e-3) / 1e12
 
     @property
     def label(self) -> str:
+        """``cpu (cpu) fwd S=256``: the row in the notes."""
         return f"{self.name} ({self.device}) {self.pass_} S={self.case.seqlen}"
 
     def record(self) -> dict[str, Any]:
@@ -111,10 +115,12 @@ class BenchResults(Sequence[Row]):
 
     @property
     def errors(self) -> list[Row]:
+        """Rows whose backend or peer raised."""
         return [r for r in self.rows if r.status.startswith("error")]
 
     @property
     def skipped(self) -> list[Row]:
+        """Rows that could not run here, with the reason in ``status``."""
         return [r for r in self.rows if r.status.startswith("skipped")]
 
     def records(self) -> list[dict[str, Any]]:
@@ -150,11 +156,13 @@ class BenchResults(Sequence[Row]):
         return title_for(self.cases, self.meta)
 
     def write_csv(self, path: str) -> None:
+        """The records as CSV, columns ``CSV_COLUMNS``."""
         from .report import write_csv
 
         write_csv(path, self.rows)
 
     def write_json(self, path: str) -> None:
+        """``{"meta": ..., "results": [record, ...]}``."""
         from .report import write_json
 
         write_json(path, self.rows, self.meta)

@@ -185,3 +185,12 @@ def test_warmup_subcommand(rng):
     assert "matches the reference" in proc.stdout
     bad = _python("-m", "numba_flash", "warmup", "--dtype", "int8", timeout=60)
     assert bad.returncode == 2 and "--dtype" in bad.stderr
+
+
+def test_importing_the_bench_and_the_command_stays_light():
+    """numpy and numba are all ``import numba_flash.bench`` and ``numba_flash.cli`` need; the rest loads on use."""
+    code = ("import sys, numba_flash.bench, numba_flash.cli, numba_flash.warmup, backends; "
+            "heavy = [m for m in ('torch', 'matplotlib', 'pandas', 'tqdm', 'tabulate', 'threadpoolctl', "
+            "'numba.cuda') if m in sys.modules]; assert not heavy, heavy")
+    proc = _python("-c", code, timeout=60)
+    assert proc.returncode == 0, proc.stderr
