@@ -4,30 +4,56 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Where torch comes from: empty for pip's default index; https://download.pytorch.org/whl/cpu for the CPU build
+# on machines where the default index serves the CUDA one.
+TORCH_INDEX ?=
 
-.PHONY: install bench test test-fast test-cudasim compile-check-sm70 clean
+.PHONY: install warmup bench test test-fast test-cudasim dashboard dashboard-assets compile-check-sm70 clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch, pinned: an unpinned torch pulls several GB of CUDA packages.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[torch,cuda,test,bench]"
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q -e ".[torch,cuda,test,bench,notebook]"
+	# Headless Chromium for the offline-dashboard test: Debian's package (about 80 MB, half a minute), installed
+	# only where that is cheap and allowed: as root, with apt-get, when absent, unless NO_CHROMIUM=1. Elsewhere
+	# the test skips and says why.
+	@if [ -z "$(NO_CHROMIUM)" ] && ! command -v chromium >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+	    command -v apt-get >/dev/null 2>&1; then \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    chromium) >/dev/null 2>&1 || echo "chromium not installed: the offline dashboard test will skip"; fi
 	touch $(STAMP)
 
 install: $(STAMP)
 
-bench: $(STAMP)
+# Compile (or load from numba's on-disk cache) every CPU kernel and check it against the reference: 20-40 s per
+# dtype the first time on a machine, under a second afterwards, said up front instead of inside the first call.
+warmup: $(STAMP)
+	$(PY) -m numba_flash warmup
+
+bench: warmup
 	$(PY) -m numba_flash.bench
 
 # Everything but the simulator suite, then the CUDA simulator suite in its own process (the simulator must be
 # switched on before numba.cuda is first imported), with the race, bounds and barrier checker on.
-test: $(STAMP)
+test: warmup
 	$(PY) -m pytest -q
 	NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 $(PY) -m pytest -q -m cudasim
 
 test-cudasim: $(STAMP)
 	NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 $(PY) -m pytest -q -m cudasim
+
+# The asv dashboard (.asv/html) after `asv run`, made to work without a network: asv's page loads jQuery, flot and
+# Bootstrap from CDNs, so tools/asv_offline.py vendors them from their npm packages next to the HTML. The
+# tarballs are cached in .asv/npm-cache; `make dashboard-assets` fills that cache where the npm registry is
+# reachable, to copy to an offline machine.
+dashboard: $(STAMP)
+	$(PY) -m asv publish
+	$(PY) tools/asv_offline.py .asv/html
+
+dashboard-assets:
+	$(PYTHON) tools/asv_offline.py --fetch-only
 
 # The V100 (sm_70) compile check: CUDA 13 dropped sm_70, so this builds a second environment with the CUDA 12
 # toolchain (the 'cuda12' extra, about 800 MB) and runs the compile check for 7.0 in it. Not part of `make test`.

@@ -1,12 +1,15 @@
 """asv benchmarks of attention: every backend and peer over the seed sizes, causal or not, in three dtypes.
 
     time_forward / time_backward    wall-clock seconds per call (each call ends with a device synchronize)
-    peakmem_forward                 asv's peak resident memory of the benchmark process around a forward
+    track_peak_memory_*             the extra bytes one call allocates (host: the rise of the peak resident set
+                                    during the call; GPU: the allocator's peak), as ``numba-flash bench`` measures
+                                    it; asv's own peakmem_ would report the whole process, imports included
     track_gpu_ms_*                  milliseconds between two CUDA events (GPU targets only; unit "ms")
     track_max_error_*               max abs error vs numba_flash's float64 reference (out, or dq/dk/dv)
 
 Parameters: config x backend (cpu, cuda, rocm, numpy_naive, torch_sdpa) x causal x dtype; see common.py for the
-skips and the environment variables that narrow or widen the grid. On GPU machines run with
+skips and the environment variables that narrow or widen the grid. Every target calls attention through
+``numba_flash.bench``'s runners and clocks, so asv and ``numba-flash bench`` time the same calls. On GPU machines run with
 ``--launch-method spawn`` (asv.conf.json sets it): a forked process cannot use a CUDA context made by its parent.
 """
 
@@ -32,9 +35,6 @@ class Forward(_Timed):
     def time_forward(self, config: str, backend: str, causal: bool, dtype: str) -> None:
         self.target.forward()
 
-    def peakmem_forward(self, config: str, backend: str, causal: bool, dtype: str) -> None:
-        self.target.forward()
-
 
 class Backward(_Timed):
     def setup(self, config: str, backend: str, causal: bool, dtype: str) -> None:
@@ -43,6 +43,20 @@ class Backward(_Timed):
 
     def time_backward(self, config: str, backend: str, causal: bool, dtype: str) -> None:
         self.target.backward()
+
+
+class Memory(AttentionBenchmark):
+    """The call's own extra memory, not the process's: a tiny forward adds a few pages, while the process holding
+    numba, torch and the inputs is over 150 MiB."""
+
+    unit = "bytes"
+
+    def track_peak_memory_forward(self, config: str, backend: str, causal: bool, dtype: str) -> int:
+        return self.target.peak_bytes(self.target.forward)
+
+    def track_peak_memory_backward(self, config: str, backend: str, causal: bool, dtype: str) -> int:
+        self.target.prepare_backward()
+        return self.target.peak_bytes(self.target.backward)
 
 
 class GpuEvents:

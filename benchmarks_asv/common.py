@@ -1,6 +1,7 @@
 """Shared pieces of the asv suite: the seed sizes, the parameter grid, one ``Target`` per backend or peer, and the
 base class whose ``setup`` skips (raises ``NotImplementedError``) what this machine cannot run, as scipy's
-``benchmarks/common.py`` does.
+``benchmarks/common.py`` does. A ``Target`` is ``numba_flash.bench``'s own case, inputs, runner and clock, so asv
+and ``numba-flash bench`` call and time attention the same way.
 
 asv starts one process per benchmark and parameter combination, so everything a skip needs is decided from cheap
 facts (device nodes, the grid rules below) before numpy, numba or torch is imported.
@@ -25,8 +26,9 @@ whose float64 reference alone takes about a minute.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 # (batch, nheads, seqlen, headdim), as in numba_flash.bench (kept here so the suite runs against old commits too).
 CONFIGS: dict[str, tuple[int, int, int, int]] = {
@@ -101,70 +103,88 @@ def cheap_skip(config: str, backend: str, causal: bool, dtype: str) -> str | Non
     return None
 
 
-def _torch() -> Any:
+# asv's backend names -> numba_flash.bench runners: (name, kind).
+RUNNERS = {"cpu": ("cpu", "backend"), "cuda": ("cuda", "backend"), "rocm": ("rocm", "backend"),
+           "numpy_naive": ("naive", "peer"), "torch_sdpa": ("torch", "peer")}
+
+
+def _bench() -> Any:
+    """``numba_flash.bench`` of the commit under test: its runners, clocks and memory measurement are the ones
+    ``numba-flash bench`` uses, so asv and the bench time the same calls the same way."""
     try:
-        import torch
-    except ImportError:
-        raise NotImplementedError("torch not installed")
-    return torch
+        from numba_flash import bench
+    except ImportError as exc:   # a commit from before the bench existed
+        raise NotImplementedError(f"numba_flash.bench not importable at this commit: {exc}")
+    return bench
 
 
-def _bhsd(a: Any) -> Any:
-    """(B, S, H, D) -> (B, H, S, D) view, numpy or torch."""
-    return a.transpose(0, 2, 1, 3) if hasattr(a, "__array_interface__") else a.transpose(1, 2)
+@contextlib.contextmanager
+def _matched_torch_threads(bench: Any) -> Iterator[None]:
+    """The bench's own thread matching; commits from before it was shared get the same effect inline."""
+    shared = getattr(bench, "matched_torch_threads", None)
+    if shared is not None:
+        with shared():
+            yield
+        return
+    import numba
+    import torch
+
+    torch.set_num_threads(numba.get_num_threads())
+    yield
 
 
 class Target:
-    """One backend or peer bound to one problem: q, k, v, dout (B, S, H, D), N(0, 1), in the benchmark's dtype and
-    on the target's device. ``forward``/``backward`` end with a device synchronize so wall-clock timing is honest.
-    ``gpu`` is 'torch', 'numba' or None (host)."""
-
-    gpu: str | None = None
+    """One backend or peer bound to one problem through ``numba_flash.bench``: a ``Case`` (layout bshd), its fresh
+    N(0, 1) ``Inputs``, the bench's ``Runner`` for it and the ``Clock`` of the runner's device. ``forward`` and
+    ``backward`` end with a device synchronize so that asv's wall-clock timing is honest. ``gpu`` is 'torch',
+    'numba' or None (host). Raises NotImplementedError (asv: skipped) when this machine cannot run it."""
 
     def __init__(self, backend: str, config: str, causal: bool, dtype: str, seed: int = 0):
         import numpy as np
 
+        bench = self.bench = _bench()
         self.backend, self.config, self.causal, self.dtype = backend, config, causal, dtype
         b, h, s, d = CONFIGS[config]
-        rng = np.random.default_rng(seed)
-        self.host32 = {n: rng.standard_normal((b, s, h, d), dtype=np.float32) for n in ("q", "k", "v", "dout")}
+        self.case = bench.Case(config, b, h, h, s, d, causal, dtype, "bshd")
+        self.inputs = bench.Inputs(self.case, np.random.default_rng(seed))
         self.flops_fwd = 4.0 * b * h * s * s * d / (2 if causal else 1)
-        self.build()
+        self.runner = bench.make_runner(*RUNNERS[backend])
+        self._threads = contextlib.ExitStack()
+        if self.runner.kind == "peer" and RUNNERS[backend][0] != "naive":
+            self._threads.enter_context(_matched_torch_threads(bench))
+        try:
+            self.runner.prepare(self.case, self.inputs)
+        except bench.Skip as exc:
+            raise NotImplementedError(str(exc))
+        self.clock = bench.Clock(self.runner.device_api)
+        self.gpu = {"torch-cuda": "torch", "numba-cuda": "numba"}.get(self.runner.device_api)
+        self.forward()  # warm-up: the first call compiles (the backward's warm-up is in prepare_backward)
+        self._backward_warm = False
 
-    # subclasses ------------------------------------------------------------------------------------------
-    def build(self) -> None:
-        raise NotImplementedError
-
-    def forward(self) -> Any:
-        raise NotImplementedError
-
-    def prepare_backward(self) -> None:
-        """Untimed work before each timed ``backward`` (a fresh autograd graph for torch)."""
-
-    def backward(self) -> Any:
-        raise NotImplementedError
-
-    # shared ----------------------------------------------------------------------------------------------
     def sync(self) -> None:
-        if self.gpu == "torch":
-            _torch().cuda.synchronize()
-        elif self.gpu == "numba":
-            from numba import cuda
-
-            cuda.synchronize()
-
-    def numpy_inputs(self) -> dict[str, Any]:
-        if self.dtype == "bfloat16":
-            raise NotImplementedError("numpy has no bfloat16")
-        return {n: a.astype(self.dtype) for n, a in self.host32.items()}
-
-    def torch_inputs(self, device: str) -> dict[str, Any]:
-        torch = _torch()
-        return {n: torch.from_numpy(a).to(device=device, dtype=getattr(torch, self.dtype))
-                for n, a in self.host32.items()}
+        self.clock.sync()
 
     def reference_inputs(self) -> dict[str, Any]:
-        return self.torch_inputs("cpu") if self.dtype == "bfloat16" else self.numpy_inputs()
+        return self.inputs.reference_inputs()
+
+    def forward(self) -> Any:
+        out = self.runner.forward()
+        self.clock.sync()
+        return out
+
+    def prepare_backward(self) -> None:
+        """Untimed work before each timed ``backward``: a fresh autograd graph for torch; the first time, one
+        untimed backward, because it compiles."""
+        if not self._backward_warm:
+            self.runner.before_backward()
+            self.runner.backward()
+            self._backward_warm = True
+        self.runner.before_backward()
+
+    def backward(self) -> Any:
+        grads = self.runner.backward()
+        self.clock.sync()
+        return grads
 
     def gpu_ms(self, fn: Any, before: Any = None, repeats: int = 5) -> float:
         """Median milliseconds of ``fn`` between two CUDA events (the kernels' time, not Python's)."""
@@ -174,160 +194,16 @@ class Target:
         for _ in range(repeats):
             if before is not None:
                 before()
-            self.sync()
-            if self.gpu == "torch":
-                torch = _torch()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                from numba import cuda
-
-                start, end = cuda.event(timing=True), cuda.event(timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(cuda.event_elapsed_time(start, end))
+            times.append(self.clock.time(fn)[0])
         return float(statistics.median(times))
 
+    def peak_bytes(self, fn: Any) -> int:
+        """The extra memory one call of ``fn`` allocates, measured as the bench does (host: the rise of the
+        peak resident set during the call; GPU: the allocator's peak), not the size of the whole process."""
+        if self.runner.device == "cpu":
+            return int(self.bench.measure_host_peak(fn)[0])
+        return int(self.bench.measure_gpu_peak(fn, self.runner.device_api)[0])
 
-class RegistryTarget(Target):
-    """A numba-flash backend through the public registry, fed the first array kind it accepts."""
-
-    def build(self) -> None:
-        from backends import backend_registry
-        from numba_flash.validation import validate_forward
-
-        be = next((x for x in backend_registry.backends("flash") if x.name == self.backend), None)
-        if be is None:
-            raise NotImplementedError(f"backend {self.backend!r} not registered")
-        reasons = be.unavailable_reasons(forced=False)
-        if reasons:
-            raise NotImplementedError("; ".join(reasons))
-        forms = []
-        if self.backend in ("cuda", "rocm"):
-            torch = None
-            try:
-                torch = _torch()
-            except NotImplementedError:
-                pass
-            if torch is not None and torch.cuda.is_available():
-                forms.append(("torch", lambda: self.torch_inputs("cuda")))
-            if self.backend == "cuda":
-                forms.append(("numba", self._numba_inputs))
-        else:
-            forms.append((None, self.numpy_inputs))
-            forms.append((None, lambda: self.torch_inputs("cpu")))
-        why = []
-        for gpu, make in forms:
-            try:
-                arrays = make()
-            except NotImplementedError as exc:
-                why.append(str(exc))
-                continue
-            call = validate_forward(arrays["q"], arrays["k"], arrays["v"], causal=self.causal)
-            reasons = be.not_supported_reasons(call, forced=True)
-            if not reasons:
-                self.gpu, self.arrays = gpu, arrays
-                break
-            why.extend(reasons)
-        else:
-            raise NotImplementedError("; ".join(why) or "no usable array kind")
-        self.op = backend_registry.get("flash", backend=self.backend)
-        self.forward()  # warm-up: the first call compiles (the backward compiles in prepare_backward)
-        self.backward_ready = False
-
-    def _numba_inputs(self) -> dict[str, Any]:
-        from numba import cuda
-
-        if not cuda.is_available():
-            raise NotImplementedError("no CUDA GPU")
-        return {n: cuda.to_device(a) for n, a in self.numpy_inputs().items()}
-
-    def forward(self) -> Any:
-        a = self.arrays
-        self.out, self.lse = self.op.forward(a["q"], a["k"], a["v"], causal=self.causal, return_lse=True)
-        self.sync()
-        return self.out
-
-    def prepare_backward(self) -> None:
-        if not self.backward_ready:
-            self.backward()
-            self.backward_ready = True
-
-    def backward(self) -> Any:
-        a = self.arrays
-        grads = self.op.backward(a["dout"], a["q"], a["k"], a["v"], self.out, self.lse, causal=self.causal)
-        self.sync()
-        return grads
-
-
-class NumpyNaiveTarget(Target):
-    """softmax(q k^T * scale) v in numpy with the (B, H, S, S) scores in memory, and its textbook backward: the
-    same peer as ``numba-flash bench --compare naive`` (``numba_flash.bench_peers``)."""
-
-    def build(self) -> None:
-        self.arrays = self.numpy_inputs()
-        self.forward()  # warm-up (page faults, BLAS threads)
-
-    def forward(self) -> Any:
-        from numba_flash.bench_peers import naive_forward_numpy
-
-        a = self.arrays
-        return naive_forward_numpy(a["q"], a["k"], a["v"], self.causal, "bshd")
-
-    def backward(self) -> Any:
-        from numba_flash.bench_peers import naive_backward_numpy
-
-        a = self.arrays
-        return naive_backward_numpy(a["dout"], a["q"], a["k"], a["v"], self.causal, "bshd")
-
-
-class TorchSdpaTarget(Target):
-    """``torch.nn.functional.scaled_dot_product_attention`` on the GPU if torch sees one, else on the CPU with
-    as many threads as Numba uses."""
-
-    def build(self) -> None:
-        torch = _torch()
-        self.torch = torch
-        if torch.cuda.is_available():
-            self.gpu, device = "torch", "cuda"
-        else:
-            import numba
-
-            torch.set_num_threads(numba.get_num_threads())
-            device = "cpu"
-        self.arrays = {n: _bhsd(t) for n, t in self.torch_inputs(device).items()}
-        self.forward()  # warm-up
-
-    def _attn(self, q: Any, k: Any, v: Any) -> Any:
-        import torch.nn.functional as F
-
-        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-
-    def forward(self) -> Any:
-        with self.torch.no_grad():
-            out = self._attn(self.arrays["q"], self.arrays["k"], self.arrays["v"])
-        self.sync()
-        return _bhsd(out)
-
-    def prepare_backward(self) -> None:
-        self.leaves = tuple(self.arrays[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
-        self.graph_out = self._attn(*self.leaves)
-        self.sync()
-
-    def backward(self) -> Any:
-        grads = self.torch.autograd.grad(self.graph_out, self.leaves, self.arrays["dout"])
-        self.sync()
-        return tuple(_bhsd(g) for g in grads)
-
-
-TARGETS = {"cpu": RegistryTarget, "cuda": RegistryTarget, "rocm": RegistryTarget,
-           "numpy_naive": NumpyNaiveTarget, "torch_sdpa": TorchSdpaTarget}
 
 # One target per process is kept between asv's calls of setup (asv re-runs setup before every timed sample).
 _current: dict[str, Any] = {"key": None, "target": None}
@@ -343,7 +219,7 @@ def get_target(config: str, backend: str, causal: bool, dtype: str) -> Target:
     if _current["key"] != key:
         _current["key"], _current["target"] = None, None
         try:
-            target = TARGETS[backend](backend, config, causal, dtype)
+            target = Target(backend, config, causal, dtype)
         except NotImplementedError:
             raise
         except Exception as exc:

@@ -1,6 +1,6 @@
 """numba-flash: exact FlashAttention (tiled, online softmax, no S x S matrix) written as Numba kernels.
 
-    from backends import backend_registry
+    from numba_flash import backend_registry       # also importable as backends.backend_registry
     out = backend_registry.get("flash").forward(q, k, v, causal=True)
 
     import numba_flash
@@ -28,6 +28,7 @@ __all__ = [
     "validate_forward",
     "validate_backward",
     "flash_attn_func",
+    "backend_registry",
     "__version__",
 ]
 
@@ -38,4 +39,8 @@ def __getattr__(name: str) -> Any:
         from .torch_api import flash_attn_func
 
         return flash_attn_func
+    if name == "backend_registry":
+        import importlib  # not `from . import`: that would look the attribute up here again, endlessly
+
+        return importlib.import_module(".backend_registry", __name__)
     raise AttributeError(f"module 'numba_flash' has no attribute {name!r}")

@@ -3,8 +3,8 @@
 Forward and backward are two ops registered with ``torch.library.custom_op`` (``numba_flash::flash_fwd`` and
 ``numba_flash::flash_bwd``) with fake implementations, so ``torch.compile`` sees them as opaque nodes with known
 output shapes instead of tracing into Numba. ``FlashAttnFunc`` (a ``torch.autograd.Function``) ties the two together;
-both ops send their work through ``backends.backend_registry.get("flash")``, so ``loss.backward()`` runs on the same
-backend choice as the forward.
+both ops send their work through ``numba_flash.backend_registry.get("flash")``, so ``loss.backward()`` runs on the
+same backend choice as the forward.
 
 This module imports torch at import time; ``numba_flash`` imports it only when ``flash_attn_func`` is first used.
 Annotations are evaluated (no ``from __future__ import annotations``) because ``custom_op`` reads them as its schema.
@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from backends import backend_registry
+from numba_flash import backend_registry
 from numba_flash.errors import AttentionInputError
 from numba_flash.validation import validate_forward
 

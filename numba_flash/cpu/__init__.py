@@ -2,8 +2,20 @@
 
 ``flash_forward`` and ``flash_backward`` take (B, S, H, D) numpy views with any strides and write their results
 into arrays the caller allocated; ``backends.cpu`` is the host side that converts user inputs.
+
+Scratch memory: each thread that calls the kernels keeps its scratch buffers (packed K/V/Q/dO, dQ accumulators)
+between calls, until it exits or calls ``clear_workspace()``, because fresh multi-MiB buffers cost page faults on
+every call. Each buffer is kept only up to a cap, 64 MiB by default: up to 128 MiB per thread after a forward and
+320 MiB after a backward. ``set_workspace_limit(nbytes)`` or ``NUMBA_FLASH_CPU_SCRATCH_MIB`` sets the cap (0 keeps
+nothing); ``workspace_bytes()`` says what this thread holds.
 """
 
-from .kernels import BLOCK_M, BLOCK_N, clear_workspace, flash_backward, flash_forward
+from .. import compile_notice
+from .kernels import (BLOCK_M, BLOCK_N, clear_workspace, flash_backward, flash_forward, set_workspace_limit,
+                      workspace_bytes)
 
-__all__ = ["flash_forward", "flash_backward", "clear_workspace", "BLOCK_M", "BLOCK_N"]
+# Before anything here can compile: a cold cache then says so instead of hanging silently for half a minute.
+compile_notice.install()
+
+__all__ = ["flash_forward", "flash_backward", "clear_workspace", "set_workspace_limit", "workspace_bytes",
+           "BLOCK_M", "BLOCK_N"]

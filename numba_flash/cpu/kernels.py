@@ -975,7 +975,20 @@ def _entry(kernel: Any, dtype: np.dtype) -> Any:
 # Fresh multi-MiB numpy buffers are madvised for huge pages, and faulting them in stalled on memory compaction here:
 # the (1, 32, 512, 128) forward took a median of 35.9 ms with fresh buffers and 23.0 ms with reused ones (min of
 # both ~22.5 ms). Buffers above the cap are not kept: their cost is small next to the O(S^2) work they serve.
-WORKSPACE_MAX_BYTES = 64 << 20
+# Each calling thread keeps its own until it exits or calls clear_workspace(): up to 2 x the cap after a forward
+# (K, V) and 5 x the cap after a backward (Q, K, V, dO, dQ), plus the small lse/delta rows.
+WORKSPACE_ENV = "NUMBA_FLASH_CPU_SCRATCH_MIB"
+
+
+def _workspace_cap_from_env() -> int:
+    text = os.environ.get(WORKSPACE_ENV, "").strip()
+    try:
+        return max(0, int(float(text) * 2**20)) if text else 64 << 20
+    except ValueError:
+        raise ValueError(f"{WORKSPACE_ENV}: expected a number of MiB, got {text!r}") from None
+
+
+WORKSPACE_MAX_BYTES = _workspace_cap_from_env()
 _workspace = threading.local()
 
 
@@ -984,9 +997,11 @@ def _scratch(slot: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     for ``slot`` (grown as needed) when it fits ``WORKSPACE_MAX_BYTES``."""
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
+    buffers = _workspace.__dict__.setdefault("buffers", {})
+    if slot in buffers and buffers[slot].nbytes > WORKSPACE_MAX_BYTES:  # kept under a larger cap set since
+        del buffers[slot]
     if nbytes > WORKSPACE_MAX_BYTES:
         return np.empty(shape, dtype)
-    buffers = _workspace.__dict__.setdefault("buffers", {})
     buf = buffers.get(slot)
     if buf is None or buf.nbytes < nbytes:
         buf = buffers[slot] = np.empty(max(nbytes, 1), np.uint8)
@@ -996,6 +1011,25 @@ def _scratch(slot: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 def clear_workspace() -> None:
     """Free the scratch buffers this thread keeps between calls (at most ``WORKSPACE_MAX_BYTES`` each)."""
     _workspace.__dict__.pop("buffers", None)
+
+
+def set_workspace_limit(nbytes: int) -> int:
+    """Keep scratch buffers of at most ``nbytes`` each between calls (0: keep none); returns the previous limit.
+    This thread's larger buffers are freed now, other threads' on their next call. The default is 64 MiB, or
+    ``NUMBA_FLASH_CPU_SCRATCH_MIB`` when set at import."""
+    global WORKSPACE_MAX_BYTES
+    if nbytes < 0:
+        raise ValueError(f"nbytes: expected >= 0, got {nbytes}")
+    previous, WORKSPACE_MAX_BYTES = WORKSPACE_MAX_BYTES, int(nbytes)
+    buffers = _workspace.__dict__.get("buffers", {})
+    for slot in [s for s, b in buffers.items() if b.nbytes > WORKSPACE_MAX_BYTES]:
+        del buffers[slot]
+    return previous
+
+
+def workspace_bytes() -> int:
+    """Bytes of scratch this thread keeps between calls."""
+    return sum(b.nbytes for b in _workspace.__dict__.get("buffers", {}).values())
 
 
 def _head_major(x: np.ndarray, head_dim: int, slot: str) -> np.ndarray:

@@ -180,3 +180,24 @@ def test_broken_backend_module_is_reported_not_fatal(rng, fakes):
             fakes.forward(*_qkv(rng), backend="broken")
     finally:
         backend_registry.unregister(OP, "broken")
+
+
+def test_explain_returns_text_that_reads_well_and_the_decision_as_data(rng, fakes):
+    """In a notebook or REPL the explanation shows as its lines (not a quoted string full of \\n), and code can read
+    the decision without parsing text."""
+    import pickle
+
+    exp = fakes.explain(*_qkv(rng), causal=True)
+    assert isinstance(exp, str) and "chosen: slow" in exp       # print() and `in` as before
+    assert repr(exp) == str(exp) and "\n" in repr(exp) and not repr(exp).startswith("'")
+    assert exp.chosen == "slow" and exp.forced is None
+    by_name = {c.name: c for c in exp.candidates}
+    assert [c.name for c in exp.candidates] == ["fast", "medium", "slow"]
+    assert by_name["fast"].reasons == ("float32 not supported",) and not by_name["fast"].chosen
+    assert by_name["medium"].reasons == ("pretend hardware missing",)
+    assert by_name["slow"].reasons == () and by_name["slow"].chosen and by_name["slow"].priority == 5
+    html = exp._repr_html_()
+    assert html.count("<tr>") == 1 + len(exp.candidates) and "<b>slow</b>" in html
+    assert pickle.loads(pickle.dumps(exp)) == exp
+    forced = fakes.explain(*_qkv(rng), backend="fast")
+    assert forced.chosen is None and forced.forced == "fast" and "NoBackendError" in forced

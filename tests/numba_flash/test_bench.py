@@ -37,9 +37,9 @@ def tiny_run(tmp_path_factory):
 
 
 EXPECTED_COLUMNS = ["config", "batch", "nheads", "nheads_kv", "seqlen", "headdim", "causal", "dtype", "layout",
-                    "name", "kind", "device", "pass", "status", "repeats", "min_ms", "median_ms", "max_ms", "flops",
-                    "tflops", "peak_mem_bytes", "mem_saved_vs_naive", "speedup_vs_naive", "speedup_vs_sdpa",
-                    "max_err"]
+                    "name", "kind", "device", "pass", "status", "repeats", "min_ms", "median_ms", "p95_ms", "p99_ms",
+                    "max_ms", "spread", "flops", "tflops", "peak_mem_bytes", "mem_saved_vs_naive",
+                    "speedup_vs_naive", "speedup_vs_sdpa", "max_err"]
 
 
 def test_csv_columns_and_values(tiny_run):
@@ -59,7 +59,9 @@ def test_csv_columns_and_values(tiny_run):
         assert r["causal"] == "True" and r["dtype"] == "float32" and r["layout"] == "bshd"
         assert r["device"] == "cpu" and int(r["repeats"]) == 3
         lo, med, hi = float(r["min_ms"]), float(r["median_ms"]), float(r["max_ms"])
-        assert 0 < lo <= med <= hi, r
+        p95, p99 = float(r["p95_ms"]), float(r["p99_ms"])
+        assert 0 < lo <= med <= p95 <= p99 <= hi, r
+        assert float(r["spread"]) == pytest.approx(hi / lo, rel=1e-6)
         # The contract's FLOP count: forward 4*B*H*S*S*D, halved when causal; backward 2.5x the forward.
         flops = 4 * b * h * s * s * d / 2 * (1.0 if r["pass"] == "fwd" else 2.5)
         assert float(r["flops"]) == pytest.approx(flops)
@@ -174,7 +176,7 @@ def test_console_script_accepts_bench_subcommand():
 def test_out_of_memory_sizes_skip_instead_of_failing(rng, monkeypatch):
     """Where the S x S peers or the float64 reference cannot fit in memory, they are skipped with the reason and
     the backends still run; nothing tries the allocation (an overcommitting kernel would kill the process)."""
-    monkeypatch.setattr(bench, "available_host_bytes", lambda: 4096)
+    monkeypatch.setattr(bench.memory, "available_host_bytes", lambda: 4096)
     case = bench.Case("custom", 1, 2, 2, 40, 16, True, "float32", "bshd")
     runners = [bench.make_runner("cpu", "backend"), bench.make_runner("naive", "peer")]
     notes = []

@@ -1,6 +1,6 @@
 """Ops by name, backends per op, and the dispatcher that picks one per call.
 
-    from backends import backend_registry
+    from numba_flash import backend_registry      # also importable as backends.backend_registry
     op = backend_registry.get("flash")
     out = op.forward(q, k, v, causal=True)
     print(op.explain(q, k, v, causal=True))
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import importlib
 import logging
 import os
@@ -30,7 +31,7 @@ from typing import Any, Iterator
 from numba_flash.errors import BackendDeclined, NoBackendError
 from numba_flash.validation import AttentionCall, validate_backward, validate_forward
 
-from .base import Backend
+from numba_flash.backends.base import Backend
 
 ENTRY_POINT_GROUP = "numba_flash.backends"
 ENV_VAR = "NUMBA_FLASH_BACKEND"
@@ -38,9 +39,9 @@ ENV_VAR = "NUMBA_FLASH_BACKEND"
 logger = logging.getLogger("numba_flash")
 
 _BUILTIN = {
-    "cuda": "backends.cuda:CudaBackend",
-    "rocm": "backends.rocm:RocmBackend",
-    "cpu": "backends.cpu:CpuBackend",
+    "cuda": "numba_flash.backends.cuda:CudaBackend",
+    "rocm": "numba_flash.backends.rocm:RocmBackend",
+    "cpu": "numba_flash.backends.cpu:CpuBackend",
 }
 
 _lock = threading.RLock()
@@ -255,26 +256,88 @@ class Dispatcher:
 
     def explain(self, q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
                 window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd",
-                return_lse: bool = False, backend: str | None = None) -> str:
-        """A few lines saying which backend a forward call would use and why each other one was passed over."""
+                return_lse: bool = False, backend: str | None = None) -> "Explanation":
+        """Which backend a forward call would use and why each other one was passed over.
+
+        Returns an ``Explanation``: a ``str`` of a few lines (``print`` it, or search it with ``in``) that also
+        carries the decision as data (``.chosen``, ``.forced``, ``.candidates``) and shows as a table in a notebook.
+        """
         call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                 softcap=softcap, layout=layout, return_lse=return_lse)
         chosen, table, forced = self._rank(call, backend)
-        lines = [f"{self.op}: {call.describe()}"]
-        if chosen is not None:
-            lines.append(f"chosen: {chosen.name}" + (f" (forced by backend={forced!r})" if forced else ""))
-        else:
-            lines.append("chosen: none (a call would raise NoBackendError)")
+        candidates = []
         for name, reasons in table.items():
             be = _instance(self.op, name)
-            prio = f" [priority {be.PRIORITY}]" if be is not None else ""
-            verdict = "can serve" if not reasons else "; ".join(reasons)
-            notes = be.notes(call) if be is not None and not reasons else []
-            if notes:
-                verdict += f" ({'; '.join(notes)})"
-            mark = "  <- chosen" if chosen is not None and name == chosen.name else ""
-            lines.append(f"  {name}{prio}: {verdict}{mark}")
-        return "\n".join(lines)
+            candidates.append(Candidate(name=name, priority=be.PRIORITY if be is not None else None,
+                                        reasons=tuple(reasons),
+                                        notes=tuple(be.notes(call)) if be is not None and not reasons else (),
+                                        chosen=chosen is not None and name == chosen.name))
+        return Explanation(self.op, call.describe(), chosen.name if chosen is not None else None, forced,
+                           tuple(candidates))
 
     def __repr__(self) -> str:
         return f"<Dispatcher op={self.op!r} backend={self.backend!r}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One backend's line in an ``Explanation``: no ``reasons`` means it can serve the call."""
+
+    name: str
+    priority: int | None        # None for a backend that does not exist (forced by a wrong name)
+    reasons: tuple[str, ...]
+    notes: tuple[str, ...]
+    chosen: bool
+
+    @property
+    def verdict(self) -> str:
+        text = "can serve" if not self.reasons else "; ".join(self.reasons)
+        return text + (f" ({'; '.join(self.notes)})" if self.notes else "")
+
+
+class Explanation(str):
+    """What ``Dispatcher.explain`` returns. It is the text itself, so ``print(op.explain(...))`` and
+    ``"chosen: cpu" in op.explain(...)`` work; its ``repr`` is that text too, so a notebook cell or the REPL shows
+    the lines rather than one quoted string full of ``\\n``. ``.chosen`` (a backend name or None), ``.forced`` and
+    ``.candidates`` give the same decision as data; ``_repr_html_`` draws it as a table in Jupyter."""
+
+    op: str
+    call: str
+    chosen: str | None
+    forced: str | None
+    candidates: tuple[Candidate, ...]
+
+    def __new__(cls, op: str, call: str, chosen: str | None, forced: str | None,
+                candidates: tuple[Candidate, ...]) -> "Explanation":
+        lines = [f"{op}: {call}"]
+        if chosen is not None:
+            lines.append(f"chosen: {chosen}" + (f" (forced by backend={forced!r})" if forced else ""))
+        else:
+            lines.append("chosen: none (a call would raise NoBackendError)")
+        for c in candidates:
+            prio = f" [priority {c.priority}]" if c.priority is not None else ""
+            lines.append(f"  {c.name}{prio}: {c.verdict}" + ("  <- chosen" if c.chosen else ""))
+        self = super().__new__(cls, "\n".join(lines))
+        self.op, self.call, self.chosen, self.forced, self.candidates = op, call, chosen, forced, candidates
+        return self
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # str's own pickling would call __new__ with the text alone
+        return Explanation, (self.op, self.call, self.chosen, self.forced, self.candidates)
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        head = escape(f"{self.op}: {self.call}")
+        chosen = escape(self.chosen) if self.chosen else "none (a call would raise NoBackendError)"
+        if self.forced:
+            chosen += escape(f" (forced by backend={self.forced!r})")
+        rows = "".join(
+            f"<tr><td>{'<b>' + escape(c.name) + '</b>' if c.chosen else escape(c.name)}</td>"
+            f"<td>{'' if c.priority is None else c.priority}</td><td>{escape(c.verdict)}</td></tr>"
+            for c in self.candidates)
+        return (f"<div><code>{head}</code><br>chosen: <b>{chosen}</b>"
+                f"<table><tr><th>backend</th><th>priority</th><th>verdict</th></tr>{rows}</table></div>")

@@ -1,0 +1,8 @@
+"""``python -m numba_flash.bench``: the bench (or, given as the first argument, another ``numba-flash``
+subcommand)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

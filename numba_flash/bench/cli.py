@@ -1,0 +1,208 @@
+"""The ``bench`` subcommand of ``numba-flash``, also ``python -m numba_flash.bench`` and ``make bench``.
+
+Exit status: 0; 1 when a backend or peer raised an error (its line says which); 2 for a bad argument or an output
+file that cannot be written (checked before anything runs); 3 when a backend named with ``--backend`` cannot run
+on this machine or this case; 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from typing import Any, Sequence
+
+from .cases import CONFIGS, DEFAULT_CONFIG, DTYPES, LAYOUTS, BenchArgumentError, Case, make_cases
+from .engine import execute, resolve_runners
+from .plot import plot_format_problem, title_for, write_plot
+from .report import format_table, header_lines, write_csv, write_json
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+DESCRIPTION = ("Time numba-flash's attention backends against numpy naive attention and torch SDPA, forward and "
+               "backward, with P50/P95/P99 times, TFLOP/s, peak memory and max error vs the float64 reference.")
+EPILOG = ("configs (B, H, S, D): " + ", ".join(f"{n} {c}" for n, c in CONFIGS.items()) +
+          f". Default: {DEFAULT_CONFIG}, every available backend, --compare naive,torch. Exit status: 0 ok, 1 a "
+          "backend or peer failed, 2 bad arguments, 3 a backend named with --backend cannot run here.")
+
+
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or a comma-separated list, got {text!r}")
+    if not values or any(x < 1 for x in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def positive_int(text: str) -> int:
+    """argparse type: one positive integer."""
+    values = _positive_ints(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
+    return values[0]
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def _output_problem(path: str) -> str | None:
+    """Why ``path`` cannot be written, checked before the run so that a typo does not cost the results."""
+    if os.path.isdir(path):
+        return "is a directory"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"directory {parent} does not exist"
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return "not writable"
+    return None
+
+
+def add_size_arguments(p: argparse.ArgumentParser, sweep: bool = True) -> None:
+    """The problem-size flags, shared by ``bench`` and ``explain``."""
+    size = p.add_argument_group("problem size (flags override the --config's values)")
+    size.add_argument("--config", choices=sorted(CONFIGS), help=f"a seed size (default {DEFAULT_CONFIG})")
+    size.add_argument("--batch", type=positive_int)
+    size.add_argument("--seqlen", type=_positive_ints if sweep else positive_int,
+                      help="one length, or a comma-separated sweep: 512,1024,2048" if sweep else "sequence length")
+    size.add_argument("--nheads", type=positive_int)
+    size.add_argument("--nheads-kv", type=positive_int, help="key/value heads (GQA); default --nheads")
+    size.add_argument("--headdim", type=positive_int)
+    size.add_argument("--causal", action="store_true")
+    size.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    size.add_argument("--layout", default="bshd", choices=LAYOUTS)
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag of ``numba-flash bench``."""
+    add_size_arguments(p)
+    what = p.add_argument_group("what to run")
+    what.add_argument("--backend", help="comma-separated backends (default: every available one); a named backend "
+                                        "that cannot run makes the exit status 3")
+    what.add_argument("--compare",
+                      help="comma-separated peers from naive (numpy), torch (SDPA), torch_naive; 'none' for none "
+                           "(default: naive,torch, plus torch_naive where torch sees a GPU)")
+    what.add_argument("--no-grad", action="store_true", help="forward only (default: forward and backward)")
+    what.add_argument("--repeats", type=positive_int, default=10, help="timed calls per pass (default 10)")
+    what.add_argument("--no-check", action="store_true", help="skip the max error vs the float64 reference")
+    what.add_argument("--seed", type=_seed, help="seed of the random inputs (default: fresh)")
+    out = p.add_argument_group("output")
+    out.add_argument("--csv", metavar="FILE")
+    out.add_argument("--json", metavar="FILE")
+    out.add_argument("--plot", metavar="FILE.png",
+                     help="TFLOP/s vs sequence length per backend, log scale, with P95-to-fastest error bars")
+
+
+def build_parser(prog: str = "numba-flash bench") -> argparse.ArgumentParser:
+    """The bench's own parser (``python -m numba_flash.bench``); ``numba_flash.cli`` builds the subcommand's."""
+    from .. import __version__
+
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EPILOG)
+    p.add_argument("--version", action="version", version=f"numba-flash {__version__}")
+    add_bench_arguments(p)
+    return p
+
+
+def cases_from_args(args: argparse.Namespace) -> list[Case]:
+    """The cases the size flags describe; BenchArgumentError when they do not fit together."""
+    return make_cases(args.config, batch=args.batch, nheads=args.nheads, nheads_kv=args.nheads_kv,
+                      seqlen=args.seqlen, headdim=args.headdim, causal=args.causal, dtype=args.dtype,
+                      layout=args.layout)
+
+
+def _flag_message(exc: BenchArgumentError) -> str:
+    """make_cases and resolve_runners name their keyword arguments; on the command line they are flags."""
+    text = re.sub(r"\b(nheads_kv|nheads|headdim|batch|seqlen)\b", lambda m: "--" + m.group(1).replace("_", "-"),
+                  str(exc))
+    return re.sub(r"^(backend|compare|config|dtype|layout|repeats):", r"--\1:", text)
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace
+               ) -> tuple[list[Case], list[tuple[str, str]]]:
+    """Everything that can be wrong with the arguments, found before anything runs (``parser.error`` exits 2)."""
+    try:
+        cases = cases_from_args(args)
+        runners = resolve_runners(args.backend, args.compare)
+    except BenchArgumentError as exc:
+        parser.error(_flag_message(exc))
+    for flag, path in (("--csv", args.csv), ("--json", args.json), ("--plot", args.plot)):
+        problem = path is not None and _output_problem(path)
+        if problem:
+            parser.error(f"{flag} {path}: {problem}")
+    if args.plot:
+        problem = plot_format_problem(args.plot)
+        if problem:
+            parser.error(f"--plot {args.plot}: {problem}")
+    return cases, runners
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[Case], list[tuple[str, str]]]:
+    """The bench's arguments (a leading ``bench`` is dropped), its cases and its ``(name, kind)`` runners."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        argv = argv[1:]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return (args, *check_args(parser, args))
+
+
+def run_command(args: argparse.Namespace, cases: list[Case], runner_specs: list[tuple[str, str]]) -> int:
+    """Run the bench the arguments describe, print the report, write the files; returns the exit status."""
+    def header(meta: dict[str, Any]) -> None:
+        for line in header_lines(meta, cases[0].describe([c.seqlen for c in cases]), args.repeats,
+                                 not args.no_check):
+            print(line)
+        sys.stdout.flush()
+
+    results = execute(cases, runner_specs, grad=not args.no_grad, repeats=args.repeats, check=not args.no_check,
+                      seed=args.seed, on_start=header)
+    print()
+    print(format_table(results.rows))
+    for note in results.notes:
+        print(note)
+    writers = ((args.csv, lambda p: write_csv(p, results.rows)),
+               (args.json, lambda p: write_json(p, results.rows, results.meta)),
+               (args.plot, lambda p: write_plot(p, results.rows, title_for(results.cases, results.meta))))
+    for path, write in writers:
+        if not path:
+            continue
+        try:
+            write(path)
+        except OSError as exc:  # the paths were checked before the run; the disk may still fill up
+            print(f"numba-flash bench: error: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"wrote {path}")
+    if results.errors:
+        return EXIT_ERROR
+    unavailable = [r for r in results.skipped if r.kind == "backend"] if args.backend is not None else []
+    if unavailable:
+        names = sorted({r.name for r in unavailable})
+        print(f"numba-flash bench: error: {', '.join(names)} named with --backend could not run: "
+              + "; ".join(sorted({f'{r.name}: {r.status}' for r in unavailable})), file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m numba_flash.bench [bench] ARGS``; another subcommand (``warmup``, ``explain``) goes to
+    ``numba_flash.cli``. Returns the exit status (see the module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from ..cli import SUBCOMMANDS
+
+    if argv[:1] and argv[0] in SUBCOMMANDS and argv[0] != "bench":
+        from ..cli import main as cli_main
+
+        return cli_main(argv)
+    try:
+        return run_command(*parse_args(argv))
+    except KeyboardInterrupt:
+        print("numba-flash bench: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

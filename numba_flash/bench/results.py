@@ -1,0 +1,184 @@
+"""What a bench run gives back: one ``Row`` per runner, pass and case, gathered in ``BenchResults``."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence, overload
+
+from .cases import Case
+from .harness import TimingStats, busy_note
+
+CSV_COLUMNS = ("config", "batch", "nheads", "nheads_kv", "seqlen", "headdim", "causal", "dtype", "layout",
+               "name", "kind", "device", "pass", "status", "repeats", "min_ms", "median_ms", "p95_ms", "p99_ms",
+               "max_ms", "spread", "flops", "tflops", "peak_mem_bytes", "mem_saved_vs_naive", "speedup_vs_naive",
+               "speedup_vs_sdpa", "max_err")
+
+
+class NoisyTimingWarning(UserWarning):
+    """Some measurement of a bench run was disturbed by other work on the machine (see ``harness.BUSY_SPREAD``)."""
+
+
+@dataclass
+class Row:
+    """One line of the report: a runner's pass on a case. ``status`` is 'ok', 'skipped: ...' or 'error: ...'."""
+
+    case: Case
+    name: str
+    kind: str           # 'backend' or 'peer'
+    device: str
+    pass_: str
+    status: str = "ok"
+    times_ms: list[float] | None = None
+    peak_mem_bytes: int | None = None
+    max_err: float | None = None
+    speedup_vs_naive: float | None = None
+    speedup_vs_sdpa: float | None = None
+    mem_saved_vs_naive: float | None = None
+
+    @property
+    def stats(self) -> TimingStats | None:
+        """Min, P50, P95, P99 and max of the timed calls; None when nothing was timed."""
+        return TimingStats.of(self.times_ms) if self.times_ms else None
+
+    @property
+    def median_ms(self) -> float | None:
+        """P50 of the timed calls."""
+        return self.stats.p50_ms if self.times_ms else None
+
+    @property
+    def tflops(self) -> float | None:
+        """TFLOP/s at the median time."""
+        med = self.median_ms
+        return self.case.flops(self.pass_) / (med * 1e-3) / 1e12 if med else None
+
+    def tflops_at(self, ms: float) -> float:
+        """TFLOP/s of this pass at a call time of ``ms``."""
+        return self.case.flops(self.pass_) / (ms * 1e-3) / 1e12
+
+    @property
+    def label(self) -> str:
+        """``cpu (cpu) fwd S=256``: the row in the notes."""
+        return f"{self.name} ({self.device}) {self.pass_} S={self.case.seqlen}"
+
+    def record(self) -> dict[str, Any]:
+        """The row as a flat dict with the keys of ``CSV_COLUMNS`` (None where nothing was measured)."""
+        c, s = self.case, self.stats
+        return {
+            "config": c.config, "batch": c.batch, "nheads": c.nheads, "nheads_kv": c.nheads_kv, "seqlen": c.seqlen,
+            "headdim": c.headdim, "causal": c.causal, "dtype": c.dtype, "layout": c.layout, "name": self.name,
+            "kind": self.kind, "device": self.device, "pass": self.pass_, "status": self.status,
+            "repeats": s.n if s else 0, "min_ms": s.min_ms if s else None, "median_ms": s.p50_ms if s else None,
+            "p95_ms": s.p95_ms if s else None, "p99_ms": s.p99_ms if s else None, "max_ms": s.max_ms if s else None,
+            "spread": s.spread if s else None, "flops": c.flops(self.pass_), "tflops": self.tflops,
+            "peak_mem_bytes": self.peak_mem_bytes, "mem_saved_vs_naive": self.mem_saved_vs_naive,
+            "speedup_vs_naive": self.speedup_vs_naive, "speedup_vs_sdpa": self.speedup_vs_sdpa,
+            "max_err": self.max_err,
+        }
+
+
+class BenchResults(Sequence[Row]):
+    """The rows of a run with the run's ``meta`` (machine, versions, threads, seed) and ``notes`` (lines worth
+    reading under the table: disturbed timings, a reference too big to compute). Indexing and iteration give the
+    rows; ``records()``, ``to_dataframe()``, ``table()`` and ``plot()`` give them in other forms. In a notebook the
+    object shows as its table."""
+
+    def __init__(self, rows: Sequence[Row], meta: dict[str, Any], notes: Sequence[str] = ()):
+        self.rows = list(rows)
+        self.meta = dict(meta)
+        self.notes = list(notes)
+
+    @overload
+    def __getitem__(self, i: int) -> Row: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Row]: ...
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.rows[i]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[Row]:
+        return iter(self.rows)
+
+    @property
+    def cases(self) -> list[Case]:
+        """The distinct cases, in run order."""
+        return list(dict.fromkeys(r.case for r in self.rows))
+
+    @property
+    def noisy(self) -> list[Row]:
+        """Rows whose timings say the machine was busy."""
+        return [r for r in self.rows if r.status == "ok" and r.stats is not None and r.stats.busy]
+
+    @property
+    def errors(self) -> list[Row]:
+        """Rows whose backend or peer raised."""
+        return [r for r in self.rows if r.status.startswith("error")]
+
+    @property
+    def skipped(self) -> list[Row]:
+        """Rows that could not run here, with the reason in ``status``."""
+        return [r for r in self.rows if r.status.startswith("skipped")]
+
+    def records(self) -> list[dict[str, Any]]:
+        """One dict per row, keys as ``CSV_COLUMNS``."""
+        return [r.record() for r in self.rows]
+
+    def to_dataframe(self) -> Any:
+        """The records as a ``pandas.DataFrame`` (needs pandas)."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ImportError("BenchResults.to_dataframe needs pandas (pip install pandas); records() gives the "
+                              "same data as a list of dicts") from None
+        return pd.DataFrame(self.records(), columns=list(CSV_COLUMNS))
+
+    def table(self, tablefmt: str = "simple") -> str:
+        """The measured rows as a table (``tabulate`` format name), followed by the skipped and failed ones."""
+        from .report import format_table
+
+        return format_table(self.rows, tablefmt=tablefmt)
+
+    def plot(self, ax: Any = None, title: str | None = None) -> Any:
+        """TFLOP/s against sequence length (log y) with error bars, into ``ax`` or a new figure; returns the
+        figure. Never touches matplotlib's global backend."""
+        from .plot import plot_rows
+
+        return plot_rows(self.rows, ax=ax, title=title or self.title())
+
+    def title(self) -> str:
+        """The case, threads and machine in one line (the plot's title)."""
+        from .plot import title_for
+
+        return title_for(self.cases, self.meta)
+
+    def write_csv(self, path: str) -> None:
+        """The records as CSV, columns ``CSV_COLUMNS``."""
+        from .report import write_csv
+
+        write_csv(path, self.rows)
+
+    def write_json(self, path: str) -> None:
+        """``{"meta": ..., "results": [record, ...]}``."""
+        from .report import write_json
+
+        write_json(path, self.rows, self.meta)
+
+    def warn_if_noisy(self) -> None:
+        """A ``NoisyTimingWarning`` naming the disturbed measurements, if any."""
+        noisy = self.noisy
+        if noisy:
+            warnings.warn("; ".join(busy_note(r.label, r.stats) for r in noisy), NoisyTimingWarning, stacklevel=3)
+
+    def __repr__(self) -> str:
+        lines = [f"BenchResults: {len(self.rows)} rows, {self.title()}", self.table()]
+        return "\n".join(lines + self.notes)
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        notes = "".join(f"<p>{escape(n)}</p>" for n in self.notes)
+        return f"<p>{escape(self.title())}</p>{self.table('html')}{notes}"

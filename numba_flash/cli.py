@@ -1,0 +1,144 @@
+"""The ``numba-flash`` command.
+
+    numba-flash bench [...]      time the backends against naive attention and torch SDPA (the default: a
+                                 command line without a subcommand, ``numba-flash --config tiny``, means bench)
+    numba-flash warmup           compile (or load from numba's cache) every CPU kernel ahead of first use
+    numba-flash explain [...]    which backend a call of that shape would use, and why the others would not
+    numba-flash --version
+
+``python -m numba_flash`` is the same command. Exit status 2 for a bad argument everywhere; for each subcommand's
+other codes see its ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Sequence
+
+SUBCOMMANDS = ("bench", "warmup", "explain")
+TOP_LEVEL_FLAGS = ("-h", "--help", "--version")
+
+
+def _versions() -> str:
+    import numba
+    import numpy as np
+
+    from . import __version__
+
+    return f"numba-flash {__version__} (numba {numba.__version__}, numpy {np.__version__})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``numba-flash`` parser with its three subcommands."""
+    from .bench.cli import DESCRIPTION, EPILOG, add_bench_arguments, add_size_arguments
+
+    p = argparse.ArgumentParser(prog="numba-flash", description="Exact FlashAttention as Numba kernels: "
+                                "benchmark the backends, warm numba's cache up, explain the dispatcher's choice.",
+                                epilog="Without a subcommand, the arguments go to 'bench'.")
+    p.add_argument("--version", action="version", version=_versions())
+    sub = p.add_subparsers(dest="command", metavar="{bench,warmup,explain}")
+
+    bench = sub.add_parser("bench", help="time the backends against naive attention and torch SDPA",
+                           description=DESCRIPTION, epilog=EPILOG)
+    add_bench_arguments(bench)
+    bench.set_defaults(handler=_bench, parser=bench)
+
+    warm = sub.add_parser("warmup", help="compile every CPU kernel ahead of first use",
+                          description="Compile (or load from numba's on-disk cache) every CPU kernel "
+                                      "specialisation, and check each against the float64 reference. The first "
+                                      "run on a machine takes 20-40 s per dtype; later ones well under a second. "
+                                      "Exit status 1 when a kernel disagrees with the reference.")
+    warm.add_argument("--dtype", default="float32,float64",
+                      help="comma-separated compute dtypes: float32 (also serves float16 and bfloat16 inputs), "
+                           "float64 (default: both)")
+    warm.set_defaults(handler=_warmup, parser=warm)
+
+    explain = sub.add_parser("explain", help="which backend a call would use, and why not the others",
+                             description="Build random inputs of the given shape and print what the dispatcher "
+                                         "would do with a forward call on them. Exit status 3 when no backend "
+                                         "can serve the call.")
+    add_size_arguments(explain, sweep=False)
+    explain.add_argument("--window", metavar="LEFT,RIGHT", help="sliding window, -1 unbounded (e.g. 128,0)")
+    explain.add_argument("--softcap", type=float, default=0.0)
+    explain.add_argument("--array", choices=("numpy", "torch"), default="numpy", help="array kind of the inputs")
+    explain.add_argument("--device", default="cpu", help="torch device of the inputs (with --array torch)")
+    explain.add_argument("--backend", help="force this backend (as backend= on the call)")
+    explain.set_defaults(handler=_explain, parser=explain)
+    return p
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench.cli import EXIT_INTERRUPTED, check_args, run_command
+
+    cases, runners = check_args(args.parser, args)
+    try:
+        return run_command(args, cases, runners)
+    except KeyboardInterrupt:
+        print("numba-flash bench: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _warmup(args: argparse.Namespace) -> int:
+    from .warmup import DTYPES, cache_location, warmup
+
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad or not dtypes:
+        args.parser.error(f"--dtype: expected some of {', '.join(DTYPES)}, got {args.dtype!r}")
+    print(f"numba-flash warmup: CPU kernels; numba's cache: {cache_location()}", flush=True)
+    steps = warmup(dtypes, report=lambda line: print("  " + line, flush=True))
+    return 0 if all(s.ok for s in steps) else 1
+
+
+def _window(parser: argparse.ArgumentParser, text: str | None) -> tuple[int, int]:
+    if text is None:
+        return (-1, -1)
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        parser.error(f"--window: expected LEFT,RIGHT (two integers, -1 unbounded), got {text!r}")
+    return left, right
+
+
+def _explain(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from . import backend_registry
+    from .bench.cases import BenchArgumentError
+
+    try:
+        from .bench.cli import cases_from_args
+
+        (case,) = cases_from_args(args)
+    except BenchArgumentError as exc:
+        args.parser.error(str(exc))
+    window = _window(args.parser, args.window)
+    rng = np.random.default_rng()
+    arrays: list[Any] = [rng.standard_normal(case.shape(h), dtype=np.float32)
+                         for h in (case.nheads, case.nheads_kv, case.nheads_kv)]
+    if args.array == "torch":
+        try:
+            import torch
+        except ImportError:
+            args.parser.error("--array torch: torch is not installed")
+        arrays = [torch.from_numpy(a).to(device=args.device, dtype=getattr(torch, case.dtype)) for a in arrays]
+    elif case.dtype == "bfloat16":
+        args.parser.error("--dtype bf16 needs --array torch (numpy has no bfloat16)")
+    else:
+        arrays = [a.astype(case.dtype) for a in arrays]
+    op = backend_registry.get("flash")
+    explanation = op.explain(*arrays, causal=case.causal, window_size=window, softcap=args.softcap,
+                             layout=case.layout, backend=args.backend)
+    print(explanation)
+    return 0 if explanation.chosen is not None else 3
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``numba-flash`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in TOP_LEVEL_FLAGS):
+        argv = ["bench"] + argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.handler(args)
