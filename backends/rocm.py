@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from numba_flash.arrays import as_result_kind, is_torch_tensor
 from numba_flash.semantics import key_range
 from numba_flash.validation import AttentionCall
 
@@ -77,13 +78,18 @@ def _as_torch(x: Any) -> Any:
             # A read-only array gives a warning about writes; nothing here writes to the inputs.
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(x)
-    return x.detach()
+    x = x.detach()
+    # Compute on plain tensors: a subclass's __torch_function__ would run on every op of the blockwise loops.
+    return x if type(x) is torch.Tensor else x.as_subclass(torch.Tensor)
 
 
 def _to_kind(ref: Any, t: Any) -> Any:
-    """``t`` (a torch tensor) back as the array kind of ``ref``: numpy for numpy inputs."""
+    """``t`` (a plain torch tensor) back as the array kind of ``ref``: numpy for numpy inputs, the tensor type
+    torch would return for a torch subclass."""
     if isinstance(ref, np.ndarray):
         return t.numpy()
+    if t is not None and is_torch_tensor(ref):
+        return as_result_kind(ref, t)
     return t
 
 

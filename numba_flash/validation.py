@@ -1,7 +1,8 @@
 """Checks every rule of the contract's "Bad input" section before any work, and describes a valid call.
 
-``validate_forward`` / ``validate_backward`` return an ``AttentionCall``: the arrays as given (never modified, never
-copied) plus every derived fact a backend needs to decide whether it can serve the call and to run it.
+``validate_forward`` / ``validate_backward`` return an ``AttentionCall``: the arrays as given (never modified, and
+copied only for a torch tensor with a pending negation or conjugation bit, which no reader of raw memory can see)
+plus every derived fact a backend needs to decide whether it can serve the call and to run it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import array_kind, device_of, dtype_name
+from .arrays import array_kind, device_of, dtype_name, resolve_torch_bits
 from .errors import AttentionInputError
 from .semantics import default_scale, effective_window
 
@@ -87,11 +88,29 @@ def _bad(arg: str, expected: str, got: Any) -> AttentionInputError:
     return AttentionInputError(f"{arg}: expected {expected}, got {got}")
 
 
-def _check_array(name: str, x: Any, layout: str) -> tuple[str, tuple[int, ...], str, str]:
+def _check_torch(name: str, x: Any) -> Any:
+    """Refuse torch layouts no backend reads; resolve lazy negation/conjugation bits (see ``resolve_torch_bits``).
+
+    Sparse (and other non-strided) tensors are refused rather than densified: every kernel reads strided memory,
+    attention is dense in q, k and v anyway, and a silent ``to_dense()`` of a large sparse tensor could allocate
+    without bound; the caller chooses to pay for it."""
+    import torch
+
+    if x.is_nested:
+        raise _bad(name, "a dense (strided) tensor", "a nested tensor")
+    if x.layout != torch.strided:
+        raise _bad(name, "a dense (strided) tensor (call .to_dense() first)",
+                   f"a tensor with layout {str(x.layout).replace('torch.', '')}")
+    return resolve_torch_bits(x)
+
+
+def _check_array(name: str, x: Any, layout: str) -> tuple[Any, str, tuple[int, ...], str, str]:
     kind = array_kind(x)
     if kind is None:
         raise _bad(name, "an array (numpy, torch, __cuda_array_interface__ or __dlpack__ exporter)",
                    f"an object of type {type(x).__name__}")
+    if kind == "torch":
+        x = _check_torch(name, x)
     shape = tuple(int(s) for s in x.shape)
     dims = _DIM_NAMES[layout].get(name, _DIM_NAMES[layout]["q"])
     if len(shape) != 4:
@@ -101,7 +120,7 @@ def _check_array(name: str, x: Any, layout: str) -> tuple[str, tuple[int, ...], 
         raise _bad(name, f"a floating dtype ({', '.join(FLOAT_DTYPES)})", f"dtype {dt}")
     if 0 in shape:
         raise _bad(name, f"every size >= 1 in {dims}", f"shape {shape}")
-    return kind, shape, dt, device_of(x)
+    return x, kind, shape, dt, device_of(x)
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -143,8 +162,8 @@ def validate_forward(
     causal, softmax_scale, window_size, softcap, layout, return_lse = _check_options(
         causal, softmax_scale, window_size, softcap, layout, return_lse)
     infos = {name: _check_array(name, x, layout) for name, x in (("q", q), ("k", k), ("v", v))}
-    (qkind, qshape, qdt, qdev), kshape, vshape = infos["q"], infos["k"][1], infos["v"][1]
-    for name, (kind, _, dt, dev) in (("k", infos["k"]), ("v", infos["v"])):
+    (q, qkind, qshape, qdt, qdev), (k, _, kshape, _, _), (v, _, vshape, _, _) = infos["q"], infos["k"], infos["v"]
+    for name, (_, kind, _, dt, dev) in (("k", infos["k"]), ("v", infos["v"])):
         if kind != qkind:
             raise _bad(name, f"the same array kind as q ({qkind})", kind)
         if dt != qdt:
@@ -183,8 +202,9 @@ def validate_backward(
     call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                             softcap=softcap, layout=layout)
     qshape = tuple(int(s) for s in q.shape)
+    checked = {}
     for name, x in (("dout", dout), ("out", out)):
-        kind, shape, dt, dev = _check_array(name, x, layout)
+        checked[name], kind, shape, dt, dev = _check_array(name, x, layout)
         if kind != call.kind:
             raise _bad(name, f"the same array kind as q ({call.kind})", kind)
         if shape != qshape:
@@ -198,6 +218,8 @@ def validate_backward(
         raise _bad("lse", "an array", f"an object of type {type(lse).__name__}")
     if kind != call.kind:
         raise _bad("lse", f"the same array kind as q ({call.kind})", kind)
+    if kind == "torch":
+        lse = _check_torch("lse", lse)
     lshape = tuple(int(s) for s in lse.shape)
     want = (call.batch, call.nheads_q, call.seqlen_q)
     if lshape != want:
@@ -207,4 +229,4 @@ def validate_backward(
         raise _bad("lse", "dtype float32 (as the forward returns it)", f"dtype {ldt}")
     if device_of(lse) != call.device:
         raise _bad("lse", f"the device of q ({call.device})", f"device {device_of(lse)}")
-    return AttentionCall(**{**call.__dict__, "dout": dout, "out": out, "lse": lse})
+    return AttentionCall(**{**call.__dict__, "dout": checked["dout"], "out": checked["out"], "lse": lse})
