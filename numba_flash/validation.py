@@ -2,7 +2,9 @@
 
 ``validate_forward`` / ``validate_backward`` return an ``AttentionCall``: the arrays as given (never modified, and
 copied only for a torch tensor with a pending negation or conjugation bit, which no reader of raw memory can see)
-plus every derived fact a backend needs to decide whether it can serve the call and to run it.
+plus every derived fact a backend needs to decide whether it can serve the call and to run it. Options come out in
+the form every backend can run as is: window bounds capped at Sq + Sk, the softcap as
+``semantics.effective_softcap`` defines it for the compute dtype.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 
 from .arrays import array_kind, device_of, dtype_name, resolve_torch_bits
 from .errors import AttentionInputError
-from .semantics import default_scale, effective_window
+from .semantics import clamp_window_bound, compute_dtype_name, default_scale, effective_softcap, effective_window
 
 LAYOUTS = ("bshd", "bhsd")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -88,6 +90,21 @@ def _bad(arg: str, expected: str, got: Any) -> AttentionInputError:
     return AttentionInputError(f"{arg}: expected {expected}, got {got}")
 
 
+def _short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-limit // 4:]} ({len(text)} characters)"
+
+
+def _finite_real(value: Any) -> bool:
+    """A real number (not a bool) that is finite as a float: an int beyond float64's range (10**400) is not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
 def _check_torch(name: str, x: Any) -> Any:
     """Refuse torch layouts no backend reads; resolve lazy negation/conjugation bits (see ``resolve_torch_bits``).
 
@@ -136,17 +153,18 @@ def _check_options(causal: Any, softmax_scale: Any, window_size: Any, softcap: A
     causal = _check_bool("causal", causal)
     return_lse = _check_bool("return_lse", return_lse)
     if softmax_scale is not None:
-        if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
-                or not math.isfinite(softmax_scale) or softmax_scale <= 0):
-            raise _bad("softmax_scale", "None or a finite number > 0", repr(softmax_scale))
+        if not _finite_real(softmax_scale) or softmax_scale <= 0:
+            raise _bad("softmax_scale", "None or a finite number > 0", _short_repr(softmax_scale))
+        if float(softmax_scale) == 0.0:  # 1e-400 as a Fraction, or a tiny int ratio: 0 once it is a float
+            raise _bad("softmax_scale", "None or a finite number > 0 (that is > 0 as a float64)",
+                       _short_repr(softmax_scale))
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in window_size)):
-        raise _bad("window_size", "a pair of ints (left, right)", repr(window_size))
+        raise _bad("window_size", "a pair of ints (left, right)", _short_repr(window_size))
     if any(w < -1 for w in window_size):
-        raise _bad("window_size", "each bound >= 0, or -1 for unbounded", repr(tuple(window_size)))
-    if (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap)
-            or softcap < 0):
-        raise _bad("softcap", "a finite number >= 0 (0 disables it)", repr(softcap))
+        raise _bad("window_size", "each bound >= 0, or -1 for unbounded", _short_repr(tuple(window_size)))
+    if not _finite_real(softcap) or softcap < 0:
+        raise _bad("softcap", "a finite number >= 0 (0 disables it)", _short_repr(softcap))
     return causal, softmax_scale, (int(window_size[0]), int(window_size[1])), float(softcap), layout, return_lse
 
 
@@ -185,7 +203,8 @@ def validate_forward(
         raise _bad("k", f"a number of heads that divides q's {hq} (grouped-query attention)",
                    f"Hkv={hkv} (shape {kshape})")
     scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
-    left, right = effective_window(causal, window_size)
+    left, right = (clamp_window_bound(w, sq, sk) for w in effective_window(causal, window_size))
+    softcap = effective_softcap(softcap, compute_dtype_name(qdt))
     return AttentionCall(q=q, k=k, v=v, kind=qkind, device=qdev, dtype=qdt, layout=layout, batch=batch,
                          seqlen_q=sq, seqlen_k=sk, nheads_q=hq, nheads_kv=hkv, head_dim=d, causal=causal,
                          softmax_scale=scale, window_left=left, window_right=right, softcap=softcap,

@@ -46,6 +46,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from numba_flash.semantics import clamp_window_bound, effective_softcap
+
 BLOCK_M = 64  # query rows per tile
 BLOCK_N = 64  # keys per tile
 _D_ALIGN = 16  # head dims are padded to a multiple of this in the accumulators (a 512-bit vector of float32)
@@ -1016,6 +1018,15 @@ def _head_major(x: np.ndarray, head_dim: int, slot: str) -> np.ndarray:
     return buf.transpose(0, 2, 1, 3)
 
 
+def _kernel_options(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int, softcap: float,
+                    dtype: np.dtype) -> tuple[int, int, float]:
+    """Window bounds and softcap as the kernels take them: bounds capped at Sq + Sk (the same mask, and int64
+    arithmetic that cannot overflow), the softcap as ``semantics.effective_softcap`` defines it for ``dtype``.
+    ``validate_forward`` has done both for calls through a backend; this covers direct calls."""
+    left, right = (clamp_window_bound(int(w), seqlen_q, seqlen_k) for w in (window_left, window_right))
+    return left, right, effective_softcap(float(softcap), np.dtype(dtype).name)
+
+
 def _check_dtypes(*arrays: np.ndarray) -> np.dtype:
     dtype = arrays[0].dtype
     if dtype not in (np.float32, np.float64) or any(a.dtype != dtype for a in arrays):
@@ -1039,8 +1050,9 @@ def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
     """
     dtype = _check_dtypes(q, k, v, out, lse)
     head_dim = q.shape[3]
+    left, right, softcap = _kernel_options(q.shape[1], k.shape[1], window_left, window_right, softcap, dtype)
     _entry(_forward_kernel, dtype)(q, _head_major(k, head_dim, "k"), _head_major(v, head_dim, "v"), out, lse, head_dim,
-                                   float(scale), int(window_left), int(window_right), float(softcap))
+                                   float(scale), left, right, softcap)
 
 
 def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
@@ -1058,6 +1070,8 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
     dtype = _check_dtypes(dout, q, k, v, out, lse, dq, dk, dv)
     batch, seqlen_q, nheads_q, head_dim = q.shape
     nheads_kv = k.shape[2]
+    window_left, window_right, softcap = _kernel_options(seqlen_q, k.shape[1], window_left, window_right, softcap,
+                                                         dtype)
     sq_pad = _padded(seqlen_q, BLOCK_M)
     # delta_i = dO_i . O_i, the row term of the softmax gradient; padded rows get lse = +inf so that P = 0 there.
     delta = _scratch("delta", (batch, nheads_q, sq_pad), dtype)
@@ -1075,10 +1089,9 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
     dq_acc = _scratch("dq", (batch, nheads_q, sq_pad, q_in.shape[3]) if fuse_dq else (1, 1, 1, 1), dtype)
     dq_acc.fill(0)
     _entry(_backward_kv_kernel, dtype)(q_in, k_in, v_in, do_in, lse2, delta, dq_acc, dk, dv, head_dim, float(scale),
-                                       int(window_left), int(window_right), float(softcap),
-                                       n_kt if fuse_dq else 1, fuse_dq)
+                                       window_left, window_right, softcap, n_kt if fuse_dq else 1, fuse_dq)
     if fuse_dq:
         dq[...] = dq_acc[:, :, :seqlen_q, :head_dim].transpose(0, 2, 1, 3)
     else:
         _entry(_backward_dq_kernel, dtype)(q_in, k_in, v_in, do_in, lse2, delta, dq, head_dim, float(scale),
-                                           int(window_left), int(window_right), float(softcap))
+                                           window_left, window_right, softcap)
