@@ -52,13 +52,14 @@ def random_inputs(rng, shape, dtype=np.float32):
     return q, k, v, dout
 
 
-def place_bad(rng, shape_name, where):
-    """A position for the bad element of ``SHAPES[shape_name]``: (b0, pos, head, d0), pos a query row that sees
-    keys (where == "q") or a key that some rows see and some do not (causal), inside ``PLACES`` if listed."""
-    b, sq, sk, hq, hkv, d = SHAPES[shape_name]
+def place_bad(rng, shape, where, places=None):
+    """A position for the bad element: (b0, pos, head, d0), pos a query row that sees keys (where "q" or "dout")
+    or a key that some rows see and some do not (causal), inside ``places[where kind]`` (see ``PLACES``) if given."""
+    b, sq, sk, hq, hkv, d = shape
     mask = visible_mask(sq, sk, -1, 0)
-    lo, hi = PLACES.get(shape_name, {}).get("k" if where in ("k", "v") else "q", (0, max(sq, sk)))
-    if where in ("q", "dout"):
+    kind = "k" if where in ("k", "v") else "q"
+    lo, hi = (places or {}).get(kind, (0, max(sq, sk)))
+    if kind == "q":
         rows = np.flatnonzero(mask.any(axis=1))
         pos, head = int(rng.choice(rows[(rows >= lo) & (rows < hi)])), int(rng.integers(hq))
     else:

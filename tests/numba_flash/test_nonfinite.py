@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from nonfinite_cases import BAD, SHAPES, check, expected, place_bad, poke, random_inputs
+from nonfinite_cases import BAD, PLACES, SHAPES, check, expected, place_bad, poke, random_inputs
 
 from backends import backend_registry
 from numba_flash import attention_ref, attention_ref_backward
@@ -81,7 +81,7 @@ CASES = [("q", "nan", 0.0), ("q", "inf", 0.0), ("k", "inf", 0.0), ("k", "-inf", 
 def test_one_bad_value(rng, backend, shape_name, where, bad, softcap):
     shape = SHAPES[shape_name]
     clean_inputs = random_inputs(rng, shape)
-    at = place_bad(rng, shape_name, where)
+    at = place_bad(rng, shape, where, PLACES.get(shape_name))
     q, k, v, dout = poke(clean_inputs, where, at, BAD[bad])
     copies = [x.copy() for x in (q, k, v, dout)]
     kw = dict(causal=True, softcap=softcap)
