@@ -160,7 +160,8 @@ def _clean(call: AttentionCall, cdt: Any, *tensors: Any) -> bool:
     to overflow. One max-abs reduction per tensor (NaN when it holds one) and one device sync per call."""
     import torch
 
-    maxes = torch.stack([torch.linalg.vector_norm(x, float("inf")).to(torch.float64) for x in tensors]).tolist()
+    # One stack, one sync; the inputs share a dtype (and float64 is not on every device, e.g. MPS).
+    maxes = torch.stack([torch.linalg.vector_norm(x, float("inf")) for x in tensors]).tolist()
     if not all(math.isfinite(x) for x in maxes):
         return False
     qmax, kmax, vmax = maxes[:3]
