@@ -1,9 +1,10 @@
 """CPU backend: the ``numba.njit(parallel=True)`` tiled kernels of ``numba_flash.cpu`` on host memory.
 
 Serves numpy arrays, torch CPU tensors and host DLPack exporters; returns numpy for numpy (and DLPack) inputs and
-torch tensors for torch inputs (a torch subclass as the type torch itself would return for it). Numba has no float16 or bfloat16 arithmetic on the CPU, so such inputs are widened
-to float32 once (O(B*S*H*D) extra memory, never S x S) and the outputs are narrowed back (round to nearest even).
-bfloat16 comes only as torch tensors: numpy has no bfloat16 dtype.
+torch tensors for torch inputs (for a torch subclass, the type torch itself would return for it). Numba has no
+float16 or bfloat16 arithmetic on the CPU, so such inputs are widened to float32 once (O(B*S*H*D) extra memory,
+never S x S) and the outputs are narrowed back (round to nearest even). bfloat16 comes only as torch tensors: numpy
+has no bfloat16 dtype.
 """
 
 from __future__ import annotations
