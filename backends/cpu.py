@@ -1,9 +1,10 @@
 """CPU backend: the ``numba.njit(parallel=True)`` tiled kernels of ``numba_flash.cpu`` on host memory.
 
 Serves numpy arrays, torch CPU tensors and host DLPack exporters; returns numpy for numpy (and DLPack) inputs and
-torch tensors for torch inputs. Numba has no float16 or bfloat16 arithmetic on the CPU, so such inputs are widened
-to float32 once (O(B*S*H*D) extra memory, never S x S) and the outputs are narrowed back (round to nearest even).
-bfloat16 comes only as torch tensors: numpy has no bfloat16 dtype.
+torch tensors for torch inputs (for a torch subclass, the type torch itself would return for it). Numba has no
+float16 or bfloat16 arithmetic on the CPU, so such inputs are widened to float32 once (O(B*S*H*D) extra memory,
+never S x S) and the outputs are narrowed back (round to nearest even). bfloat16 comes only as torch tensors: numpy
+has no bfloat16 dtype.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from numba_flash.arrays import to_numpy
+from numba_flash.arrays import as_result_kind, is_torch_tensor, to_numpy
 from numba_flash.validation import AttentionCall
 
 from .base import Backend
@@ -34,10 +35,10 @@ def _host(x: Any, compute: type) -> np.ndarray:
 
 def _like(ref: Any, a: np.ndarray, dtype: str) -> Any:
     """``a`` as the same array kind and dtype as ``ref`` (numpy for anything but torch)."""
-    if type(ref).__module__.split(".")[0] == "torch":
+    if is_torch_tensor(ref):
         import torch
 
-        return torch.from_numpy(a).to(getattr(torch, dtype))
+        return as_result_kind(ref, torch.from_numpy(a).to(getattr(torch, dtype)))
     return a if a.dtype == np.dtype(dtype) else a.astype(dtype)
 
 

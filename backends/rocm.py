@@ -9,6 +9,11 @@ Numba has no AMD GPU target, so on AMD hardware the work is done by torch itself
   max and sum in float32 (float64 for float64 inputs), at most one block of scores alive per head, and key blocks
   outside the causal/window band never computed. The backward recomputes each block of probabilities from the lse.
 
+Non-finite values follow the contract (``numba_flash.reference`` spells the rule out). One reduction per input
+tensor per call (``_clean``) tells whether any value is non-finite or any score could overflow; only then do the
+blockwise loops poison rows, keep masked pairs out of every product and report non-finite results as NaN, and SDPA,
+which would drop a key whose score is -inf, is not used.
+
 Grouped-query attention never repeats K/V: the ``g = Hq // Hkv`` query heads of a group are folded into the rows of
 the query block, ``(B, Hkv, Sq_block * g, D)``, which multiplies against the group's single ``(B, Hkv, Sk_block, D)``
 key block. Every tensor op here works on any torch device, so forcing ``backend="rocm"`` runs it on CPU or NVIDIA
@@ -18,11 +23,13 @@ torch is imported inside functions: importing this module or registering the bac
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
 import numpy as np
 
+from numba_flash.arrays import as_result_kind, is_torch_tensor
 from numba_flash.semantics import key_range
 from numba_flash.validation import AttentionCall
 
@@ -77,13 +84,18 @@ def _as_torch(x: Any) -> Any:
             # A read-only array gives a warning about writes; nothing here writes to the inputs.
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(x)
-    return x.detach()
+    x = x.detach()
+    # Compute on plain tensors: a subclass's __torch_function__ would run on every op of the blockwise loops.
+    return x if type(x) is torch.Tensor else x.as_subclass(torch.Tensor)
 
 
 def _to_kind(ref: Any, t: Any) -> Any:
-    """``t`` (a torch tensor) back as the array kind of ``ref``: numpy for numpy inputs."""
+    """``t`` (a plain torch tensor) back as the array kind of ``ref``: numpy for numpy inputs, the tensor type
+    torch would return for a torch subclass."""
     if isinstance(ref, np.ndarray):
         return t.numpy()
+    if t is not None and is_torch_tensor(ref):
+        return as_result_kind(ref, t)
     return t
 
 
@@ -142,23 +154,75 @@ class _Band:
         return ok
 
 
+def _clean(call: AttentionCall, cdt: Any, *tensors: Any) -> bool:
+    """Whether the plain paths give the contract's answer: every value of ``tensors`` (q, k, v first) finite, and
+    no score ``scale * q.k`` (at most ``scale * D * max|q| * max|k|``) or output sum (at most ``Sk * max|v|``) able
+    to overflow. One max-abs reduction per tensor (NaN when it holds one) and one device sync per call."""
+    import torch
+
+    # One stack, one sync; the inputs share a dtype (and float64 is not on every device, e.g. MPS).
+    maxes = torch.stack([torch.linalg.vector_norm(x, float("inf")) for x in tensors]).tolist()
+    if not all(math.isfinite(x) for x in maxes):
+        return False
+    qmax, kmax, vmax = maxes[:3]
+    # Headroom of 4 for rounding; the input dtype's range for the scores, which SDPA may hold in that dtype.
+    score_limit = float(torch.finfo(tensors[0].dtype).max) / 4
+    return (call.softmax_scale * call.head_dim * qmax * kmax <= score_limit
+            and call.seqlen_k * vmax <= float(torch.finfo(cdt).max) / 4)
+
+
+def _nan_if_not_finite_(x: Any) -> Any:
+    """In place: every non-finite value of ``x`` (a tensor this module allocated) becomes NaN."""
+    import torch
+
+    return x.masked_fill_(~torch.isfinite(x), float("nan"))
+
+
+def _visible_matmul(a: Any, b: Any, vis: Any) -> Any:
+    """``a @ b`` over visible pairs only, for a masked block (``a`` is 0 where ``vis`` is False): non-finite
+    entries of ``b`` are left out of the product (a plain one adds 0 * nan = nan to rows that do not see them) and
+    marked NaN in every row that sees them. a (..., r, m), b (..., m, D), vis (r, m) bool."""
+    import torch
+
+    bad = ~torch.isfinite(b)
+    res = a @ b.masked_fill(bad, 0.0)
+    hits = vis.to(b.dtype) @ bad.to(b.dtype)
+    return res.masked_fill_(hits > 0, float("nan"))
+
+
 def _scores(qb: Any, kb: Any, call: AttentionCall, band: _Band, q0: int, q1: int, k0: int, k1: int,
-            need_mask: bool) -> tuple[Any, Any]:
+            need_mask: bool, careful: bool = False) -> tuple[Any, Any]:
     """Scores of a query block against a key block, softcapped and masked to -inf.
 
     qb: (B, Hkv, n*g, D) compute dtype, already multiplied by the softmax scale; kb: (B, Hkv, m, D).
     Returns s (B, Hkv, n*g, m) and, with softcap, tanh(raw / softcap) (the backward's chain factor) else None.
+    With ``careful`` (inputs that are not ``_clean``) a visible score that is not finite becomes NaN, so that -inf
+    means masked and nothing else and the NaN poisons its row through the max; with softcap the raw score
+    decides, since tanh would map an inf to a finite +-1.
     """
+    import torch
+
     s = qb @ kb.transpose(-1, -2)
     t = None
+    bad = ~torch.isfinite(s) if careful else None
     if call.softcap > 0:
         t = s.div_(call.softcap).tanh_()
         s = t * call.softcap
+    if careful:
+        s.masked_fill_(bad, float("nan"))
     if need_mask:
         b, h, rows, m = s.shape
         s.view(b, h, q1 - q0, rows // (q1 - q0), m).masked_fill_(
             ~band.visible(q0, q1, k0, k1, s.device), float("-inf"))
     return s, t
+
+
+def _block_visible(band: _Band, q0: int, q1: int, k0: int, k1: int, group: int, device: Any) -> Any:
+    """(n*g, m) bool: row r of a query block (query q0 + r // g) sees key k0 + c."""
+    import torch
+
+    ok = band.visible(q0, q1, k0, k1, device) | torch.zeros((1, group, 1), dtype=torch.bool, device=device)
+    return ok.reshape((q1 - q0) * group, k1 - k0)
 
 
 def _forward_sdpa(q: Any, k: Any, v: Any, call: AttentionCall) -> Any:
@@ -189,12 +253,13 @@ def _sdpa_has_gqa() -> bool:
     return torch.__version__ >= "2.5"  # TorchVersion compares as a version, not as a string
 
 
-def forward_blockwise(q: Any, k: Any, v: Any, call: AttentionCall) -> tuple[Any, Any]:
+def forward_blockwise(q: Any, k: Any, v: Any, call: AttentionCall, careful: bool = True) -> tuple[Any, Any]:
     """Blockwise online-softmax forward.
 
     q: (B, Sq, Hq, D) ["bshd"] or (B, Hq, Sq, D) ["bhsd"]; k, v: (B, Sk, Hkv, D) or (B, Hkv, Sk, D); torch
     tensors of one dtype on one device, any strides. Returns out shaped like q, contiguous, q's dtype, and lse
-    (B, Hq, Sq) float32 (float64 for float64 inputs), +inf for rows that see no key.
+    (B, Hq, Sq) float32 (float64 for float64 inputs), +inf for rows that see no key, NaN for poisoned rows.
+    ``careful=False`` skips the non-finite handling, for inputs known to be ``_clean``.
     """
     import torch
 
@@ -214,29 +279,44 @@ def forward_blockwise(q: Any, k: Any, v: Any, call: AttentionCall) -> tuple[Any,
         l = torch.zeros((B, Hkv, rows), dtype=cdt, device=q.device)
         acc = torch.zeros((B, Hkv, rows, D), dtype=cdt, device=q.device)
         for k0, k1, need_mask in band.key_blocks(q0, q1, block_k):
-            s, _ = _scores(qb, kv[:, :, k0:k1].to(cdt), call, band, q0, q1, k0, k1, need_mask)
+            s, _ = _scores(qb, kv[:, :, k0:k1].to(cdt), call, band, q0, q1, k0, k1, need_mask, careful)
+            # amax and maximum propagate NaN: a poisoned row's max, sum and accumulator become NaN and stay so.
             m_new = torch.maximum(m, s.amax(dim=-1))
             # A row with every key so far masked keeps max -inf; shift it by 0 so that exp gives 0, not NaN.
             m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
             p = s.sub_(m_safe[..., None]).exp_()
             alpha = torch.exp(m - m_safe)
             l = l * alpha + p.sum(dim=-1)
-            acc.mul_(alpha[..., None]).add_(p @ vv[:, :, k0:k1].to(cdt))
+            vb = vv[:, :, k0:k1].to(cdt)
+            if careful and need_mask:
+                pv = _visible_matmul(p, vb, _block_visible(band, q0, q1, k0, k1, g, q.device))
+            else:
+                pv = p @ vb
+            acc.mul_(alpha[..., None]).add_(pv)
             m = m_new
+        # l > 0 is False for a row that saw no key (l = 0) and for a poisoned one (l = NaN); only the first is
+        # 0 with lse = +inf.
         seen = l > 0
+        poisoned = torch.isnan(l)
         l_safe = torch.where(seen, l, torch.ones_like(l))
-        ov[:, :, q0:q1] = (acc / l_safe[..., None]).view(B, Hkv, q1 - q0, g, D)
+        o = acc / l_safe[..., None]
+        if careful:
+            _nan_if_not_finite_(o.masked_fill_(poisoned[..., None], float("nan")))
+        ov[:, :, q0:q1] = o.view(B, Hkv, q1 - q0, g, D)
         m_fin = m.masked_fill(~seen, 0.0)
-        lv[:, :, q0:q1] = torch.where(seen, m_fin + torch.log(l_safe), float("inf")).view(B, Hkv, q1 - q0, g)
+        row_lse = torch.where(seen, m_fin + torch.log(l_safe), float("inf")).masked_fill_(poisoned, float("nan"))
+        lv[:, :, q0:q1] = row_lse.view(B, Hkv, q1 - q0, g)
     return out, lse
 
 
 def backward_blockwise(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
-                       call: AttentionCall) -> tuple[Any, Any, Any]:
+                       call: AttentionCall, careful: bool = True) -> tuple[Any, Any, Any]:
     """Blockwise backward from the forward's lse: P is recomputed per block as exp(s - lse), never S x S.
 
     dout, out, q: (B, Sq, Hq, D) ["bshd"] or (B, Hq, Sq, D); k, v: (B, Sk, Hkv, D) or (B, Hkv, Sk, D); lse
     (B, Hq, Sq). Returns dq, dk, dv shaped like q, k, v, contiguous, q's dtype; dk, dv summed over each group.
+    With ``careful`` (inputs or lse not finite), P and dS are forced to 0 where a row does not see a key (a
+    poisoned row's lse is NaN, and exp(-inf - nan) is NaN) and no product lets a non-finite row reach those pairs.
     """
     import torch
 
@@ -265,18 +345,30 @@ def backward_blockwise(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
             s, t = _scores(qb, kb, call, band, q0, q1, k0, k1, need_mask)
             # lse is +inf on rows that see nothing: exp(s - inf) = 0 there, so those rows add no gradient.
             p = s.sub_(lse_b[..., None]).exp_()
-            dv_acc[:, :, k0:k1] += p.transpose(-1, -2) @ dob
+            careful_block = careful and need_mask
+            if careful_block:
+                vis = _block_visible(band, q0, q1, k0, k1, g, dev)
+                p.masked_fill_(~vis, 0.0)
+                dv_acc[:, :, k0:k1] += _visible_matmul(p.transpose(-1, -2), dob, vis.T)
+            else:
+                dv_acc[:, :, k0:k1] += p.transpose(-1, -2) @ dob
             ds = (dob @ vb.transpose(-1, -2)).sub_(delta[..., None]).mul_(p)
             if t is not None:
                 ds.mul_(1.0 - t * t)
-            dq_acc += ds @ kb
-            # qb carries the softmax scale, so this is scale * dS^T q; summing the g rows of a group sums the heads.
-            dk_acc[:, :, k0:k1] += ds.transpose(-1, -2) @ qb
-        dqv[:, :, q0:q1] = (dq_acc * call.softmax_scale).view(B, Hkv, q1 - q0, g, D)
+            if careful_block:
+                ds.masked_fill_(~vis, 0.0)
+                dq_acc += _visible_matmul(ds, kb, vis)
+                dk_acc[:, :, k0:k1] += _visible_matmul(ds.transpose(-1, -2), qb, vis.T)
+            else:
+                dq_acc += ds @ kb
+                # qb carries the softmax scale, so this is scale * dS^T q; summing the g rows of a group sums the
+                # heads.
+                dk_acc[:, :, k0:k1] += ds.transpose(-1, -2) @ qb
+        dqv[:, :, q0:q1] = _nan_if_not_finite_(dq_acc * call.softmax_scale).view(B, Hkv, q1 - q0, g, D)
     dk = torch.empty(k.shape, dtype=k.dtype, device=dev)
     dv = torch.empty(v.shape, dtype=v.dtype, device=dev)
-    _heads_view(dk, call.layout).copy_(dk_acc)
-    _heads_view(dv, call.layout).copy_(dv_acc)
+    _heads_view(dk, call.layout).copy_(_nan_if_not_finite_(dk_acc))
+    _heads_view(dv, call.layout).copy_(_nan_if_not_finite_(dv_acc))
     return dq, dk, dv
 
 
@@ -322,9 +414,10 @@ class RocmBackend(Backend):
 
         q, k, v = (_as_torch(x) for x in (call.q, call.k, call.v))
         with torch.no_grad():
-            if sdpa_fits(call) and (call.nheads_q == call.nheads_kv or _sdpa_has_gqa()):
+            clean = _clean(call, _compute_dtype(q.dtype), q, k, v)
+            if clean and sdpa_fits(call) and (call.nheads_q == call.nheads_kv or _sdpa_has_gqa()):
                 return _to_kind(call.q, _forward_sdpa(q, k, v, call)), None
-            out, lse = forward_blockwise(q, k, v, call)
+            out, lse = forward_blockwise(q, k, v, call, careful=not clean)
         return _to_kind(call.q, out), _to_kind(call.q, lse)
 
     def backward(self, call: AttentionCall) -> tuple[Any, Any, Any]:
@@ -333,7 +426,9 @@ class RocmBackend(Backend):
 
         dout, q, k, v, out, lse = (_as_torch(x) for x in (call.dout, call.q, call.k, call.v, call.out, call.lse))
         with torch.no_grad():
-            grads = backward_blockwise(dout, q, k, v, out, lse, call)
+            # lse is +inf for rows that see no key: only a NaN in it (a poisoned row) needs the careful path.
+            clean = _clean(call, _compute_dtype(q.dtype), q, k, v, dout, out) and not bool(torch.isnan(lse).any())
+            grads = backward_blockwise(dout, q, k, v, out, lse, call, careful=not clean)
         return tuple(_to_kind(call.q, gr) for gr in grads)
 
 

@@ -6,6 +6,7 @@ Supported kinds: numpy arrays, torch tensors (any device), objects exporting ``_
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -14,11 +15,55 @@ import numpy as np
 _DLPACK_DEVICES = {1: "cpu", 2: "cuda", 3: "cpu", 10: "hip"}
 
 
+def _torch_tensor_type() -> Any:
+    """``torch.Tensor`` when torch is imported, else None: no object can be a tensor before torch is imported, so
+    this never imports it. (A half-initialised torch module may lack the attribute.)"""
+    torch = sys.modules.get("torch")
+    return getattr(torch, "Tensor", None) if torch is not None else None
+
+
+def is_torch_tensor(x: Any) -> bool:
+    """Whether ``x`` is a torch tensor, subclasses included (``nn.Parameter``, user subclasses), by type rather
+    than by the name of the module that defined it."""
+    tensor = _torch_tensor_type()
+    return tensor is not None and isinstance(x, tensor)
+
+
+def torch_result_type(x: Any) -> type:
+    """The tensor type a torch operation on ``x`` returns: ``type(x)`` for a subclass that keeps torch's
+    ``__torch_function__`` (its results stay that subclass), plain ``torch.Tensor`` for one that disables it
+    (``nn.Parameter``: ``p * 2`` is a plain tensor, and an attention output should not be a parameter)."""
+    import torch
+
+    cls = type(x)
+    if cls is torch.Tensor or getattr(cls, "__torch_function__", None) is torch._C._disabled_torch_function_impl:
+        return torch.Tensor
+    return cls
+
+
+def as_result_kind(ref: Any, t: Any) -> Any:
+    """``t``, a plain torch tensor computed for the torch tensor ``ref``, as the tensor type torch would return
+    for ``ref`` (``as_subclass`` is a view: no copy)."""
+    cls = torch_result_type(ref)
+    return t if type(t) is cls else t.as_subclass(cls)
+
+
+def resolve_torch_bits(x: Any) -> Any:
+    """A torch tensor with no lazy negation or conjugation pending (``x.conj().imag`` carries the negative bit,
+    which ``numpy()``, ``__cuda_array_interface__`` and DLPack refuse); ``x`` itself when none is pending, else a
+    materialised copy: the input is never modified."""
+    if x.is_neg():
+        x = x.resolve_neg()
+    if x.is_conj():
+        x = x.resolve_conj()
+    return x
+
+
 def array_kind(x: Any) -> str | None:
     """'numpy', 'torch', 'cuda_array' (``__cuda_array_interface__``), 'dlpack', or None if ``x`` is no array."""
     if isinstance(x, np.ndarray):
         return "numpy"
-    if type(x).__module__.split(".")[0] == "torch" and hasattr(x, "data_ptr"):
+    if is_torch_tensor(x):
         return "torch"
     # numba device arrays, real or simulated (the simulator's export no __cuda_array_interface__)
     if hasattr(x, "__cuda_array_interface__") or getattr(type(x), "__cuda_ndarray__", False) is True:
@@ -73,7 +118,14 @@ def to_numpy(x: Any) -> np.ndarray:
     if kind == "numpy":
         return x
     if kind == "torch":
+        import torch
+
         t = x.detach()
+        if type(t) is not torch.Tensor:  # a plain view: a subclass's __torch_function__ has no say in a host copy
+            t = t.as_subclass(torch.Tensor)
+        if t.layout != torch.strided:  # the backends refuse these (validation); the reference copies them anyway
+            t = t.to_dense()
+        t = resolve_torch_bits(t)
         if dtype_name(t) == "bfloat16":
             t = t.float()
         return t.cpu().numpy()

@@ -2,7 +2,20 @@
 
 It is written for clarity, not speed, and does build the ``(Sq, Sk)`` score matrix, one (batch, head) at a time.
 Every semantic of the contract is here: bottom-right causal alignment, sliding windows, softcap, GQA/MQA, the
-log-sum-exp, and rows that see no key (output 0, ``lse = +inf``, gradient 0).
+log-sum-exp, rows that see no key (output 0, ``lse = +inf``, gradient 0), and non-finite values, which are never
+hidden:
+
+* A row that sees a key whose score is not finite (a NaN or +-inf in q row i or in the row of any key it sees, or a
+  score that overflows) is poisoned: its output row and lse are NaN, and so are its probabilities wherever it sees
+  a key. With softcap, the raw score ``scale * q.k`` decides (``tanh(inf) = 1`` would hide an infinity).
+* Every product runs over visible (row, key) pairs only: a key a row does not see adds nothing to it, even where
+  the key's value row is not finite (a plain matrix product would add ``0 * nan = nan``).
+* Every non-finite result (out, dq, dk, dv) is reported as NaN; lse is NaN for a poisoned row and +inf for a row
+  that sees no key (which stays 0 whatever its q holds: it reads nothing).
+
+The backward is the chain rule through exactly these operations, so a gradient is NaN where it depends on a
+non-finite value and equal to the clean run's elsewhere (dv, which does not depend on v, stays finite for a NaN in
+v; the rows that see it get NaN dq and dk, through ``delta = dout . out``).
 """
 
 from __future__ import annotations
@@ -24,13 +37,49 @@ def _from_bshd(a: np.ndarray, layout: str) -> np.ndarray:
     return np.ascontiguousarray(a.transpose(0, 2, 1, 3) if layout == "bhsd" else a)
 
 
+def _nan_if_not_finite(a: np.ndarray) -> np.ndarray:
+    return np.where(np.isfinite(a), a, np.nan)
+
+
 def _scores(qh: np.ndarray, kh: np.ndarray, scale: float, softcap: float) -> tuple[np.ndarray, np.ndarray]:
-    """Scores (Sq, Sk) after softcap, and d(score)/d(raw score) for the backward."""
+    """Scores (Sq, Sk) after softcap, NaN where the raw score is not finite, and d(score)/d(raw score)."""
     raw = scale * (qh @ kh.T)
     if softcap > 0:
         t = np.tanh(raw / softcap)
-        return softcap * t, 1.0 - t * t
+        return np.where(np.isfinite(raw), softcap * t, np.nan), 1.0 - t * t
     return raw, np.ones_like(raw)
+
+
+def _visible_matmul(a: np.ndarray, b: np.ndarray, vis: np.ndarray) -> np.ndarray:
+    """``sum_j a[i, j] * b[j]`` over the j with ``vis[i, j]``; ``a`` is 0 wherever ``vis`` is False. Equal to
+    ``a @ b`` except that a non-finite row of b reaches only the rows that see it."""
+    bad = ~np.isfinite(b).all(axis=1)
+    if not bad.any():
+        return a @ b
+    res = a @ np.where(bad[:, None], 0.0, b)
+    for j in np.flatnonzero(bad):
+        rows = vis[:, j]
+        res[rows] += a[rows, j, None] * b[j]
+    return res
+
+
+def _probabilities(qh, kh, scale, softcap, mask):
+    """(P, d score / d raw, poisoned rows, m, total): P (Sq, Sk) normalised, 0 where a row does not see a key and
+    NaN where a poisoned row does; m and total are the max and the sum of exp(s - m) of the rows that are not."""
+    s, dcap = _scores(qh, kh, scale, softcap)
+    poisoned = (mask & ~np.isfinite(s)).any(axis=1)
+    s = np.where(mask & ~poisoned[:, None], s, -np.inf)
+    m = s.max(axis=1)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m[:, None])
+    total = p.sum(axis=1)
+    p = p / np.where(total > 0, total, 1.0)[:, None]
+    p = np.where(poisoned[:, None] & mask, np.nan, p)
+    return p, dcap, poisoned, m, total
+
+
+# NaN and inf are propagated on purpose (see the module docstring); numpy's warnings about them are noise here.
+_QUIET = dict(invalid="ignore", over="ignore")
 
 
 def attention_ref(
@@ -45,7 +94,7 @@ def attention_ref(
     Returns:
         out: float64, shaped like q.
         lse: (B, Hq, Sq) float64, natural log of the sum of exp(score) over visible keys; +inf for a row that sees
-            no key.
+            no key, NaN for a row poisoned by a non-finite score (see the module docstring).
     """
     qb, kb, vb = _to_bshd(q, layout), _to_bshd(k, layout), _to_bshd(v, layout)
     batch, sq, hq, d = qb.shape
@@ -53,20 +102,18 @@ def attention_ref(
     scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
     left, right = effective_window(causal, window_size)
     mask = visible_mask(sq, sk, left, right)
+    seen = mask.any(axis=1)
     group = hq // hkv
     out = np.zeros((batch, sq, hq, d))
     lse = np.full((batch, hq, sq), np.inf)
-    for b in range(batch):
-        for h in range(hq):
-            s, _ = _scores(qb[b, :, h], kb[b, :, h // group], scale, softcap)
-            s = np.where(mask, s, -np.inf)
-            m = s.max(axis=1, keepdims=True)
-            seen = np.isfinite(m[:, 0])
-            m = np.where(np.isfinite(m), m, 0.0)
-            p = np.exp(s - m)
-            total = p.sum(axis=1, keepdims=True)
-            out[b, :, h] = np.where(seen[:, None], (p @ vb[b, :, h // group]) / np.where(total > 0, total, 1.0), 0.0)
-            lse[b, h] = np.where(seen, m[:, 0] + np.log(np.where(seen, total[:, 0], 1.0)), np.inf)
+    with np.errstate(**_QUIET):
+        for b in range(batch):
+            for h in range(hq):
+                p, _, poisoned, m, total = _probabilities(qb[b, :, h], kb[b, :, h // group], scale, softcap, mask)
+                o = _nan_if_not_finite(_visible_matmul(p, vb[b, :, h // group], mask))
+                out[b, :, h] = np.where(seen[:, None], o, 0.0)
+                ok = seen & ~poisoned
+                lse[b, h] = np.where(poisoned, np.nan, np.where(ok, m + np.log(np.where(ok, total, 1.0)), np.inf))
     return _from_bshd(out, layout), lse
 
 
@@ -87,23 +134,21 @@ def attention_ref_backward(
     mask = visible_mask(sq, sk, left, right)
     group = hq // hkv
     dq, dk, dv = np.zeros_like(qb), np.zeros_like(kb), np.zeros_like(vb)
-    for b in range(batch):
-        for h in range(hq):
-            kv = h // group
-            qh, kh, vh, doh = qb[b, :, h], kb[b, :, kv], vb[b, :, kv], dob[b, :, h]
-            s, dcap = _scores(qh, kh, scale, softcap)
-            s = np.where(mask, s, -np.inf)
-            m = s.max(axis=1, keepdims=True)
-            m = np.where(np.isfinite(m), m, 0.0)
-            p = np.exp(s - m)
-            total = p.sum(axis=1, keepdims=True)
-            p = p / np.where(total > 0, total, 1.0)  # rows that see nothing stay all-zero
-            dv[b, :, kv] += p.T @ doh
-            dp = doh @ vh.T
-            ds = p * (dp - (dp * p).sum(axis=1, keepdims=True)) * dcap * scale
-            dq[b, :, h] = ds @ kh
-            dk[b, :, kv] += ds.T @ qh
-    return _from_bshd(dq, layout), _from_bshd(dk, layout), _from_bshd(dv, layout)
+    with np.errstate(**_QUIET):
+        for b in range(batch):
+            for h in range(hq):
+                kv = h // group
+                qh, kh, vh, doh = qb[b, :, h], kb[b, :, kv], vb[b, :, kv], dob[b, :, h]
+                p, dcap, _, _, _ = _probabilities(qh, kh, scale, softcap, mask)  # rows that see nothing: all 0
+                dv[b, :, kv] += _visible_matmul(p.T, doh, mask.T)
+                dp = doh @ vh.T  # a non-finite v row makes its column NaN in every row; the masks keep it in band
+                # delta_i = sum_j P_ij dP_ij = dout_i . out_i over the keys row i sees (so dS is exactly 0 when a
+                # row sees one key, P = 1); non-finite where out_i is
+                delta = np.where(mask, p * dp, 0.0).sum(axis=1)
+                ds = np.where(mask, p * (dp - delta[:, None]) * dcap * scale, 0.0)
+                dq[b, :, h] = _visible_matmul(ds, kh, mask)
+                dk[b, :, kv] += _visible_matmul(ds.T, qh, mask.T)
+    return tuple(_from_bshd(_nan_if_not_finite(g), layout) for g in (dq, dk, dv))
 
 
 def naive_attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool = False) -> np.ndarray:

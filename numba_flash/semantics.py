@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 UNBOUNDED = -1
+LOG2E = 1.4426950408889634
 
 
 def effective_window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
@@ -22,8 +23,16 @@ def effective_window(causal: bool, window_size: tuple[int, int]) -> tuple[int, i
     return left, right
 
 
+def clamp_window_bound(bound: int, seqlen_q: int, seqlen_k: int) -> int:
+    """``bound`` (a left or right window size) capped at ``Sq + Sk``, which already lets every row see every key
+    on that side: the same mask, with every index computed from it inside int64 (``window_size=(-1, sys.maxsize)``
+    overflowed the kernels' key-range arithmetic into an empty range)."""
+    return bound if bound < 0 else min(int(bound), seqlen_q + seqlen_k)
+
+
 def key_range(i: int, seqlen_q: int, seqlen_k: int, left: int, right: int) -> tuple[int, int]:
     """Half-open range ``[lo, hi)`` of keys that query row ``i`` may see (empty when ``lo >= hi``)."""
+    left, right = clamp_window_bound(left, seqlen_q, seqlen_k), clamp_window_bound(right, seqlen_q, seqlen_k)
     centre = i + seqlen_k - seqlen_q
     lo = 0 if left < 0 else max(0, centre - left)
     hi = seqlen_k if right < 0 else min(seqlen_k, centre + right + 1)
@@ -32,6 +41,7 @@ def key_range(i: int, seqlen_q: int, seqlen_k: int, left: int, right: int) -> tu
 
 def visible_mask(seqlen_q: int, seqlen_k: int, left: int, right: int) -> np.ndarray:
     """Boolean ``(Sq, Sk)`` mask, True where query i may see key j. For references and tests only: it is S x S."""
+    left, right = clamp_window_bound(left, seqlen_q, seqlen_k), clamp_window_bound(right, seqlen_q, seqlen_k)
     i = np.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)
     j = np.arange(seqlen_k)[None, :]
     mask = np.ones((seqlen_q, seqlen_k), dtype=bool)
@@ -44,6 +54,37 @@ def visible_mask(seqlen_q: int, seqlen_k: int, left: int, right: int) -> np.ndar
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+def compute_dtype_name(dtype: str) -> str:
+    """The precision a backend computes in for inputs of ``dtype``: float64 for float64, float32 for the rest."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+def effective_softcap(softcap: float, compute: str = "float32") -> float:
+    """The softcap the kernels apply, computing in ``compute`` ("float32" or "float64"), for a validated
+    ``softcap >= 0`` (0: off). What values outside the compute dtype's range mean:
+
+    * Too large: above ``max / log2(e)`` (2.4e38 in float32) the kernels' base-2 cap ``softcap * log2(e)`` is no
+      longer a number, and the cap is the identity anyway: ``softcap * tanh(s / softcap)`` differs from ``s`` by a
+      relative ``(s / softcap)**2 / 3``, below float32 rounding for every ``|s| < 5e34``. Such a softcap is off
+      (0.0), the limit softcap -> infinity. (Kept, it made every score ``inf * tanh(0) = nan`` or 0.)
+    * Too small: every capped score lies within ``+-softcap``, and below ``2**-(mantissa bits + 3)`` (2**-27 in
+      float32) that is already so close to 0 that ``exp`` of any difference of two scores rounds to exactly 1:
+      the forward is the plain mean of the visible values, whatever smaller value the softcap has. The kernels
+      run such a softcap as ``2**-27``, which keeps ``1 / softcap`` and ``scale / softcap`` finite (at 1e-40 they
+      overflowed float32 and ``inf - inf`` made scores NaN). The gradients with respect to q and k, which carry
+      ``1 - tanh(s / softcap)**2``, are then 0 for every ``|s| > 1e-7`` rather than ``> 10 * softcap``: they
+      differ from the exact ones only for scores within 1e-7 of 0, and agree where a score is exactly 0.
+
+    The float64 reference applies the softcap as given; it agrees with these to within the tests' tolerances.
+    """
+    if softcap <= 0:
+        return 0.0
+    info = np.finfo(compute)
+    if softcap > float(info.max) / LOG2E:
+        return 0.0
+    return max(float(softcap), 2.0 ** -(info.nmant + 4))
 
 
 def visible_pairs(seqlen_q: int, seqlen_k: int, left: int, right: int) -> int:

@@ -1,7 +1,10 @@
 """Checks every rule of the contract's "Bad input" section before any work, and describes a valid call.
 
-``validate_forward`` / ``validate_backward`` return an ``AttentionCall``: the arrays as given (never modified, never
-copied) plus every derived fact a backend needs to decide whether it can serve the call and to run it.
+``validate_forward`` / ``validate_backward`` return an ``AttentionCall``: the arrays as given (never modified, and
+copied only for a torch tensor with a pending negation or conjugation bit, which no reader of raw memory can see)
+plus every derived fact a backend needs to decide whether it can serve the call and to run it. Options come out in
+the form every backend can run as is: window bounds capped at Sq + Sk, the softcap as
+``semantics.effective_softcap`` defines it for the compute dtype.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import array_kind, device_of, dtype_name
+from .arrays import array_kind, device_of, dtype_name, resolve_torch_bits
 from .errors import AttentionInputError
-from .semantics import default_scale, effective_window
+from .semantics import clamp_window_bound, compute_dtype_name, default_scale, effective_softcap, effective_window
 
 LAYOUTS = ("bshd", "bhsd")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -87,11 +90,44 @@ def _bad(arg: str, expected: str, got: Any) -> AttentionInputError:
     return AttentionInputError(f"{arg}: expected {expected}, got {got}")
 
 
-def _check_array(name: str, x: Any, layout: str) -> tuple[str, tuple[int, ...], str, str]:
+def _short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-limit // 4:]} ({len(text)} characters)"
+
+
+def _finite_real(value: Any) -> bool:
+    """A real number (not a bool) that is finite as a float: an int beyond float64's range (10**400) is not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _check_torch(name: str, x: Any) -> Any:
+    """Refuse torch layouts no backend reads; resolve lazy negation/conjugation bits (see ``resolve_torch_bits``).
+
+    Sparse (and other non-strided) tensors are refused rather than densified: every kernel reads strided memory,
+    attention is dense in q, k and v anyway, and a silent ``to_dense()`` of a large sparse tensor could allocate
+    without bound; the caller chooses to pay for it."""
+    import torch
+
+    if x.is_nested:
+        raise _bad(name, "a dense (strided) tensor", "a nested tensor")
+    if x.layout != torch.strided:
+        raise _bad(name, "a dense (strided) tensor (call .to_dense() first)",
+                   f"a tensor with layout {str(x.layout).replace('torch.', '')}")
+    return resolve_torch_bits(x)
+
+
+def _check_array(name: str, x: Any, layout: str) -> tuple[Any, str, tuple[int, ...], str, str]:
     kind = array_kind(x)
     if kind is None:
         raise _bad(name, "an array (numpy, torch, __cuda_array_interface__ or __dlpack__ exporter)",
                    f"an object of type {type(x).__name__}")
+    if kind == "torch":
+        x = _check_torch(name, x)
     shape = tuple(int(s) for s in x.shape)
     dims = _DIM_NAMES[layout].get(name, _DIM_NAMES[layout]["q"])
     if len(shape) != 4:
@@ -101,7 +137,7 @@ def _check_array(name: str, x: Any, layout: str) -> tuple[str, tuple[int, ...], 
         raise _bad(name, f"a floating dtype ({', '.join(FLOAT_DTYPES)})", f"dtype {dt}")
     if 0 in shape:
         raise _bad(name, f"every size >= 1 in {dims}", f"shape {shape}")
-    return kind, shape, dt, device_of(x)
+    return x, kind, shape, dt, device_of(x)
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -117,17 +153,18 @@ def _check_options(causal: Any, softmax_scale: Any, window_size: Any, softcap: A
     causal = _check_bool("causal", causal)
     return_lse = _check_bool("return_lse", return_lse)
     if softmax_scale is not None:
-        if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
-                or not math.isfinite(softmax_scale) or softmax_scale <= 0):
-            raise _bad("softmax_scale", "None or a finite number > 0", repr(softmax_scale))
+        if not _finite_real(softmax_scale) or softmax_scale <= 0:
+            raise _bad("softmax_scale", "None or a finite number > 0", _short_repr(softmax_scale))
+        if float(softmax_scale) == 0.0:  # 1e-400 as a Fraction, or a tiny int ratio: 0 once it is a float
+            raise _bad("softmax_scale", "None or a finite number > 0 (that is > 0 as a float64)",
+                       _short_repr(softmax_scale))
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in window_size)):
-        raise _bad("window_size", "a pair of ints (left, right)", repr(window_size))
+        raise _bad("window_size", "a pair of ints (left, right)", _short_repr(window_size))
     if any(w < -1 for w in window_size):
-        raise _bad("window_size", "each bound >= 0, or -1 for unbounded", repr(tuple(window_size)))
-    if (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap)
-            or softcap < 0):
-        raise _bad("softcap", "a finite number >= 0 (0 disables it)", repr(softcap))
+        raise _bad("window_size", "each bound >= 0, or -1 for unbounded", _short_repr(tuple(window_size)))
+    if not _finite_real(softcap) or softcap < 0:
+        raise _bad("softcap", "a finite number >= 0 (0 disables it)", _short_repr(softcap))
     return causal, softmax_scale, (int(window_size[0]), int(window_size[1])), float(softcap), layout, return_lse
 
 
@@ -143,8 +180,8 @@ def validate_forward(
     causal, softmax_scale, window_size, softcap, layout, return_lse = _check_options(
         causal, softmax_scale, window_size, softcap, layout, return_lse)
     infos = {name: _check_array(name, x, layout) for name, x in (("q", q), ("k", k), ("v", v))}
-    (qkind, qshape, qdt, qdev), kshape, vshape = infos["q"], infos["k"][1], infos["v"][1]
-    for name, (kind, _, dt, dev) in (("k", infos["k"]), ("v", infos["v"])):
+    (q, qkind, qshape, qdt, qdev), (k, _, kshape, _, _), (v, _, vshape, _, _) = infos["q"], infos["k"], infos["v"]
+    for name, (_, kind, _, dt, dev) in (("k", infos["k"]), ("v", infos["v"])):
         if kind != qkind:
             raise _bad(name, f"the same array kind as q ({qkind})", kind)
         if dt != qdt:
@@ -166,7 +203,8 @@ def validate_forward(
         raise _bad("k", f"a number of heads that divides q's {hq} (grouped-query attention)",
                    f"Hkv={hkv} (shape {kshape})")
     scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
-    left, right = effective_window(causal, window_size)
+    left, right = (clamp_window_bound(w, sq, sk) for w in effective_window(causal, window_size))
+    softcap = effective_softcap(softcap, compute_dtype_name(qdt))
     return AttentionCall(q=q, k=k, v=v, kind=qkind, device=qdev, dtype=qdt, layout=layout, batch=batch,
                          seqlen_q=sq, seqlen_k=sk, nheads_q=hq, nheads_kv=hkv, head_dim=d, causal=causal,
                          softmax_scale=scale, window_left=left, window_right=right, softcap=softcap,
@@ -183,8 +221,9 @@ def validate_backward(
     call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                             softcap=softcap, layout=layout)
     qshape = tuple(int(s) for s in q.shape)
+    checked = {}
     for name, x in (("dout", dout), ("out", out)):
-        kind, shape, dt, dev = _check_array(name, x, layout)
+        checked[name], kind, shape, dt, dev = _check_array(name, x, layout)
         if kind != call.kind:
             raise _bad(name, f"the same array kind as q ({call.kind})", kind)
         if shape != qshape:
@@ -198,6 +237,8 @@ def validate_backward(
         raise _bad("lse", "an array", f"an object of type {type(lse).__name__}")
     if kind != call.kind:
         raise _bad("lse", f"the same array kind as q ({call.kind})", kind)
+    if kind == "torch":
+        lse = _check_torch("lse", lse)
     lshape = tuple(int(s) for s in lse.shape)
     want = (call.batch, call.nheads_q, call.seqlen_q)
     if lshape != want:
@@ -207,4 +248,4 @@ def validate_backward(
         raise _bad("lse", "dtype float32 (as the forward returns it)", f"dtype {ldt}")
     if device_of(lse) != call.device:
         raise _bad("lse", f"the device of q ({call.device})", f"device {device_of(lse)}")
-    return AttentionCall(**{**call.__dict__, "dout": dout, "out": out, "lse": lse})
+    return AttentionCall(**{**call.__dict__, "dout": checked["dout"], "out": checked["out"], "lse": lse})

@@ -46,6 +46,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from numba_flash.semantics import clamp_window_bound, effective_softcap
+
 BLOCK_M = 64  # query rows per tile
 BLOCK_N = 64  # keys per tile
 _D_ALIGN = 16  # head dims are padded to a multiple of this in the accumulators (a 512-bit vector of float32)
@@ -93,18 +95,35 @@ _E5 = np.float32(_LN2 ** 5 / 120)
 _E6 = np.float32(_LN2 ** 6 / 720)
 
 
+# n + 1.5 * 2**23 holds the integer n in its low mantissa bits (for |n| < 2**22): bitcast, minus these bits, is n.
+_ROUND_MAGIC = 12582912.0
+_MAGIC_BITS_MINUS_BIAS = 0x4B400000 - 127
+
+
+def _pow2_bits(builder, n, fty, ity):
+    """IR: 2**n for float ``n`` (scalar or vector type ``fty``, ints ``ity``) holding an integer in [-127, 127],
+    built from the exponent bits; n = -127 gives the bit pattern of +0.0. The integer comes from the bits of
+    ``n + 1.5 * 2**23`` rather than from fptosi, whose result for a NaN is poison in LLVM: a NaN n gives some
+    defined bit pattern here, and the NaN of the polynomial it multiplies carries on."""
+    lanes = getattr(fty, "count", None)
+
+    def const(ty, x):
+        return ir.Constant(ty, [x] * lanes if lanes else x)
+
+    t = builder.fadd(n, const(fty, _ROUND_MAGIC))
+    bits = builder.sub(builder.bitcast(t, ity), const(ity, _MAGIC_BITS_MINUS_BIAS))
+    return builder.bitcast(builder.shl(bits, const(ity, 23)), fty)
+
+
 @intrinsic
 def _pow2_f32(typingctx, n):
-    """2**n as float32 for a float32 ``n`` holding an integer in [-127, 127], built from the exponent bits
-    (n = -127 gives the bit pattern of +0.0)."""
+    """2**n as float32 for a float32 ``n`` holding an integer in [-127, 127] (see ``_pow2_bits``)."""
     if n != types.float32:
         return None
     sig = types.float32(types.float32)
 
     def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        bits = builder.shl(builder.add(builder.fptosi(args[0], i32), ir.Constant(i32, 127)), ir.Constant(i32, 23))
-        return builder.bitcast(bits, ir.FloatType())
+        return _pow2_bits(builder, args[0], ir.FloatType(), ir.IntType(32))
 
     return sig, codegen
 
@@ -119,10 +138,12 @@ def _fast_exp2_impl(x):
         def impl(x):
             # n = round(x), |f| <= 1/2, and a degree-6 Taylor polynomial of exp(f ln 2) is within ~2 ulp. Pure
             # arithmetic, so loops over it vectorise. -inf (a masked score, or lse = +inf for a row that sees no
-            # key) clamps to -127 and comes out as exactly 0.
-            x = min(max(x, _EXP2_MIN), _EXP2_MAX)
-            n = np.floor(x + _HALF)
-            f = x - n
+            # key) clamps to -127 and comes out as exactly 0. A NaN (a poisoned row's lse) stays NaN, never a
+            # probability of 0: max and min return their first argument unless the second compares larger/smaller
+            # (Python's semantics, which numba keeps), so x must stay first.
+            c = min(max(x, _EXP2_MIN), _EXP2_MAX)
+            n = np.floor(c + _HALF)
+            f = c - n
             p = _ONE + f * (_E1 + f * (_E2 + f * (_E3 + f * (_E4 + f * (_E5 + f * _E6)))))
             return p * _pow2_f32(n)
         return impl
@@ -351,9 +372,15 @@ def _mm_at_impl(c, at, b, kdim, accumulate):
 
 def _column_pass_codegen(kind: str) -> Callable:
     """IR for ``stat (op)= column reduction of st[:nk]`` over float32 arrays: st (>= nk, BLOCK_M) with a
-    unit-stride last axis, stat (BLOCK_M,) contiguous. kind 'max': stat = max(stat, max_c st[c]); kind 'exp2':
-    st[c] = 2 ** (st[c] - shift) for every c < nk and stat += sum_c st[c], where shift (BLOCK_M,) is the third
-    array and every st[c] - shift <= 0 (clamped at -127, which comes out as exactly 0)."""
+    unit-stride last axis, stat (BLOCK_M,) contiguous.
+
+    kind 'max_strict' / 'max_nan': stat = max(stat, max_c st[c]), except that stat becomes NaN, and stays NaN, for
+    a column holding a score that is not finite ('max_strict': a block no mask touched, where every score is
+    visible and -inf can only come from the data) or a NaN ('max_nan': a block ``_mask_scores`` has been through,
+    where -inf means masked and a visible non-finite score is already NaN). A NaN max poisons the query: its
+    exp2s, sum and output become NaN. kind 'exp2': st[c] = 2 ** (st[c] - shift) for every c < nk and
+    stat += sum_c st[c], where shift (BLOCK_M,) is the third array and every st[c] - shift <= 0 or NaN (clamped
+    at -127, which comes out as exactly 0; a NaN stays NaN)."""
     lanes = _LANES
 
     def codegen(context, builder, signature, args):
@@ -385,21 +412,21 @@ def _column_pass_codegen(kind: str) -> Callable:
             return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty] * nargs),
                                                   f"llvm.{name}.v{lanes}f32")
 
-        maxnum = intrinsic_fn("maxnum", 2)
         floor = intrinsic_fn("floor", 1)
+        fabs = intrinsic_fn("fabs", 1)
         flags = ("contract",)
+        nan = splat(float("nan"))
 
         def exp2_nonpos(x):
-            # 2^x as in _fast_exp2: n = round(x), a degree-6 polynomial in f = x - n, 2^n from the exponent bits
-            x = builder.call(maxnum, [x, splat(float(_EXP2_MIN))])
+            # 2^x as in _fast_exp2: n = round(x), a degree-6 polynomial in f = x - n, 2^n from the exponent bits.
+            # The clamp is a compare that a NaN fails (llvm.maxnum would turn a NaN into -127, i.e. p = 0).
+            x = builder.select(builder.fcmp_ordered("<", x, splat(float(_EXP2_MIN))), splat(float(_EXP2_MIN)), x)
             n = builder.call(floor, [builder.fadd(x, splat(0.5))])
             f = builder.fsub(x, n)
             poly = splat(float(_E6))
             for coef in (_E5, _E4, _E3, _E2, _E1, _ONE):
                 poly = builder.fadd(builder.fmul(poly, f, flags=flags), splat(float(coef)), flags=flags)
-            bits = builder.shl(builder.add(builder.fptosi(n, ity), ir.Constant(ity, [127] * lanes)),
-                               ir.Constant(ity, [23] * lanes))
-            return builder.fmul(poly, builder.bitcast(bits, vty))
+            return builder.fmul(poly, _pow2_bits(builder, n, vty, ity))
 
         # All BLOCK_M / LANES column chunks in flight at once: independent dependency chains for the max / sum.
         chunks = range(BLOCK_M // lanes)
@@ -411,12 +438,19 @@ def _column_pass_codegen(kind: str) -> Callable:
             for ch in chunks:
                 p = st_ptr(loop.index, ir.Constant(i64, ch))
                 x = builder.load(p, align=4)
-                if kind == "max":
-                    builder.store(builder.call(maxnum, [builder.load(stat[ch]), x]), stat[ch])
-                else:
+                if kind == "exp2":
                     prob = exp2_nonpos(builder.fsub(x, shift[ch]))
                     builder.store(prob, p, align=4)
                     builder.store(builder.fadd(builder.load(stat[ch]), prob, flags=flags), stat[ch])
+                    continue
+                old = builder.load(stat[ch])
+                # x > old ? x : old is one max instruction; a NaN old stays NaN, so a poisoned query stays so
+                new = builder.select(builder.fcmp_ordered(">", x, old), x, old)
+                if kind == "max_strict":  # unordered-or-equal: NaN, +inf or -inf
+                    bad = builder.fcmp_unordered("==", builder.call(fabs, [x]), splat(float("inf")))
+                else:
+                    bad = builder.fcmp_unordered("uno", x, x)
+                builder.store(builder.select(bad, nan, new), stat[ch])
         for ch in chunks:
             builder.store(builder.load(stat[ch]), stat_p[ch], align=4)
         return context.get_dummy_value()
@@ -431,9 +465,15 @@ def _column_pass_ok(st, nk, *stats) -> bool:
 
 
 @intrinsic
-def _column_max_f32(typingctx, st, nk, m):
-    """m = max(m, max over rows c < nk of st[c]), float32."""
-    return (types.none(st, nk, m), _column_pass_codegen("max")) if _column_pass_ok(st, nk, m) else None
+def _column_max_strict_f32(typingctx, st, nk, m):
+    """m = max(m, max over rows c < nk of st[c]), float32; NaN where a score is not finite."""
+    return (types.none(st, nk, m), _column_pass_codegen("max_strict")) if _column_pass_ok(st, nk, m) else None
+
+
+@intrinsic
+def _column_max_nan_f32(typingctx, st, nk, m):
+    """m = max(m, max over rows c < nk of st[c]), float32; NaN where a score is NaN (-inf is a masked key)."""
+    return (types.none(st, nk, m), _column_pass_codegen("max_nan")) if _column_pass_ok(st, nk, m) else None
 
 
 @intrinsic
@@ -444,7 +484,7 @@ def _column_exp2_sum_f32(typingctx, st, nk, total, shift):
     return types.none(st, nk, total, shift), _column_pass_codegen("exp2")
 
 
-def _column_max(st, nk, m):  # pragma: no cover - typed by the overload below
+def _column_max(st, nk, m, strict):  # pragma: no cover - typed by the overload below
     raise NotImplementedError
 
 
@@ -453,14 +493,26 @@ def _column_exp2_sum(st, nk, total, shift):  # pragma: no cover - typed by the o
 
 
 @overload(_column_max, inline="always")
-def _column_max_impl(st, nk, m):
+def _column_max_impl(st, nk, m, strict):
+    """The 'max_strict' (``strict``) or 'max_nan' pass of ``_column_pass_codegen``."""
     if _column_pass_ok(st, nk, m):
-        return lambda st, nk, m: _column_max_f32(st, nk, m)
+        def impl(st, nk, m, strict):
+            if strict:
+                _column_max_strict_f32(st, nk, m)
+            else:
+                _column_max_nan_f32(st, nk, m)
+        return impl
 
-    def impl(st, nk, m):
+    def impl(st, nk, m, strict):
+        nan = _as_dtype_of(m, np.nan)
+        inf = _as_dtype_of(m, np.inf)
         for c in range(nk):
             for r in range(st.shape[1]):
-                m[r] = max(m[r], st[c, r])
+                x = st[c, r]
+                if x > m[r]:  # false for a NaN m: it stays NaN
+                    m[r] = x
+                if x != x or (strict and not abs(x) < inf):
+                    m[r] = nan
     return impl
 
 
@@ -539,6 +591,79 @@ def _mask_block(st, j0, nk, row_lo, row_hi, fill):
 
 
 @njit(inline="always", cache=True)
+def _mask_scores(st, j0, nk, row_lo, row_hi):
+    """The forward's mask on the first nk key rows of a (BN, BM) block of scores: -inf where query r does not see
+    key j0 + c, and NaN where it does but the score is not finite. After it, -inf means "masked" and nothing else,
+    so the max pass ('max_nan') can poison a query for a visible -inf (an inf in q or k, or an overflow) instead of
+    dropping that key."""
+    neg_inf = _as_dtype_of(st, -np.inf)
+    inf = _as_dtype_of(st, np.inf)
+    nan = _as_dtype_of(st, np.nan)
+    for c in range(nk):
+        j = j0 + c
+        for r in range(st.shape[1]):
+            if j < row_lo[r] or j >= row_hi[r]:
+                st[c, r] = neg_inf
+            elif not abs(st[c, r]) < inf:
+                st[c, r] = nan
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _rows_finite(rows, n):
+    """Whether rows[:n] holds only finite numbers: a vectorised sum of x * 0, which is 0 unless some x is inf or
+    NaN. (Reassociation may overflow the sum of a finite block and call it not finite; that only sends the block
+    down the slow, exact path.)"""
+    zero = _as_dtype_of(rows, 0.0)
+    acc = zero
+    for c in range(n):
+        for d in range(rows.shape[1]):
+            acc += rows[c, d] * zero
+    return acc == zero
+
+
+@njit(inline="always", cache=True)
+def _visible_product(c_arr, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, row_hi):
+    """c += A @ b_rows[:n] with A = a[:n].T (``a_transposed``) or a[:, :n], counting only the (query, key) pairs a
+    query sees, for a block whose mask hides some pairs (A is 0 there) and whose b_rows hold a value that is not
+    finite: a plain product adds 0 * nan = nan to every row of c, also to queries that do not see that key.
+
+    b_rows has one row per key j0 + c (``b_is_keys``; c's rows are the queries of row_lo/row_hi) or one per query
+    (c's rows are the keys j0 + r). The finite rows go through the same micro-kernel as the fast path, from a copy
+    with the non-finite rows zeroed, so that rows of c that see none of those get exactly the result of a run
+    without them; the non-finite rows are then added pair by pair where a query sees the key."""
+    inf = _as_dtype_of(b_rows, np.inf)
+    zero = _as_dtype_of(b_rows, 0.0)
+    width = b_rows.shape[1]
+    clean = np.empty((n, width), b_rows.dtype)
+    bad = np.zeros(n, np.bool_)
+    for c in range(n):
+        for d in range(width):
+            x = b_rows[c, d]
+            clean[c, d] = x
+            if not abs(x) < inf:
+                bad[c] = True
+        if bad[c]:
+            for d in range(width):
+                clean[c, d] = zero
+    if a_transposed:
+        _mm_at(c_arr, a, clean, n, True)
+    else:
+        _mm(c_arr, a, clean, n, True)
+    for c in range(n):
+        if not bad[c]:
+            continue
+        for r in range(c_arr.shape[0]):
+            if b_is_keys:
+                seen = row_lo[r] <= j0 + c < row_hi[r]
+            else:
+                seen = row_lo[c] <= j0 + r < row_hi[c]
+            if seen:
+                coef = a[c, r] if a_transposed else a[r, c]
+                for d in range(width):
+                    c_arr[r, d] += coef * b_rows[c, d]
+
+
+@njit(inline="always", cache=True)
 def _load_rows(dst, src, n, head_dim):
     """dst[:n, :head_dim] = src[:n, :head_dim] and zero in dst's rows n..; columns past head_dim keep their
     (zero) contents. src is a 2-D view of a head-major buffer (unit-stride rows)."""
@@ -567,11 +692,16 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap):
     group = nheads_q // nheads_kv
     dp = v.shape[3]
     n_qt = (seqlen_q + BLOCK_M - 1) // BLOCK_M
-    # Scores in base-2 units (times log2 e), so that the softmax needs exp2.
-    qscale = _as_dtype_of(q, scale / softcap if softcap > 0 else scale * _LOG2E)
+    # Scores in base-2 units (times log2 e), so that the softmax needs exp2. With softcap, Q carries the scale
+    # alone and the raw score is divided by the softcap after the product: that keeps an inf in q or k, which
+    # tanh would turn into a finite +-1, visible as a non-finite raw score.
+    qscale = _as_dtype_of(q, scale if softcap > 0 else scale * _LOG2E)
+    inv_cap = _as_dtype_of(q, 1.0 / softcap if softcap > 0 else 0.0)
     cap2 = _as_dtype_of(q, softcap * _LOG2E)
     ln2 = _as_dtype_of(q, _LN2)
     neg_inf = _as_dtype_of(q, -np.inf)
+    inf = _as_dtype_of(q, np.inf)
+    nan = _as_dtype_of(q, np.nan)
     zero = _as_dtype_of(q, 0.0)
     one = _as_dtype_of(q, 1.0)
     for u in prange(batch * nheads_q * n_qt):
@@ -608,15 +738,20 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap):
             if softcap > 0:
                 for c in range(nk):
                     for r in range(BLOCK_M):
-                        st[c, r] = cap2 * math.tanh(st[c, r])
-            if not (full_lo <= j0 and j0 + nk <= full_hi):
-                _mask_block(st, j0, nk, row_lo, row_hi, neg_inf)
+                        x = st[c, r]
+                        capped = cap2 * math.tanh(x * inv_cap)
+                        st[c, r] = capped if abs(x) < inf else nan
+            # Every block that no mask touches is all visible: there any non-finite score poisons its query.
+            masked = not (full_lo <= j0 and j0 + nk <= full_hi)
+            if masked:
+                _mask_scores(st, j0, nk, row_lo, row_hi)
             for r in range(BLOCK_M):
                 m_use[r] = m_run[r]
-            _column_max(st, nk, m_use)
+            _column_max(st, nk, m_use, not masked)
             for r in range(BLOCK_M):
                 m_new = m_use[r]
                 # A query that has seen no key yet keeps max -inf; shifting by 0 makes its exp2 0, never NaN.
+                # A poisoned query has max NaN: its alpha, sum and accumulator become NaN and stay so.
                 if m_new == neg_inf:
                     m_use[r] = zero
                 alpha[r] = _fast_exp2(m_run[r] - m_use[r])
@@ -628,17 +763,27 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap):
                 if a != one:
                     for d in range(dp):
                         acc[r, d] *= a
-            _mm_at(acc, st, v[b, j0:j0 + nk, hk], nk, True)
-        for r in range(nq):
-            if l_run[r] > zero:
-                inv = one / l_run[r]
-                for d in range(head_dim):
-                    out[b, i0 + r, h, d] = acc[r, d] * inv
-                lse[b, h, i0 + r] = m_run[r] * ln2 + math.log(l_run[r])
+            v_rows = v[b, j0:j0 + nk, hk]
+            if masked and not _rows_finite(v_rows, nk):
+                _visible_product(acc, st, v_rows, nk, True, True, j0, row_lo, row_hi)
             else:
+                _mm_at(acc, st, v_rows, nk, True)
+        for r in range(nq):
+            if row_lo[r] >= row_hi[r]:
+                # Sees no key: 0 and lse = +inf, whatever its q holds (it reads nothing).
                 for d in range(head_dim):
                     out[b, i0 + r, h, d] = zero
-                lse[b, h, i0 + r] = -neg_inf
+                lse[b, h, i0 + r] = inf
+            elif l_run[r] > zero and m_run[r] == m_run[r]:
+                inv = one / l_run[r]
+                for d in range(head_dim):
+                    o = acc[r, d] * inv
+                    out[b, i0 + r, h, d] = o if abs(o) < inf else nan
+                lse[b, h, i0 + r] = m_run[r] * ln2 + math.log(l_run[r])
+            else:  # poisoned by a score that is not finite
+                for d in range(head_dim):
+                    out[b, i0 + r, h, d] = nan
+                lse[b, h, i0 + r] = nan
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -654,9 +799,11 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap):
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
 def _gradient_terms(p, dp, lse2, delta, sc2, scale, inv_cap, cap2, softcap):
     """(P, dS) for one raw dot product p = q.k and dp = dO.v, given the row's lse in base 2 and delta = dO . O:
-    dS is the gradient with respect to q.k, ``P * (dP - delta) * dscore/draw * scale``."""
+    dS is the gradient with respect to q.k, ``P * (dP - delta) * dscore/draw * scale``. inv_cap is 1 / softcap:
+    the scaled score is divided by the softcap only after the scale, so that neither product overflows for a tiny
+    softcap (``scale / softcap`` did at 1e-40). A poisoned row's lse is NaN and makes P and dS NaN."""
     if softcap > 0:
-        t = math.tanh(p * inv_cap)
+        t = math.tanh((p * scale) * inv_cap)
         prob = _fast_exp2(cap2 * t - lse2)
         return prob, prob * (dp - delta) * (scale - scale * t * t)
     prob = _fast_exp2(p * sc2 - lse2)
@@ -744,8 +891,10 @@ def _backward_kv_kernel(q, k, v, dout, lse2, delta, dq_acc, dk, dv, head_dim, sc
     n_chunks = (n_kt + kt_per_unit - 1) // kt_per_unit
     sc = _as_dtype_of(q, scale)
     sc2 = _as_dtype_of(q, scale * _LOG2E)
-    inv_cap = _as_dtype_of(q, scale / softcap if softcap > 0 else 0.0)
+    inv_cap = _as_dtype_of(q, 1.0 / softcap if softcap > 0 else 0.0)
     cap2 = _as_dtype_of(q, softcap * _LOG2E)
+    inf = _as_dtype_of(q, np.inf)
+    nan = _as_dtype_of(q, np.nan)
     for u in prange(batch * nheads_kv * n_chunks):
         b = u // (nheads_kv * n_chunks)
         hk = (u // n_chunks) % nheads_kv
@@ -786,14 +935,29 @@ def _backward_kv_kernel(q, k, v, dout, lse2, delta, dq_acc, dk, dv, head_dim, sc
                         _mm(dps, do_tail, v_t, head_dim, False)
                     _probs_and_dscores_rows(s, dps, lse2[b, h], delta[b, h], i0, j0, nk, row_lo, row_hi, full_lo,
                                             full_hi, sc2, sc, inv_cap, cap2, softcap)
-                    _mm_at(dv_acc, s, do_rows, nq, True)
-                    _mm_at(dk_acc, dps, q_rows, nq, True)
+                    # P and dS are 0 where a query does not see a key; a non-finite row of Q, dO or K must not
+                    # reach those pairs through 0 * nan (see _visible_product). Only masked blocks have such pairs.
+                    masked = not (full_lo <= j0 and j0 + nk <= full_hi)
+                    if masked and not _rows_finite(do_rows, nq):
+                        _visible_product(dv_acc, s, do_rows, nq, True, False, j0, row_lo, row_hi)
+                    else:
+                        _mm_at(dv_acc, s, do_rows, nq, True)
+                    if masked and not _rows_finite(q_rows, nq):
+                        _visible_product(dk_acc, dps, q_rows, nq, True, False, j0, row_lo, row_hi)
+                    else:
+                        _mm_at(dk_acc, dps, q_rows, nq, True)
                     if fuse_dq:
-                        _mm(dq_acc[b, h, i0:i0 + BLOCK_M], dps, k_rows, nk, True)
+                        dq_rows = dq_acc[b, h, i0:i0 + BLOCK_M]
+                        if masked and not _rows_finite(k_rows, nk):
+                            _visible_product(dq_rows, dps, k_rows, nk, False, True, j0, row_lo, row_hi)
+                        else:
+                            _mm(dq_rows, dps, k_rows, nk, True)
             for c in range(nk):
                 for d in range(head_dim):
-                    dk[b, j0 + c, hk, d] = dk_acc[c, d]
-                    dv[b, j0 + c, hk, d] = dv_acc[c, d]
+                    g = dk_acc[c, d]
+                    dk[b, j0 + c, hk, d] = g if abs(g) < inf else nan
+                    g = dv_acc[c, d]
+                    dv[b, j0 + c, hk, d] = g if abs(g) < inf else nan
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
@@ -808,8 +972,10 @@ def _backward_dq_kernel(q, k, v, dout, lse2, delta, dq, head_dim, scale, left, r
     n_qt = (seqlen_q + BLOCK_M - 1) // BLOCK_M
     sc = _as_dtype_of(q, scale)
     sc2 = _as_dtype_of(q, scale * _LOG2E)
-    inv_cap = _as_dtype_of(q, scale / softcap if softcap > 0 else 0.0)
+    inv_cap = _as_dtype_of(q, 1.0 / softcap if softcap > 0 else 0.0)
     cap2 = _as_dtype_of(q, softcap * _LOG2E)
+    inf = _as_dtype_of(q, np.inf)
+    nan = _as_dtype_of(q, np.nan)
     for u in prange(batch * nheads_q * n_qt):
         b = u // (nheads_q * n_qt)
         h = (u // n_qt) % nheads_q
@@ -846,10 +1012,14 @@ def _backward_dq_kernel(q, k, v, dout, lse2, delta, dq, head_dim, scale, left, r
             _mm(dpt, vr, do_t, head_dim, False)
             _probs_and_dscores_cols(st, dpt, lse2[b, h], delta[b, h], i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
                                     sc2, sc, inv_cap, cap2, softcap)
-            _mm_at(acc, dpt, kr, nk, True)
+            if not (full_lo <= j0 and j0 + nk <= full_hi) and not _rows_finite(kr, nk):
+                _visible_product(acc, dpt, kr, nk, True, True, j0, row_lo, row_hi)
+            else:
+                _mm_at(acc, dpt, kr, nk, True)
         for r in range(nq):
             for d in range(head_dim):
-                dq[b, i0 + r, h, d] = acc[r, d]
+                g = acc[r, d]
+                dq[b, i0 + r, h, d] = g if abs(g) < inf else nan
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -932,6 +1102,22 @@ def _pack_kernel(src, dst, head_dim, unit_stride):
                 d_rows[r, d] = zero
 
 
+@njit(parallel=True, cache=True)
+def _store_dq_kernel(dq_acc, dq, head_dim):
+    """dq[b, s, h, :D] = dq_acc[b, h, s, :D] for the fused backward, NaN where not finite (the contract reports
+    every non-finite result as NaN). dq_acc (B, H, >= S, D_pad) C-contiguous; dq (B, S, H, >= D) any strides."""
+    batch, seqlen, nheads = dq.shape[0], dq.shape[1], dq.shape[2]
+    inf = _as_dtype_of(dq, np.inf)
+    nan = _as_dtype_of(dq, np.nan)
+    for u in prange(batch * nheads):
+        b = u // nheads
+        h = u % nheads
+        for i in range(seqlen):
+            for d in range(head_dim):
+                g = dq_acc[b, h, i, d]
+                dq[b, i, h, d] = g if abs(g) < inf else nan
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Host side
 
@@ -963,6 +1149,7 @@ def _entry(kernel: Any, dtype: np.dtype) -> Any:
             "_backward_dq_kernel": (user[4], user[4], user[4], user[4], own[3], own[3], user[4], i64, f64, i64, i64,
                                     f64),
             "_pack_kernel": (user[4], own[4], i64, boolean),
+            "_store_dq_kernel": (own[4], user[4], i64),
         }
         with _entries_lock:
             fn = _entries.get((kernel, dtype))
@@ -1050,6 +1237,15 @@ def _head_major(x: np.ndarray, head_dim: int, slot: str) -> np.ndarray:
     return buf.transpose(0, 2, 1, 3)
 
 
+def _kernel_options(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int, softcap: float,
+                    dtype: np.dtype) -> tuple[int, int, float]:
+    """Window bounds and softcap as the kernels take them: bounds capped at Sq + Sk (the same mask, and int64
+    arithmetic that cannot overflow), the softcap as ``semantics.effective_softcap`` defines it for ``dtype``.
+    ``validate_forward`` has done both for calls through a backend; this covers direct calls."""
+    left, right = (clamp_window_bound(int(w), seqlen_q, seqlen_k) for w in (window_left, window_right))
+    return left, right, effective_softcap(float(softcap), np.dtype(dtype).name)
+
+
 def _check_dtypes(*arrays: np.ndarray) -> np.dtype:
     dtype = arrays[0].dtype
     if dtype not in (np.float32, np.float64) or any(a.dtype != dtype for a in arrays):
@@ -1073,8 +1269,9 @@ def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
     """
     dtype = _check_dtypes(q, k, v, out, lse)
     head_dim = q.shape[3]
+    left, right, softcap = _kernel_options(q.shape[1], k.shape[1], window_left, window_right, softcap, dtype)
     _entry(_forward_kernel, dtype)(q, _head_major(k, head_dim, "k"), _head_major(v, head_dim, "v"), out, lse, head_dim,
-                                   float(scale), int(window_left), int(window_right), float(softcap))
+                                   float(scale), left, right, softcap)
 
 
 def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
@@ -1092,6 +1289,8 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
     dtype = _check_dtypes(dout, q, k, v, out, lse, dq, dk, dv)
     batch, seqlen_q, nheads_q, head_dim = q.shape
     nheads_kv = k.shape[2]
+    window_left, window_right, softcap = _kernel_options(seqlen_q, k.shape[1], window_left, window_right, softcap,
+                                                         dtype)
     sq_pad = _padded(seqlen_q, BLOCK_M)
     # delta_i = dO_i . O_i, the row term of the softmax gradient; padded rows get lse = +inf so that P = 0 there.
     delta = _scratch("delta", (batch, nheads_q, sq_pad), dtype)
@@ -1109,10 +1308,9 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
     dq_acc = _scratch("dq", (batch, nheads_q, sq_pad, q_in.shape[3]) if fuse_dq else (1, 1, 1, 1), dtype)
     dq_acc.fill(0)
     _entry(_backward_kv_kernel, dtype)(q_in, k_in, v_in, do_in, lse2, delta, dq_acc, dk, dv, head_dim, float(scale),
-                                       int(window_left), int(window_right), float(softcap),
-                                       n_kt if fuse_dq else 1, fuse_dq)
+                                       window_left, window_right, softcap, n_kt if fuse_dq else 1, fuse_dq)
     if fuse_dq:
-        dq[...] = dq_acc[:, :, :seqlen_q, :head_dim].transpose(0, 2, 1, 3)
+        _entry(_store_dq_kernel, dtype)(dq_acc, dq, head_dim)
     else:
         _entry(_backward_dq_kernel, dtype)(q_in, k_in, v_in, do_in, lse2, delta, dq, head_dim, float(scale),
-                                           int(window_left), int(window_right), float(softcap))
+                                           window_left, window_right, softcap)
