@@ -2,8 +2,13 @@
 
 The block keeps its float32 Q tile (pre-multiplied by ``scale * log2(e)`` so that the softmax can use ``exp2``) in
 shared memory, streams K and then V of each key tile through one shared buffer, and keeps the output accumulator
-in registers: each thread owns a small strided ``rows x cols`` block of the (block_m x D) accumulator and of the
+in registers: each thread owns a small ``rows x cols`` block of the (block_m x D) accumulator and of the
 (block_m x block_n) score tile ("register blocking"), so no thread ever holds a whole D = 256 row.
+
+Both products are sums of outer products, SGEMM style: each step of the sum reads a thread's rows of one column
+of the left operand and its columns of one row of the right one. So a thread's rows and columns are contiguous,
+Q, K and P are kept transposed (Q^T and K^T d-major, P^T key-major) and V row-major, and a thread's four
+consecutive operands are one 128-bit shared load (LDS.128) where a strided block needed four.
 
 Arrays reach the kernels as (B, S, H, D) views with any strides; ``lse`` is (B, Hq, Sq) float32. bfloat16 arrays
 arrive as int16 bit patterns and the kernel built for them widens on load and rounds on store (see dtypes.py).
@@ -17,14 +22,23 @@ from typing import Any
 
 # numba.cuda at module level (not in the factories): the simulator swaps the kernel's global `cuda` for its
 # fake module, which a closure variable would escape. Only launch.py and compile_check.py import this module.
-from numba import cuda, float32, uint32
+from numba import config, cuda, float32, uint32, uint64
 
-from .config import FlashAttentionConfig
+from .config import FlashAttentionConfig, transposed_stride
 from .dtypes import element_io
-from .tiles import make_tile_load
+from .tiles import make_flat_tile_load
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+#: Alignment of the shared tiles: 16 bytes lets LLVM merge four consecutive float32 loads into one 128-bit load.
+#: The simulator refuses any alignment argument (and needs none).
+SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16
+#: Multiply-adds per thread in one iteration of a product loop: its steps (one outer product each) are written as an
+#: inner loop the compiler unrolls in full, up to about this size (it stops unrolling somewhere above 64), so every
+#: step's shared-memory offsets fold into its loads and numba's 64-bit loop control (about 10 instructions) is paid
+#: once per iteration.
+PRODUCT_BODY_FMAS = 64
+MAX_STEPS = 8
 
 
 def _grids(cfg: FlashAttentionConfig) -> tuple[int, int, int, int]:
@@ -56,11 +70,19 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     S_TR, S_TC, O_TR, O_TC = _grids(cfg)
     S_TM, S_TN = BM // S_TR, BN // S_TC      # score elements per thread
     O_TM, O_TD = BM // O_TR, DB // O_TC      # accumulator elements per thread
-    LD, LDP = DB + 1, BN + 1                 # +1: rows start in different banks
+    # Flat shared arrays, row strides in words (multiples of 4: every row starts 16-byte aligned):
+    # Q^T (DB x BM, q_t[d * LQ + r]), one buffer holding K^T (DB x BN, kv[d * LK + c]) and then V (BN x DB,
+    # kv[n * DB + d]), P^T (BN x BM, p_t[c * BM + r]).
+    LQ, LK = transposed_stride(BM), transposed_stride(BN)
+    Q_WORDS, KV_WORDS, P_WORDS = DB * LQ, max(DB * LK, BN * DB), BN * BM
+    ALIGN = SMEM_ALIGN
+    D_STEPS = min(DB, MAX_STEPS, max(1, PRODUCT_BODY_FMAS // (S_TM * S_TN)))
+    N_STEPS = min(BN, MAX_STEPS, max(1, PRODUCT_BODY_FMAS // (O_TM * O_TD)))
     HAS_LEFT, HAS_RIGHT, SOFTCAP = has_left, has_right, softcap
     STORE = element_io(bf16)[1]
-    load_q = make_tile_load(BM, DB, NT, bf16)
-    load_kv = make_tile_load(BN, DB, NT, bf16)
+    load_q = make_flat_tile_load(BM, DB, NT, bf16, LQ, True)
+    load_k = make_flat_tile_load(BN, DB, NT, bf16, LK, True)
+    load_v = make_flat_tile_load(BN, DB, NT, bf16, DB, False)
 
     def flash_forward_kernel(q, k, v, out, lse, seqlen_q, seqlen_k, head_dim, group, window_left, window_right,
                              qmult, capmult):
@@ -71,9 +93,9 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
         b = cuda.blockIdx.z
         hk = h // group
 
-        q_s = cuda.shared.array((BM, LD), float32)
-        kv_s = cuda.shared.array((BN, LD), float32)
-        p_s = cuda.shared.array((BM, LDP), float32)
+        q_t = cuda.shared.array(Q_WORDS, float32, alignment=ALIGN)
+        kv = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
+        p_t = cuda.shared.array(P_WORDS, float32, alignment=ALIGN)
         row_max = cuda.shared.array(BM, float32)     # running max, log2 domain
         row_sum = cuda.shared.array(BM, float32)     # running sum of exp2(s - row_max)
         row_scale = cuda.shared.array(BM, float32)   # this tile's rescale factor of the accumulator
@@ -89,7 +111,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 acc[i, j] = float32(0.0)
 
         # Tile loads (tiles.py): rows past the sequence and columns past head_dim become 0 and add nothing.
-        load_q(q_s, q, b, m0, h, seqlen_q, head_dim, qmult, t)
+        load_q(q_t, q, b, m0, h, seqlen_q, head_dim, qmult, t)
         for r in range(t, BM, NT):
             row_max[r] = neg_inf
             row_sum[r] = float32(0.0)
@@ -105,37 +127,44 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
             hi = min(seqlen_k, last_row + offset + window_right + 1)
         n_start = (lo // BN) * BN
 
-        s_tr = t // S_TC
-        s_tc = t - s_tr * S_TC
+        # Score block of this thread: rows s_tr * S_TM + i, columns s_tc * S_TN + j.
+        s_tc = t // S_TR
+        s_tr = t - s_tc * S_TR
+        # Accumulator block: rows o_tr * O_TM + i, head-dim columns o_tc * O_TD + j.
         o_tr = t // O_TC
         o_tc = t - o_tr * O_TC
-        # Unsigned copies for the product loops' shared-memory indices: numba wraps negative signed indices
-        # around (a compare and select per index), unsigned ones it does not, and ptxas then folds the unrolled
-        # loops' constant offsets into the loads (54 -> 38 instructions per 16 FFMA of the score loop at D = 64).
-        s_tr_u, s_tc_u, o_tr_u, o_tc_u = uint32(s_tr), uint32(s_tc), uint32(o_tr), uint32(o_tc)
+        # First row and column of each block, as the base of the product loops' shared-memory indices. Unsigned:
+        # numba wraps negative signed indices around (a compare and select per index). 64-bit: a 32-bit sum that is
+        # widened afterwards may wrap, so the compiler cannot split off its constant part, and recomputes every
+        # address (an IMAD and a LEA per load); a 64-bit sum's constant steps fold into the loads' offsets.
+        s_row0, s_col0 = uint64(s_tr * S_TM), uint64(s_tc * S_TN)
+        o_row0, o_col0 = uint64(o_tr * O_TM), uint64(o_tc * O_TD)
         cuda.syncthreads()
 
         for n0 in range(n_start, hi, BN):
-            load_kv(kv_s, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
+            load_k(kv, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
             cuda.syncthreads()
 
-            # Scores of this thread's (S_TM x S_TN) block: s = q_s . k_s^T over the padded head dim.
+            # Scores of this thread's (S_TM x S_TN) block: s = Q K^T over the padded head dim, one outer product of
+            # a column of Q^T and a column of K^T per d.
             for i in range(S_TM):
                 for j in range(S_TN):
                     s[i, j] = float32(0.0)
-            for d in range(DB):
-                for i in range(S_TM):
-                    sa_reg[i] = q_s[s_tr_u + uint32(S_TR * i), uint32(d)]
-                for j in range(S_TN):
-                    sb_reg[j] = kv_s[s_tc_u + uint32(S_TC * j), uint32(d)]
-                for i in range(S_TM):
+            for d0 in range(0, DB, D_STEPS):
+                q_d0, k_d0 = uint64(d0 * LQ) + s_row0, uint64(d0 * LK) + s_col0
+                for dd in range(D_STEPS):
+                    for i in range(S_TM):
+                        sa_reg[i] = q_t[q_d0 + uint64(dd * LQ + i)]
                     for j in range(S_TN):
-                        s[i, j] += sa_reg[i] * sb_reg[j]
+                        sb_reg[j] = kv[k_d0 + uint64(dd * LK + j)]
+                    for i in range(S_TM):
+                        for j in range(S_TN):
+                            s[i, j] += sa_reg[i] * sb_reg[j]
             for i in range(S_TM):
-                r = s_tr + S_TR * i
+                r = s_tr * S_TM + i
                 row = m0 + r
                 for j in range(S_TN):
-                    c = s_tc + S_TC * j
+                    c = s_tc * S_TN + j
                     col = n0 + c
                     x = s[i, j]
                     if SOFTCAP:
@@ -145,52 +174,56 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                         ok = ok and col >= row + offset - window_left
                     if HAS_RIGHT:
                         ok = ok and col <= row + offset + window_right
-                    p_s[r, c] = x if ok else neg_inf
+                    p_t[uint32(c * BM + r)] = x if ok else neg_inf
             cuda.syncthreads()
 
             # Every thread is done with K: the buffer takes V while the row pass runs.
-            load_kv(kv_s, v, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
+            load_v(kv, v, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
             for r in range(t, BM, NT):
+                r_u = uint32(r)
                 m_old = row_max[r]
                 m_new = m_old
                 for c in range(BN):
-                    m_new = max(m_new, p_s[r, c])
+                    m_new = max(m_new, p_t[uint32(c * BM) + r_u])
                 # A row with nothing visible yet keeps max -inf; exp2 against 0 then gives 0, never NaN.
                 m_use = m_new if m_new != neg_inf else float32(0.0)
                 alpha = math.exp2(m_old - m_use)
                 total = float32(0.0)
                 for c in range(BN):
-                    p = math.exp2(p_s[r, c] - m_use)
-                    p_s[r, c] = p
+                    p = math.exp2(p_t[uint32(c * BM) + r_u] - m_use)
+                    p_t[uint32(c * BM) + r_u] = p
                     total += p
                 row_max[r] = m_new
                 row_sum[r] = row_sum[r] * alpha + total
                 row_scale[r] = alpha
             cuda.syncthreads()
 
-            # acc = acc * alpha + P . V for this thread's (O_TM x O_TD) block.
+            # acc = acc * alpha + P V for this thread's (O_TM x O_TD) block: one outer product of a column of P^T
+            # and a row of V per key.
             for i in range(O_TM):
-                alpha = row_scale[o_tr + O_TR * i]
+                alpha = row_scale[o_tr * O_TM + i]
                 for j in range(O_TD):
                     acc[i, j] *= alpha
-            for n in range(BN):
-                for i in range(O_TM):
-                    a_reg[i] = p_s[o_tr_u + uint32(O_TR * i), uint32(n)]
-                for j in range(O_TD):
-                    b_reg[j] = kv_s[uint32(n), o_tc_u + uint32(O_TC * j)]
-                for i in range(O_TM):
+            for n0 in range(0, BN, N_STEPS):
+                p_n0, v_n0 = uint64(n0 * BM) + o_row0, uint64(n0 * DB) + o_col0
+                for nn in range(N_STEPS):
+                    for i in range(O_TM):
+                        a_reg[i] = p_t[p_n0 + uint64(nn * BM + i)]
                     for j in range(O_TD):
-                        acc[i, j] += a_reg[i] * b_reg[j]
+                        b_reg[j] = kv[v_n0 + uint64(nn * DB + j)]
+                    for i in range(O_TM):
+                        for j in range(O_TD):
+                            acc[i, j] += a_reg[i] * b_reg[j]
             cuda.syncthreads()
 
         for i in range(O_TM):
-            r = o_tr + O_TR * i
+            r = o_tr * O_TM + i
             row = m0 + r
             if row < seqlen_q:
                 total = row_sum[r]
                 inv = float32(1.0) / total if total > float32(0.0) else float32(0.0)
                 for j in range(O_TD):
-                    d = o_tc + O_TC * j
+                    d = o_tc * O_TD + j
                     if d < head_dim:
                         out[b, row, h, d] = STORE(acc[i, j] * inv)
         for r in range(t, BM, NT):

@@ -52,3 +52,51 @@ def make_tile_load(rows: int, head_dim_bucket: int, threads: int, bf16: bool) ->
                 dst[r, d] = x
 
     return load_tile
+
+
+def lane_rows(stride: int, rows: int) -> int:
+    """Rows that one warp's lanes cover side by side when ``make_flat_tile_load`` writes a tile transposed with
+    row stride ``stride``: the lowest set bit of the stride (at most 32 and ``rows``). Lanes ``r + R * c``
+    (``R`` rows, ``32 / R`` consecutive head-dim columns) then store to ``r + stride * c``, 32 different banks,
+    while each row's lanes still read a run of consecutive elements from global memory (32 bytes of float32 when
+    the stride is 4 times an odd number)."""
+    return min(stride & -stride, 32, rows)
+
+
+@functools.lru_cache(maxsize=None)
+def make_flat_tile_load(rows: int, head_dim_bucket: int, threads: int, bf16: bool, stride: int,
+                        transposed: bool) -> Any:
+    """``load_tile(dst, src, b, row0, h, seqlen, head_dim, mult, t)`` as ``make_tile_load``'s, into a flat float32
+    shared array: element (r, d) of the tile goes to ``dst[r * stride + d]``, or with ``transposed`` to
+    ``dst[d * stride + r]`` (d-major, so that a thread reads consecutive rows of one column in one 128-bit load).
+
+    Row-major, consecutive threads take consecutive columns, as in ``make_tile_load``. Transposed, they walk
+    ``lane_rows(stride, rows)`` rows before moving to the next column, which keeps one warp's stores in 32
+    different banks (consecutive columns alone would land ``stride`` words apart)."""
+    ROWS, DB, NT, STRIDE, TRANSPOSED = rows, head_dim_bucket, threads, stride, transposed
+    R = lane_rows(stride, rows) if transposed else 1
+    TOTAL = ROWS * DB
+    PER_THREAD = -(-TOTAL // NT)
+    RAGGED = TOTAL % NT != 0
+    LOAD = element_io(bf16)[0]
+
+    @cuda.jit(device=True, inline="always")
+    def load_tile(dst, src, b, row0, h, seqlen, head_dim, mult, t):
+        b_u, h_u, row0_u = uint32(b), uint32(h), uint32(row0)
+        seqlen_u, head_dim_u = uint32(seqlen), uint32(head_dim)
+        for k in range(PER_THREAD):
+            idx = uint32(t + k * NT)
+            if not RAGGED or idx < uint32(TOTAL):
+                column_run = uint32(idx // uint32(R))
+                d = uint32(column_run % uint32(DB))
+                r = uint32(uint32(column_run // uint32(DB)) * uint32(R) + uint32(idx % uint32(R)))
+                row = uint32(row0_u + r)
+                x = float32(0.0)
+                if row < seqlen_u and d < head_dim_u:
+                    x = LOAD(src[b_u, row, h_u, d]) * mult
+                if TRANSPOSED:
+                    dst[uint32(d * uint32(STRIDE) + r)] = x
+                else:
+                    dst[uint32(r * uint32(STRIDE) + d)] = x
+
+    return load_tile
