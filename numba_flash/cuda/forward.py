@@ -26,7 +26,7 @@ from numba import config, cuda, float32, uint32, uint64
 
 from .config import FlashAttentionConfig, transposed_stride
 from .dtypes import element_io
-from .tiles import make_flat_tile_load
+from .tiles import FETCH_VECTOR, make_tile_fetch, tile_passes
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -80,9 +80,10 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     N_STEPS = min(BN, MAX_STEPS, max(1, PRODUCT_BODY_FMAS // (O_TM * O_TD)))
     HAS_LEFT, HAS_RIGHT, SOFTCAP = has_left, has_right, softcap
     STORE = element_io(bf16)[1]
-    load_q = make_flat_tile_load(BM, DB, NT, bf16, LQ, True)
-    load_k = make_flat_tile_load(BN, DB, NT, bf16, LK, True)
-    load_v = make_flat_tile_load(BN, DB, NT, bf16, DB, False)
+    Q_PASSES, KV_PASSES, V4 = tile_passes(BM, DB, NT), tile_passes(BN, DB, NT), FETCH_VECTOR
+    fetch_q = make_tile_fetch(BM, DB, NT, bf16, LQ, True)
+    fetch_k = make_tile_fetch(BN, DB, NT, bf16, LK, True)
+    fetch_v = make_tile_fetch(BN, DB, NT, bf16, DB, False)
 
     def flash_forward_kernel(q, k, v, out, lse, seqlen_q, seqlen_k, head_dim, group, window_left, window_right,
                              qmult, capmult):
@@ -106,12 +107,17 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
         b_reg = cuda.local.array(O_TD, float32)
         sa_reg = cuda.local.array(S_TM, float32)
         sb_reg = cuda.local.array(S_TN, float32)
+        fetched = cuda.local.array(V4, float32)
         for i in range(O_TM):
             for j in range(O_TD):
                 acc[i, j] = float32(0.0)
 
         # Tile loads (tiles.py): rows past the sequence and columns past head_dim become 0 and add nothing.
-        load_q(q_t, q, b, m0, h, seqlen_q, head_dim, qmult, t)
+        for k_pass in range(Q_PASSES):
+            at, ok = fetch_q(fetched, q, b, m0, h, seqlen_q, head_dim, qmult, t, k_pass)
+            if ok:
+                for e in range(V4):
+                    q_t[at + uint64(e)] = fetched[e]
         for r in range(t, BM, NT):
             row_max[r] = neg_inf
             row_sum[r] = float32(0.0)
@@ -142,7 +148,11 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
         cuda.syncthreads()
 
         for n0 in range(n_start, hi, BN):
-            load_k(kv, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
+            for k_pass in range(KV_PASSES):
+                at, ok = fetch_k(fetched, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t, k_pass)
+                if ok:
+                    for e in range(V4):
+                        kv[at + uint64(e)] = fetched[e]
             cuda.syncthreads()
 
             # Scores of this thread's (S_TM x S_TN) block: s = Q K^T over the padded head dim, one outer product of
@@ -178,7 +188,11 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
             cuda.syncthreads()
 
             # Every thread is done with K: the buffer takes V while the row pass runs.
-            load_v(kv, v, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
+            for k_pass in range(KV_PASSES):
+                at, ok = fetch_v(fetched, v, b, n0, hk, seqlen_k, head_dim, float32(1.0), t, k_pass)
+                if ok:
+                    for e in range(V4):
+                        kv[at + uint64(e)] = fetched[e]
             for r in range(t, BM, NT):
                 r_u = uint32(r)
                 m_old = row_max[r]
