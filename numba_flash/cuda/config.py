@@ -53,9 +53,13 @@ TRANSPOSED_PAD = 4
 
 # Preferred (block_m, block_n, threads) per kernel and head-dim bucket, chosen to fill most of 48 KiB while keeping
 # each thread's accumulators at or under 64 registers. Big buckets get narrow key tiles: the float32 Q (or dO) tile
-# has to stay resident, and it alone is a little over block_m * D * 4 bytes.
+# has to stay resident, and it alone is a little over block_m * D * 4 bytes. The forward at D = 64 and 128 runs 64
+# threads, not 128: a thread then owns 8 x 8 accumulators (not 8 x 4) and an 8 x 4 or 4 x 4 score block (not 4 x 4
+# or 4 x 2), so it reads 0.25 shared-memory words per multiply-add of P V (not 0.375) and 0.375 or 0.5 of Q K^T
+# (not 0.5 or 0.75); shared-memory bandwidth is what bounds it on sm_90 otherwise (performance model). Tiles big
+# enough to give 128 threads such blocks do not fit 48 KiB.
 _PREFERRED: dict[str, dict[int, tuple[int, int, int]]] = {
-    "forward": {16: (64, 64, 128), 32: (64, 64, 128), 64: (64, 32, 128), 128: (32, 32, 128), 256: (32, 8, 128)},
+    "forward": {16: (64, 64, 128), 32: (64, 64, 128), 64: (64, 32, 64), 128: (32, 32, 64), 256: (32, 8, 128)},
     "backward_dkdv": {16: (32, 64, 128), 32: (32, 64, 128), 64: (32, 32, 128), 128: (16, 32, 128),
                       256: (8, 16, 128)},
     "backward_dq": {16: (64, 64, 128), 32: (64, 64, 128), 64: (32, 64, 128), 128: (32, 16, 128),

@@ -141,7 +141,7 @@ def test_model_of_the_forward_kernel(tmp_path, monkeypatch):
         # Every useful multiply-add is an FFMA issue slot, so the issue bound caps the ceiling at the FFMA share
         # (x2 on sm_80, whose float32 pipe is half as wide as its issue rate).
         assert r.ceiling <= r.ffma_share * (2 if r.cc == "8.0" else 1) + 1e-3
-        # Every shared-memory store instruction, counted by hand from the kernel (64 x 32 tiles, D = 64, 128
+        # Every shared-memory store instruction, counted by hand from the kernel (64 x 32 tiles, D = 64, 64
         # threads): the K^T and V tiles, 4 elements per 128-bit store; the 64 x 32 probabilities of P^T, one each;
         # and the row pass, where each of the two warps stores for its 32 rows 32 probabilities and the max, sum
         # and rescale factor.
