@@ -33,11 +33,14 @@ LN2 = math.log(2.0)
 #: Alignment of the shared tiles: 16 bytes lets LLVM merge four consecutive float32 loads into one 128-bit load.
 #: The simulator refuses any alignment argument (and needs none).
 SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16
-#: Multiply-adds per thread in one iteration of a product loop: its steps (one outer product each) are written as an
-#: inner loop the compiler unrolls in full, up to about this size (it stops unrolling somewhere above 64), so every
-#: step's shared-memory offsets fold into its loads and numba's 64-bit loop control (about 10 instructions) is paid
-#: once per iteration.
-PRODUCT_BODY_FMAS = 64
+#: Multiply-adds per thread in one iteration of each product loop. Its steps (one outer product each) are an inner
+#: loop that NVVM unrolls in full up to a size, so every step's shared-memory offsets fold into its loads and
+#: numba's 64-bit loop control (about 10 instructions) is paid once per iteration. Measured: it unrolls 2 steps of an
+#: 8 x 4 score block (64 multiply-adds) but not 4, and 2 steps of an 8 x 8 accumulator block (128): a score step
+#: holds more loads per multiply-add. Past the limit it keeps a loop unrolled by 2, which costs more than a
+#: smaller body.
+SCORE_BODY_FMAS, PV_BODY_FMAS = 64, 128
+#: At most this many steps per iteration (a 2 x 1 score block at D = 256 is not unrolled at 32).
 MAX_STEPS = 8
 
 
@@ -76,8 +79,8 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     LQ, LK = transposed_stride(BM), transposed_stride(BN)
     Q_WORDS, KV_WORDS, P_WORDS = DB * LQ, max(DB * LK, BN * DB), BN * BM
     ALIGN = SMEM_ALIGN
-    D_STEPS = min(DB, MAX_STEPS, max(1, PRODUCT_BODY_FMAS // (S_TM * S_TN)))
-    N_STEPS = min(BN, MAX_STEPS, max(1, PRODUCT_BODY_FMAS // (O_TM * O_TD)))
+    D_STEPS = min(DB, MAX_STEPS, max(1, SCORE_BODY_FMAS // (S_TM * S_TN)))
+    N_STEPS = min(BN, MAX_STEPS, max(1, PV_BODY_FMAS // (O_TM * O_TD)))
     HAS_LEFT, HAS_RIGHT, SOFTCAP = has_left, has_right, softcap
     STORE = element_io(bf16)[1]
     Q_PASSES, KV_PASSES, V4 = tile_passes(BM, DB, NT), tile_passes(BN, DB, NT), FETCH_VECTOR
