@@ -6,9 +6,11 @@ in registers: each thread owns a small ``rows x cols`` block of the (block_m x D
 (block_m x block_n) score tile ("register blocking"), so no thread ever holds a whole D = 256 row.
 
 Both products are sums of outer products, SGEMM style: each step of the sum reads a thread's rows of one column
-of the left operand and its columns of one row of the right one. So a thread's rows and columns are contiguous,
-Q, K and P are kept transposed (Q^T and K^T d-major, P^T key-major) and V row-major, and a thread's four
-consecutive operands are one 128-bit shared load (LDS.128) where a strided block needed four.
+of the left operand and its columns of one row of the right one. So Q, K and P are kept transposed (Q^T and K^T
+d-major, P^T key-major) and V row-major, and a thread owns its rows and columns in runs of four consecutive ones:
+each run is one 128-bit shared load (LDS.128) where a strided block needed four. Runs of neighbouring threads are
+neighbours, and a thread's second run (8 x 8 blocks) lies past the other threads' first: the 8 threads that share
+a 128-bit access then touch 8 different 16-byte pieces of the banks, no conflict.
 
 Arrays reach the kernels as (B, S, H, D) views with any strides; ``lse`` is (B, Hq, Sq) float32. bfloat16 arrays
 arrive as int16 bit patterns and the kernel built for them widens on load and rounds on store (see dtypes.py).
@@ -81,6 +83,9 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     ALIGN = SMEM_ALIGN
     D_STEPS = min(DB, MAX_STEPS, max(1, SCORE_BODY_FMAS // (S_TM * S_TN)))
     N_STEPS = min(BN, MAX_STEPS, max(1, PV_BODY_FMAS // (O_TM * O_TD)))
+    # Runs of consecutive rows (columns) a thread owns, and the distance from one of its runs to the next.
+    S_RM, S_RN, O_RM, O_RD = min(S_TM, 4), min(S_TN, 4), min(O_TM, 4), min(O_TD, 4)
+    S_GAP_M, S_GAP_N, O_GAP_M, O_GAP_D = S_RM * S_TR, S_RN * S_TC, O_RM * O_TR, O_RD * O_TC
     HAS_LEFT, HAS_RIGHT, SOFTCAP = has_left, has_right, softcap
     STORE = element_io(bf16)[1]
     Q_PASSES, KV_PASSES, V4 = tile_passes(BM, DB, NT), tile_passes(BN, DB, NT), FETCH_VECTOR
@@ -136,18 +141,20 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
             hi = min(seqlen_k, last_row + offset + window_right + 1)
         n_start = (lo // BN) * BN
 
-        # Score block of this thread: rows s_tr * S_TM + i, columns s_tc * S_TN + j.
+        # Score block of this thread: row i is s_tr * S_RM + (i // S_RM) * S_GAP_M + i % S_RM, column j likewise
+        # with s_tc, S_RN and S_GAP_N. Consecutive threads take consecutive row runs.
         s_tc = t // S_TR
         s_tr = t - s_tc * S_TR
-        # Accumulator block: rows o_tr * O_TM + i, head-dim columns o_tc * O_TD + j.
+        # Accumulator block: rows from o_tr with O_RM and O_GAP_M, head-dim columns from o_tc with O_RD and O_GAP_D.
         o_tr = t // O_TC
         o_tc = t - o_tr * O_TC
         # First row and column of each block, as the base of the product loops' shared-memory indices. Unsigned:
         # numba wraps negative signed indices around (a compare and select per index). 64-bit: a 32-bit sum that is
         # widened afterwards may wrap, so the compiler cannot split off its constant part, and recomputes every
         # address (an IMAD and a LEA per load); a 64-bit sum's constant steps fold into the loads' offsets.
-        s_row0, s_col0 = uint64(s_tr * S_TM), uint64(s_tc * S_TN)
-        o_row0, o_col0 = uint64(o_tr * O_TM), uint64(o_tc * O_TD)
+        s_row0, s_col0 = uint64(s_tr * S_RM), uint64(s_tc * S_RN)
+        o_row0, o_col0 = uint64(o_tr * O_RM), uint64(o_tc * O_RD)
+        p_block = s_col0 * uint64(BM) + s_row0
         cuda.syncthreads()
 
         for n0 in range(n_start, hi, BN):
@@ -167,18 +174,16 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 q_d0, k_d0 = uint64(d0 * LQ) + s_row0, uint64(d0 * LK) + s_col0
                 for dd in range(D_STEPS):
                     for i in range(S_TM):
-                        sa_reg[i] = q_t[q_d0 + uint64(dd * LQ + i)]
+                        sa_reg[i] = q_t[q_d0 + uint64(dd * LQ + (i // S_RM) * S_GAP_M + i % S_RM)]
                     for j in range(S_TN):
-                        sb_reg[j] = kv[k_d0 + uint64(dd * LK + j)]
+                        sb_reg[j] = kv[k_d0 + uint64(dd * LK + (j // S_RN) * S_GAP_N + j % S_RN)]
                     for i in range(S_TM):
                         for j in range(S_TN):
                             s[i, j] += sa_reg[i] * sb_reg[j]
             for i in range(S_TM):
-                r = s_tr * S_TM + i
-                row = m0 + r
+                row = m0 + s_tr * S_RM + (i // S_RM) * S_GAP_M + i % S_RM
                 for j in range(S_TN):
-                    c = s_tc * S_TN + j
-                    col = n0 + c
+                    col = n0 + s_tc * S_RN + (j // S_RN) * S_GAP_N + j % S_RN
                     x = s[i, j]
                     if SOFTCAP:
                         x = capmult * math.tanh(x)
@@ -187,7 +192,12 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                         ok = ok and col >= row + offset - window_left
                     if HAS_RIGHT:
                         ok = ok and col <= row + offset + window_right
-                    p_t[uint32(c * BM + r)] = x if ok else neg_inf
+                    s[i, j] = x if ok else neg_inf
+            # Into P^T column by column: a run of rows is one 128-bit store.
+            for j in range(S_TN):
+                for i in range(S_TM):
+                    p_t[p_block + uint64(((j // S_RN) * S_GAP_N + j % S_RN) * BM
+                                         + (i // S_RM) * S_GAP_M + i % S_RM)] = s[i, j]
             cuda.syncthreads()
 
             # Every thread is done with K: the buffer takes V while the row pass runs.
@@ -218,29 +228,29 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
             # acc = acc * alpha + P V for this thread's (O_TM x O_TD) block: one outer product of a column of P^T
             # and a row of V per key.
             for i in range(O_TM):
-                alpha = row_scale[o_tr * O_TM + i]
+                alpha = row_scale[o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM]
                 for j in range(O_TD):
                     acc[i, j] *= alpha
             for n0 in range(0, BN, N_STEPS):
                 p_n0, v_n0 = uint64(n0 * BM) + o_row0, uint64(n0 * DB) + o_col0
                 for nn in range(N_STEPS):
                     for i in range(O_TM):
-                        a_reg[i] = p_t[p_n0 + uint64(nn * BM + i)]
+                        a_reg[i] = p_t[p_n0 + uint64(nn * BM + (i // O_RM) * O_GAP_M + i % O_RM)]
                     for j in range(O_TD):
-                        b_reg[j] = kv[v_n0 + uint64(nn * DB + j)]
+                        b_reg[j] = kv[v_n0 + uint64(nn * DB + (j // O_RD) * O_GAP_D + j % O_RD)]
                     for i in range(O_TM):
                         for j in range(O_TD):
                             acc[i, j] += a_reg[i] * b_reg[j]
             cuda.syncthreads()
 
         for i in range(O_TM):
-            r = o_tr * O_TM + i
+            r = o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM
             row = m0 + r
             if row < seqlen_q:
                 total = row_sum[r]
                 inv = float32(1.0) / total if total > float32(0.0) else float32(0.0)
                 for j in range(O_TD):
-                    d = o_tc * O_TD + j
+                    d = o_tc * O_RD + (j // O_RD) * O_GAP_D + j % O_RD
                     if d < head_dim:
                         out[b, row, h, d] = STORE(acc[i, j] * inv)
         for r in range(t, BM, NT):
