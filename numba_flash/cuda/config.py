@@ -1,8 +1,9 @@
 """Tile configurations of the CUDA kernels: what each kernel keeps in shared memory, and the picker.
 
 Every kernel stages its tiles in float32 shared memory (float16 and bfloat16 inputs are widened on load, so one
-config serves every dtype) with one padding word per row, which keeps the column walks of the register-blocked
-products free of bank conflicts. Static shared memory is limited to 48 KiB per block on every NVIDIA GPU numba-cuda
+config serves every dtype). The backward kernels pad each row by one word, which keeps the column walks of their
+register-blocked products free of bank conflicts; the forward kernel keeps Q and K transposed (d-major) and reads
+four consecutive words per 128-bit load, so its rows keep a multiple of 4 words (``transposed_stride``). Static shared memory is limited to 48 KiB per block on every NVIDIA GPU numba-cuda
 targets; dynamic shared memory above that needs a per-kernel attribute numba does not set, so the picker stays
 under 48 KiB.
 
@@ -46,12 +47,19 @@ STATIC_SMEM_LIMIT = 48 * 1024
 #: Upper bound on float32 accumulators one thread keeps in registers; above it ptxas starts spilling at D = 256.
 MAX_ACCUMULATORS_PER_THREAD = 64
 _FLOAT = 4
+#: Extra words per row of a transposed (D x rows) tile: a multiple of 4 keeps rows 16-byte aligned for 128-bit
+#: loads, and 4 makes the stride 4 times an odd number (see ``transposed_stride``).
+TRANSPOSED_PAD = 4
 
 # Preferred (block_m, block_n, threads) per kernel and head-dim bucket, chosen to fill most of 48 KiB while keeping
 # each thread's accumulators at or under 64 registers. Big buckets get narrow key tiles: the float32 Q (or dO) tile
-# has to stay resident, and it alone is block_m * (D + 1) * 4 bytes.
+# has to stay resident, and it alone is a little over block_m * D * 4 bytes. The forward at D = 64 and 128 runs 64
+# threads, not 128: a thread then owns 8 x 8 accumulators (not 8 x 4) and an 8 x 4 or 4 x 4 score block (not 4 x 4
+# or 4 x 2), so it reads 0.25 shared-memory words per multiply-add of P V (not 0.375) and 0.375 or 0.5 of Q K^T
+# (not 0.5 or 0.75); shared-memory bandwidth is what bounds it on sm_90 otherwise (performance model). Tiles big
+# enough to give 128 threads such blocks do not fit 48 KiB.
 _PREFERRED: dict[str, dict[int, tuple[int, int, int]]] = {
-    "forward": {16: (64, 64, 128), 32: (64, 64, 128), 64: (64, 32, 128), 128: (32, 32, 128), 256: (32, 8, 128)},
+    "forward": {16: (64, 64, 128), 32: (64, 64, 128), 64: (64, 32, 64), 128: (32, 32, 64), 256: (32, 8, 128)},
     "backward_dkdv": {16: (32, 64, 128), 32: (32, 64, 128), 64: (32, 32, 128), 128: (16, 32, 128),
                       256: (8, 16, 128)},
     "backward_dq": {16: (64, 64, 128), 32: (64, 64, 128), 64: (32, 64, 128), 128: (32, 16, 128),
@@ -85,9 +93,20 @@ def head_dim_bucket(head_dim: int) -> int:
     raise AttentionInputError(f"q: expected head dim D between 1 and {HEAD_DIM_BUCKETS[-1]}, got D={head_dim}")
 
 
+def transposed_stride(rows: int) -> int:
+    """Row stride, in words, of the transposed (D x rows) shared copy of a (rows x D) tile.
+
+    The loader's stores are conflict-free for any stride (``tiles.lane_rows``), but a stride that is a multiple of
+    32 makes one warp cover 32 rows of a single column, one 4-byte read per input row; 4 words of padding let it
+    cover 4 rows x 8 columns, 32 bytes per row. Tiles of 8 rows stay unpadded (8 rows x 4 columns, 16 bytes per
+    row): padding them would grow them by half, the margin that keeps D = 256 under 48 KiB."""
+    return rows + TRANSPOSED_PAD if rows >= 16 else rows
+
+
 def thread_grid(rows: int, cols: int, threads: int) -> tuple[int, int] | None:
     """Split a ``rows x cols`` product tile over ``threads`` threads as a ``(tr, tc)`` grid, each thread owning
-    ``rows // tr`` rows and ``cols // tc`` columns (strided). The most square per-thread block wins: it needs the
+    ``rows // tr`` rows and ``cols // tc`` columns (strided or contiguous, as the kernel lays them out). The most
+    square per-thread block wins: it needs the
     fewest shared-memory loads per multiply-add. None when no split divides evenly."""
     best, best_cost = None, None
     tc = 1
@@ -134,9 +153,11 @@ class FlashAttentionConfig:
 
     def smem_floats(self) -> int:
         """float32 words of static shared memory the kernel declares."""
-        bm, bn, ld, ldp = self.block_m, self.block_n, self.head_dim_bucket + 1, self.block_n + 1
-        if self.kernel == "forward":      # Q tile, one K-then-V tile, probabilities, row max/sum/rescale
-            return bm * ld + bn * ld + bm * ldp + 3 * bm
+        bm, bn, db = self.block_m, self.block_n, self.head_dim_bucket
+        ld, ldp = db + 1, bn + 1
+        if self.kernel == "forward":      # Q^T, one K^T-then-V buffer, P^T, row max/sum/rescale
+            k_t, v = db * transposed_stride(bn), bn * db
+            return db * transposed_stride(bm) + max(k_t, v) + bn * bm + 3 * bm
         if self.kernel == "backward_dkdv":  # K and V tiles, one Q-then-dO-then-Q tile, P and dS, lse and delta
             return 2 * bn * ld + bm * ld + 2 * bm * ldp + 2 * bm
         if self.kernel == "backward_dq":  # Q and dO tiles, one K-then-V-then-K tile, dS

@@ -2,8 +2,15 @@
 
 The block keeps its float32 Q tile (pre-multiplied by ``scale * log2(e)`` so that the softmax can use ``exp2``) in
 shared memory, streams K and then V of each key tile through one shared buffer, and keeps the output accumulator
-in registers: each thread owns a small strided ``rows x cols`` block of the (block_m x D) accumulator and of the
+in registers: each thread owns a small ``rows x cols`` block of the (block_m x D) accumulator and of the
 (block_m x block_n) score tile ("register blocking"), so no thread ever holds a whole D = 256 row.
+
+Both products are sums of outer products, SGEMM style: each step of the sum reads a thread's rows of one column
+of the left operand and its columns of one row of the right one. So Q, K and P are kept transposed (Q^T and K^T
+d-major, P^T key-major) and V row-major, and a thread owns its rows and columns in runs of four consecutive ones:
+each run is one 128-bit shared load (LDS.128) where a strided block needed four. Runs of neighbouring threads are
+neighbours, and a thread's second run (8 x 8 blocks) lies past the other threads' first: the 8 threads that share
+a 128-bit access then touch 8 different 16-byte pieces of the banks, no conflict.
 
 Arrays reach the kernels as (B, S, H, D) views with any strides; ``lse`` is (B, Hq, Sq) float32. bfloat16 arrays
 arrive as int16 bit patterns and the kernel built for them widens on load and rounds on store (see dtypes.py).
@@ -17,14 +24,26 @@ from typing import Any
 
 # numba.cuda at module level (not in the factories): the simulator swaps the kernel's global `cuda` for its
 # fake module, which a closure variable would escape. Only launch.py and compile_check.py import this module.
-from numba import cuda, float32, uint32
+from numba import config, cuda, float32, uint32, uint64
 
-from .config import FlashAttentionConfig
+from .config import FlashAttentionConfig, transposed_stride
 from .dtypes import element_io
-from .tiles import make_tile_load
+from .tiles import FETCH_VECTOR, make_tile_fetch, tile_passes
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+#: Alignment of the shared tiles: 16 bytes lets LLVM merge four consecutive float32 loads into one 128-bit load.
+#: The simulator refuses any alignment argument (and needs none).
+SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16
+#: Multiply-adds per thread in one iteration of each product loop. Its steps (one outer product each) are an inner
+#: loop that NVVM unrolls in full up to a size, so every step's shared-memory offsets fold into its loads and
+#: numba's 64-bit loop control (about 10 instructions) is paid once per iteration. Measured: it unrolls 2 steps of an
+#: 8 x 4 score block (64 multiply-adds) but not 4, and 2 steps of an 8 x 8 accumulator block (128): a score step
+#: holds more loads per multiply-add. Past the limit it keeps a loop unrolled by 2, which costs more than a
+#: smaller body.
+SCORE_BODY_FMAS, PV_BODY_FMAS = 64, 128
+#: At most this many steps per iteration (a 2 x 1 score block at D = 256 is not unrolled at 32).
+MAX_STEPS = 8
 
 
 def _grids(cfg: FlashAttentionConfig) -> tuple[int, int, int, int]:
@@ -56,11 +75,23 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     S_TR, S_TC, O_TR, O_TC = _grids(cfg)
     S_TM, S_TN = BM // S_TR, BN // S_TC      # score elements per thread
     O_TM, O_TD = BM // O_TR, DB // O_TC      # accumulator elements per thread
-    LD, LDP = DB + 1, BN + 1                 # +1: rows start in different banks
+    # Flat shared arrays, row strides in words (multiples of 4: every row starts 16-byte aligned):
+    # Q^T (DB x BM, q_t[d * LQ + r]), one buffer holding K^T (DB x BN, kv[d * LK + c]) and then V (BN x DB,
+    # kv[n * DB + d]), P^T (BN x BM, p_t[c * BM + r]).
+    LQ, LK = transposed_stride(BM), transposed_stride(BN)
+    Q_WORDS, KV_WORDS, P_WORDS = DB * LQ, max(DB * LK, BN * DB), BN * BM
+    ALIGN = SMEM_ALIGN
+    D_STEPS = min(DB, MAX_STEPS, max(1, SCORE_BODY_FMAS // (S_TM * S_TN)))
+    N_STEPS = min(BN, MAX_STEPS, max(1, PV_BODY_FMAS // (O_TM * O_TD)))
+    # Runs of consecutive rows (columns) a thread owns, and the distance from one of its runs to the next.
+    S_RM, S_RN, O_RM, O_RD = min(S_TM, 4), min(S_TN, 4), min(O_TM, 4), min(O_TD, 4)
+    S_GAP_M, S_GAP_N, O_GAP_M, O_GAP_D = S_RM * S_TR, S_RN * S_TC, O_RM * O_TR, O_RD * O_TC
     HAS_LEFT, HAS_RIGHT, SOFTCAP = has_left, has_right, softcap
     STORE = element_io(bf16)[1]
-    load_q = make_tile_load(BM, DB, NT, bf16)
-    load_kv = make_tile_load(BN, DB, NT, bf16)
+    Q_PASSES, KV_PASSES, V4 = tile_passes(BM, DB, NT), tile_passes(BN, DB, NT), FETCH_VECTOR
+    fetch_q = make_tile_fetch(BM, DB, NT, bf16, LQ, True)
+    fetch_k = make_tile_fetch(BN, DB, NT, bf16, LK, True)
+    fetch_v = make_tile_fetch(BN, DB, NT, bf16, DB, False)
 
     def flash_forward_kernel(q, k, v, out, lse, seqlen_q, seqlen_k, head_dim, group, window_left, window_right,
                              qmult, capmult):
@@ -71,9 +102,9 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
         b = cuda.blockIdx.z
         hk = h // group
 
-        q_s = cuda.shared.array((BM, LD), float32)
-        kv_s = cuda.shared.array((BN, LD), float32)
-        p_s = cuda.shared.array((BM, LDP), float32)
+        q_t = cuda.shared.array(Q_WORDS, float32, alignment=ALIGN)
+        kv = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
+        p_t = cuda.shared.array(P_WORDS, float32, alignment=ALIGN)
         row_max = cuda.shared.array(BM, float32)     # running max, log2 domain
         row_sum = cuda.shared.array(BM, float32)     # running sum of exp2(s - row_max)
         row_scale = cuda.shared.array(BM, float32)   # this tile's rescale factor of the accumulator
@@ -84,12 +115,17 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
         b_reg = cuda.local.array(O_TD, float32)
         sa_reg = cuda.local.array(S_TM, float32)
         sb_reg = cuda.local.array(S_TN, float32)
+        fetched = cuda.local.array(V4, float32)
         for i in range(O_TM):
             for j in range(O_TD):
                 acc[i, j] = float32(0.0)
 
         # Tile loads (tiles.py): rows past the sequence and columns past head_dim become 0 and add nothing.
-        load_q(q_s, q, b, m0, h, seqlen_q, head_dim, qmult, t)
+        for k_pass in range(Q_PASSES):
+            at, ok = fetch_q(fetched, q, b, m0, h, seqlen_q, head_dim, qmult, t, k_pass)
+            if ok:
+                for e in range(V4):
+                    q_t[at + uint64(e)] = fetched[e]
         for r in range(t, BM, NT):
             row_max[r] = neg_inf
             row_sum[r] = float32(0.0)
@@ -105,38 +141,49 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
             hi = min(seqlen_k, last_row + offset + window_right + 1)
         n_start = (lo // BN) * BN
 
-        s_tr = t // S_TC
-        s_tc = t - s_tr * S_TC
+        # Score block of this thread: row i is s_tr * S_RM + (i // S_RM) * S_GAP_M + i % S_RM, column j likewise
+        # with s_tc, S_RN and S_GAP_N. Consecutive threads take consecutive row runs.
+        s_tc = t // S_TR
+        s_tr = t - s_tc * S_TR
+        # Accumulator block: rows from o_tr with O_RM and O_GAP_M, head-dim columns from o_tc with O_RD and O_GAP_D.
         o_tr = t // O_TC
         o_tc = t - o_tr * O_TC
-        # Unsigned copies for the product loops' shared-memory indices: numba wraps negative signed indices
-        # around (a compare and select per index), unsigned ones it does not, and ptxas then folds the unrolled
-        # loops' constant offsets into the loads (54 -> 38 instructions per 16 FFMA of the score loop at D = 64).
-        s_tr_u, s_tc_u, o_tr_u, o_tc_u = uint32(s_tr), uint32(s_tc), uint32(o_tr), uint32(o_tc)
+        # First row and column of each block, as the base of the product loops' shared-memory indices. Unsigned:
+        # numba wraps negative signed indices around (a compare and select per index). 64-bit: a 32-bit sum that is
+        # widened afterwards may wrap, so the compiler cannot split off its constant part, and recomputes every
+        # address (an IMAD and a LEA per load); a 64-bit sum's constant steps fold into the loads' offsets.
+        s_row0, s_col0 = uint64(s_tr * S_RM), uint64(s_tc * S_RN)
+        o_row0, o_col0 = uint64(o_tr * O_RM), uint64(o_tc * O_RD)
+        p_block = s_col0 * uint64(BM) + s_row0
         cuda.syncthreads()
 
         for n0 in range(n_start, hi, BN):
-            load_kv(kv_s, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
+            for k_pass in range(KV_PASSES):
+                at, ok = fetch_k(fetched, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t, k_pass)
+                if ok:
+                    for e in range(V4):
+                        kv[at + uint64(e)] = fetched[e]
             cuda.syncthreads()
 
-            # Scores of this thread's (S_TM x S_TN) block: s = q_s . k_s^T over the padded head dim.
+            # Scores of this thread's (S_TM x S_TN) block: s = Q K^T over the padded head dim, one outer product of
+            # a column of Q^T and a column of K^T per d.
             for i in range(S_TM):
                 for j in range(S_TN):
                     s[i, j] = float32(0.0)
-            for d in range(DB):
-                for i in range(S_TM):
-                    sa_reg[i] = q_s[s_tr_u + uint32(S_TR * i), uint32(d)]
-                for j in range(S_TN):
-                    sb_reg[j] = kv_s[s_tc_u + uint32(S_TC * j), uint32(d)]
-                for i in range(S_TM):
+            for d0 in range(0, DB, D_STEPS):
+                q_d0, k_d0 = uint64(d0 * LQ) + s_row0, uint64(d0 * LK) + s_col0
+                for dd in range(D_STEPS):
+                    for i in range(S_TM):
+                        sa_reg[i] = q_t[q_d0 + uint64(dd * LQ + (i // S_RM) * S_GAP_M + i % S_RM)]
                     for j in range(S_TN):
-                        s[i, j] += sa_reg[i] * sb_reg[j]
+                        sb_reg[j] = kv[k_d0 + uint64(dd * LK + (j // S_RN) * S_GAP_N + j % S_RN)]
+                    for i in range(S_TM):
+                        for j in range(S_TN):
+                            s[i, j] += sa_reg[i] * sb_reg[j]
             for i in range(S_TM):
-                r = s_tr + S_TR * i
-                row = m0 + r
+                row = m0 + s_tr * S_RM + (i // S_RM) * S_GAP_M + i % S_RM
                 for j in range(S_TN):
-                    c = s_tc + S_TC * j
-                    col = n0 + c
+                    col = n0 + s_tc * S_RN + (j // S_RN) * S_GAP_N + j % S_RN
                     x = s[i, j]
                     if SOFTCAP:
                         x = capmult * math.tanh(x)
@@ -145,52 +192,65 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                         ok = ok and col >= row + offset - window_left
                     if HAS_RIGHT:
                         ok = ok and col <= row + offset + window_right
-                    p_s[r, c] = x if ok else neg_inf
+                    s[i, j] = x if ok else neg_inf
+            # Into P^T column by column: a run of rows is one 128-bit store.
+            for j in range(S_TN):
+                for i in range(S_TM):
+                    p_t[p_block + uint64(((j // S_RN) * S_GAP_N + j % S_RN) * BM
+                                         + (i // S_RM) * S_GAP_M + i % S_RM)] = s[i, j]
             cuda.syncthreads()
 
             # Every thread is done with K: the buffer takes V while the row pass runs.
-            load_kv(kv_s, v, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
+            for k_pass in range(KV_PASSES):
+                at, ok = fetch_v(fetched, v, b, n0, hk, seqlen_k, head_dim, float32(1.0), t, k_pass)
+                if ok:
+                    for e in range(V4):
+                        kv[at + uint64(e)] = fetched[e]
             for r in range(t, BM, NT):
+                r_u = uint32(r)
                 m_old = row_max[r]
                 m_new = m_old
                 for c in range(BN):
-                    m_new = max(m_new, p_s[r, c])
+                    m_new = max(m_new, p_t[uint32(c * BM) + r_u])
                 # A row with nothing visible yet keeps max -inf; exp2 against 0 then gives 0, never NaN.
                 m_use = m_new if m_new != neg_inf else float32(0.0)
                 alpha = math.exp2(m_old - m_use)
                 total = float32(0.0)
                 for c in range(BN):
-                    p = math.exp2(p_s[r, c] - m_use)
-                    p_s[r, c] = p
+                    p = math.exp2(p_t[uint32(c * BM) + r_u] - m_use)
+                    p_t[uint32(c * BM) + r_u] = p
                     total += p
                 row_max[r] = m_new
                 row_sum[r] = row_sum[r] * alpha + total
                 row_scale[r] = alpha
             cuda.syncthreads()
 
-            # acc = acc * alpha + P . V for this thread's (O_TM x O_TD) block.
+            # acc = acc * alpha + P V for this thread's (O_TM x O_TD) block: one outer product of a column of P^T
+            # and a row of V per key.
             for i in range(O_TM):
-                alpha = row_scale[o_tr + O_TR * i]
+                alpha = row_scale[o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM]
                 for j in range(O_TD):
                     acc[i, j] *= alpha
-            for n in range(BN):
-                for i in range(O_TM):
-                    a_reg[i] = p_s[o_tr_u + uint32(O_TR * i), uint32(n)]
-                for j in range(O_TD):
-                    b_reg[j] = kv_s[uint32(n), o_tc_u + uint32(O_TC * j)]
-                for i in range(O_TM):
+            for n0 in range(0, BN, N_STEPS):
+                p_n0, v_n0 = uint64(n0 * BM) + o_row0, uint64(n0 * DB) + o_col0
+                for nn in range(N_STEPS):
+                    for i in range(O_TM):
+                        a_reg[i] = p_t[p_n0 + uint64(nn * BM + (i // O_RM) * O_GAP_M + i % O_RM)]
                     for j in range(O_TD):
-                        acc[i, j] += a_reg[i] * b_reg[j]
+                        b_reg[j] = kv[v_n0 + uint64(nn * DB + (j // O_RD) * O_GAP_D + j % O_RD)]
+                    for i in range(O_TM):
+                        for j in range(O_TD):
+                            acc[i, j] += a_reg[i] * b_reg[j]
             cuda.syncthreads()
 
         for i in range(O_TM):
-            r = o_tr + O_TR * i
+            r = o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM
             row = m0 + r
             if row < seqlen_q:
                 total = row_sum[r]
                 inv = float32(1.0) / total if total > float32(0.0) else float32(0.0)
                 for j in range(O_TD):
-                    d = o_tc + O_TC * j
+                    d = o_tc * O_RD + (j // O_RD) * O_GAP_D + j % O_RD
                     if d < head_dim:
                         out[b, row, h, d] = STORE(acc[i, j] * inv)
         for r in range(t, BM, NT):

@@ -141,10 +141,11 @@ def test_model_of_the_forward_kernel(tmp_path, monkeypatch):
         # Every useful multiply-add is an FFMA issue slot, so the issue bound caps the ceiling at the FFMA share
         # (x2 on sm_80, whose float32 pipe is half as wide as its issue rate).
         assert r.ceiling <= r.ffma_share * (2 if r.cc == "8.0" else 1) + 1e-3
-        # Every shared-memory store, counted by hand from the kernel (64 x 32 tiles, D = 64, 128 threads): the K and
-        # V tiles, the 64 x 32 probabilities, and the row pass, where the two warps that own the 64 rows each store
-        # a row of 32 probabilities and its max, sum and rescale factor.
-        assert r.per_iteration["sts"] == (2 * 32 * 64 + 64 * 32) / 32 + 2 * (32 + 3), r.per_iteration
+        # Every shared-memory store instruction, counted by hand from the kernel (64 x 32 tiles, D = 64, 64
+        # threads): the K^T and V tiles and the 64 x 32 scores into P^T, 4 elements per 128-bit store; and the row
+        # pass, where each of the two warps stores for its 32 rows 32 probabilities and the max, sum and rescale
+        # factor, one at a time.
+        assert r.per_iteration["sts"] == (2 * 32 * 64 + 64 * 32) / (32 * 4) + 2 * (32 + 3), r.per_iteration
     plain = {r.cc: r for r in records if r.variant == "plain"}
     causal = {r.cc: r for r in records if r.variant == "causal"}
     # The causal variant does the same products (its mask work may be scheduled into fewer or more instructions).

@@ -233,8 +233,8 @@ def test_good_kernels_pass_in_every_dtype(runs, kernel, dtype, flags):
 @pytest.mark.parametrize("kernel,dtype", [("forward", "float16"), ("backward_dkdv", "float32"),
                                           ("backward_dq", "bfloat16")])
 def test_production_configs_pass(runs, kernel, dtype):
-    # The picker's own D = 64 configs (128 threads), as a GPU would check them first; about 5-10 s each here.
+    # The picker's own D = 64 configs (64 or 128 threads), as a GPU would check them first; about 5-10 s each here.
     cfg = tile_config_for(64, dtype, kernel=kernel)
-    assert cfg.threads == 128
+    assert cfg.threads >= 64
     verdict = selfcheck.check(Specialisation(cfg, False, True, False, dtype))
     assert verdict.passed, verdict.reason
