@@ -3,8 +3,8 @@
 Every kernel stages its tiles in float32 shared memory (float16 and bfloat16 inputs are widened on load, so one
 config serves every dtype). The backward kernels pad each row by one word, which keeps the column walks of their
 register-blocked products free of bank conflicts; the forward kernel keeps Q and K transposed (d-major) and reads
-four consecutive words per 128-bit load, so its rows keep a multiple of 4 words (``transposed_stride``). Static shared memory is limited to 48 KiB per block on every NVIDIA GPU numba-cuda
-targets; dynamic shared memory above that needs a per-kernel attribute numba does not set, so the picker stays
+four consecutive words per 128-bit load, so its rows keep a multiple of 4 words (``transposed_stride``). Static
+shared memory is limited to 48 KiB per block on every NVIDIA GPU numba-cuda targets; dynamic shared memory above that needs a per-kernel attribute numba does not set, so the picker stays
 under 48 KiB.
 
 Users can override tile sizes for a block of code::
@@ -106,8 +106,8 @@ def transposed_stride(rows: int) -> int:
 def thread_grid(rows: int, cols: int, threads: int) -> tuple[int, int] | None:
     """Split a ``rows x cols`` product tile over ``threads`` threads as a ``(tr, tc)`` grid, each thread owning
     ``rows // tr`` rows and ``cols // tc`` columns (strided or contiguous, as the kernel lays them out). The most
-    square per-thread block wins: it needs the
-    fewest shared-memory loads per multiply-add. None when no split divides evenly."""
+    square per-thread block wins: it needs the fewest shared-memory loads per multiply-add. None when no split
+    divides evenly."""
     best, best_cost = None, None
     tc = 1
     while tc <= threads:
