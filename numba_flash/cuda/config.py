@@ -4,8 +4,8 @@ Every kernel stages its tiles in float32 shared memory (float16 and bfloat16 inp
 config serves every dtype). The backward kernels pad each row by one word, which keeps the column walks of their
 register-blocked products free of bank conflicts; the forward kernel keeps Q and K transposed (d-major) and reads
 four consecutive words per 128-bit load, so its rows keep a multiple of 4 words (``transposed_stride``). Static
-shared memory is limited to 48 KiB per block on every NVIDIA GPU numba-cuda targets; dynamic shared memory above that needs a per-kernel attribute numba does not set, so the picker stays
-under 48 KiB.
+shared memory is limited to 48 KiB per block on every NVIDIA GPU numba-cuda targets; dynamic shared memory above
+that needs a per-kernel attribute numba does not set, so the picker stays under 48 KiB.
 
 Users can override tile sizes for a block of code::
 

@@ -26,7 +26,8 @@ small simulated call, about a second with toy tiles and 3 to 10 s with the picke
 it is off there unless asked for.
 
 On a failure the call goes on with the next config of ``FALLBACK_TILES`` (other tile sizes and thread counts,
-valid for the head-dim bucket) that passes its own check, and ``explain()`` notes the failure. When none passes, ``choose`` raises
+valid for the head-dim bucket) that passes its own check, and ``explain()`` notes the failure. When none passes,
+``choose`` raises
 ``SelfCheckFailed`` before anything is written; the CUDA backend reports the failures from then on in
 ``not_supported_reasons``, so the dispatcher moves on to the next backend, or ``NoBackendError`` lists them when
 cuda was forced. A check that crashes the GPU context (an illegal address) leaves the context unusable, as any
