@@ -73,7 +73,7 @@ def _empty_rows(shape, causal=True, window=(-1, -1)):
 # With softcap, tanh maps an inf score to a finite +-1: the cases where an inf reaches the score run with one too.
 CASES = [("q", "nan", 0.0), ("q", "inf", 0.0), ("k", "inf", 0.0), ("k", "-inf", 0.0), ("k", "nan", 0.0),
          ("v", "nan", 0.0), ("v", "-inf", 0.0), ("q", "inf", 2.0), ("k", "inf", 2.0), ("k", "-inf", 2.0),
-         ("dout", "nan", 0.0)]
+         ("dout", "nan", 0.0), ("dout", "inf", 0.0)]
 
 
 @pytest.mark.parametrize("where,bad,softcap", CASES)
@@ -176,3 +176,31 @@ def test_finite_inputs_give_no_nan_and_empty_rows_zero(rng, backend, dtype):
     assert np.abs(got["lse"][:, :, ~empty] - ref["lse"][:, :, ~empty]).max() <= 1e-4
     for name in ("dq", "dk", "dv"):
         assert np.linalg.norm(got[name] - ref[name]) <= 1e-5 * np.linalg.norm(ref[name]), name
+
+
+def test_cpu_kernels_strided_outputs(rng):
+    """The CPU kernels write outputs of any strides (a last axis that is not unit-stride takes a plain loop): the
+    same NaN pattern and values as into contiguous arrays (to rounding: with a strided out, numpy's einsum sums
+    delta = dout . out in another order)."""
+    from numba_flash.cpu import flash_backward, flash_forward
+
+    shape = SHAPES["tiles_gqa"]
+    clean_inputs = random_inputs(rng, shape)
+    q, k, v, dout = poke(clean_inputs, "k", place_bad(rng, shape, "k", PLACES["tiles_gqa"]), np.inf)
+    scale = shape[5] ** -0.5
+    results = []
+    for strided in (False, True):
+        def alloc(like):
+            if not strided:
+                return np.empty(like.shape, np.float32)
+            return np.full(like.shape[:-1] + (2 * like.shape[-1],), 7.0, np.float32)[..., ::2]
+
+        out, dq, dk, dv = alloc(q), alloc(q), alloc(k), alloc(v)
+        lse = np.empty((shape[0], shape[3], shape[1]), np.float32)
+        flash_forward(q, k, v, out, lse, scale, -1, 0, 0.0)
+        flash_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, -1, 0, 0.0)
+        results.append((out, lse, dq, dk, dv))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert np.isnan(a).any(), name
+        assert np.array_equal(np.isnan(a), np.isnan(b)) and np.isfinite(b[~np.isnan(b)]).all(), name
+        np.testing.assert_allclose(a[~np.isnan(a)], b[~np.isnan(b)], rtol=1e-5, atol=1e-6, err_msg=name)
