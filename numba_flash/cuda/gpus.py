@@ -1,8 +1,8 @@
 """What each NVIDIA GPU generation the kernels target offers a block: registers, shared memory, warps, pipes, peaks.
 
-One representative data-centre GPU per compute capability supplies the clock and SM count (for TFLOP/s figures);
-everything the launch check and the static performance model need per SM is a property of the compute capability
-itself. Sources, all public: the CUDA C++ Programming Guide ("Compute Capabilities": technical specifications per
+One representative data-centre GPU per compute capability supplies the clock and SM count (a peak in TFLOP/s is
+2 x lanes x SMs x clock); everything the launch check and the static performance model need per SM is a property
+of the compute capability itself. Sources, all public: the CUDA C++ Programming Guide ("Compute Capabilities": technical specifications per
 compute capability; "Arithmetic Instructions": throughput per SM per clock), and NVIDIA's whitepapers and
 datasheets for the V100, T4, A100, A10, L4 and H100 (SM counts, boost clocks, dense tensor-core peaks).
 
@@ -52,14 +52,6 @@ class GpuSpec:
     @property
     def name(self) -> str:
         return f"sm_{self.cc[0]}{self.cc[1]}"
-
-    def fp32_peak_tflops(self) -> float:
-        """float32 CUDA-core peak of the example GPU (two FLOP per fused multiply-add)."""
-        return 2 * self.fp32_lanes * self.sms * self.boost_mhz * 1e6 / 1e12
-
-    def tensor_peak_tflops(self) -> float:
-        """Dense float16 tensor-core peak (float32 accumulation) of the example GPU."""
-        return 2 * self.tensor_fma * self.sms * self.boost_mhz * 1e6 / 1e12
 
     def reserved_smem_per_block(self) -> int:
         return RESERVED_SMEM_PER_BLOCK if self.cc >= (8, 0) else 0
