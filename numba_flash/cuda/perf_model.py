@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import hashlib
 import inspect
 import json
@@ -86,13 +87,18 @@ def _range_args(node: ast.For) -> list[ast.expr] | None:
     return None
 
 
-def _trips(args: list[ast.expr], env: dict[str, Any]) -> int | None:
-    """len(range(*args)) evaluated in ``env``; None when an argument depends on a runtime value."""
+def _trips(args: list[Any], env: dict[str, Any]) -> int | None:
+    """len(range(*args)) for ``range`` arguments compiled by ``_compiled``, evaluated in ``env``; None when an
+    argument depends on a runtime value."""
     try:
-        values = [eval(compile(ast.Expression(a), "<range>", "eval"), {"__builtins__": {}}, env) for a in args]
+        values = [eval(code, {"__builtins__": {}}, env) for code in args]
     except (NameError, TypeError):
         return None
     return len(range(*(int(v) for v in values)))
+
+
+def _compiled(node: ast.For) -> list[Any]:
+    return [compile(ast.Expression(a), "<range>", "eval") for a in _range_args(node)]
 
 
 @dataclass
@@ -116,41 +122,45 @@ def loop_counts(py_func: Callable, threads: int) -> LoopCounts:
     consts = _constants(py_func)
     thread_var = "t"
 
-    fors: list[tuple[ast.For, list[ast.For]]] = []   # every range loop with the loops enclosing it
+    # Every statement with the range loops around it, outermost first; each range loop's arguments, compiled once.
+    enclosing: dict[ast.stmt, list[ast.For]] = {}
+    args: dict[ast.For, list[Any]] = {}
 
     def walk(node: ast.AST, chain: list[ast.For]) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.For) and _range_args(child) is not None:
-                fors.append((child, chain))
-                walk(child, chain + [child])
-            else:
-                walk(child, chain)
+            inside = chain
+            if isinstance(child, ast.stmt):
+                enclosing[child] = chain
+                if isinstance(child, ast.For) and _range_args(child) is not None:
+                    args[child] = _compiled(child)
+                    inside = chain + [child]
+            walk(child, inside)
 
     walk(tree, [])
     probe = dict(consts, **{thread_var: 0})
-    runtime = [f for f, _ in fors if _trips(_range_args(f), probe) is None]
-    inner = [f for f in runtime if not any(g is not f and f in chain for g, chain in fors if g in runtime)]
+    runtime = [f for f in args if _trips(args[f], probe) is None]
+    inner = [f for f in runtime if not any(g is not f and f in enclosing[g] for g in runtime)]
     if not inner:
         raise ValueError(f"{py_func.__name__}: no main loop (a loop over runtime bounds) found")
     main = max(inner, key=lambda f: f.end_lineno - f.lineno)
 
-    statements: list[tuple[int, list[ast.For], ast.stmt]] = []
-    for node in ast.walk(main):
-        if isinstance(node, ast.stmt) and node is not main:
-            chain = [f for f, _ in fors if f is not main and f.lineno <= node.lineno <= f.end_lineno
-                     and main.lineno < f.lineno and (f is node or node in ast.walk(f))]
-            chain = [f for f in chain if f is not node]
-            statements.append((node.lineno, chain, node))
+    # A statement inside the main loop runs once per trip of each range loop between it and the main loop, and a
+    # loop's own line (its control) once per trip of itself too.
+    statements = []
+    for node, chain in enclosing.items():
+        if main in chain:
+            loops = chain[chain.index(main) + 1:] + ([node] if node in args else [])
+            statements.append((node.lineno, [args[f] for f in loops]))
 
     per_warp = []
     for w in range(-(-threads // 32)):
         counts: dict[int, int] = {main.lineno: 1}
         for lane in range(32 * w, min(32 * w + 32, threads)):
             env = dict(consts, **{thread_var: lane})
-            for lineno, chain, node in statements:
+            for lineno, loops in statements:
                 n = 1
-                for f in chain + ([node] if isinstance(node, ast.For) else []):
-                    n *= _trips(_range_args(f), env) or 0
+                for loop_args in loops:
+                    n *= _trips(loop_args, env) or 0
                 counts[lineno] = max(counts.get(lineno, 0), n)
         per_warp.append({first + k: v for k, v in counts.items()})
     return LoopCounts(py_func.__code__.co_filename, (first + main.lineno, first + main.end_lineno), per_warp)
@@ -382,8 +392,9 @@ def combine_backward(dkdv: ModelRecord, dq: ModelRecord) -> ModelRecord:
 
 # ---- driving it: which specialisations, caching, output ----
 
+@functools.lru_cache(maxsize=None)
 def _source_key() -> str:
-    """Changes whenever anything that shapes the SASS changes: the kernels' sources and the compiler versions."""
+    """Once per process: changes whenever anything that shapes the SASS changes: the kernels' sources and the compiler versions."""
     import numba
 
     h = hashlib.sha256()
