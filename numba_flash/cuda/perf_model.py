@@ -97,6 +97,12 @@ def _trips(args: list[Any], env: dict[str, Any]) -> int | None:
     return len(range(*(int(v) for v in values)))
 
 
+def _is_rare_branch(node: ast.AST) -> bool:
+    """``if <name>_nonfinite:``, the kernels' branch for a tile holding an inf or a NaN (see masks.py): off the
+    steady state the model describes."""
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id.endswith("_nonfinite")
+
+
 def _compiled(node: ast.For) -> list[Any]:
     return [compile(ast.Expression(a), "<range>", "eval") for a in _range_args(node)]
 
@@ -108,6 +114,7 @@ class LoopCounts:
     file: str
     main_lines: tuple[int, int]            # first and last line of the main loop's statement
     per_warp: list[dict[int, int]]         # warp -> {line: executions}
+    rare_lines: frozenset[int] = frozenset()   # lines of branches counted as not taken (``_is_rare_branch``)
 
 
 def loop_counts(py_func: Callable, threads: int) -> LoopCounts:
@@ -115,7 +122,8 @@ def loop_counts(py_func: Callable, threads: int) -> LoopCounts:
     ``threads`` threads. The main loop is the innermost loop whose trip count depends on runtime values (the
     sequence lengths); loops inside it have compile-time trip counts, possibly depending on the thread index
     ``t`` (``range(t, N, threads)``), and a warp runs a loop as often as its busiest lane. Branches are taken as
-    taken (full tiles, every key visible), the steady state of a long sequence."""
+    taken (full tiles, every key visible), the steady state of a long sequence, except the rare path for
+    non-finite data (``if x_nonfinite:``), taken as not taken."""
     src = textwrap.dedent(inspect.getsource(py_func))
     first = py_func.__code__.co_firstlineno - 1
     tree = ast.parse(src)
@@ -125,16 +133,26 @@ def loop_counts(py_func: Callable, threads: int) -> LoopCounts:
     # Every statement with the range loops around it, outermost first; each range loop's arguments, compiled once.
     enclosing: dict[ast.stmt, list[ast.For]] = {}
     args: dict[ast.For, list[Any]] = {}
+    rare: set[int] = set()
+
+    def visit(child: ast.AST, chain: list[ast.For]) -> None:
+        inside = chain
+        if isinstance(child, ast.stmt):
+            enclosing[child] = chain
+            if isinstance(child, ast.For) and _range_args(child) is not None:
+                args[child] = _compiled(child)
+                inside = chain + [child]
+            if _is_rare_branch(child):
+                # Counted as not taken: its body's lines get no executions, its else branch the usual ones.
+                rare.update(range(child.body[0].lineno, child.body[-1].end_lineno + 1))
+                for stmt in child.orelse:
+                    visit(stmt, chain)
+                return
+        walk(child, inside)
 
     def walk(node: ast.AST, chain: list[ast.For]) -> None:
         for child in ast.iter_child_nodes(node):
-            inside = chain
-            if isinstance(child, ast.stmt):
-                enclosing[child] = chain
-                if isinstance(child, ast.For) and _range_args(child) is not None:
-                    args[child] = _compiled(child)
-                    inside = chain + [child]
-            walk(child, inside)
+            visit(child, chain)
 
     walk(tree, [])
     probe = dict(consts, **{thread_var: 0})
@@ -163,7 +181,8 @@ def loop_counts(py_func: Callable, threads: int) -> LoopCounts:
                     n *= _trips(loop_args, env) or 0
                 counts[lineno] = max(counts.get(lineno, 0), n)
         per_warp.append({first + k: v for k, v in counts.items()})
-    return LoopCounts(py_func.__code__.co_filename, (first + main.lineno, first + main.end_lineno), per_warp)
+    return LoopCounts(py_func.__code__.co_filename, (first + main.lineno, first + main.end_lineno), per_warp,
+                      frozenset(first + line for line in rare))
 
 
 # ---- what the SASS issues per main-loop iteration ----
@@ -261,6 +280,8 @@ def dynamic_counts(fn: Function, counts: LoopCounts) -> list[dict[str, float]]:
         for i in range(main[0], main[1] + 1):
             loop = home[i]
             src = ins[i].source
+            if src is not None and src[0] == counts.file and src[1] in counts.rare_lines:
+                continue
             # An inner loop nested in another inner loop: its trip count already counts every execution.
             m = trips.get(loop, 1.0)
             if loop is None and src is not None and src[0] == counts.file:

@@ -124,6 +124,48 @@ def test_counts_follow_the_tile_size():
     assert [w["sts"] for w in per_warp] == [8, 8]
 
 
+def _rare_branch_kernel_factory():
+    """The predictable kernel's shape (16 x 32 tile, 4 rows a thread, 64 threads) with a second, guarded product
+    under ``if x_nonfinite:``, the kernels' branch for a tile holding an inf or a NaN."""
+    from numba import cuda, float32, int32
+
+    def rare_branch_kernel(x, out, n_rows):
+        t = cuda.threadIdx.x
+        xs = cuda.shared.array((16, 33), float32)
+        acc = cuda.local.array(4, float32)
+        for i in range(4):
+            acc[i] = float32(0.0)
+        for n0 in range(0, n_rows, 16):
+            cuda.syncthreads()
+            probe = float32(0.0)
+            for idx in range(t, 512, 64):
+                xs[idx // 32, idx % 32] = x[n0 + idx // 32, idx % 32]
+                probe += xs[idx // 32, idx % 32] * float32(0.0)
+            x_nonfinite = cuda.syncthreads_or(int32(probe != probe))
+            if x_nonfinite:
+                for d in range(32):
+                    for i in range(4):
+                        y = acc[i] + xs[i, d] * xs[(t + i) % 16, d]
+                        acc[i] = y if n0 + i < n_rows else acc[i]
+            else:
+                for d in range(32):
+                    for i in range(4):
+                        acc[i] += xs[i, d] * xs[(t + i) % 16, d]
+        for i in range(4):
+            out[t, i] = acc[i]
+
+    return rare_branch_kernel
+
+
+def test_rare_branch_counts_as_not_taken():
+    _needs_toolchain()
+    # The guarded product's 128 FFMA per warp are not counted; the else branch's are, once, and so is the probe's
+    # multiply-add per loaded element (8 per thread).
+    lines, per_warp = _counts(_rare_branch_kernel_factory(), threads=64)
+    assert [w["ffma"] for w in per_warp] == [128 + 8, 128 + 8]
+    assert [w["sts"] for w in per_warp] == [8, 8]
+
+
 def test_model_of_the_forward_kernel(tmp_path, monkeypatch):
     _needs_toolchain()
     from numba_flash.cuda.perf_model import main, run_model
