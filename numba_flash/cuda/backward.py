@@ -7,7 +7,9 @@ price is recomputing the scores once more (about 1.4x the work of an atomic dQ).
 
 Scores are recomputed in the log2 domain exactly as the forward computed them (Q pre-multiplied by
 ``scale * log2(e)``, or ``scale / softcap`` with softcap), and ``P = exp2(s - lse * log2(e))``. Masked entries,
-padded rows and rows with ``lse = +inf`` (no visible key) get ``P = 0`` and so contribute nothing: no NaN.
+padded rows and rows with ``lse = +inf`` (no visible key) get ``P = 0`` and ``dS = 0`` and contribute nothing;
+rows the forward poisoned (lse NaN) get NaN wherever they see a key, and a non-finite Q, dO or K tile goes through
+a product that skips masked pairs (the non-finite rule: masks.py).
 
 Arrays reach the kernels as (B, S, H, D) views with any strides; lse and delta are (B, Hq, Sq) float32. bfloat16
 arrays arrive as int16 bit patterns, for kernels built with ``bf16`` (see dtypes.py).
@@ -21,11 +23,12 @@ from typing import Any
 
 # numba.cuda at module level (not in the factories): the simulator swaps the kernel's global `cuda` for its
 # fake module, which a closure variable would escape. Only launch.py and compile_check.py import this module.
-from numba import cuda, float32, uint32
+from numba import cuda, float32, int32, uint32
 
 from .config import FlashAttentionConfig
 from .dtypes import element_io
 from .forward import LOG2E
+from .masks import make_key_rows_product, make_visible, nan_if_not_finite
 from .tiles import make_tile_load
 
 
@@ -80,8 +83,10 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     LD, LDP = DB + 1, BN + 1
     HAS_LEFT, HAS_RIGHT, SOFTCAP = has_left, has_right, softcap
     STORE = element_io(bf16)[1]
+    visible = make_visible(has_left, has_right)
     load_x = make_tile_load(BM, DB, NT, bf16)     # query-side tiles: Q, dO
     load_kv = make_tile_load(BN, DB, NT, bf16)    # key-side tiles: K, V
+    add_visible_products = make_key_rows_product(BM, G_TN, G_TD, G_TR, G_TC, has_left, has_right)
 
     def flash_dkdv_kernel(q, k, v, dout, lse, delta, dk, dv, seqlen_q, seqlen_k, head_dim, group, window_left,
                           window_right, qmult, capmult, scale):
@@ -161,6 +166,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                     for i in range(S_TM):
                         for j in range(S_TN):
                             s[i, j] += sa_reg[i] * sb_reg[j]
+                # (A poisoned row has lse NaN, so its visible P, and then its dS, are NaN.)
                 for i in range(S_TM):
                     r = s_tr + S_TR * i
                     row = m0 + r
@@ -174,18 +180,14 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                             x = capmult * th
                         else:
                             dcap[i, j] = float32(1.0)
-                        ok = col < seqlen_k
-                        if HAS_LEFT:
-                            ok = ok and col >= row + offset - window_left
-                        if HAS_RIGHT:
-                            ok = ok and col <= row + offset + window_right
+                        ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right)
                         p = math.exp2(x - lse_s[r]) if ok else float32(0.0)
                         s[i, j] = p
                         p_s[r, c] = p
                 cuda.syncthreads()
 
-                load_x(x_s, dout, b, m0, h, seqlen_q, head_dim, float32(1.0), t)
-                cuda.syncthreads()
+                do_probe = load_x(x_s, dout, b, m0, h, seqlen_q, head_dim, float32(1.0), t)
+                do_nonfinite = cuda.syncthreads_or(int32(do_probe != do_probe))
 
                 # dP = dO . V^T, then dS = P * (dP - delta) (times the softcap derivative).
                 for i in range(S_TM):
@@ -199,35 +201,45 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                     for i in range(S_TM):
                         for j in range(S_TN):
                             dp[i, j] += sa_reg[i] * sb_reg[j]
+                # dS is 0 for a masked pair by a select: dP there may be NaN (a non-finite V or dO).
                 for i in range(S_TM):
                     r = s_tr + S_TR * i
                     for j in range(S_TN):
                         c = s_tc + S_TC * j
-                        ds_s[r, c] = s[i, j] * (dp[i, j] - delta_s[r]) * dcap[i, j]
+                        ok = visible(m0 + r, n0 + c, seqlen_q, seqlen_k, offset, window_left, window_right)
+                        ds_s[r, c] = s[i, j] * (dp[i, j] - delta_s[r]) * dcap[i, j] if ok else float32(0.0)
 
                 # dV += P^T . dO for this thread's (key rows x head-dim columns) block.
-                for m in range(BM):
-                    for i in range(G_TN):
-                        ga_reg[i] = p_s[uint32(m), g_tr_u + uint32(G_TR * i)]
-                    for j in range(G_TD):
-                        gb_reg[j] = x_s[uint32(m), g_tc_u + uint32(G_TC * j)]
-                    for i in range(G_TN):
+                if do_nonfinite:
+                    add_visible_products(dv_acc, p_s, x_s, m0, n0, g_tr, g_tc, seqlen_q, seqlen_k, offset,
+                                         window_left, window_right)
+                else:
+                    for m in range(BM):
+                        for i in range(G_TN):
+                            ga_reg[i] = p_s[uint32(m), g_tr_u + uint32(G_TR * i)]
                         for j in range(G_TD):
-                            dv_acc[i, j] += ga_reg[i] * gb_reg[j]
+                            gb_reg[j] = x_s[uint32(m), g_tc_u + uint32(G_TC * j)]
+                        for i in range(G_TN):
+                            for j in range(G_TD):
+                                dv_acc[i, j] += ga_reg[i] * gb_reg[j]
                 cuda.syncthreads()
 
-                load_x(x_s, q, b, m0, h, seqlen_q, head_dim, float32(1.0), t)
-                cuda.syncthreads()
+                q_probe = load_x(x_s, q, b, m0, h, seqlen_q, head_dim, float32(1.0), t)
+                q_nonfinite = cuda.syncthreads_or(int32(q_probe != q_probe))
 
                 # dK += dS^T . Q (the softmax scale is applied once, at the end).
-                for m in range(BM):
-                    for i in range(G_TN):
-                        ga_reg[i] = ds_s[uint32(m), g_tr_u + uint32(G_TR * i)]
-                    for j in range(G_TD):
-                        gb_reg[j] = x_s[uint32(m), g_tc_u + uint32(G_TC * j)]
-                    for i in range(G_TN):
+                if q_nonfinite:
+                    add_visible_products(dk_acc, ds_s, x_s, m0, n0, g_tr, g_tc, seqlen_q, seqlen_k, offset,
+                                         window_left, window_right)
+                else:
+                    for m in range(BM):
+                        for i in range(G_TN):
+                            ga_reg[i] = ds_s[uint32(m), g_tr_u + uint32(G_TR * i)]
                         for j in range(G_TD):
-                            dk_acc[i, j] += ga_reg[i] * gb_reg[j]
+                            gb_reg[j] = x_s[uint32(m), g_tc_u + uint32(G_TC * j)]
+                        for i in range(G_TN):
+                            for j in range(G_TD):
+                                dk_acc[i, j] += ga_reg[i] * gb_reg[j]
 
         for i in range(G_TN):
             key = n0 + g_tr + G_TR * i
@@ -235,8 +247,8 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                 for j in range(G_TD):
                     d = g_tc + G_TC * j
                     if d < head_dim:
-                        dk[b, key, hk, d] = STORE(dk_acc[i, j] * scale)
-                        dv[b, key, hk, d] = STORE(dv_acc[i, j])
+                        dk[b, key, hk, d] = STORE(nan_if_not_finite(dk_acc[i, j] * scale))
+                        dv[b, key, hk, d] = STORE(nan_if_not_finite(dv_acc[i, j]))
 
     return cuda.jit(flash_dkdv_kernel)
 
@@ -261,6 +273,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
     LD, LDP = DB + 1, BN + 1
     HAS_LEFT, HAS_RIGHT, SOFTCAP = has_left, has_right, softcap
     STORE = element_io(bf16)[1]
+    visible = make_visible(has_left, has_right)
     load_x = make_tile_load(BM, DB, NT, bf16)     # query-side tiles: Q, dO
     load_kv = make_tile_load(BN, DB, NT, bf16)    # key-side tiles: K, V
 
@@ -346,11 +359,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                         x = capmult * th
                     else:
                         dcap[i, j] = float32(1.0)
-                    ok = col < seqlen_k
-                    if HAS_LEFT:
-                        ok = ok and col >= row + offset - window_left
-                    if HAS_RIGHT:
-                        ok = ok and col <= row + offset + window_right
+                    ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right)
                     p[i, j] = math.exp2(x - row_lse[i]) if ok else float32(0.0)
             cuda.syncthreads()
 
@@ -368,24 +377,38 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                 for i in range(S_TM):
                     for j in range(S_TN):
                         dp[i, j] += sa_reg[i] * sb_reg[j]
+            # dS is 0 for a masked pair by a select: dP there may be NaN (a non-finite V or dO).
             for i in range(S_TM):
                 r = s_tr + S_TR * i
                 for j in range(S_TN):
-                    ds_s[r, s_tc + S_TC * j] = p[i, j] * (dp[i, j] - row_delta[i]) * dcap[i, j]
+                    c = s_tc + S_TC * j
+                    ok = visible(m0 + r, n0 + c, seqlen_q, seqlen_k, offset, window_left, window_right)
+                    ds_s[r, c] = p[i, j] * (dp[i, j] - row_delta[i]) * dcap[i, j] if ok else float32(0.0)
             cuda.syncthreads()
 
-            load_kv(kv_s, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
-            cuda.syncthreads()
+            k_probe = load_kv(kv_s, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
+            k_nonfinite = cuda.syncthreads_or(int32(k_probe != k_probe))
 
             # dQ += dS . K for this thread's (O_TM x O_TD) block.
-            for n in range(BN):
-                for i in range(O_TM):
-                    a_reg[i] = ds_s[o_tr_u + uint32(O_TR * i), uint32(n)]
-                for j in range(O_TD):
-                    b_reg[j] = kv_s[uint32(n), o_tc_u + uint32(O_TC * j)]
-                for i in range(O_TM):
+            if k_nonfinite:
+                # Rare: K holds an inf or NaN, which 0 * x would carry into rows that do not see its key.
+                for n in range(BN):
+                    for i in range(O_TM):
+                        r = o_tr + O_TR * i
+                        seen = visible(m0 + r, n0 + n, seqlen_q, seqlen_k, offset, window_left, window_right)
+                        a = ds_s[r, n]
+                        for j in range(O_TD):
+                            x = acc[i, j] + a * kv_s[n, o_tc + O_TC * j]
+                            acc[i, j] = x if seen else acc[i, j]
+            else:
+                for n in range(BN):
+                    for i in range(O_TM):
+                        a_reg[i] = ds_s[o_tr_u + uint32(O_TR * i), uint32(n)]
                     for j in range(O_TD):
-                        acc[i, j] += a_reg[i] * b_reg[j]
+                        b_reg[j] = kv_s[uint32(n), o_tc_u + uint32(O_TC * j)]
+                    for i in range(O_TM):
+                        for j in range(O_TD):
+                            acc[i, j] += a_reg[i] * b_reg[j]
 
         for i in range(O_TM):
             row = m0 + o_tr + O_TR * i
@@ -393,6 +416,6 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                 for j in range(O_TD):
                     d = o_tc + O_TC * j
                     if d < head_dim:
-                        dq[b, row, h, d] = STORE(acc[i, j] * scale)
+                        dq[b, row, h, d] = STORE(nan_if_not_finite(acc[i, j] * scale))
 
     return cuda.jit(flash_dq_kernel)

@@ -24,10 +24,11 @@ from typing import Any
 
 # numba.cuda at module level (not in the factories): the simulator swaps the kernel's global `cuda` for its
 # fake module, which a closure variable would escape. Only launch.py and compile_check.py import this module.
-from numba import config, cuda, float32, uint32, uint64
+from numba import config, cuda, float32, int32, uint32, uint64
 
 from .config import FlashAttentionConfig, transposed_stride
 from .dtypes import element_io
+from .masks import make_visible, nan_if_not_finite, nonfinite_probe
 from .tiles import FETCH_VECTOR, make_tile_fetch, tile_passes
 
 LOG2E = math.log2(math.e)
@@ -88,6 +89,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     S_GAP_M, S_GAP_N, O_GAP_M, O_GAP_D = S_RM * S_TR, S_RN * S_TC, O_RM * O_TR, O_RD * O_TC
     HAS_LEFT, HAS_RIGHT, SOFTCAP = has_left, has_right, softcap
     STORE = element_io(bf16)[1]
+    visible = make_visible(has_left, has_right)
     Q_PASSES, KV_PASSES, V4 = tile_passes(BM, DB, NT), tile_passes(BN, DB, NT), FETCH_VECTOR
     fetch_q = make_tile_fetch(BM, DB, NT, bf16, LQ, True)
     fetch_k = make_tile_fetch(BN, DB, NT, bf16, LK, True)
@@ -96,6 +98,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     def flash_forward_kernel(q, k, v, out, lse, seqlen_q, seqlen_k, head_dim, group, window_left, window_right,
                              qmult, capmult):
         neg_inf = float32(-math.inf)
+        nan = float32(math.nan)
         t = cuda.threadIdx.x
         m0 = cuda.blockIdx.x * BM
         h = cuda.blockIdx.y
@@ -180,18 +183,16 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                     for i in range(S_TM):
                         for j in range(S_TN):
                             s[i, j] += sa_reg[i] * sb_reg[j]
+            # Masked scores become -inf; a visible one that is not finite becomes NaN and poisons its row (the raw
+            # score decides: tanh would turn an inf into a finite cap).
             for i in range(S_TM):
                 row = m0 + s_tr * S_RM + (i // S_RM) * S_GAP_M + i % S_RM
                 for j in range(S_TN):
                     col = n0 + s_tc * S_RN + (j // S_RN) * S_GAP_N + j % S_RN
-                    x = s[i, j]
-                    if SOFTCAP:
-                        x = capmult * math.tanh(x)
-                    ok = col < seqlen_k
-                    if HAS_LEFT:
-                        ok = ok and col >= row + offset - window_left
-                    if HAS_RIGHT:
-                        ok = ok and col <= row + offset + window_right
+                    raw = s[i, j]
+                    x = capmult * math.tanh(raw) if SOFTCAP else raw
+                    x = x if abs(raw) < float32(math.inf) else nan
+                    ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right)
                     s[i, j] = x if ok else neg_inf
             # Into P^T column by column: a run of rows is one 128-bit store.
             for j in range(S_TN):
@@ -201,17 +202,24 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
             cuda.syncthreads()
 
             # Every thread is done with K: the buffer takes V while the row pass runs.
+            v_probe = float32(0.0)
             for k_pass in range(KV_PASSES):
                 at, ok = fetch_v(fetched, v, b, n0, hk, seqlen_k, head_dim, float32(1.0), t, k_pass)
                 if ok:
                     for e in range(V4):
                         kv[at + uint64(e)] = fetched[e]
+                        v_probe += nonfinite_probe(fetched[e])
             for r in range(t, BM, NT):
                 r_u = uint32(r)
                 m_old = row_max[r]
                 m_new = m_old
+                poisoned = m_old != m_old
                 for c in range(BN):
-                    m_new = max(m_new, p_t[uint32(c * BM) + r_u])
+                    x = p_t[uint32(c * BM) + r_u]
+                    m_new = max(m_new, x)
+                    poisoned |= x != x
+                # A poisoned row's max is NaN: its exp2s, sum and accumulator become NaN and stay so.
+                m_new = nan if poisoned else m_new
                 # A row with nothing visible yet keeps max -inf; exp2 against 0 then gives 0, never NaN.
                 m_use = m_new if m_new != neg_inf else float32(0.0)
                 alpha = math.exp2(m_old - m_use)
@@ -223,7 +231,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 row_max[r] = m_new
                 row_sum[r] = row_sum[r] * alpha + total
                 row_scale[r] = alpha
-            cuda.syncthreads()
+            v_nonfinite = cuda.syncthreads_or(int32(v_probe != v_probe))
 
             # acc = acc * alpha + P V for this thread's (O_TM x O_TD) block: one outer product of a column of P^T
             # and a row of V per key.
@@ -231,16 +239,28 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 alpha = row_scale[o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM]
                 for j in range(O_TD):
                     acc[i, j] *= alpha
-            for n0 in range(0, BN, N_STEPS):
-                p_n0, v_n0 = uint64(n0 * BM) + o_row0, uint64(n0 * DB) + o_col0
-                for nn in range(N_STEPS):
+            if v_nonfinite:
+                # Rare: V holds an inf or NaN, which 0 * x would carry into rows that do not see its key.
+                for key in range(BN):
+                    col = n0 + key
                     for i in range(O_TM):
-                        a_reg[i] = p_t[p_n0 + uint64(nn * BM + (i // O_RM) * O_GAP_M + i % O_RM)]
-                    for j in range(O_TD):
-                        b_reg[j] = kv[v_n0 + uint64(nn * DB + (j // O_RD) * O_GAP_D + j % O_RD)]
-                    for i in range(O_TM):
+                        r = o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM
+                        seen = visible(m0 + r, col, seqlen_q, seqlen_k, offset, window_left, window_right)
+                        a = p_t[key * BM + r]
                         for j in range(O_TD):
-                            acc[i, j] += a_reg[i] * b_reg[j]
+                            x = acc[i, j] + a * kv[key * DB + o_tc * O_RD + (j // O_RD) * O_GAP_D + j % O_RD]
+                            acc[i, j] = x if seen else acc[i, j]
+            else:
+                for key0 in range(0, BN, N_STEPS):
+                    p_key0, v_key0 = uint64(key0 * BM) + o_row0, uint64(key0 * DB) + o_col0
+                    for kk in range(N_STEPS):
+                        for i in range(O_TM):
+                            a_reg[i] = p_t[p_key0 + uint64(kk * BM + (i // O_RM) * O_GAP_M + i % O_RM)]
+                        for j in range(O_TD):
+                            b_reg[j] = kv[v_key0 + uint64(kk * DB + (j // O_RD) * O_GAP_D + j % O_RD)]
+                        for i in range(O_TM):
+                            for j in range(O_TD):
+                                acc[i, j] += a_reg[i] * b_reg[j]
             cuda.syncthreads()
 
         for i in range(O_TM):
@@ -252,14 +272,16 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 for j in range(O_TD):
                     d = o_tc * O_RD + (j // O_RD) * O_GAP_D + j % O_RD
                     if d < head_dim:
-                        out[b, row, h, d] = STORE(acc[i, j] * inv)
+                        out[b, row, h, d] = STORE(nan_if_not_finite(acc[i, j] * inv))
         for r in range(t, BM, NT):
             row = m0 + r
             if row < seqlen_q:
                 total = row_sum[r]
                 if total > float32(0.0):
                     lse[b, h, row] = (row_max[r] + math.log2(total)) * float32(LN2)
-                else:
+                elif total != total:   # poisoned
+                    lse[b, h, row] = nan
+                else:                  # sees no key
                     lse[b, h, row] = float32(math.inf)
 
     return cuda.jit(flash_forward_kernel)

@@ -19,6 +19,7 @@ from typing import Any
 from numba import cuda, float32, uint32, uint64
 
 from .dtypes import element_io
+from .masks import nonfinite_probe
 
 
 @functools.lru_cache(maxsize=None)
@@ -26,7 +27,8 @@ def make_tile_load(rows: int, head_dim_bucket: int, threads: int, bf16: bool) ->
     """``load_tile(dst, src, b, row0, h, seqlen, head_dim, mult, t)``: copy rows ``row0 .. row0 + rows - 1`` of
     head ``h`` of batch ``b`` from ``src`` (B, S, H, D), any strides, float32/float16 (int16 bfloat16 bits with
     ``bf16``), into the float32 shared tile ``dst`` (rows, >= head_dim_bucket) scaled by ``mult``; rows at or past
-    ``seqlen`` and columns at or past ``head_dim`` become 0, so they add nothing to any product. ``t`` is the
+    ``seqlen`` and columns at or past ``head_dim`` become 0, so they add nothing to any product. Returns the sum of
+    ``masks.nonfinite_probe`` over what this thread stored: NaN iff one of its elements is not finite. ``t`` is the
     thread's index in a block of ``threads`` threads; consecutive threads take consecutive columns (coalesced
     global reads, conflict-free shared writes). ``b``, ``row0``, ``h``, ``seqlen`` and ``head_dim`` must be
     non-negative."""
@@ -40,6 +42,7 @@ def make_tile_load(rows: int, head_dim_bucket: int, threads: int, bf16: bool) ->
     def load_tile(dst, src, b, row0, h, seqlen, head_dim, mult, t):
         b_u, h_u, row0_u = uint32(b), uint32(h), uint32(row0)
         seqlen_u, head_dim_u = uint32(seqlen), uint32(head_dim)
+        probe = float32(0.0)
         for k in range(PER_THREAD):
             idx = uint32(t + k * NT)
             if not RAGGED or idx < uint32(TOTAL):
@@ -50,6 +53,8 @@ def make_tile_load(rows: int, head_dim_bucket: int, threads: int, bf16: bool) ->
                 if row < seqlen_u and d < head_dim_u:
                     x = LOAD(src[b_u, row, h_u, d]) * mult
                 dst[r, d] = x
+                probe += nonfinite_probe(x)
+        return probe
 
     return load_tile
 
