@@ -5,6 +5,7 @@
 
     import numba_flash
     o = numba_flash.flash_attn_func(q, k, v, causal=True)   # torch tensors, autograd-aware
+    out, lse = numba_flash.merge_attention_states(out_a, lse_a, out_b, lse_b)   # two key sets' partial results
 
 Importing this package needs only numpy and numba; torch and numba.cuda are imported where they are used.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import AttentionInputError, NoBackendError
+from .merge import merge_attention_states
 from .reference import attention_ref, attention_ref_backward
 from .validation import AttentionCall, validate_backward, validate_forward
 
@@ -25,6 +27,7 @@ __all__ = [
     "AttentionCall",
     "attention_ref",
     "attention_ref_backward",
+    "merge_attention_states",
     "validate_forward",
     "validate_backward",
     "flash_attn_func",

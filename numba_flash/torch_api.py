@@ -10,13 +10,14 @@ This module imports torch at import time; ``numba_flash`` imports it only when `
 Annotations are evaluated (no ``from __future__ import annotations``) because ``custom_op`` reads them as its schema.
 """
 
-from typing import Optional
+from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from numba_flash import backend_registry
 from numba_flash.errors import AttentionInputError
-from numba_flash.validation import validate_forward
+from numba_flash.validation import _bad, _finite_real, _short_repr, validate_forward
 
 __all__ = ["flash_attn_func", "FlashAttnFunc"]
 
@@ -104,25 +105,57 @@ class FlashAttnFunc(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
+def _check_flash_attn_extras(dropout_p: Any, alibi_slopes: Any, deterministic: Any, return_attn_probs: Any) -> None:
+    """flash-attn's arguments for features this library has not built yet: accepted in their place (so that code
+    written for flash-attn calls in unchanged), refused with a clear error when they ask for the feature."""
+    if not _finite_real(dropout_p) or not 0.0 <= float(dropout_p) < 1.0:
+        raise _bad("dropout_p", "a number in [0, 1)", _short_repr(dropout_p))
+    if float(dropout_p) != 0.0:
+        raise _bad("dropout_p", "0.0 (dropout is not implemented yet)", _short_repr(dropout_p))
+    if alibi_slopes is not None:
+        got = f"shape {tuple(alibi_slopes.shape)}" if hasattr(alibi_slopes, "shape") else _short_repr(alibi_slopes)
+        raise _bad("alibi_slopes", "None (ALiBi is not implemented yet)", got)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise _bad("deterministic", "a bool", _short_repr(deterministic))
+    if not isinstance(return_attn_probs, (bool, np.bool_)):
+        raise _bad("return_attn_probs", "a bool", _short_repr(return_attn_probs))
+    if return_attn_probs:
+        raise _bad("return_attn_probs",
+                   "False (returning the attention probabilities is not implemented yet; return_lse=True gives the "
+                   "log-sum-exp)", "True")
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
-    causal: bool = False,
+    dropout_p: float = 0.0,
     softmax_scale: Optional[float] = None,
+    causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
     layout: str = "bshd",
     return_lse: bool = False,
     backend: Optional[str] = None,
 ):
     """Exact attention on torch tensors, differentiable, computed by the backend the registry picks.
 
+    The positional arguments and their defaults are flash-attn's ``flash_attn_func``, in its order, so code written
+    for flash-attn runs unchanged with ``from numba_flash import flash_attn_func``. ``layout``, ``return_lse`` and
+    ``backend`` are this library's and keyword-only.
+
     Grouped-query / multi-query attention is supported by passing K and V with fewer heads than Q: query head h
     reads key/value head ``h // (Hq // Hkv)``. Causal masking and the sliding window are aligned to the bottom-right
     corner of the score matrix (FlashAttention >= 2.1): query i may see key j iff
-    ``i + Sk - Sq - window_size[0] <= j <= i + Sk - Sq + window_size[1]``.
+    ``i + Sk - Sq - window_size[0] <= j <= i + Sk - Sq + window_size[1]``. With causal=True, Sq = 2 and Sk = 5
+    (1 = seen)::
+
+        1 1 1 1 0
+        1 1 1 1 1
 
     Arguments:
         q: (batch_size, seqlen_q, nheads, headdim) for layout "bshd", (batch_size, nheads, seqlen_q, headdim) for
@@ -130,22 +163,34 @@ def flash_attn_func(
         k: (batch_size, seqlen_k, nheads_k, headdim) for "bshd", (batch_size, nheads_k, seqlen_k, headdim) for
             "bhsd"; nheads % nheads_k == 0; q's dtype and device.
         v: shaped like k.
-        causal: bool. Mask keys after the query's bottom-right-aligned diagonal (same as window_size[1] = 0).
+        dropout_p: float in [0, 1). Only 0.0 is implemented yet; any other value raises AttentionInputError.
         softmax_scale: float > 0. Scaling of q k^T before the softmax; default 1 / sqrt(headdim).
+        causal: bool. Mask keys after the query's bottom-right-aligned diagonal (same as window_size[1] = 0).
         window_size: (left, right). Sliding-window attention; -1 means unbounded on that side.
         softcap: float >= 0. If > 0, scores become softcap * tanh(scores / softcap); 0 disables it.
-        layout: "bshd" (FlashAttention's) or "bhsd" (PyTorch SDPA's).
-        return_lse: bool. Also return the log-sum-exp of each query row (for testing or merging partial results).
-        backend: str or None. Force one backend ("cuda", "rocm", "cpu", ...); None lets the registry choose.
+        alibi_slopes: must be None: ALiBi ((nheads,) or (batch_size, nheads) float32 slopes in flash-attn) is not
+            implemented yet, and a tensor raises AttentionInputError.
+        deterministic: bool, accepted either way: every backend's backward is already deterministic (no atomic
+            adds; each gradient element is summed by one thread in a fixed order), so two runs give bitwise equal
+            gradients.
+        return_attn_probs: must be False: returning the probabilities is not implemented yet (True raises
+            AttentionInputError); return_lse=True gives the log-sum-exp.
+        layout: keyword-only. "bshd" (FlashAttention's) or "bhsd" (PyTorch SDPA's).
+        return_lse: keyword-only bool. Also return the log-sum-exp of each query row (for testing, or for merging
+            partial results with ``numba_flash.merge_attention_states``).
+        backend: keyword-only str or None. Force one backend ("cuda", "rocm", "cpu", ...); None lets the registry
+            choose.
 
     Returns:
         out: shaped like q, q's dtype and device, contiguous. Rows that see no key are 0.
         lse [only if return_lse]: (batch_size, nheads, seqlen_q), float32 (float64 for float64 inputs): the natural
             log of the sum of exp(score) over the visible keys; +inf for a row that sees no key. Not differentiable.
 
-    Raises ``numba_flash.AttentionInputError`` for arguments that break the contract and
-    ``numba_flash.NoBackendError`` when no backend can serve the call.
+    Raises ``numba_flash.AttentionInputError`` for arguments that break the contract or ask for a feature not
+    implemented yet, and ``numba_flash.NoBackendError`` when no backend can serve the call.
     """
+    # Plain Python values: checking them costs no graph break under torch.compile, so they are checked always.
+    _check_flash_attn_extras(dropout_p, alibi_slopes, deterministic, return_attn_probs)
     if not torch.compiler.is_compiling():
         # Fail fast, naming the argument, before autograd records anything. Under torch.compile the ops validate
         # when they run, and this Python-level check would only cost graph breaks.
