@@ -30,6 +30,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from numba_flash.arrays import as_result_kind, is_torch_tensor
 from numba_flash.cuda.config import MIN_COMPUTE_CAPABILITY, dtype_supported_on
 from numba_flash.errors import AttentionInputError
 from numba_flash.validation import AttentionCall
@@ -50,8 +51,8 @@ def _is_numba_device_array(x: Any) -> bool:
     return getattr(type(x), "__cuda_ndarray__", False) is True
 
 
-def _is_torch(x: Any) -> bool:
-    return type(x).__module__.split(".")[0] == "torch"
+# By type, subclasses included (a name check on type(x).__module__ misses a user's torch.Tensor subclass).
+_is_torch = is_torch_tensor
 
 
 def _is_cupy(x: Any) -> bool:
@@ -241,7 +242,7 @@ class _Session:
             import torch
 
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.torch_device)
-            return t, self.cuda.as_cuda_array(_torch_bits(t), sync=False)
+            return self._as_caller_kind(t), self.cuda.as_cuda_array(_torch_bits(t), sync=False)
         arr = self.cuda.device_array(shape, dtype=np.dtype(storage_dtype(dtype)), stream=self.stream)
         if self.host:
             return dtype, arr
@@ -258,8 +259,12 @@ class _Session:
         if self.torch:
             import torch
 
-            return torch.from_numpy(arr).view(getattr(torch, user))
+            return self._as_caller_kind(torch.from_numpy(arr).view(getattr(torch, user)))
         return arr
+
+    def _as_caller_kind(self, t: Any) -> Any:
+        """A result tensor as the tensor type torch returns for the caller's q (its subclass, see arrays.py)."""
+        return as_result_kind(self.ref, t) if _is_torch(self.ref) else t
 
     def finish(self) -> None:
         if self.host and self.stream:

@@ -138,3 +138,24 @@ def test_array_kinds_need_no_torch():
             "validate_forward(x, x, x)\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.cudasim
+def test_cuda_backend_keeps_subclasses_and_resolves_negative_bits(rng):
+    """The CUDA backend (under the simulator, torch CPU tensors are copied through the device) takes the same
+    kinds: a subclass comes back as itself, a tensor with the negative bit gives the answer for its values."""
+    from numba_flash.cuda import tile_config_override
+
+    op = backend_registry.get("flash", backend="cuda")
+    q, k, v, dout = _qkv(rng, b=1, sq=5, sk=7, hq=2, hkv=1, d=8)
+    tq, tk, tv, tdout = (x.as_subclass(TaggedTensor) for x in (q, k, v, dout))
+    with tile_config_override(block_m=8, block_n=8, threads=16):
+        out, lse = op.forward(tq, tk, tv, causal=True, return_lse=True)
+        assert type(out) is TaggedTensor and type(lse) is TaggedTensor
+        grads = op.backward(tdout, tq, tk, tv, out, lse, causal=True)
+        assert all(type(g) is TaggedTensor for g in grads)
+        _check_against_reference(out, lse, grads, q, k, v, dout, causal=True)
+        neg_k = torch.complex(torch.zeros_like(k), -k).conj().imag  # imag of conj(-i k) = +k
+        assert neg_k.is_neg() and torch.equal(neg_k, k)
+        got = op.forward(q, neg_k, v, causal=True)
+    assert np.abs(_np(got) - attention_ref(q, k, v, causal=True)[0]).max() <= 1e-5
