@@ -28,7 +28,7 @@ from numba import config, cuda, float32, int32, uint32, uint64
 
 from .config import FlashAttentionConfig, transposed_stride
 from .dtypes import element_io
-from .masks import make_visible, nan_if_not_finite, nonfinite_probe
+from .masks import make_visible, nan_if_not_finite
 from .tiles import FETCH_VECTOR, make_tile_fetch, tile_passes
 
 LOG2E = math.log2(math.e)
@@ -88,7 +88,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     S_RM, S_RN, O_RM, O_RD = min(S_TM, 4), min(S_TN, 4), min(O_TM, 4), min(O_TD, 4)
     S_GAP_M, S_GAP_N, O_GAP_M, O_GAP_D = S_RM * S_TR, S_RN * S_TC, O_RM * O_TR, O_RD * O_TC
     HAS_LEFT, HAS_RIGHT, SOFTCAP = has_left, has_right, softcap
-    STORE = element_io(bf16)[1]
+    LOAD, STORE = element_io(bf16)
     visible = make_visible(has_left, has_right)
     Q_PASSES, KV_PASSES, V4 = tile_passes(BM, DB, NT), tile_passes(BN, DB, NT), FETCH_VECTOR
     fetch_q = make_tile_fetch(BM, DB, NT, bf16, LQ, True)
@@ -158,6 +158,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
         s_row0, s_col0 = uint64(s_tr * S_RM), uint64(s_tc * S_RN)
         o_row0, o_col0 = uint64(o_tr * O_RM), uint64(o_tc * O_RD)
         p_block = s_col0 * uint64(BM) + s_row0
+        v_nonfinite_seen = False
         cuda.syncthreads()
 
         for n0 in range(n_start, hi, BN):
@@ -202,13 +203,16 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
             cuda.syncthreads()
 
             # Every thread is done with K: the buffer takes V while the row pass runs.
-            v_probe = float32(0.0)
+            # A non-finite value goes in as 0: P V also multiplies the masked pairs' P = 0, and 0 * inf would
+            # carry it into rows that do not see its key. The rows that do are made NaN after the loop.
             for k_pass in range(KV_PASSES):
                 at, ok = fetch_v(fetched, v, b, n0, hk, seqlen_k, head_dim, float32(1.0), t, k_pass)
                 if ok:
                     for e in range(V4):
-                        kv[at + uint64(e)] = fetched[e]
-                        v_probe += nonfinite_probe(fetched[e])
+                        x = fetched[e]
+                        finite = abs(x) < float32(math.inf)
+                        kv[at + uint64(e)] = x if finite else float32(0.0)
+                        v_nonfinite_seen |= not finite
             for r in range(t, BM, NT):
                 r_u = uint32(r)
                 m_old = row_max[r]
@@ -231,7 +235,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 row_max[r] = m_new
                 row_sum[r] = row_sum[r] * alpha + total
                 row_scale[r] = alpha
-            v_nonfinite = cuda.syncthreads_or(int32(v_probe != v_probe))
+            cuda.syncthreads()
 
             # acc = acc * alpha + P V for this thread's (O_TM x O_TD) block: one outer product of a column of P^T
             # and a row of V per key.
@@ -239,30 +243,29 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 alpha = row_scale[o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM]
                 for j in range(O_TD):
                     acc[i, j] *= alpha
-            if v_nonfinite:
-                # Rare: V holds an inf or NaN, which 0 * x would carry into rows that do not see its key.
-                for key in range(BN):
-                    col = n0 + key
+            for key0 in range(0, BN, N_STEPS):
+                p_key0, v_key0 = uint64(key0 * BM) + o_row0, uint64(key0 * DB) + o_col0
+                for kk in range(N_STEPS):
                     for i in range(O_TM):
-                        r = o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM
-                        seen = visible(m0 + r, col, seqlen_q, seqlen_k, offset, window_left, window_right)
-                        a = p_t[key * BM + r]
+                        a_reg[i] = p_t[p_key0 + uint64(kk * BM + (i // O_RM) * O_GAP_M + i % O_RM)]
+                    for j in range(O_TD):
+                        b_reg[j] = kv[v_key0 + uint64(kk * DB + (j // O_RD) * O_GAP_D + j % O_RD)]
+                    for i in range(O_TM):
                         for j in range(O_TD):
-                            x = acc[i, j] + a * kv[key * DB + o_tc * O_RD + (j // O_RD) * O_GAP_D + j % O_RD]
-                            acc[i, j] = x if seen else acc[i, j]
-            else:
-                for key0 in range(0, BN, N_STEPS):
-                    p_key0, v_key0 = uint64(key0 * BM) + o_row0, uint64(key0 * DB) + o_col0
-                    for kk in range(N_STEPS):
-                        for i in range(O_TM):
-                            a_reg[i] = p_t[p_key0 + uint64(kk * BM + (i // O_RM) * O_GAP_M + i % O_RM)]
-                        for j in range(O_TD):
-                            b_reg[j] = kv[v_key0 + uint64(kk * DB + (j // O_RD) * O_GAP_D + j % O_RD)]
-                        for i in range(O_TM):
-                            for j in range(O_TD):
-                                acc[i, j] += a_reg[i] * b_reg[j]
+                            acc[i, j] += a_reg[i] * b_reg[j]
             cuda.syncthreads()
 
+        if cuda.syncthreads_or(int32(v_nonfinite_seen)):
+            # Rare: V held an inf or NaN, loaded as 0. Each row that sees such a key gets NaN in its column (p * inf
+            # or p * NaN is not finite whatever p is), read again from global memory: this runs once per block.
+            for i in range(O_TM):
+                row = m0 + o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM
+                for key in range(lo, hi):
+                    if visible(row, key, seqlen_q, seqlen_k, offset, window_left, window_right):
+                        for j in range(O_TD):
+                            d = o_tc * O_RD + (j // O_RD) * O_GAP_D + j % O_RD
+                            if d < head_dim and not abs(LOAD(v[b, key, hk, d])) < float32(math.inf):
+                                acc[i, j] = nan
         for i in range(O_TM):
             r = o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM
             row = m0 + r

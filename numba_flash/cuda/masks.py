@@ -7,11 +7,13 @@ The rule costs the kernels little in the common case and is exact in the rare on
   the row's max, sum, output and lse all become NaN ("poisoned") instead of an inf being taken for a masked key or
   hidden by ``tanh``;
 * a masked pair has P = 0 and dS = 0 exactly (a select, never a product), but a product loop still adds
-  ``0 * x``, which is NaN when x is not finite. So each tile load also sums ``x * 0`` over what the thread loaded
+  ``0 * x``, which is NaN when x is not finite. The forward loads a non-finite V element as 0 and, once per block
+  after its main loop, makes NaN the output columns of the rows that see such a key (read again from global
+  memory; only when some thread saw one). The backward's tile loads sum ``x * 0`` over what each thread loaded
   (NaN as soon as one element is not finite), the barrier after the load ORs that over the block
   (``syncthreads_or``, no extra barrier), and a tile that holds a non-finite value goes through a product that
   skips the masked pairs. The kernels name that flag ``*_nonfinite``; the performance model counts the branch it
-  guards as not taken;
+  guards as not taken (but not the cost its mere presence has on the compiled loop: see BENCHMARKS.md);
 * every result is stored through ``nan_if_not_finite``: the contract reports every non-finite result as NaN.
 
 The helpers are ``inline="always"`` (see dtypes.py). The performance model attributes their instructions to the
