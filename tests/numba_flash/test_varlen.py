@@ -112,3 +112,76 @@ def _check_empty_sequences(out, lse, grads, cu_q, cu_k):
             assert np.all(out[rows] == 0) and np.all(np.isposinf(lse[:, rows])) and np.all(dq[rows] == 0)
         if rows.stop == rows.start:
             assert np.all(dk[keys] == 0) and np.all(dv[keys] == 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation
+
+
+def _valid(rng):
+    q, k, v, dout, cu_q, cu_k = packed_inputs(rng, [3, 0, 5], [4, 2, 6])
+    return dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+def _raises(match, **kwargs):
+    with pytest.raises(AttentionInputError, match=match):
+        validate_forward(**kwargs)
+
+
+def test_valid_packed_call(rng):
+    args = _valid(rng)
+    call = validate_forward(**args, causal=True, max_seqlen_q=5, max_seqlen_k=100)   # a bound, not exact
+    assert call.layout == "thd" and call.is_varlen     # layout inferred from the cu_seqlens
+    assert (call.batch, call.seqlen_q, call.seqlen_k, call.nheads_q, call.nheads_kv, call.head_dim) == (3, 5, 6, 4, 2, 7)
+    assert call.lse_shape == (4, 8)
+    assert "thd B=3 total_q=8 total_k=12 max_Sq=5 max_Sk=6" in call.describe()
+    assert [tuple(s)[1:] for s in call.packing.sequences()] == [(0, 3, 0, 4), (3, 3, 4, 6), (3, 8, 6, 12)]
+    # int64 prefix sums (np.cumsum's default) are accepted too, and so is an explicit layout
+    call = validate_forward(**{**args, "cu_seqlens_q": args["cu_seqlens_q"].astype(np.int64)}, layout="thd")
+    assert call.packing.total_q == 8
+
+
+@pytest.mark.parametrize("value,pattern", [
+    ([0, 3, 3, 8], r"^cu_seqlens_q: expected a 1-D int32 array .* got an object of type list"),
+    (np.array([0, 3, 3, 8], np.float32), r"^cu_seqlens_q: expected dtype int32 \(or int64\), got dtype float32"),
+    (np.array([0, 3, 3, 8], np.int16), r"^cu_seqlens_q: expected dtype int32 \(or int64\), got dtype int16"),
+    (np.array([[0, 3, 3, 8]], np.int32), r"^cu_seqlens_q: expected a 1-D int32 array .* got shape \(1, 4\)"),
+    (np.array([0], np.int32), r"^cu_seqlens_q: expected at least 2 entries .* got shape \(1,\)"),
+    (np.array([1, 3, 3, 8], np.int32), r"^cu_seqlens_q: expected cu_seqlens_q\[0\] == 0, got cu_seqlens_q\[0\] = 1"),
+    (np.array([0, 4, 3, 8], np.int32), r"^cu_seqlens_q: expected non-decreasing values .* got cu_seqlens_q\[2\] = 3 < "
+                                       r"cu_seqlens_q\[1\] = 4"),
+    (np.array([0, 3, 3, 7], np.int32), r"^cu_seqlens_q: expected cu_seqlens_q\[-1\] == total_q = 8, got "
+                                       r"cu_seqlens_q\[-1\] = 7"),
+    (np.array([0, 3, 8], np.int32), r"^cu_seqlens_k: expected B \+ 1 = 3 entries like cu_seqlens_q .* got 4 entries"),
+])
+def test_bad_cu_seqlens(rng, value, pattern):
+    _raises(pattern, **{**_valid(rng), "cu_seqlens_q": value})
+
+
+@pytest.mark.parametrize("change,pattern", [
+    (dict(cu_seqlens_k=None), r"^cu_seqlens_k: expected an int32 array .* needs both cu_seqlens_k and cu_seqlens_q"),
+    (dict(cu_seqlens_q=None, layout="thd"), r"^cu_seqlens_q: expected an int32 array"),
+    (dict(layout="bshd"), r"^cu_seqlens_q: expected None for layout 'bshd' \(packed sequences take layout 'thd'\)"),
+    (dict(max_seqlen_q=4), r"^max_seqlen_q: expected an int >= the longest query sequence \(5\), got 4"),
+    (dict(max_seqlen_k=5), r"^max_seqlen_k: expected an int >= the longest key sequence \(6\), got 5"),
+    (dict(max_seqlen_k=-1), r"^max_seqlen_k: expected an int >= the longest key sequence \(6\), got -1"),
+    (dict(max_seqlen_q=5.0), r"^max_seqlen_q: expected None or an int, got 5.0"),
+    (dict(max_seqlen_q=True), r"^max_seqlen_q: expected None or an int, got True"),
+])
+def test_bad_packing_arguments(rng, change, pattern):
+    _raises(pattern, **{**_valid(rng), **change})
+
+
+def test_bad_shapes_and_lse(rng):
+    args = _valid(rng)
+    q, k, v = args["q"], args["k"], args["v"]
+    _raises(r"^q: expected 3 dimensions \(total_q, Hq, D\) for layout 'thd', got shape \(1, 8, 4, 7\)",
+            **{**args, "q": q[None]})
+    _raises(r"^k: expected an array", **{**args, "k": list(k)})
+    _raises(r"^max_seqlen_q: expected None for layout 'bshd'", q=q[None], k=k[None], v=v[None], max_seqlen_q=3)
+    out, lse = np.zeros_like(q), np.zeros((4, 8), np.float32)
+    validate_backward(q, q, k, v, out, lse, cu_seqlens_q=args["cu_seqlens_q"], cu_seqlens_k=args["cu_seqlens_k"])
+    with pytest.raises(AttentionInputError, match=r"^lse: expected shape \(Hq, total_q\) = \(4, 8\), got shape "
+                                                  r"\(3, 4, 5\)"):
+        validate_backward(q, q, k, v, out, np.zeros((3, 4, 5), np.float32), cu_seqlens_q=args["cu_seqlens_q"],
+                          cu_seqlens_k=args["cu_seqlens_k"])
