@@ -185,3 +185,183 @@ def test_bad_shapes_and_lse(rng):
                                                   r"\(3, 4, 5\)"):
         validate_backward(q, q, k, v, out, np.zeros((3, 4, 5), np.float32), cu_seqlens_q=args["cu_seqlens_q"],
                           cu_seqlens_k=args["cu_seqlens_k"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The backends
+
+BACKENDS = ["cpu", "rocm"]
+
+
+@pytest.fixture(autouse=True)
+def _no_env_backend(monkeypatch):
+    monkeypatch.delenv(backend_registry.ENV_VAR, raising=False)
+
+
+def run(backend, q, k, v, dout, cu_q, cu_k, **kw):
+    """{out, lse, dq, dk, dv} of ``backend`` as float64; the backward gets the backend's own out and lse."""
+    op = backend_registry.get("flash", backend=backend)
+    packing = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    out, lse = op.forward(q, k, v, return_lse=True, **packing, **kw)
+    grads = op.backward(dout, q, k, v, out, lse, **packing, **kw)
+    return dict(zip(("out", "lse", "dq", "dk", "dv"), (_f64(x) for x in (out, lse, *grads))))
+
+
+def reference(q, k, v, dout, cu_q, cu_k, **kw):
+    out, lse = attention_ref_varlen(q, k, v, cu_q, cu_k, **kw)
+    grads = attention_ref_varlen_backward(dout, q, k, v, cu_q, cu_k, **kw)
+    return dict(zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)))
+
+
+def check_float32(got, ref):
+    """The contract's float32 bounds: forward max abs error <= 1e-5 (these inputs are far from a sharp softmax),
+    backward relative L2 <= 1e-5; lse +inf exactly where the reference has it."""
+    assert np.abs(got["out"] - ref["out"]).max() <= 1e-5
+    fin = np.isfinite(ref["lse"])
+    np.testing.assert_array_equal(np.isposinf(got["lse"]), ~fin)
+    assert np.abs(got["lse"][fin] - ref["lse"][fin]).max() <= 1e-5 * (1 + np.abs(ref["lse"][fin]).max())
+    for name in ("dq", "dk", "dv"):
+        assert _rel_l2(got[name], ref[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
+@pytest.mark.parametrize("lengths", LENGTHS.values(), ids=LENGTHS.keys())
+def test_float32_matches_reference(rng, backend, opts, lengths):
+    q, k, v, dout, cu_q, cu_k = inputs = packed_inputs(rng, *lengths)
+    copies = [x.copy() for x in inputs]
+    got = run(backend, *inputs, **opts)
+    for x, c in zip(inputs, copies):
+        np.testing.assert_array_equal(x, c)    # inputs, cu_seqlens included, are never modified
+    ref = reference(*inputs, **opts)
+    check_float32(got, ref)
+    assert not any(np.isnan(g).any() for g in got.values())
+    _check_empty_sequences(got["out"], got["lse"], (got["dq"], got["dk"], got["dv"]), cu_q, cu_k)
+
+
+def _naive_torch(q, k, v, cu_q, cu_k, dtype, **kw):
+    """Textbook attention in ``dtype`` (scores, softmax and products all in it) over the packed block-diagonal
+    mask, with torch autograd: the peer of the contract's float16 rule. Returns out and a function of dout that
+    gives dq, dk, dv in that dtype."""
+    import torch
+
+    from numba_flash.semantics import effective_window, packed_visible_mask
+
+    qt, kt, vt = (torch.from_numpy(np.asarray(x)).to(dtype).requires_grad_() for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    scale = kw.get("softmax_scale") or 1 / math.sqrt(q.shape[2])
+    mask = torch.from_numpy(packed_visible_mask(cu_q, cu_k, *effective_window(kw.get("causal", False),
+                                                                                 kw.get("window_size", (-1, -1)))))
+    s = torch.einsum("qhd,khd->hqk", qt * scale, kt.repeat_interleave(group, 1))
+    if kw.get("softcap"):
+        s = kw["softcap"] * torch.tanh(s / kw["softcap"])
+    p = torch.softmax(s.masked_fill(~mask, -math.inf), dim=-1).nan_to_num(0.0)   # rows that see nothing: 0
+    out = torch.einsum("hqk,khd->qhd", p, vt.repeat_interleave(group, 1))
+
+    def grads(dout):
+        return torch.autograd.grad(out, (qt, kt, vt), torch.from_numpy(dout).to(dtype))
+
+    return out, grads
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("opts", [OPTIONS["causal"], OPTIONS["causal_window_softcap"]], ids=["causal", "window"])
+def test_float16_within_the_contracts_rule(rng, backend, opts):
+    """float16: relative L2 <= 2e-3, or at most 2x the error of textbook attention computed in float16."""
+    pytest.importorskip("torch")
+    import torch
+
+    q, k, v, dout, cu_q, cu_k = inputs = packed_inputs(rng, *LENGTHS["mixed"], dtype=np.float16)
+    got = run(backend, *inputs, **opts)
+    ref = reference(*inputs, **opts)
+    naive_out, naive_grads = _naive_torch(q, k, v, cu_q, cu_k, torch.float16, **opts)
+    naive = dict(out=naive_out, **dict(zip(("dq", "dk", "dv"), naive_grads(dout))))
+    for name in ("out", "dq", "dk", "dv"):
+        err = _rel_l2(got[name], ref[name])
+        assert err <= max(2e-3, 2 * _rel_l2(naive[name], ref[name])), (name, err)
+    assert np.array_equal(np.isposinf(got["lse"]), np.isposinf(ref["lse"]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_nan_in_one_sequence_stays_there(rng, backend, where):
+    """A NaN in sequence 3 (rows 6..14, keys 12..17 of "mixed") leaves every other sequence bitwise as in a clean
+    run, forward and backward."""
+    clean_inputs = packed_inputs(rng, *LENGTHS["mixed"])
+    q, k, v, dout, cu_q, cu_k = bad_inputs = [x.copy() for x in clean_inputs]
+    {"q": q, "k": k, "v": v}[where][cu_q[3] + 4 if where == "q" else cu_k[3] + 2, 1, 3] = np.nan
+    kw = dict(causal=True)
+    clean, bad = run(backend, *clean_inputs, **kw), run(backend, *bad_inputs, **kw)
+    rows, keys = slice(cu_q[3], cu_q[4]), slice(cu_k[3], cu_k[4])
+    other_rows = np.ones(q.shape[0], bool)
+    other_rows[rows] = False
+    other_keys = np.ones(k.shape[0], bool)
+    other_keys[keys] = False
+    for name in ("out", "dq"):
+        np.testing.assert_array_equal(bad[name][other_rows], clean[name][other_rows])
+        assert np.isnan(bad[name][rows]).any(), name
+    np.testing.assert_array_equal(bad["lse"][:, other_rows], clean["lse"][:, other_rows])
+    for name in ("dk", "dv"):
+        np.testing.assert_array_equal(bad[name][other_keys], clean[name][other_keys])
+
+
+def test_each_sequence_runs_at_its_own_size(rng, monkeypatch):
+    """No padding to the longest sequence: the CPU kernels get one (1, S_b, H, D) view per sequence that has rows
+    and keys, and nothing for the others."""
+    import numba_flash.cpu as cpu
+
+    shapes = []
+    real = cpu.flash_forward
+
+    def spy(q, k, v, out, lse, *args):
+        shapes.append((q.shape, k.shape, out.shape, lse.shape))
+        real(q, k, v, out, lse, *args)
+
+    monkeypatch.setattr(cpu, "flash_forward", spy)
+    lens_q, lens_k = LENGTHS["mixed"]
+    q, k, v, _, cu_q, cu_k = packed_inputs(rng, lens_q, lens_k)
+    backend_registry.get("flash", backend="cpu").forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    want = [((1, sq, 4, 7), (1, sk, 2, 7), (1, sq, 4, 7), (1, 4, sq)) for sq, sk in zip(lens_q, lens_k) if sq and sk]
+    assert shapes == want
+
+
+def test_torch_tensors_in_and_out(rng):
+    torch = pytest.importorskip("torch")
+    q, k, v, dout, cu_q, cu_k = packed_inputs(rng, *LENGTHS["mixed"])
+    t = [torch.from_numpy(x) for x in (q, k, v, dout)]
+    for backend in BACKENDS:
+        op = backend_registry.get("flash", backend=backend)
+        kw = dict(cu_seqlens_q=torch.from_numpy(cu_q), cu_seqlens_k=torch.from_numpy(cu_k), causal=True)
+        out, lse = op.forward(*t[:3], return_lse=True, **kw)
+        assert isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.shape == q.shape
+        assert isinstance(lse, torch.Tensor) and lse.dtype == torch.float32 and lse.shape == (4, q.shape[0])
+        grads = op.backward(t[3], *t[:3], out, lse, **kw)
+        assert all(isinstance(g, torch.Tensor) for g in grads)
+        check_float32(dict(zip(("out", "lse", "dq", "dk", "dv"), (_f64(x) for x in (out, lse, *grads)))),
+                      reference(q, k, v, dout, cu_q, cu_k, causal=True))
+
+
+def test_explain_and_backends_without_packed_sequences(rng):
+    """explain() describes a packed call; a backend that does not list "thd" in SUPPORTED_LAYOUTS (a third-party
+    one written before packed sequences) is passed over, and says why when forced."""
+    from backends.base import Backend
+    from numba_flash import NoBackendError
+
+    class DenseOnly(Backend):
+        name = "dense_only"
+        PRIORITY = 1000
+
+        def forward(self, call):
+            raise AssertionError("a packed call must not reach a dense-only backend")
+
+    backend_registry.register("flash", "dense_only", DenseOnly, replace=True)
+    try:
+        args = _valid(rng)
+        q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+        text = backend_registry.get("flash").explain(q, k, v, **args)
+        assert "thd B=3 total_q=8" in text and "chosen: cpu" in text
+        assert "dense_only [priority 1000]: layout 'thd' not supported" in text
+        with pytest.raises(NoBackendError, match="dense_only: layout 'thd' not supported"):
+            backend_registry.get("flash", backend="dense_only").forward(q, k, v, **args)
+    finally:
+        backend_registry.unregister("flash", "dense_only")
