@@ -365,3 +365,113 @@ def test_explain_and_backends_without_packed_sequences(rng):
             backend_registry.get("flash", backend="dense_only").forward(q, k, v, **args)
     finally:
         backend_registry.unregister("flash", "dense_only")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# flash_attn_varlen_func: torch tensors, autograd
+
+# flash_attn_varlen_func's parameters in flash-attn (2.6 and later, without its paged-KV block_table), by hand from
+# its documented signature, then this library's keyword-only ones.
+FLASH_ATTN_VARLEN_PARAMETERS = [
+    "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", ("dropout_p", 0.0),
+    ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
+    ("deterministic", False), ("return_attn_probs", False),
+]
+
+
+def _torch_inputs(rng, lengths=LENGTHS["mixed"], hq=4, hkv=2, d=7, dtype="float32"):
+    torch = pytest.importorskip("torch")
+    q, k, v, dout, cu_q, cu_k = packed_inputs(rng, *lengths, hq, hkv, d, dtype=np.float64)
+    qkv = [torch.from_numpy(x).to(getattr(torch, dtype)).requires_grad_() for x in (q, k, v)]
+    return qkv, torch.from_numpy(dout).to(getattr(torch, dtype)), torch.from_numpy(cu_q), torch.from_numpy(cu_k)
+
+
+def test_varlen_func_signature():
+    import inspect
+
+    pytest.importorskip("torch")
+    from numba_flash import flash_attn_varlen_func
+
+    params = list(inspect.signature(flash_attn_varlen_func).parameters.values())
+    positional = [p.name if p.default is p.empty else (p.name, p.default) for p in params
+                  if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert positional == FLASH_ATTN_VARLEN_PARAMETERS
+    assert [(p.name, p.default) for p in params if p.kind == p.KEYWORD_ONLY] == [("return_lse", False),
+                                                                                ("backend", None)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_varlen_func_gradcheck_float64(rng, backend):
+    torch = pytest.importorskip("torch")
+    from numba_flash import flash_attn_varlen_func
+
+    (q, k, v), _, cu_q, cu_k = _torch_inputs(rng, ([3, 0, 1, 4], [2, 3, 1, 5]), 2, 1, 3, "float64")
+
+    def f(q, k, v):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 5, causal=True, softcap=2.0, backend=backend)
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
+def test_varlen_func_float32_autograd_matches_reference(rng, backend, opts):
+    from numba_flash import flash_attn_varlen_func
+
+    (q, k, v), dout, cu_q, cu_k = _torch_inputs(rng)
+    kw = {name: opts[name] for name in ("causal", "window_size", "softcap", "softmax_scale") if name in opts}
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 11, return_lse=True, backend=backend, **kw)
+    out.backward(dout)
+    ref = reference(q.detach(), k.detach(), v.detach(), dout, cu_q.numpy(), cu_k.numpy(), **opts)
+    check_float32(dict(out=_f64(out), lse=_f64(lse), dq=_f64(q.grad), dk=_f64(k.grad), dv=_f64(v.grad)), ref)
+    assert lse.shape == (4, q.shape[0]) and not lse.requires_grad
+
+
+def test_varlen_func_extras_numpy_cu_seqlens_and_bad_input(rng):
+    torch = pytest.importorskip("torch")
+    from numba_flash import flash_attn_varlen_func
+
+    (q, k, v), _, cu_q, cu_k = _torch_inputs(rng)
+    # positional flash-attn call: dropout_p, softmax_scale, causal
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 11, 0.0, None, True, backend="cpu")
+    want = attention_ref_varlen(q.detach(), k.detach(), v.detach(), cu_q, cu_k, causal=True)[0]
+    assert np.abs(_f64(out) - want).max() <= 1e-5
+    # numpy prefix sums (int64, as np.cumsum makes them) and no max_seqlen
+    same = flash_attn_varlen_func(q, k, v, cu_q.numpy().astype(np.int64), cu_k.numpy(), None, None, causal=True,
+                                  backend="cpu")
+    assert torch.equal(out, same)
+    with pytest.raises(AttentionInputError, match=r"^dropout_p: expected 0.0"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 11, 0.1)
+    with pytest.raises(AttentionInputError, match=r"^max_seqlen_k: expected an int >= the longest key sequence"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 10)
+    with pytest.raises(AttentionInputError, match=r"^cu_seqlens_q: expected non-decreasing"):
+        flash_attn_varlen_func(q, k, v, torch.tensor([0, 6, 5, 22], dtype=torch.int32), cu_k[:4], 9, 11)
+    with pytest.raises(AttentionInputError, match=r"^q: expected a torch.Tensor"):
+        flash_attn_varlen_func(q.detach().numpy(), k, v, cu_q, cu_k, 9, 11)
+
+
+def test_varlen_ops_pass_opcheck_and_compile(rng):
+    """Schema and fake implementations agree with the real ops; torch.compile runs them as opaque nodes."""
+    torch = pytest.importorskip("torch")
+    from numba_flash import flash_attn_varlen_func
+    from numba_flash.torch_api import flash_varlen_bwd, flash_varlen_fwd
+
+    (q, k, v), dout, cu_q, cu_k = _torch_inputs(rng, ([3, 0, 5], [4, 2, 6]))
+    args = (q.detach(), k.detach(), v.detach(), cu_q, cu_k, 5, 6, True, None, -1, 0, 0.0, "cpu")
+    torch.library.opcheck(flash_varlen_fwd, args)
+    out, lse = flash_varlen_fwd(*args)
+    torch.library.opcheck(flash_varlen_bwd, (dout, *args[:3], out, lse, *args[3:]))
+
+    def loss(q, k, v):
+        return (flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 6, causal=True, backend="cpu") ** 2).sum()
+
+    got = torch.compile(loss, backend="aot_eager", fullgraph=True)(q, k, v)
+    got.backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    want = loss(q, k, v)
+    want.backward()
+    assert torch.allclose(got, want, rtol=1e-6)
+    for g, x in zip(grads, (q, k, v)):
+        assert torch.allclose(g, x.grad, rtol=1e-6, atol=1e-7)
