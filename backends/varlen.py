@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from numba_flash.semantics import clamp_window_bound
 from numba_flash.validation import AttentionCall
-from numba_flash.varlen import Sequence
+from numba_flash.varlen import SequenceSpan
 
 
 def _lead_axis(x: Any) -> Any:
@@ -37,7 +37,7 @@ def _fill(x: Any, value: float) -> None:
     x[...] = value
 
 
-def sequence_call(call: AttentionCall, seq: Sequence, **arrays: Any) -> AttentionCall:
+def sequence_call(call: AttentionCall, seq: SequenceSpan, **arrays: Any) -> AttentionCall:
     """The dense ``AttentionCall`` ("bshd", B = 1) of sequence ``seq`` of the packed ``call``, holding ``arrays``
     (the views ``run`` gets) in place of the packed ones. The window bounds are capped for this sequence's own
     lengths, as validation caps those of a dense call, so that kernels never see bounds beyond Sq + Sk."""

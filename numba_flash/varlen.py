@@ -36,7 +36,7 @@ def _bad(arg: str, expected: str, got: Any) -> AttentionInputError:
     return AttentionInputError(f"{arg}: expected {expected}, got {got}")
 
 
-class Sequence(NamedTuple):
+class SequenceSpan(NamedTuple):
     """One packed sequence: rows ``[q0, q1)`` of q and keys ``[k0, k1)`` of k and v."""
 
     index: int
@@ -79,17 +79,11 @@ class Packing:
     def total_k(self) -> int:
         return int(self.cu_seqlens_k[-1])
 
-    def sequences(self) -> Iterator[Sequence]:
+    def sequences(self) -> Iterator[SequenceSpan]:
         """Every sequence in order, empty ones included."""
         cq, ck = self.cu_seqlens_q.tolist(), self.cu_seqlens_k.tolist()
         for b in range(self.batch):
-            yield Sequence(b, cq[b], cq[b + 1], ck[b], ck[b + 1])
-
-    def visible_area(self, left: int, right: int) -> int:
-        """(row, key) pairs the masks let through, summed over the sequences: the work a packed call costs."""
-        from .semantics import visible_pairs
-
-        return sum(visible_pairs(s.seqlen_q, s.seqlen_k, left, right) for s in self.sequences())
+            yield SequenceSpan(b, cq[b], cq[b + 1], ck[b], ck[b + 1])
 
 
 def _check_cu_seqlens(name: str, x: Any, total: int, total_name: str) -> np.ndarray:
