@@ -107,6 +107,16 @@ class FlashAttnFunc(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
+def _check_tensors(function: str, q: Any, k: Any, v: Any) -> None:
+    """numpy and other arrays pass validate_forward but cannot carry gradients; the registry's op.forward takes
+    them, and the error says so."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise AttentionInputError(
+                f"{name}: expected a torch.Tensor ({function} is the autograd entry point; use "
+                f"backend_registry.get('flash').forward for other arrays), got {type(x).__name__}")
+
+
 def _check_flash_attn_extras(dropout_p: Any, alibi_slopes: Any, deterministic: Any, return_attn_probs: Any) -> None:
     """flash-attn's arguments for features this library has not built yet: accepted in their place (so that code
     written for flash-attn calls in unchanged), refused with a clear error when they ask for the feature."""
@@ -196,13 +206,7 @@ def flash_attn_func(
     if not torch.compiler.is_compiling():
         # Fail fast, naming the argument, before autograd records anything. Under torch.compile the ops validate
         # when they run, and this Python-level check would only cost graph breaks.
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(x, torch.Tensor):
-                # numpy and other arrays pass validate_forward but cannot carry gradients; the registry's
-                # op.forward takes them.
-                raise AttentionInputError(
-                    f"{name}: expected a torch.Tensor (flash_attn_func is the autograd entry point; use "
-                    f"backend_registry.get('flash').forward for other arrays), got {type(x).__name__}")
+        _check_tensors("flash_attn_func", q, k, v)
         validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                          softcap=softcap, layout=layout, return_lse=return_lse)
         if backend is None:
@@ -345,11 +349,7 @@ def flash_attn_varlen_func(
     """
     _check_flash_attn_extras(dropout_p, alibi_slopes, deterministic, return_attn_probs)
     if not torch.compiler.is_compiling():
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(x, torch.Tensor):
-                raise AttentionInputError(
-                    f"{name}: expected a torch.Tensor (flash_attn_varlen_func is the autograd entry point; use "
-                    f"backend_registry.get('flash').forward for other arrays), got {type(x).__name__}")
+        _check_tensors("flash_attn_varlen_func", q, k, v)
         validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                          softcap=softcap, layout="thd", return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
