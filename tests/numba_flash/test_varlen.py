@@ -14,6 +14,9 @@ import math
 import numpy as np
 import pytest
 
+from varlen_cases import (check_empty_sequences, check_float32, f64, packed_inputs, reference, rel_l2,
+                          sequences)
+
 from backends import backend_registry
 from numba_flash import (AttentionInputError, attention_ref, attention_ref_backward, attention_ref_varlen,
                          attention_ref_varlen_backward, validate_backward, validate_forward)
@@ -31,31 +34,6 @@ OPTIONS = {
     "causal_window_softcap": dict(causal=True, window_size=(2, -1), softcap=1.5, softmax_scale=0.4),
 }
 HEADS = {"gqa": (4, 2), "mqa": (3, 1), "mha": (2, 2)}
-
-
-def _cu(lengths):
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-
-
-def packed_inputs(rng, lens_q, lens_k, hq=4, hkv=2, d=7, dtype=np.float32):
-    """q, k, v, dout of N(0, 1) values in ``dtype`` and the int32 cu_seqlens of the lengths."""
-    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
-    q, dout = (rng.standard_normal((int(cu_q[-1]), hq, d)).astype(dtype) for _ in range(2))
-    k, v = (rng.standard_normal((int(cu_k[-1]), hkv, d)).astype(dtype) for _ in range(2))
-    return q, k, v, dout, cu_q, cu_k
-
-
-def _f64(x):
-    return np.asarray(x.detach() if hasattr(x, "detach") else x, np.float64)
-
-
-def _rel_l2(got, want):
-    return float(np.linalg.norm(_f64(got) - want) / max(np.linalg.norm(want), 1e-300))
-
-
-def _sequences(cu_q, cu_k):
-    for b in range(len(cu_q) - 1):
-        yield slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -90,7 +68,7 @@ def test_reference_matches_dense_reference_per_sequence(rng, opts, heads):
     out, lse = attention_ref_varlen(q, k, v, cu_q, cu_k, **opts)
     dq, dk, dv = attention_ref_varlen_backward(dout, q, k, v, cu_q, cu_k, **opts)
     assert out.shape == q.shape and lse.shape == (heads[0], q.shape[0])
-    for rows, keys in _sequences(cu_q, cu_k):
+    for rows, keys in sequences(cu_q, cu_k):
         if rows.stop == rows.start or keys.stop == keys.start:
             continue
         want_o, want_l = attention_ref(q[None, rows], k[None, keys], v[None, keys], **opts)
@@ -101,17 +79,7 @@ def test_reference_matches_dense_reference_per_sequence(rng, opts, heads):
         np.testing.assert_allclose(lse[:, rows][fin], want_l[0][fin], atol=1e-13)
         for got, want in zip((dq[rows], dk[keys], dv[keys]), want_g):
             np.testing.assert_allclose(got, want[0], atol=1e-12)
-    _check_empty_sequences(out, lse, (dq, dk, dv), cu_q, cu_k)
-
-
-def _check_empty_sequences(out, lse, grads, cu_q, cu_k):
-    """Rows of a sequence without keys: out 0, lse +inf, dq 0. Keys of a sequence without rows: dk = dv = 0."""
-    dq, dk, dv = grads
-    for rows, keys in _sequences(cu_q, cu_k):
-        if keys.stop == keys.start:
-            assert np.all(out[rows] == 0) and np.all(np.isposinf(lse[:, rows])) and np.all(dq[rows] == 0)
-        if rows.stop == rows.start:
-            assert np.all(dk[keys] == 0) and np.all(dv[keys] == 0)
+    check_empty_sequences(out, lse, (dq, dk, dv), cu_q, cu_k)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -204,24 +172,7 @@ def run(backend, q, k, v, dout, cu_q, cu_k, **kw):
     packing = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     out, lse = op.forward(q, k, v, return_lse=True, **packing, **kw)
     grads = op.backward(dout, q, k, v, out, lse, **packing, **kw)
-    return dict(zip(("out", "lse", "dq", "dk", "dv"), (_f64(x) for x in (out, lse, *grads))))
-
-
-def reference(q, k, v, dout, cu_q, cu_k, **kw):
-    out, lse = attention_ref_varlen(q, k, v, cu_q, cu_k, **kw)
-    grads = attention_ref_varlen_backward(dout, q, k, v, cu_q, cu_k, **kw)
-    return dict(zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)))
-
-
-def check_float32(got, ref):
-    """The contract's float32 bounds: forward max abs error <= 1e-5 (these inputs are far from a sharp softmax),
-    backward relative L2 <= 1e-5; lse +inf exactly where the reference has it."""
-    assert np.abs(got["out"] - ref["out"]).max() <= 1e-5
-    fin = np.isfinite(ref["lse"])
-    np.testing.assert_array_equal(np.isposinf(got["lse"]), ~fin)
-    assert np.abs(got["lse"][fin] - ref["lse"][fin]).max() <= 1e-5 * (1 + np.abs(ref["lse"][fin]).max())
-    for name in ("dq", "dk", "dv"):
-        assert _rel_l2(got[name], ref[name]) <= 1e-5, name
+    return dict(zip(("out", "lse", "dq", "dk", "dv"), (f64(x) for x in (out, lse, *grads))))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -236,7 +187,7 @@ def test_float32_matches_reference(rng, backend, opts, lengths):
     ref = reference(*inputs, **opts)
     check_float32(got, ref)
     assert not any(np.isnan(g).any() for g in got.values())
-    _check_empty_sequences(got["out"], got["lse"], (got["dq"], got["dk"], got["dv"]), cu_q, cu_k)
+    check_empty_sequences(got["out"], got["lse"], (got["dq"], got["dk"], got["dv"]), cu_q, cu_k)
 
 
 def _naive_torch(q, k, v, cu_q, cu_k, dtype, **kw):
@@ -277,8 +228,8 @@ def test_float16_within_the_contracts_rule(rng, backend, opts):
     naive_out, naive_grads = _naive_torch(q, k, v, cu_q, cu_k, torch.float16, **opts)
     naive = dict(out=naive_out, **dict(zip(("dq", "dk", "dv"), naive_grads(dout))))
     for name in ("out", "dq", "dk", "dv"):
-        err = _rel_l2(got[name], ref[name])
-        assert err <= max(2e-3, 2 * _rel_l2(naive[name], ref[name])), (name, err)
+        err = rel_l2(got[name], ref[name])
+        assert err <= max(2e-3, 2 * rel_l2(naive[name], ref[name])), (name, err)
     assert np.array_equal(np.isposinf(got["lse"]), np.isposinf(ref["lse"]))
 
 
@@ -337,7 +288,7 @@ def test_torch_tensors_in_and_out(rng):
         assert isinstance(lse, torch.Tensor) and lse.dtype == torch.float32 and lse.shape == (4, q.shape[0])
         grads = op.backward(t[3], *t[:3], out, lse, **kw)
         assert all(isinstance(g, torch.Tensor) for g in grads)
-        check_float32(dict(zip(("out", "lse", "dq", "dk", "dv"), (_f64(x) for x in (out, lse, *grads)))),
+        check_float32(dict(zip(("out", "lse", "dq", "dk", "dv"), (f64(x) for x in (out, lse, *grads)))),
                       reference(q, k, v, dout, cu_q, cu_k, causal=True))
 
 
@@ -423,7 +374,7 @@ def test_varlen_func_float32_autograd_matches_reference(rng, backend, opts):
     out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 11, return_lse=True, backend=backend, **kw)
     out.backward(dout)
     ref = reference(q.detach(), k.detach(), v.detach(), dout, cu_q.numpy(), cu_k.numpy(), **opts)
-    check_float32(dict(out=_f64(out), lse=_f64(lse), dq=_f64(q.grad), dk=_f64(k.grad), dv=_f64(v.grad)), ref)
+    check_float32(dict(out=f64(out), lse=f64(lse), dq=f64(q.grad), dk=f64(k.grad), dv=f64(v.grad)), ref)
     assert lse.shape == (4, q.shape[0]) and not lse.requires_grad
 
 
@@ -435,7 +386,7 @@ def test_varlen_func_extras_numpy_cu_seqlens_and_bad_input(rng):
     # positional flash-attn call: dropout_p, softmax_scale, causal
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 11, 0.0, None, True, backend="cpu")
     want = attention_ref_varlen(q.detach(), k.detach(), v.detach(), cu_q, cu_k, causal=True)[0]
-    assert np.abs(_f64(out) - want).max() <= 1e-5
+    assert np.abs(f64(out) - want).max() <= 1e-5
     # numpy prefix sums (int64, as np.cumsum makes them) and no max_seqlen
     same = flash_attn_varlen_func(q, k, v, cu_q.numpy().astype(np.int64), cu_k.numpy(), None, None, causal=True,
                                   backend="cpu")

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from varlen_cases import NAMES, check_empty_sequences, check_float32, f64, packed_inputs, reference, rel_l2
 
 from backends import backend_registry
-from numba_flash import attention_ref_varlen, attention_ref_varlen_backward
+from numba_flash import attention_ref_varlen
 from numba_flash.cuda import tile_config_override
 
 pytestmark = pytest.mark.cudasim
@@ -23,15 +24,8 @@ TILES = dict(block_m=8, block_n=8, threads=16)
 LENS_Q, LENS_K = [6, 1, 0, 19, 2], [4, 1, 3, 21, 0]
 
 
-def _cu(lengths):
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-
-
 def _inputs(rng, hq, hkv, d, dtype=np.float32):
-    cu_q, cu_k = _cu(LENS_Q), _cu(LENS_K)
-    q, dout = (rng.standard_normal((int(cu_q[-1]), hq, d)).astype(dtype) for _ in range(2))
-    k, v = (rng.standard_normal((int(cu_k[-1]), hkv, d)).astype(dtype) for _ in range(2))
-    return q, k, v, dout, cu_q, cu_k
+    return packed_inputs(rng, LENS_Q, LENS_K, hq, hkv, d, dtype)
 
 
 def _run(q, k, v, dout, cu_q, cu_k, **kw):
@@ -40,17 +34,7 @@ def _run(q, k, v, dout, cu_q, cu_k, **kw):
         op = backend_registry.get("flash", backend="cuda")
         out, lse = op.forward(q, k, v, return_lse=True, **packing, **kw)
         grads = op.backward(dout, q, k, v, out, lse, **packing, **kw)
-    return dict(zip(("out", "lse", "dq", "dk", "dv"), (np.asarray(x, np.float64) for x in (out, lse, *grads))))
-
-
-def _reference(q, k, v, dout, cu_q, cu_k, **kw):
-    out, lse = attention_ref_varlen(q, k, v, cu_q, cu_k, **kw)
-    return dict(zip(("out", "lse", "dq", "dk", "dv"),
-                    (out, lse, *attention_ref_varlen_backward(dout, q, k, v, cu_q, cu_k, **kw))))
-
-
-def _rel_l2(got, want):
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    return dict(zip(NAMES, (f64(x) for x in (out, lse, *grads))))
 
 
 @pytest.mark.parametrize("heads,kw", [
@@ -60,29 +44,20 @@ def _rel_l2(got, want):
 def test_float32_matches_reference(rng, heads, kw):
     inputs = _inputs(rng, *heads)
     copies = [x.copy() for x in inputs]
-    got, ref = _run(*inputs, **kw), _reference(*inputs, **kw)
+    got, ref = _run(*inputs, **kw), reference(*inputs, **kw)
     for x, c in zip(inputs, copies):
         np.testing.assert_array_equal(x, c)
     assert got["lse"].shape == (heads[0], inputs[0].shape[0])
-    assert np.abs(got["out"] - ref["out"]).max() <= 1e-5
-    fin = np.isfinite(ref["lse"])
-    np.testing.assert_array_equal(np.isposinf(got["lse"]), ~fin)
-    assert np.abs(got["lse"][fin] - ref["lse"][fin]).max() <= 1e-5 * (1 + np.abs(ref["lse"][fin]).max())
-    for name in ("dq", "dk", "dv"):
-        assert _rel_l2(got[name], ref[name]) <= 1e-5, name
-    cu_q, cu_k = inputs[4], inputs[5]
-    no_keys, no_rows = slice(cu_q[4], cu_q[5]), slice(cu_k[2], cu_k[3])   # sequence 4 has no keys, 2 no rows
-    assert np.all(got["out"][no_keys] == 0) and np.all(np.isposinf(got["lse"][:, no_keys]))
-    assert np.all(got["dq"][no_keys] == 0)
-    assert np.all(got["dk"][no_rows] == 0) and np.all(got["dv"][no_rows] == 0)
+    check_float32(got, ref)
+    check_empty_sequences(got["out"], got["lse"], (got["dq"], got["dk"], got["dv"]), *inputs[4:])
 
 
 def test_float16(rng):
     """float16 within the contract's relative L2 bound of 2e-3."""
     inputs = _inputs(rng, 2, 1, 8, np.float16)
-    got, ref = _run(*inputs, causal=True), _reference(*inputs, causal=True)
+    got, ref = _run(*inputs, causal=True), reference(*inputs, causal=True)
     for name in ("out", "dq", "dk", "dv"):
-        assert _rel_l2(got[name], ref[name]) <= 2e-3, name
+        assert rel_l2(got[name], ref[name]) <= 2e-3, name
 
 
 def test_nan_stays_in_its_sequence(rng):
