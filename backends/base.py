@@ -21,6 +21,7 @@ class Backend:
     SUPPORTED_KINDS: ClassVar[tuple[str, ...]] = ()  # array kinds, see numba_flash.arrays.array_kind
     SUPPORTED_DEVICES: ClassVar[tuple[str, ...]] = ()
     SUPPORTED_DTYPES: ClassVar[tuple[str, ...]] = ()
+    # "thd" (packed sequences) only for backends that run them, e.g. through ``backends.varlen``
     SUPPORTED_LAYOUTS: ClassVar[tuple[str, ...]] = ("bshd", "bhsd")
     SUPPORTED_MAX_HEAD_DIM: ClassVar[int] = 256
     SUPPORTS_WINDOW: ClassVar[bool] = True
@@ -66,7 +67,8 @@ class Backend:
         return not self.not_supported_reasons(call, forced)
 
     def forward(self, call: AttentionCall) -> tuple[Any, Any]:
-        """Return ``(out, lse)``: out shaped like q, same array kind, device and dtype; lse (B, Hq, Sq) float32.
+        """Return ``(out, lse)``: out shaped like q, same array kind, device and dtype; lse (B, Hq, Sq) float32,
+        ``call.lse_shape``: (Hq, total_q) for packed sequences.
         May raise ``numba_flash.errors.BackendDeclined``, before writing anything, when the backend finds out only
         while running that it cannot serve the call; the dispatcher then picks again."""
         raise NotImplementedError

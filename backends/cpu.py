@@ -16,6 +16,7 @@ import numpy as np
 from numba_flash.arrays import as_result_kind, is_torch_tensor, to_numpy
 from numba_flash.validation import AttentionCall
 
+from . import varlen
 from .base import Backend
 
 
@@ -48,6 +49,7 @@ class CpuBackend(Backend):
     SUPPORTED_KINDS = ("numpy", "torch", "dlpack")
     SUPPORTED_DEVICES = ("cpu",)
     SUPPORTED_DTYPES = ("float32", "float16", "bfloat16", "float64")
+    SUPPORTED_LAYOUTS = ("bshd", "bhsd", "thd")
 
     def not_supported_reasons(self, call: AttentionCall, forced: bool = False) -> list[str]:
         reasons = super().not_supported_reasons(call, forced)
@@ -56,25 +58,42 @@ class CpuBackend(Backend):
         return reasons
 
     def forward(self, call: AttentionCall) -> tuple[Any, Any]:
-        from numba_flash.cpu import flash_forward
-
         compute = _compute_dtype(call.dtype)
         q, k, v = (_host(x, compute) for x in (call.q, call.k, call.v))
         out = np.empty(q.shape, dtype=compute)
-        lse = np.empty((call.batch, call.nheads_q, call.seqlen_q), dtype=compute)
-        flash_forward(_bshd(q, call.layout), _bshd(k, call.layout), _bshd(v, call.layout), _bshd(out, call.layout),
-                      lse, call.softmax_scale, call.window_left, call.window_right, call.softcap)
+        lse = np.empty(call.lse_shape, dtype=compute)
+        if call.is_varlen:
+            varlen.forward(call, _run_forward, q, k, v, out, lse)
+        else:
+            _run_forward(call, *(_bshd(x, call.layout) for x in (q, k, v, out)), lse)
         lse_dtype = "float64" if call.dtype == "float64" else "float32"
         return _like(call.q, out, call.dtype), _like(call.q, lse, lse_dtype)
 
     def backward(self, call: AttentionCall) -> tuple[Any, Any, Any]:
-        from numba_flash.cpu import flash_backward
-
         compute = _compute_dtype(call.dtype)
         dout, q, k, v, out, lse = (_host(x, compute) for x in (call.dout, call.q, call.k, call.v, call.out, call.lse))
         dq, dk, dv = np.empty(q.shape, compute), np.empty(k.shape, compute), np.empty(v.shape, compute)
-        lay = call.layout
-        flash_backward(_bshd(dout, lay), _bshd(q, lay), _bshd(k, lay), _bshd(v, lay), _bshd(out, lay), lse,
-                       _bshd(dq, lay), _bshd(dk, lay), _bshd(dv, lay),
-                       call.softmax_scale, call.window_left, call.window_right, call.softcap)
+        if call.is_varlen:
+            varlen.backward(call, _run_backward, dout, q, k, v, out, lse, dq, dk, dv)
+        else:
+            lay = call.layout
+            _run_backward(call, *(_bshd(x, lay) for x in (dout, q, k, v, out)), lse,
+                          *(_bshd(x, lay) for x in (dq, dk, dv)))
         return tuple(_like(call.q, g, call.dtype) for g in (dq, dk, dv))
+
+
+def _run_forward(call: AttentionCall, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
+                 lse: np.ndarray) -> None:
+    """The kernel on (B, S, H, D) views and a (B, Hq, Sq) lse, all of the compute dtype; writes out and lse."""
+    from numba_flash.cpu import flash_forward
+
+    flash_forward(q, k, v, out, lse, call.softmax_scale, call.window_left, call.window_right, call.softcap)
+
+
+def _run_backward(call: AttentionCall, dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                  out: np.ndarray, lse: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray) -> None:
+    """The backward kernels on (B, S, H, D) views, as ``_run_forward``; writes dq, dk and dv."""
+    from numba_flash.cpu import flash_backward
+
+    flash_backward(dout, q, k, v, out, lse, dq, dk, dv, call.softmax_scale, call.window_left, call.window_right,
+                   call.softcap)

@@ -35,6 +35,7 @@ from numba_flash.cuda.config import MIN_COMPUTE_CAPABILITY, dtype_supported_on
 from numba_flash.errors import AttentionInputError
 from numba_flash.validation import AttentionCall
 
+from . import varlen
 from .base import Backend
 
 HOST_REASON = "host (numpy) input: GPU backends take it only when forced, backend='cuda'"
@@ -145,6 +146,18 @@ def _bshd(arr: Any, layout: str) -> Any:
     shape = tuple(arr.shape[i] for i in (0, 2, 1, 3))
     strides = tuple(arr.strides[i] for i in (0, 2, 1, 3))
     return DeviceNDArray(shape, strides, arr.dtype, stream=arr.stream, gpu_data=arr.gpu_data)
+
+
+def _lead_axis(arr: Any) -> Any:
+    """A (1,) + shape view of a numba device array, sharing its memory (numba's indexing takes no None). The
+    packed-sequence driver views each sequence as a batch of one this way."""
+    if hasattr(arr, "_ary"):  # simulator array: a numpy wrapper that indexes like numpy
+        return arr[None]
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    shape, strides = tuple(arr.shape), tuple(arr.strides)
+    return DeviceNDArray((1,) + shape, (shape[0] * strides[0],) + strides, arr.dtype, stream=arr.stream,
+                         gpu_data=arr.gpu_data)
 
 
 class _Session:
@@ -266,6 +279,14 @@ class _Session:
         """A result tensor as the tensor type torch returns for the caller's q (its subclass, see arrays.py)."""
         return as_result_kind(self.ref, t) if _is_torch(self.ref) else t
 
+    def fill(self, arr: Any, value: float) -> None:
+        """Set every element of the device array ``arr`` (any strides) to ``value`` on this call's stream. 0.0 is
+        also the bit pattern of a bfloat16 zero, the only value filled into an int16 (bfloat16) array."""
+        if hasattr(arr, "_ary"):  # simulator array
+            arr[...] = value
+        else:
+            arr.setitem(slice(None), value, stream=self.stream)
+
     def finish(self) -> None:
         if self.host and self.stream:
             self.stream.synchronize()
@@ -280,6 +301,7 @@ class CudaBackend(Backend):
     SUPPORTED_KINDS = ("torch", "cuda_array", "dlpack", "numpy")
     SUPPORTED_DEVICES = ("cuda",)
     SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+    SUPPORTED_LAYOUTS = ("bshd", "bhsd", "thd")
     IS_DETERMINISTIC = True
 
     def __init__(self, config: Any = None):
@@ -392,12 +414,18 @@ class CudaBackend(Backend):
 
         q, k, v = (io.device(x, n) for x, n in ((call.q, "q"), (call.k, "k"), (call.v, "v")))
         out_user, out = io.empty(tuple(int(s) for s in call.q.shape), call.dtype)
-        lse_user, lse = io.empty((call.batch, call.nheads_q, call.seqlen_q), "float32")
-        lay = call.layout
-        flash_forward(_bshd(q, lay), _bshd(k, lay), _bshd(v, lay), _bshd(out, lay), lse,
-                      softmax_scale=call.softmax_scale, window_left=call.window_left,
-                      window_right=call.window_right, softcap=call.softcap, dtype=call.dtype,
-                      override=self.config, stream=io.stream)
+        lse_user, lse = io.empty(call.lse_shape, "float32")
+
+        def run(c: AttentionCall, q: Any, k: Any, v: Any, out: Any, lse: Any) -> None:
+            flash_forward(q, k, v, out, lse, softmax_scale=c.softmax_scale, window_left=c.window_left,
+                          window_right=c.window_right, softcap=c.softcap, dtype=c.dtype, override=self.config,
+                          stream=io.stream)
+
+        if call.is_varlen:
+            varlen.forward(call, run, q, k, v, out, lse, lead_axis=_lead_axis, fill=io.fill)
+        else:
+            lay = call.layout
+            run(call, _bshd(q, lay), _bshd(k, lay), _bshd(v, lay), _bshd(out, lay), lse)
         result = io.result(out_user, out), io.result(lse_user, lse)
         io.finish()
         return result
@@ -415,14 +443,20 @@ class CudaBackend(Backend):
         dout, q, k, v, out = (io.device(getattr(call, n), n) for n in names)
         lse = io.lse_in(call.lse)
         grads = [io.empty(tuple(int(s) for s in x.shape), call.dtype) for x in (call.q, call.k, call.v)]
-        _, delta = io.empty((call.batch, call.nheads_q, call.seqlen_q), "float32")
-        lay = call.layout
         (dq_user, dq), (dk_user, dk), (dv_user, dv) = grads
-        flash_backward(_bshd(dout, lay), _bshd(q, lay), _bshd(k, lay), _bshd(v, lay), _bshd(out, lay), lse,
-                       _bshd(dq, lay), _bshd(dk, lay), _bshd(dv, lay), delta,
-                       softmax_scale=call.softmax_scale, window_left=call.window_left,
-                       window_right=call.window_right, softcap=call.softcap, dtype=call.dtype,
-                       override=self.config, stream=io.stream)
+
+        def run(c: AttentionCall, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: Any, dk: Any,
+                dv: Any) -> None:
+            _, delta = io.empty(c.lse_shape, "float32")   # scratch, (B, Hq, Sq) like the dense lse
+            flash_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, softmax_scale=c.softmax_scale,
+                           window_left=c.window_left, window_right=c.window_right, softcap=c.softcap,
+                           dtype=c.dtype, override=self.config, stream=io.stream)
+
+        if call.is_varlen:
+            varlen.backward(call, run, dout, q, k, v, out, lse, dq, dk, dv, lead_axis=_lead_axis, fill=io.fill)
+        else:
+            lay = call.layout
+            run(call, *(_bshd(x, lay) for x in (dout, q, k, v, out)), lse, *(_bshd(x, lay) for x in (dq, dk, dv)))
         result = tuple(io.result(u, d) for u, d in grads)
         io.finish()
         return result

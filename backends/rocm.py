@@ -33,6 +33,7 @@ from numba_flash.arrays import as_result_kind, is_torch_tensor
 from numba_flash.semantics import key_range
 from numba_flash.validation import AttentionCall
 
+from . import varlen
 from .base import Backend
 
 # Elements of one block of scores (B * Hq * block_q * block_k); 2**24 float32 is 64 MiB. The backward keeps about
@@ -383,6 +384,7 @@ class RocmBackend(Backend):
     PRIORITY = 40
     SUPPORTED_KINDS = ("torch", "numpy")
     SUPPORTED_DTYPES = ("float32", "float16", "bfloat16", "float64")
+    SUPPORTED_LAYOUTS = ("bshd", "bhsd", "thd")
 
     def unavailable_reasons(self, forced: bool = False) -> list[str]:
         if forced:
@@ -415,6 +417,8 @@ class RocmBackend(Backend):
         q, k, v = (_as_torch(x) for x in (call.q, call.k, call.v))
         with torch.no_grad():
             clean = _clean(call, _compute_dtype(q.dtype), q, k, v)
+            if call.is_varlen:
+                return self._forward_varlen(call, q, k, v, careful=not clean)
             if clean and sdpa_fits(call) and (call.nheads_q == call.nheads_kv or _sdpa_has_gqa()):
                 return _to_kind(call.q, _forward_sdpa(q, k, v, call)), None
             out, lse = forward_blockwise(q, k, v, call, careful=not clean)
@@ -428,8 +432,45 @@ class RocmBackend(Backend):
         with torch.no_grad():
             # lse is +inf for rows that see no key: only a NaN in it (a poisoned row) needs the careful path.
             clean = _clean(call, _compute_dtype(q.dtype), q, k, v, dout, out) and not bool(torch.isnan(lse).any())
-            grads = backward_blockwise(dout, q, k, v, out, lse, call, careful=not clean)
+            if call.is_varlen:
+                grads = self._backward_varlen(call, dout, q, k, v, out, lse, careful=not clean)
+            else:
+                grads = backward_blockwise(dout, q, k, v, out, lse, call, careful=not clean)
         return tuple(_to_kind(call.q, gr) for gr in grads)
+
+    @staticmethod
+    def _forward_varlen(call: AttentionCall, q: Any, k: Any, v: Any, careful: bool) -> tuple[Any, Any]:
+        """Packed sequences: the blockwise forward per sequence (it gives the lse that SDPA does not), each result
+        copied into the packed out (total_q, Hq, D) and lse (Hq, total_q)."""
+        import torch
+
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(call.lse_shape, dtype=_compute_dtype(q.dtype), device=q.device)
+
+        def run(c: AttentionCall, q_b: Any, k_b: Any, v_b: Any, out_b: Any, lse_b: Any) -> None:
+            o, l = forward_blockwise(q_b, k_b, v_b, c, careful=careful)
+            out_b.copy_(o)
+            lse_b.copy_(l)
+
+        varlen.forward(call, run, q, k, v, out, lse)
+        return _to_kind(call.q, out), _to_kind(call.q, lse)
+
+    @staticmethod
+    def _backward_varlen(call: AttentionCall, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
+                         careful: bool) -> tuple[Any, Any, Any]:
+        """Packed sequences: the blockwise backward per sequence, copied into packed dq, dk, dv like q, k, v."""
+        import torch
+
+        grads = tuple(torch.empty(x.shape, dtype=q.dtype, device=q.device) for x in (q, k, v))
+
+        def run(c: AttentionCall, dout_b: Any, q_b: Any, k_b: Any, v_b: Any, out_b: Any, lse_b: Any, dq_b: Any,
+                dk_b: Any, dv_b: Any) -> None:
+            parts = backward_blockwise(dout_b, q_b, k_b, v_b, out_b, lse_b, c, careful=careful)
+            for packed, part in zip((dq_b, dk_b, dv_b), parts):
+                packed.copy_(part)
+
+        varlen.backward(call, run, dout, q, k, v, out, lse, *grads)
+        return grads
 
 
 __all__ = ["RocmBackend", "block_sizes", "sdpa_fits", "forward_blockwise", "backward_blockwise"]

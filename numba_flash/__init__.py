@@ -5,6 +5,7 @@
 
     import numba_flash
     o = numba_flash.flash_attn_func(q, k, v, causal=True)   # torch tensors, autograd-aware
+    o = numba_flash.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)   # packed sequences
     out, lse = numba_flash.merge_attention_states(out_a, lse_a, out_b, lse_b)   # two key sets' partial results
 
 Importing this package needs only numpy and numba; torch and numba.cuda are imported where they are used.
@@ -16,7 +17,7 @@ from typing import Any
 
 from .errors import AttentionInputError, NoBackendError
 from .merge import merge_attention_states
-from .reference import attention_ref, attention_ref_backward
+from .reference import attention_ref, attention_ref_backward, attention_ref_varlen, attention_ref_varlen_backward
 from .validation import AttentionCall, validate_backward, validate_forward
 
 __version__ = "0.1.0"
@@ -27,21 +28,24 @@ __all__ = [
     "AttentionCall",
     "attention_ref",
     "attention_ref_backward",
+    "attention_ref_varlen",
+    "attention_ref_varlen_backward",
     "merge_attention_states",
     "validate_forward",
     "validate_backward",
     "flash_attn_func",
+    "flash_attn_varlen_func",
     "backend_registry",
     "__version__",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    # flash_attn_func needs torch; import it only when somebody asks for it.
-    if name == "flash_attn_func":
-        from .torch_api import flash_attn_func
+    # flash_attn_func and flash_attn_varlen_func need torch; import them only when somebody asks for them.
+    if name in ("flash_attn_func", "flash_attn_varlen_func"):
+        from . import torch_api
 
-        return flash_attn_func
+        return getattr(torch_api, name)
     if name == "backend_registry":
         import importlib  # not `from . import`: that would look the attribute up here again, endlessly
 

@@ -232,38 +232,50 @@ class Dispatcher:
                 declined[be.name] = exc.reasons or [str(exc) or "declined"]
 
     def forward(self, q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
-                window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd",
-                return_lse: bool = False, backend: str | None = None) -> Any:
+                window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str | None = None,
+                return_lse: bool = False, backend: str | None = None, cu_seqlens_q: Any = None,
+                cu_seqlens_k: Any = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None) -> Any:
         """Attention forward.
 
-        q: (B, Sq, Hq, D) for layout "bshd" or (B, Hq, Sq, D) for "bhsd"; k, v: (B, Sk, Hkv, D) / (B, Hkv, Sk, D).
-        Returns out shaped like q (same array kind, device, dtype), and with ``return_lse`` also lse (B, Hq, Sq)
-        float32.
+        q: (B, Sq, Hq, D) for layout "bshd" (the default) or (B, Hq, Sq, D) for "bhsd"; k, v: (B, Sk, Hkv, D) /
+        (B, Hkv, Sk, D). Packed sequences, layout "thd" (the default when cu_seqlens are given): q (total_q, Hq, D),
+        k, v (total_k, Hkv, D), ``cu_seqlens_q`` / ``cu_seqlens_k`` (B + 1,) int32 prefix sums, ``max_seqlen_q`` /
+        ``max_seqlen_k`` optional upper bounds on the sequence lengths.
+        Returns out shaped like q (same array kind, device, dtype), and with ``return_lse`` also lse (B, Hq, Sq),
+        or (Hq, total_q) for "thd", float32.
         """
         call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                softcap=softcap, layout=layout, return_lse=return_lse)
+                                softcap=softcap, layout=layout, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
+                                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         out, lse = self._run(call, backend, "forward")
         return (out, lse) if return_lse else out
 
     def backward(self, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: bool = False,
                  softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                 layout: str = "bshd", backend: str | None = None) -> tuple[Any, Any, Any]:
-        """Attention backward. dout and out are shaped like q; lse is (B, Hq, Sq) as ``forward`` returned it.
+                 layout: str | None = None, backend: str | None = None, cu_seqlens_q: Any = None,
+                 cu_seqlens_k: Any = None, max_seqlen_q: int | None = None,
+                 max_seqlen_k: int | None = None) -> tuple[Any, Any, Any]:
+        """Attention backward. dout and out are shaped like q; lse is (B, Hq, Sq), or (Hq, total_q) for packed
+        sequences, as ``forward`` returned it. Packed sequences take the forward's cu_seqlens and max_seqlen.
         Returns dq, dk, dv shaped like q, k, v; with GQA dk and dv are summed over each group of query heads."""
         call = validate_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                 window_size=window_size, softcap=softcap, layout=layout)
+                                 window_size=window_size, softcap=softcap, layout=layout, cu_seqlens_q=cu_seqlens_q,
+                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         return self._run(call, backend, "backward")
 
     def explain(self, q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
-                window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd",
-                return_lse: bool = False, backend: str | None = None) -> "Explanation":
+                window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str | None = None,
+                return_lse: bool = False, backend: str | None = None, cu_seqlens_q: Any = None,
+                cu_seqlens_k: Any = None, max_seqlen_q: int | None = None,
+                max_seqlen_k: int | None = None) -> "Explanation":
         """Which backend a forward call would use and why each other one was passed over.
 
         Returns an ``Explanation``: a ``str`` of a few lines (``print`` it, or search it with ``in``) that also
         carries the decision as data (``.chosen``, ``.forced``, ``.candidates``) and shows as a table in a notebook.
         """
         call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                softcap=softcap, layout=layout, return_lse=return_lse)
+                                softcap=softcap, layout=layout, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
+                                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         chosen, table, forced = self._rank(call, backend)
         candidates = []
         for name, reasons in table.items():

@@ -13,6 +13,9 @@ hidden:
 * Every non-finite result (out, dq, dk, dv) is reported as NaN; lse is NaN for a poisoned row and +inf for a row
   that sees no key (which stays 0 whatever its q holds: it reads nothing).
 
+Packed sequences (layout "thd") have functions of their own, ``attention_ref_varlen`` and its backward: the same
+rules hold within each sequence, and nothing crosses from one sequence to another.
+
 The backward is the chain rule through exactly these operations, so a gradient is NaN where it depends on a
 non-finite value and equal to the clean run's elsewhere (dv, which does not depend on v, stays finite for a NaN in
 v; the rows that see it get NaN dq and dk, through ``delta = dout . out``).
@@ -24,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import as_float64
-from .semantics import default_scale, effective_window, visible_mask
+from .arrays import as_float64, to_numpy
+from .semantics import default_scale, effective_window, packed_visible_mask, visible_mask
 
 
 def _to_bshd(x: Any, layout: str) -> np.ndarray:
@@ -82,6 +85,30 @@ def _probabilities(qh, kh, scale, softcap, mask):
 _QUIET = dict(invalid="ignore", over="ignore")
 
 
+def _forward_head(qh: np.ndarray, kh: np.ndarray, vh: np.ndarray, scale: float, softcap: float,
+                  mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One head: qh (Sq, D), kh and vh (Sk, D) float64, mask (Sq, Sk) bool. Returns out (Sq, D) and lse (Sq,)."""
+    seen = mask.any(axis=1)
+    p, _, poisoned, m, total = _probabilities(qh, kh, scale, softcap, mask)
+    o = _nan_if_not_finite(_visible_matmul(p, vh, mask))
+    ok = seen & ~poisoned
+    lse = np.where(poisoned, np.nan, np.where(ok, m + np.log(np.where(ok, total, 1.0)), np.inf))
+    return np.where(seen[:, None], o, 0.0), lse
+
+
+def _backward_head(doh: np.ndarray, qh: np.ndarray, kh: np.ndarray, vh: np.ndarray, scale: float, softcap: float,
+                   mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One head's dq (Sq, D), dk and dv (Sk, D); arguments as for ``_forward_head``, doh (Sq, D)."""
+    p, dcap, _, _, _ = _probabilities(qh, kh, scale, softcap, mask)  # rows that see nothing: all 0
+    dv = _visible_matmul(p.T, doh, mask.T)
+    dp = doh @ vh.T  # a non-finite v row makes its column NaN in every row; the masks keep it in band
+    # delta_i = sum_j P_ij dP_ij = dout_i . out_i over the keys row i sees (so dS is exactly 0 when a row sees one
+    # key, P = 1); non-finite where out_i is
+    delta = np.where(mask, p * dp, 0.0).sum(axis=1)
+    ds = np.where(mask, p * (dp - delta[:, None]) * dcap * scale, 0.0)
+    return _visible_matmul(ds, kh, mask), _visible_matmul(ds.T, qh, mask.T), dv
+
+
 def attention_ref(
     q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd",
@@ -102,18 +129,14 @@ def attention_ref(
     scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
     left, right = effective_window(causal, window_size)
     mask = visible_mask(sq, sk, left, right)
-    seen = mask.any(axis=1)
     group = hq // hkv
     out = np.zeros((batch, sq, hq, d))
     lse = np.full((batch, hq, sq), np.inf)
     with np.errstate(**_QUIET):
         for b in range(batch):
             for h in range(hq):
-                p, _, poisoned, m, total = _probabilities(qb[b, :, h], kb[b, :, h // group], scale, softcap, mask)
-                o = _nan_if_not_finite(_visible_matmul(p, vb[b, :, h // group], mask))
-                out[b, :, h] = np.where(seen[:, None], o, 0.0)
-                ok = seen & ~poisoned
-                lse[b, h] = np.where(poisoned, np.nan, np.where(ok, m + np.log(np.where(ok, total, 1.0)), np.inf))
+                out[b, :, h], lse[b, h] = _forward_head(qb[b, :, h], kb[b, :, h // group], vb[b, :, h // group],
+                                                        scale, softcap, mask)
     return _from_bshd(out, layout), lse
 
 
@@ -138,17 +161,73 @@ def attention_ref_backward(
         for b in range(batch):
             for h in range(hq):
                 kv = h // group
-                qh, kh, vh, doh = qb[b, :, h], kb[b, :, kv], vb[b, :, kv], dob[b, :, h]
-                p, dcap, _, _, _ = _probabilities(qh, kh, scale, softcap, mask)  # rows that see nothing: all 0
-                dv[b, :, kv] += _visible_matmul(p.T, doh, mask.T)
-                dp = doh @ vh.T  # a non-finite v row makes its column NaN in every row; the masks keep it in band
-                # delta_i = sum_j P_ij dP_ij = dout_i . out_i over the keys row i sees (so dS is exactly 0 when a
-                # row sees one key, P = 1); non-finite where out_i is
-                delta = np.where(mask, p * dp, 0.0).sum(axis=1)
-                ds = np.where(mask, p * (dp - delta[:, None]) * dcap * scale, 0.0)
-                dq[b, :, h] = _visible_matmul(ds, kh, mask)
-                dk[b, :, kv] += _visible_matmul(ds.T, qh, mask.T)
+                dq_h, dk_h, dv_h = _backward_head(dob[b, :, h], qb[b, :, h], kb[b, :, kv], vb[b, :, kv], scale,
+                                                  softcap, mask)
+                dq[b, :, h] = dq_h
+                dk[b, :, kv] += dk_h
+                dv[b, :, kv] += dv_h
     return tuple(_from_bshd(_nan_if_not_finite(g), layout) for g in (dq, dk, dv))
+
+
+def attention_ref_varlen(
+    q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *, causal: bool = False,
+    softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exact attention over packed sequences (layout "thd") in float64.
+
+    A function of its own rather than options of ``attention_ref``: the shapes and the lse layout differ, and the
+    computation is not a loop of dense calls. It runs each head over the whole packed ``(total_q, total_k)`` score
+    matrix with a block-diagonal mask (``semantics.packed_visible_mask``), so a test that compares it with
+    ``attention_ref`` run on each sequence checks the packing as well as the kernels. ``max_seqlen_q/k`` are not
+    taken: they are only bounds for kernels, and the cumulative lengths say everything.
+
+    Arguments:
+        q: (total_q, Hq, D); k, v: (total_k, Hkv, D), Hq % Hkv == 0; any float dtype, any array kind.
+        cu_seqlens_q, cu_seqlens_k: (B + 1,) integer prefix sums: sequence b holds rows
+            ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q and keys ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of k and v.
+            A sequence may be empty on either side.
+        causal, window_size: aligned to the bottom-right corner of each sequence's own (Sq_b, Sk_b) block.
+    Returns:
+        out: (total_q, Hq, D) float64; 0 for rows that see no key (every row of a sequence without keys).
+        lse: (Hq, total_q) float64, +inf for a row that sees no key, NaN for a poisoned row. The non-finite rule of
+            this module holds within each sequence: a bad value never reaches another sequence.
+    """
+    qp, kp, vp = as_float64(q), as_float64(k), as_float64(v)
+    total_q, hq, d = qp.shape
+    hkv = kp.shape[1]
+    scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
+    mask = packed_visible_mask(to_numpy(cu_seqlens_q), to_numpy(cu_seqlens_k), *effective_window(causal, window_size))
+    group = hq // hkv
+    out = np.zeros((total_q, hq, d))
+    lse = np.full((hq, total_q), np.inf)
+    with np.errstate(**_QUIET):
+        for h in range(hq):
+            out[:, h], lse[h] = _forward_head(qp[:, h], kp[:, h // group], vp[:, h // group], scale, softcap, mask)
+    return out, lse
+
+
+def attention_ref_varlen_backward(
+    dout: Any, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *, causal: bool = False,
+    softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients of ``sum(attention_ref_varlen(q, k, v, ...)[0] * dout)`` in float64.
+
+    Arguments as for ``attention_ref_varlen``; dout (total_q, Hq, D). Returns dq (total_q, Hq, D), dk and dv
+    (total_k, Hkv, D), float64; dk, dv summed over each group's query heads and 0 for keys no row sees.
+    """
+    qp, kp, vp, dop = (as_float64(x) for x in (q, k, v, dout))
+    hq, d, hkv = qp.shape[1], qp.shape[2], kp.shape[1]
+    scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
+    mask = packed_visible_mask(to_numpy(cu_seqlens_q), to_numpy(cu_seqlens_k), *effective_window(causal, window_size))
+    group = hq // hkv
+    dq, dk, dv = np.zeros_like(qp), np.zeros_like(kp), np.zeros_like(vp)
+    with np.errstate(**_QUIET):
+        for h in range(hq):
+            kv = h // group
+            dq[:, h], dk_h, dv_h = _backward_head(dop[:, h], qp[:, h], kp[:, kv], vp[:, kv], scale, softcap, mask)
+            dk[:, kv] += dk_h
+            dv[:, kv] += dv_h
+    return tuple(_nan_if_not_finite(g) for g in (dq, dk, dv))
 
 
 def naive_attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool = False) -> np.ndarray:

@@ -52,6 +52,31 @@ def visible_mask(seqlen_q: int, seqlen_k: int, left: int, right: int) -> np.ndar
     return mask
 
 
+def packed_visible_mask(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, left: int, right: int) -> np.ndarray:
+    """Boolean ``(total_q, total_k)`` mask of packed sequences (layout "thd"), True where packed row r may see
+    packed key c: both in the same sequence b, and the rule above holding for their positions within it, with
+    sequence b's own offset ``Sk_b - Sq_b``. For references and tests only: it is total x total.
+
+    Built from each row's and key's sequence number rather than from ``visible_mask`` blocks, so that it is an
+    independent statement of the rule. ``cu_seqlens_*`` are (B + 1,) prefix sums, as validation accepts them.
+    """
+    cu_q, cu_k = np.asarray(cu_seqlens_q, np.int64), np.asarray(cu_seqlens_k, np.int64)
+    len_q, len_k = np.diff(cu_q), np.diff(cu_k)
+    seq_q = np.repeat(np.arange(len(len_q)), len_q)
+    seq_k = np.repeat(np.arange(len(len_k)), len_k)
+    # Capped like clamp_window_bound, with the totals: window_size=(sys.maxsize, 0) must not overflow int64 here.
+    cap = int(cu_q[-1] + cu_k[-1])
+    left, right = (w if w < 0 else min(int(w), cap) for w in (left, right))
+    centre = (np.arange(len(seq_q)) - cu_q[seq_q] + (len_k - len_q)[seq_q])[:, None]
+    j = (np.arange(len(seq_k)) - cu_k[seq_k])[None, :]
+    mask = seq_q[:, None] == seq_k[None, :]
+    if left >= 0:
+        mask &= j >= centre - left
+    if right >= 0:
+        mask &= j <= centre + right
+    return mask
+
+
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 

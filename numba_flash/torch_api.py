@@ -1,12 +1,14 @@
-"""``flash_attn_func``: attention on torch tensors with autograd, on whichever backend the registry picks.
+"""``flash_attn_func`` and ``flash_attn_varlen_func`` (packed sequences): attention on torch tensors with autograd,
+on whichever backend the registry picks.
 
 Forward and backward are two ops registered with ``torch.library.custom_op`` (``numba_flash::flash_fwd`` and
-``numba_flash::flash_bwd``) with fake implementations, so ``torch.compile`` sees them as opaque nodes with known
-output shapes instead of tracing into Numba. ``FlashAttnFunc`` (a ``torch.autograd.Function``) ties the two together;
-both ops send their work through ``numba_flash.backend_registry.get("flash")``, so ``loss.backward()`` runs on the
-same backend choice as the forward.
+``numba_flash::flash_bwd``; ``flash_varlen_fwd`` and ``flash_varlen_bwd`` for packed sequences) with fake
+implementations, so ``torch.compile`` sees them as opaque nodes with known output shapes instead of tracing into
+Numba. ``FlashAttnFunc`` and ``FlashAttnVarlenFunc`` (``torch.autograd.Function``) tie each pair together; the ops
+send their work through ``numba_flash.backend_registry.get("flash")``, so ``loss.backward()`` runs on the same
+backend choice as the forward.
 
-This module imports torch at import time; ``numba_flash`` imports it only when ``flash_attn_func`` is first used.
+This module imports torch at import time; ``numba_flash`` imports it only when one of the two functions is first used.
 Annotations are evaluated (no ``from __future__ import annotations``) because ``custom_op`` reads them as its schema.
 """
 
@@ -19,7 +21,7 @@ from numba_flash import backend_registry
 from numba_flash.errors import AttentionInputError
 from numba_flash.validation import _bad, _finite_real, _short_repr, validate_forward
 
-__all__ = ["flash_attn_func", "FlashAttnFunc"]
+__all__ = ["flash_attn_func", "FlashAttnFunc", "flash_attn_varlen_func", "FlashAttnVarlenFunc"]
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -103,6 +105,16 @@ class FlashAttnFunc(torch.autograd.Function):
         # dout, the size of q, spares every backend that case.
         dq, dk, dv = torch.ops.numba_flash.flash_bwd(dout.contiguous(), q, k, v, out, lse, *ctx.params)
         return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _check_tensors(function: str, q: Any, k: Any, v: Any) -> None:
+    """numpy and other arrays pass validate_forward but cannot carry gradients; the registry's op.forward takes
+    them, and the error says so."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise AttentionInputError(
+                f"{name}: expected a torch.Tensor ({function} is the autograd entry point; use "
+                f"backend_registry.get('flash').forward for other arrays), got {type(x).__name__}")
 
 
 def _check_flash_attn_extras(dropout_p: Any, alibi_slopes: Any, deterministic: Any, return_attn_probs: Any) -> None:
@@ -194,13 +206,7 @@ def flash_attn_func(
     if not torch.compiler.is_compiling():
         # Fail fast, naming the argument, before autograd records anything. Under torch.compile the ops validate
         # when they run, and this Python-level check would only cost graph breaks.
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(x, torch.Tensor):
-                # numpy and other arrays pass validate_forward but cannot carry gradients; the registry's
-                # op.forward takes them.
-                raise AttentionInputError(
-                    f"{name}: expected a torch.Tensor (flash_attn_func is the autograd entry point; use "
-                    f"backend_registry.get('flash').forward for other arrays), got {type(x).__name__}")
+        _check_tensors("flash_attn_func", q, k, v)
         validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                          softcap=softcap, layout=layout, return_lse=return_lse)
         if backend is None:
@@ -210,4 +216,151 @@ def flash_attn_func(
     scale = None if softmax_scale is None else float(softmax_scale)
     left, right = (int(w) for w in window_size)
     out, lse = FlashAttnFunc.apply(q, k, v, bool(causal), scale, left, right, float(softcap), layout, backend)
+    return (out, lse) if return_lse else out
+
+
+# Packed sequences (layout "thd"). Ops of their own rather than more arguments on flash_fwd / flash_bwd: their
+# schemas, fake implementations and lse shape differ, and the dense ops keep the schema torch.compile has cached.
+
+@torch.library.custom_op("numba_flash::flash_varlen_fwd", mutates_args=())
+def flash_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
+                     causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
+                     softcap: float, backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed forward through the registry. Returns out (total_q, Hq, D), q's dtype, and lse (Hq, total_q) float32
+    (float64 for float64 inputs), both contiguous."""
+    out, lse = backend_registry.get("flash").forward(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+        window_size=(window_left, window_right), softcap=softcap, layout="thd", return_lse=True, backend=backend)
+    inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    return _owned(out, q, q.dtype, inputs), _owned(lse, q, _lse_dtype(q.dtype), inputs)
+
+
+@flash_varlen_fwd.register_fake
+def _flash_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                           window_left, window_right, softcap, backend):
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q.dtype), device=q.device)
+    return out, lse
+
+
+@torch.library.custom_op("numba_flash::flash_varlen_bwd", mutates_args=())
+def flash_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                     max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool,
+                     softmax_scale: Optional[float], window_left: int, window_right: int, softcap: float,
+                     backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed backward through the registry. Returns dq, dk, dv shaped like q, k, v, q's dtype, contiguous."""
+    dq, dk, dv = backend_registry.get("flash").backward(
+        dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+        window_size=(window_left, window_right), softcap=softcap, layout="thd", backend=backend)
+    inputs = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    return tuple(_owned(g, q, q.dtype, inputs) for g in (dq, dk, dv))
+
+
+@flash_varlen_bwd.register_fake
+def _flash_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                           softmax_scale, window_left, window_right, softcap, backend):
+    return tuple(torch.empty(x.shape, dtype=q.dtype, device=q.device) for x in (q, k, v))
+
+
+class FlashAttnVarlenFunc(torch.autograd.Function):
+    """Autograd glue over ``flash_varlen_fwd`` / ``flash_varlen_bwd``. Returns ``(out, lse)``; lse has no gradient,
+    and neither have the cumulative lengths."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                window_left, window_right, softcap, backend):
+        out, lse = torch.ops.numba_flash.flash_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                          max_seqlen_k, causal, softmax_scale, window_left,
+                                                          window_right, softcap, backend)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.params = (max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap, backend)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        # as in FlashAttnFunc: a broadcast dout (from a sum()) becomes one contiguous copy
+        dq, dk, dv = torch.ops.numba_flash.flash_varlen_bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens_q,
+                                                            cu_seqlens_k, *ctx.params)
+        return (dq, dk, dv) + (None,) * 10
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: Optional[int],
+    max_seqlen_k: Optional[int],
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    return_lse: bool = False,
+    backend: Optional[str] = None,
+):
+    """Exact attention over packed sequences on torch tensors, differentiable, on the backend the registry picks.
+
+    The positional arguments and their defaults are flash-attn's ``flash_attn_varlen_func``, in its order. Sequence
+    b holds rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q and keys ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of
+    k and v, and attends only within itself. Causal masking and the window are aligned to the bottom-right corner
+    of each sequence's own block: query i of sequence b may see its key j iff
+    ``i + Sk_b - Sq_b - window_size[0] <= j <= i + Sk_b - Sq_b + window_size[1]``. With causal=True, sequences of
+    (Sq, Sk) = (2, 3) and (3, 2) packed one after the other (1 = seen)::
+
+        1 1 0 . .
+        1 1 1 . .
+        . . . 0 0
+        . . . 1 0
+        . . . 1 1
+
+    Arguments:
+        q: (total_q, nheads, headdim); float16, bfloat16, float32 or float64; any device the backend serves.
+        k, v: (total_k, nheads_k, headdim), nheads % nheads_k == 0 (grouped-query attention); q's dtype and device.
+        cu_seqlens_q, cu_seqlens_k: (batch_size + 1,) int32 (int64 is accepted too), the prefix sums of the
+            sequence lengths: start at 0, non-decreasing, end at total_q / total_k. A sequence may be empty; one
+            with no keys gives its rows out 0 and lse +inf. Read on the host; never modified.
+        max_seqlen_q, max_seqlen_k: int >= every sequence's length on that side (an upper bound, as in flash-attn),
+            or None.
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs: as
+            in ``flash_attn_func`` (dropout_p other than 0, alibi_slopes and return_attn_probs=True are refused
+            until they are implemented).
+        return_lse: keyword-only bool. Also return the log-sum-exp of each query row.
+        backend: keyword-only str or None. Force one backend ("cuda", "rocm", "cpu", ...).
+
+    Returns:
+        out: (total_q, nheads, headdim), q's dtype and device, contiguous.
+        lse [only if return_lse]: (nheads, total_q), float32 (float64 for float64 inputs); +inf for a row that sees
+            no key. Not differentiable.
+
+    Raises ``numba_flash.AttentionInputError`` for arguments that break the contract, and
+    ``numba_flash.NoBackendError`` when no backend can serve the call.
+    """
+    _check_flash_attn_extras(dropout_p, alibi_slopes, deterministic, return_attn_probs)
+    if not torch.compiler.is_compiling():
+        _check_tensors("flash_attn_varlen_func", q, k, v)
+        validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                         softcap=softcap, layout="thd", return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
+                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        # The ops' schema takes tensors; a numpy prefix sum (already checked) becomes one without a copy.
+        cu_seqlens_q, cu_seqlens_k = (c if isinstance(c, torch.Tensor) else torch.from_numpy(np.asarray(c))
+                                      for c in (cu_seqlens_q, cu_seqlens_k))
+        if backend is None:
+            backend = backend_registry.get("flash")._forced_name(None)   # see flash_attn_func
+    scale = None if softmax_scale is None else float(softmax_scale)
+    mq, mk = (None if m is None else int(m) for m in (max_seqlen_q, max_seqlen_k))
+    left, right = (int(w) for w in window_size)
+    out, lse = FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, bool(causal), scale, left,
+                                         right, float(softcap), backend)
     return (out, lse) if return_lse else out

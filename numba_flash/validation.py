@@ -19,20 +19,25 @@ import numpy as np
 from .arrays import array_kind, device_of, dtype_name, resolve_torch_bits
 from .errors import AttentionInputError
 from .semantics import clamp_window_bound, compute_dtype_name, default_scale, effective_softcap, effective_window
+from .varlen import check_arguments, check_packing
 
-LAYOUTS = ("bshd", "bhsd")
+LAYOUTS = ("bshd", "bhsd", "thd")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 MAX_HEAD_DIM = 256
 
 _DIM_NAMES = {
     "bshd": {"q": "(B, Sq, Hq, D)", "k": "(B, Sk, Hkv, D)", "v": "(B, Sk, Hkv, D)"},
     "bhsd": {"q": "(B, Hq, Sq, D)", "k": "(B, Hkv, Sk, D)", "v": "(B, Hkv, Sk, D)"},
+    "thd": {"q": "(total_q, Hq, D)", "k": "(total_k, Hkv, D)", "v": "(total_k, Hkv, D)"},
 }
 
 
 @dataclass(frozen=True)
 class AttentionCall:
-    """A validated attention call. Sizes are layout-independent: ``seqlen_q`` is Sq whatever the layout."""
+    """A validated attention call. Sizes are layout-independent: ``seqlen_q`` is Sq whatever the layout.
+
+    For packed sequences (layout "thd") ``packing`` says where each sequence lies, ``batch`` is the number of
+    sequences and ``seqlen_q`` / ``seqlen_k`` are the longest sequence's lengths (an empty one included)."""
 
     q: Any
     k: Any
@@ -58,6 +63,7 @@ class AttentionCall:
     out: Any = None
     lse: Any = None
     extra: dict = field(default_factory=dict)
+    packing: Any = None  # numba_flash.varlen.Packing for layout "thd", else None
 
     @property
     def is_backward(self) -> bool:
@@ -69,13 +75,28 @@ class AttentionCall:
         return self.window_left >= 0 or (self.window_right >= 0 and not (self.causal and self.window_right == 0))
 
     @property
+    def is_varlen(self) -> bool:
+        return self.packing is not None
+
+    @property
+    def lse_shape(self) -> tuple[int, ...]:
+        """(B, Hq, Sq), or (Hq, total_q) for packed sequences."""
+        if self.packing is not None:
+            return (self.nheads_q, self.packing.total_q)
+        return (self.batch, self.nheads_q, self.seqlen_q)
+
+    @property
     def group_size(self) -> int:
         return self.nheads_q // self.nheads_kv
 
     def describe(self) -> str:
+        if self.packing is not None:
+            sizes = (f"B={self.batch} total_q={self.packing.total_q} total_k={self.packing.total_k} "
+                     f"max_Sq={self.seqlen_q} max_Sk={self.seqlen_k}")
+        else:
+            sizes = f"B={self.batch} Sq={self.seqlen_q} Sk={self.seqlen_k}"
         parts = [f"{self.kind}/{self.device}", self.dtype, self.layout,
-                 f"B={self.batch} Sq={self.seqlen_q} Sk={self.seqlen_k} Hq={self.nheads_q} Hkv={self.nheads_kv} "
-                 f"D={self.head_dim}"]
+                 f"{sizes} Hq={self.nheads_q} Hkv={self.nheads_kv} D={self.head_dim}"]
         if self.causal:
             parts.append("causal")
         if self.has_window:
@@ -130,8 +151,9 @@ def _check_array(name: str, x: Any, layout: str) -> tuple[Any, str, tuple[int, .
         x = _check_torch(name, x)
     shape = tuple(int(s) for s in x.shape)
     dims = _DIM_NAMES[layout].get(name, _DIM_NAMES[layout]["q"])
-    if len(shape) != 4:
-        raise _bad(name, f"4 dimensions {dims} for layout {layout!r}", f"shape {shape}")
+    ndim = 3 if layout == "thd" else 4
+    if len(shape) != ndim:
+        raise _bad(name, f"{ndim} dimensions {dims} for layout {layout!r}", f"shape {shape}")
     dt = dtype_name(x)
     if dt not in FLOAT_DTYPES:
         raise _bad(name, f"a floating dtype ({', '.join(FLOAT_DTYPES)})", f"dtype {dt}")
@@ -149,7 +171,7 @@ def _check_bool(name: str, value: Any) -> bool:
 def _check_options(causal: Any, softmax_scale: Any, window_size: Any, softcap: Any, layout: Any,
                    return_lse: Any) -> tuple[bool, Any, tuple[int, int], float, str, bool]:
     if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise _bad("layout", "'bshd' or 'bhsd'", repr(layout))
+        raise _bad("layout", "'bshd' or 'bhsd', or 'thd' for packed sequences", repr(layout))
     causal = _check_bool("causal", causal)
     return_lse = _check_bool("return_lse", return_lse)
     if softmax_scale is not None:
@@ -168,17 +190,32 @@ def _check_options(causal: Any, softmax_scale: Any, window_size: Any, softcap: A
     return causal, softmax_scale, (int(window_size[0]), int(window_size[1])), float(softcap), layout, return_lse
 
 
+def resolve_layout(layout: Any, cu_seqlens_q: Any, cu_seqlens_k: Any) -> Any:
+    """``layout`` as given, or for None (the default) "thd" when cumulative sequence lengths are given, else
+    "bshd": the packed call of the contract, ``forward(q, k, v, cu_seqlens_q=..., cu_seqlens_k=...)``, needs no
+    layout. A layout given explicitly is kept, and checked against the other arguments."""
+    if layout is None:
+        return "thd" if cu_seqlens_q is not None or cu_seqlens_k is not None else "bshd"
+    return layout
+
+
 def validate_forward(
     q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
-    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd",
-    return_lse: bool = False,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str | None = None,
+    return_lse: bool = False, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, max_seqlen_q: Any = None,
+    max_seqlen_k: Any = None,
 ) -> AttentionCall:
     """Check a forward call against the contract; raise ``AttentionInputError`` on the first violation.
 
     q: (B, Sq, Hq, D) ["bshd"] or (B, Hq, Sq, D) ["bhsd"]; k, v: (B, Sk, Hkv, D) or (B, Hkv, Sk, D).
+    Packed sequences ["thd"]: q (total_q, Hq, D), k, v (total_k, Hkv, D), with ``cu_seqlens_q`` / ``cu_seqlens_k``
+    (B + 1,) int32 prefix sums and optional ``max_seqlen_q`` / ``max_seqlen_k`` bounds (see ``numba_flash.varlen``).
+    ``layout`` None means "thd" when cu_seqlens are given, else "bshd".
     """
+    layout = resolve_layout(layout, cu_seqlens_q, cu_seqlens_k)
     causal, softmax_scale, window_size, softcap, layout, return_lse = _check_options(
         causal, softmax_scale, window_size, softcap, layout, return_lse)
+    check_arguments(layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     infos = {name: _check_array(name, x, layout) for name, x in (("q", q), ("k", k), ("v", v))}
     (q, qkind, qshape, qdt, qdev), (k, _, kshape, _, _), (v, _, vshape, _, _) = infos["q"], infos["k"], infos["v"]
     for name, (_, kind, _, dt, dev) in (("k", infos["k"]), ("v", infos["v"])):
@@ -190,13 +227,19 @@ def validate_forward(
             raise _bad(name, f"the same device as q ({qdev})", f"device {dev}")
     if vshape != kshape:
         raise _bad("v", f"the same shape as k {kshape}", f"shape {vshape}")
-    s_axis, h_axis = (1, 2) if layout == "bshd" else (2, 1)
-    batch, sq, hq, d = qshape[0], qshape[s_axis], qshape[h_axis], qshape[3]
-    sk, hkv = kshape[s_axis], kshape[h_axis]
-    if kshape[0] != batch:
+    packing = None
+    if layout == "thd":
+        packing = check_packing(qshape[0], kshape[0], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        batch, sq, hq, d = packing.batch, packing.max_seqlen_q, qshape[1], qshape[2]
+        sk, hkv = packing.max_seqlen_k, kshape[1]
+    else:
+        s_axis, h_axis = (1, 2) if layout == "bshd" else (2, 1)
+        batch, sq, hq, d = qshape[0], qshape[s_axis], qshape[h_axis], qshape[3]
+        sk, hkv = kshape[s_axis], kshape[h_axis]
+    if packing is None and kshape[0] != batch:
         raise _bad("k", f"batch size {batch} like q", f"batch size {kshape[0]} (shape {kshape})")
-    if kshape[3] != d:
-        raise _bad("k", f"head dim {d} like q", f"head dim {kshape[3]} (shape {kshape})")
+    if kshape[-1] != d:
+        raise _bad("k", f"head dim {d} like q", f"head dim {kshape[-1]} (shape {kshape})")
     if d > MAX_HEAD_DIM:
         raise _bad("q", f"head dim D between 1 and {MAX_HEAD_DIM}", f"D={d} (shape {qshape})")
     if hq % hkv != 0:
@@ -208,18 +251,21 @@ def validate_forward(
     return AttentionCall(q=q, k=k, v=v, kind=qkind, device=qdev, dtype=qdt, layout=layout, batch=batch,
                          seqlen_q=sq, seqlen_k=sk, nheads_q=hq, nheads_kv=hkv, head_dim=d, causal=causal,
                          softmax_scale=scale, window_left=left, window_right=right, softcap=softcap,
-                         return_lse=return_lse)
+                         return_lse=return_lse, packing=packing)
 
 
 def validate_backward(
     dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: bool = False,
     softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-    layout: str = "bshd",
+    layout: str | None = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, max_seqlen_q: Any = None,
+    max_seqlen_k: Any = None,
 ) -> AttentionCall:
-    """Check a backward call. dout and out are shaped like q with q's dtype; lse is (B, Hq, Sq), float32 (float64
-    for float64 inputs), as the forward returned it."""
+    """Check a backward call. dout and out are shaped like q with q's dtype; lse is (B, Hq, Sq), or (Hq, total_q)
+    for packed sequences, float32 (float64 for float64 inputs), as the forward returned it."""
     call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                            softcap=softcap, layout=layout)
+                            softcap=softcap, layout=layout, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    layout = call.layout
     qshape = tuple(int(s) for s in q.shape)
     checked = {}
     for name, x in (("dout", dout), ("out", out)):
@@ -240,9 +286,10 @@ def validate_backward(
     if kind == "torch":
         lse = _check_torch("lse", lse)
     lshape = tuple(int(s) for s in lse.shape)
-    want = (call.batch, call.nheads_q, call.seqlen_q)
+    want = call.lse_shape
     if lshape != want:
-        raise _bad("lse", f"shape (B, Hq, Sq) = {want}", f"shape {lshape}")
+        dims = "(Hq, total_q)" if call.is_varlen else "(B, Hq, Sq)"
+        raise _bad("lse", f"shape {dims} = {want}", f"shape {lshape}")
     ldt = dtype_name(lse)
     if ldt not in ("float32", "float64"):
         raise _bad("lse", "dtype float32 (as the forward returns it)", f"dtype {ldt}")
