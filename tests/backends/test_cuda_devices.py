@@ -128,6 +128,8 @@ def _inputs(rng, devices=(1, 1, 1), sq=7, sk=9, d=5):
 def test_device_index_of_every_kind(monkeypatch):
     monkeypatch.setattr(cuda_backend, "_pointer_device", lambda ptr: _pointers[ptr])
     torch_like = type("Tensor", (), {"__module__": "torch.fake_for_test"})()
+    # The backend knows tensors by type (isinstance torch.Tensor); a real one cannot claim a GPU here.
+    monkeypatch.setattr(cuda_backend, "_is_torch", lambda x: x is torch_like)
     torch_like.device = types.SimpleNamespace(type="cuda", index=1)
     cupy_like = type("ndarray", (), {"__module__": "cupy.fake_for_test"})()
     cupy_like.device = types.SimpleNamespace(id=1)
