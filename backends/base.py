@@ -27,6 +27,7 @@ class Backend:
     SUPPORTS_WINDOW: ClassVar[bool] = True
     SUPPORTS_SOFTCAP: ClassVar[bool] = True
     SUPPORTS_BACKWARD: ClassVar[bool] = True
+    SUPPORTS_KVCACHE: ClassVar[bool] = False         # ``with_kvcache`` (decoding with a KV cache)
     IS_DETERMINISTIC: ClassVar[bool] = True
 
     def unavailable_reasons(self, forced: bool = False) -> list[str]:
@@ -54,6 +55,8 @@ class Backend:
             reasons.append("softcap not supported")
         if call.is_backward and not self.SUPPORTS_BACKWARD:
             reasons.append("backward not supported")
+        if call.kvcache is not None and not self.SUPPORTS_KVCACHE:
+            reasons.append("KV cache (with_kvcache) not supported")
         if not reasons:
             reasons.extend(self.unavailable_reasons(forced))
         return reasons
@@ -75,6 +78,12 @@ class Backend:
 
     def backward(self, call: AttentionCall) -> tuple[Any, Any, Any]:
         """Return ``(dq, dk, dv)`` shaped like q, k, v, same kind, device and dtype as q."""
+        raise NotImplementedError
+
+    def with_kvcache(self, call: AttentionCall) -> tuple[Any, Any]:
+        """Decoding with a KV cache: ``call.kvcache`` is the validated ``numba_flash.kvcache.KVCacheCall``. Append
+        its new keys to the caches in place, then return ``(out, lse)``: out (B, Sq, Hq, D) like q, lse
+        (B, Hq, Sq) float32. ``backends.kvcache`` has the pieces. Raise ``BackendDeclined`` only before writing."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

@@ -33,7 +33,7 @@ from numba_flash.arrays import as_result_kind, is_torch_tensor
 from numba_flash.semantics import key_range
 from numba_flash.validation import AttentionCall
 
-from . import varlen
+from . import kvcache, varlen
 from .base import Backend
 
 # Elements of one block of scores (B * Hq * block_q * block_k); 2**24 float32 is 64 MiB. The backward keeps about
@@ -385,6 +385,7 @@ class RocmBackend(Backend):
     SUPPORTED_KINDS = ("torch", "numpy")
     SUPPORTED_DTYPES = ("float32", "float16", "bfloat16", "float64")
     SUPPORTED_LAYOUTS = ("bshd", "bhsd", "thd")
+    SUPPORTS_KVCACHE = True
 
     def unavailable_reasons(self, forced: bool = False) -> list[str]:
         if forced:
@@ -437,6 +438,39 @@ class RocmBackend(Backend):
             else:
                 grads = backward_blockwise(dout, q, k, v, out, lse, call, careful=not clean)
         return tuple(_to_kind(call.q, gr) for gr in grads)
+
+    def with_kvcache(self, call: AttentionCall) -> tuple[Any, Any]:
+        """Rotary and the append in torch on the caches' device, then the blockwise forward per sequence and key
+        part (``backends.kvcache``), partial results kept in the compute dtype until the merge."""
+        import torch
+
+        kv = call.kvcache
+        q, k_cache, v_cache = (_as_torch(x) for x in (kv.q, kv.k_cache, kv.v_cache))
+        cdt, dev = _compute_dtype(q.dtype), q.device
+        with torch.no_grad():
+            k_new = _as_torch(kv.k_new) if kv.seqlen_new else None
+            if kv.rotary_cos is not None:
+                cos, sin = (_as_torch(x).to(cdt) for x in (kv.rotary_cos, kv.rotary_sin))
+                q_r, k_new = kvcache.prepare(kv, q.to(cdt), k_new.to(cdt), cos, sin,
+                                             lambda n: torch.arange(n, device=dev),
+                                             torch.tensor(kv.cache_seqlens.tolist(), device=dev))
+                q = q_r.to(q.dtype)  # the kernels read q in its own dtype, as flash-attn's do after rotary
+            if kv.seqlen_new:
+                kvcache.append(kv, k_cache, v_cache, k_new.to(k_cache.dtype), _as_torch(kv.v_new).to(v_cache.dtype))
+            out = torch.empty(q.shape, dtype=cdt, device=dev)
+            lse = torch.empty((kv.batch, kv.nheads_q, kv.seqlen_q), dtype=cdt, device=dev)
+
+            def run(c: AttentionCall, q_b: Any, k_b: Any, v_b: Any, out_b: Any, lse_b: Any) -> None:
+                o, l = forward_blockwise(q_b, k_b, v_b, c, careful=True)
+                out_b.copy_(o)
+                lse_b.copy_(l)
+
+            workers = (torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda"
+                       else torch.get_num_threads())
+            kvcache.forward(kv, run, q, k_cache, v_cache, out, lse, kvcache.choose_num_splits(kv, workers),
+                            empty_like=torch.empty_like,
+                            gather=lambda c, blocks: c[torch.as_tensor(blocks, device=c.device)].flatten(0, 1))
+        return _to_kind(kv.q, out.to(q.dtype)), _to_kind(kv.q, lse)
 
     @staticmethod
     def _forward_varlen(call: AttentionCall, q: Any, k: Any, v: Any, careful: bool) -> tuple[Any, Any]:

@@ -17,7 +17,8 @@ from typing import Any
 
 from .errors import AttentionInputError, NoBackendError
 from .merge import merge_attention_states
-from .reference import attention_ref, attention_ref_backward, attention_ref_varlen, attention_ref_varlen_backward
+from .reference import (attention_ref, attention_ref_backward, attention_ref_kvcache, attention_ref_varlen,
+                        attention_ref_varlen_backward)
 from .validation import AttentionCall, validate_backward, validate_forward
 
 __version__ = "0.1.0"
@@ -28,6 +29,7 @@ __all__ = [
     "AttentionCall",
     "attention_ref",
     "attention_ref_backward",
+    "attention_ref_kvcache",
     "attention_ref_varlen",
     "attention_ref_varlen_backward",
     "merge_attention_states",

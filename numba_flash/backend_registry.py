@@ -263,6 +263,31 @@ class Dispatcher:
                                  cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         return self._run(call, backend, "backward")
 
+    def with_kvcache(self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, rotary_cos: Any = None,
+                     rotary_sin: Any = None, cache_seqlens: Any = None, cache_batch_idx: Any = None,
+                     cache_leftpad: Any = None, block_table: Any = None, softmax_scale: float | None = None,
+                     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                     rotary_interleaved: bool = True, alibi_slopes: Any = None, num_splits: int = 0,
+                     return_lse: bool = False, *, backend: str | None = None) -> Any:
+        """Decoding with a KV cache, flash-attn's ``flash_attn_with_kvcache`` (``numba_flash.kvcache`` has the
+        details): appends ``k``/``v`` to the caches in place at ``cache_seqlens`` (the only input ever modified;
+        nothing is written when the call is refused), then attends each sequence's query block to its cached keys.
+
+        q: (B, Sq, Hq, D); k_cache, v_cache: (B_cache, capacity, Hkv, D), or (num_blocks, page_size, Hkv, D) with
+        ``block_table`` (B, max_blocks) int32; k, v: (B, S_new, Hkv, D) or None; rotary_cos / rotary_sin
+        (seqlen_ro, rotary_dim / 2); cache_seqlens: int or (B,) int32, keys held before the append;
+        cache_batch_idx, cache_leftpad: (B,) int32. ``num_splits``: key-range parts merged by lse (0 = chosen
+        from the work and the machine's parallelism).
+        Returns out (B, Sq, Hq, D) like q, and with ``return_lse`` also lse (B, Hq, Sq) float32.
+        """
+        from numba_flash.kvcache import validate_kvcache
+
+        kv = validate_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                              cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                              rotary_interleaved, alibi_slopes, num_splits, return_lse)
+        out, lse = self._run(kv.dense_call(), backend, "with_kvcache")
+        return (out, lse) if return_lse else out
+
     def explain(self, q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
                 window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str | None = None,
                 return_lse: bool = False, backend: str | None = None, cu_seqlens_q: Any = None,

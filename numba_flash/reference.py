@@ -242,3 +242,80 @@ def naive_attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: b
     np.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)
     return np.matmul(s, v)
+
+
+def _rotate_ref(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray,
+                interleaved: bool) -> np.ndarray:
+    """RoPE as a complex multiplication: pair (x1, x2) is the number x1 + i x2, turned by exp(i theta).
+    x (B, S, H, D), positions (B, S) -> a rotated float64 copy."""
+    half = cos.shape[1]
+    out = np.array(x, dtype=np.float64, copy=True)
+    idx1, idx2 = (np.arange(0, 2 * half, 2), np.arange(1, 2 * half, 2)) if interleaved else \
+        (np.arange(half), np.arange(half, 2 * half))
+    turn = (cos[positions] + 1j * sin[positions])[:, :, None, :]
+    z = (out[..., idx1] + 1j * out[..., idx2]) * turn
+    out[..., idx1], out[..., idx2] = z.real, z.imag
+    return out
+
+
+def attention_ref_kvcache(
+    q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, rotary_cos: Any = None,
+    rotary_sin: Any = None, cache_seqlens: Any = None, cache_batch_idx: Any = None, cache_leftpad: Any = None,
+    block_table: Any = None, *, softmax_scale: float | None = None, causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, rotary_interleaved: bool = True,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Decoding with a KV cache (flash-attn's ``flash_attn_with_kvcache``) in float64, on copies: the caches given
+    are not modified. Arguments as ``numba_flash.kvcache`` describes them (valid ones: nothing is checked here).
+
+    Returns:
+        out: (B, Sq, Hq, D) float64; lse: (B, Hq, Sq) float64 (+inf for a row that sees no key).
+        k_cache, v_cache: float64 copies of the caches after the append. The appended keys are rotated in
+            float64, then rounded to the cache's dtype, as a kernel stores them, and attention reads them back.
+    """
+    qa = as_float64(q)
+    kc_in = to_numpy(k_cache)
+    kc, vc = as_float64(k_cache), as_float64(v_cache)
+    batch, sq, hq, d = qa.shape
+    hkv = kc.shape[2]
+    paged = block_table is not None
+    table = None if not paged else to_numpy(block_table).astype(np.int64)
+    page = kc.shape[1]
+    capacity = table.shape[1] * page if paged else kc.shape[1]
+    s_new = 0 if k is None else int(k.shape[1])
+    if cache_seqlens is None or isinstance(cache_seqlens, int):
+        lens = np.full(batch, capacity if cache_seqlens is None else cache_seqlens, dtype=np.int64)
+    else:
+        lens = to_numpy(cache_seqlens).astype(np.int64)
+    rows = np.arange(batch) if cache_batch_idx is None else to_numpy(cache_batch_idx).astype(np.int64)
+    starts = np.zeros(batch, np.int64) if cache_leftpad is None else to_numpy(cache_leftpad).astype(np.int64)
+
+    def slot(b: int, p: int) -> tuple[int, int]:
+        """Where sequence b's logical key p lives in the cache arrays."""
+        return (int(table[b, p // page]), p % page) if paged else (int(rows[b]), p)
+
+    if rotary_cos is not None:
+        cos, sin = as_float64(rotary_cos), as_float64(rotary_sin)
+        offsets = np.arange(sq) if (causal or tuple(window_size) != (-1, -1)) else np.zeros(sq, np.int64)
+        qa = _rotate_ref(qa, cos, sin, lens[:, None] + offsets[None, :], rotary_interleaved)
+    if k is not None:
+        kn, vn = as_float64(k), as_float64(v)
+        if rotary_cos is not None:
+            kn = _rotate_ref(kn, cos, sin, lens[:, None] + np.arange(s_new)[None, :], rotary_interleaved)
+        # stored in the cache's own precision (bfloat16 comes to numpy as float32: rounded to that)
+        kn, vn = (x.astype(kc_in.dtype).astype(np.float64) for x in (kn, vn))
+        for b in range(batch):
+            for t in range(s_new):
+                kc[slot(b, int(lens[b]) + t)] = kn[b, t]
+                vc[slot(b, int(lens[b]) + t)] = vn[b, t]
+    out = np.zeros((batch, sq, hq, d))
+    lse = np.full((batch, hq, sq), np.inf)
+    for b in range(batch):
+        positions = range(int(starts[b]), int(lens[b]) + s_new)
+        if not len(positions):
+            continue
+        keys = np.stack([kc[slot(b, p)] for p in positions])[None]
+        values = np.stack([vc[slot(b, p)] for p in positions])[None]
+        out[b:b + 1], lse[b:b + 1] = attention_ref(qa[b:b + 1], keys, values, causal=causal,
+                                                   softmax_scale=softmax_scale, window_size=window_size,
+                                                   softcap=softcap)
+    return out, lse, kc, vc

@@ -75,6 +75,11 @@ class AttentionCall:
         return self.window_left >= 0 or (self.window_right >= 0 and not (self.causal and self.window_right == 0))
 
     @property
+    def kvcache(self) -> Any:
+        """The ``numba_flash.kvcache.KVCacheCall`` of a ``with_kvcache`` call, else None."""
+        return self.extra.get("kvcache")
+
+    @property
     def is_varlen(self) -> bool:
         return self.packing is not None
 
@@ -103,7 +108,7 @@ class AttentionCall:
             parts.append(f"window=({self.window_left}, {self.window_right})")
         if self.softcap:
             parts.append(f"softcap={self.softcap:g}")
-        parts.append("backward" if self.is_backward else "forward")
+        parts.append("backward" if self.is_backward else "with_kvcache" if self.kvcache is not None else "forward")
         return " ".join(parts)
 
 

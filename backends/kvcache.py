@@ -1,0 +1,136 @@
+"""KV-cache decoding (``with_kvcache``) on any backend, from pieces the backend already has: rotary and the in-place
+append are array slicing and arithmetic that numpy arrays and torch tensors share, and the attention over each
+sequence's cached keys runs the backend's dense forward on views of the cache, split along the keys
+(flash-decoding) and merged by lse.
+
+A backend calls ``prepare`` (rotary on q and the new keys, computed in its compute dtype), then ``append`` (the only
+write to a caller's array), then ``forward`` with its dense ``run`` function, as ``backends.varlen`` does for packed
+sequences. A backend with a kernel of its own for the attention (the CPU's decode kernel) calls only the first two.
+
+The split arithmetic: the keys ``[a, e)`` of a sequence with ``Sk`` keys form a dense call with ``Sk' = e - a``
+keys; it keeps every row's visible keys exactly when the right bound grows by ``Sk - e`` (a causal block sees more
+of the keys left of the end) and the left bound shrinks by as much. A left bound that would become negative cannot
+be written as a window, so a sequence with a bounded left window is not split; its work is already bounded by the
+window, and the keys left of row 0's window are skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+from numba_flash.kvcache import KVCacheCall
+from numba_flash.merge import merge_attention_states
+from numba_flash.rotary import apply_rotary, rotary_positions
+from numba_flash.semantics import clamp_window_bound
+
+# Below this many keys per part, the cost of another kernel call and merge outweighs the parallelism it adds.
+MIN_KEYS_PER_SPLIT = 512
+MAX_SPLITS = 64
+
+
+def choose_num_splits(kv: KVCacheCall, workers: int) -> int:
+    """Splits of the key range when the caller passed ``num_splits=0``: enough (sequence, kv head, split) units for
+    about twice ``workers`` (threads, or SMs on a GPU), no part shorter than ``MIN_KEYS_PER_SPLIT`` keys."""
+    if kv.num_splits:
+        return kv.num_splits
+    units = kv.batch * kv.nheads_kv
+    longest = int(kv.seqlens_k.max())
+    wanted = -(-2 * workers // max(units, 1))
+    return max(1, min(wanted, longest // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+
+
+def prepare(kv: KVCacheCall, q: Any, k_new: Any, cos: Any, sin: Any, arange: Callable[[int], Any],
+            seqlens: Any) -> tuple[Any, Any]:
+    """q and the new keys, rotated when the call has rotary tables; all arrays in the backend's compute dtype.
+    ``seqlens`` is ``kv.cache_seqlens`` as the backend's integer array, ``arange`` its ``arange``."""
+    if kv.rotary_cos is None:
+        return q, k_new
+    q_pos = rotary_positions(seqlens, kv.seqlen_q, kv.causal or kv.local, arange)
+    k_pos = rotary_positions(seqlens, kv.seqlen_new, True, arange)
+    return (apply_rotary(q, cos, sin, q_pos, kv.rotary_interleaved),
+            apply_rotary(k_new, cos, sin, k_pos, kv.rotary_interleaved))
+
+
+def _slots(kv: KVCacheCall, b: int, p0: int, p1: int) -> list[tuple[Any, slice, slice]]:
+    """Where logical keys ``[p0, p1)`` of sequence b live: (cache row or block, positions there, positions within
+    ``[p0, p1)``), one piece per page touched (one piece in all when the cache is not paged)."""
+    if not kv.paged:
+        return [(int(kv.cache_rows[b]), slice(p0, p1), slice(0, p1 - p0))]
+    pieces, p = [], p0
+    while p < p1:
+        block, offset = int(kv.block_table[b, p // kv.page_size]), p % kv.page_size
+        n = min(kv.page_size - offset, p1 - p)
+        pieces.append((block, slice(offset, offset + n), slice(p - p0, p - p0 + n)))
+        p += n
+    return pieces
+
+
+def append(kv: KVCacheCall, k_cache: Any, v_cache: Any, k_new: Any, v_new: Any) -> None:
+    """Write the new keys and values into the caches at ``cache_seqlens``. k_new, v_new: (B, S_new, Hkv, D) arrays
+    the caches accept in an assignment (the caches' kind; numpy casts on assignment, torch callers cast first)."""
+    for b in range(kv.batch):
+        p0 = int(kv.cache_seqlens[b])
+        for where, there, here in _slots(kv, b, p0, p0 + kv.seqlen_new):
+            k_cache[where, there] = k_new[b, here]
+            v_cache[where, there] = v_new[b, here]
+
+
+def keys_of(kv: KVCacheCall, cache: Any, b: int, gather: Callable[[Any, list[int]], Any]) -> Any:
+    """Sequence b's attended keys ``(Sk_b, Hkv, D)``: a view of the cache row, or, paged, the pages gathered by
+    ``gather(cache, blocks) -> (len(blocks) * page_size, Hkv, D)`` and sliced."""
+    p0, p1 = int(kv.key_start[b]), int(kv.key_end[b])
+    if not kv.paged:
+        return cache[int(kv.cache_rows[b]), p0:p1]
+    first, last = p0 // kv.page_size, -(-p1 // kv.page_size)
+    blocks = [int(x) for x in kv.block_table[b, first:last]]
+    offset = first * kv.page_size
+    return gather(cache, blocks)[p0 - offset:p1 - offset]
+
+
+def key_parts(kv: KVCacheCall, seqlen_k: int, num_splits: int) -> list[tuple[int, int, int, int]]:
+    """The dense calls sequence b's keys ``[0, seqlen_k)`` are cut into: ``(a, e, left, right)`` with the window
+    bounds of the part's own call (see the module docstring)."""
+    left, right = kv.window_for(seqlen_k)
+    if left >= 0:
+        first = max(0, seqlen_k - kv.seqlen_q - left)
+        return [(first, seqlen_k, left, right)]
+    n = max(1, min(num_splits, seqlen_k))
+    bounds = [seqlen_k * i // n for i in range(n + 1)]
+    parts = []
+    for a, e in zip(bounds[:-1], bounds[1:]):
+        r = right if right < 0 else clamp_window_bound(right + seqlen_k - e, kv.seqlen_q, e - a)
+        parts.append((a, e, -1, r))
+    return parts
+
+
+def forward(kv: KVCacheCall, run: Callable[..., None], q: Any, k_cache: Any, v_cache: Any, out: Any, lse: Any,
+            num_splits: int, *, gather: Callable[[Any, list[int]], Any], empty_like: Callable[[Any], Any],
+            lead_axis: Callable[[Any], Any] = lambda x: x[None],
+            fill: Callable[[Any, float], None] = lambda x, value: x.__setitem__(Ellipsis, value)) -> None:
+    """Attention of each sequence over its cached keys, written into out (B, Sq, Hq, D) and lse (B, Hq, Sq).
+
+    q: (B, Sq, Hq, D), rotated, and the caches (after ``append``), in the dtype ``run`` takes; out and lse: the
+    backend's arrays. ``run(call, q, k, v, out, lse)`` is its dense forward on (1, S, H, D) views. Parts of a split
+    sequence are computed into ``empty_like`` temporaries and merged with ``merge_attention_states``.
+    """
+    base = kv.dense_call()
+    for b in range(kv.batch):
+        seqlen_k = int(kv.seqlens_k[b])
+        if seqlen_k == 0:
+            fill(out[b], 0.0)
+            fill(lse[b], math.inf)
+            continue
+        keys, values = keys_of(kv, k_cache, b, gather), keys_of(kv, v_cache, b, gather)
+        q_b = lead_axis(q[b])
+        merged = None
+        for a, e, left, right in key_parts(kv, seqlen_k, num_splits):
+            k_part, v_part = lead_axis(keys[a:e]), lead_axis(values[a:e])
+            call = dataclasses.replace(base, q=q_b, k=k_part, v=v_part, batch=1, seqlen_k=e - a, causal=False,
+                                       window_left=left, window_right=right, extra={})
+            out_part, lse_part = empty_like(lead_axis(out[b])), empty_like(lead_axis(lse[b]))
+            run(call, q_b, k_part, v_part, out_part, lse_part)
+            merged = (out_part, lse_part) if merged is None else merge_attention_states(*merged, out_part, lse_part)
+        out[b] = merged[0][0]
+        lse[b] = merged[1][0]

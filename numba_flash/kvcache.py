@@ -1,0 +1,321 @@
+"""Decoding with a KV cache: the checks of ``with_kvcache``'s arguments and ``KVCacheCall``, the description of a
+valid call every backend runs from.
+
+The semantics are flash-attn's ``flash_attn_with_kvcache``:
+
+* The cache holds up to ``capacity`` keys per sequence: ``k_cache`` is ``(B_cache, capacity, Hkv, D)``, or, paged,
+  ``(num_blocks, page_size, Hkv, D)`` with ``block_table`` ``(B, max_blocks)`` mapping sequence b's logical page
+  n to physical block ``block_table[b, n]`` (capacity ``max_blocks * page_size``).
+* Sequence b uses cache row ``cache_batch_idx[b]`` (default b) and holds ``cache_seqlens[b]`` keys (default: the
+  whole capacity). New keys ``k``, ``v`` ``(B, S_new, Hkv, D)`` are written in place at positions
+  ``cache_seqlens[b] ..`` of that row (the only input ever modified); the query block then attends to positions
+  ``[cache_leftpad[b], cache_seqlens[b] + S_new)``: a dense call with ``Sk_b`` keys, bottom-right aligned.
+* Rotary tables ``rotary_cos`` / ``rotary_sin`` ``(seqlen_ro, rotary_dim / 2)`` rotate the new keys at their
+  absolute cache positions and q at ``cache_seqlens[b] + t`` (causal or local), else all of q at
+  ``cache_seqlens[b]`` (see ``numba_flash.rotary``). They need new keys, as in flash-attn.
+
+Everything is checked before anything is written, so a refused call leaves the cache as it was. What flash-attn
+leaves undefined is refused here instead: duplicate ``cache_batch_idx`` entries or shared pages that an append
+would write twice, a cache too short for the append, rotary tables too short for the positions.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .arrays import array_kind, device_of, dtype_name, to_numpy
+from .errors import AttentionInputError
+from .semantics import clamp_window_bound, compute_dtype_name, default_scale, effective_softcap, effective_window
+from .validation import MAX_HEAD_DIM, AttentionCall, _check_array, _check_options
+
+INDEX_DTYPES = ("int32", "int64")
+
+
+def _bad(arg: str, expected: str, got: Any) -> AttentionInputError:
+    return AttentionInputError(f"{arg}: expected {expected}, got {got}")
+
+
+@dataclass(frozen=True, eq=False)
+class KVCacheCall:
+    """A validated ``with_kvcache`` call. Host index arrays are read-only int64 copies of the caller's.
+
+    q: (B, Sq, Hq, D); k_cache, v_cache: (B_cache, capacity, Hkv, D), or paged (num_blocks, page_size, Hkv, D);
+    k_new, v_new: (B, S_new, Hkv, D) or None; rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2) or None.
+    cache_seqlens (B,): keys held before the append; cache_rows (B,): the cache row of each sequence (not paged);
+    key_start (B,): the first key attended (cache_leftpad); block_table (B, max_blocks) or None.
+    """
+
+    q: Any
+    k_cache: Any
+    v_cache: Any
+    k_new: Any
+    v_new: Any
+    rotary_cos: Any
+    rotary_sin: Any
+    rotary_interleaved: bool
+    kind: str
+    device: str
+    dtype: str
+    batch: int
+    seqlen_q: int
+    seqlen_new: int
+    nheads_q: int
+    nheads_kv: int
+    head_dim: int
+    capacity: int
+    page_size: int        # 0: not paged
+    cache_seqlens: np.ndarray
+    cache_rows: np.ndarray | None
+    key_start: np.ndarray
+    block_table: np.ndarray | None
+    causal: bool
+    local: bool           # window_size given as other than (-1, -1): flash-attn's "local"
+    softmax_scale: float
+    window_left: int      # -1 unbounded; not capped (each sequence caps them for its own Sk)
+    window_right: int
+    softcap: float
+    num_splits: int       # 0: the backend chooses
+    return_lse: bool
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
+
+    @property
+    def rotary_dim(self) -> int:
+        return 0 if self.rotary_cos is None else 2 * int(self.rotary_cos.shape[1])
+
+    @property
+    def key_end(self) -> np.ndarray:
+        """(B,) one past the last key attended: ``cache_seqlens + S_new``."""
+        return self.cache_seqlens + self.seqlen_new
+
+    @property
+    def seqlens_k(self) -> np.ndarray:
+        """(B,) keys each sequence attends to."""
+        return self.key_end - self.key_start
+
+    def window_for(self, seqlen_k: int) -> tuple[int, int]:
+        """The window bounds of a dense call with ``seqlen_k`` keys, capped as validation caps a dense call's."""
+        return (clamp_window_bound(self.window_left, self.seqlen_q, seqlen_k),
+                clamp_window_bound(self.window_right, self.seqlen_q, seqlen_k))
+
+    def dense_call(self) -> AttentionCall:
+        """An ``AttentionCall`` describing this call to the dispatcher (dtype, device, sizes with the longest
+        sequence's Sk), so that backends decide on a KV-cache call as on a dense one. ``extra["kvcache"]`` is self."""
+        sk = max(1, int(self.seqlens_k.max()))
+        left, right = self.window_for(sk)
+        return AttentionCall(q=self.q, k=self.k_cache, v=self.v_cache, kind=self.kind, device=self.device,
+                             dtype=self.dtype, layout="bshd", batch=self.batch, seqlen_q=self.seqlen_q, seqlen_k=sk,
+                             nheads_q=self.nheads_q, nheads_kv=self.nheads_kv, head_dim=self.head_dim,
+                             causal=self.causal, softmax_scale=self.softmax_scale, window_left=left,
+                             window_right=right, softcap=self.softcap, return_lse=self.return_lse,
+                             extra={"kvcache": self})
+
+
+def _host_ints(name: str, x: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
+    """``x`` (an integer array of any kind) as a read-only int64 host copy of ``shape``."""
+    kind = array_kind(x)
+    if kind is None:
+        raise _bad(name, f"{what} (an int32 array: numpy, torch or a device array)", f"an object of type "
+                   f"{type(x).__name__}")
+    got = tuple(int(s) for s in x.shape)
+    if got != shape:
+        raise _bad(name, f"shape {shape} {what}", f"shape {got}")
+    dt = dtype_name(x)
+    if dt not in INDEX_DTYPES:
+        raise _bad(name, "dtype int32 (or int64)", f"dtype {dt}")
+    values = np.array(to_numpy(x), dtype=np.int64, copy=True)
+    values.flags.writeable = False
+    return values
+
+
+def _first_bad(name: str, values: np.ndarray, ok: np.ndarray, expected: str) -> None:
+    bad = np.flatnonzero(~ok)
+    if bad.size:
+        b = int(bad[0])
+        raise _bad(name, expected, f"{name}[{b}] = {int(values[b])}")
+
+
+def _check_same(name: str, info: tuple, q_info: tuple) -> None:
+    _, kind, _, dt, dev = info
+    _, qkind, _, qdt, qdev = q_info
+    if kind != qkind:
+        raise _bad(name, f"the same array kind as q ({qkind})", kind)
+    if dt != qdt:
+        raise _bad(name, f"the same dtype as q ({qdt})", f"dtype {dt}")
+    if dev != qdev:
+        raise _bad(name, f"the same device as q ({qdev})", f"device {dev}")
+
+
+def _check_num_splits(num_splits: Any) -> int:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+        raise _bad("num_splits", "an int >= 0 (0 lets the backend choose)", repr(num_splits))
+    return int(num_splits)
+
+
+def validate_kvcache(
+    q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, rotary_cos: Any = None, rotary_sin: Any = None,
+    cache_seqlens: Any = None, cache_batch_idx: Any = None, cache_leftpad: Any = None, block_table: Any = None,
+    softmax_scale: float | None = None, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0, rotary_interleaved: bool = True, alibi_slopes: Any = None, num_splits: int = 0,
+    return_lse: bool = False,
+) -> KVCacheCall:
+    """Check a ``with_kvcache`` call (shapes in the module docstring); raise ``AttentionInputError`` on the first
+    violation, before anything is written."""
+    causal, softmax_scale, window_size, softcap, _, return_lse = _check_options(
+        causal, softmax_scale, window_size, softcap, "bshd", return_lse)
+    if alibi_slopes is not None:
+        raise _bad("alibi_slopes", "None (ALiBi is not implemented yet: it comes with the attention-variants work)",
+                   "an array")
+    if not isinstance(rotary_interleaved, (bool, np.bool_)):
+        raise _bad("rotary_interleaved", "a bool", repr(rotary_interleaved))
+    num_splits = _check_num_splits(num_splits)
+    q_info = _check_array("q", q, "bshd")
+    q, qkind, (batch, sq, hq, d), qdt, qdev = q_info
+    paged = block_table is not None
+    cache_dims = "(num_blocks, page_size, Hkv, D)" if paged else "(B_cache, capacity, Hkv, D)"
+    caches = {}
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if array_kind(x) is not None and len(x.shape) != 4:
+            raise _bad(name, f"4 dimensions {cache_dims}", f"shape {tuple(int(s) for s in x.shape)}")
+        caches[name] = _check_array(name, x, "bshd")
+        _check_same(name, caches[name], q_info)
+    k_cache, v_cache = caches["k_cache"][0], caches["v_cache"][0]
+    kc_shape = caches["k_cache"][2]
+    if caches["v_cache"][2] != kc_shape:
+        raise _bad("v_cache", f"the shape of k_cache {kc_shape}", f"shape {caches['v_cache'][2]}")
+    hkv = kc_shape[2]
+    if kc_shape[3] != d:
+        raise _bad("k_cache", f"head dim {d} like q", f"head dim {kc_shape[3]} (shape {kc_shape})")
+    if d > MAX_HEAD_DIM:
+        raise _bad("q", f"head dim D between 1 and {MAX_HEAD_DIM}", f"D={d} (shape {(batch, sq, hq, d)})")
+    if hq % hkv != 0:
+        raise _bad("k_cache", f"a number of heads that divides q's {hq} (grouped-query attention)",
+                   f"Hkv={hkv} (shape {kc_shape})")
+
+    if (k is None) != (v is None):
+        raise _bad("k" if k is None else "v", "k and v both given (new keys and values to append) or both None",
+                   "None" if k is None else "an array")
+    seqlen_new = 0
+    if k is not None:
+        news = {}
+        for name, x in (("k", k), ("v", v)):
+            news[name] = _check_array(name, x, "bshd")
+            _check_same(name, news[name], q_info)
+        k, v = news["k"][0], news["v"][0]
+        want = (batch, news["k"][2][1], hkv, d)
+        for name in ("k", "v"):
+            if news[name][2] != want:
+                raise _bad(name, f"shape (B, S_new, Hkv, D) = {want} (B of q, Hkv and D of the cache)",
+                           f"shape {news[name][2]}")
+        seqlen_new = want[1]
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if qkind in ("numpy", "dlpack") and qdev == "cpu" and not to_numpy(x).flags.writeable:
+                raise _bad(name, "a writable array (k/v are appended to it in place)", "a read-only array")
+
+    if paged:
+        if cache_batch_idx is not None:
+            raise _bad("cache_batch_idx", "None with a paged cache (block_table picks each sequence's pages)",
+                       "an array")
+        if cache_leftpad is not None:
+            raise _bad("cache_leftpad", "None with a paged cache (as in flash-attn)", "an array")
+        kind = array_kind(block_table)
+        if kind is None or len(block_table.shape) != 2 or int(block_table.shape[0]) != batch:
+            got = f"shape {tuple(int(s) for s in block_table.shape)}" if kind else type(block_table).__name__
+            raise _bad("block_table", f"an int32 array (B, max_blocks) with B = {batch}", got)
+        table = _host_ints("block_table", block_table, (batch, int(block_table.shape[1])), "(B, max_blocks)")
+        num_blocks, page_size = kc_shape[0], kc_shape[1]
+        capacity = table.shape[1] * page_size
+    else:
+        table, page_size, capacity = None, 0, kc_shape[1]
+
+    if cache_seqlens is None:
+        seqlens = np.full(batch, capacity, dtype=np.int64)
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)
+    else:
+        seqlens = _host_ints("cache_seqlens", cache_seqlens, (batch,), "(B,), or an int")
+    _first_bad("cache_seqlens", seqlens, seqlens >= 0, "every entry >= 0")
+    _first_bad("cache_seqlens", seqlens, seqlens + seqlen_new <= capacity,
+               f"room for the {seqlen_new} new keys: cache_seqlens[b] + S_new <= the cache's capacity {capacity}")
+
+    rows = None
+    if not paged:
+        if cache_batch_idx is None:
+            if kc_shape[0] < batch:
+                raise _bad("k_cache", f"at least B = {batch} cache rows (or cache_batch_idx)", f"shape {kc_shape}")
+            rows = np.arange(batch, dtype=np.int64)
+        else:
+            rows = _host_ints("cache_batch_idx", cache_batch_idx, (batch,), "(B,)")
+            _first_bad("cache_batch_idx", rows, (rows >= 0) & (rows < kc_shape[0]),
+                       f"cache rows in [0, {kc_shape[0]})")
+            if seqlen_new and len(np.unique(rows)) != batch:
+                raise _bad("cache_batch_idx", "distinct entries when k/v are appended (two sequences would write "
+                           "the same cache row)", np.asarray(rows).tolist())
+    starts = np.zeros(batch, dtype=np.int64)
+    if cache_leftpad is not None:
+        starts = _host_ints("cache_leftpad", cache_leftpad, (batch,), "(B,)")
+        _first_bad("cache_leftpad", starts, (starts >= 0) & (starts <= seqlens), "0 <= cache_leftpad[b] <= "
+                   "cache_seqlens[b]")
+
+    if paged:
+        ends = seqlens + seqlen_new
+        pages_used = -(-ends // page_size)
+        for b in range(batch):
+            used = table[b, :pages_used[b]]
+            out_of_range = np.flatnonzero((used < 0) | (used >= num_blocks))
+            if out_of_range.size:
+                n = int(out_of_range[0])
+                raise _bad("block_table", f"block indices in [0, {num_blocks}) for the pages sequence {b} uses",
+                           f"block_table[{b}, {n}] = {int(used[n])}")
+        if seqlen_new:
+            written = [table[b, seqlens[b] // page_size:pages_used[b]] for b in range(batch)]
+            flat = np.concatenate(written)
+            if len(np.unique(flat)) != len(flat):
+                raise _bad("block_table", "no page shared by two sequences where k/v are appended (it would be "
+                           "written twice)", "a block listed twice among the pages written")
+
+    if rotary_cos is not None or rotary_sin is not None:
+        if rotary_cos is None or rotary_sin is None:
+            raise _bad("rotary_sin" if rotary_sin is None else "rotary_cos", "rotary_cos and rotary_sin both given",
+                       "None")
+        if k is None:
+            raise _bad("rotary_cos", "None when no new k/v are appended (rotary is applied to the new keys and q, "
+                       "as in flash-attn)", "a table")
+        tables = {}
+        for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            kind = array_kind(x)
+            if kind is None or len(x.shape) != 2:
+                got = f"shape {tuple(int(s) for s in x.shape)}" if kind else type(x).__name__
+                raise _bad(name, "an array (seqlen_ro, rotary_dim / 2)", got)
+            dt = dtype_name(x)
+            if kind != qkind or device_of(x) != qdev or dt not in ("float16", "bfloat16", "float32", "float64"):
+                raise _bad(name, f"a floating {qkind} array on q's device ({qdev})",
+                           f"a {kind} array of dtype {dt} on {device_of(x)}")
+            tables[name] = tuple(int(s) for s in x.shape)
+        if tables["rotary_sin"] != tables["rotary_cos"]:
+            raise _bad("rotary_sin", f"the shape of rotary_cos {tables['rotary_cos']}", f"shape {tables['rotary_sin']}")
+        seqlen_ro, half = tables["rotary_cos"]
+        if half < 1 or 2 * half > d:
+            raise _bad("rotary_cos", f"(seqlen_ro, rotary_dim / 2) with 2 <= rotary_dim <= D = {d}",
+                       f"shape {tables['rotary_cos']}")
+        needed = int((seqlens + seqlen_new).max())
+        if seqlen_ro < needed:
+            raise _bad("rotary_cos", f"at least {needed} rows (positions up to cache_seqlens + S_new - 1)",
+                       f"{seqlen_ro} rows")
+
+    left, right = effective_window(causal, window_size)
+    return KVCacheCall(
+        q=q, k_cache=k_cache, v_cache=v_cache, k_new=k, v_new=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=bool(rotary_interleaved), kind=qkind, device=qdev, dtype=qdt, batch=batch, seqlen_q=sq,
+        seqlen_new=seqlen_new, nheads_q=hq, nheads_kv=hkv, head_dim=d, capacity=capacity, page_size=page_size,
+        cache_seqlens=seqlens, cache_rows=rows, key_start=starts, block_table=table, causal=causal,
+        local=tuple(window_size) != (-1, -1),
+        softmax_scale=default_scale(d) if softmax_scale is None else float(softmax_scale), window_left=left,
+        window_right=right, softcap=effective_softcap(softcap, compute_dtype_name(qdt)), num_splits=num_splits,
+        return_lse=return_lse)
