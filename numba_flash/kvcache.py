@@ -304,10 +304,11 @@ def validate_kvcache(
         if half < 1 or 2 * half > d:
             raise _bad("rotary_cos", f"(seqlen_ro, rotary_dim / 2) with 2 <= rotary_dim <= D = {d}",
                        f"shape {tables['rotary_cos']}")
-        needed = int((seqlens + seqlen_new).max())
+        q_span = sq if (causal or tuple(window_size) != (-1, -1)) else 1
+        needed = int(seqlens.max()) + max(seqlen_new, q_span)
         if seqlen_ro < needed:
-            raise _bad("rotary_cos", f"at least {needed} rows (positions up to cache_seqlens + S_new - 1)",
-                       f"{seqlen_ro} rows")
+            raise _bad("rotary_cos", f"at least {needed} rows (the new keys' and q's positions reach "
+                       f"cache_seqlens + {max(seqlen_new, q_span) - 1})", f"{seqlen_ro} rows")
 
     left, right = effective_window(causal, window_size)
     return KVCacheCall(

@@ -1,0 +1,238 @@
+"""with_kvcache (flash-attn's flash_attn_with_kvcache) on the reference and on the cpu and torch backends.
+
+The reference is checked first against hand-built cases (rotary as plane rotations, the cache's keys concatenated
+by hand), then every backend against the reference on fresh random caches of odd sizes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import numba_flash
+from numba_flash import AttentionInputError, attention_ref, attention_ref_kvcache, backend_registry
+from numba_flash.rotary import apply_rotary
+
+torch = pytest.importorskip("torch")
+
+BACKENDS = ("cpu", "rocm")
+
+
+def _case(rng, *, batch=3, sq=2, hq=4, hkv=2, d=24, capacity=37, s_new=3, paged=False, page=8, rotary=True,
+          dtype=np.float32, batch_idx=False, leftpad=False):
+    """Random inputs of a with_kvcache call, as keyword arguments, and the caches' dense twin for checks."""
+    q = rng.standard_normal((batch, sq, hq, d)).astype(dtype)
+    lens = rng.integers(0, capacity - s_new + 1, batch).astype(np.int32)
+    lens[0] = capacity - s_new  # one sequence filled to the brim
+    args = dict(q=q, cache_seqlens=lens)
+    if s_new:
+        args["k"] = rng.standard_normal((batch, s_new, hkv, d)).astype(dtype)
+        args["v"] = rng.standard_normal((batch, s_new, hkv, d)).astype(dtype)
+    if paged:
+        max_blocks = -(-capacity // page)
+        num_blocks = batch * max_blocks + 2
+        table = rng.permutation(num_blocks)[:batch * max_blocks].reshape(batch, max_blocks).astype(np.int32)
+        args["block_table"] = table
+        shape = (num_blocks, page, hkv, d)
+        args["cache_seqlens"] = np.minimum(lens, max_blocks * page - s_new).astype(np.int32)
+    else:
+        rows = batch + 2 if batch_idx else batch
+        shape = (rows, capacity, hkv, d)
+        if batch_idx:
+            args["cache_batch_idx"] = rng.permutation(rows)[:batch].astype(np.int32)
+    args["k_cache"] = rng.standard_normal(shape).astype(dtype)
+    args["v_cache"] = rng.standard_normal(shape).astype(dtype)
+    if leftpad:
+        args["cache_leftpad"] = (rng.integers(0, 1 << 30, batch) % (args["cache_seqlens"] + 1)).astype(np.int32)
+    if rotary and s_new:
+        positions = (shape[0] * shape[1] if paged else capacity) + sq  # causal q reaches cache_seqlens + Sq - 1
+        angles = rng.uniform(0, 2 * np.pi, (positions, d // 4))  # rotary_dim = D / 2: the rest must pass through
+        args["rotary_cos"], args["rotary_sin"] = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+    return args
+
+
+def _copy(args):
+    """Fresh copies of the arrays, read-only where the original is."""
+    copies = {n: (a.copy() if isinstance(a, np.ndarray) else a) for n, a in args.items()}
+    for n, a in copies.items():
+        if isinstance(a, np.ndarray):
+            a.flags.writeable = args[n].flags.writeable
+    return copies
+
+
+def _as_torch(args):
+    return {n: (torch.from_numpy(a) if isinstance(a, np.ndarray) else a) for n, a in args.items()}
+
+
+# ---- the reference against hand-built cases ----
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rotary_turns_each_pair_by_its_angle(interleaved):
+    rng = np.random.default_rng(11)
+    d, half = 10, 3
+    x = rng.standard_normal((1, 2, 1, d))
+    theta = rng.uniform(0, 2 * np.pi, (5, half))
+    positions = np.array([[4, 1]])
+    got = apply_rotary(x, np.cos(theta), np.sin(theta), positions, interleaved)
+    for t, p in enumerate(positions[0]):
+        for i in range(half):
+            a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+            c, s = np.cos(theta[p, i]), np.sin(theta[p, i])
+            want = np.array([[c, -s], [s, c]]) @ x[0, t, 0, [a, b]]
+            np.testing.assert_allclose(got[0, t, 0, [a, b]], want, rtol=1e-12)
+    np.testing.assert_array_equal(got[..., 2 * half:], x[..., 2 * half:])  # beyond rotary_dim: untouched
+
+
+def test_reference_equals_attention_over_the_keys_gathered_by_hand():
+    rng = np.random.default_rng(12)
+    args = _case(rng, rotary=False, batch_idx=True, leftpad=True)
+    out, lse, k_after, v_after = attention_ref_kvcache(**args, causal=True)
+    for b in range(3):
+        row, n, start = args["cache_batch_idx"][b], args["cache_seqlens"][b], args["cache_leftpad"][b]
+        keys = np.concatenate([args["k_cache"][row, start:n], args["k"][b]])[None]
+        values = np.concatenate([args["v_cache"][row, start:n], args["v"][b]])[None]
+        o, l = attention_ref(args["q"][b:b + 1], keys, values, causal=True)
+        np.testing.assert_allclose(out[b:b + 1], o, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(lse[b:b + 1], l, rtol=1e-12)
+        np.testing.assert_array_equal(k_after[row, n:n + 3], args["k"][b])
+    untouched = np.setdiff1d(np.arange(5), args["cache_batch_idx"])
+    np.testing.assert_array_equal(k_after[untouched], args["k_cache"][untouched])
+
+
+def test_reference_paged_equals_the_same_cache_unpaged():
+    rng = np.random.default_rng(13)
+    args = _case(rng, paged=True, page=4)
+    table, page = args["block_table"], 4
+    dense = {name: args[name][table].reshape(3, -1, *args[name].shape[2:]) for name in ("k_cache", "v_cache")}
+    unpaged = {**{n: a for n, a in args.items() if n != "block_table"}, **dense}
+    got = attention_ref_kvcache(**args, causal=True)
+    want = attention_ref_kvcache(**unpaged, causal=True)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got[2][table].reshape(want[2].shape), want[2])
+
+
+# ---- every backend against the reference ----
+
+GRID = [dict(paged=p, batch_idx=bi, leftpad=lp, rotary=r, s_new=s, sq=sq)
+        for p, bi, lp, r, s, sq in [(False, False, False, True, 3, 1), (False, True, True, True, 1, 4),
+                                   (True, False, False, True, 3, 2), (True, False, False, False, 0, 3),
+                                   (False, False, True, False, 0, 1), (False, True, False, True, 5, 5)]]
+OPTIONS = [dict(), dict(causal=True), dict(window_size=(6, 0)), dict(window_size=(-1, 2), softcap=3.0),
+           dict(causal=True, rotary_interleaved=False, softmax_scale=0.3)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case,options", list(itertools.product(range(len(GRID)), range(len(OPTIONS)))))
+def test_backend_matches_reference(backend, case, options):
+    rng = np.random.default_rng(100 + 10 * case + options)
+    args, opts = _case(rng, **GRID[case]), OPTIONS[options]
+    splits = int(rng.choice([0, 1, 3, 64]))
+    want_out, want_lse, want_k, want_v = attention_ref_kvcache(**args, **opts)
+    given = _copy(args)
+    out, lse = backend_registry.get("flash", backend=backend).with_kvcache(**given, **opts, num_splits=splits,
+                                                                           return_lse=True)
+    assert isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == args["q"].shape
+    naive_err = 4 * np.abs(attention_ref_kvcache(**{n: (a.astype(np.float32) if isinstance(a, np.ndarray) and
+                                                        a.dtype.kind == "f" else a) for n, a in args.items()},
+                                                 **opts)[0] - want_out).max()
+    np.testing.assert_allclose(out, want_out, atol=max(2e-5, naive_err), rtol=0)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(given["k_cache"], want_k, atol=2e-6, rtol=0)
+    np.testing.assert_array_equal(given["v_cache"], want_v)
+    for name in ("q", "k", "v", "rotary_cos", "block_table", "cache_seqlens"):
+        if name in args:
+            np.testing.assert_array_equal(given[name], args[name])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_tensors_float16_and_bfloat16(backend):
+    rng = np.random.default_rng(21)
+    args = _case(rng, paged=True, rotary=True, sq=3)
+    want_out, _, want_k, _ = attention_ref_kvcache(**args, causal=True)
+    for dt, tol in ((torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)):
+        given = {n: (t.to(dt) if t.dtype.is_floating_point else t) for n, t in _as_torch(args).items()}
+        out = backend_registry.get("flash", backend=backend).with_kvcache(**given, causal=True)
+        assert isinstance(out, torch.Tensor) and out.dtype == dt
+        err = np.linalg.norm(out.float().numpy() - want_out) / np.linalg.norm(want_out)
+        assert err < tol
+        k_err = np.abs(given["k_cache"].float().numpy() - want_k).max()
+        assert k_err < 8 * tol  # the appended keys, rounded to the cache's dtype
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_garbage_outside_the_attended_keys_stays_out(backend):
+    """Real caches hold uninitialised memory past cache_seqlens and before cache_leftpad: it must never leak."""
+    rng = np.random.default_rng(22)
+    args = _case(rng, rotary=False, leftpad=True, s_new=1)
+    want = attention_ref_kvcache(**args)[0]
+    given = _copy(args)
+    for b in range(3):
+        for cache in (given["k_cache"], given["v_cache"]):
+            cache[b, args["cache_seqlens"][b] + 1:] = np.nan
+            cache[b, :args["cache_leftpad"][b]] = np.inf
+    out = backend_registry.get("flash", backend=backend).with_kvcache(**given, num_splits=3)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sequence_with_no_keys_gets_zero_and_inf(backend):
+    rng = np.random.default_rng(23)
+    args = _case(rng, rotary=False, s_new=0)
+    args["cache_seqlens"][1] = 0
+    out, lse = backend_registry.get("flash", backend=backend).with_kvcache(**args, return_lse=True)
+    assert np.all(out[1] == 0) and np.all(np.isposinf(lse[1]))
+    assert np.all(np.isfinite(out[[0, 2]]))
+
+
+# ---- bad input: refused before anything is written ----
+
+def _bad_cases():
+    rng = np.random.default_rng(31)
+    plain, paged = _case(rng), _case(rng, paged=True)
+    yield "cache_seqlens", {**plain, "cache_seqlens": np.array([35, 0, 1], np.int32)}  # 35 + 3 > 37
+    yield "cache_seqlens", {**plain, "cache_seqlens": np.array([-1, 0, 1], np.int32)}
+    table = paged["block_table"].copy()
+    table[2, 0] = 10_000
+    yield "block_table", {**paged, "block_table": table}
+    yield "rotary_cos", {**plain, "rotary_cos": plain["rotary_cos"][:4], "rotary_sin": plain["rotary_sin"][:4]}
+    yield "rotary_cos", {**plain, "rotary_cos": np.ones((37, 20), np.float32), "rotary_sin": np.ones((37, 20),
+                                                                                                    np.float32)}
+    yield "rotary_cos", {n: a for n, a in plain.items() if n not in ("k", "v")}  # rotary without new keys
+    yield "v", {n: a for n, a in plain.items() if n != "v"}
+    yield "cache_batch_idx", {**plain, "k_cache": np.concatenate([plain["k_cache"]] * 2),
+                              "v_cache": np.concatenate([plain["v_cache"]] * 2),
+                              "cache_batch_idx": np.array([1, 4, 1], np.int32)}
+    yield "cache_leftpad", {**plain, "cache_leftpad": plain["cache_seqlens"] + 1}
+    yield "k", {**plain, "k": plain["k"][:, :, :1]}
+    yield "alibi_slopes", {**plain, "alibi_slopes": np.ones(4, np.float32)}
+    yield "num_splits", {**plain, "num_splits": -2}
+    frozen = plain["k_cache"].copy()
+    frozen.flags.writeable = False
+    yield "k_cache", {**plain, "k_cache": frozen}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("argument,args", list(_bad_cases()), ids=lambda x: x if isinstance(x, str) else "")
+def test_bad_input_is_refused_and_the_cache_untouched(backend, argument, args):
+    given = _copy(args)
+    with pytest.raises(AttentionInputError, match=f"^{argument}: expected"):
+        backend_registry.get("flash", backend=backend).with_kvcache(**given)
+    for name in ("k_cache", "v_cache"):
+        np.testing.assert_array_equal(given[name], args[name])
+
+
+def test_explain_and_choice_of_splits():
+    from numba_flash.backends import kvcache as driver
+    from numba_flash.kvcache import validate_kvcache
+
+    rng = np.random.default_rng(41)
+    args = _case(rng, rotary=False, s_new=0, capacity=5000)
+    kv = validate_kvcache(**args)
+    assert driver.choose_num_splits(kv, 1) == 1
+    many = driver.choose_num_splits(kv, 64)
+    assert 1 < many <= driver.MAX_SPLITS and many <= int(kv.seqlens_k.max()) // driver.MIN_KEYS_PER_SPLIT
+    assert driver.choose_num_splits(validate_kvcache(**args, num_splits=5), 64) == 5
+    assert "with_kvcache" in kv.dense_call().describe()
+    assert numba_flash.attention_ref_kvcache is attention_ref_kvcache
