@@ -6,6 +6,7 @@
     import numba_flash
     o = numba_flash.flash_attn_func(q, k, v, causal=True)   # torch tensors, autograd-aware
     o = numba_flash.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)   # packed sequences
+    o = numba_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens)  # decode step
     out, lse = numba_flash.merge_attention_states(out_a, lse_a, out_b, lse_b)   # two key sets' partial results
 
 Importing this package needs only numpy and numba; torch and numba.cuda are imported where they are used.
@@ -37,6 +38,7 @@ __all__ = [
     "validate_backward",
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     "backend_registry",
     "__version__",
 ]
@@ -44,7 +46,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # flash_attn_func and flash_attn_varlen_func need torch; import them only when somebody asks for them.
-    if name in ("flash_attn_func", "flash_attn_varlen_func"):
+    if name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"):
         from . import torch_api
 
         return getattr(torch_api, name)

@@ -236,3 +236,46 @@ def test_explain_and_choice_of_splits():
     assert driver.choose_num_splits(validate_kvcache(**args, num_splits=5), 64) == 5
     assert "with_kvcache" in kv.dense_call().describe()
     assert numba_flash.attention_ref_kvcache is attention_ref_kvcache
+
+
+# ---- the torch face, flash-attn's argument order ----
+
+def test_flash_attn_with_kvcache_positional_like_flash_attn():
+    rng = np.random.default_rng(51)
+    args = _case(rng, sq=3, s_new=3, batch_idx=True)
+    want_out, want_lse, want_k, _ = attention_ref_kvcache(**args, causal=True, rotary_interleaved=False)
+    t = _as_torch(args)
+    out, lse = numba_flash.flash_attn_with_kvcache(
+        t["q"], t["k_cache"], t["v_cache"], t["k"], t["v"], t["rotary_cos"], t["rotary_sin"], t["cache_seqlens"],
+        t["cache_batch_idx"], None, None, None, True, (-1, -1), 0.0, False, None, 0, True)
+    np.testing.assert_allclose(out.numpy(), want_out, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(lse.numpy(), want_lse, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(t["k_cache"].numpy(), want_k, atol=2e-6, rtol=0)
+
+
+def test_flash_attn_with_kvcache_int_seqlens_and_compile():
+    rng = np.random.default_rng(52)
+    args = _case(rng, rotary=False, s_new=1, sq=1)
+    args["cache_seqlens"] = np.full(3, 20, np.int32)
+    want = attention_ref_kvcache(**args)[0]
+    t = _as_torch({n: a for n, a in args.items() if n != "cache_seqlens"})
+
+    def step(q, k_cache, v_cache, k, v):
+        return numba_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=20)
+
+    out = step(**t)
+    np.testing.assert_allclose(out.numpy(), want, atol=2e-5, rtol=0)
+    again = _as_torch({n: a for n, a in args.items() if n != "cache_seqlens"})
+    compiled = torch.compile(step, backend="aot_eager")(**again)
+    np.testing.assert_allclose(compiled.numpy(), want, atol=2e-5, rtol=0)
+    np.testing.assert_array_equal(again["k_cache"].numpy(), t["k_cache"].numpy())  # the append happened there too
+
+
+def test_flash_attn_with_kvcache_refuses_numpy_and_alibi():
+    rng = np.random.default_rng(53)
+    args = _case(rng, rotary=False)
+    with pytest.raises(AttentionInputError, match="^q: expected a torch.Tensor"):
+        numba_flash.flash_attn_with_kvcache(args["q"], args["k_cache"], args["v_cache"])
+    t = _as_torch(args)
+    with pytest.raises(AttentionInputError, match="^alibi_slopes: expected None"):
+        numba_flash.flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], alibi_slopes=torch.ones(4))
