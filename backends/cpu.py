@@ -86,38 +86,17 @@ class CpuBackend(Backend):
     def with_kvcache(self, call: AttentionCall) -> tuple[Any, Any]:
         kv = call.kvcache
         compute = _compute_dtype(kv.dtype)
-        q = _host(kv.q, compute)
-        k_new = _host(kv.k_new, compute) if kv.seqlen_new else None
-        cos, sin = (None, None) if kv.rotary_cos is None else (_host(x, compute) for x in (kv.rotary_cos,
-                                                                                          kv.rotary_sin))
-        q, k_new = kvcache.prepare(kv, q, k_new, cos, sin, np.arange, kv.cache_seqlens)
-        if kv.seqlen_new:
-            kvcache.append(kv, _writable(kv.k_cache), _writable(kv.v_cache),
-                           _cache_values(kv.k_cache, k_new, kv.dtype),
-                           _cache_values(kv.v_cache, _host(kv.v_new, compute), kv.dtype))
+        q = kvcache.rotate_and_append_host(kv, compute)
         # After the append, so that a float32 cache is read in place (a view) with its new keys.
         k_cache, v_cache = _host(kv.k_cache, compute), _host(kv.v_cache, compute)
         out = np.empty(q.shape, dtype=compute)
         lse = np.empty((kv.batch, kv.nheads_q, kv.seqlen_q), dtype=compute)
         splits = kvcache.choose_num_splits(kv, numba.get_num_threads())
-        kvcache.forward(kv, _run_forward, q, k_cache, v_cache, out, lse, splits, empty_like=np.empty_like,
-                        gather=lambda cache, blocks: cache[blocks].reshape(-1, *cache.shape[2:]))
+        gather = lambda cache, blocks: cache[blocks].reshape(-1, *cache.shape[2:])  # noqa: E731
+        kvcache.forward(kv, _run_forward, q, out, lse, splits, empty_like=np.empty_like,
+                        keys=kvcache.cache_keys(kv, k_cache, v_cache, gather))
         lse_dtype = "float64" if kv.dtype == "float64" else "float32"
         return _like(kv.q, out, kv.dtype), _like(kv.q, lse, lse_dtype)
-
-
-def _cache_values(cache: Any, values: np.ndarray, dtype: str) -> Any:
-    """``values`` in a form an assignment into ``cache`` (the caller's array) takes: numpy casts on assignment,
-    torch needs a tensor of the cache's dtype (bfloat16 included)."""
-    return _like(cache, values, dtype) if is_torch_tensor(cache) else values
-
-
-def _writable(cache: Any) -> Any:
-    """The caller's cache as an array that can be written in place: a torch tensor detached (the same memory,
-    and no complaint from autograd about a leaf written in place), a DLPack exporter through its numpy view."""
-    if is_torch_tensor(cache):
-        return cache.detach()
-    return cache if isinstance(cache, np.ndarray) else to_numpy(cache)
 
 
 def _run_forward(call: AttentionCall, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,

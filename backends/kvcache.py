@@ -20,6 +20,9 @@ import dataclasses
 import math
 from typing import Any, Callable
 
+import numpy as np
+
+from numba_flash.arrays import is_torch_tensor, to_numpy
 from numba_flash.kvcache import KVCacheCall
 from numba_flash.merge import merge_attention_states
 from numba_flash.rotary import apply_rotary, rotary_positions
@@ -77,6 +80,60 @@ def append(kv: KVCacheCall, k_cache: Any, v_cache: Any, k_new: Any, v_new: Any) 
             v_cache[where, there] = v_new[b, here]
 
 
+def _host_cache(cache: Any) -> Any:
+    """The caller's host cache as an array written in place: a torch tensor detached (the same memory, and no
+    complaint from autograd about a leaf written in place), a DLPack exporter through its numpy view."""
+    if is_torch_tensor(cache):
+        return cache.detach()
+    return cache if isinstance(cache, np.ndarray) else to_numpy(cache)
+
+
+def _host_values(cache: Any, values: np.ndarray) -> Any:
+    """``values`` as an assignment into ``cache`` takes them: numpy casts on assignment, torch needs a tensor of
+    the cache's dtype (bfloat16 included)."""
+    if is_torch_tensor(cache):
+        import torch
+
+        return torch.from_numpy(values).to(cache.dtype)
+    return values
+
+
+def rotate_and_append_host(kv: KVCacheCall, compute: Any) -> np.ndarray:
+    """Rotary and the append for host arrays (numpy, torch CPU tensors, host DLPack), computed in numpy's
+    ``compute`` dtype. Returns q (B, Sq, Hq, D) rotated, a numpy array of ``compute``."""
+    def host(x: Any) -> np.ndarray:
+        a = to_numpy(x)
+        return a if a.dtype == compute else a.astype(compute)
+
+    q = host(kv.q)
+    k_new = host(kv.k_new) if kv.seqlen_new else None
+    cos, sin = (None, None) if kv.rotary_cos is None else (host(kv.rotary_cos), host(kv.rotary_sin))
+    q, k_new = prepare(kv, q, k_new, cos, sin, np.arange, kv.cache_seqlens)
+    if kv.seqlen_new:
+        append(kv, _host_cache(kv.k_cache), _host_cache(kv.v_cache), _host_values(kv.k_cache, k_new),
+               _host_values(kv.v_cache, host(kv.v_new)))
+    return q
+
+
+def rotate_and_append_torch(kv: KVCacheCall, q: Any, k_cache: Any, v_cache: Any, k_new: Any, v_new: Any) -> Any:
+    """Rotary and the append with torch on the tensors' device; q, the caches and the new keys are plain tensors
+    (the caller's, detached). Rotary runs in float32 (float64 for float64). Returns q rotated, in q's dtype, as
+    flash-attn's kernels read it after rotary."""
+    import torch
+
+    if kv.rotary_cos is not None:
+        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dev = q.device
+        cos, sin = (torch.as_tensor(to_numpy(x) if not is_torch_tensor(x) else x).to(device=dev, dtype=cdt)
+                    for x in (kv.rotary_cos, kv.rotary_sin))
+        q_r, k_new = prepare(kv, q.to(cdt), k_new.to(cdt), cos, sin, lambda n: torch.arange(n, device=dev),
+                             torch.tensor(kv.cache_seqlens.tolist(), device=dev))
+        q = q_r.to(q.dtype)
+    if kv.seqlen_new:
+        append(kv, k_cache, v_cache, k_new.to(k_cache.dtype), v_new.to(v_cache.dtype))
+    return q
+
+
 def keys_of(kv: KVCacheCall, cache: Any, b: int, gather: Callable[[Any, list[int]], Any]) -> Any:
     """Sequence b's attended keys ``(Sk_b, Hkv, D)``: a view of the cache row, or, paged, the pages gathered by
     ``gather(cache, blocks) -> (len(blocks) * page_size, Hkv, D)`` and sliced."""
@@ -87,6 +144,12 @@ def keys_of(kv: KVCacheCall, cache: Any, b: int, gather: Callable[[Any, list[int
     blocks = [int(x) for x in kv.block_table[b, first:last]]
     offset = first * kv.page_size
     return gather(cache, blocks)[p0 - offset:p1 - offset]
+
+
+def cache_keys(kv: KVCacheCall, k_cache: Any, v_cache: Any,
+               gather: Callable[[Any, list[int]], Any]) -> Callable[[int], tuple[Any, Any]]:
+    """The ``keys`` argument of ``forward`` for caches the backend's ``run`` reads as they are."""
+    return lambda b: (keys_of(kv, k_cache, b, gather), keys_of(kv, v_cache, b, gather))
 
 
 def key_parts(kv: KVCacheCall, seqlen_k: int, num_splits: int) -> list[tuple[int, int, int, int]]:
@@ -105,15 +168,24 @@ def key_parts(kv: KVCacheCall, seqlen_k: int, num_splits: int) -> list[tuple[int
     return parts
 
 
-def forward(kv: KVCacheCall, run: Callable[..., None], q: Any, k_cache: Any, v_cache: Any, out: Any, lse: Any,
-            num_splits: int, *, gather: Callable[[Any, list[int]], Any], empty_like: Callable[[Any], Any],
+def _assign(out_b: Any, lse_b: Any, out: Any, lse: Any) -> None:
+    out_b[...] = out
+    lse_b[...] = lse
+
+
+def forward(kv: KVCacheCall, run: Callable[..., None], q: Any, out: Any, lse: Any, num_splits: int, *,
+            keys: Callable[[int], tuple[Any, Any]], empty_like: Callable[[Any], Any],
+            merge: Callable[..., tuple[Any, Any]] = merge_attention_states,
+            store: Callable[[Any, Any, Any, Any], None] = _assign,
             lead_axis: Callable[[Any], Any] = lambda x: x[None],
             fill: Callable[[Any, float], None] = lambda x, value: x.__setitem__(Ellipsis, value)) -> None:
     """Attention of each sequence over its cached keys, written into out (B, Sq, Hq, D) and lse (B, Hq, Sq).
 
-    q: (B, Sq, Hq, D), rotated, and the caches (after ``append``), in the dtype ``run`` takes; out and lse: the
-    backend's arrays. ``run(call, q, k, v, out, lse)`` is its dense forward on (1, S, H, D) views. Parts of a split
-    sequence are computed into ``empty_like`` temporaries and merged with ``merge_attention_states``.
+    q: (B, Sq, Hq, D), rotated, in the dtype ``run`` takes; out and lse: the backend's arrays. ``keys(b)`` gives
+    sequence b's keys and values ``(Sk_b, Hkv, D)`` after the append (``cache_keys`` for caches ``run`` reads
+    directly). ``run(call, q, k, v, out, lse)`` is the backend's dense forward on (1, S, H, D) views. A sequence of
+    one part is computed in place; the parts of a split one go to ``empty_like`` temporaries, are combined with
+    ``merge`` (``merge_attention_states``'s signature) and written with ``store(out_b, lse_b, out, lse)``.
     """
     base = kv.dense_call()
     for b in range(kv.batch):
@@ -122,15 +194,19 @@ def forward(kv: KVCacheCall, run: Callable[..., None], q: Any, k_cache: Any, v_c
             fill(out[b], 0.0)
             fill(lse[b], math.inf)
             continue
-        keys, values = keys_of(kv, k_cache, b, gather), keys_of(kv, v_cache, b, gather)
-        q_b = lead_axis(q[b])
+        k_b, v_b = keys(b)
+        q_b, out_b, lse_b = lead_axis(q[b]), lead_axis(out[b]), lead_axis(lse[b])
+        parts = key_parts(kv, seqlen_k, num_splits)
         merged = None
-        for a, e, left, right in key_parts(kv, seqlen_k, num_splits):
-            k_part, v_part = lead_axis(keys[a:e]), lead_axis(values[a:e])
+        for a, e, left, right in parts:
+            k_part, v_part = lead_axis(k_b[a:e]), lead_axis(v_b[a:e])
             call = dataclasses.replace(base, q=q_b, k=k_part, v=v_part, batch=1, seqlen_k=e - a, causal=False,
                                        window_left=left, window_right=right, extra={})
-            out_part, lse_part = empty_like(lead_axis(out[b])), empty_like(lead_axis(lse[b]))
+            if len(parts) == 1:
+                run(call, q_b, k_part, v_part, out_b, lse_b)
+                break
+            out_part, lse_part = empty_like(out_b), empty_like(lse_b)
             run(call, q_b, k_part, v_part, out_part, lse_part)
-            merged = (out_part, lse_part) if merged is None else merge_attention_states(*merged, out_part, lse_part)
-        out[b] = merged[0][0]
-        lse[b] = merged[1][0]
+            merged = (out_part, lse_part) if merged is None else merge(*merged, out_part, lse_part)
+        if merged is not None:
+            store(out_b, lse_b, *merged)

@@ -448,15 +448,8 @@ class RocmBackend(Backend):
         q, k_cache, v_cache = (_as_torch(x) for x in (kv.q, kv.k_cache, kv.v_cache))
         cdt, dev = _compute_dtype(q.dtype), q.device
         with torch.no_grad():
-            k_new = _as_torch(kv.k_new) if kv.seqlen_new else None
-            if kv.rotary_cos is not None:
-                cos, sin = (_as_torch(x).to(cdt) for x in (kv.rotary_cos, kv.rotary_sin))
-                q_r, k_new = kvcache.prepare(kv, q.to(cdt), k_new.to(cdt), cos, sin,
-                                             lambda n: torch.arange(n, device=dev),
-                                             torch.tensor(kv.cache_seqlens.tolist(), device=dev))
-                q = q_r.to(q.dtype)  # the kernels read q in its own dtype, as flash-attn's do after rotary
-            if kv.seqlen_new:
-                kvcache.append(kv, k_cache, v_cache, k_new.to(k_cache.dtype), _as_torch(kv.v_new).to(v_cache.dtype))
+            new = [_as_torch(x) for x in (kv.k_new, kv.v_new)] if kv.seqlen_new else [None, None]
+            q = kvcache.rotate_and_append_torch(kv, q, k_cache, v_cache, *new)
             out = torch.empty(q.shape, dtype=cdt, device=dev)
             lse = torch.empty((kv.batch, kv.nheads_q, kv.seqlen_q), dtype=cdt, device=dev)
 
@@ -467,9 +460,9 @@ class RocmBackend(Backend):
 
             workers = (torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda"
                        else torch.get_num_threads())
-            kvcache.forward(kv, run, q, k_cache, v_cache, out, lse, kvcache.choose_num_splits(kv, workers),
-                            empty_like=torch.empty_like,
-                            gather=lambda c, blocks: c[torch.as_tensor(blocks, device=c.device)].flatten(0, 1))
+            gather = lambda c, blocks: c[torch.as_tensor(blocks, device=c.device)].flatten(0, 1)  # noqa: E731
+            kvcache.forward(kv, run, q, out, lse, kvcache.choose_num_splits(kv, workers),
+                            empty_like=torch.empty_like, keys=kvcache.cache_keys(kv, k_cache, v_cache, gather))
         return _to_kind(kv.q, out.to(q.dtype)), _to_kind(kv.q, lse)
 
     @staticmethod
