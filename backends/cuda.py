@@ -35,7 +35,7 @@ from numba_flash.cuda.config import MIN_COMPUTE_CAPABILITY, dtype_supported_on
 from numba_flash.errors import AttentionInputError
 from numba_flash.validation import AttentionCall
 
-from . import varlen
+from . import kvcache, varlen
 from .base import Backend
 
 HOST_REASON = "host (numpy) input: GPU backends take it only when forced, backend='cuda'"
@@ -303,6 +303,7 @@ class CudaBackend(Backend):
     SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
     SUPPORTED_LAYOUTS = ("bshd", "bhsd", "thd")
     IS_DETERMINISTIC = True
+    SUPPORTS_KVCACHE = True
 
     def __init__(self, config: Any = None):
         self.config = config
@@ -360,6 +361,8 @@ class CudaBackend(Backend):
             reasons.append(BF16_CAI_REASON)
         if call.head_dim > self.SUPPORTED_MAX_HEAD_DIM:
             reasons.append(f"head dim {call.head_dim} > {self.SUPPORTED_MAX_HEAD_DIM}")
+        if call.kvcache is not None and call.kind not in ("numpy", "torch"):
+            reasons.append("KV cache only as torch tensors or numpy arrays (the append writes through them)")
         if not reasons:
             reasons.extend(self.unavailable_reasons(forced))
         if not reasons:
@@ -429,6 +432,71 @@ class CudaBackend(Backend):
         result = io.result(out_user, out), io.result(lse_user, lse)
         io.finish()
         return result
+
+    def with_kvcache(self, call: AttentionCall) -> tuple[Any, Any]:
+        """Rotary and the append through the caller's tensors (torch on their GPU, numpy on the host), then the
+        forward kernel per sequence on its keys (views of a torch cache, copies of a host one). Key splits run as
+        separate launches merged on the host, and only for float32: a float16/bfloat16 partial result would be
+        rounded before the merge. A split-KV kernel that merges on the GPU is the next step."""
+        kv = call.kvcache
+        if kv.kind == "torch" and kv.device != "cpu":
+            import torch
+
+            with torch.no_grad():
+                plain = [None if x is None else _torch_bits(x.detach()) for x in
+                         (kv.q, kv.k_cache, kv.v_cache, kv.k_new, kv.v_new)]
+                q_rot = kvcache.rotate_and_append_torch(kv, *plain)
+        else:
+            q_rot = kvcache.rotate_and_append_host(kv, np.float32)
+            if _is_torch(kv.q):
+                import torch
+
+                q_rot = torch.from_numpy(q_rot).to(kv.q.dtype)
+            else:
+                q_rot = q_rot.astype(kv.dtype)
+        gather = lambda c, blocks: c[blocks].reshape(-1, *c.shape[2:])  # noqa: E731  (numpy or torch)
+        io = _Session(call)
+        with io.on_device():
+            from numba_flash.cuda.launch import flash_forward
+
+            q = io.device(q_rot, "q")
+            out_user, out = io.empty(tuple(int(s) for s in kv.q.shape), kv.dtype)
+            lse_user, lse = io.empty((kv.batch, kv.nheads_q, kv.seqlen_q), "float32")
+
+            def run(c: AttentionCall, q: Any, k: Any, v: Any, out: Any, lse: Any) -> None:
+                flash_forward(q, k, v, out, lse, softmax_scale=c.softmax_scale, window_left=c.window_left,
+                              window_right=c.window_right, softcap=c.softcap, dtype=c.dtype, override=self.config,
+                              stream=io.stream)
+
+            def keys(b: int) -> tuple[Any, Any]:
+                return tuple(io.device(kvcache.keys_of(kv, cache, b, gather), name)
+                             for cache, name in ((kv.k_cache, "k"), (kv.v_cache, "v")))
+
+            def host(x: Any) -> Any:
+                return x.copy_to_host(stream=io.stream) if hasattr(x, "copy_to_host") else x
+
+            def store(out_b: Any, lse_b: Any, o: Any, l: Any) -> None:
+                out_b.copy_to_device(np.ascontiguousarray(o), stream=io.stream)
+                lse_b.copy_to_device(np.ascontiguousarray(l), stream=io.stream)
+
+            splits = 1
+            if kv.dtype == "float32":
+                splits = kvcache.choose_num_splits(kv, self._multiprocessors())
+            kvcache.forward(kv, run, q, out, lse, splits, keys=keys, lead_axis=_lead_axis, fill=io.fill,
+                            empty_like=lambda x: io.cuda.device_array(x.shape, x.dtype, stream=io.stream),
+                            merge=lambda *parts: kvcache.merge_attention_states(*(host(x) for x in parts)),
+                            store=store)
+            result = io.result(out_user, out), io.result(lse_user, lse)
+            io.finish()
+        return result
+
+    def _multiprocessors(self) -> int:
+        """SMs of the current GPU (the parallelism split-KV fills); 1 under the simulator."""
+        if self._probe()[0]:
+            return 1
+        from numba import cuda
+
+        return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
     def backward(self, call: AttentionCall) -> tuple[Any, Any, Any]:
         """dq, dk, dv shaped like q, k, v (same kind and dtype as q); dk, dv summed over each GQA group."""
