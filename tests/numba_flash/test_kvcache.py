@@ -235,3 +235,18 @@ def test_flash_attn_with_kvcache_refuses_numpy_and_alibi():
     t = _as_torch(args)
     with pytest.raises(AttentionInputError, match="^alibi_slopes: expected None"):
         numba_flash.flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], alibi_slopes=torch.ones(4))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_in_a_new_key_poisons_exactly_the_rows_that_see_it(backend):
+    rng = np.random.default_rng(61)
+    args = _case(rng, rotary=False, s_new=4, sq=4)
+    args["k"][1, 2, 0, 3] = np.nan   # sequence 1's third new key, kv head 0 (query heads 0 and 1)
+    want_out, want_lse, _, _ = attention_ref_kvcache(**args, causal=True)
+    out, lse = backend_registry.get("flash", backend=backend).with_kvcache(**_copy(args), causal=True,
+                                                                           return_lse=True)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want_out))
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(want_lse))
+    assert np.isnan(want_out[1, 2:, :2]).all() and not np.isnan(want_out[1, :2]).any()  # rows 2, 3 see it
+    clean = ~np.isnan(want_out)
+    np.testing.assert_allclose(out[clean], want_out[clean], atol=2e-5, rtol=0)
