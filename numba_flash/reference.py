@@ -66,10 +66,15 @@ def _visible_matmul(a: np.ndarray, b: np.ndarray, vis: np.ndarray) -> np.ndarray
     return res
 
 
-def _probabilities(qh, kh, scale, softcap, mask):
-    """(P, d score / d raw, poisoned rows, m, total): P (Sq, Sk) normalised, 0 where a row does not see a key and
-    NaN where a poisoned row does; m and total are the max and the sum of exp(s - m) of the rows that are not."""
+def _probabilities(qh, kh, scale, softcap, mask, bias=None):
+    """(P, d score / d raw, poisoned rows, m, total, mask): P (Sq, Sk) normalised, 0 where a row does not see a key
+    and NaN where a poisoned row does; m and total are the max and the sum of exp(s - m) of the rows that are not.
+    ``bias`` (Sq, Sk) is added after softcap; where it is -inf the key is hidden, exactly as a mask hides it, so
+    the mask returned is ``mask`` without those pairs."""
     s, dcap = _scores(qh, kh, scale, softcap)
+    if bias is not None:
+        mask = mask & (bias != -np.inf)
+        s = s + np.where(mask, bias, 0.0)
     poisoned = (mask & ~np.isfinite(s)).any(axis=1)
     s = np.where(mask & ~poisoned[:, None], s, -np.inf)
     m = s.max(axis=1)
@@ -78,7 +83,7 @@ def _probabilities(qh, kh, scale, softcap, mask):
     total = p.sum(axis=1)
     p = p / np.where(total > 0, total, 1.0)[:, None]
     p = np.where(poisoned[:, None] & mask, np.nan, p)
-    return p, dcap, poisoned, m, total
+    return p, dcap, poisoned, m, total, mask
 
 
 # NaN and inf are propagated on purpose (see the module docstring); numpy's warnings about them are noise here.
@@ -86,10 +91,11 @@ _QUIET = dict(invalid="ignore", over="ignore")
 
 
 def _forward_head(qh: np.ndarray, kh: np.ndarray, vh: np.ndarray, scale: float, softcap: float,
-                  mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """One head: qh (Sq, D), kh and vh (Sk, D) float64, mask (Sq, Sk) bool. Returns out (Sq, D) and lse (Sq,)."""
+                  mask: np.ndarray, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """One head: qh (Sq, D), kh and vh (Sk, D) float64, mask (Sq, Sk) bool, bias (Sq, Sk) float64 or None.
+    Returns out (Sq, D) and lse (Sq,)."""
+    p, _, poisoned, m, total, mask = _probabilities(qh, kh, scale, softcap, mask, bias)
     seen = mask.any(axis=1)
-    p, _, poisoned, m, total = _probabilities(qh, kh, scale, softcap, mask)
     o = _nan_if_not_finite(_visible_matmul(p, vh, mask))
     ok = seen & ~poisoned
     lse = np.where(poisoned, np.nan, np.where(ok, m + np.log(np.where(ok, total, 1.0)), np.inf))
@@ -97,27 +103,66 @@ def _forward_head(qh: np.ndarray, kh: np.ndarray, vh: np.ndarray, scale: float, 
 
 
 def _backward_head(doh: np.ndarray, qh: np.ndarray, kh: np.ndarray, vh: np.ndarray, scale: float, softcap: float,
-                   mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One head's dq (Sq, D), dk and dv (Sk, D); arguments as for ``_forward_head``, doh (Sq, D)."""
-    p, dcap, _, _, _ = _probabilities(qh, kh, scale, softcap, mask)  # rows that see nothing: all 0
+                   mask: np.ndarray, bias: np.ndarray | None = None,
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One head's dq (Sq, D), dk and dv (Sk, D), and the gradient of the biased score (Sq, Sk), which is dbias;
+    arguments as for ``_forward_head``, doh (Sq, D)."""
+    p, dcap, _, _, _, mask = _probabilities(qh, kh, scale, softcap, mask, bias)  # rows that see nothing: all 0
     dv = _visible_matmul(p.T, doh, mask.T)
     dp = doh @ vh.T  # a non-finite v row makes its column NaN in every row; the masks keep it in band
     # delta_i = sum_j P_ij dP_ij = dout_i . out_i over the keys row i sees (so dS is exactly 0 when a row sees one
     # key, P = 1); non-finite where out_i is
     delta = np.where(mask, p * dp, 0.0).sum(axis=1)
-    ds = np.where(mask, p * (dp - delta[:, None]) * dcap * scale, 0.0)
-    return _visible_matmul(ds, kh, mask), _visible_matmul(ds.T, qh, mask.T), dv
+    dscore = np.where(mask, p * (dp - delta[:, None]), 0.0)
+    ds = dscore * dcap * scale
+    return _visible_matmul(ds, kh, mask), _visible_matmul(ds.T, qh, mask.T), dv, dscore
+
+
+def _head_bias(attn_bias: np.ndarray | None, alibi: np.ndarray | None, b: int, h: int, sq: int,
+               sk: int) -> np.ndarray | None:
+    """The (Sq, Sk) float64 bias of batch b, query head h: attn_bias (already broadcast to (B, Hq, Sq, Sk)) plus
+    ALiBi's ``-slope * |i + Sk - Sq - j|`` with slopes (B, Hq); None when neither is given."""
+    if attn_bias is None and alibi is None:
+        return None
+    bias = np.zeros((sq, sk)) if attn_bias is None else attn_bias[b, h]
+    if alibi is not None:
+        distance = np.abs(np.arange(sq)[:, None] + (sk - sq) - np.arange(sk)[None, :])
+        bias = bias - alibi[b, h] * distance
+    return bias
+
+
+def _bias_inputs(attn_bias: Any, alibi_slopes: Any, shape: tuple[int, int, int, int]
+                 ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """attn_bias broadcast (a read-only view) to ``shape`` = (B, Hq, Sq, Sk) and ALiBi slopes as (B, Hq), float64."""
+    bias = None if attn_bias is None else np.broadcast_to(as_float64(attn_bias), shape)
+    alibi = None
+    if alibi_slopes is not None:
+        alibi = np.broadcast_to(as_float64(alibi_slopes), shape[:2])
+    return bias, alibi
+
+
+def _sum_to_shape(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """``grad`` (B, Hq, Sq, Sk) summed over the dimensions a bias of ``shape`` was broadcast along."""
+    lead = grad.ndim - len(shape)
+    grad = grad.sum(axis=tuple(range(lead))) if lead else grad
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    return grad.sum(axis=axes, keepdims=True) if axes else grad
 
 
 def attention_ref(
     q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
-    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd",
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd", attn_bias: Any = None,
+    alibi_slopes: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Exact attention in float64.
 
     Arguments:
         q: (B, Sq, Hq, D) for layout "bshd", (B, Hq, Sq, D) for "bhsd"; any float dtype, any array kind.
         k, v: (B, Sk, Hkv, D) / (B, Hkv, Sk, D), with Hq % Hkv == 0.
+        attn_bias: None or an array broadcastable to (B, Hq, Sq, Sk), added to the scores after softcap. A -inf
+            entry hides that key from that row, as a mask does (a row whose keys are all hidden sees none: out 0,
+            lse +inf); NaN or +inf poisons the row where the key is visible.
+        alibi_slopes: None, (Hq,) or (B, Hq): adds ``-slope[h] * |i + Sk - Sq - j|`` (flash-attn's ALiBi).
     Returns:
         out: float64, shaped like q.
         lse: (B, Hq, Sq) float64, natural log of the sum of exp(score) over visible keys; +inf for a row that sees
@@ -130,24 +175,28 @@ def attention_ref(
     left, right = effective_window(causal, window_size)
     mask = visible_mask(sq, sk, left, right)
     group = hq // hkv
+    bias, alibi = _bias_inputs(attn_bias, alibi_slopes, (batch, hq, sq, sk))
     out = np.zeros((batch, sq, hq, d))
     lse = np.full((batch, hq, sq), np.inf)
     with np.errstate(**_QUIET):
         for b in range(batch):
             for h in range(hq):
                 out[b, :, h], lse[b, h] = _forward_head(qb[b, :, h], kb[b, :, h // group], vb[b, :, h // group],
-                                                        scale, softcap, mask)
+                                                        scale, softcap, mask,
+                                                        _head_bias(bias, alibi, b, h, sq, sk))
     return _from_bshd(out, layout), lse
 
 
 def attention_ref_backward(
     dout: Any, q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
-    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd",
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd", attn_bias: Any = None,
+    alibi_slopes: Any = None, return_dbias: bool = False,
+) -> tuple[np.ndarray, ...]:
     """Gradients of ``sum(attention_ref(q, k, v) * dout)`` in float64.
 
     Arguments are shaped as in ``attention_ref``; dout is shaped like q.
     Returns dq, dk, dv (float64), shaped like q, k, v; with GQA, dk and dv are summed over each group's query heads.
+    With ``return_dbias`` also dbias, shaped like ``attn_bias`` (summed over the dimensions it was broadcast along).
     """
     qb, kb, vb, dob = (_to_bshd(x, layout) for x in (q, k, v, dout))
     batch, sq, hq, d = qb.shape
@@ -156,17 +205,26 @@ def attention_ref_backward(
     left, right = effective_window(causal, window_size)
     mask = visible_mask(sq, sk, left, right)
     group = hq // hkv
+    if return_dbias and attn_bias is None:
+        raise ValueError("return_dbias=True needs attn_bias")
+    bias, alibi = _bias_inputs(attn_bias, alibi_slopes, (batch, hq, sq, sk))
     dq, dk, dv = np.zeros_like(qb), np.zeros_like(kb), np.zeros_like(vb)
+    dbias = np.zeros((batch, hq, sq, sk)) if return_dbias else None
     with np.errstate(**_QUIET):
         for b in range(batch):
             for h in range(hq):
                 kv = h // group
-                dq_h, dk_h, dv_h = _backward_head(dob[b, :, h], qb[b, :, h], kb[b, :, kv], vb[b, :, kv], scale,
-                                                  softcap, mask)
+                dq_h, dk_h, dv_h, dscore = _backward_head(dob[b, :, h], qb[b, :, h], kb[b, :, kv], vb[b, :, kv],
+                                                          scale, softcap, mask, _head_bias(bias, alibi, b, h, sq, sk))
                 dq[b, :, h] = dq_h
                 dk[b, :, kv] += dk_h
                 dv[b, :, kv] += dv_h
-    return tuple(_from_bshd(_nan_if_not_finite(g), layout) for g in (dq, dk, dv))
+                if dbias is not None:
+                    dbias[b, h] = dscore
+    grads = tuple(_from_bshd(_nan_if_not_finite(g), layout) for g in (dq, dk, dv))
+    if dbias is None:
+        return grads
+    return grads + (_nan_if_not_finite(_sum_to_shape(dbias, np.shape(to_numpy(attn_bias)))),)
 
 
 def attention_ref_varlen(
@@ -224,7 +282,7 @@ def attention_ref_varlen_backward(
     with np.errstate(**_QUIET):
         for h in range(hq):
             kv = h // group
-            dq[:, h], dk_h, dv_h = _backward_head(dop[:, h], qp[:, h], kp[:, kv], vp[:, kv], scale, softcap, mask)
+            dq[:, h], dk_h, dv_h, _ = _backward_head(dop[:, h], qp[:, h], kp[:, kv], vp[:, kv], scale, softcap, mask)
             dk[:, kv] += dk_h
             dv[:, kv] += dv_h
     return tuple(_nan_if_not_finite(g) for g in (dq, dk, dv))
