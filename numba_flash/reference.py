@@ -13,6 +13,9 @@ hidden:
 * Every non-finite result (out, dq, dk, dv) is reported as NaN; lse is NaN for a poisoned row and +inf for a row
   that sees no key (which stays 0 whatever its q holds: it reads nothing).
 
+An additive bias (``attn_bias``, ALiBi) enters after softcap; a -inf bias hides its key exactly as a mask does, so
+a row whose keys are all hidden sees nothing. ``attention_ref_backward(..., return_dbias=True)`` gives its gradient.
+
 Packed sequences (layout "thd") have functions of their own, ``attention_ref_varlen`` and its backward: the same
 rules hold within each sequence, and nothing crosses from one sequence to another.
 
