@@ -7,6 +7,7 @@
     o = numba_flash.flash_attn_func(q, k, v, causal=True)   # torch tensors, autograd-aware
     o = numba_flash.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)   # packed sequences
     out, lse = numba_flash.merge_attention_states(out_a, lse_a, out_b, lse_b)   # two key sets' partial results
+    o = numba_flash.ring_attention(q, k, v, causal=True)   # sequence split over torch.distributed ranks
 
 Importing this package needs only numpy and numba; torch and numba.cuda are imported where they are used.
 """
@@ -35,6 +36,7 @@ __all__ = [
     "validate_backward",
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "ring_attention",
     "backend_registry",
     "__version__",
 ]
@@ -46,6 +48,10 @@ def __getattr__(name: str) -> Any:
         from . import torch_api
 
         return getattr(torch_api, name)
+    if name == "ring_attention":   # numba_flash.distributed, which imports torch.distributed
+        from . import distributed
+
+        return distributed.ring_attention
     if name == "backend_registry":
         import importlib  # not `from . import`: that would look the attribute up here again, endlessly
 
