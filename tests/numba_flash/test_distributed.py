@@ -1,0 +1,244 @@
+"""Ring (context-parallel) attention, ``numba_flash.distributed``: 2 and 4 local processes on gloo, started with
+``torch.multiprocessing`` (spawn), forward and backward against the float64 reference on the full sequence (and,
+in float16, against the single-process result); the sharding helpers; bad input.
+
+Each world size is launched once and runs every case inside (a launch costs seconds: imports, numba's cache). The
+parent draws the full inputs (fresh N(0, 1), seed printed), the ranks shard them, run ``ring_attention`` with
+autograd and write their parts; the parent puts the parts back together and compares.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+from numba_flash import AttentionInputError, attention_ref, attention_ref_backward  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                                reason="torch.distributed with gloo is not available")
+
+# name -> (B, (S_q, S_k) of the full sequence, Hq, Hkv, D, options, dtype). Local lengths are odd where the layout
+# allows it (causal needs two equal chunks per rank: the chunks are odd); "long" crosses the CPU tile (64 rows).
+CASES = {
+    2: {
+        "plain_gqa": (2, (10, 10), 4, 2, 24, dict(), "float32"),
+        "cross_lengths": (1, (6, 14), 4, 2, 24, dict(), "float32"),
+        "causal_gqa": (2, (12, 12), 4, 2, 24, dict(causal=True), "float32"),
+        "causal_softcap_mqa": (1, (20, 20), 3, 1, 40, dict(causal=True, softcap=1.5, softmax_scale=0.3), "float32"),
+        "causal_long": (1, (148, 148), 2, 2, 16, dict(causal=True), "float32"),
+        "causal_fp16": (2, (12, 12), 4, 2, 24, dict(causal=True), "float16"),
+    },
+    4: {
+        "plain_gqa": (2, (20, 20), 4, 2, 24, dict(), "float32"),
+        "causal_gqa": (2, (24, 24), 4, 2, 24, dict(causal=True), "float32"),
+        "causal_long": (1, (168, 168), 2, 1, 16, dict(causal=True), "float32"),
+        # ranks 1 and 3 of the 4 form a group of their own: peers are addressed by global rank
+        "subgroup_causal": (1, (12, 12), 4, 2, 24, dict(causal=True), "float32"),
+    },
+}
+SUBGROUP = (1, 3)
+LAUNCH_TIMEOUT_S = 240
+
+
+def _inputs(rng, b, lengths, hq, hkv, d, dtype):
+    sq, sk = lengths
+    q = rng.standard_normal((b, sq, hq, d))
+    k, v = rng.standard_normal((2, b, sk, hkv, d))
+    dout = rng.standard_normal((b, sq, hq, d))
+    return {name: x.astype(dtype) for name, x in dict(q=q, k=k, v=v, dout=dout).items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What each spawned rank runs (module level, so that spawn can pickle it by name)
+
+
+def _rank_main(rank, world, store, outdir, cases):
+    os.environ.setdefault("NUMBA_FLASH_QUIET", "1")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        from numba_flash.distributed import gather_sequence, ring_attention, shard_sequence
+
+        sub = dist.new_group(list(SUBGROUP)) if world == 4 else None
+        results = {}
+        for name, (arrays, opts) in cases.items():
+            group, g_rank, g_world = None, rank, world
+            if name.startswith("subgroup"):
+                if rank not in SUBGROUP:
+                    continue
+                group, g_rank, g_world = sub, SUBGROUP.index(rank), len(SUBGROUP)
+            causal = opts.get("causal", False)
+            full = {n: torch.from_numpy(a) for n, a in arrays.items()}
+            local = {n: shard_sequence(x, g_rank, g_world, causal) for n, x in full.items()}
+            before = {n: x.clone() for n, x in local.items()}
+            q, k, v = (local[n].requires_grad_(True) for n in ("q", "k", "v"))
+            out, lse = ring_attention(q, k, v, group=group, return_lse=True, **opts)
+            (out.float() * local["dout"].float()).sum().backward()
+            results[name] = dict(out=out.detach(), lse=lse, dq=q.grad, dk=k.grad, dv=v.grad,
+                                 untouched=all(torch.equal(local[n].detach(), before[n]) for n in before),
+                                 gathered=gather_sequence(out.detach(), group=group, causal=causal))
+        # Ranks disagreeing on shapes: every rank raises the same error instead of hanging in the ring.
+        rng = torch.Generator().manual_seed(rank)
+        length = 4 if rank == 0 else 6
+        q = torch.randn(1, length, 2, 8, generator=rng)
+        try:
+            ring_attention(q, q, q, causal=True)
+            results["mismatch"] = None
+        except AttentionInputError as exc:
+            results["mismatch"] = str(exc)
+        torch.save(results, Path(outdir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch(world, cases, tmp_path):
+    """Run ``_rank_main`` on ``world`` spawned processes; return each rank's results. A rank that raises fails the
+    test with its traceback; one that hangs (a ring that deadlocks) is killed after LAUNCH_TIMEOUT_S."""
+    import torch.multiprocessing as mp
+
+    outdir = tmp_path / f"world{world}"
+    outdir.mkdir()
+    ctx = mp.start_processes(_rank_main, args=(world, str(tmp_path / f"store{world}"), str(outdir), cases),
+                             nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"ring attention with {world} processes did not finish in {LAUNCH_TIMEOUT_S} s")
+    return [torch.load(outdir / f"rank{r}.pt") for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def warm_kernels():
+    """Compile (or load) the CPU kernels once here, so that the ranks find them in numba's disk cache instead of
+    each compiling them at once on the same cores."""
+    from numba_flash import backend_registry
+
+    op = backend_registry.get("flash")
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(1, 3, 1, 8, dtype=dtype)
+        for causal in (False, True):
+            o, lse = op.forward(x, x, x, causal=causal, return_lse=True)
+            op.backward(o, x, x, x, o, lse, causal=causal)
+
+
+def _rel_l2(got, want):
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def _unshard(results, name, field, members, causal):
+    from numba_flash.distributed import unshard_sequence
+
+    parts = [results[r][name][field] for r in members]
+    return unshard_sequence(parts, causal=causal, dim=2 if field == "lse" else 1).double().numpy()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_matches_the_reference(rng, tmp_path, warm_kernels, world):
+    cases, arrays = {}, {}
+    for name, (b, lengths, hq, hkv, d, opts, dtype) in CASES[world].items():
+        arrays[name] = _inputs(rng, b, lengths, hq, hkv, d, dtype)
+        cases[name] = (arrays[name], opts)
+    results = _launch(world, cases, tmp_path)
+
+    for name, (b, lengths, hq, hkv, d, opts, dtype) in CASES[world].items():
+        causal = opts.get("causal", False)
+        members = SUBGROUP if name.startswith("subgroup") else range(world)
+        a = arrays[name]
+        ref_out, ref_lse = attention_ref(a["q"], a["k"], a["v"], **opts)
+        ref_grads = attention_ref_backward(a["dout"], a["q"], a["k"], a["v"], **opts)
+        got = {f: _unshard(results, name, f, members, causal) for f in ("out", "lse", "dq", "dk", "dv")}
+        assert all(results[r][name]["untouched"] for r in members), f"{name}: an input was modified"
+        for r in members:   # gather_sequence on every rank gives the whole output
+            np.testing.assert_array_equal(results[r][name]["gathered"].double().numpy(), got["out"])
+        assert results[members[0]][name]["lse"].dtype == torch.float32
+        if dtype == "float32":
+            assert np.abs(got["out"] - ref_out).max() <= 1e-5, name
+            assert np.abs(got["lse"] - ref_lse).max() <= 1e-5 * (1 + np.abs(ref_lse).max()), name
+            for field, want in zip(("dq", "dk", "dv"), ref_grads):
+                assert _rel_l2(got[field], want) <= 1e-5, (name, field)
+        else:
+            # the contract's float16 rule: relative L2 <= 2e-3, and at most 2x the single-process error (+ slack)
+            from numba_flash import flash_attn_func
+
+            q, k, v = (torch.from_numpy(a[n]).requires_grad_(True) for n in ("q", "k", "v"))
+            single = flash_attn_func(q, k, v, **opts)
+            (single.float() * torch.from_numpy(a["dout"]).float()).sum().backward()
+            singles = [x.detach().double().numpy() for x in (single, q.grad, k.grad, v.grad)]
+            for field, want, one in zip(("out", "dq", "dk", "dv"), (ref_out, *ref_grads), singles):
+                err = _rel_l2(got[field], want)
+                assert err <= 2e-3 and err <= 2 * _rel_l2(one, want) + 1e-4, (name, field, err)
+    for r in range(world):
+        message = results[r]["mismatch"]
+        assert message is not None and message.startswith("q, k, v: expected the same shapes"), message
+        # rank 0 passed length 4, the others 6: each names the first rank that differs from it
+        assert f"on rank {1 if r == 0 else 0}: q (1, {6 if r == 0 else 4}, 2, 8)" in message, message
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sharding helpers (one process)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shard_then_unshard_gives_the_sequence_back(rng, world, causal):
+    from numba_flash.distributed import shard_sequence, unshard_sequence
+
+    x = torch.from_numpy(rng.standard_normal((2, 12 * world, 3, 5)))
+    parts = [shard_sequence(x, r, world, causal) for r in range(world)]
+    assert all(p.shape == (2, 12, 3, 5) for p in parts)
+    assert torch.equal(unshard_sequence(parts, causal=causal), x)
+    lse = x[:, :, :, 0].transpose(1, 2)   # (B, H, S): the sequence on dim 2, a non-contiguous view
+    assert torch.equal(unshard_sequence([shard_sequence(lse, r, world, causal, dim=2) for r in range(world)],
+                                        causal=causal, dim=2), lse)
+
+
+def test_zigzag_layout_puts_chunks_r_and_2w_minus_1_minus_r_on_rank_r():
+    from numba_flash.distributed import shard_sequence
+
+    x = torch.arange(16).reshape(1, 16)
+    assert shard_sequence(x, 0, 4, causal=True).tolist() == [[0, 1, 14, 15]]
+    assert shard_sequence(x, 2, 4, causal=True).tolist() == [[4, 5, 10, 11]]
+    assert shard_sequence(x, 1, 4, causal=False).tolist() == [[4, 5, 6, 7]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input (one process, no process group: every check comes before any communication)
+
+
+def _qkv(rng, s=6):
+    return [torch.from_numpy(rng.standard_normal((1, s, 2, 8)).astype(np.float32)) for _ in range(3)]
+
+
+def test_bad_input_names_the_argument(rng):
+    from numba_flash.distributed import ring_attention, shard_sequence
+
+    q, k, v = _qkv(rng)
+    with pytest.raises(AttentionInputError, match=r"^k: expected a torch.Tensor .* got ndarray"):
+        ring_attention(q, k.numpy(), v)
+    with pytest.raises(AttentionInputError, match=r"^window_size: expected \(-1, -1\) \(a sliding window is not "
+                                                  r"supported by ring_attention\), got \(4, 0\)"):
+        ring_attention(q, k, v, window_size=(4, 0))
+    with pytest.raises(AttentionInputError, match=r"^q: expected 4 dimensions"):
+        ring_attention(q[0], k, v)
+    q5, k5, v5 = _qkv(rng, s=5)
+    with pytest.raises(AttentionInputError, match=r"^q: expected an even local sequence length .* got length 5"):
+        ring_attention(q5, k5, v5, causal=True)
+    with pytest.raises(AttentionInputError, match=r"^k: expected the local sequence length of q \(6\)"):
+        ring_attention(q, k5, v5, causal=True)
+    assert not dist.is_initialized()
+    with pytest.raises(AttentionInputError, match=r"^group: expected an initialised process group .* got no "
+                                                  r"process group initialised"):
+        ring_attention(q, k, v)
+    with pytest.raises(AttentionInputError, match=r"^x: expected a length along dim 1 divisible into "
+                                                  r"2 \* world_size = 4 zigzag chunks \(causal\), got length 6"):
+        shard_sequence(q, 0, 2, causal=True)
+    with pytest.raises(AttentionInputError, match=r"^rank: expected an int in \[0, 2\), got 2"):
+        shard_sequence(q, 2, 2)
