@@ -1,6 +1,6 @@
 """Ring (context-parallel) attention, ``numba_flash.distributed``: 2 and 4 local processes on gloo, started with
 ``torch.multiprocessing`` (spawn), forward and backward against the float64 reference on the full sequence (and,
-in float16, against the single-process result); the sharding helpers; bad input.
+in float16, against the single-process result); the README's example as written; the sharding helpers; bad input.
 
 Each world size is launched once and runs every case inside (a launch costs seconds: imports, numba's cache). The
 parent draws the full inputs (fresh N(0, 1), seed printed), the ranks shard them, run ``ring_attention`` with
@@ -59,8 +59,14 @@ def _inputs(rng, b, lengths, hq, hkv, d, dtype):
 # What each spawned rank runs (module level, so that spawn can pickle it by name)
 
 
-def _rank_main(rank, world, store, outdir, cases):
+def _rank_main(rank, world, store, outdir, cases, readme_port=None):
+    import numba
+
     os.environ.setdefault("NUMBA_FLASH_QUIET", "1")
+    # Several ranks share the machine's cores: one thread each, as torchrun sets OMP_NUM_THREADS=1, rather than
+    # every rank's kernels fighting for all of them.
+    numba.set_num_threads(1)
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         from numba_flash.distributed import gather_sequence, ring_attention, shard_sequence
@@ -95,17 +101,47 @@ def _rank_main(rank, world, store, outdir, cases):
         torch.save(results, Path(outdir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    if readme_port is not None:
+        _run_readme_example(rank, world, readme_port, Path(outdir) / f"readme{rank}.txt")
 
 
-def _launch(world, cases, tmp_path):
+def _readme_example() -> str:
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    return re.search(r"ring_example\.py`:\n\n```python\n(.*?)```", readme, flags=re.S).group(1)
+
+
+def _run_readme_example(rank, world, port, out_file):
+    """The README's example as written, with the environment torchrun would give it (init_method env://), in
+    this rank's process (cheaper than starting torchrun and its ranks)."""
+    import contextlib
+    import io
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(_readme_example(), "README.md (ring attention example)", "exec"), {"__name__": "__main__"})
+    out_file.write_text(printed.getvalue())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(world, cases, tmp_path, readme_port=None):
     """Run ``_rank_main`` on ``world`` spawned processes; return each rank's results. A rank that raises fails the
     test with its traceback; one that hangs (a ring that deadlocks) is killed after LAUNCH_TIMEOUT_S."""
     import torch.multiprocessing as mp
 
     outdir = tmp_path / f"world{world}"
     outdir.mkdir()
-    ctx = mp.start_processes(_rank_main, args=(world, str(tmp_path / f"store{world}"), str(outdir), cases),
-                             nprocs=world, join=False, start_method="spawn")
+    args = (world, str(tmp_path / f"store{world}"), str(outdir), cases, readme_port)
+    ctx = mp.start_processes(_rank_main, args=args, nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
@@ -146,7 +182,8 @@ def test_ring_attention_matches_the_reference(rng, tmp_path, warm_kernels, world
     for name, (b, lengths, hq, hkv, d, opts, dtype) in CASES[world].items():
         arrays[name] = _inputs(rng, b, lengths, hq, hkv, d, dtype)
         cases[name] = (arrays[name], opts)
-    results = _launch(world, cases, tmp_path)
+    # The README example runs after the cases in the 2-rank launch (see _check_readme_example).
+    results = _launch(world, cases, tmp_path, readme_port=_free_port() if world == 2 else None)
 
     for name, (b, lengths, hq, hkv, d, opts, dtype) in CASES[world].items():
         causal = opts.get("causal", False)
@@ -183,6 +220,19 @@ def test_ring_attention_matches_the_reference(rng, tmp_path, warm_kernels, world
         assert message is not None and message.startswith("q, k, v: expected the same shapes"), message
         # rank 0 passed length 4, the others 6: each names the first rank that differs from it
         assert f"on rank {1 if r == 0 else 0}: q (1, {6 if r == 0 else 4}, 2, 8)" in message, message
+    if world == 2:
+        _check_readme_example(tmp_path / "world2")
+
+
+def _check_readme_example(outdir):
+    """The README's example, run as written by both ranks of the 2-rank launch: rank 0 prints a gathered output
+    equal to the single-process one."""
+    import re
+
+    printed = [(outdir / f"readme{r}.txt").read_text() for r in range(2)]
+    assert printed[1] == "", printed
+    diff = float(re.fullmatch(r"max difference from one process: (\S+)\n", printed[0]).group(1))
+    assert diff <= 1e-5, printed[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -245,3 +295,4 @@ def test_bad_input_names_the_argument(rng):
         shard_sequence(q, 0, 2, causal=True)
     with pytest.raises(AttentionInputError, match=r"^rank: expected an int in \[0, 2\), got 2"):
         shard_sequence(q, 2, 2)
+
