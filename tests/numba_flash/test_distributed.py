@@ -34,6 +34,7 @@ CASES = {
         "causal_softcap_mqa": (1, (20, 20), 3, 1, 40, dict(causal=True, softcap=1.5, softmax_scale=0.3), "float32"),
         "causal_long": (1, (148, 148), 2, 2, 16, dict(causal=True), "float32"),
         "causal_fp16": (2, (12, 12), 4, 2, 24, dict(causal=True), "float16"),
+        "causal_nan_key": (1, (12, 12), 4, 2, 24, dict(causal=True), "float32"),
     },
     4: {
         "plain_gqa": (2, (20, 20), 4, 2, 24, dict(), "float32"),
@@ -44,6 +45,9 @@ CASES = {
     },
 }
 SUBGROUP = (1, 3)
+# A NaN in key 7 (chunk 2, rank 1's): the contract's rule, across the ring, makes NaN exactly what it makes NaN in
+# one process (query rows 7 to 11 and the gradients they reach) and leaves rows 0 to 6 untouched.
+NAN_AT = {"causal_nan_key": (0, 7, 1, 5)}
 LAUNCH_TIMEOUT_S = 240
 
 
@@ -87,7 +91,7 @@ def _rank_main(rank, world, store, outdir, cases, readme_port=None):
             out, lse = ring_attention(q, k, v, group=group, return_lse=True, **opts)
             (out.float() * local["dout"].float()).sum().backward()
             results[name] = dict(out=out.detach(), lse=lse, dq=q.grad, dk=k.grad, dv=v.grad,
-                                 untouched=all(torch.equal(local[n].detach(), before[n]) for n in before),
+                                 untouched=all(_same(local[n].detach(), before[n]) for n in before),
                                  gathered=gather_sequence(out.detach(), group=group, causal=causal))
         # Ranks disagreeing on shapes: every rank raises the same error instead of hanging in the ring.
         rng = torch.Generator().manual_seed(rank)
@@ -103,6 +107,11 @@ def _rank_main(rank, world, store, outdir, cases, readme_port=None):
         dist.destroy_process_group()
     if readme_port is not None:
         _run_readme_example(rank, world, readme_port, Path(outdir) / f"readme{rank}.txt")
+
+
+def _same(a, b):
+    """Equal, NaN included (torch.equal says a NaN differs from itself)."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
 def _readme_example() -> str:
@@ -181,6 +190,8 @@ def test_ring_attention_matches_the_reference(rng, tmp_path, warm_kernels, world
     cases, arrays = {}, {}
     for name, (b, lengths, hq, hkv, d, opts, dtype) in CASES[world].items():
         arrays[name] = _inputs(rng, b, lengths, hq, hkv, d, dtype)
+        if name in NAN_AT:
+            arrays[name]["k"][NAN_AT[name]] = np.nan
         cases[name] = (arrays[name], opts)
     # The README example runs after the cases in the 2-rank launch (see _check_readme_example).
     results = _launch(world, cases, tmp_path, readme_port=_free_port() if world == 2 else None)
@@ -197,12 +208,18 @@ def test_ring_attention_matches_the_reference(rng, tmp_path, warm_kernels, world
             np.testing.assert_array_equal(results[r][name]["gathered"].double().numpy(), got["out"])
         assert results[members[0]][name]["lse"].dtype == torch.float32
         if dtype == "float32":
-            err = float(np.abs(got["out"] - ref_out).max())
+            wants = dict(zip(("out", "lse", "dq", "dk", "dv"), (ref_out, ref_lse, *ref_grads)))
+            for field, want in wants.items():   # NaN exactly where the reference has it; the rest compared
+                np.testing.assert_array_equal(np.isnan(got[field]), np.isnan(want), err_msg=f"{name} {field}")
+                assert np.isnan(want).any() == (name in NAN_AT), (name, field)
+                wants[field] = np.where(np.isnan(want), 0.0, want)
+                got[field] = np.where(np.isnan(got[field]), 0.0, got[field])
+            err = float(np.abs(got["out"] - wants["out"]).max())
             assert err <= 1e-5, (name, "out", err)
-            err = float(np.abs(got["lse"] - ref_lse).max())
-            assert err <= 1e-5 * (1 + np.abs(ref_lse).max()), (name, "lse", err)
-            for field, want in zip(("dq", "dk", "dv"), ref_grads):
-                err = _rel_l2(got[field], want)
+            err = float(np.abs(got["lse"] - wants["lse"]).max())
+            assert err <= 1e-5 * (1 + np.abs(wants["lse"]).max()), (name, "lse", err)
+            for field in ("dq", "dk", "dv"):
+                err = _rel_l2(got[field], wants[field])
                 assert err <= 1e-5, (name, field, err)
         else:
             # the contract's float16 rule: relative L2 <= 2e-3, and at most 2x the single-process error (+ slack)
