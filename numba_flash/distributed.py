@@ -117,6 +117,11 @@ def _check_group(group: Any) -> None:
     if not dist.is_initialized():
         raise _bad("group", "an initialised process group (call torch.distributed.init_process_group first)",
                    "no process group initialised")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise _bad("group", "a torch.distributed ProcessGroup or None (the default group)", _short_repr(group))
+    if dist.get_rank(group) < 0:
+        # a rank outside the group gets -1 from get_rank and would address peers that are not its neighbours
+        raise _bad("group", f"a group this rank ({dist.get_rank()}) belongs to", "a group without it")
 
 
 class _Ring:
@@ -287,7 +292,7 @@ def ring_attention(
     softcap: float = 0.0,
     return_lse: bool = False,
     backend: Optional[str] = None,
-) -> Any:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence split across the ranks of ``group``, differentiable.
 
     Every rank of the group calls it at once with its own part of the sequence (``shard_sequence`` makes the

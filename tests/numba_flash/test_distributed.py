@@ -313,3 +313,37 @@ def test_bad_input_names_the_argument(rng):
     with pytest.raises(AttentionInputError, match=r"^rank: expected an int in \[0, 2\), got 2"):
         shard_sequence(q, 2, 2)
 
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A ring of one (in this process: no transfers, the whole sequence local)
+
+
+@pytest.fixture
+def group_of_one(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store1'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_ring_of_one_is_flash_attn_func(rng, group_of_one, causal):
+    from numba_flash import flash_attn_func
+    from numba_flash.distributed import ring_attention
+
+    q, k, v = (torch.from_numpy(rng.standard_normal((2, 10, h, 24)).astype(np.float32)).requires_grad_(True)
+               for h in (4, 2, 2))
+    dout = torch.from_numpy(rng.standard_normal((2, 10, 4, 24)).astype(np.float32))
+    got = ring_attention(q, k, v, causal=causal, return_lse=True)
+    (got[0] * dout).sum().backward()
+    got_grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    want = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    (want[0] * dout).sum().backward()
+    for g, w in zip((*got, *got_grads), (*want, q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)   # one block, one call of the same kernel: bitwise
+    with pytest.raises(AttentionInputError, match=r"^group: expected a torch.distributed ProcessGroup or None"):
+        ring_attention(q, k, v, group="world")
