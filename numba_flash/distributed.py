@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 from numba_flash import backend_registry
-from numba_flash.errors import AttentionInputError
 from numba_flash.merge import merge_attention_states
 from numba_flash.validation import _bad, _short_repr, validate_forward
 
