@@ -279,6 +279,32 @@ def test_zigzag_layout_puts_chunks_r_and_2w_minus_1_minus_r_on_rank_r():
     assert shard_sequence(x, 1, 4, causal=False).tolist() == [[4, 5, 6, 7]]
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_causal_plan_covers_each_visible_pair_once_with_equal_work_per_rank(world):
+    """The blocks each rank computes, step by step, mapped back to global positions: together they hold every
+    pair (i, j) with j <= i exactly once and no other, and at every step every rank computes as many pairs."""
+    from types import SimpleNamespace
+
+    from numba_flash.distributed import _block_plan, shard_sequence
+
+    c = 3
+    positions = torch.arange(2 * world * c).reshape(1, -1)
+    held = [shard_sequence(positions, r, world, causal=True)[0].tolist() for r in range(world)]
+    seen = np.zeros((2 * world * c,) * 2, dtype=int)
+    for step in range(world):
+        work = set()
+        for r in range(world):
+            ring = SimpleNamespace(rank=r, size=world, source=lambda s, r=r: (r - s) % world)
+            rows, keys, mask = _block_plan(ring, step, True, c)
+            qpos, kpos = held[r][rows], held[(r - step) % world][keys]
+            pairs = [(i, j) for a, i in enumerate(qpos) for b, j in enumerate(kpos) if not mask or b <= a]
+            for i, j in pairs:
+                seen[i, j] += 1
+            work.add(len(qpos) * len(kpos))
+        assert len(work) == 1, (step, work)
+    np.testing.assert_array_equal(seen, np.tril(np.ones_like(seen)))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Bad input (one process, no process group: every check comes before any communication)
 
