@@ -185,6 +185,7 @@ def _unshard(results, name, field, members, causal):
     return unshard_sequence(parts, causal=causal, dim=2 if field == "lse" else 1).double().numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_attention_matches_the_reference(rng, tmp_path, warm_kernels, world):
     cases, arrays = {}, {}
