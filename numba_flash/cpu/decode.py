@@ -1,0 +1,471 @@
+"""Flash-decoding for the CPU: a few new query rows against a KV cache, with the key range split in parallel.
+
+Decoding is memory-bound: each new token reads the whole cache once and does ~4 flops per byte. So the kernel
+is shaped around reading the cache once, in place:
+
+* One work unit per (batch, kv head, split). A unit takes every query row that reads its kv head, all
+  ``Hq / Hkv`` query heads of the group times all ``Sq`` rows (``rows = group * Sq``), and streams its part of
+  the keys through once, in tiles of ``BLOCK_N`` keys: each key's k and v rows are loaded once from memory and
+  used for every row while they sit in L1.
+* The caches are never copied or packed. They reach the kernel as flat 1-D views of their memory
+  (``_flat_view``) plus element strides, so that one compilation serves contiguous, strided and paged caches, and
+  the loops over the head dim read unit-stride memory that LLVM vectorises (numba types a strided 4-D view as
+  layout 'A', whose inner loops it compiles one element at a time).
+* Each unit keeps the online-softmax state of its rows, Triton's names: ``m_i`` (running max, base 2),
+  ``l_i`` (running sum of exp2(score - m_i)), ``acc`` (unnormalised output). Scratch is O(rows x D) per unit.
+* Splits (flash-decoding): a batch's visible key span is cut into ``num_splits`` contiguous parts; each unit writes
+  its partial (m_i, l_i, acc), and a second parallel pass merges the parts of a row by their log-sum-exps,
+  exactly: ``out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s``. A part in which a row sees no key has
+  ``m = -inf, l = 0`` and weighs nothing. This is ``merge_attention_states`` on (out_s, lse_s), done on the
+  unnormalised state so that no division happens before the merge.
+
+Semantics are ``numba_flash.reference.attention_ref``'s, per batch on its own keys (see ``decode_forward``). The
+non-finite rule is kept without masks: a row only ever touches the keys it sees (each row's visible keys in a tile
+are one contiguous run), so a NaN in a v row it does not see never meets it as ``0 * nan``; a visible score that is
+not finite marks the row poisoned (its out and lse become NaN) and the row is skipped from then on.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from numba_flash.cpu.kernels import _FASTMATH, _LANES, _LN2, _LOG2E, _as_dtype_of, _fast_exp2, _row_key_range
+from numba_flash.semantics import clamp_window_bound, effective_softcap
+
+BLOCK_N = 64  # keys per tile: their k and v rows (64 x D) stay in L1/L2 while every row of the unit uses them
+
+# choose_num_splits: a split shorter than this costs more in its fixed overhead (a unit's setup, a partial
+# written and merged) than its parallelism earns.
+MIN_KEYS_PER_SPLIT = 512
+MAX_SPLITS = 64
+UNITS_PER_THREAD = 4  # prange schedules statically: several units per thread even out unequal ones
+
+
+def choose_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, n_threads: int) -> int:
+    """The number of splits of each batch's keys for ``decode_forward``, 1 to ``MAX_SPLITS``.
+
+    There are ``batch * nheads_kv * num_splits`` work units and numba's prange hands each thread an equal
+    contiguous share of them. With few (batch, kv head) pairs, e.g. one sequence with 8 kv heads on 16 threads,
+    splitting is the only parallelism there is; aiming at ``UNITS_PER_THREAD`` units per thread keeps every
+    thread busy even when the units' key spans differ (windows, unequal cache lengths). More splits than that
+    buy nothing and cost a partial output each, so once ``batch * nheads_kv`` alone is enough there is one split.
+    A split must hold at least ``MIN_KEYS_PER_SPLIT`` keys: shorter ones are dominated by their fixed costs.
+    Non-decreasing in ``max_seqlen_k`` and ``n_threads``, non-increasing in ``batch`` and ``nheads_kv``.
+    """
+    pairs = max(1, int(batch) * int(nheads_kv))
+    wanted = -(-(UNITS_PER_THREAD * max(1, int(n_threads))) // pairs)
+    by_length = max(1, int(max_seqlen_k) // MIN_KEYS_PER_SPLIT)
+    return int(max(1, min(wanted, by_length, MAX_SPLITS)))
+
+
+# The per-tile work is three functions compiled on their own, called once per tile of BLOCK_N keys. The two
+# products over the head dim are LLVM IR (``_dot_f32``, ``_axpy_f32``) for float32, as in kernels.py: written
+# as numba loops, LLVM's vectoriser took them or not depending on the code around them (one edit elsewhere in
+# the kernel made the P V loop scalar and the call 2x slower; the same loops in a function of their own were
+# never vectorised), and reading flat[off + d] made it gather, since numba's negative-index wrap on off + d
+# cannot be ruled out. The other paths (float64, a cache whose head dim is strided) run plain loops.
+
+
+def _vector_loop_codegen(kind: str):
+    """IR over n float32 elements at element offsets of two arrays' data (unit stride, which the callers
+    guarantee), a vector of LANES at a time plus a scalar tail. kind 'dot': returns sum a[i] * b[i]. kind
+    'axpy': y[i] += p * x[i]. 'contract' only: the products fuse into FMAs, no NaN or inf is assumed away."""
+    lanes = _LANES
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        i64 = ir.IntType(64)
+        vty = ir.VectorType(f32, lanes)
+        flags = ("contract",)
+        if kind == "dot":
+            a_ty, a_off, b_ty, b_off, n_ty = signature.args
+            arr_a, off_a, arr_b, off_b, n = args
+        else:
+            a_ty, a_off, p_ty, b_ty, b_off, n_ty = signature.args
+            arr_a, off_a, p, arr_b, off_b, n = args
+        ptrs = []
+        for aty, arr, oty, off in ((a_ty, arr_a, a_off, off_a), (b_ty, arr_b, b_off, off_b)):
+            data = context.make_array(aty)(context, builder, arr).data
+            ptrs.append(builder.gep(builder.bitcast(data, f32.as_pointer()),
+                                    [context.cast(builder, off, oty, types.int64)]))
+        n = context.cast(builder, n, n_ty, types.int64)
+        n_vec = builder.udiv(n, ir.Constant(i64, lanes))
+        vptrs = [builder.bitcast(x, vty.as_pointer()) for x in ptrs]
+        if kind == "dot":
+            acc_v = cgutils.alloca_once_value(builder, ir.Constant(vty, None))
+            acc_s = cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0))
+        else:
+            p = context.cast(builder, p, p_ty, types.float32)
+            p_v = builder.shuffle_vector(builder.insert_element(ir.Constant(vty, ir.Undefined), p,
+                                                                ir.Constant(ir.IntType(32), 0)),
+                                         ir.Constant(vty, ir.Undefined),
+                                         ir.Constant(ir.VectorType(ir.IntType(32), lanes), None))
+
+        def step(load_ptrs, acc, mul_by, ty):
+            x = builder.load(load_ptrs[0], align=4)
+            y = builder.load(load_ptrs[1], align=4)
+            if kind == "dot":
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(x, y, flags=flags), flags=flags), acc)
+            else:
+                builder.store(builder.fadd(x, builder.fmul(mul_by, y, flags=flags), flags=flags), load_ptrs[0],
+                              align=4)
+
+        with cgutils.for_range(builder, n_vec) as loop:
+            step([builder.gep(v, [loop.index]) for v in vptrs], acc_v if kind == "dot" else None,
+                 None if kind == "dot" else p_v, vty)
+        tail = builder.mul(n_vec, ir.Constant(i64, lanes))
+        with cgutils.for_range_slice(builder, tail, n, ir.Constant(i64, 1)) as (i, _):
+            step([builder.gep(x, [i]) for x in ptrs], acc_s if kind == "dot" else None,
+                 None if kind == "dot" else p, f32)
+        if kind != "dot":
+            return context.get_dummy_value()
+        total = builder.load(acc_s)
+        vec = builder.load(acc_v)
+        for lane in range(lanes):
+            total = builder.fadd(total, builder.extract_element(vec, ir.Constant(ir.IntType(32), lane)))
+        return total
+
+    return codegen
+
+
+def _f32_arrays(*arrays) -> bool:
+    return all(isinstance(x, types.Array) and x.dtype == types.float32 for x in arrays)
+
+
+@intrinsic
+def _dot_f32(typingctx, a, a_off, b, b_off, n):
+    """sum(a.flat[a_off:a_off + n] * b.flat[b_off:b_off + n]) for float32 arrays, unit stride from those offsets."""
+    if not _f32_arrays(a, b):
+        return None
+    return types.float32(a, a_off, b, b_off, n), _vector_loop_codegen("dot")
+
+
+@intrinsic
+def _axpy_f32(typingctx, y, y_off, p, x, x_off, n):
+    """y.flat[y_off:y_off + n] += p * x.flat[x_off:x_off + n] for float32 arrays, unit stride from the offsets."""
+    if not _f32_arrays(y, x):
+        return None
+    return types.none(y, y_off, p, x, x_off, n), _vector_loop_codegen("axpy")
+
+
+@njit(fastmath=_FASTMATH, cache=True)
+def _tile_scores(qs, flat, offs, step, nk, run_lo, run_hi, s):
+    """s[r, c] = qs[r] . (cache row at offs[c]) for every row r and key c < nk with run_lo[r] <= c < run_hi[r].
+    qs (rows, D) C-contiguous, s (rows, BLOCK_N); the cache row is D elements ``step`` apart in ``flat``.
+    Key-major: each cache row comes from memory once and serves every row of the unit from L1."""
+    n_rows, head_dim = qs.shape
+    fast = step == 1 and _is_f32(qs)
+    for c in range(nk):
+        off = offs[c]
+        for r in range(n_rows):
+            if run_lo[r] <= c < run_hi[r]:
+                if fast:
+                    s[r, c] = _dot_f32(qs, r * head_dim, flat, off, head_dim)
+                else:
+                    total = _as_dtype_of(qs, 0.0)
+                    for d in range(head_dim):
+                        total += qs[r, d] * flat[off + d * step]
+                    s[r, c] = total
+
+
+@njit(fastmath=_FASTMATH, cache=True)
+def _tile_pv(acc, s, flat, offs, step, nk, run_lo, run_hi):
+    """acc[r] += s[r, c] * (cache row at offs[c]) over the same (row, key) pairs as ``_tile_scores``: only keys a
+    row sees, so a non-finite v row reaches exactly the rows that see it (through p * nan, also where p is 0).
+    acc (rows, D) C-contiguous."""
+    n_rows, head_dim = acc.shape
+    fast = step == 1 and _is_f32(acc)
+    for c in range(nk):
+        off = offs[c]
+        for r in range(n_rows):
+            if run_lo[r] <= c < run_hi[r]:
+                p = s[r, c]
+                if fast:
+                    _axpy_f32(acc, r * head_dim, p, flat, off, head_dim)
+                else:
+                    for d in range(head_dim):
+                        acc[r, d] += p * flat[off + d * step]
+
+
+def _is_f32(a):  # pragma: no cover - typed by the overload below
+    raise NotImplementedError
+
+
+@overload(_is_f32, inline="always")
+def _is_f32_impl(a):
+    """A compile-time constant: whether ``a`` holds float32 (the IR paths), so the float64 build drops them."""
+    value = a.dtype == types.float32
+    return lambda a: value
+
+
+@njit(fastmath=_FASTMATH, cache=True)
+def _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, inv_cap, cap2, softcap):
+    """The online-softmax step of one tile: for each row, over its run [run_lo, run_hi) of scores (base 2),
+    apply the softcap, update m_i and l_i, rescale acc, and turn the scores into p = exp2(s - m_i) in place.
+    A row with a score that is not finite is marked poisoned and its run emptied, so ``_tile_pv`` skips it."""
+    inf = _as_dtype_of(s, np.inf)
+    neg_inf = _as_dtype_of(s, -np.inf)
+    zero = _as_dtype_of(s, 0.0)
+    one = _as_dtype_of(s, 1.0)
+    for r in range(s.shape[0]):
+        a, e = run_lo[r], run_hi[r]
+        if a >= e:
+            continue
+        s_r = s[r]
+        # Separate simple passes: the exp2 pass vectorises only with no branch in it.
+        finite = True
+        if softcap > 0:
+            for c in range(a, e):
+                x = s_r[c]
+                finite &= abs(x) < inf  # the raw score decides: tanh(inf) = 1 would hide it
+                s_r[c] = cap2 * math.tanh(x * inv_cap)
+        tile_max = neg_inf
+        for c in range(a, e):
+            x = s_r[c]
+            finite &= abs(x) < inf  # kept under fastmath: _FASTMATH has no 'nnan'/'ninf'
+            tile_max = x if x > tile_max else tile_max
+        if not finite:
+            poisoned[r] = True
+            run_hi[r] = a
+            continue
+        m_new = max(m_i[r], tile_max)
+        alpha = _fast_exp2(m_i[r] - m_new)  # exactly 0 while m_i is still -inf
+        p_sum = zero
+        for c in range(a, e):
+            p = _fast_exp2(s_r[c] - m_new)
+            s_r[c] = p
+            p_sum += p
+        l_i[r] = l_i[r] * alpha + p_sum
+        m_i[r] = m_new
+        if alpha != one:
+            acc_r = acc[r]
+            for d in range(acc.shape[1]):
+                acc_r[d] *= alpha
+
+
+@njit(inline="always", cache=True)
+def _cache_offset(strides, b, pos, hk, cache_rows, key_start, block_table, page_size):
+    """Element offset in the flat view of the cache row of batch b's logical key ``pos`` (0-based within its
+    keys) for kv head hk. strides: (origin, s0, s1, s2, s3) in elements, see ``_flat_view``."""
+    p = key_start[b] + pos
+    if page_size > 0:
+        return strides[0] + block_table[b, p // page_size] * strides[1] + (p % page_size) * strides[2] \
+            + hk * strides[3]
+    return strides[0] + cache_rows[b] * strides[1] + p * strides[2] + hk * strides[3]
+
+
+@njit(parallel=True, fastmath=_FASTMATH, cache=True)
+def _decode_kernel(q, k_flat, k_str, v_flat, v_str, cache_rows, key_start, key_end, block_table, page_size,
+                   nheads_kv, out, lse, part_acc, part_m, part_l, scale, left, right, softcap, num_splits):
+    """Both passes of ``decode_forward``. q (B, Sq, Hq, D), out likewise, lse (B, Hq, Sq): any strides. k_flat,
+    v_flat: 1-D views of the caches' memory, k_str/v_str (5,) int64 their origin and element strides.
+    part_acc (U, rows, D), part_m and part_l (U, rows) with U = B * Hkv * num_splits: the units' partial states."""
+    batch, seqlen_q, nheads_q, head_dim = q.shape
+    group = nheads_q // nheads_kv
+    n_rows = group * seqlen_q
+    k_step, v_step = k_str[4], v_str[4]
+    # Scores in base 2 (log2 e folded into the scale) for exp2. With softcap the raw score keeps the scale alone
+    # and is checked for finiteness before tanh, which would turn an inf from q or k into a finite +-1.
+    qscale = _as_dtype_of(q, scale if softcap > 0 else scale * _LOG2E)
+    inv_cap = _as_dtype_of(q, 1.0 / softcap if softcap > 0 else 0.0)
+    cap2 = _as_dtype_of(q, softcap * _LOG2E)
+    neg_inf = _as_dtype_of(q, -np.inf)
+    inf = _as_dtype_of(q, np.inf)
+    nan = _as_dtype_of(q, np.nan)
+    zero = _as_dtype_of(q, 0.0)
+    one = _as_dtype_of(q, 1.0)
+    for u in prange(batch * nheads_kv * num_splits):
+        b = u // (nheads_kv * num_splits)
+        hk = (u // num_splits) % nheads_kv
+        split = u % num_splits
+        seqlen_k = max(0, key_end[b] - key_start[b])
+        # Row r is query head hk * group + r // Sq, query row r % Sq; its visible keys are [row_lo, row_hi).
+        row_lo = np.empty(n_rows, np.int64)
+        row_hi = np.empty(n_rows, np.int64)
+        span_lo, span_hi = seqlen_k, 0
+        for r in range(n_rows):
+            lo, hi = _row_key_range(r % seqlen_q, seqlen_q, seqlen_k, left, right)
+            row_lo[r], row_hi[r] = lo, hi
+            if lo < hi:
+                span_lo, span_hi = min(span_lo, lo), max(span_hi, hi)
+        # Split the keys some row sees, not [0, Sk): a sliding window over a long cache still splits evenly.
+        chunk = -(-max(0, span_hi - span_lo) // num_splits)
+        j_begin = min(span_hi, span_lo + split * chunk)
+        j_end = min(span_hi, j_begin + chunk)
+        qs = np.empty((n_rows, head_dim), q.dtype)
+        for r in range(n_rows):
+            h = hk * group + r // seqlen_q
+            for d in range(head_dim):
+                qs[r, d] = q[b, r % seqlen_q, h, d] * qscale
+        m_i = np.full(n_rows, neg_inf, q.dtype)
+        l_i = np.zeros(n_rows, q.dtype)
+        acc = np.zeros((n_rows, head_dim), q.dtype)
+        poisoned = np.zeros(n_rows, np.bool_)
+        s = np.empty((n_rows, BLOCK_N), q.dtype)
+        k_off = np.empty(BLOCK_N, np.int64)
+        v_off = np.empty(BLOCK_N, np.int64)
+        run_lo = np.empty(n_rows, np.int64)  # row r's visible keys in the tile: [run_lo[r], run_hi[r])
+        run_hi = np.empty(n_rows, np.int64)
+        for j0 in range(j_begin, j_end, BLOCK_N):
+            nk = min(BLOCK_N, j_end - j0)
+            for c in range(nk):
+                k_off[c] = _cache_offset(k_str, b, j0 + c, hk, cache_rows, key_start, block_table, page_size)
+                v_off[c] = _cache_offset(v_str, b, j0 + c, hk, cache_rows, key_start, block_table, page_size)
+            for r in range(n_rows):
+                run_lo[r] = max(j0, row_lo[r]) - j0
+                run_hi[r] = run_lo[r] if poisoned[r] else max(run_lo[r], min(j0 + nk, row_hi[r]) - j0)
+            _tile_scores(qs, k_flat, k_off, k_step, nk, run_lo, run_hi, s)
+            _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, inv_cap, cap2, softcap)
+            _tile_pv(acc, s, v_flat, v_off, v_step, nk, run_lo, run_hi)
+        for r in range(n_rows):
+            part_m[u, r] = nan if poisoned[r] else m_i[r]
+            part_l[u, r] = l_i[r]
+            for d in range(head_dim):
+                part_acc[u, r, d] = acc[r, d]
+
+    # Merge the splits of each row by their log-sum-exps.
+    ln2 = _as_dtype_of(q, _LN2)
+    for w in prange(batch * nheads_kv * n_rows):
+        b = w // (nheads_kv * n_rows)
+        hk = (w // n_rows) % nheads_kv
+        r = w % n_rows
+        i = r % seqlen_q
+        h = hk * group + r // seqlen_q
+        u0 = (b * nheads_kv + hk) * num_splits
+        seqlen_k = max(0, key_end[b] - key_start[b])
+        lo, hi = _row_key_range(i, seqlen_q, seqlen_k, left, right)
+        if lo >= hi:  # sees no key: 0 and lse = +inf, whatever its q holds (it reads nothing)
+            for d in range(head_dim):
+                out[b, i, h, d] = zero
+            lse[b, h, i] = inf
+            continue
+        m_all = neg_inf
+        bad = False
+        for sp in range(num_splits):
+            m = part_m[u0 + sp, r]
+            bad |= m != m
+            m_all = max(m_all, m)
+        if bad:  # poisoned by a visible score that is not finite
+            for d in range(head_dim):
+                out[b, i, h, d] = nan
+            lse[b, h, i] = nan
+            continue
+        l_all = zero
+        for sp in range(num_splits):
+            l_all += part_l[u0 + sp, r] * _fast_exp2(part_m[u0 + sp, r] - m_all)
+        inv = one / l_all
+        for d in range(head_dim):
+            o = zero
+            for sp in range(num_splits):
+                o += part_acc[u0 + sp, r, d] * _fast_exp2(part_m[u0 + sp, r] - m_all)
+            o *= inv
+            out[b, i, h, d] = o if abs(o) < inf else nan
+        lse[b, h, i] = m_all * ln2 + math.log(l_all)
+
+
+_compiled: dict[Any, Any] = {}
+_compiled_lock = threading.Lock()
+
+
+def _kernel_for(dtype: np.dtype) -> Any:
+    """``_decode_kernel`` compiled for ``dtype``, with layout-generic types for the caller's q, out and lse so
+    that every layout shares one compilation (and one on-disk cache entry)."""
+    dtype = np.dtype(dtype)
+    fn = _compiled.get(dtype)
+    if fn is None:
+        nb = numba.from_dtype(dtype)
+        i64 = types.int64
+        ints1, ints2 = types.Array(i64, 1, "C"), types.Array(i64, 2, "C")
+        flat = types.Array(nb, 1, "C", readonly=True)
+        sig = (types.Array(nb, 4, "A", readonly=True), flat, ints1, flat, ints1, ints1, ints1, ints1, ints2, i64,
+               i64, types.Array(nb, 4, "A"), types.Array(nb, 3, "A"), types.Array(nb, 3, "C"),
+               types.Array(nb, 2, "C"), types.Array(nb, 2, "C"), types.float64, i64, i64, types.float64, i64)
+        with _compiled_lock:
+            fn = _compiled.get(dtype)
+            if fn is None:
+                fn = _compiled[dtype] = _decode_kernel.compile(sig)
+    return fn
+
+
+def _flat_view(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A read-only 1-D unit-stride view of the memory a 4-D array spans, and (origin, s0, s1, s2, s3) int64 such
+    that ``x[i0, i1, i2, i3]`` is ``flat[origin + i0 * s0 + ... + i3 * s3]``. No copy, except for arrays whose
+    strides are not whole elements (views into structured arrays), which cannot be indexed that way."""
+    if any(st % x.itemsize for st in x.strides):
+        x = np.ascontiguousarray(x)
+    steps = [st // x.itemsize for st in x.strides]
+    origin = sum((n - 1) * -st for n, st in zip(x.shape, steps) if st < 0)
+    # The lowest address is x with its negative-stride axes reversed; the view starts there.
+    low = x[tuple(slice(None, None, -1) if st < 0 else slice(None) for st in steps)]
+    span = 0 if x.size == 0 else 1 + sum((n - 1) * abs(st) for n, st in zip(x.shape, steps))
+    flat = np.lib.stride_tricks.as_strided(low, shape=(span,), strides=(x.itemsize,), writeable=False)
+    return flat, np.array([origin, *steps], np.int64)
+
+
+def _readonly(x: np.ndarray) -> np.ndarray:
+    view = x.view()
+    view.flags.writeable = False
+    return view
+
+
+def decode_forward(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, cache_rows: np.ndarray,
+                   key_start: np.ndarray, key_end: np.ndarray, block_table: np.ndarray, page_size: int,
+                   out: np.ndarray, lse: np.ndarray, scale: float, window_left: int, window_right: int,
+                   softcap: float, num_splits: int) -> None:
+    """Attention of new query rows against a KV cache (flash-decoding), written into ``out`` and ``lse``.
+
+    Arguments (no validation here beyond dtypes: the public ``with_kvcache`` validates):
+        q: (B, Sq, Hq, D), any strides, already rotated. Not modified.
+        k_cache, v_cache: any strides, not modified, never copied. Not paged (``page_size == 0``):
+            (B_cache, S_cache, Hkv, D), batch b reads cache row ``cache_rows[b]``. Paged (``page_size > 0``):
+            (num_blocks, page_size, Hkv, D); batch b's logical key position p lives at
+            ``[block_table[b, p // page_size], p % page_size]``. Hq % Hkv == 0; query head h reads kv head
+            ``h // (Hq // Hkv)``.
+        cache_rows: (B,) int64, ignored when paged. block_table: (B, max_blocks) int64, a (1, 1) dummy when not
+            paged.
+        key_start, key_end: (B,) int64; batch b's keys are its logical positions [key_start[b], key_end[b]).
+            Batch b is dense attention over its Sk_b = key_end[b] - key_start[b] keys, renumbered from 0, with
+            the contract's bottom-right alignment: row i sees key j iff
+            ``i + Sk_b - Sq - left <= j <= i + Sk_b - Sq + right`` (a bound of -1: unbounded; causal: right = 0)::
+
+                Sq = 2, Sk_b = 5, causal:   row 0:  x x x x .
+                                            row 1:  x x x x x
+        out: (B, Sq, Hq, D), any strides; written. lse: (B, Hq, Sq), any strides; written with the natural log of
+            the sum of exp(score) over the row's keys: +inf (and out 0) for a row that sees none (Sk_b may be 0),
+            NaN (and out NaN) for a row that sees a key whose raw score is not finite. A non-finite v row makes
+            NaN only the rows that see it.
+        q, caches, out and lse: all float32 or all float64 (the compute dtype).
+        scale: multiplies q.k. softcap: 0 = off, else score = softcap * tanh(scale * q.k / softcap).
+        num_splits: >= 1 parts of each batch's visible keys, run in parallel and merged exactly (see
+            ``choose_num_splits``).
+    """
+    dtype = q.dtype
+    if dtype not in (np.float32, np.float64) or any(a.dtype != dtype for a in (k_cache, v_cache, out, lse)):
+        raise TypeError(f"decode_forward needs q, k_cache, v_cache, out and lse all float32 or all float64, got "
+                        f"{sorted({str(a.dtype) for a in (q, k_cache, v_cache, out, lse)})}")
+    batch, seqlen_q, nheads_q, head_dim = q.shape
+    nheads_kv = k_cache.shape[2]
+    num_splits = max(1, int(num_splits))
+    ints = [np.array(x, np.int64, order="C", ndmin=1) for x in (cache_rows, key_start, key_end)]
+    table = np.array(block_table, np.int64, order="C", ndmin=2)
+    longest = int(max(0, (ints[2] - ints[1]).max())) if batch else 0
+    left, right = (clamp_window_bound(int(w), seqlen_q, longest) for w in (window_left, window_right))
+    softcap = effective_softcap(float(softcap), dtype.name)
+    n_rows = (nheads_q // nheads_kv) * seqlen_q
+    units = batch * nheads_kv * num_splits
+    part_acc = np.empty((units, n_rows, head_dim), dtype)
+    part_m = np.empty((units, n_rows), dtype)
+    part_l = np.empty((units, n_rows), dtype)
+    k_flat, k_str = _flat_view(k_cache)
+    v_flat, v_str = _flat_view(v_cache)
+    _kernel_for(dtype)(_readonly(q), k_flat, k_str, v_flat, v_str, *ints, table, int(page_size), nheads_kv, out,
+                       lse, part_acc, part_m, part_l, float(scale), left, right, softcap, num_splits)
