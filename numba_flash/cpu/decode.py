@@ -157,24 +157,64 @@ def _axpy_f32(typingctx, y, y_off, p, x, x_off, n):
     return types.none(y, y_off, p, x, x_off, n), _vector_loop_codegen("axpy")
 
 
+def _row_dot(qs, r, flat, off, step):  # pragma: no cover - typed by the overload below
+    """qs[r] . flat[off : off + D * step : step], D = qs.shape[1]."""
+    raise NotImplementedError
+
+
+def _row_axpy(acc, r, p, flat, off, step):  # pragma: no cover - typed by the overload below
+    """acc[r] += p * flat[off : off + D * step : step], D = acc.shape[1]."""
+    raise NotImplementedError
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _row_dot_loop(qs, r, flat, off, step):
+    total = _as_dtype_of(qs, 0.0)
+    for d in range(qs.shape[1]):
+        total += qs[r, d] * flat[off + d * step]
+    return total
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _row_axpy_loop(acc, r, p, flat, off, step):
+    for d in range(acc.shape[1]):
+        acc[r, d] += p * flat[off + d * step]
+
+
+@overload(_row_dot, inline="always", fastmath=_FASTMATH)
+def _row_dot_impl(qs, r, flat, off, step):
+    if not _f32_arrays(qs, flat):
+        return lambda qs, r, flat, off, step: _row_dot_loop(qs, r, flat, off, step)
+
+    def impl(qs, r, flat, off, step):
+        if step == 1:  # qs is C-contiguous: its row r is unit-stride too
+            return _dot_f32(qs, r * qs.shape[1], flat, off, qs.shape[1])
+        return _row_dot_loop(qs, r, flat, off, step)
+    return impl
+
+
+@overload(_row_axpy, inline="always", fastmath=_FASTMATH)
+def _row_axpy_impl(acc, r, p, flat, off, step):
+    if not _f32_arrays(acc, flat):
+        return lambda acc, r, p, flat, off, step: _row_axpy_loop(acc, r, p, flat, off, step)
+
+    def impl(acc, r, p, flat, off, step):
+        if step == 1:
+            _axpy_f32(acc, r * acc.shape[1], p, flat, off, acc.shape[1])
+        else:
+            _row_axpy_loop(acc, r, p, flat, off, step)
+    return impl
+
+
 @njit(fastmath=_FASTMATH, cache=True)
 def _tile_scores(qs, flat, offs, step, nk, run_lo, run_hi, s):
     """s[r, c] = qs[r] . (cache row at offs[c]) for every row r and key c < nk with run_lo[r] <= c < run_hi[r].
     qs (rows, D) C-contiguous, s (rows, BLOCK_N); the cache row is D elements ``step`` apart in ``flat``.
     Key-major: each cache row comes from memory once and serves every row of the unit from L1."""
-    n_rows, head_dim = qs.shape
-    fast = step == 1 and _is_f32(qs)
     for c in range(nk):
-        off = offs[c]
-        for r in range(n_rows):
+        for r in range(qs.shape[0]):
             if run_lo[r] <= c < run_hi[r]:
-                if fast:
-                    s[r, c] = _dot_f32(qs, r * head_dim, flat, off, head_dim)
-                else:
-                    total = _as_dtype_of(qs, 0.0)
-                    for d in range(head_dim):
-                        total += qs[r, d] * flat[off + d * step]
-                    s[r, c] = total
+                s[r, c] = _row_dot(qs, r, flat, offs[c], step)
 
 
 @njit(fastmath=_FASTMATH, cache=True)
@@ -182,29 +222,10 @@ def _tile_pv(acc, s, flat, offs, step, nk, run_lo, run_hi):
     """acc[r] += s[r, c] * (cache row at offs[c]) over the same (row, key) pairs as ``_tile_scores``: only keys a
     row sees, so a non-finite v row reaches exactly the rows that see it (through p * nan, also where p is 0).
     acc (rows, D) C-contiguous."""
-    n_rows, head_dim = acc.shape
-    fast = step == 1 and _is_f32(acc)
     for c in range(nk):
-        off = offs[c]
-        for r in range(n_rows):
+        for r in range(acc.shape[0]):
             if run_lo[r] <= c < run_hi[r]:
-                p = s[r, c]
-                if fast:
-                    _axpy_f32(acc, r * head_dim, p, flat, off, head_dim)
-                else:
-                    for d in range(head_dim):
-                        acc[r, d] += p * flat[off + d * step]
-
-
-def _is_f32(a):  # pragma: no cover - typed by the overload below
-    raise NotImplementedError
-
-
-@overload(_is_f32, inline="always")
-def _is_f32_impl(a):
-    """A compile-time constant: whether ``a`` holds float32 (the IR paths), so the float64 build drops them."""
-    value = a.dtype == types.float32
-    return lambda a: value
+                _row_axpy(acc, r, s[r, c], flat, offs[c], step)
 
 
 @njit(fastmath=_FASTMATH, cache=True)
