@@ -3,8 +3,8 @@ same bytes and torch SDPA, measured side by side in one run.
 
 For B=1, Hq=32, Hkv=8, D=128, float32, Sq=1 and Sk in 8192, 32768, 65536: the kernel reads the k and v rows of
 the cache once, 2 * Sk * Hkv * D * 4 bytes; the copy moves that many bytes with ``np.copyto`` into a preallocated
-buffer (reading and writing them, so it is a conservative stand-in for the machine's read bandwidth). GB/s are
-of the bytes read. Usage: ``python tools/decode_bandwidth.py [--repeats 10] [--splits N]``.
+buffer (reading and writing them, on one thread: numpy's copy is not parallel, so it is a conservative stand-in
+for the machine's read bandwidth). GB/s are of the bytes read. Runs interleave the three, see ``_times``. Usage: ``python tools/decode_bandwidth.py [--repeats 10] [--splits N] [--threads N]``.
 """
 
 from __future__ import annotations
@@ -18,14 +18,18 @@ import numpy as np
 from numba_flash.cpu.decode import choose_num_splits, decode_forward
 
 
-def _times(fn, repeats: int) -> tuple[float, float]:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _times(fns, repeats: int) -> list[tuple[float, float]]:
+    """(min, median) seconds of each function, timed in turn within each repeat: on a machine shared with other
+    work, a slow stretch then hits all of them alike and the ratios of the minima stay fair."""
+    for fn in fns:
         fn()
-        samples.append(time.perf_counter() - t0)
-    return min(samples), float(np.median(samples))
+    samples = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, samples):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return [(min(x), float(np.median(x))) for x in samples]
 
 
 def main() -> None:
@@ -33,11 +37,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--splits", type=int, default=0, help="num_splits (0: choose_num_splits)")
     parser.add_argument("--seqlens", type=int, nargs="+", default=[8192, 32768, 65536])
+    parser.add_argument("--threads", type=int, default=0, help="numba and torch threads (0: their defaults)")
     args = parser.parse_args()
     try:
         import torch
     except ImportError:
         torch = None
+    if args.threads:
+        numba.set_num_threads(args.threads)
+        if torch is not None:
+            torch.set_num_threads(args.threads)
     batch, hq, hkv, d = 1, 32, 8, 128
     threads = numba.get_num_threads()
     print(f"threads: numba {threads}" + (f", torch {torch.get_num_threads()}" if torch else ""))
@@ -58,18 +67,23 @@ def main() -> None:
         nbytes = 2 * sk * hkv * d * 4
         src = np.concatenate([k_cache.ravel(), v_cache.ravel()])
         dst = np.empty_like(src)
-        copy_t = _times(lambda: np.copyto(dst, src), args.repeats)
-        dec_t = _times(lambda: decode_forward(q, k_cache, v_cache, rows, start, end, table, 0, out, lse,
-                                              d ** -0.5, -1, -1, 0.0, splits), args.repeats)
-        sdpa_t = (float("nan"), float("nan"))
+        fns = [lambda: np.copyto(dst, src),
+               lambda: decode_forward(q, k_cache, v_cache, rows, start, end, table, 0, out, lse, d ** -0.5, -1, -1,
+                                      0.0, splits)]
         if torch is not None:
             tq = torch.from_numpy(q).permute(0, 2, 1, 3)  # (1, 32, 1, 128) view
             tk = torch.from_numpy(k_cache).permute(0, 2, 1, 3)  # (1, 8, Sk, 128) views of the cache
             tv = torch.from_numpy(v_cache).permute(0, 2, 1, 3)
             sdpa = torch.nn.functional.scaled_dot_product_attention
-            with torch.no_grad():
-                sdpa_t = _times(lambda: sdpa(tq, tk, tv, enable_gqa=True), args.repeats)
-            ref = sdpa(tq, tk, tv, enable_gqa=True).permute(0, 2, 1, 3).numpy()
+
+            def run_sdpa():
+                with torch.no_grad():
+                    return sdpa(tq, tk, tv, enable_gqa=True)
+            fns.append(run_sdpa)
+        copy_t, dec_t, *rest = _times(fns, args.repeats)
+        sdpa_t = rest[0] if rest else (float("nan"), float("nan"))
+        if torch is not None:
+            ref = run_sdpa().permute(0, 2, 1, 3).numpy()
             assert np.abs(ref - out).max() < 1e-4, np.abs(ref - out).max()
 
         def gbs(t):

@@ -75,66 +75,108 @@ def choose_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, n_threads: 
 # cannot be ruled out. The other paths (float64, a cache whose head dim is strided) run plain loops.
 
 
-def _vector_loop_codegen(kind: str):
-    """IR over n float32 elements at element offsets of two arrays' data (unit stride, which the callers
-    guarantee), a vector of LANES at a time plus a scalar tail. kind 'dot': returns sum a[i] * b[i]. kind
-    'axpy': y[i] += p * x[i]. 'contract' only: the products fuse into FMAs, no NaN or inf is assumed away."""
-    lanes = _LANES
+_DOT_CHAINS = 4  # independent accumulators in _dot_f32: one FMA chain would wait out its latency at every step
+_PV_BLOCK = 8  # vectors of acc held in registers by _pv_run_f32 (8 x 16 = 128 floats with AVX-512)
 
-    def codegen(context, builder, signature, args):
-        f32 = ir.FloatType()
-        i64 = ir.IntType(64)
-        vty = ir.VectorType(f32, lanes)
-        flags = ("contract",)
-        if kind == "dot":
-            a_ty, a_off, b_ty, b_off, n_ty = signature.args
-            arr_a, off_a, arr_b, off_b, n = args
-        else:
-            a_ty, a_off, p_ty, b_ty, b_off, n_ty = signature.args
-            arr_a, off_a, p, arr_b, off_b, n = args
-        ptrs = []
-        for aty, arr, oty, off in ((a_ty, arr_a, a_off, off_a), (b_ty, arr_b, b_off, off_b)):
-            data = context.make_array(aty)(context, builder, arr).data
-            ptrs.append(builder.gep(builder.bitcast(data, f32.as_pointer()),
-                                    [context.cast(builder, off, oty, types.int64)]))
-        n = context.cast(builder, n, n_ty, types.int64)
-        n_vec = builder.udiv(n, ir.Constant(i64, lanes))
-        vptrs = [builder.bitcast(x, vty.as_pointer()) for x in ptrs]
-        if kind == "dot":
-            acc_v = cgutils.alloca_once_value(builder, ir.Constant(vty, None))
-            acc_s = cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0))
-        else:
-            p = context.cast(builder, p, p_ty, types.float32)
-            p_v = builder.shuffle_vector(builder.insert_element(ir.Constant(vty, ir.Undefined), p,
-                                                                ir.Constant(ir.IntType(32), 0)),
-                                         ir.Constant(vty, ir.Undefined),
-                                         ir.Constant(ir.VectorType(ir.IntType(32), lanes), None))
 
-        def step(load_ptrs, acc, mul_by, ty):
-            x = builder.load(load_ptrs[0], align=4)
-            y = builder.load(load_ptrs[1], align=4)
-            if kind == "dot":
-                builder.store(builder.fadd(builder.load(acc), builder.fmul(x, y, flags=flags), flags=flags), acc)
-            else:
-                builder.store(builder.fadd(x, builder.fmul(mul_by, y, flags=flags), flags=flags), load_ptrs[0],
-                              align=4)
+def _f32_ptr(context, builder, aty, arr, oty, off):
+    """IR pointer to element ``off`` of float32 array ``arr`` (of numba type ``aty``)."""
+    data = context.make_array(aty)(context, builder, arr).data
+    return builder.gep(builder.bitcast(data, ir.FloatType().as_pointer()),
+                       [context.cast(builder, off, oty, types.int64)])
 
-        with cgutils.for_range(builder, n_vec) as loop:
-            step([builder.gep(v, [loop.index]) for v in vptrs], acc_v if kind == "dot" else None,
-                 None if kind == "dot" else p_v, vty)
-        tail = builder.mul(n_vec, ir.Constant(i64, lanes))
-        with cgutils.for_range_slice(builder, tail, n, ir.Constant(i64, 1)) as (i, _):
-            step([builder.gep(x, [i]) for x in ptrs], acc_s if kind == "dot" else None,
-                 None if kind == "dot" else p, f32)
-        if kind != "dot":
-            return context.get_dummy_value()
-        total = builder.load(acc_s)
-        vec = builder.load(acc_v)
-        for lane in range(lanes):
-            total = builder.fadd(total, builder.extract_element(vec, ir.Constant(ir.IntType(32), lane)))
-        return total
 
-    return codegen
+def _splat(builder, x, vty):
+    undef = ir.Constant(vty, ir.Undefined)
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), vty.count), None)
+    return builder.shuffle_vector(builder.insert_element(undef, x, ir.Constant(ir.IntType(32), 0)), undef, zeros)
+
+
+def _dot_codegen(context, builder, signature, args):
+    """IR for sum(a[a_off:a_off + n] * b[b_off:b_off + n]): _DOT_CHAINS vector accumulators over blocks of as
+    many vectors, then single vectors, then a scalar tail. Only 'contract' flags: products fuse into FMAs, and no
+    NaN or inf is assumed away."""
+    f32, i64 = ir.FloatType(), ir.IntType(64)
+    vty = ir.VectorType(f32, _LANES)
+    a_ty, a_off_ty, b_ty, b_off_ty, n_ty = signature.args
+    pa = _f32_ptr(context, builder, a_ty, args[0], a_off_ty, args[1])
+    pb = _f32_ptr(context, builder, b_ty, args[2], b_off_ty, args[3])
+    n = context.cast(builder, args[4], n_ty, types.int64)
+    va, vb = builder.bitcast(pa, vty.as_pointer()), builder.bitcast(pb, vty.as_pointer())
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(vty, None)) for _ in range(_DOT_CHAINS)]
+
+    def fma(acc, x, y):
+        builder.store(builder.fadd(builder.load(acc), builder.fmul(x, y, flags=("contract",)),
+                                   flags=("contract",)), acc)
+
+    n_vec = builder.udiv(n, ir.Constant(i64, _LANES))
+    n_blk = builder.udiv(n_vec, ir.Constant(i64, _DOT_CHAINS))
+    with cgutils.for_range(builder, n_blk) as loop:
+        first = builder.mul(loop.index, ir.Constant(i64, _DOT_CHAINS))
+        for h in range(_DOT_CHAINS):
+            i = builder.add(first, ir.Constant(i64, h))
+            fma(accs[h], builder.load(builder.gep(va, [i]), align=4), builder.load(builder.gep(vb, [i]), align=4))
+    done = builder.mul(n_blk, ir.Constant(i64, _DOT_CHAINS))
+    with cgutils.for_range_slice(builder, done, n_vec, ir.Constant(i64, 1)) as (i, _):
+        fma(accs[0], builder.load(builder.gep(va, [i]), align=4), builder.load(builder.gep(vb, [i]), align=4))
+    acc_s = cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0))
+    with cgutils.for_range_slice(builder, builder.mul(n_vec, ir.Constant(i64, _LANES)), n,
+                                 ir.Constant(i64, 1)) as (i, _):
+        fma(acc_s, builder.load(builder.gep(pa, [i])), builder.load(builder.gep(pb, [i])))
+    vec = builder.load(accs[0])
+    for h in range(1, _DOT_CHAINS):
+        vec = builder.fadd(vec, builder.load(accs[h]))
+    total = builder.load(acc_s)
+    for lane in range(_LANES):
+        total = builder.fadd(total, builder.extract_element(vec, ir.Constant(ir.IntType(32), lane)))
+    return total
+
+
+def _pv_codegen(context, builder, signature, args):
+    """IR for acc[acc_off + d] += sum over c in [c_lo, c_hi) of p[p_off + c] * flat[offs[c] + d], d < n. A block
+    of up to _PV_BLOCK vectors of acc stays in registers while the run of keys streams past (one broadcast, one
+    load and one FMA per vector per key, no load or store of acc), then the next block; a scalar tail last."""
+    f32, i64 = ir.FloatType(), ir.IntType(64)
+    vty = ir.VectorType(f32, _LANES)
+    acc_ty, acc_off_ty, p_ty, p_off_ty, flat_ty, offs_ty, lo_ty, hi_ty, n_ty = signature.args
+    pacc = _f32_ptr(context, builder, acc_ty, args[0], acc_off_ty, args[1])
+    pp = _f32_ptr(context, builder, p_ty, args[2], p_off_ty, args[3])
+    pflat = _f32_ptr(context, builder, flat_ty, args[4], types.int64, ir.Constant(i64, 0))
+    poffs = builder.bitcast(context.make_array(offs_ty)(context, builder, args[5]).data, i64.as_pointer())
+    c_lo = context.cast(builder, args[6], lo_ty, types.int64)
+    c_hi = context.cast(builder, args[7], hi_ty, types.int64)
+    n = context.cast(builder, args[8], n_ty, types.int64)
+
+    def block(col, nvec, ty):
+        """acc[col : col + nvec vectors (or 1 scalar)] += the run's p-weighted rows, accumulated in registers."""
+        width = _LANES if ty is vty else 1
+        ptrs = [builder.bitcast(builder.gep(pacc, [builder.add(col, ir.Constant(i64, h * width))]),
+                                ty.as_pointer()) for h in range(nvec)]
+        regs = [cgutils.alloca_once_value(builder, builder.load(x, align=4)) for x in ptrs]
+        with cgutils.for_range_slice(builder, c_lo, c_hi, ir.Constant(i64, 1)) as (c, _):
+            p = builder.load(builder.gep(pp, [c]))
+            pv = _splat(builder, p, vty) if ty is vty else p
+            row = builder.gep(pflat, [builder.add(builder.load(builder.gep(poffs, [c])), col)])
+            for h in range(nvec):
+                x = builder.load(builder.bitcast(builder.gep(row, [ir.Constant(i64, h * width)]), ty.as_pointer()),
+                                 align=4)
+                builder.store(builder.fadd(builder.load(regs[h]), builder.fmul(pv, x, flags=("contract",)),
+                                           flags=("contract",)), regs[h])
+        for x, reg in zip(ptrs, regs):
+            builder.store(builder.load(reg), x, align=4)
+
+    blk = _PV_BLOCK * _LANES
+    n_blk = builder.udiv(n, ir.Constant(i64, blk))
+    with cgutils.for_range(builder, n_blk) as loop:
+        block(builder.mul(loop.index, ir.Constant(i64, blk)), _PV_BLOCK, vty)
+    n_vec = builder.udiv(n, ir.Constant(i64, _LANES))
+    with cgutils.for_range_slice(builder, builder.mul(n_blk, ir.Constant(i64, _PV_BLOCK)), n_vec,
+                                 ir.Constant(i64, 1)) as (v, _):
+        block(builder.mul(v, ir.Constant(i64, _LANES)), 1, vty)
+    with cgutils.for_range_slice(builder, builder.mul(n_vec, ir.Constant(i64, _LANES)), n,
+                                 ir.Constant(i64, 1)) as (d, _):
+        block(d, 1, f32)
+    return context.get_dummy_value()
 
 
 def _f32_arrays(*arrays) -> bool:
@@ -146,25 +188,16 @@ def _dot_f32(typingctx, a, a_off, b, b_off, n):
     """sum(a.flat[a_off:a_off + n] * b.flat[b_off:b_off + n]) for float32 arrays, unit stride from those offsets."""
     if not _f32_arrays(a, b):
         return None
-    return types.float32(a, a_off, b, b_off, n), _vector_loop_codegen("dot")
+    return types.float32(a, a_off, b, b_off, n), _dot_codegen
 
 
 @intrinsic
-def _axpy_f32(typingctx, y, y_off, p, x, x_off, n):
-    """y.flat[y_off:y_off + n] += p * x.flat[x_off:x_off + n] for float32 arrays, unit stride from the offsets."""
-    if not _f32_arrays(y, x):
+def _pv_run_f32(typingctx, acc, acc_off, p, p_off, flat, offs, c_lo, c_hi, n):
+    """acc.flat[acc_off + d] += sum_{c_lo <= c < c_hi} p.flat[p_off + c] * flat[offs[c] + d] for d < n: one
+    row's P V over its run of keys. float32 arrays, unit stride from the offsets; offs int64."""
+    if not (_f32_arrays(acc, p, flat) and isinstance(offs, types.Array) and offs.dtype == types.int64):
         return None
-    return types.none(y, y_off, p, x, x_off, n), _vector_loop_codegen("axpy")
-
-
-def _row_dot(qs, r, flat, off, step):  # pragma: no cover - typed by the overload below
-    """qs[r] . flat[off : off + D * step : step], D = qs.shape[1]."""
-    raise NotImplementedError
-
-
-def _row_axpy(acc, r, p, flat, off, step):  # pragma: no cover - typed by the overload below
-    """acc[r] += p * flat[off : off + D * step : step], D = acc.shape[1]."""
-    raise NotImplementedError
+    return types.none(acc, acc_off, p, p_off, flat, offs, c_lo, c_hi, n), _pv_codegen
 
 
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
@@ -176,33 +209,48 @@ def _row_dot_loop(qs, r, flat, off, step):
 
 
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
-def _row_axpy_loop(acc, r, p, flat, off, step):
-    for d in range(acc.shape[1]):
-        acc[r, d] += p * flat[off + d * step]
+def _row_pv_loop(acc, r, s, flat, offs, c_lo, c_hi, step):
+    for c in range(c_lo, c_hi):
+        p = s[r, c]
+        off = offs[c]
+        for d in range(acc.shape[1]):
+            acc[r, d] += p * flat[off + d * step]
 
 
-@overload(_row_dot, inline="always", fastmath=_FASTMATH)
+def _row_dot(qs, r, flat, off, step):  # pragma: no cover - typed by the overload below
+    """qs[r] . flat[off : off + D * step : step], D = qs.shape[1]; qs C-contiguous."""
+    raise NotImplementedError
+
+
+def _row_pv(acc, r, s, flat, offs, c_lo, c_hi, step):  # pragma: no cover - typed by the overload below
+    """acc[r] += sum_{c_lo <= c < c_hi} s[r, c] * flat[offs[c] : offs[c] + D * step : step]; acc, s C-contiguous."""
+    raise NotImplementedError
+
+
+# The IR paths serve float32 with a unit-stride head dim (every cache numba-flash makes); the overloads pick them
+# at compile time, so the float64 build never types them, and at run time on the cache's stride.
+@overload(_row_dot, inline="always")
 def _row_dot_impl(qs, r, flat, off, step):
     if not _f32_arrays(qs, flat):
         return lambda qs, r, flat, off, step: _row_dot_loop(qs, r, flat, off, step)
 
     def impl(qs, r, flat, off, step):
-        if step == 1:  # qs is C-contiguous: its row r is unit-stride too
+        if step == 1:
             return _dot_f32(qs, r * qs.shape[1], flat, off, qs.shape[1])
         return _row_dot_loop(qs, r, flat, off, step)
     return impl
 
 
-@overload(_row_axpy, inline="always", fastmath=_FASTMATH)
-def _row_axpy_impl(acc, r, p, flat, off, step):
-    if not _f32_arrays(acc, flat):
-        return lambda acc, r, p, flat, off, step: _row_axpy_loop(acc, r, p, flat, off, step)
+@overload(_row_pv, inline="always")
+def _row_pv_impl(acc, r, s, flat, offs, c_lo, c_hi, step):
+    if not _f32_arrays(acc, s, flat):
+        return lambda acc, r, s, flat, offs, c_lo, c_hi, step: _row_pv_loop(acc, r, s, flat, offs, c_lo, c_hi, step)
 
-    def impl(acc, r, p, flat, off, step):
+    def impl(acc, r, s, flat, offs, c_lo, c_hi, step):
         if step == 1:
-            _axpy_f32(acc, r * acc.shape[1], p, flat, off, acc.shape[1])
+            _pv_run_f32(acc, r * acc.shape[1], s, r * s.shape[1], flat, offs, c_lo, c_hi, acc.shape[1])
         else:
-            _row_axpy_loop(acc, r, p, flat, off, step)
+            _row_pv_loop(acc, r, s, flat, offs, c_lo, c_hi, step)
     return impl
 
 
@@ -218,14 +266,14 @@ def _tile_scores(qs, flat, offs, step, nk, run_lo, run_hi, s):
 
 
 @njit(fastmath=_FASTMATH, cache=True)
-def _tile_pv(acc, s, flat, offs, step, nk, run_lo, run_hi):
+def _tile_pv(acc, s, flat, offs, step, run_lo, run_hi):
     """acc[r] += s[r, c] * (cache row at offs[c]) over the same (row, key) pairs as ``_tile_scores``: only keys a
     row sees, so a non-finite v row reaches exactly the rows that see it (through p * nan, also where p is 0).
-    acc (rows, D) C-contiguous."""
-    for c in range(nk):
-        for r in range(acc.shape[0]):
-            if run_lo[r] <= c < run_hi[r]:
-                _row_axpy(acc, r, s[r, c], flat, offs[c], step)
+    acc (rows, D) and s (rows, BLOCK_N) C-contiguous. Row-major, unlike the scores: a row's accumulator stays in
+    registers over its run of keys, whose v rows (BLOCK_N x D) the first row brought into L1/L2."""
+    for r in range(acc.shape[0]):
+        if run_lo[r] < run_hi[r]:
+            _row_pv(acc, r, s, flat, offs, run_lo[r], run_hi[r], step)
 
 
 @njit(fastmath=_FASTMATH, cache=True)
@@ -346,7 +394,7 @@ def _decode_kernel(q, k_flat, k_str, v_flat, v_str, cache_rows, key_start, key_e
                 run_hi[r] = run_lo[r] if poisoned[r] else max(run_lo[r], min(j0 + nk, row_hi[r]) - j0)
             _tile_scores(qs, k_flat, k_off, k_step, nk, run_lo, run_hi, s)
             _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, inv_cap, cap2, softcap)
-            _tile_pv(acc, s, v_flat, v_off, v_step, nk, run_lo, run_hi)
+            _tile_pv(acc, s, v_flat, v_off, v_step, run_lo, run_hi)
         for r in range(n_rows):
             part_m[u, r] = nan if poisoned[r] else m_i[r]
             part_l[u, r] = l_i[r]
