@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from numba_flash.cpu import decode
 from numba_flash.cpu.decode import MAX_SPLITS, choose_num_splits, decode_forward
 from numba_flash.reference import attention_ref
 from numba_flash.semantics import default_scale
@@ -135,6 +136,21 @@ def test_matches_reference(name, num_splits, dtype):
     scale = default_scale(case["q"].shape[3])
     ref = _reference(case, scale, left, right, softcap)
     _check(_run(case, scale, left, right, softcap, num_splits), ref, dtype, ref[2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: np.dtype(t).name)
+@pytest.mark.parametrize("name", list(CASES))
+def test_head_blocks(name, dtype, monkeypatch):
+    """Units that take several kv heads (what long "bshd" caches get) on the same cases: with no minimum split
+    length every case here runs Hkv heads per unit."""
+    monkeypatch.setattr(decode, "MIN_KEYS_PER_SPLIT", 1)
+    kwargs, (left, right), softcap = CASES[name]
+    kwargs = dict(kwargs, hq=6, hkv=3) if name == "mqa_sq1" else kwargs
+    case = _make_case(np.random.default_rng([hash(name) % 2**32, 99]), dtype, **kwargs)
+    assert decode._heads_per_unit(case["k_cache"].shape[2], 20, 2) == case["k_cache"].shape[2]
+    scale = default_scale(case["q"].shape[3])
+    ref = _reference(case, scale, left, right, softcap)
+    _check(_run(case, scale, left, right, softcap, 2), ref, dtype, ref[2])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: np.dtype(t).name)
