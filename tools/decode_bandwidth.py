@@ -4,7 +4,9 @@ same bytes and torch SDPA, measured side by side in one run.
 For B=1, Hq=32, Hkv=8, D=128, float32, Sq=1 and Sk in 8192, 32768, 65536: the kernel reads the k and v rows of
 the cache once, 2 * Sk * Hkv * D * 4 bytes; the copy moves that many bytes with ``np.copyto`` into a preallocated
 buffer (reading and writing them, on one thread: numpy's copy is not parallel, so it is a conservative stand-in
-for the machine's read bandwidth). GB/s are of the bytes read. Runs interleave the three, see ``_times``. Usage: ``python tools/decode_bandwidth.py [--repeats 10] [--splits N] [--threads N]``.
+for the machine's read bandwidth). GB/s are of the bytes read. Runs interleave the three, see ``_times``.
+
+Usage: ``PYTHONPATH=. python tools/decode_bandwidth.py [--repeats 10] [--splits N] [--threads N]``.
 """
 
 from __future__ import annotations

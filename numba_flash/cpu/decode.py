@@ -6,7 +6,9 @@ is shaped around reading the cache once, in place:
 * One work unit per (batch, kv head, split). A unit takes every query row that reads its kv head, all
   ``Hq / Hkv`` query heads of the group times all ``Sq`` rows (``rows = group * Sq``), and streams its part of
   the keys through once, in tiles of ``BLOCK_N`` keys: each key's k and v rows are loaded once from memory and
-  used for every row while they sit in L1.
+  used for every row while they sit in L1. Where the keys are long enough and a key's rows of all heads are
+  adjacent ("bshd"), a unit takes all kv heads and the splits multiply by Hkv instead (``_heads_per_unit``):
+  the same number of units, each reading the cache in address order.
 * The caches are never copied or packed. They reach the kernel as flat 1-D views of their memory
   (``_flat_view``) plus element strides, so that one compilation serves contiguous, strided and paged caches, and
   the loops over the head dim read unit-stride memory that LLVM vectorises (numba types a strided 4-D view as
@@ -70,7 +72,7 @@ def choose_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, n_threads: 
 
 
 # The per-tile work is three functions compiled on their own, called once per tile of BLOCK_N keys. The two
-# products over the head dim are LLVM IR (``_dot_f32``, ``_axpy_f32``) for float32, as in kernels.py: written
+# products over the head dim are LLVM IR (``_dot_f32``, ``_pv_run_f32``) for float32, as in kernels.py: written
 # as numba loops, LLVM's vectoriser took them or not depending on the code around them (one edit elsewhere in
 # the kernel made the P V loop scalar and the call 2x slower; the same loops in a function of their own were
 # never vectorised), and reading flat[off + d] made it gather, since numba's negative-index wrap on off + d
@@ -278,8 +280,9 @@ def _tile_scores(qs, flat, offs, head_off, step, nk, run_lo, run_hi, s):
 
 @njit(fastmath=_FASTMATH, cache=True)
 def _tile_pv(acc, s, flat, offs, head_off, step, run_lo, run_hi):
-    """acc[r] += s[r, c] * (cache row at offs[c]) over the same (row, key) pairs as ``_tile_scores``: only keys a
-    row sees, so a non-finite v row reaches exactly the rows that see it (through p * nan, also where p is 0).
+    """acc[r] += s[r, c] * (cache row at offs[c] + head_off[r]) over the (row, key) pairs of ``_tile_scores``:
+    only keys a row sees, so a non-finite v row reaches exactly the rows that see it (through p * nan, also where
+    p is 0).
     acc (rows, D) and s (rows, BLOCK_N) C-contiguous. Row-major, unlike the scores: a row's accumulator stays in
     registers over its run of keys, whose v rows (BLOCK_N x D) the first row brought into L1/L2."""
     for r in range(acc.shape[0]):
