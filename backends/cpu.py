@@ -87,14 +87,19 @@ class CpuBackend(Backend):
         kv = call.kvcache
         compute = _compute_dtype(kv.dtype)
         q = kvcache.rotate_and_append_host(kv, compute)
-        # After the append, so that a float32 cache is read in place (a view) with its new keys.
+        # After the append, so that a float32 cache is read in place (a view) with its new keys. float16 caches
+        # are widened once: numba has no float16 arithmetic on the CPU.
         k_cache, v_cache = _host(kv.k_cache, compute), _host(kv.v_cache, compute)
         out = np.empty(q.shape, dtype=compute)
         lse = np.empty((kv.batch, kv.nheads_q, kv.seqlen_q), dtype=compute)
-        splits = kvcache.choose_num_splits(kv, numba.get_num_threads())
-        gather = lambda cache, blocks: cache[blocks].reshape(-1, *cache.shape[2:])  # noqa: E731
-        kvcache.forward(kv, _run_forward, q, out, lse, splits, empty_like=np.empty_like,
-                        keys=kvcache.cache_keys(kv, k_cache, v_cache, gather))
+        from numba_flash.cpu.decode import choose_num_splits, decode_forward
+
+        splits = kv.num_splits or choose_num_splits(kv.batch, kv.nheads_kv, int(kv.seqlens_k.max()),
+                                                    numba.get_num_threads())
+        rows = kv.cache_rows if kv.cache_rows is not None else np.zeros(kv.batch, np.int64)
+        table = kv.block_table if kv.paged else np.zeros((1, 1), np.int64)
+        decode_forward(q, k_cache, v_cache, rows, kv.key_start, kv.key_end, table, kv.page_size, out, lse,
+                       kv.softmax_scale, kv.window_left, kv.window_right, kv.softcap, splits)
         lse_dtype = "float64" if kv.dtype == "float64" else "float32"
         return _like(kv.q, out, kv.dtype), _like(kv.q, lse, lse_dtype)
 
