@@ -123,12 +123,13 @@ def format_table(rows: Sequence[Row], tablefmt: str = "simple") -> str:
     return "\n".join([text] + others)
 
 
-def write_csv(path: str, rows: Sequence[Row]) -> None:
-    """One line per row, columns ``CSV_COLUMNS``; empty where nothing was measured."""
+def write_csv(path: str, rows: Sequence[Any], columns: Sequence[str] = CSV_COLUMNS) -> None:
+    """One line per row (anything with ``record()``: the dense bench's ``Row``, the decode and varlen rows),
+    ``columns`` (default ``CSV_COLUMNS``); empty where nothing was measured."""
     import csv
 
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w = csv.DictWriter(f, fieldnames=list(columns))
         w.writeheader()
         for r in rows:
             w.writerow({k: ("" if v is None else v) for k, v in r.record().items()})
