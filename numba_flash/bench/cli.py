@@ -139,8 +139,8 @@ def cases_from_args(args: argparse.Namespace) -> list[Case]:
 
 def _flag_message(exc: BenchArgumentError) -> str:
     """make_cases and resolve_runners name their keyword arguments; on the command line they are flags."""
-    text = re.sub(r"\b(nheads_kv|nheads|headdim|batch|seqlen|cache_lens)\b", lambda m: "--" + m.group(1).replace("_", "-"),
-                  str(exc))
+    text = re.sub(r"\b(nheads_kv|nheads|headdim|batch|seqlen|cache_lens)\b",
+                  lambda m: "--" + m.group(1).replace("_", "-"), str(exc))
     return re.sub(r"^(backend|compare|config|dtype|layout|repeats):", r"--\1:", text)
 
 
@@ -245,11 +245,11 @@ def _finish(args: argparse.Namespace, rows: Sequence[Any], table: str, notes: Se
 
 def run_mode_command(args: argparse.Namespace, cases: list[Any], runner_specs: list[tuple[str, str]]) -> int:
     """``--decode`` or ``--varlen``: run, print the header first and the table after, write the files."""
-    from .decode import DECODE_COLUMNS, execute_decode, format_decode_table
+    from .decode import DECODE_COLUMNS, execute_decode
     from .engine import progress_bar
     from .harness import matched_torch_threads
-    from .report import machine_info
-    from .varlen import VARLEN_COLUMNS, execute_varlen, format_varlen_table
+    from .report import format_decode_table, format_varlen_table, machine_info
+    from .varlen import VARLEN_COLUMNS, execute_varlen
 
     backends = [n for n, kind in runner_specs if kind == "backend"]
     check = not args.no_check
@@ -257,9 +257,9 @@ def run_mode_command(args: argparse.Namespace, cases: list[Any], runner_specs: l
     def header(meta: dict[str, Any], text: str) -> None:
         for line in header_lines(meta, text, args.repeats, check)[:-1]:
             print(line)
+        which = "the query heads of KV head 0" if args.decode else "the sequences of at most 512 tokens"
         print(f"timing: {args.repeats} calls each after one untimed call (the first compiles); max err: max abs vs "
-              "the float64 reference" + (" (skipped)" if not check else
-                                         " (--decode: the query heads of KV head 0; --varlen: sequences <= 512)"))
+              f"the float64 reference over {which}" + (" (skipped)" if not check else ""))
         sys.stdout.flush()
 
     if args.decode:

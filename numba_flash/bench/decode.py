@@ -367,21 +367,3 @@ def execute_decode(cases: Sequence[DecodeCase], backends: Sequence[str], peers: 
     notes.extend(busy_note(r.label, r.stats) for r in rows if r.status == "ok" and r.stats and r.stats.busy)
     return rows, meta, notes
 
-
-DECODE_HEADERS = ("cache len", "name", "device", "min ms", "p50 ms", "p95 ms", "p99 ms", "GB/s", "% of copy",
-                  "x sdpa", "max err")
-
-
-def format_decode_table(rows: Sequence[DecodeRow]) -> str:
-    """The measured rows as a table, then one line per skipped or failed row."""
-    from tabulate import tabulate
-
-    def f(x: float | None, spec: str) -> str:
-        return "-" if x is None else format(x, spec)
-
-    body = [(r.case.cache_len, r.name, r.device, f(r.stats.min_ms, ".3f"), f(r.stats.p50_ms, ".3f"),
-             f(r.stats.p95_ms, ".3f"), f(r.stats.p99_ms, ".3f"), f(r.gbps, ".3g"),
-             "-" if r.frac_of_copy is None else f"{100 * r.frac_of_copy:.3g}%", f(r.speedup_vs_sdpa, ".2f"),
-             f(r.max_err, ".1e")) for r in rows if r.status == "ok"]
-    text = tabulate(body, headers=DECODE_HEADERS, disable_numparse=True, colalign=("right",) * len(DECODE_HEADERS))
-    return "\n".join([text] + [f"{r.label}: {r.status}" for r in rows if r.status != "ok"])

@@ -208,26 +208,3 @@ def execute_varlen(case: VarlenCase, backends: Sequence[str], rng: np.random.Gen
         notes.append(f"max err not computed: every sequence is longer than {CHECK_MAX_LEN} tokens")
     return rows, notes
 
-
-VARLEN_HEADERS = ("name", "form", "seqs", "tokens", "min ms", "p50 ms", "p95 ms", "p99 ms", "TFLOP/s",
-                  "Mtok/s", "work time / dense", "max err")
-
-
-def format_varlen_table(rows: Sequence[VarlenRow]) -> str:
-    """The measured rows as a table, then one line per skipped or failed row."""
-    from tabulate import tabulate
-
-    def f(x: float | None, spec: str) -> str:
-        return "-" if x is None else format(x, spec)
-
-    body = []
-    for r in rows:
-        if r.status != "ok":
-            continue
-        rec = r.record()
-        body.append((r.name, r.form, rec["n_seqs"], rec["tokens"], f(rec["min_ms"], ".2f"),
-                     f(rec["median_ms"], ".2f"), f(rec["p95_ms"], ".2f"), f(rec["p99_ms"], ".2f"),
-                     f(r.tflops, ".4f"), f(r.tokens_per_s and r.tokens_per_s / 1e6, ".3f"),
-                     f(r.work_time_vs_dense, ".2f"), f(r.max_err, ".1e")))
-    text = tabulate(body, headers=VARLEN_HEADERS, disable_numparse=True, colalign=("right",) * len(VARLEN_HEADERS))
-    return "\n".join([text] + [f"{r.label}: {r.status}" for r in rows if r.status != "ok"])
