@@ -204,7 +204,18 @@ class DecodeInputs:
                                      cache_seqlens=self.cache_seqlens)[0]
 
 
-def _backend_forms(name: str, inputs: DecodeInputs) -> list[tuple[str, str, Callable[[], dict[str, Any]]]]:
+@dataclass
+class Step:
+    """One timed call of the decode bench, warmed up (the first call compiles): ``fn`` with no arguments,
+    ``device`` where it runs ('cpu', 'cuda') and ``api`` the clock that times it ('host', 'torch-cuda'). The bench
+    and the asv suite time the same steps."""
+
+    fn: Callable[[], Any]
+    device: str
+    api: str
+
+
+def _backend_forms(inputs: DecodeInputs) -> list[tuple[str, str, Callable[[], dict[str, Any]]]]:
     """Where a backend may run and with which arrays, in the order tried: a torch GPU first, then the host."""
     from .runners import torch_cuda_available
 
@@ -217,23 +228,15 @@ def _backend_forms(name: str, inputs: DecodeInputs) -> list[tuple[str, str, Call
     return forms
 
 
-def _timed(row: DecodeRow, fn: Callable[[], Any], api: str, repeats: int, ref: np.ndarray | None) -> DecodeRow:
-    """Time ``fn`` (already called once), then take the max error of its output's KV-head-0 slice."""
-    row.times_ms = time_calls(fn, repeats, Clock(api), warmup=0)
-    if ref is not None:
-        out = to_host64(fn())[:, :, :ref.shape[2]]
-        row.max_err = float(np.max(np.abs(out - ref)))
-    return row
-
-
-def run_backend(name: str, inputs: DecodeInputs, repeats: int, ref: np.ndarray | None) -> DecodeRow:
-    """One backend's decoding step, on the first array kind it serves; a skipped row when it serves none."""
+def backend_step(name: str, inputs: DecodeInputs) -> Step:
+    """Backend ``name``'s ``with_kvcache`` step (no new keys, so it never writes the cache) on the first array
+    kind it serves; Skip with every reason when it serves none."""
     from numba_flash import backend_registry
     from numba_flash.errors import NoBackendError
 
     op = backend_registry.get("flash", backend=name)
     why: list[str] = []
-    for device, api, make in _backend_forms(name, inputs):
+    for device, api, make in _backend_forms(inputs):
         try:
             a = make()
         except Skip as exc:
@@ -241,19 +244,19 @@ def run_backend(name: str, inputs: DecodeInputs, repeats: int, ref: np.ndarray |
             continue
         sl = inputs.cache_seqlens if device == "cpu" else _torch().from_numpy(inputs.cache_seqlens).to(device)
 
-        def step() -> Any:
+        def fn(a: dict[str, Any] = a, sl: Any = sl) -> Any:
             return op.with_kvcache(a["q"], a["k_cache"], a["v_cache"], cache_seqlens=sl)
 
         try:
-            step()  # the first call compiles, and says whether this backend serves these arrays at all
+            fn()  # the first call compiles, and says whether this backend serves these arrays at all
         except NoBackendError as exc:
             why.append(str(exc).splitlines()[0])
             continue
-        return _timed(DecodeRow(inputs.case, name, "backend", device), step, api, repeats, ref)
-    return DecodeRow(inputs.case, name, "backend", "cpu", status="skipped: " + "; ".join(dict.fromkeys(why)))
+        return Step(fn, device, api)
+    raise Skip("; ".join(dict.fromkeys(why)))
 
 
-def run_sdpa(inputs: DecodeInputs, repeats: int, ref: np.ndarray | None) -> DecodeRow:
+def sdpa_step(inputs: DecodeInputs) -> Step:
     """torch SDPA on the same call: (B, Hq, 1, D) against (B, Hkv, L, D) views of the cache, GQA in torch."""
     from .. import bench_peers
     from .runners import torch_cuda_available
@@ -262,35 +265,47 @@ def run_sdpa(inputs: DecodeInputs, repeats: int, ref: np.ndarray | None) -> Deco
     a = inputs.torch_on(device)
     torch = _torch()
 
-    def step() -> Any:
+    def fn() -> Any:
         with torch.no_grad():
             return bench_peers.sdpa_torch(a["q"], a["k_cache"], a["v_cache"], False, "bshd")
 
-    step()
-    return _timed(DecodeRow(inputs.case, "torch", "peer", device), step, "torch-cuda" if device == "cuda" else "host",
-                  repeats, ref)
+    fn()
+    return Step(fn, device, "torch-cuda" if device == "cuda" else "host")
 
 
-def run_copy(inputs: DecodeInputs, device: str, repeats: int) -> DecodeRow:
-    """The bandwidth yardstick: copy both caches' bytes into a buffer of the same size on ``device``."""
-    row = DecodeRow(inputs.case, COPY, "yardstick", device)
+def copy_step(inputs: DecodeInputs, device: str = "cpu") -> Step:
+    """The bandwidth yardstick: copy both caches' bytes into buffers of the same size on ``device`` (numpy on the
+    host, one thread; torch on a GPU)."""
     if device == "cpu":
         src = [inputs.bytes_of(inputs.k_cache), inputs.bytes_of(inputs.v_cache)]
-        dst = [np.empty_like(s) for s in src]
+        dst = [np.empty_like(x) for x in src]
 
-        def step() -> None:
-            for d, s in zip(dst, src):
-                np.copyto(d, s)
+        def fn() -> None:
+            for d, x in zip(dst, src):
+                np.copyto(d, x)
     else:
         torch = _torch()
         src = [torch.from_numpy(inputs.bytes_of(a)).to(device) for a in (inputs.k_cache, inputs.v_cache)]
-        dst = [torch.empty_like(s) for s in src]
+        dst = [torch.empty_like(x) for x in src]
 
-        def step() -> None:
-            for d, s in zip(dst, src):
-                d.copy_(s)
-    step()  # the first copy faults the destination's pages in; that is not bandwidth
-    row.times_ms = time_calls(step, repeats, Clock("host" if device == "cpu" else "torch-cuda"), warmup=0)
+        def fn() -> None:
+            for d, x in zip(dst, src):
+                d.copy_(x)
+    fn()  # the first copy faults the destination's pages in; that is not bandwidth
+    return Step(fn, device, "host" if device == "cpu" else "torch-cuda")
+
+
+def max_err_head0(out: Any, ref: np.ndarray) -> float:
+    """Max abs error of the query heads of KV head 0 of a step's output (B, 1, Hq, D) against ``ref``."""
+    return float(np.max(np.abs(to_host64(out)[:, :, :ref.shape[2]] - ref)))
+
+
+def measure(row: DecodeRow, step: Step, repeats: int, ref: np.ndarray | None) -> DecodeRow:
+    """Time ``repeats`` calls of ``step`` into ``row``, then the error of one more call's output."""
+    row.device = step.device
+    row.times_ms = time_calls(step.fn, repeats, Clock(step.api), warmup=0)
+    if ref is not None and row.kind != "yardstick":
+        row.max_err = max_err_head0(step.fn(), ref)
     return row
 
 
@@ -321,22 +336,20 @@ def run_decode_case(case: DecodeCase, backends: Sequence[str], peers: Sequence[s
     inputs = DecodeInputs.draw(case, rng)
     ref = inputs.reference_head0() if check else None
     rows: list[DecodeRow] = []
-    runs: list[tuple[str, Callable[[], DecodeRow]]] = [(n, lambda n=n: run_backend(n, inputs, repeats, ref))
+    runs: list[tuple[str, str, Callable[[], Step]]] = [(n, "backend", lambda n=n: backend_step(n, inputs))
                                                        for n in backends]
-    runs += [(p, lambda: run_sdpa(inputs, repeats, ref)) for p in peers]
-    for name, run_one in runs:
+    runs += [(p, "peer", lambda: sdpa_step(inputs)) for p in peers]
+    for name, kind, make_step in runs:
         try:
-            rows.append(run_one())
+            rows.append(measure(DecodeRow(case, name, kind, "cpu"), make_step(), repeats, ref))
         except Skip as exc:
-            rows.append(DecodeRow(case, name, "backend" if name in backends else "peer", "cpu",
-                                  status=f"skipped: {exc}"))
+            rows.append(DecodeRow(case, name, kind, "cpu", status=f"skipped: {exc}"))
         except Exception as exc:  # report and go on: one broken backend must not hide the others' figures
             msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-            rows.append(DecodeRow(case, name, "backend" if name in backends else "peer", "cpu",
-                                  status=f"error: {msg}"))
+            rows.append(DecodeRow(case, name, kind, "cpu", status=f"error: {msg}"))
         tick()
     for device in dict.fromkeys(["cpu"] + [r.device for r in rows if r.status == "ok"]):
-        rows.append(run_copy(inputs, device, repeats))
+        rows.append(measure(DecodeRow(case, COPY, "yardstick", device), copy_step(inputs, device), repeats, None))
     tick()
     del inputs
     _add_ratios(rows)

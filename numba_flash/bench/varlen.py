@@ -155,25 +155,45 @@ def _packed_error(case: VarlenCase, out: Any, q: np.ndarray, k: np.ndarray, v: n
     return max(errs) if errs else None
 
 
+@dataclass
+class VarlenInputs:
+    """Fresh N(0, 1) inputs of a case: packed q (T, Hq, D), k, v (T, Hkv, D) with ``cu`` (n + 1,) int32, and the
+    dense peer's q (n, S, Hq, D), k, v (n, S, Hkv, D), in the case's dtype."""
+
+    packed: tuple[np.ndarray, np.ndarray, np.ndarray]
+    cu: np.ndarray
+    dense: tuple[np.ndarray, np.ndarray, np.ndarray]
+
+    @classmethod
+    def draw(cls, case: VarlenCase, rng: np.random.Generator) -> "VarlenInputs":
+        def draw(*shape: int) -> np.ndarray:
+            return rng.standard_normal(shape, dtype=np.float32).astype(case.dtype, copy=False)
+
+        t, (n, s), hq, hkv, d = sum(case.lengths), case.dense_shape, case.nheads, case.nheads_kv, case.headdim
+        cu = np.concatenate([[0], np.cumsum(case.lengths)]).astype(np.int32)
+        return cls((draw(t, hq, d), draw(t, hkv, d), draw(t, hkv, d)), cu,
+                   (draw(n, s, hq, d), draw(n, s, hkv, d), draw(n, s, hkv, d)))
+
+
+def varlen_calls(name: str, case: VarlenCase, inputs: VarlenInputs) -> dict[str, Callable[[], Any]]:
+    """Backend ``name``'s packed and dense forward on the host, as calls with no arguments (not yet called). The
+    bench and the asv suite time these."""
+    from numba_flash import backend_registry
+
+    op = backend_registry.get("flash", backend=name)
+    longest = max(case.lengths)
+    packing = dict(cu_seqlens_q=inputs.cu, cu_seqlens_k=inputs.cu, max_seqlen_q=longest, max_seqlen_k=longest)
+    return {"packed": lambda: op.forward(*inputs.packed, causal=case.causal, **packing),
+            "dense": lambda: op.forward(*inputs.dense, causal=case.causal)}
+
+
 def run_varlen_backend(name: str, case: VarlenCase, rng: np.random.Generator, repeats: int,
                        check: bool) -> list[VarlenRow]:
     """The packed and the dense forward of backend ``name`` on fresh N(0, 1) inputs, on the host."""
-    from numba_flash import backend_registry
     from numba_flash.errors import NoBackendError
 
-    op = backend_registry.get("flash", backend=name)
-    total, (n, s) = sum(case.lengths), case.dense_shape
-    draw = lambda *shape: rng.standard_normal(shape, dtype=np.float32).astype(case.dtype, copy=False)  # noqa: E731
-    q, k, v = draw(total, case.nheads, case.headdim), draw(total, case.nheads_kv, case.headdim), \
-        draw(total, case.nheads_kv, case.headdim)
-    cu = np.concatenate([[0], np.cumsum(case.lengths)]).astype(np.int32)
-    packing = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(case.lengths), max_seqlen_k=max(case.lengths))
-    dq, dk, dv = draw(n, s, case.nheads, case.headdim), draw(n, s, case.nheads_kv, case.headdim), \
-        draw(n, s, case.nheads_kv, case.headdim)
-    calls: dict[str, Callable[[], Any]] = {
-        "packed": lambda: op.forward(q, k, v, causal=case.causal, **packing),
-        "dense": lambda: op.forward(dq, dk, dv, causal=case.causal),
-    }
+    inputs = VarlenInputs.draw(case, rng)
+    calls = varlen_calls(name, case, inputs)
     rows = []
     for form, fn in calls.items():
         row = VarlenRow(case, name, form)
@@ -181,7 +201,7 @@ def run_varlen_backend(name: str, case: VarlenCase, rng: np.random.Generator, re
             out = fn()  # the first call compiles
             row.times_ms = time_calls(fn, repeats, Clock("host"), warmup=0)
             if check and form == "packed":
-                row.max_err = _packed_error(case, out, q, k, v, cu)
+                row.max_err = _packed_error(case, out, *inputs.packed, inputs.cu)
         except NoBackendError as exc:
             row.status = "skipped: " + str(exc).splitlines()[0]
         except Skip as exc:
