@@ -27,8 +27,8 @@ forward over a long-tailed mix of lengths against a dense forward of the same wo
 
 Modules: ``cases`` (sizes, inputs, reference), ``harness`` (clocks, timing loop, statistics; shared with the asv
 suite), ``memory``, ``runners`` (how each backend and peer is called), ``engine`` (``run``), ``decode``,
-``varlen``, ``results``, ``report`` (tables, files), ``plot``, ``cli``. Importing this package imports neither torch nor matplotlib,
-pandas, tqdm, tabulate or threadpoolctl; each is imported where it is used.
+``varlen``, ``results``, ``report`` (tables, files), ``plot``, ``cli``. Importing this package imports neither torch
+nor matplotlib, pandas, tqdm, tabulate or threadpoolctl; each is imported where it is used.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ __all__ = [
     "run_pass", "run_case", "execute", "resolve_runners",
     "format_table", "machine_info", "write_csv", "write_json", "plot_rows", "write_plot",
     "build_parser", "parse_args", "main",
-    "DecodeCase", "DecodeInputs", "DecodeRow", "Step", "backend_step", "sdpa_step", "copy_step", "make_decode_cases", "run_decode_case", "execute_decode",
+    "DecodeCase", "DecodeInputs", "DecodeRow", "Step", "backend_step", "sdpa_step", "copy_step",
+    "make_decode_cases", "run_decode_case", "execute_decode",
     "VarlenCase", "VarlenInputs", "VarlenRow", "varlen_calls", "draw_lengths", "make_varlen_case", "execute_varlen",
 ]
