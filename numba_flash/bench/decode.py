@@ -325,9 +325,10 @@ def _add_ratios(rows: list[DecodeRow]) -> None:
 def run_decode_case(case: DecodeCase, backends: Sequence[str], peers: Sequence[str], repeats: int, check: bool,
                     rng: np.random.Generator, tick: Callable[[], None] = lambda: None,
                     notes: list[str] | None = None) -> list[DecodeRow]:
-    """Every backend, peer and the copy on one cache length; the arrays are freed before returning."""
-    # The caches, the copy's destination and torch's possible GQA expansion: about 3x the cache on the host.
-    needed, available = 3 * case.cache_bytes, available_host_bytes()
+    """Every backend, peer and the copy on one cache length, on caches drawn for it alone (freed on return)."""
+    # The caches, the copy's destination, and SDPA's worst case: its math path expands k and v to Hq heads.
+    needed = (2 + (case.nheads // case.nheads_kv if peers else 0)) * case.cache_bytes
+    available = available_host_bytes()
     if not fits_in_memory(needed, available):
         if notes is not None:
             notes.append(f"skipped L={case.cache_len}: needs about {gib(needed)}, {gib(available)} available")
@@ -351,7 +352,6 @@ def run_decode_case(case: DecodeCase, backends: Sequence[str], peers: Sequence[s
     for device in dict.fromkeys(["cpu"] + [r.device for r in rows if r.status == "ok"]):
         rows.append(measure(DecodeRow(case, COPY, "yardstick", device), copy_step(inputs, device), repeats, None))
     tick()
-    del inputs
     _add_ratios(rows)
     return rows
 
