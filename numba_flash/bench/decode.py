@@ -16,13 +16,13 @@ it copies once (STREAM would count them twice, read and write), so a pure read s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .cases import DTYPES, MAX_HEAD_DIM, BenchArgumentError, Skip, _torch, to_host64
-from .harness import Clock, TimingStats, busy_note, matched_torch_threads, time_calls
+from .harness import Clock, TimingStats, busy_note, matched_torch_threads, time_calls, timing_fields
 from .memory import available_host_bytes, fits_in_memory, gib
 
 # The decode point: a Llama-style GQA model (32 query heads, 8 key/value heads, D = 128), one sequence.
@@ -141,15 +141,12 @@ class DecodeRow:
         return f"{self.name} ({self.device}) decode L={self.case.cache_len}"
 
     def record(self) -> dict[str, Any]:
-        c, s = self.case, self.stats
+        c = self.case
         return {"mode": "decode", "batch": c.batch, "nheads": c.nheads, "nheads_kv": c.nheads_kv,
                 "cache_len": c.cache_len, "headdim": c.headdim, "dtype": c.dtype, "name": self.name,
-                "kind": self.kind, "device": self.device, "status": self.status, "repeats": s.n if s else 0,
-                "min_ms": s.min_ms if s else None, "median_ms": s.p50_ms if s else None,
-                "p95_ms": s.p95_ms if s else None, "p99_ms": s.p99_ms if s else None,
-                "max_ms": s.max_ms if s else None, "spread": s.spread if s else None, "cache_bytes": c.cache_bytes,
-                "gbps": self.gbps, "frac_of_copy": self.frac_of_copy, "speedup_vs_sdpa": self.speedup_vs_sdpa,
-                "max_err": self.max_err}
+                "kind": self.kind, "device": self.device, "status": self.status, **timing_fields(self.stats),
+                "cache_bytes": c.cache_bytes, "gbps": self.gbps, "frac_of_copy": self.frac_of_copy,
+                "speedup_vs_sdpa": self.speedup_vs_sdpa, "max_err": self.max_err}
 
 
 @dataclass
@@ -161,7 +158,7 @@ class DecodeInputs:
     q: Any
     k_cache: Any
     v_cache: Any
-    cache_seqlens: np.ndarray = field(repr=False, default=None)
+    cache_seqlens: np.ndarray   # (B,) int32, every sequence's cache full
 
     @classmethod
     def draw(cls, case: DecodeCase, rng: np.random.Generator) -> "DecodeInputs":
@@ -175,7 +172,7 @@ class DecodeInputs:
             arrays = [torch.from_numpy(a).to(torch.bfloat16) for a in arrays]
         else:
             arrays = [a.astype(case.dtype, copy=False) for a in arrays]
-        return cls(case, *arrays, cache_seqlens=np.full(b, n, dtype=np.int32))
+        return cls(case, *arrays, np.full(b, n, dtype=np.int32))
 
     @staticmethod
     def bytes_of(a: Any) -> np.ndarray:

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..semantics import attention_flops
 from .cases import DTYPES, MAX_HEAD_DIM, BenchArgumentError, Skip, to_host64
-from .harness import Clock, TimingStats, busy_note, time_calls
+from .harness import Clock, TimingStats, busy_note, time_calls, timing_fields
 
 # A smaller model than the decode's: the forward's cost grows with the sum of L^2, and the packed and the dense
 # call both run every repeat (at these defaults each is about a second on a 2-core CPU).
@@ -128,16 +128,12 @@ class VarlenRow:
         return f"{self.name} ({self.device}) varlen {self.form}"
 
     def record(self) -> dict[str, Any]:
-        c, s = self.case, self.stats
-        n, sd = c.dense_shape
+        c, packed = self.case, self.form == "packed"
         return {"mode": "varlen", "nheads": c.nheads, "nheads_kv": c.nheads_kv, "headdim": c.headdim,
                 "dtype": c.dtype, "causal": c.causal, "name": self.name, "form": self.form, "device": self.device,
-                "status": self.status, "n_seqs": n if self.form == "dense" else len(c.lengths),
-                "tokens": c.tokens(self.form), "max_seqlen": sd if self.form == "dense" else max(c.lengths),
-                "flops": c.flops(self.form), "repeats": s.n if s else 0, "min_ms": s.min_ms if s else None,
-                "median_ms": s.p50_ms if s else None, "p95_ms": s.p95_ms if s else None,
-                "p99_ms": s.p99_ms if s else None, "max_ms": s.max_ms if s else None,
-                "spread": s.spread if s else None, "tflops": self.tflops, "tokens_per_s": self.tokens_per_s,
+                "status": self.status, "n_seqs": len(c.lengths), "tokens": c.tokens(self.form),
+                "max_seqlen": max(c.lengths) if packed else c.dense_shape[1], "flops": c.flops(self.form),
+                **timing_fields(self.stats), "tflops": self.tflops, "tokens_per_s": self.tokens_per_s,
                 "work_time_vs_dense": self.work_time_vs_dense, "max_err": self.max_err}
 
 
