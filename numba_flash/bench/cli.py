@@ -215,32 +215,38 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[Cas
     return (args, *check_args(parser, args))
 
 
-def _finish(args: argparse.Namespace, rows: Sequence[Any], table: str, notes: Sequence[str], meta: dict[str, Any],
-            columns: Sequence[str]) -> int:
-    """--decode's and --varlen's ending: the table, the notes, the files and the exit status, as for the sweep."""
+def finish(args: argparse.Namespace, rows: Sequence[Any], table: str, notes: Sequence[str],
+           writers: Sequence[tuple[str | None, Any]]) -> int:
+    """Every mode's ending: print the table and the notes, write the files (``(path, write)`` pairs, None for a
+    flag not given), and return the exit status from the rows (anything with ``name``, ``kind``, ``status``)."""
     print()
     print(table)
     for note in notes:
         print(note)
-    for path, write in ((args.csv, lambda p: write_csv(p, rows, columns)),
-                        (args.json, lambda p: write_json(p, rows, meta))):
+    for path, write in writers:
         if not path:
             continue
         try:
             write(path)
-        except OSError as exc:
+        except OSError as exc:  # the paths were checked before the run; the disk may still fill up
             print(f"numba-flash bench: error: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
             return EXIT_USAGE
         print(f"wrote {path}")
     if any(r.status.startswith("error") for r in rows):
         return EXIT_ERROR
-    unavailable = sorted({f"{r.name}: {r.status}" for r in rows if r.kind == "backend" and
-                          r.status.startswith("skipped")}) if args.backend is not None else []
+    unavailable = [r for r in rows if r.kind == "backend" and r.status.startswith("skipped")] \
+        if args.backend is not None else []
     if unavailable:
-        print(f"numba-flash bench: error: named with --backend but could not run: {'; '.join(unavailable)}",
-              file=sys.stderr)
+        names = sorted({r.name for r in unavailable})
+        print(f"numba-flash bench: error: {', '.join(names)} named with --backend could not run: "
+              + "; ".join(sorted({f'{r.name}: {r.status}' for r in unavailable})), file=sys.stderr)
         return EXIT_UNAVAILABLE
     return EXIT_OK
+
+
+def _writers(args: argparse.Namespace, rows: Sequence[Any], meta: dict[str, Any], columns: Sequence[str]
+             ) -> list[tuple[str | None, Any]]:
+    return [(args.csv, lambda p: write_csv(p, rows, columns)), (args.json, lambda p: write_json(p, rows, meta))]
 
 
 def run_mode_command(args: argparse.Namespace, cases: list[Any], runner_specs: list[tuple[str, str]]) -> int:
@@ -267,7 +273,7 @@ def run_mode_command(args: argparse.Namespace, cases: list[Any], runner_specs: l
         rows, meta, notes = execute_decode(
             cases, backends, peers, repeats=args.repeats, check=check, seed=args.seed,
             on_start=lambda m: header(m, cases[0].describe([c.cache_len for c in cases])))
-        return _finish(args, rows, format_decode_table(rows), notes, meta, DECODE_COLUMNS)
+        return finish(args, rows, format_decode_table(rows), notes, _writers(args, rows, meta, DECODE_COLUMNS))
     (case,) = cases
     rng = np.random.default_rng([args.seed, 1])   # the inputs' stream, apart from the one that drew the lengths
     with matched_torch_threads():
@@ -276,7 +282,7 @@ def run_mode_command(args: argparse.Namespace, cases: list[Any], runner_specs: l
         header(meta, case.describe())
         with progress_bar(len(backends), enabled=len(backends) > 1) as tick:
             rows, notes = execute_varlen(case, backends, rng, repeats=args.repeats, check=check, tick=tick)
-    return _finish(args, rows, format_varlen_table(rows), notes, meta, VARLEN_COLUMNS)
+    return finish(args, rows, format_varlen_table(rows), notes, _writers(args, rows, meta, VARLEN_COLUMNS))
 
 
 def run_command(args: argparse.Namespace, cases: list[Case], runner_specs: list[tuple[str, str]]) -> int:
@@ -292,31 +298,10 @@ def run_command(args: argparse.Namespace, cases: list[Case], runner_specs: list[
 
     results = execute(cases, runner_specs, grad=not args.no_grad, repeats=args.repeats, check=not args.no_check,
                       seed=args.seed, on_start=header)
-    print()
-    print(format_table(results.rows))
-    for note in results.notes:
-        print(note)
     writers = ((args.csv, lambda p: write_csv(p, results.rows)),
                (args.json, lambda p: write_json(p, results.rows, results.meta)),
                (args.plot, lambda p: write_plot(p, results.rows, title_for(results.cases, results.meta))))
-    for path, write in writers:
-        if not path:
-            continue
-        try:
-            write(path)
-        except OSError as exc:  # the paths were checked before the run; the disk may still fill up
-            print(f"numba-flash bench: error: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
-            return EXIT_USAGE
-        print(f"wrote {path}")
-    if results.errors:
-        return EXIT_ERROR
-    unavailable = [r for r in results.skipped if r.kind == "backend"] if args.backend is not None else []
-    if unavailable:
-        names = sorted({r.name for r in unavailable})
-        print(f"numba-flash bench: error: {', '.join(names)} named with --backend could not run: "
-              + "; ".join(sorted({f'{r.name}: {r.status}' for r in unavailable})), file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    return EXIT_OK
+    return finish(args, results.rows, format_table(results.rows), results.notes, writers)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
