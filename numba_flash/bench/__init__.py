@@ -21,10 +21,14 @@ attention, the speedup over naive attention and over torch SDPA on the same devi
 the float64 reference. Every function is called once before timing: the first call compiles. A pass whose slowest
 call took more than ``harness.BUSY_SPREAD`` times its fastest is reported as noisy (the machine was busy).
 
+Two other modes: ``--decode`` (``decode``: one KV-cache decoding step per cache length against torch SDPA and a
+memory copy of the same bytes, in GB/s and as a fraction of the copy's) and ``--varlen`` (``varlen``: the packed
+forward over a long-tailed mix of lengths against a dense forward of the same work).
+
 Modules: ``cases`` (sizes, inputs, reference), ``harness`` (clocks, timing loop, statistics; shared with the asv
-suite), ``memory``, ``runners`` (how each backend and peer is called), ``engine`` (``run``), ``results``,
-``report`` (tables, files), ``plot``, ``cli``. Importing this package imports neither torch nor matplotlib,
-pandas, tqdm, tabulate or threadpoolctl; each is imported where it is used.
+suite), ``memory``, ``runners`` (how each backend and peer is called), ``engine`` (``run``), ``decode``,
+``varlen``, ``results``, ``report`` (tables, files), ``plot``, ``cli``. Importing this package imports neither torch
+nor matplotlib, pandas, tqdm, tabulate or threadpoolctl; each is imported where it is used.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from __future__ import annotations
 from .cases import (CONFIGS, DEFAULT_CONFIG, DTYPES, PASSES, BenchArgumentError, Case, Inputs, Reference, Skip,
                     make_cases, to_host64)
 from .cli import build_parser, main, parse_args
+from .decode import (DecodeCase, DecodeInputs, DecodeRow, Step, backend_step, copy_step, execute_decode,
+                     make_decode_cases, run_decode_case, sdpa_step)
 from .engine import execute, resolve_runners, run, run_case, run_pass
 from .harness import BUSY_SPREAD, Clock, TimingStats, matched_torch_threads, time_calls
 from .memory import (available_host_bytes, fits_in_memory, host_memory_method, measure_gpu_peak,
@@ -40,6 +46,8 @@ from .plot import plot_rows, write_plot
 from .report import format_table, machine_info, write_csv, write_json
 from .results import CSV_COLUMNS, BenchResults, NoisyTimingWarning, Row
 from .runners import BackendRunner, NaiveNumpyRunner, Runner, TorchRunner, make_runner, torch_cuda_available
+from .varlen import (VarlenCase, VarlenInputs, VarlenRow, draw_lengths, execute_varlen, make_varlen_case,
+                     varlen_calls)
 
 __all__ = [
     "CONFIGS", "DEFAULT_CONFIG", "DTYPES", "PASSES", "CSV_COLUMNS", "BUSY_SPREAD",
@@ -52,4 +60,7 @@ __all__ = [
     "run_pass", "run_case", "execute", "resolve_runners",
     "format_table", "machine_info", "write_csv", "write_json", "plot_rows", "write_plot",
     "build_parser", "parse_args", "main",
+    "DecodeCase", "DecodeInputs", "DecodeRow", "Step", "backend_step", "sdpa_step", "copy_step",
+    "make_decode_cases", "run_decode_case", "execute_decode",
+    "VarlenCase", "VarlenInputs", "VarlenRow", "varlen_calls", "draw_lengths", "make_varlen_case", "execute_varlen",
 ]

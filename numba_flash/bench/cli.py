@@ -13,10 +13,14 @@ import re
 import sys
 from typing import Any, Sequence
 
+import numpy as np
+
 from .cases import CONFIGS, DEFAULT_CONFIG, DTYPES, LAYOUTS, BenchArgumentError, Case, make_cases
+from .decode import DECODE_DEFAULTS, DEFAULT_CACHE_LENS
 from .engine import execute, resolve_runners
 from .plot import plot_format_problem, title_for, write_plot
 from .report import format_table, header_lines, write_csv, write_json
+from .varlen import DEFAULT_TOTAL_TOKENS, VARLEN_DEFAULTS
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 DESCRIPTION = ("Time numba-flash's attention backends against numpy naive attention and torch SDPA, forward and "
@@ -94,6 +98,21 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     what.add_argument("--repeats", type=positive_int, default=10, help="timed calls per pass (default 10)")
     what.add_argument("--no-check", action="store_true", help="skip the max error vs the float64 reference")
     what.add_argument("--seed", type=_seed, help="seed of the random inputs (default: fresh)")
+    modes = p.add_argument_group(
+        "decode and packed sequences (each replaces the dense forward/backward sweep)")
+    one = modes.add_mutually_exclusive_group()
+    one.add_argument("--decode", action="store_true",
+                     help="one KV-cache decoding step (Sq=1, with_kvcache) per cache length vs torch SDPA and a "
+                          "memory copy of the same bytes: P50/P95/P99, GB/s of cache read, %% of the copy's GB/s. "
+                          f"Defaults B={DECODE_DEFAULTS['batch']} Hq={DECODE_DEFAULTS['nheads']} "
+                          f"Hkv={DECODE_DEFAULTS['nheads_kv']} D={DECODE_DEFAULTS['headdim']}")
+    one.add_argument("--varlen", action="store_true",
+                     help="the packed (thd) forward over a seeded long-tailed mix of lengths vs a dense forward of "
+                          f"the same work. Defaults Hq=Hkv={VARLEN_DEFAULTS['nheads']} D={VARLEN_DEFAULTS['headdim']}")
+    modes.add_argument("--cache-lens", type=_positive_ints, metavar="L1,L2,...",
+                       help="--decode's cache lengths (default " + ",".join(map(str, DEFAULT_CACHE_LENS)) + ")")
+    modes.add_argument("--total-tokens", type=positive_int, metavar="N",
+                       help=f"--varlen's packed tokens (default {DEFAULT_TOTAL_TOKENS})")
     out = p.add_argument_group("output")
     out.add_argument("--csv", metavar="FILE")
     out.add_argument("--json", metavar="FILE")
@@ -120,19 +139,61 @@ def cases_from_args(args: argparse.Namespace) -> list[Case]:
 
 def _flag_message(exc: BenchArgumentError) -> str:
     """make_cases and resolve_runners name their keyword arguments; on the command line they are flags."""
-    text = re.sub(r"\b(nheads_kv|nheads|headdim|batch|seqlen)\b", lambda m: "--" + m.group(1).replace("_", "-"),
-                  str(exc))
+    text = re.sub(r"\b(nheads_kv|nheads|headdim|batch|seqlen|cache_lens)\b",
+                  lambda m: "--" + m.group(1).replace("_", "-"), str(exc))
     return re.sub(r"^(backend|compare|config|dtype|layout|repeats):", r"--\1:", text)
 
 
+def _mode_cases(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
+    """--decode's cases and (name, kind) runners, or --varlen's one case and backends; flags that have no meaning
+    in the mode are refused rather than ignored."""
+    from .decode import decode_peers, make_decode_cases, resolve_backends
+    from .varlen import make_varlen_case
+
+    mode = "--decode" if args.decode else "--varlen"
+    unused = {"--config": args.config, "--seqlen": args.seqlen, "--plot": args.plot,
+              "--layout": args.layout if args.layout != "bshd" else None,
+              "--causal": args.causal if args.decode else None,
+              "--total-tokens": args.total_tokens if args.decode else None,
+              "--cache-lens": args.cache_lens if args.varlen else None,
+              "--compare": args.compare if args.varlen else None,
+              "--batch": args.batch if args.varlen else None}
+    for flag, value in unused.items():
+        if value:
+            hint = "; use --cache-lens for the cache lengths" if (flag, mode) == ("--seqlen", "--decode") else ""
+            parser.error(f"{flag} does not apply to {mode}{hint}")
+    if args.decode:
+        cases = make_decode_cases(args.batch, args.nheads, args.nheads_kv, args.headdim, args.cache_lens,
+                                  args.dtype)
+        return cases, [(n, "backend") for n in resolve_backends(args.backend, kvcache=True)] + \
+            [(n, "peer") for n in decode_peers(args.compare)]
+    # The lengths are drawn now, from the run's seed, so that the header can show the mix before anything runs.
+    if args.seed is None:
+        args.seed = int(np.random.SeedSequence().entropy % 2**32)
+    case = make_varlen_case(np.random.default_rng(args.seed), args.total_tokens, args.nheads, args.nheads_kv,
+                            args.headdim, args.causal, args.dtype)
+    return [case], [(n, "backend") for n in resolve_backends(args.backend, kvcache=False)]
+
+
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace
-               ) -> tuple[list[Case], list[tuple[str, str]]]:
-    """Everything that can be wrong with the arguments, found before anything runs (``parser.error`` exits 2)."""
+               ) -> tuple[list[Any], list[tuple[str, str]]]:
+    """Everything that can be wrong with the arguments, found before anything runs (``parser.error`` exits 2).
+    Returns the cases (``Case``, or with --decode ``DecodeCase``, with --varlen one ``VarlenCase``) and the
+    ``(name, kind)`` runners."""
+    if not (args.decode or args.varlen):
+        for flag, value in (("--cache-lens", args.cache_lens), ("--total-tokens", args.total_tokens)):
+            if value:
+                parser.error(f"{flag} needs {'--decode' if flag == '--cache-lens' else '--varlen'}")
     try:
-        cases = cases_from_args(args)
-        runners = resolve_runners(args.backend, args.compare)
+        if args.decode or args.varlen:
+            cases, runners = _mode_cases(parser, args)
+        else:
+            cases = cases_from_args(args)
+            runners = resolve_runners(args.backend, args.compare)
     except BenchArgumentError as exc:
         parser.error(_flag_message(exc))
+    if (args.decode or args.varlen) and not runners:
+        parser.error("nothing to run: no available backend implements this mode and no peer was asked for")
     for flag, path in (("--csv", args.csv), ("--json", args.json), ("--plot", args.plot)):
         problem = path is not None and _output_problem(path)
         if problem:
@@ -154,23 +215,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[Cas
     return (args, *check_args(parser, args))
 
 
-def run_command(args: argparse.Namespace, cases: list[Case], runner_specs: list[tuple[str, str]]) -> int:
-    """Run the bench the arguments describe, print the report, write the files; returns the exit status."""
-    def header(meta: dict[str, Any]) -> None:
-        for line in header_lines(meta, cases[0].describe([c.seqlen for c in cases]), args.repeats,
-                                 not args.no_check):
-            print(line)
-        sys.stdout.flush()
-
-    results = execute(cases, runner_specs, grad=not args.no_grad, repeats=args.repeats, check=not args.no_check,
-                      seed=args.seed, on_start=header)
+def finish(args: argparse.Namespace, rows: Sequence[Any], table: str, notes: Sequence[str],
+           writers: Sequence[tuple[str | None, Any]]) -> int:
+    """Every mode's ending: print the table and the notes, write the files (``(path, write)`` pairs, None for a
+    flag not given), and return the exit status from the rows (anything with ``name``, ``kind``, ``status``)."""
     print()
-    print(format_table(results.rows))
-    for note in results.notes:
+    print(table)
+    for note in notes:
         print(note)
-    writers = ((args.csv, lambda p: write_csv(p, results.rows)),
-               (args.json, lambda p: write_json(p, results.rows, results.meta)),
-               (args.plot, lambda p: write_plot(p, results.rows, title_for(results.cases, results.meta))))
     for path, write in writers:
         if not path:
             continue
@@ -180,15 +232,76 @@ def run_command(args: argparse.Namespace, cases: list[Case], runner_specs: list[
             print(f"numba-flash bench: error: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
             return EXIT_USAGE
         print(f"wrote {path}")
-    if results.errors:
+    if any(r.status.startswith("error") for r in rows):
         return EXIT_ERROR
-    unavailable = [r for r in results.skipped if r.kind == "backend"] if args.backend is not None else []
+    unavailable = [r for r in rows if r.kind == "backend" and r.status.startswith("skipped")] \
+        if args.backend is not None else []
     if unavailable:
         names = sorted({r.name for r in unavailable})
         print(f"numba-flash bench: error: {', '.join(names)} named with --backend could not run: "
               + "; ".join(sorted({f'{r.name}: {r.status}' for r in unavailable})), file=sys.stderr)
         return EXIT_UNAVAILABLE
     return EXIT_OK
+
+
+def _writers(args: argparse.Namespace, rows: Sequence[Any], meta: dict[str, Any], columns: Sequence[str]
+             ) -> list[tuple[str | None, Any]]:
+    return [(args.csv, lambda p: write_csv(p, rows, columns)), (args.json, lambda p: write_json(p, rows, meta))]
+
+
+def run_mode_command(args: argparse.Namespace, cases: list[Any], runner_specs: list[tuple[str, str]]) -> int:
+    """``--decode`` or ``--varlen``: run, print the header first and the table after, write the files."""
+    from .decode import DECODE_COLUMNS, execute_decode
+    from .engine import progress_bar
+    from .harness import matched_torch_threads
+    from .report import format_decode_table, format_varlen_table, machine_info
+    from .varlen import VARLEN_COLUMNS, execute_varlen
+
+    backends = [n for n, kind in runner_specs if kind == "backend"]
+    check = not args.no_check
+
+    def header(meta: dict[str, Any], text: str) -> None:
+        for line in header_lines(meta, text, args.repeats, check)[:-1]:
+            print(line)
+        which = "the query heads of KV head 0" if args.decode else "the sequences of at most 512 tokens"
+        print(f"timing: {args.repeats} calls each after one untimed call (the first compiles); max err: max abs vs "
+              f"the float64 reference over {which}" + (" (skipped)" if not check else ""))
+        sys.stdout.flush()
+
+    if args.decode:
+        peers = [n for n, kind in runner_specs if kind == "peer"]
+        rows, meta, notes = execute_decode(
+            cases, backends, peers, repeats=args.repeats, check=check, seed=args.seed,
+            on_start=lambda m: header(m, cases[0].describe([c.cache_len for c in cases])))
+        return finish(args, rows, format_decode_table(rows), notes, _writers(args, rows, meta, DECODE_COLUMNS))
+    (case,) = cases
+    rng = np.random.default_rng([args.seed, 1])   # the inputs' stream, apart from the one that drew the lengths
+    with matched_torch_threads():
+        meta = machine_info()
+        meta.update(seed=args.seed, repeats=args.repeats, mode="varlen", lengths=list(case.lengths))
+        header(meta, case.describe())
+        with progress_bar(len(backends), enabled=len(backends) > 1) as tick:
+            rows, notes = execute_varlen(case, backends, rng, repeats=args.repeats, check=check, tick=tick)
+    return finish(args, rows, format_varlen_table(rows), notes, _writers(args, rows, meta, VARLEN_COLUMNS))
+
+
+def run_command(args: argparse.Namespace, cases: list[Case], runner_specs: list[tuple[str, str]]) -> int:
+    """Run the bench the arguments describe, print the report, write the files; returns the exit status."""
+    if getattr(args, "decode", False) or getattr(args, "varlen", False):
+        return run_mode_command(args, cases, runner_specs)
+
+    def header(meta: dict[str, Any]) -> None:
+        for line in header_lines(meta, cases[0].describe([c.seqlen for c in cases]), args.repeats,
+                                 not args.no_check):
+            print(line)
+        sys.stdout.flush()
+
+    results = execute(cases, runner_specs, grad=not args.no_grad, repeats=args.repeats, check=not args.no_check,
+                      seed=args.seed, on_start=header)
+    writers = ((args.csv, lambda p: write_csv(p, results.rows)),
+               (args.json, lambda p: write_json(p, results.rows, results.meta)),
+               (args.plot, lambda p: write_plot(p, results.rows, title_for(results.cases, results.meta))))
+    return finish(args, results.rows, format_table(results.rows), results.notes, writers)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -122,6 +122,16 @@ class TimingStats:
         return self.spread > BUSY_SPREAD
 
 
+def timing_fields(stats: TimingStats | None) -> dict[str, Any]:
+    """The timing columns of a report record (repeats, min/median/P95/P99/max ms, spread); None where nothing was
+    timed. The decode and varlen rows use it; the sweep's ``Row.record`` spells the same keys out."""
+    if stats is None:
+        return {"repeats": 0, "min_ms": None, "median_ms": None, "p95_ms": None, "p99_ms": None, "max_ms": None,
+                "spread": None}
+    return {"repeats": stats.n, "min_ms": stats.min_ms, "median_ms": stats.p50_ms, "p95_ms": stats.p95_ms,
+            "p99_ms": stats.p99_ms, "max_ms": stats.max_ms, "spread": stats.spread}
+
+
 def busy_note(label: str, stats: TimingStats) -> str:
     """The warning printed under the table for a disturbed measurement."""
     return (f"noisy: {label}: the slowest of {stats.n} calls took {stats.spread:.1f}x the fastest "

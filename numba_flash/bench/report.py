@@ -123,12 +123,13 @@ def format_table(rows: Sequence[Row], tablefmt: str = "simple") -> str:
     return "\n".join([text] + others)
 
 
-def write_csv(path: str, rows: Sequence[Row]) -> None:
-    """One line per row, columns ``CSV_COLUMNS``; empty where nothing was measured."""
+def write_csv(path: str, rows: Sequence[Any], columns: Sequence[str] = CSV_COLUMNS) -> None:
+    """One line per row (anything with ``record()``: the dense bench's ``Row``, the decode and varlen rows),
+    ``columns`` (default ``CSV_COLUMNS``); empty where nothing was measured."""
     import csv
 
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w = csv.DictWriter(f, fieldnames=list(columns))
         w.writeheader()
         for r in rows:
             w.writerow({k: ("" if v is None else v) for k, v in r.record().items()})
@@ -138,3 +139,40 @@ def write_json(path: str, rows: Sequence[Row], meta: dict[str, Any]) -> None:
     """``{"meta": ..., "results": [record, ...]}``."""
     with open(path, "w") as f:
         json.dump({"meta": meta, "results": [r.record() for r in rows]}, f, indent=1)
+
+
+DECODE_HEADERS = ("cache len", "name", "device", "min ms", "p50 ms", "p95 ms", "p99 ms", "GB/s", "% of copy",
+                  "x sdpa", "max err")
+
+
+def format_decode_table(rows: Sequence[Any]) -> str:
+    """``--decode``'s measured rows (``decode.DecodeRow``) as a table, then one line per skipped or failed row."""
+    from tabulate import tabulate
+
+    body = [(r.case.cache_len, r.name, r.device, _fmt(r.stats.min_ms, ".3f"), _fmt(r.stats.p50_ms, ".3f"),
+             _fmt(r.stats.p95_ms, ".3f"), _fmt(r.stats.p99_ms, ".3f"), _fmt(r.gbps, ".3g"),
+             "-" if r.frac_of_copy is None else f"{100 * r.frac_of_copy:.3g}%", _fmt(r.speedup_vs_sdpa, ".2f"),
+             _fmt(r.max_err, ".1e")) for r in rows if r.status == "ok"]
+    text = tabulate(body, headers=DECODE_HEADERS, disable_numparse=True, colalign=("right",) * len(DECODE_HEADERS))
+    return "\n".join([text] + [f"{r.label}: {r.status}" for r in rows if r.status != "ok"])
+
+
+VARLEN_HEADERS = ("name", "form", "seqs", "tokens", "min ms", "p50 ms", "p95 ms", "p99 ms", "TFLOP/s",
+                  "Mtok/s", "work time / dense", "max err")
+
+
+def format_varlen_table(rows: Sequence[Any]) -> str:
+    """``--varlen``'s measured rows (``varlen.VarlenRow``) as a table, then one line per skipped or failed row."""
+    from tabulate import tabulate
+
+    body = []
+    for r in rows:
+        if r.status != "ok":
+            continue
+        rec = r.record()
+        body.append((r.name, r.form, rec["n_seqs"], rec["tokens"], _fmt(rec["min_ms"], ".2f"),
+                     _fmt(rec["median_ms"], ".2f"), _fmt(rec["p95_ms"], ".2f"), _fmt(rec["p99_ms"], ".2f"),
+                     _fmt(r.tflops, ".4f"), _fmt(r.tokens_per_s and r.tokens_per_s / 1e6, ".3f"),
+                     _fmt(r.work_time_vs_dense, ".2f"), _fmt(r.max_err, ".1e")))
+    text = tabulate(body, headers=VARLEN_HEADERS, disable_numparse=True, colalign=("right",) * len(VARLEN_HEADERS))
+    return "\n".join([text] + [f"{r.label}: {r.status}" for r in rows if r.status != "ok"])

@@ -112,6 +112,12 @@ def test_asv_check_run_publish(published):
                  "attention.Accuracy.track_max_error_forward", "attention.Accuracy.track_max_error_backward"):
         assert name in index["benchmarks"], name
     assert index["benchmarks"]["attention.GpuEvents.track_gpu_ms_forward"]["unit"] == "ms"
+    # The decode and varlen benchmarks are discovered (``asv check`` imported them); the tiny run does not time them.
+    for name in ("inference.Decode.time_decode", "inference.Decode.track_frac_of_copy",
+                 "inference.Decode.track_max_error", "inference.Varlen.time_forward",
+                 "inference.VarlenRatio.track_work_time_vs_dense"):
+        assert name in index["benchmarks"], name
+    assert index["benchmarks"]["inference.Decode.track_frac_of_copy"]["unit"] == "fraction of copy bandwidth"
     assert index["benchmarks"]["attention.Memory.track_peak_memory_forward"]["unit"] == "bytes"
     # Each graph file is [[revision, [one value per parameter combination]], ...]: the run shows up as a point.
     graphs = [g for g in (html / "graphs").rglob("attention.Forward.time_forward.json") if "summary" not in g.parts]
