@@ -121,7 +121,7 @@ def _host_ints(name: str, x: Any, shape: tuple[int, ...], what: str) -> np.ndarr
     """``x`` (an integer array of any kind) as a read-only int64 host copy of ``shape``."""
     kind = array_kind(x)
     if kind is None:
-        raise _bad(name, f"{what} (an int32 array: numpy, torch or a device array)", f"an object of type "
+        raise _bad(name, f"an int32 array {what} (numpy, torch or a device array)", f"an object of type "
                    f"{type(x).__name__}")
     got = tuple(int(s) for s in x.shape)
     if got != shape:
@@ -152,9 +152,13 @@ def _check_same(name: str, info: tuple, q_info: tuple) -> None:
         raise _bad(name, f"the same device as q ({qdev})", f"device {dev}")
 
 
+MAX_NUM_SPLITS = 128  # flash-attn's limit; each part costs a partial output per row
+
+
 def _check_num_splits(num_splits: Any) -> int:
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
-        raise _bad("num_splits", "an int >= 0 (0 lets the backend choose)", repr(num_splits))
+    if (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
+            or not 0 <= num_splits <= MAX_NUM_SPLITS):
+        raise _bad("num_splits", f"an int from 0 to {MAX_NUM_SPLITS} (0 lets the backend choose)", repr(num_splits))
     return int(num_splits)
 
 
@@ -239,7 +243,7 @@ def validate_kvcache(
     elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)
     else:
-        seqlens = _host_ints("cache_seqlens", cache_seqlens, (batch,), "(B,), or an int")
+        seqlens = _host_ints("cache_seqlens", cache_seqlens, (batch,), "(B,) or an int")
     _first_bad("cache_seqlens", seqlens, seqlens >= 0, "every entry >= 0")
     _first_bad("cache_seqlens", seqlens, seqlens + seqlen_new <= capacity,
                f"room for the {seqlen_new} new keys: cache_seqlens[b] + S_new <= the cache's capacity {capacity}")

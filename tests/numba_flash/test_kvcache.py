@@ -164,6 +164,7 @@ def _bad_cases():
     yield "k", {**plain, "k": plain["k"][:, :, :1]}
     yield "alibi_slopes", {**plain, "alibi_slopes": np.ones(4, np.float32)}
     yield "num_splits", {**plain, "num_splits": -2}
+    yield "num_splits", {**plain, "num_splits": 10**9}   # would allocate a partial output per part
     frozen = plain["k_cache"].copy()
     frozen.flags.writeable = False
     yield "k_cache", {**plain, "k_cache": frozen}
