@@ -28,6 +28,7 @@ class Backend:
     SUPPORTS_SOFTCAP: ClassVar[bool] = True
     SUPPORTS_BACKWARD: ClassVar[bool] = True
     SUPPORTS_KVCACHE: ClassVar[bool] = False         # ``with_kvcache`` (decoding with a KV cache)
+    SUPPORTS_ALIBI: ClassVar[bool] = False           # ``alibi_slopes``
     IS_DETERMINISTIC: ClassVar[bool] = True
 
     def unavailable_reasons(self, forced: bool = False) -> list[str]:
@@ -55,6 +56,8 @@ class Backend:
             reasons.append("softcap not supported")
         if call.is_backward and not self.SUPPORTS_BACKWARD:
             reasons.append("backward not supported")
+        if call.alibi is not None and not self.SUPPORTS_ALIBI:
+            reasons.append("ALiBi not supported")
         if call.kvcache is not None and not self.SUPPORTS_KVCACHE:
             reasons.append("KV cache (with_kvcache) not supported")
         if not reasons:

@@ -191,8 +191,18 @@ def _visible_matmul(a: Any, b: Any, vis: Any) -> Any:
     return res.masked_fill_(hits > 0, float("nan"))
 
 
+def _alibi_slopes(call: AttentionCall, cdt: Any, device: Any) -> Any:
+    """ALiBi slopes as a (B, Hkv, 1, g, 1) tensor, laid out like a query block's rows; None without ALiBi."""
+    import torch
+
+    if call.alibi is None:
+        return None
+    slopes = torch.as_tensor(np.array(call.alibi), dtype=cdt, device=device)
+    return slopes.view(call.batch, call.nheads_kv, 1, call.group_size, 1)
+
+
 def _scores(qb: Any, kb: Any, call: AttentionCall, band: _Band, q0: int, q1: int, k0: int, k1: int,
-            need_mask: bool, careful: bool = False) -> tuple[Any, Any]:
+            need_mask: bool, careful: bool = False, alibi: Any = None) -> tuple[Any, Any]:
     """Scores of a query block against a key block, softcapped and masked to -inf.
 
     qb: (B, Hkv, n*g, D) compute dtype, already multiplied by the softmax scale; kb: (B, Hkv, m, D).
@@ -211,6 +221,12 @@ def _scores(qb: Any, kb: Any, call: AttentionCall, band: _Band, q0: int, q1: int
         s = t * call.softcap
     if careful:
         s.masked_fill_(bad, float("nan"))
+    if alibi is not None:
+        # -slope * |i + Sk - Sq - j|, after softcap (flash-attn's order); it has no gradient.
+        i = torch.arange(q0 + call.seqlen_k - call.seqlen_q, q1 + call.seqlen_k - call.seqlen_q, device=s.device)
+        dist = (i[:, None] - torch.arange(k0, k1, device=s.device)[None, :]).abs().to(s.dtype)
+        b, h, rows, m = s.shape
+        s.view(b, h, q1 - q0, rows // (q1 - q0), m).sub_(alibi * dist[None, None, :, None, :])
     if need_mask:
         b, h, rows, m = s.shape
         s.view(b, h, q1 - q0, rows // (q1 - q0), m).masked_fill_(
@@ -239,7 +255,7 @@ def _forward_sdpa(q: Any, k: Any, v: Any, call: AttentionCall) -> Any:
 
 def sdpa_fits(call: AttentionCall) -> bool:
     """True when ``scaled_dot_product_attention`` computes exactly what the contract asks for ``call``."""
-    if call.return_lse or call.is_backward or call.softcap > 0 or call.window_left >= 0:
+    if call.return_lse or call.is_backward or call.softcap > 0 or call.window_left >= 0 or call.alibi is not None:
         return False
     if call.window_right >= 0:
         # SDPA's is_causal keeps j <= i (top-left); the contract keeps j <= i + Sk - Sq. Equal only when Sq == Sk.
@@ -271,6 +287,7 @@ def forward_blockwise(q: Any, k: Any, v: Any, call: AttentionCall, careful: bool
     qv, ov, lv = _grouped_view(q, call.layout, Hkv), _grouped_view(out, call.layout, Hkv), _lse_view(lse, Hkv)
     kv, vv = _heads_view(k, call.layout), _heads_view(v, call.layout)
     band = _Band(call)
+    alibi = _alibi_slopes(call, cdt, q.device)
     block_q, block_k = block_sizes(call)
     for q0 in range(0, call.seqlen_q, block_q):
         q1 = min(q0 + block_q, call.seqlen_q)
@@ -280,7 +297,7 @@ def forward_blockwise(q: Any, k: Any, v: Any, call: AttentionCall, careful: bool
         l = torch.zeros((B, Hkv, rows), dtype=cdt, device=q.device)
         acc = torch.zeros((B, Hkv, rows, D), dtype=cdt, device=q.device)
         for k0, k1, need_mask in band.key_blocks(q0, q1, block_k):
-            s, _ = _scores(qb, kv[:, :, k0:k1].to(cdt), call, band, q0, q1, k0, k1, need_mask, careful)
+            s, _ = _scores(qb, kv[:, :, k0:k1].to(cdt), call, band, q0, q1, k0, k1, need_mask, careful, alibi)
             # amax and maximum propagate NaN: a poisoned row's max, sum and accumulator become NaN and stay so.
             m_new = torch.maximum(m, s.amax(dim=-1))
             # A row with every key so far masked keeps max -inf; shift it by 0 so that exp gives 0, not NaN.
@@ -332,6 +349,7 @@ def backward_blockwise(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
     lv = _lse_view(lse, Hkv)
     kv, vv = _heads_view(k, call.layout), _heads_view(v, call.layout)
     band = _Band(call)
+    alibi = _alibi_slopes(call, cdt, dev)
     block_q, block_k = block_sizes(call)
     for q0 in range(0, call.seqlen_q, block_q):
         q1 = min(q0 + block_q, call.seqlen_q)
@@ -343,7 +361,7 @@ def backward_blockwise(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
         dq_acc = torch.zeros((B, Hkv, rows, D), dtype=cdt, device=dev)
         for k0, k1, need_mask in band.key_blocks(q0, q1, block_k):
             kb, vb = kv[:, :, k0:k1].to(cdt), vv[:, :, k0:k1].to(cdt)
-            s, t = _scores(qb, kb, call, band, q0, q1, k0, k1, need_mask)
+            s, t = _scores(qb, kb, call, band, q0, q1, k0, k1, need_mask, alibi=alibi)
             # lse is +inf on rows that see nothing: exp(s - inf) = 0 there, so those rows add no gradient.
             p = s.sub_(lse_b[..., None]).exp_()
             careful_block = careful and need_mask
@@ -386,6 +404,7 @@ class RocmBackend(Backend):
     SUPPORTED_DTYPES = ("float32", "float16", "bfloat16", "float64")
     SUPPORTED_LAYOUTS = ("bshd", "bhsd", "thd")
     SUPPORTS_KVCACHE = True
+    SUPPORTS_ALIBI = True
 
     def unavailable_reasons(self, forced: bool = False) -> list[str]:
         if forced:

@@ -174,7 +174,7 @@ def validate_kvcache(
     causal, softmax_scale, window_size, softcap, _, return_lse = _check_options(
         causal, softmax_scale, window_size, softcap, "bshd", return_lse)
     if alibi_slopes is not None:
-        raise _bad("alibi_slopes", "None (ALiBi is not implemented yet: it comes with the attention-variants work)",
+        raise _bad("alibi_slopes", "None (ALiBi with a KV cache is not implemented yet)",
                    "an array")
     if not isinstance(rotary_interleaved, (bool, np.bool_)):
         raise _bad("rotary_interleaved", "a bool", repr(rotary_interleaved))

@@ -50,18 +50,19 @@ def _q_heads_seq(q: torch.Tensor, layout: str) -> tuple[int, int]:
 
 @torch.library.custom_op("numba_flash::flash_fwd", mutates_args=())
 def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
-              window_left: int, window_right: int, softcap: float, layout: str,
-              backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+              window_left: int, window_right: int, softcap: float, layout: str, backend: Optional[str],
+              alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward through the registry. Returns out (shaped like q, q's dtype, contiguous) and lse (B, Hq, Sq)
     float32 (float64 for float64 inputs), contiguous."""
     out, lse = backend_registry.get("flash").forward(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
-        softcap=softcap, layout=layout, return_lse=True, backend=backend)
+        softcap=softcap, layout=layout, return_lse=True, backend=backend, alibi_slopes=alibi_slopes)
     return _owned(out, q, q.dtype, (q, k, v)), _owned(lse, q, _lse_dtype(q.dtype), (q, k, v))
 
 
 @flash_fwd.register_fake
-def _flash_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, softcap, layout, backend):
+def _flash_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, softcap, layout, backend,
+                    alibi_slopes=None):
     hq, sq = _q_heads_seq(q, layout)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], hq, sq), dtype=_lse_dtype(q.dtype), device=q.device)
@@ -71,19 +72,20 @@ def _flash_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, s
 @torch.library.custom_op("numba_flash::flash_bwd", mutates_args=())
 def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
-              softcap: float, layout: str,
-              backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              softcap: float, layout: str, backend: Optional[str],
+              alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward through the registry. Returns dq, dk, dv shaped like q, k, v, q's dtype, contiguous."""
     dq, dk, dv = backend_registry.get("flash").backward(
         dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-        window_size=(window_left, window_right), softcap=softcap, layout=layout, backend=backend)
+        window_size=(window_left, window_right), softcap=softcap, layout=layout, backend=backend,
+        alibi_slopes=alibi_slopes)
     inputs = (dout, q, k, v, out, lse)
     return (_owned(dq, q, q.dtype, inputs), _owned(dk, q, q.dtype, inputs), _owned(dv, q, q.dtype, inputs))
 
 
 @flash_bwd.register_fake
 def _flash_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap, layout,
-                    backend):
+                    backend, alibi_slopes=None):
     return tuple(torch.empty(x.shape, dtype=q.dtype, device=q.device) for x in (q, k, v))
 
 
@@ -91,11 +93,12 @@ class FlashAttnFunc(torch.autograd.Function):
     """Autograd glue over ``flash_fwd`` / ``flash_bwd``. Always returns ``(out, lse)``; lse has no gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, window_left, window_right, softcap, layout, backend):
+    def forward(ctx, q, k, v, causal, softmax_scale, window_left, window_right, softcap, layout, backend,
+                alibi_slopes=None):
         out, lse = torch.ops.numba_flash.flash_fwd(q, k, v, causal, softmax_scale, window_left, window_right,
-                                                   softcap, layout, backend)
+                                                   softcap, layout, backend, alibi_slopes)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.params = (causal, softmax_scale, window_left, window_right, softcap, layout, backend)
+        ctx.params = (causal, softmax_scale, window_left, window_right, softcap, layout, backend, alibi_slopes)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -105,7 +108,7 @@ class FlashAttnFunc(torch.autograd.Function):
         # Gradients arriving from a sum() or an expand() are broadcast views (stride 0); one contiguous copy of
         # dout, the size of q, spares every backend that case.
         dq, dk, dv = torch.ops.numba_flash.flash_bwd(dout.contiguous(), q, k, v, out, lse, *ctx.params)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def _check_tensors(function: str, q: Any, k: Any, v: Any) -> None:
@@ -118,16 +121,18 @@ def _check_tensors(function: str, q: Any, k: Any, v: Any) -> None:
                 f"backend_registry.get('flash').forward for other arrays), got {type(x).__name__}")
 
 
-def _check_flash_attn_extras(dropout_p: Any, alibi_slopes: Any, deterministic: Any, return_attn_probs: Any) -> None:
+def _check_flash_attn_extras(dropout_p: Any, alibi_slopes: Any, deterministic: Any, return_attn_probs: Any,
+                             alibi_ok: bool = False) -> None:
     """flash-attn's arguments for features this library has not built yet: accepted in their place (so that code
-    written for flash-attn calls in unchanged), refused with a clear error when they ask for the feature."""
+    written for flash-attn calls in unchanged), refused with a clear error when they ask for the feature.
+    ``alibi_ok``: the caller takes ALiBi slopes (validated with the tensors)."""
     if not _finite_real(dropout_p) or not 0.0 <= float(dropout_p) < 1.0:
         raise _bad("dropout_p", "a number in [0, 1)", _short_repr(dropout_p))
     if float(dropout_p) != 0.0:
         raise _bad("dropout_p", "0.0 (dropout is not implemented yet)", _short_repr(dropout_p))
-    if alibi_slopes is not None:
+    if alibi_slopes is not None and not alibi_ok:
         got = f"shape {tuple(alibi_slopes.shape)}" if hasattr(alibi_slopes, "shape") else _short_repr(alibi_slopes)
-        raise _bad("alibi_slopes", "None (ALiBi is not implemented yet)", got)
+        raise _bad("alibi_slopes", "None (ALiBi is not implemented here yet)", got)
     if not isinstance(deterministic, (bool, np.bool_)):
         raise _bad("deterministic", "a bool", _short_repr(deterministic))
     if not isinstance(return_attn_probs, (bool, np.bool_)):
@@ -181,8 +186,8 @@ def flash_attn_func(
         causal: bool. Mask keys after the query's bottom-right-aligned diagonal (same as window_size[1] = 0).
         window_size: (left, right). Sliding-window attention; -1 means unbounded on that side.
         softcap: float >= 0. If > 0, scores become softcap * tanh(scores / softcap); 0 disables it.
-        alibi_slopes: must be None: ALiBi ((nheads,) or (batch_size, nheads) float32 slopes in flash-attn) is not
-            implemented yet, and a tensor raises AttentionInputError.
+        alibi_slopes: None, or (nheads,) or (batch_size, nheads) float32 slopes: adds
+            ``-slope * |i + seqlen_k - seqlen_q - j|`` to the scores (flash-attn's ALiBi). No gradient.
         deterministic: bool, accepted either way: every backend's backward is already deterministic (no atomic
             adds; each gradient element is summed by one thread in a fixed order), so two runs give bitwise equal
             gradients.
@@ -203,20 +208,21 @@ def flash_attn_func(
     implemented yet, and ``numba_flash.NoBackendError`` when no backend can serve the call.
     """
     # Plain Python values: checking them costs no graph break under torch.compile, so they are checked always.
-    _check_flash_attn_extras(dropout_p, alibi_slopes, deterministic, return_attn_probs)
+    _check_flash_attn_extras(dropout_p, alibi_slopes, deterministic, return_attn_probs, alibi_ok=True)
     if not torch.compiler.is_compiling():
         # Fail fast, naming the argument, before autograd records anything. Under torch.compile the ops validate
         # when they run, and this Python-level check would only cost graph breaks.
         _check_tensors("flash_attn_func", q, k, v)
         validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                         softcap=softcap, layout=layout, return_lse=return_lse)
+                         softcap=softcap, layout=layout, return_lse=return_lse, alibi_slopes=alibi_slopes)
         if backend is None:
             # A backend forced with backend_registry.use() lives in a context variable of this thread, and autograd
             # may run the backward on a thread of its own (one per GPU): name it now so both halves use it.
             backend = backend_registry.get("flash")._forced_name(None)
     scale = None if softmax_scale is None else float(softmax_scale)
     left, right = (int(w) for w in window_size)
-    out, lse = FlashAttnFunc.apply(q, k, v, bool(causal), scale, left, right, float(softcap), layout, backend)
+    out, lse = FlashAttnFunc.apply(q, k, v, bool(causal), scale, left, right, float(softcap), layout, backend,
+                                   alibi_slopes)
     return (out, lse) if return_lse else out
 
 
@@ -452,7 +458,8 @@ def flash_attn_with_kvcache(
     """
     _check_tensors("flash_attn_with_kvcache", q, k_cache, v_cache)
     if alibi_slopes is not None:
-        raise _bad("alibi_slopes", "None (ALiBi is not implemented yet)", f"shape {tuple(alibi_slopes.shape)}")
+        raise _bad("alibi_slopes", "None (ALiBi with a KV cache is not implemented yet)",
+                   f"shape {tuple(alibi_slopes.shape)}")
     if (isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool)
             and not torch.compiler.is_compiling()):
         # The op's schema takes a tensor; an int is every sequence's length. Negative ones are refused inside.

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import array_kind, device_of, dtype_name, resolve_torch_bits
+from .arrays import array_kind, as_float64, device_of, dtype_name, resolve_torch_bits
 from .errors import AttentionInputError
 from .semantics import clamp_window_bound, compute_dtype_name, default_scale, effective_softcap, effective_window
 from .varlen import check_arguments, check_packing
@@ -64,6 +64,7 @@ class AttentionCall:
     lse: Any = None
     extra: dict = field(default_factory=dict)
     packing: Any = None  # numba_flash.varlen.Packing for layout "thd", else None
+    alibi: Any = None    # ALiBi slopes as a read-only float64 host array (B, Hq), else None
 
     @property
     def is_backward(self) -> bool:
@@ -108,6 +109,8 @@ class AttentionCall:
             parts.append(f"window=({self.window_left}, {self.window_right})")
         if self.softcap:
             parts.append(f"softcap={self.softcap:g}")
+        if self.alibi is not None:
+            parts.append("alibi")
         parts.append("backward" if self.is_backward else "with_kvcache" if self.kvcache is not None else "forward")
         return " ".join(parts)
 
@@ -208,14 +211,15 @@ def validate_forward(
     q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str | None = None,
     return_lse: bool = False, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, max_seqlen_q: Any = None,
-    max_seqlen_k: Any = None,
+    max_seqlen_k: Any = None, alibi_slopes: Any = None,
 ) -> AttentionCall:
     """Check a forward call against the contract; raise ``AttentionInputError`` on the first violation.
 
     q: (B, Sq, Hq, D) ["bshd"] or (B, Hq, Sq, D) ["bhsd"]; k, v: (B, Sk, Hkv, D) or (B, Hkv, Sk, D).
     Packed sequences ["thd"]: q (total_q, Hq, D), k, v (total_k, Hkv, D), with ``cu_seqlens_q`` / ``cu_seqlens_k``
     (B + 1,) int32 prefix sums and optional ``max_seqlen_q`` / ``max_seqlen_k`` bounds (see ``numba_flash.varlen``).
-    ``layout`` None means "thd" when cu_seqlens are given, else "bshd".
+    ``layout`` None means "thd" when cu_seqlens are given, else "bshd". ``alibi_slopes``: None, (Hq,) or (B, Hq),
+    finite, any float dtype, the array kind and device of q (read on the host).
     """
     layout = resolve_layout(layout, cu_seqlens_q, cu_seqlens_k)
     causal, softmax_scale, window_size, softcap, layout, return_lse = _check_options(
@@ -253,23 +257,52 @@ def validate_forward(
     scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
     left, right = (clamp_window_bound(w, sq, sk) for w in effective_window(causal, window_size))
     softcap = effective_softcap(softcap, compute_dtype_name(qdt))
+    alibi = check_alibi(alibi_slopes, qkind, qdev, batch, hq, layout)
     return AttentionCall(q=q, k=k, v=v, kind=qkind, device=qdev, dtype=qdt, layout=layout, batch=batch,
                          seqlen_q=sq, seqlen_k=sk, nheads_q=hq, nheads_kv=hkv, head_dim=d, causal=causal,
                          softmax_scale=scale, window_left=left, window_right=right, softcap=softcap,
-                         return_lse=return_lse, packing=packing)
+                         return_lse=return_lse, packing=packing, alibi=alibi)
+
+
+def check_alibi(alibi_slopes: Any, kind: str, device: str, batch: int, nheads_q: int, layout: str) -> Any:
+    """ALiBi slopes as a read-only float64 host array (B, Hq), or None; AttentionInputError naming alibi_slopes.
+    Packed sequences do not take them yet."""
+    if alibi_slopes is None:
+        return None
+    what = f"(Hq,) = ({nheads_q},) or (B, Hq) = ({batch}, {nheads_q}) slopes"
+    akind = array_kind(alibi_slopes)
+    if akind is None:
+        raise _bad("alibi_slopes", f"an array {what}", f"an object of type {type(alibi_slopes).__name__}")
+    if layout == "thd":
+        raise _bad("alibi_slopes", "None for packed sequences (ALiBi with layout 'thd' is not implemented yet)",
+                   f"shape {tuple(alibi_slopes.shape)}")
+    if akind != kind or device_of(alibi_slopes) != device:
+        raise _bad("alibi_slopes", f"a {kind} array on q's device ({device})",
+                   f"a {akind} array on {device_of(alibi_slopes)}")
+    shape = tuple(int(n) for n in alibi_slopes.shape)
+    if shape not in ((nheads_q,), (batch, nheads_q)):
+        raise _bad("alibi_slopes", what, f"shape {shape}")
+    if dtype_name(alibi_slopes) not in FLOAT_DTYPES:
+        raise _bad("alibi_slopes", "a floating dtype (float32, as flash-attn takes)",
+                   f"dtype {dtype_name(alibi_slopes)}")
+    slopes = np.array(np.broadcast_to(as_float64(alibi_slopes), (batch, nheads_q)))
+    if not np.isfinite(slopes).all():
+        raise _bad("alibi_slopes", "finite values", "a NaN or an infinity")
+    slopes.flags.writeable = False
+    return slopes
 
 
 def validate_backward(
     dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: bool = False,
     softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     layout: str | None = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, max_seqlen_q: Any = None,
-    max_seqlen_k: Any = None,
+    max_seqlen_k: Any = None, alibi_slopes: Any = None,
 ) -> AttentionCall:
     """Check a backward call. dout and out are shaped like q with q's dtype; lse is (B, Hq, Sq), or (Hq, total_q)
     for packed sequences, float32 (float64 for float64 inputs), as the forward returned it."""
     call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                             softcap=softcap, layout=layout, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes)
     layout = call.layout
     qshape = tuple(int(s) for s in q.shape)
     checked = {}

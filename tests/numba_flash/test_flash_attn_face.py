@@ -70,8 +70,6 @@ def test_every_positional_argument_lands_where_flash_attn_puts_it(rng, backend):
 
 NOT_YET = {
     "dropout": (dict(dropout_p=0.1), r"dropout_p: expected 0\.0 \(dropout is not implemented yet\), got 0\.1"),
-    "alibi": (dict(alibi_slopes=torch.ones(4)),
-              r"alibi_slopes: expected None \(ALiBi is not implemented yet\), got shape \(4,\)"),
     "attn_probs": (dict(return_attn_probs=True),
                    r"return_attn_probs: expected False \(returning the attention probabilities is not implemented"),
 }

@@ -1,0 +1,93 @@
+"""ALiBi (``alibi_slopes``) on the backends that run it, against the float64 reference, and its bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import numba_flash
+from numba_flash import AttentionInputError, attention_ref, attention_ref_backward, backend_registry
+
+torch = pytest.importorskip("torch")
+
+BACKENDS = ("rocm",)
+CASES = [dict(), dict(causal=True), dict(window_size=(6, 3), softcap=2.5), dict(causal=True, softmax_scale=0.3)]
+
+
+def _inputs(rng, b=2, sq=13, sk=29, hq=4, hkv=2, d=16):
+    q = rng.standard_normal((b, sq, hq, d)).astype(np.float32)
+    k = rng.standard_normal((b, sk, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((b, sk, hkv, d)).astype(np.float32)
+    return q, k, v, rng.standard_normal(q.shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_forward_backward_match_reference(backend, case, per_batch):
+    rng = np.random.default_rng(10 + case + 100 * per_batch)
+    q, k, v, dout = _inputs(rng, sq=13 if case % 2 else 31)
+    slopes = rng.uniform(0.02, 1.0, (2, 4) if per_batch else (4,)).astype(np.float32)
+    kw = CASES[case]
+    t = {n: torch.from_numpy(x) for n, x in dict(q=q, k=k, v=v, dout=dout, slopes=slopes).items()}
+    op = backend_registry.get("flash", backend=backend)
+    out, lse = op.forward(t["q"], t["k"], t["v"], alibi_slopes=t["slopes"], return_lse=True, **kw)
+    grads = op.backward(t["dout"], t["q"], t["k"], t["v"], out, lse, alibi_slopes=t["slopes"], **kw)
+    want_out, want_lse = attention_ref(q, k, v, alibi_slopes=slopes, **kw)
+    want_grads = attention_ref_backward(dout, q, k, v, alibi_slopes=slopes, **kw)
+    np.testing.assert_allclose(out.numpy(), want_out, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(lse.numpy(), want_lse, atol=2e-5, rtol=1e-5)
+    for got, want in zip(grads, want_grads):
+        assert np.linalg.norm(got.numpy() - want) <= 1e-5 * np.linalg.norm(want)
+    # the slopes matter: without them the answer is a different one
+    assert np.abs(attention_ref(q, k, v, **kw)[0] - want_out).max() > 1e-2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flash_attn_func_with_alibi_and_autograd(backend):
+    rng = np.random.default_rng(20)
+    q, k, v, dout = _inputs(rng)
+    slopes = rng.uniform(0.02, 1.0, 4).astype(np.float32)
+    tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+    out = numba_flash.flash_attn_func(tq, tk, tv, 0.0, None, True, (-1, -1), 0.0, torch.from_numpy(slopes),
+                                      backend=backend)
+    out.backward(torch.from_numpy(dout))
+    want = attention_ref(q, k, v, causal=True, alibi_slopes=slopes)[0]
+    np.testing.assert_allclose(out.detach().numpy(), want, atol=2e-5, rtol=0)
+    for got, ref in zip((tq.grad, tk.grad, tv.grad),
+                        attention_ref_backward(dout, q, k, v, causal=True, alibi_slopes=slopes)):
+        assert np.linalg.norm(got.numpy() - ref) <= 1e-5 * np.linalg.norm(ref)
+
+
+def test_backends_without_alibi_say_so():
+    rng = np.random.default_rng(21)
+    q, k, v, _ = _inputs(rng)
+    with pytest.raises(numba_flash.NoBackendError, match="ALiBi not supported"):
+        backend_registry.get("flash", backend="cuda").forward(q, k, v, alibi_slopes=np.ones(4, np.float32))
+    assert " alibi " in backend_registry.get("flash").explain(q, k, v, alibi_slopes=np.ones(4, np.float32))
+
+
+@pytest.mark.parametrize("slopes,match", [
+    (np.ones(3, np.float32), r"\(Hq,\) = \(4,\) or \(B, Hq\) = \(2, 4\)"),
+    (np.ones((4, 2), np.float32), "shape"),
+    (np.array([1, 2, 3, 4]), "floating dtype"),
+    (np.array([0.1, np.nan, 0.2, 0.3], np.float32), "finite"),
+    ([0.1, 0.2, 0.3, 0.4], "an array"),
+])
+def test_bad_slopes(slopes, match):
+    rng = np.random.default_rng(22)
+    q, k, v, _ = _inputs(rng)
+    with pytest.raises(AttentionInputError, match=f"^alibi_slopes: expected .*{match}"):
+        backend_registry.get("flash", backend="rocm").forward(q, k, v, alibi_slopes=slopes)
+
+
+def test_slopes_of_another_kind_or_for_packed_sequences_are_refused():
+    rng = np.random.default_rng(23)
+    q, k, v, _ = _inputs(rng)
+    with pytest.raises(AttentionInputError, match="^alibi_slopes: expected a numpy array"):
+        backend_registry.get("flash").forward(q, k, v, alibi_slopes=torch.ones(4))
+    cu = np.array([0, 13, 26], np.int32)
+    with pytest.raises(AttentionInputError, match="^alibi_slopes: expected None for packed sequences"):
+        backend_registry.get("flash").forward(q.reshape(26, 4, 16), k.reshape(58, 2, 16), v.reshape(58, 2, 16),
+                                              cu_seqlens_q=cu, cu_seqlens_k=np.array([0, 29, 58], np.int32),
+                                              alibi_slopes=np.ones(4, np.float32))
