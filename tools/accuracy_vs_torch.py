@@ -74,12 +74,19 @@ LONG = [Case(1, 131072, 64, tags=("long",), backward=False), Case(20000, 70, 64,
         Case(4096, 4096, 64, nheads=1, nheads_kv=1, causal=True, tags=("long",))]
 
 
+def _batch_for(seqlen_q: int, seqlen_k: int) -> int:
+    """More sequences where they are small: the rule compares maxima over the whole output, and a max over the two
+    rows of a (1, 239) case is mostly luck (flash-attn draws 16 x 9 (batch, head) pairs)."""
+    area = seqlen_q * seqlen_k
+    return 32 if area < 2**12 else 8 if area < 2**16 else 2 if area < 2**19 else 1
+
+
 def full_grid(head_dims=HEAD_DIMS, pairs=SEQLEN_PAIRS) -> list[Case]:
     cases = []
     for d in head_dims:
         for sq, sk in pairs:
             for name, kw in VARIANTS:
-                cases.append(Case(sq, sk, d, tags=(name,), **kw))
+                cases.append(Case(sq, sk, d, batch=_batch_for(sq, sk), tags=(name,), **kw))
     return cases + LONG
 
 
@@ -91,7 +98,7 @@ def fast_grid() -> list[Case]:
     for n, (sq, sk) in enumerate(pairs):
         for m, (name, kw) in enumerate(VARIANTS):
             d = dims[(n + m) % len(dims)]
-            cases.append(Case(sq, sk, d, tags=(name,), **{**kw, "nheads": 2, "nheads_kv": 2 if m % 2 == 0 else 1}))
+            cases.append(Case(sq, sk, d, batch=_batch_for(sq, sk), tags=(name,), **kw))
     return cases
 
 

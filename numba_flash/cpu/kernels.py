@@ -93,6 +93,7 @@ _E3 = np.float32(_LN2 ** 3 / 6)
 _E4 = np.float32(_LN2 ** 4 / 24)
 _E5 = np.float32(_LN2 ** 5 / 120)
 _E6 = np.float32(_LN2 ** 6 / 720)
+_E7 = np.float32(_LN2 ** 7 / 5040)  # degree 7: degree 6 alone is 1.2e-7 (2 ulp, one-signed) short at |f| = 1/2
 
 
 # n + 1.5 * 2**23 holds the integer n in its low mantissa bits (for |n| < 2**22): bitcast, minus these bits, is n.
@@ -136,7 +137,7 @@ def _fast_exp2(x):  # pragma: no cover - typed by the overload below
 def _fast_exp2_impl(x):
     if x == types.float32:
         def impl(x):
-            # n = round(x), |f| <= 1/2, and a degree-6 Taylor polynomial of exp(f ln 2) is within ~2 ulp. Pure
+            # n = round(x), |f| <= 1/2, and a degree-7 Taylor polynomial of exp(f ln 2) is within ~1 ulp. Pure
             # arithmetic, so loops over it vectorise. -inf (a masked score, or lse = +inf for a row that sees no
             # key) clamps to -127 and comes out as exactly 0. A NaN (a poisoned row's lse) stays NaN, never a
             # probability of 0: max and min return their first argument unless the second compares larger/smaller
@@ -144,7 +145,7 @@ def _fast_exp2_impl(x):
             c = min(max(x, _EXP2_MIN), _EXP2_MAX)
             n = np.floor(c + _HALF)
             f = c - n
-            p = _ONE + f * (_E1 + f * (_E2 + f * (_E3 + f * (_E4 + f * (_E5 + f * _E6)))))
+            p = _ONE + f * (_E1 + f * (_E2 + f * (_E3 + f * (_E4 + f * (_E5 + f * (_E6 + f * _E7))))))
             return p * _pow2_f32(n)
         return impl
     if x == types.float64:
@@ -155,11 +156,13 @@ def _fast_exp2_impl(x):
 
 
 @njit(inline="always", cache=True)
-def _tanh(x):
-    """tanh in x's dtype, correctly rounded for float32 (computed in float64): numba's float32 tanh is off by up
-    to 2 ulp, torch's by 0.5, and with softcap every score goes through it. The forward and the backward both call
-    this, so that the backward's recomputed scores are the forward's to the bit."""
-    return type(x)(math.tanh(np.float64(x)))
+def _capped(x, softcap):
+    """(softcap * tanh(x / softcap) in x's dtype, tanh in float64) for a raw score x: the capped score computed in
+    float64 and rounded once, where float32 steps (x * (1 / softcap), tanh, * softcap) round three times, the first
+    with a systematic error (1 / 50 is not a float32) and numba's float32 tanh off by up to 2 ulp. The forward and
+    the backward both call this, so that the backward's recomputed scores are the forward's to the bit."""
+    t = math.tanh(np.float64(x) / softcap)
+    return type(x)(softcap * t), t
 
 
 def _fma(a, b, c):  # pragma: no cover - typed by the intrinsic below
@@ -227,13 +230,16 @@ def _as_dtype_of_impl(a, x):
 # The micro-kernel
 
 
-def _mm_block_codegen(a_transposed: bool, nvec: int, mr: int = _MR) -> Callable:
+def _mm_block_codegen(a_transposed: bool, nvec: int, mr: int = _MR, chunk: int = 0) -> Callable:
     """LLVM IR for C[i:i+MR, j:j+nvec*LANES] (+)= A[i:i+MR, :kdim] @ B[:kdim, j:j+nvec*LANES] on float32 2-D arrays
     whose last axis is unit-stride, A given as is or (``a_transposed``) as A^T, shape (kdim, >= i+MR).
 
     Written as IR because neither of LLVM's vectorisers finds this shape in a Python loop nest: the MR * nvec
     accumulators stay in registers for the whole k loop, each step broadcasting MR values of A, loading nvec vectors
-    of B and issuing MR * nvec multiply-adds, so loads stay below FMAs and no horizontal sum is ever needed."""
+    of B and issuing MR * nvec multiply-adds, so loads stay below FMAs and no horizontal sum is ever needed.
+
+    With ``chunk`` (the accumulate flag is then ignored: C is written), the reduction runs in chunks of that many
+    steps, each from fresh accumulators, and C = chunk 0, then C = C + chunk i in order (see ``_mm_dot``)."""
     lanes = _LANES
 
     def codegen(context, builder, signature, args):
@@ -261,18 +267,14 @@ def _mm_block_codegen(a_transposed: bool, nvec: int, mr: int = _MR) -> Callable:
         accs = [[cgutils.alloca_once(builder, vty) for _ in range(nvec)] for _ in range(mr)]
         cptr = [[addr(bases[0], builder.add(ii, ir.Constant(i64, r)), rs[0], col(h), vty) for h in range(nvec)]
                 for r in range(mr)]
-        with builder.if_else(acc_flag) as (then, otherwise):
-            with then:
-                for r in range(mr):
-                    for h in range(nvec):
-                        builder.store(builder.load(cptr[r][h], align=4), accs[r][h])
-            with otherwise:
-                for r in range(mr):
-                    for h in range(nvec):
-                        builder.store(ir.Constant(vty, None), accs[r][h])
         zero_mask = ir.Constant(ir.VectorType(ir.IntType(32), lanes), None)
-        with cgutils.for_range(builder, kd) as loop:
-            k = loop.index
+
+        def zero_accs():
+            for r in range(mr):
+                for h in range(nvec):
+                    builder.store(ir.Constant(vty, None), accs[r][h])
+
+        def step(k):
             bv = [builder.load(addr(bases[2], k, rs[2], col(h), vty), align=4) for h in range(nvec)]
             for r in range(mr):
                 row = builder.add(ii, ir.Constant(i64, r))
@@ -287,9 +289,39 @@ def _mm_block_codegen(a_transposed: bool, nvec: int, mr: int = _MR) -> Callable:
                     # 'contract' lets LLVM fuse into an FMA where the target has one (and stay correct where not)
                     prod = builder.fmul(bc, bv[h], flags=("contract",))
                     builder.store(builder.fadd(builder.load(accs[r][h]), prod, flags=("contract",)), accs[r][h])
-        for r in range(mr):
-            for h in range(nvec):
-                builder.store(builder.load(accs[r][h]), cptr[r][h], align=4)
+
+        def store_accs():
+            for r in range(mr):
+                for h in range(nvec):
+                    builder.store(builder.load(accs[r][h]), cptr[r][h], align=4)
+
+        if chunk:
+            zero = ir.Constant(i64, 0)
+            with cgutils.for_range_slice(builder, zero, kd, ir.Constant(i64, chunk)) as (k0, _):
+                zero_accs()
+                k1 = builder.add(k0, ir.Constant(i64, chunk))
+                k1 = builder.select(builder.icmp_signed("<", k1, kd), k1, kd)
+                with cgutils.for_range_slice(builder, k0, k1, ir.Constant(i64, 1)) as (k, _):
+                    step(k)
+                with builder.if_else(builder.icmp_signed("==", k0, zero)) as (first, later):
+                    with first:
+                        store_accs()
+                    with later:
+                        for r in range(mr):
+                            for h in range(nvec):
+                                total = builder.fadd(builder.load(cptr[r][h], align=4), builder.load(accs[r][h]))
+                                builder.store(total, cptr[r][h], align=4)
+            return context.get_dummy_value()
+        with builder.if_else(acc_flag) as (then, otherwise):
+            with then:
+                for r in range(mr):
+                    for h in range(nvec):
+                        builder.store(builder.load(cptr[r][h], align=4), accs[r][h])
+            with otherwise:
+                zero_accs()
+        with cgutils.for_range(builder, kd) as loop:
+            step(loop.index)
+        store_accs()
         return context.get_dummy_value()
 
     return codegen
@@ -333,6 +365,11 @@ def _block1_at(typingctx, c, at, b, i, j, kdim, accumulate):
     return None if sig is None else (sig, _mm_block_codegen(True, 1))
 
 
+# Head-dim products (scores q.k and dP = dO.v) sum their reduction in chunks of this many terms, each chunk a
+# fresh chain of multiply-adds, the chunks then added in order: a chain over all of D = 256 erred 2-10x torch's
+# vectorised dot products at Sq = 1 and 3 with large scores (softcap 50), and at D = 256.
+_DOT_CHUNK = 32
+
 # The 4 x 64 block issues fewer instructions per FMA than 8 x 32 (four broadcasts and four loads for sixteen FMAs
 # against eight and two) and measured faster for long reductions: 349 vs 308 GFLOP/s at kdim 128, 295 vs 303 at 64.
 _WIDE_BLOCK_MIN_KDIM = 96
@@ -343,6 +380,27 @@ def _block4(typingctx, c, a, b, i, j, kdim, accumulate):
     """C[i:i+4, j:j+4*LANES] (+)= A[i:i+4, :kdim] @ B[:kdim, j:j+4*LANES], float32."""
     sig = _block_sig(c, a, b, i, j, kdim, accumulate)
     return None if sig is None else (sig, _mm_block_codegen(False, 4, 4))
+
+
+@intrinsic
+def _block2_dot(typingctx, c, a, b, i, j, kdim, accumulate):
+    """``_block2`` with the reduction in chunks of ``_DOT_CHUNK`` (C written, never accumulated into)."""
+    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(False, 2, chunk=_DOT_CHUNK))
+
+
+@intrinsic
+def _block1_dot(typingctx, c, a, b, i, j, kdim, accumulate):
+    """``_block1`` with the reduction in chunks of ``_DOT_CHUNK``."""
+    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(False, 1, chunk=_DOT_CHUNK))
+
+
+@intrinsic
+def _block4_dot(typingctx, c, a, b, i, j, kdim, accumulate):
+    """``_block4`` with the reduction in chunks of ``_DOT_CHUNK``."""
+    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(False, 4, 4, chunk=_DOT_CHUNK))
 
 
 def _mm(c, a, b, kdim, accumulate):  # pragma: no cover - typed by the overload below
@@ -414,6 +472,44 @@ def _mm_at_impl(c, at, b, kdim, accumulate):
     return impl
 
 
+def _mm_dot(c, a, b, kdim):  # pragma: no cover - typed by the overload below
+    """c = a[:, :kdim] @ b[:kdim, :c.shape[1]] as ``_mm``, the reduction in chunks of ``_DOT_CHUNK``: C = chunk 0,
+    then C = C + chunk i in order. ``_row_dot_kernel`` sums the same way, so that a row's delta = dO . O equals its
+    dP = dO . v to the bit where O = v."""
+    raise NotImplementedError
+
+
+@overload(_mm_dot, inline="never")
+def _mm_dot_impl(c, a, b, kdim):
+    if _rows_f32(c, a, b):
+        def impl(c, a, b, kdim):
+            n = c.shape[1]
+            if n == 4 * _LANES and _LANES == 16 and kdim >= _WIDE_BLOCK_MIN_KDIM:
+                for i in range(0, c.shape[0], 4):
+                    _block4_dot(c, a, b, i, 0, kdim, False)
+                return
+            j = 0
+            while j + _NR <= n:
+                for i in range(0, c.shape[0], _MR):
+                    _block2_dot(c, a, b, i, j, kdim, False)
+                j += _NR
+            if j < n:
+                for i in range(0, c.shape[0], _MR):
+                    _block1_dot(c, a, b, i, j, kdim, False)
+        return impl
+
+    def impl(c, a, b, kdim):
+        c[:] = 0
+        for k0 in range(0, kdim, _DOT_CHUNK):
+            for i in range(c.shape[0]):
+                for j in range(c.shape[1]):
+                    part = c[i, j] * 0
+                    for k in range(k0, min(kdim, k0 + _DOT_CHUNK)):
+                        part += a[i, k] * b[k, j]
+                    c[i, j] = part if k0 == 0 else c[i, j] + part
+    return impl
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Column passes of the forward's online softmax
 #
@@ -470,13 +566,13 @@ def _column_pass_codegen(kind: str) -> Callable:
         nan = splat(float("nan"))
 
         def exp2_nonpos(x):
-            # 2^x as in _fast_exp2: n = round(x), a degree-6 polynomial in f = x - n, 2^n from the exponent bits.
+            # 2^x as in _fast_exp2: n = round(x), a degree-7 polynomial in f = x - n, 2^n from the exponent bits.
             # The clamp is a compare that a NaN fails (llvm.maxnum would turn a NaN into -127, i.e. p = 0).
             x = builder.select(builder.fcmp_ordered("<", x, splat(float(_EXP2_MIN))), splat(float(_EXP2_MIN)), x)
             n = builder.call(floor, [builder.fadd(x, splat(0.5))])
             f = builder.fsub(x, n)
-            poly = splat(float(_E6))
-            for coef in (_E5, _E4, _E3, _E2, _E1, _ONE):
+            poly = splat(float(_E7))
+            for coef in (_E6, _E5, _E4, _E3, _E2, _E1, _ONE):
                 poly = builder.fadd(builder.fmul(poly, f, flags=flags), splat(float(coef)), flags=flags)
             return builder.fmul(poly, _pow2_bits(builder, n, vty, ity))
 
@@ -812,8 +908,6 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
     # to base 2 (_fast_exp). With softcap, the raw score is divided by the softcap after the product: that keeps
     # an inf in q or k, which tanh would turn into a finite +-1, visible as a non-finite raw score.
     qscale = _as_dtype_of(q, scale)
-    inv_cap = _as_dtype_of(q, 1.0 / softcap if softcap > 0 else 0.0)
-    cap = _as_dtype_of(q, softcap)
     neg_inf = _as_dtype_of(q, -np.inf)
     inf = _as_dtype_of(q, np.inf)
     nan = _as_dtype_of(q, np.nan)
@@ -850,15 +944,15 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
             j0 = kt * BLOCK_N
             nk = min(BLOCK_N, seqlen_k - j0)
             if nk == BLOCK_N:
-                _mm(st, k[b, j0:j0 + BLOCK_N, hk], q_t, head_dim, False)
+                _mm_dot(st, k[b, j0:j0 + BLOCK_N, hk], q_t, head_dim)
             else:
                 _load_rows(k_tail, k[b, j0:j0 + nk, hk], nk, head_dim)
-                _mm(st, k_tail, q_t, head_dim, False)
+                _mm_dot(st, k_tail, q_t, head_dim)
             if softcap > 0:
                 for c in range(nk):
                     for r in range(BLOCK_M):
                         x = st[c, r]
-                        capped = cap * _tanh(x * inv_cap)
+                        capped = _capped(x, softcap)[0]
                         st[c, r] = capped if abs(x) < inf else nan
             # Every block that no mask touches is all visible: there any non-finite score poisons its query.
             masked = not (full_lo <= j0 and j0 + nk <= full_hi)
@@ -926,18 +1020,18 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
 
 
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
-def _softcap_scores(s, nrows, ncols, inv_cap, cap, dcap, scale):
-    """s[:nrows, :ncols] = cap * tanh(s * inv_cap), the forward's capped scores computed the forward's
-    way, each rounded on its own; dcap = scale * (1 - tanh^2), d score / d q.k. A loop of its own: fused into the
-    exponent's subtraction (a multiply-add), the capped score would not be the one the forward took the max of."""
+def _softcap_scores(s, nrows, ncols, softcap, dcap, scale):
+    """s[:nrows, :ncols] = softcap * tanh(s / softcap), the forward's capped scores computed the forward's way
+    (``_capped``); dcap = scale * (1 - tanh^2), d score / d q.k. A loop of its own: fused into the exponent's
+    subtraction (a multiply-add), the capped score would not be the one the forward took the max of."""
     inf = _as_dtype_of(s, np.inf)
     nan = _as_dtype_of(s, np.nan)
     for r in range(nrows):
         for c in range(ncols):
             x = s[r, c]
-            t = _tanh(x * inv_cap)
-            s[r, c] = cap * t if abs(x) < inf else nan
-            dcap[r, c] = scale - scale * t * t
+            capped, t = _capped(x, softcap)
+            s[r, c] = capped if abs(x) < inf else nan
+            dcap[r, c] = _as_dtype_of(dcap, scale * (1.0 - t * t))
 
 
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
@@ -953,7 +1047,7 @@ def _gradient_terms(score, dp, row_max, inv_l, delta, dscore):
 
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
 def _probs_and_dscores_rows(s, dps, dcap, row_max, row_inv, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
-                            scale, inv_cap, cap, softcap):
+                            scale, softcap):
     """A (BM, BN) block with queries as rows: s holds the scores (Q pre-scaled as in the forward) on entry and P on
     exit, dps holds dO.v on entry and dS on exit. row_max, row_inv (the forward's row max and 1 / sum, see
     ``_gradient_terms``) and delta are indexed by query. Masked entries and key columns past nk become 0 in both.
@@ -961,7 +1055,7 @@ def _probs_and_dscores_rows(s, dps, dcap, row_max, row_inv, delta, i0, j0, nk, r
     zero = _as_dtype_of(s, 0.0)
     sc = _as_dtype_of(s, scale)
     if softcap > 0:
-        _softcap_scores(s, s.shape[0], s.shape[1], inv_cap, cap, dcap, sc)
+        _softcap_scores(s, s.shape[0], s.shape[1], softcap, dcap, scale)
         for r in range(s.shape[0]):
             mr = row_max[i0 + r]
             il = row_inv[i0 + r]
@@ -992,13 +1086,13 @@ def _probs_and_dscores_rows(s, dps, dcap, row_max, row_inv, delta, i0, j0, nk, r
 
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
 def _probs_and_dscores_cols(st, dpt, dcap, row_max, row_inv, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
-                            scale, inv_cap, cap, softcap):
+                            scale, softcap):
     """The same on a transposed (BN, BM) block, keys as rows: st holds k.q and becomes P^T, dpt holds v.dO and
     becomes dS^T; row_max, row_inv and delta are indexed by column. Key rows past nk and masked entries become 0."""
     zero = _as_dtype_of(st, 0.0)
     sc = _as_dtype_of(st, scale)
     if softcap > 0:
-        _softcap_scores(st, nk, st.shape[1], inv_cap, cap, dcap, sc)
+        _softcap_scores(st, nk, st.shape[1], softcap, dcap, scale)
         for c in range(nk):
             for r in range(st.shape[1]):
                 st[c, r], dpt[c, r] = _gradient_terms(st[c, r], dpt[c, r], row_max[i0 + r], row_inv[i0 + r],
@@ -1071,8 +1165,6 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
     dp = q.shape[3]
     n_kt = (seqlen_k + BLOCK_N - 1) // BLOCK_N
     n_chunks = (n_kt + kt_per_unit - 1) // kt_per_unit
-    inv_cap = _as_dtype_of(q, 1.0 / softcap if softcap > 0 else 0.0)
-    cap = _as_dtype_of(q, softcap)
     for u in prange(batch * nheads_kv * n_chunks):
         b = u // (nheads_kv * n_chunks)
         hk = (u // n_chunks) % nheads_kv
@@ -1108,15 +1200,15 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
                     qs_rows = qs[b, i0:i0 + nq, h]
                     do_rows = dout[b, i0:i0 + nq, h]
                     if nq == BLOCK_M:
-                        _mm(s, qs_rows, k_t, head_dim, False)
-                        _mm(dps, do_rows, v_t, head_dim, False)
+                        _mm_dot(s, qs_rows, k_t, head_dim)
+                        _mm_dot(dps, do_rows, v_t, head_dim)
                     else:  # the products read whole tiles of their A operand: pad the partial one
                         _load_rows(q_tail, qs_rows, nq, dp)
                         _load_rows(do_tail, do_rows, nq, dp)
-                        _mm(s, q_tail, k_t, head_dim, False)
-                        _mm(dps, do_tail, v_t, head_dim, False)
+                        _mm_dot(s, q_tail, k_t, head_dim)
+                        _mm_dot(dps, do_tail, v_t, head_dim)
                     _probs_and_dscores_rows(s, dps, dcap, row_max[b, h], row_inv[b, h], delta[b, h], i0, j0, nk,
-                                            row_lo, row_hi, full_lo, full_hi, scale, inv_cap, cap, softcap)
+                                            row_lo, row_hi, full_lo, full_hi, scale, softcap)
                     # P and dS are 0 where a query does not see a key; a non-finite row of Q, dO or K must not
                     # reach those pairs through 0 * nan (see _visible_product). Only masked blocks have such pairs.
                     masked = not (full_lo <= j0 and j0 + nk <= full_hi)
@@ -1140,8 +1232,6 @@ def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, s
     group = nheads_q // nheads_kv
     dp = qs.shape[3]
     n_qt = (seqlen_q + BLOCK_M - 1) // BLOCK_M
-    inv_cap = _as_dtype_of(qs, 1.0 / softcap if softcap > 0 else 0.0)
-    cap = _as_dtype_of(qs, softcap)
     for u in prange(batch * nheads_q * n_qt):
         b = u // (nheads_q * n_qt)
         h = (u // n_qt) % nheads_q
@@ -1176,10 +1266,10 @@ def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, s
                 _load_rows(v_tail, v[b, j0:j0 + nk, hk], nk, head_dim)
                 kr = k_tail[:, :]
                 vr = v_tail[:, :]
-            _mm(st, kr, q_t, head_dim, False)
-            _mm(dpt, vr, do_t, head_dim, False)
+            _mm_dot(st, kr, q_t, head_dim)
+            _mm_dot(dpt, vr, do_t, head_dim)
             _probs_and_dscores_cols(st, dpt, dcap, row_max[b, h], row_inv[b, h], delta[b, h], i0, j0, nk, row_lo,
-                                    row_hi, full_lo, full_hi, scale, inv_cap, cap, softcap)
+                                    row_hi, full_lo, full_hi, scale, softcap)
             _tile_product_add(acc, tile, dpt, kr, nk, True, True, not (full_lo <= j0 and j0 + nk <= full_hi), j0,
                               row_lo, row_hi)
         _store_rows(dq[b, i0:i0 + nq, h], acc, nq, head_dim)
@@ -1341,18 +1431,22 @@ def _pack_scaled_kernel(src, dst, head_dim, factor):
 
 @njit(parallel=True, cache=True)
 def _row_dot_kernel(a, b, res):
-    """res[b, h, s] = a[b, s, h, :] . b[b, s, h, :] summed as the micro-kernel sums (a chain of fused multiply-adds
-    from 0, in order of d): delta = dO . O then cancels dP = dO . v exactly where a row sees one key (O = v), so
-    dS = P (dP - delta) is exactly 0 there, as torch's is. a, b (B, S, H, D) any strides; res (B, H, >= S)."""
+    """res[b, h, s] = a[b, s, h, :] . b[b, s, h, :] summed as ``_mm_dot`` sums (chains of fused multiply-adds from
+    0, in order of d, in chunks of ``_DOT_CHUNK`` added in order): delta = dO . O then cancels dP = dO . v exactly
+    where a row sees one key (O = v), so dS = P (dP - delta) is exactly 0 there, as torch's is.
+    a, b (B, S, H, D) any strides; res (B, H, >= S)."""
     batch, seqlen, nheads, width = a.shape
     for u in prange(batch * nheads):
         bi = u // nheads
         h = u % nheads
         for s in range(seqlen):
-            acc = _as_dtype_of(res, 0.0)
-            for d in range(width):
-                acc = _fma(a[bi, s, h, d], b[bi, s, h, d], acc)
-            res[bi, h, s] = acc
+            total = _as_dtype_of(res, 0.0)
+            for k0 in range(0, width, _DOT_CHUNK):
+                acc = _as_dtype_of(res, 0.0)
+                for d in range(k0, min(width, k0 + _DOT_CHUNK)):
+                    acc = _fma(a[bi, s, h, d], b[bi, s, h, d], acc)
+                total = acc if k0 == 0 else total + acc
+            res[bi, h, s] = total
 
 
 @njit(parallel=True, cache=True)
