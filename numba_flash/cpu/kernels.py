@@ -1672,5 +1672,5 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
     if fuse_dq:
         _entry(_store_dq_kernel, dtype)(dq_acc, dq, head_dim)
     else:
-        _entry(_backward_dq_kernel, dtype)(qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq, head_dim, float(scale),
-                                           window_left, window_right, softcap)
+        _entry(_backward_dq_kernel, dtype)(qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq, head_dim,
+                                           float(scale), window_left, window_right, softcap)
