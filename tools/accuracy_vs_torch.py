@@ -44,6 +44,10 @@ class Case:
     backward: bool = True
     tags: tuple[str, ...] = field(default=(), compare=False)
 
+    def slug(self) -> str:
+        """A test id: no spaces or '=', so that ``pytest -k`` can select it."""
+        return f"{'-'.join(self.tags)}-{self.seqlen_q}x{self.seqlen_k}-d{self.head_dim}-h{self.nheads}kv{self.nheads_kv}"
+
     def label(self) -> str:
         parts = [f"Sq={self.seqlen_q} Sk={self.seqlen_k} D={self.head_dim} H={self.nheads}/{self.nheads_kv}"]
         if self.causal:

@@ -27,6 +27,10 @@ How the work is laid out:
   LLVM cannot vectorise. Scores stay in natural-log units; ``_fast_exp`` turns score - max into base 2.
 * Tiles entirely outside the causal/window band are never visited (loop bounds); only tiles that straddle the
   band's edge are masked.
+* Accuracy, float32 against torch's (issue 16; ``tools/accuracy_vs_torch.py``): the backward recomputes P as
+  exp(score - row max) / row sum with the statistics of a stats-only forward pass over the forward's own scores,
+  not from the float32 lse; head-dim dot products are summed in chunks of ``_DOT_CHUNK``; sums across tiles
+  (P V and row sums over key tiles, dK / dV / dQ over query or key tiles) are formed per tile and then added.
 
 The kernels take (B, S, H, D) views with any strides and are compiled once per dtype (float32, float64) with
 layout-generic array types (``_entry``), so "bshd", "bhsd" and strided inputs share one cached compilation.
