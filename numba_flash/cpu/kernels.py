@@ -1636,8 +1636,8 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
 
     Arguments:
         dout, q, out: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D); any strides, not modified.
-        lse: (B, Hq, Sq), as written by ``flash_forward`` (+inf for rows that see no key). Checked, not read: the
-            kernels recompute each row's max and sum from q and k (``_forward_kernel`` with ``stats_only``).
+        lse: (B, Hq, Sq), as written by ``flash_forward`` (+inf for rows that see no key). Its values are not read:
+            the kernels recompute each row's max and sum from q and k (``_forward_kernel`` with ``stats_only``).
         dq: (B, Sq, Hq, D); dk, dv: (B, Sk, Hkv, D); any strides, contents ignored and overwritten. With GQA the
             gradients of a kv head are summed over the query heads of its group.
         All arrays float32, or all float64. scale, window_left, window_right, softcap as in ``flash_forward``.
