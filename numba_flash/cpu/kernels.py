@@ -24,9 +24,13 @@ How the work is laid out:
   shapes compile to dot products with a horizontal sum each, at about half the speed of the 256-bit block and a
   third of the 512-bit one.
 * ``exp`` is a polynomial on the bits of the float (``_fast_exp2``) because ``math.exp`` is a scalar libm call that
-  LLVM cannot vectorise. Scores are kept in base 2 (``log2 e`` folded into the scale) so the softmax needs exp2.
+  LLVM cannot vectorise. Scores stay in natural-log units; ``_fast_exp`` turns score - max into base 2.
 * Tiles entirely outside the causal/window band are never visited (loop bounds); only tiles that straddle the
   band's edge are masked.
+* Accuracy, float32 against torch's (issue 16; ``tools/accuracy_vs_torch.py``): the backward recomputes P as
+  exp(score - row max) / row sum with the statistics of a stats-only forward pass over the forward's own scores,
+  not from the float32 lse; head-dim dot products are summed in chunks of ``_DOT_CHUNK``; sums across tiles
+  (P V and row sums over key tiles, dK / dV / dQ over query or key tiles) are formed per tile and then added.
 
 The kernels take (B, S, H, D) views with any strides and are compiled once per dtype (float32, float64) with
 layout-generic array types (``_entry``), so "bshd", "bhsd" and strided inputs share one cached compilation.
@@ -93,6 +97,7 @@ _E3 = np.float32(_LN2 ** 3 / 6)
 _E4 = np.float32(_LN2 ** 4 / 24)
 _E5 = np.float32(_LN2 ** 5 / 120)
 _E6 = np.float32(_LN2 ** 6 / 720)
+_E7 = np.float32(_LN2 ** 7 / 5040)  # degree 7: degree 6 alone is 1.2e-7 (2 ulp, one-signed) short at |f| = 1/2
 
 
 # n + 1.5 * 2**23 holds the integer n in its low mantissa bits (for |n| < 2**22): bitcast, minus these bits, is n.
@@ -136,7 +141,7 @@ def _fast_exp2(x):  # pragma: no cover - typed by the overload below
 def _fast_exp2_impl(x):
     if x == types.float32:
         def impl(x):
-            # n = round(x), |f| <= 1/2, and a degree-6 Taylor polynomial of exp(f ln 2) is within ~2 ulp. Pure
+            # n = round(x), |f| <= 1/2, and a degree-7 Taylor polynomial of exp(f ln 2) is within ~1 ulp. Pure
             # arithmetic, so loops over it vectorise. -inf (a masked score, or lse = +inf for a row that sees no
             # key) clamps to -127 and comes out as exactly 0. A NaN (a poisoned row's lse) stays NaN, never a
             # probability of 0: max and min return their first argument unless the second compares larger/smaller
@@ -144,13 +149,68 @@ def _fast_exp2_impl(x):
             c = min(max(x, _EXP2_MIN), _EXP2_MAX)
             n = np.floor(c + _HALF)
             f = c - n
-            p = _ONE + f * (_E1 + f * (_E2 + f * (_E3 + f * (_E4 + f * (_E5 + f * _E6)))))
+            p = _ONE + f * (_E1 + f * (_E2 + f * (_E3 + f * (_E4 + f * (_E5 + f * (_E6 + f * _E7))))))
             return p * _pow2_f32(n)
         return impl
     if x == types.float64:
         def impl(x):
             return math.exp(x * _LN2)
         return impl
+    return None
+
+
+@njit(inline="always", cache=True)
+def _capped(x, softcap):
+    """(softcap * tanh(x / softcap) in x's dtype, tanh in float64) for a raw score x: the capped score computed in
+    float64 and rounded once, where float32 steps (x * (1 / softcap), tanh, * softcap) round three times, the first
+    with a systematic error (1 / 50 is not a float32) and numba's float32 tanh off by up to 2 ulp. The forward and
+    the backward both call this, so that the backward's recomputed scores are the forward's to the bit."""
+    t = math.tanh(np.float64(x) / softcap)
+    return type(x)(softcap * t), t
+
+
+def _fma(a, b, c):  # pragma: no cover - typed by the intrinsic below
+    raise NotImplementedError
+
+
+@intrinsic
+def _fma_intrinsic(typingctx, a, b, c):
+    """a * b + c with one rounding (llvm.fma), float32 or float64."""
+    if not (a == b == c and a in (types.float32, types.float64)):
+        return None
+    sig = a(a, b, c)
+
+    def codegen(context, builder, signature, args):
+        ty = context.get_value_type(signature.return_type)
+        name = "llvm.fma.f32" if signature.return_type == types.float32 else "llvm.fma.f64"
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]), name)
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+@overload(_fma, inline="always")
+def _fma_impl(a, b, c):
+    return lambda a, b, c: _fma_intrinsic(a, b, c)
+
+
+def _fast_exp(x):  # pragma: no cover - typed by the overload below
+    raise NotImplementedError
+
+
+_LOG2E_F32 = np.float32(_LOG2E)
+
+
+@overload(_fast_exp, inline="always")
+def _fast_exp_impl(x):
+    """exp(x) for x <= 0 (or -inf, NaN): ``_fast_exp2(x * log2 e)`` in float32. The kernels apply it to differences
+    score - row max only, so that the rounding of log2 e (1.3e-8 relative) scales |score - max|, which is small
+    wherever P is not, rather than the score itself: scores kept in base 2 carried that rounding, and the one of
+    the base-2 scale, into every score, an error as large as the scores (at softcap 50, 4e-6 in P)."""
+    if x == types.float32:
+        return lambda x: _fast_exp2(x * _LOG2E_F32)
+    if x == types.float64:
+        return lambda x: math.exp(x)
     return None
 
 
@@ -174,13 +234,16 @@ def _as_dtype_of_impl(a, x):
 # The micro-kernel
 
 
-def _mm_block_codegen(a_transposed: bool, nvec: int, mr: int = _MR) -> Callable:
+def _mm_block_codegen(a_transposed: bool, nvec: int, mr: int = _MR, chunk: int = 0) -> Callable:
     """LLVM IR for C[i:i+MR, j:j+nvec*LANES] (+)= A[i:i+MR, :kdim] @ B[:kdim, j:j+nvec*LANES] on float32 2-D arrays
     whose last axis is unit-stride, A given as is or (``a_transposed``) as A^T, shape (kdim, >= i+MR).
 
     Written as IR because neither of LLVM's vectorisers finds this shape in a Python loop nest: the MR * nvec
     accumulators stay in registers for the whole k loop, each step broadcasting MR values of A, loading nvec vectors
-    of B and issuing MR * nvec multiply-adds, so loads stay below FMAs and no horizontal sum is ever needed."""
+    of B and issuing MR * nvec multiply-adds, so loads stay below FMAs and no horizontal sum is ever needed.
+
+    With ``chunk`` (the accumulate flag is then ignored: C is written), the reduction runs in chunks of that many
+    steps, each from fresh accumulators, and C = chunk 0, then C = C + chunk i in order (see ``_mm_dot``)."""
     lanes = _LANES
 
     def codegen(context, builder, signature, args):
@@ -208,18 +271,14 @@ def _mm_block_codegen(a_transposed: bool, nvec: int, mr: int = _MR) -> Callable:
         accs = [[cgutils.alloca_once(builder, vty) for _ in range(nvec)] for _ in range(mr)]
         cptr = [[addr(bases[0], builder.add(ii, ir.Constant(i64, r)), rs[0], col(h), vty) for h in range(nvec)]
                 for r in range(mr)]
-        with builder.if_else(acc_flag) as (then, otherwise):
-            with then:
-                for r in range(mr):
-                    for h in range(nvec):
-                        builder.store(builder.load(cptr[r][h], align=4), accs[r][h])
-            with otherwise:
-                for r in range(mr):
-                    for h in range(nvec):
-                        builder.store(ir.Constant(vty, None), accs[r][h])
         zero_mask = ir.Constant(ir.VectorType(ir.IntType(32), lanes), None)
-        with cgutils.for_range(builder, kd) as loop:
-            k = loop.index
+
+        def zero_accs():
+            for r in range(mr):
+                for h in range(nvec):
+                    builder.store(ir.Constant(vty, None), accs[r][h])
+
+        def step(k):
             bv = [builder.load(addr(bases[2], k, rs[2], col(h), vty), align=4) for h in range(nvec)]
             for r in range(mr):
                 row = builder.add(ii, ir.Constant(i64, r))
@@ -234,9 +293,39 @@ def _mm_block_codegen(a_transposed: bool, nvec: int, mr: int = _MR) -> Callable:
                     # 'contract' lets LLVM fuse into an FMA where the target has one (and stay correct where not)
                     prod = builder.fmul(bc, bv[h], flags=("contract",))
                     builder.store(builder.fadd(builder.load(accs[r][h]), prod, flags=("contract",)), accs[r][h])
-        for r in range(mr):
-            for h in range(nvec):
-                builder.store(builder.load(accs[r][h]), cptr[r][h], align=4)
+
+        def store_accs():
+            for r in range(mr):
+                for h in range(nvec):
+                    builder.store(builder.load(accs[r][h]), cptr[r][h], align=4)
+
+        if chunk:
+            zero = ir.Constant(i64, 0)
+            with cgutils.for_range_slice(builder, zero, kd, ir.Constant(i64, chunk)) as (k0, _):
+                zero_accs()
+                k1 = builder.add(k0, ir.Constant(i64, chunk))
+                k1 = builder.select(builder.icmp_signed("<", k1, kd), k1, kd)
+                with cgutils.for_range_slice(builder, k0, k1, ir.Constant(i64, 1)) as (k, _):
+                    step(k)
+                with builder.if_else(builder.icmp_signed("==", k0, zero)) as (first, later):
+                    with first:
+                        store_accs()
+                    with later:
+                        for r in range(mr):
+                            for h in range(nvec):
+                                total = builder.fadd(builder.load(cptr[r][h], align=4), builder.load(accs[r][h]))
+                                builder.store(total, cptr[r][h], align=4)
+            return context.get_dummy_value()
+        with builder.if_else(acc_flag) as (then, otherwise):
+            with then:
+                for r in range(mr):
+                    for h in range(nvec):
+                        builder.store(builder.load(cptr[r][h], align=4), accs[r][h])
+            with otherwise:
+                zero_accs()
+        with cgutils.for_range(builder, kd) as loop:
+            step(loop.index)
+        store_accs()
         return context.get_dummy_value()
 
     return codegen
@@ -280,6 +369,11 @@ def _block1_at(typingctx, c, at, b, i, j, kdim, accumulate):
     return None if sig is None else (sig, _mm_block_codegen(True, 1))
 
 
+# Head-dim products (scores q.k and dP = dO.v) sum their reduction in chunks of this many terms, each chunk a
+# fresh chain of multiply-adds, the chunks then added in order: a chain over all of D = 256 erred 2-10x torch's
+# vectorised dot products at Sq = 1 and 3 with large scores (softcap 50), and at D = 256.
+_DOT_CHUNK = 32
+
 # The 4 x 64 block issues fewer instructions per FMA than 8 x 32 (four broadcasts and four loads for sixteen FMAs
 # against eight and two) and measured faster for long reductions: 349 vs 308 GFLOP/s at kdim 128, 295 vs 303 at 64.
 _WIDE_BLOCK_MIN_KDIM = 96
@@ -290,6 +384,27 @@ def _block4(typingctx, c, a, b, i, j, kdim, accumulate):
     """C[i:i+4, j:j+4*LANES] (+)= A[i:i+4, :kdim] @ B[:kdim, j:j+4*LANES], float32."""
     sig = _block_sig(c, a, b, i, j, kdim, accumulate)
     return None if sig is None else (sig, _mm_block_codegen(False, 4, 4))
+
+
+@intrinsic
+def _block2_dot(typingctx, c, a, b, i, j, kdim, accumulate):
+    """``_block2`` with the reduction in chunks of ``_DOT_CHUNK`` (C written, never accumulated into)."""
+    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(False, 2, chunk=_DOT_CHUNK))
+
+
+@intrinsic
+def _block1_dot(typingctx, c, a, b, i, j, kdim, accumulate):
+    """``_block1`` with the reduction in chunks of ``_DOT_CHUNK``."""
+    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(False, 1, chunk=_DOT_CHUNK))
+
+
+@intrinsic
+def _block4_dot(typingctx, c, a, b, i, j, kdim, accumulate):
+    """``_block4`` with the reduction in chunks of ``_DOT_CHUNK``."""
+    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(False, 4, 4, chunk=_DOT_CHUNK))
 
 
 def _mm(c, a, b, kdim, accumulate):  # pragma: no cover - typed by the overload below
@@ -361,6 +476,44 @@ def _mm_at_impl(c, at, b, kdim, accumulate):
     return impl
 
 
+def _mm_dot(c, a, b, kdim):  # pragma: no cover - typed by the overload below
+    """c = a[:, :kdim] @ b[:kdim, :c.shape[1]] as ``_mm``, the reduction in chunks of ``_DOT_CHUNK``: C = chunk 0,
+    then C = C + chunk i in order. ``_row_dot_kernel`` sums the same way, so that a row's delta = dO . O equals its
+    dP = dO . v to the bit where O = v."""
+    raise NotImplementedError
+
+
+@overload(_mm_dot, inline="never")
+def _mm_dot_impl(c, a, b, kdim):
+    if _rows_f32(c, a, b):
+        def impl(c, a, b, kdim):
+            n = c.shape[1]
+            if n == 4 * _LANES and _LANES == 16 and kdim >= _WIDE_BLOCK_MIN_KDIM:
+                for i in range(0, c.shape[0], 4):
+                    _block4_dot(c, a, b, i, 0, kdim, False)
+                return
+            j = 0
+            while j + _NR <= n:
+                for i in range(0, c.shape[0], _MR):
+                    _block2_dot(c, a, b, i, j, kdim, False)
+                j += _NR
+            if j < n:
+                for i in range(0, c.shape[0], _MR):
+                    _block1_dot(c, a, b, i, j, kdim, False)
+        return impl
+
+    def impl(c, a, b, kdim):
+        c[:] = 0
+        for k0 in range(0, kdim, _DOT_CHUNK):
+            for i in range(c.shape[0]):
+                for j in range(c.shape[1]):
+                    part = c[i, j] * 0
+                    for k in range(k0, min(kdim, k0 + _DOT_CHUNK)):
+                        part += a[i, k] * b[k, j]
+                    c[i, j] = part if k0 == 0 else c[i, j] + part
+    return impl
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Column passes of the forward's online softmax
 #
@@ -417,13 +570,13 @@ def _column_pass_codegen(kind: str) -> Callable:
         nan = splat(float("nan"))
 
         def exp2_nonpos(x):
-            # 2^x as in _fast_exp2: n = round(x), a degree-6 polynomial in f = x - n, 2^n from the exponent bits.
+            # 2^x as in _fast_exp2: n = round(x), a degree-7 polynomial in f = x - n, 2^n from the exponent bits.
             # The clamp is a compare that a NaN fails (llvm.maxnum would turn a NaN into -127, i.e. p = 0).
             x = builder.select(builder.fcmp_ordered("<", x, splat(float(_EXP2_MIN))), splat(float(_EXP2_MIN)), x)
             n = builder.call(floor, [builder.fadd(x, splat(0.5))])
             f = builder.fsub(x, n)
-            poly = splat(float(_E6))
-            for coef in (_E5, _E4, _E3, _E2, _E1, _ONE):
+            poly = splat(float(_E7))
+            for coef in (_E6, _E5, _E4, _E3, _E2, _E1, _ONE):
                 poly = builder.fadd(builder.fmul(poly, f, flags=flags), splat(float(coef)), flags=flags)
             return builder.fmul(poly, _pow2_bits(builder, n, vty, ity))
 
@@ -441,7 +594,8 @@ def _column_pass_codegen(kind: str) -> Callable:
                 p = st_ptr(loop.index, ir.Constant(i64, ch))
                 x = builder.load(p, align=4)
                 if kind == "exp2":
-                    prob = exp2_nonpos(builder.fsub(x, shift[ch]))
+                    # exp(x - shift) = 2^((x - shift) log2 e): scores are natural-log units (see _fast_exp)
+                    prob = exp2_nonpos(builder.fmul(builder.fsub(x, shift[ch]), splat(float(_LOG2E_F32))))
                     builder.store(prob, p, align=4)
                     builder.store(builder.fadd(builder.load(stat[ch]), prob, flags=flags), stat[ch])
                     continue
@@ -532,7 +686,7 @@ def _column_exp2_sum_impl(st, nk, total, shift):
     def impl(st, nk, total, shift):
         for c in range(nk):
             for r in range(st.shape[1]):
-                p = _fast_exp2(st[c, r] - shift[r])
+                p = _fast_exp(st[c, r] - shift[r])
                 st[c, r] = p
                 total[r] += p
     return impl
@@ -736,31 +890,32 @@ def _load_rows(dst, src, n, head_dim):
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap):
+def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, row_max, row_inv, stats_only):
     """Online-softmax forward. One prange iteration per (batch, query head, query tile); each writes only its own
     rows of out and lse.
 
     q, out: (B, Sq, Hq, >= D), any strides; lse: (B, Hq, Sq), any strides;
     k, v: (B, Sk, Hkv, D_pad) views of head-major buffers (``_head_major``), D_pad = D rounded up to 16, zero past D.
     All one float dtype.
+    With ``stats_only`` (the backward's first pass) it skips P V and writes neither out nor lse, but each row's
+    final max and 1 / sum of exp(score - max) into row_max and row_inv, (B, Hq, n_qt * BLOCK_M) (+inf and 0 for
+    padding rows and rows that see no key): the backward then recomputes P = exp(score - max) / sum from the very
+    scores of the forward (P = 1 exactly for the max of a row with one key), where exp(score - lse) carried the
+    rounding of lse, as large as lse itself.
     """
     batch, seqlen_q, nheads_q = q.shape[0], q.shape[1], q.shape[2]
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads_q // nheads_kv
     dp = v.shape[3]
     n_qt = (seqlen_q + BLOCK_M - 1) // BLOCK_M
-    # Scores in base-2 units (times log2 e), so that the softmax needs exp2. With softcap, Q carries the scale
-    # alone and the raw score is divided by the softcap after the product: that keeps an inf in q or k, which
-    # tanh would turn into a finite +-1, visible as a non-finite raw score.
-    qscale = _as_dtype_of(q, scale if softcap > 0 else scale * _LOG2E)
-    inv_cap = _as_dtype_of(q, 1.0 / softcap if softcap > 0 else 0.0)
-    cap2 = _as_dtype_of(q, softcap * _LOG2E)
-    ln2 = _as_dtype_of(q, _LN2)
+    # Scores in natural-log units, as torch's: Q carries the scale, and exp(score - max) converts the difference
+    # to base 2 (_fast_exp). With softcap, the raw score is divided by the softcap after the product: that keeps
+    # an inf in q or k, which tanh would turn into a finite +-1, visible as a non-finite raw score.
+    qscale = _as_dtype_of(q, scale)
     neg_inf = _as_dtype_of(q, -np.inf)
     inf = _as_dtype_of(q, np.inf)
     nan = _as_dtype_of(q, np.nan)
     zero = _as_dtype_of(q, 0.0)
-    one = _as_dtype_of(q, 1.0)
     for u in prange(batch * nheads_q * n_qt):
         b = u // (nheads_q * n_qt)
         h = (u // n_qt) % nheads_q
@@ -780,7 +935,12 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap):
         acc = np.zeros((BLOCK_M, dp), q.dtype)
         m_run = np.full(BLOCK_M, neg_inf, q.dtype)
         m_use = np.empty(BLOCK_M, q.dtype)
-        l_run = np.zeros(BLOCK_M, q.dtype)
+        # Sums across key tiles: each tile's P V and row sums go to a tile buffer first and are then added in, one
+        # rounding per tile instead of one per key (the sums in float64): at Sk = 131072 a running sum over every
+        # key erred 10x torch's.
+        pv = np.empty((BLOCK_M, dp), q.dtype)
+        l_run = np.zeros(BLOCK_M, np.float64)
+        l_tile = np.empty(BLOCK_M, q.dtype)
         alpha = np.empty(BLOCK_M, q.dtype)
         kt_first = span_lo // BLOCK_N
         kt_end = (span_hi + BLOCK_N - 1) // BLOCK_N if span_lo < span_hi else kt_first
@@ -788,15 +948,15 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap):
             j0 = kt * BLOCK_N
             nk = min(BLOCK_N, seqlen_k - j0)
             if nk == BLOCK_N:
-                _mm(st, k[b, j0:j0 + BLOCK_N, hk], q_t, head_dim, False)
+                _mm_dot(st, k[b, j0:j0 + BLOCK_N, hk], q_t, head_dim)
             else:
                 _load_rows(k_tail, k[b, j0:j0 + nk, hk], nk, head_dim)
-                _mm(st, k_tail, q_t, head_dim, False)
+                _mm_dot(st, k_tail, q_t, head_dim)
             if softcap > 0:
                 for c in range(nk):
                     for r in range(BLOCK_M):
                         x = st[c, r]
-                        capped = cap2 * math.tanh(x * inv_cap)
+                        capped = _capped(x, softcap)[0]
                         st[c, r] = capped if abs(x) < inf else nan
             # Every block that no mask touches is all visible: there any non-finite score poisons its query.
             masked = not (full_lo <= j0 and j0 + nk <= full_hi)
@@ -811,36 +971,46 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap):
                 # A poisoned query has max NaN: its alpha, sum and accumulator become NaN and stay so.
                 if m_new == neg_inf:
                     m_use[r] = zero
-                alpha[r] = _fast_exp2(m_run[r] - m_use[r])
-                l_run[r] *= alpha[r]
+                alpha[r] = _fast_exp(m_run[r] - m_use[r])
                 m_run[r] = m_new
-            _column_exp2_sum(st, nk, l_run, m_use)
+                l_tile[r] = zero
+            _column_exp2_sum(st, nk, l_tile, m_use)
             for r in range(BLOCK_M):
-                a = alpha[r]
-                if a != one:
+                l_run[r] = l_run[r] * alpha[r] + l_tile[r]
+            if not stats_only:
+                v_rows = v[b, j0:j0 + nk, hk]
+                if masked and not _rows_finite(v_rows, nk):
+                    pv[:] = zero
+                    _visible_product(pv, st, v_rows, nk, True, True, j0, row_lo, row_hi)
+                else:
+                    _mm_at(pv, st, v_rows, nk, False)
+                for r in range(BLOCK_M):
+                    a = alpha[r]
                     for d in range(dp):
-                        acc[r, d] *= a
-            v_rows = v[b, j0:j0 + nk, hk]
-            if masked and not _rows_finite(v_rows, nk):
-                _visible_product(acc, st, v_rows, nk, True, True, j0, row_lo, row_hi)
-            else:
-                _mm_at(acc, st, v_rows, nk, True)
-        for r in range(nq):
-            if row_lo[r] >= row_hi[r]:
-                # Sees no key: 0 and lse = +inf, whatever its q holds (it reads nothing).
-                for d in range(head_dim):
-                    out[b, i0 + r, h, d] = zero
-                lse[b, h, i0 + r] = inf
-            elif l_run[r] > zero and m_run[r] == m_run[r]:
-                inv = one / l_run[r]
-                for d in range(head_dim):
-                    o = acc[r, d] * inv
-                    out[b, i0 + r, h, d] = o if abs(o) < inf else nan
-                lse[b, h, i0 + r] = m_run[r] * ln2 + math.log(l_run[r])
-            else:  # poisoned by a score that is not finite
-                for d in range(head_dim):
-                    out[b, i0 + r, h, d] = nan
-                lse[b, h, i0 + r] = nan
+                        acc[r, d] = acc[r, d] * a + pv[r, d]
+        if stats_only:
+            # the row max and 1 / sum, with +inf and 0 for a row that sees no key (P = 0 there)
+            for r in range(BLOCK_M):
+                seen = l_run[r] != 0
+                row_max[b, h, i0 + r] = m_run[r] if seen else inf
+                row_inv[b, h, i0 + r] = 1.0 / l_run[r] if seen else 0.0
+        else:
+            for r in range(nq):
+                if row_lo[r] >= row_hi[r]:
+                    # Sees no key: 0 and lse = +inf, whatever its q holds (it reads nothing).
+                    for d in range(head_dim):
+                        out[b, i0 + r, h, d] = zero
+                    lse[b, h, i0 + r] = inf
+                elif l_run[r] > 0 and m_run[r] == m_run[r]:
+                    inv = _as_dtype_of(acc, 1.0 / l_run[r])
+                    for d in range(head_dim):
+                        o = acc[r, d] * inv
+                        out[b, i0 + r, h, d] = o if abs(o) < inf else nan
+                    lse[b, h, i0 + r] = np.float64(m_run[r]) + math.log(l_run[r])  # in float64, rounded once
+                else:  # poisoned by a score that is not finite
+                    for d in range(head_dim):
+                        out[b, i0 + r, h, d] = nan
+                    lse[b, h, i0 + r] = nan
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -854,31 +1024,55 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap):
 
 
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
-def _gradient_terms(p, dp, lse2, delta, sc2, scale, inv_cap, cap2, softcap):
-    """(P, dS) for one raw dot product p = q.k and dp = dO.v, given the row's lse in base 2 and delta = dO . O:
-    dS is the gradient with respect to q.k, ``P * (dP - delta) * dscore/draw * scale``. inv_cap is 1 / softcap:
-    the scaled score is divided by the softcap only after the scale, so that neither product overflows for a tiny
-    softcap (``scale / softcap`` did at 1e-40). A poisoned row's lse is NaN and makes P and dS NaN."""
-    if softcap > 0:
-        t = math.tanh((p * scale) * inv_cap)
-        prob = _fast_exp2(cap2 * t - lse2)
-        return prob, prob * (dp - delta) * (scale - scale * t * t)
-    prob = _fast_exp2(p * sc2 - lse2)
-    return prob, prob * (dp - delta) * scale
+def _softcap_scores(s, nrows, ncols, softcap, dcap, scale):
+    """s[:nrows, :ncols] = softcap * tanh(s / softcap), the forward's capped scores computed the forward's way
+    (``_capped``); dcap = scale * (1 - tanh^2), d score / d q.k. A loop of its own: fused into the exponent's
+    subtraction (a multiply-add), the capped score would not be the one the forward took the max of."""
+    inf = _as_dtype_of(s, np.inf)
+    nan = _as_dtype_of(s, np.nan)
+    for r in range(nrows):
+        for c in range(ncols):
+            x = s[r, c]
+            capped, t = _capped(x, softcap)
+            s[r, c] = capped if abs(x) < inf else nan
+            dcap[r, c] = _as_dtype_of(dcap, scale * (1.0 - t * t))
 
 
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
-def _probs_and_dscores_rows(s, dps, lse2, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi, sc2, scale, inv_cap,
-                            cap2, softcap):
-    """A (BM, BN) block with queries as rows: s holds q.k on entry and P on exit, dps holds dO.v on entry and dS on
-    exit. lse2 (base 2, +inf for padding rows and rows that see no key, which makes P = 0) and delta are indexed
-    by query. Masked entries and key columns past nk become 0 in both."""
+def _gradient_terms(score, dp, row_max, inv_l, delta, dscore):
+    """(P, dS) for one score (as the forward computed it) and dp = dO.v, given the row's max and 1 / sum of the
+    forward's last pass (``_forward_kernel`` with ``stats_only``) and delta = dO . O: P is exp(score - max) / sum,
+    dS the gradient with respect to q.k, ``P * (dP - delta) * dscore`` (dscore: scale, times 1 - tanh^2 with
+    softcap). A poisoned row has max NaN, which makes P and dS NaN; a row that sees no key has max +inf and
+    1 / sum = 0, which make P = 0."""
+    prob = _fast_exp(score - row_max) * inv_l
+    return prob, prob * (dp - delta) * dscore
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _probs_and_dscores_rows(s, dps, dcap, row_max, row_inv, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
+                            scale, softcap):
+    """A (BM, BN) block with queries as rows: s holds the scores (Q pre-scaled as in the forward) on entry and P on
+    exit, dps holds dO.v on entry and dS on exit. row_max, row_inv (the forward's row max and 1 / sum, see
+    ``_gradient_terms``) and delta are indexed by query. Masked entries and key columns past nk become 0 in both.
+    dcap: scratch (BM, BN) for softcap's derivative."""
     zero = _as_dtype_of(s, 0.0)
-    for r in range(s.shape[0]):
-        lr = lse2[i0 + r]
-        dl = delta[i0 + r]
-        for c in range(s.shape[1]):
-            s[r, c], dps[r, c] = _gradient_terms(s[r, c], dps[r, c], lr, dl, sc2, scale, inv_cap, cap2, softcap)
+    sc = _as_dtype_of(s, scale)
+    if softcap > 0:
+        _softcap_scores(s, s.shape[0], s.shape[1], softcap, dcap, scale)
+        for r in range(s.shape[0]):
+            mr = row_max[i0 + r]
+            il = row_inv[i0 + r]
+            dl = delta[i0 + r]
+            for c in range(s.shape[1]):
+                s[r, c], dps[r, c] = _gradient_terms(s[r, c], dps[r, c], mr, il, dl, dcap[r, c])
+    else:
+        for r in range(s.shape[0]):
+            mr = row_max[i0 + r]
+            il = row_inv[i0 + r]
+            dl = delta[i0 + r]
+            for c in range(s.shape[1]):
+                s[r, c], dps[r, c] = _gradient_terms(s[r, c], dps[r, c], mr, il, dl, sc)
     if not (full_lo <= j0 and j0 + nk <= full_hi):
         for r in range(s.shape[0]):
             lo = row_lo[r] - j0
@@ -895,15 +1089,23 @@ def _probs_and_dscores_rows(s, dps, lse2, delta, i0, j0, nk, row_lo, row_hi, ful
 
 
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
-def _probs_and_dscores_cols(st, dpt, lse2, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi, sc2, scale,
-                            inv_cap, cap2, softcap):
+def _probs_and_dscores_cols(st, dpt, dcap, row_max, row_inv, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
+                            scale, softcap):
     """The same on a transposed (BN, BM) block, keys as rows: st holds k.q and becomes P^T, dpt holds v.dO and
-    becomes dS^T; lse2 and delta are indexed by column. Key rows past nk and masked entries become 0."""
+    becomes dS^T; row_max, row_inv and delta are indexed by column. Key rows past nk and masked entries become 0."""
     zero = _as_dtype_of(st, 0.0)
-    for c in range(nk):
-        for r in range(st.shape[1]):
-            st[c, r], dpt[c, r] = _gradient_terms(st[c, r], dpt[c, r], lse2[i0 + r], delta[i0 + r], sc2, scale,
-                                                  inv_cap, cap2, softcap)
+    sc = _as_dtype_of(st, scale)
+    if softcap > 0:
+        _softcap_scores(st, nk, st.shape[1], softcap, dcap, scale)
+        for c in range(nk):
+            for r in range(st.shape[1]):
+                st[c, r], dpt[c, r] = _gradient_terms(st[c, r], dpt[c, r], row_max[i0 + r], row_inv[i0 + r],
+                                                      delta[i0 + r], dcap[c, r])
+    else:
+        for c in range(nk):
+            for r in range(st.shape[1]):
+                st[c, r], dpt[c, r] = _gradient_terms(st[c, r], dpt[c, r], row_max[i0 + r], row_inv[i0 + r],
+                                                      delta[i0 + r], sc)
     if not (full_lo <= j0 and j0 + nk <= full_hi):
         _mask_block(st, j0, nk, row_lo, row_hi, zero)
         _mask_block(dpt, j0, nk, row_lo, row_hi, zero)
@@ -911,6 +1113,25 @@ def _probs_and_dscores_cols(st, dpt, lse2, delta, i0, j0, nk, row_lo, row_hi, fu
         for r in range(st.shape[1]):
             st[c, r] = zero
             dpt[c, r] = zero
+
+
+@njit(inline="always", cache=True)
+def _tile_product_add(acc, tile, a, b_rows, n, a_transposed, b_is_keys, masked, j0, row_lo, row_hi):
+    """acc += A @ b_rows[:n] (A = a[:n].T with ``a_transposed``, else a[:, :n]), the product formed in ``tile`` first
+    and then added: a gradient summed over a long sequence then takes one rounding per tile, not one per row of the
+    sequence (dK and dV at Sq = 20000 erred 10x torch's). A masked block whose b_rows hold a non-finite value goes
+    through ``_visible_product``."""
+    zero = _as_dtype_of(acc, 0.0)
+    if masked and not _rows_finite(b_rows, n):
+        tile[:] = zero
+        _visible_product(tile, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, row_hi)
+    elif a_transposed:
+        _mm_at(tile, a, b_rows, n, False)
+    else:
+        _mm(tile, a, b_rows, n, False)
+    for r in range(acc.shape[0]):
+        for d in range(acc.shape[1]):
+            acc[r, d] += tile[r, d]
 
 
 @njit(inline="always", cache=True)
@@ -926,12 +1147,14 @@ def _load_transposed(dst, src, n, head_dim):
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _backward_kv_kernel(q, k, v, dout, lse2, delta, dq_acc, dk, dv, head_dim, scale, left, right, softcap,
-                        kt_per_unit, fuse_dq):
+def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, dv, head_dim, scale, left, right,
+                        softcap, kt_per_unit, fuse_dq):
     """dK and dV (and, with ``fuse_dq``, dQ into ``dq_acc``).
 
-    q, dout: (B, Sq, Hq, D_pad) and k, v: (B, Sk, Hkv, D_pad), views of head-major buffers (``_head_major``);
-    lse2, delta: (B, Hq, n_qt * BLOCK_M), lse in base 2 (+inf in the padding) and rowsum(dO * O);
+    q, qs, dout: (B, Sq, Hq, D_pad) and k, v: (B, Sk, Hkv, D_pad), views of head-major buffers (``_head_major``);
+    qs is q times the forward's score scale (``_score_scale``), so that the scores are the forward's to the bit;
+    row_max, row_inv, delta: (B, Hq, n_qt * BLOCK_M), the forward's row max and 1 / sum (+inf and 0 in
+    the padding and for rows that see no key) and rowsum(dO * O);
     dq_acc: (B, Hq, n_qt * BLOCK_M, D_pad), zeroed, accumulated into when ``fuse_dq``; dk, dv: (B, Sk, Hkv, >= D),
     any strides, written.
     One prange iteration per (batch, kv head, run of ``kt_per_unit`` key tiles): it sums dK/dV for its key tiles
@@ -946,10 +1169,6 @@ def _backward_kv_kernel(q, k, v, dout, lse2, delta, dq_acc, dk, dv, head_dim, sc
     dp = q.shape[3]
     n_kt = (seqlen_k + BLOCK_N - 1) // BLOCK_N
     n_chunks = (n_kt + kt_per_unit - 1) // kt_per_unit
-    sc = _as_dtype_of(q, scale)
-    sc2 = _as_dtype_of(q, scale * _LOG2E)
-    inv_cap = _as_dtype_of(q, 1.0 / softcap if softcap > 0 else 0.0)
-    cap2 = _as_dtype_of(q, softcap * _LOG2E)
     for u in prange(batch * nheads_kv * n_chunks):
         b = u // (nheads_kv * n_chunks)
         hk = (u // n_chunks) % nheads_kv
@@ -962,8 +1181,11 @@ def _backward_kv_kernel(q, k, v, dout, lse2, delta, dq_acc, dk, dv, head_dim, sc
         do_tail = np.empty((BLOCK_M, dp), q.dtype)
         s = np.empty((BLOCK_M, BLOCK_N), q.dtype)
         dps = np.empty((BLOCK_M, BLOCK_N), q.dtype)
+        dcap = np.empty((BLOCK_M, BLOCK_N) if softcap > 0 else (1, 1), q.dtype)
         dk_acc = np.empty((BLOCK_N, dp), q.dtype)
         dv_acc = np.empty((BLOCK_N, dp), q.dtype)
+        kv_tile = np.empty((BLOCK_N, dp), q.dtype)
+        q_tile = np.empty((BLOCK_M, dp), q.dtype)
         for kt in range(chunk * kt_per_unit, min(n_kt, (chunk + 1) * kt_per_unit)):
             j0 = kt * BLOCK_N
             nk = min(BLOCK_N, seqlen_k - j0)
@@ -979,52 +1201,41 @@ def _backward_kv_kernel(q, k, v, dout, lse2, delta, dq_acc, dk, dv, head_dim, sc
                     nq = min(BLOCK_M, seqlen_q - i0)
                     _, _, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
                     q_rows = q[b, i0:i0 + nq, h]
+                    qs_rows = qs[b, i0:i0 + nq, h]
                     do_rows = dout[b, i0:i0 + nq, h]
                     if nq == BLOCK_M:
-                        _mm(s, q_rows, k_t, head_dim, False)
-                        _mm(dps, do_rows, v_t, head_dim, False)
+                        _mm_dot(s, qs_rows, k_t, head_dim)
+                        _mm_dot(dps, do_rows, v_t, head_dim)
                     else:  # the products read whole tiles of their A operand: pad the partial one
-                        _load_rows(q_tail, q_rows, nq, dp)
+                        _load_rows(q_tail, qs_rows, nq, dp)
                         _load_rows(do_tail, do_rows, nq, dp)
-                        _mm(s, q_tail, k_t, head_dim, False)
-                        _mm(dps, do_tail, v_t, head_dim, False)
-                    _probs_and_dscores_rows(s, dps, lse2[b, h], delta[b, h], i0, j0, nk, row_lo, row_hi, full_lo,
-                                            full_hi, sc2, sc, inv_cap, cap2, softcap)
+                        _mm_dot(s, q_tail, k_t, head_dim)
+                        _mm_dot(dps, do_tail, v_t, head_dim)
+                    _probs_and_dscores_rows(s, dps, dcap, row_max[b, h], row_inv[b, h], delta[b, h], i0, j0, nk,
+                                            row_lo, row_hi, full_lo, full_hi, scale, softcap)
                     # P and dS are 0 where a query does not see a key; a non-finite row of Q, dO or K must not
                     # reach those pairs through 0 * nan (see _visible_product). Only masked blocks have such pairs.
                     masked = not (full_lo <= j0 and j0 + nk <= full_hi)
-                    if masked and not _rows_finite(do_rows, nq):
-                        _visible_product(dv_acc, s, do_rows, nq, True, False, j0, row_lo, row_hi)
-                    else:
-                        _mm_at(dv_acc, s, do_rows, nq, True)
-                    if masked and not _rows_finite(q_rows, nq):
-                        _visible_product(dk_acc, dps, q_rows, nq, True, False, j0, row_lo, row_hi)
-                    else:
-                        _mm_at(dk_acc, dps, q_rows, nq, True)
+                    _tile_product_add(dv_acc, kv_tile, s, do_rows, nq, True, False, masked, j0, row_lo, row_hi)
+                    _tile_product_add(dk_acc, kv_tile, dps, q_rows, nq, True, False, masked, j0, row_lo, row_hi)
                     if fuse_dq:
-                        dq_rows = dq_acc[b, h, i0:i0 + BLOCK_M]
-                        if masked and not _rows_finite(k_rows, nk):
-                            _visible_product(dq_rows, dps, k_rows, nk, False, True, j0, row_lo, row_hi)
-                        else:
-                            _mm(dq_rows, dps, k_rows, nk, True)
+                        _tile_product_add(dq_acc[b, h, i0:i0 + BLOCK_M], q_tile, dps, k_rows, nk, False, True,
+                                          masked, j0, row_lo, row_hi)
             _store_rows(dk[b, j0:j0 + nk, hk], dk_acc, nk, head_dim)
             _store_rows(dv[b, j0:j0 + nk, hk], dv_acc, nk, head_dim)
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _backward_dq_kernel(q, k, v, dout, lse2, delta, dq, head_dim, scale, left, right, softcap):
+def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, scale, left, right, softcap):
     """dQ, one prange iteration per (batch, query head, query tile): it recomputes P and dS for the key tiles its
-    rows see and is the only writer of its dq rows. q, k, v, dout, lse2, delta as in ``_backward_kv_kernel``;
+    rows see and is the only writer of its dq rows. qs, k, v, dout, row_max, row_inv, delta as in
+    ``_backward_kv_kernel``;
     dq: (B, Sq, Hq, >= D), any strides, written."""
-    batch, seqlen_q, nheads_q = q.shape[0], q.shape[1], q.shape[2]
+    batch, seqlen_q, nheads_q = qs.shape[0], qs.shape[1], qs.shape[2]
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads_q // nheads_kv
-    dp = q.shape[3]
+    dp = qs.shape[3]
     n_qt = (seqlen_q + BLOCK_M - 1) // BLOCK_M
-    sc = _as_dtype_of(q, scale)
-    sc2 = _as_dtype_of(q, scale * _LOG2E)
-    inv_cap = _as_dtype_of(q, 1.0 / softcap if softcap > 0 else 0.0)
-    cap2 = _as_dtype_of(q, softcap * _LOG2E)
     for u in prange(batch * nheads_q * n_qt):
         b = u // (nheads_q * n_qt)
         h = (u // n_qt) % nheads_q
@@ -1035,15 +1246,17 @@ def _backward_dq_kernel(q, k, v, dout, lse2, delta, dq, head_dim, scale, left, r
         row_lo = np.empty(BLOCK_M, np.int64)
         row_hi = np.empty(BLOCK_M, np.int64)
         span_lo, span_hi, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
-        q_t = np.empty((head_dim, BLOCK_M), q.dtype)
-        do_t = np.empty((head_dim, BLOCK_M), q.dtype)
-        _load_transposed(q_t, q[b, i0:i0 + nq, h], nq, head_dim)
+        q_t = np.empty((head_dim, BLOCK_M), qs.dtype)
+        do_t = np.empty((head_dim, BLOCK_M), qs.dtype)
+        _load_transposed(q_t, qs[b, i0:i0 + nq, h], nq, head_dim)
         _load_transposed(do_t, dout[b, i0:i0 + nq, h], nq, head_dim)
-        k_tail = np.zeros((BLOCK_N, dp), q.dtype)
-        v_tail = np.zeros((BLOCK_N, dp), q.dtype)
-        st = np.empty((BLOCK_N, BLOCK_M), q.dtype)
-        dpt = np.empty((BLOCK_N, BLOCK_M), q.dtype)
-        acc = np.zeros((BLOCK_M, dp), q.dtype)
+        k_tail = np.zeros((BLOCK_N, dp), qs.dtype)
+        v_tail = np.zeros((BLOCK_N, dp), qs.dtype)
+        st = np.empty((BLOCK_N, BLOCK_M), qs.dtype)
+        dpt = np.empty((BLOCK_N, BLOCK_M), qs.dtype)
+        dcap = np.empty((BLOCK_N, BLOCK_M) if softcap > 0 else (1, 1), qs.dtype)
+        acc = np.zeros((BLOCK_M, dp), qs.dtype)
+        tile = np.empty((BLOCK_M, dp), qs.dtype)
         kt_first = span_lo // BLOCK_N
         kt_end = (span_hi + BLOCK_N - 1) // BLOCK_N if span_lo < span_hi else kt_first
         for kt in range(kt_first, kt_end):
@@ -1057,14 +1270,12 @@ def _backward_dq_kernel(q, k, v, dout, lse2, delta, dq, head_dim, scale, left, r
                 _load_rows(v_tail, v[b, j0:j0 + nk, hk], nk, head_dim)
                 kr = k_tail[:, :]
                 vr = v_tail[:, :]
-            _mm(st, kr, q_t, head_dim, False)
-            _mm(dpt, vr, do_t, head_dim, False)
-            _probs_and_dscores_cols(st, dpt, lse2[b, h], delta[b, h], i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
-                                    sc2, sc, inv_cap, cap2, softcap)
-            if not (full_lo <= j0 and j0 + nk <= full_hi) and not _rows_finite(kr, nk):
-                _visible_product(acc, dpt, kr, nk, True, True, j0, row_lo, row_hi)
-            else:
-                _mm_at(acc, dpt, kr, nk, True)
+            _mm_dot(st, kr, q_t, head_dim)
+            _mm_dot(dpt, vr, do_t, head_dim)
+            _probs_and_dscores_cols(st, dpt, dcap, row_max[b, h], row_inv[b, h], delta[b, h], i0, j0, nk, row_lo,
+                                    row_hi, full_lo, full_hi, scale, softcap)
+            _tile_product_add(acc, tile, dpt, kr, nk, True, True, not (full_lo <= j0 and j0 + nk <= full_hi), j0,
+                              row_lo, row_hi)
         _store_rows(dq[b, i0:i0 + nq, h], acc, nq, head_dim)
 
 
@@ -1203,6 +1414,46 @@ def _pack_kernel(src, dst, head_dim, unit_stride):
 
 
 @njit(parallel=True, cache=True)
+def _pack_scaled_kernel(src, dst, head_dim, factor):
+    """dst[b, h, s, :D] = src[b, s, h, :D] * factor (one rounding, as the forward scales Q) and zero in dst's columns
+    D..; src (B, S, H, D) any strides, dst (B, H, S, D_pad) C-contiguous."""
+    batch, seqlen, nheads = src.shape[0], src.shape[1], src.shape[2]
+    n_runs = (seqlen + 255) // 256
+    zero = _as_dtype_of(dst, 0.0)
+    f = _as_dtype_of(dst, factor)
+    for u in prange(batch * nheads * n_runs):
+        b = u // (nheads * n_runs)
+        h = (u // n_runs) % nheads
+        s0 = (u % n_runs) * 256
+        n = min(256, seqlen - s0)
+        for r in range(n):
+            for d in range(head_dim):
+                dst[b, h, s0 + r, d] = src[b, s0 + r, h, d] * f
+            for d in range(head_dim, dst.shape[3]):
+                dst[b, h, s0 + r, d] = zero
+
+
+@njit(parallel=True, cache=True)
+def _row_dot_kernel(a, b, res):
+    """res[b, h, s] = a[b, s, h, :] . b[b, s, h, :] summed as ``_mm_dot`` sums (chains of fused multiply-adds from
+    0, in order of d, in chunks of ``_DOT_CHUNK`` added in order): delta = dO . O then cancels dP = dO . v exactly
+    where a row sees one key (O = v), so dS = P (dP - delta) is exactly 0 there, as torch's is.
+    a, b (B, S, H, D) any strides; res (B, H, >= S)."""
+    batch, seqlen, nheads, width = a.shape
+    for u in prange(batch * nheads):
+        bi = u // nheads
+        h = u % nheads
+        for s in range(seqlen):
+            total = _as_dtype_of(res, 0.0)
+            for k0 in range(0, width, _DOT_CHUNK):
+                acc = _as_dtype_of(res, 0.0)
+                for d in range(k0, min(width, k0 + _DOT_CHUNK)):
+                    acc = _fma(a[bi, s, h, d], b[bi, s, h, d], acc)
+                total = acc if k0 == 0 else total + acc
+            res[bi, h, s] = total
+
+
+@njit(parallel=True, cache=True)
 def _store_dq_kernel(dq_acc, dq, head_dim):
     """dq[b, s, h, :D] = dq_acc[b, h, s, :D] for the fused backward, NaN where not finite (the contract reports
     every non-finite result as NaN). dq_acc (B, H, >= S, D_pad) C-contiguous; dq (B, S, H, >= D) any strides."""
@@ -1238,12 +1489,15 @@ def _entry(kernel: Any, dtype: np.dtype) -> Any:
         own = {n: types.Array(nb, n, "C") for n in (3, 4, 5)}
         i64, f64, boolean = types.int64, types.float64, types.boolean
         sigs = {
-            "_forward_kernel": (user[4], user[4], user[4], user[4], user[3], i64, f64, i64, i64, f64),
-            "_backward_kv_kernel": (user[4], user[4], user[4], user[4], own[3], own[3], own[4], user[4], user[4],
-                                    i64, f64, i64, i64, f64, i64, boolean),
-            "_backward_dq_kernel": (user[4], user[4], user[4], user[4], own[3], own[3], user[4], i64, f64, i64, i64,
-                                    f64),
+            "_forward_kernel": (user[4], user[4], user[4], user[4], user[3], i64, f64, i64, i64, f64, own[3], own[3],
+                                boolean),
+            "_backward_kv_kernel": (user[4], user[4], user[4], user[4], user[4], own[3], own[3], own[3], own[4],
+                                    user[4], user[4], i64, f64, i64, i64, f64, i64, boolean),
+            "_backward_dq_kernel": (user[4], user[4], user[4], user[4], own[3], own[3], own[3], user[4], i64, f64, i64,
+                                    i64, f64),
             "_pack_kernel": (user[4], own[4], i64, boolean),
+            "_pack_scaled_kernel": (user[4], own[4], i64, f64),
+            "_row_dot_kernel": (user[4], user[4], own[3]),
             "_store_dq_kernel": (own[4], user[4], i64),
         }
         with _entries_lock:
@@ -1341,6 +1595,11 @@ def _kernel_options(seqlen_q: int, seqlen_k: int, window_left: int, window_right
     return left, right, effective_softcap(float(softcap), np.dtype(dtype).name)
 
 
+def _score_scale(scale: float, softcap: float) -> float:
+    """The factor the forward multiplies Q by (``qscale`` in ``_forward_kernel``)."""
+    return float(scale)
+
+
 def _check_dtypes(*arrays: np.ndarray) -> np.dtype:
     dtype = arrays[0].dtype
     if dtype not in (np.float32, np.float64) or any(a.dtype != dtype for a in arrays):
@@ -1365,8 +1624,9 @@ def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
     dtype = _check_dtypes(q, k, v, out, lse)
     head_dim = q.shape[3]
     left, right, softcap = _kernel_options(q.shape[1], k.shape[1], window_left, window_right, softcap, dtype)
+    no_stats = np.empty((1, 1, 1), dtype)
     _entry(_forward_kernel, dtype)(q, _head_major(k, head_dim, "k"), _head_major(v, head_dim, "v"), out, lse, head_dim,
-                                   float(scale), left, right, softcap)
+                                   float(scale), left, right, softcap, no_stats, no_stats, False)
 
 
 def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
@@ -1376,7 +1636,8 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
 
     Arguments:
         dout, q, out: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D); any strides, not modified.
-        lse: (B, Hq, Sq), as written by ``flash_forward`` (+inf for rows that see no key).
+        lse: (B, Hq, Sq), as written by ``flash_forward`` (+inf for rows that see no key). Its values are not read:
+            the kernels recompute each row's max and sum from q and k (``_forward_kernel`` with ``stats_only``).
         dq: (B, Sq, Hq, D); dk, dv: (B, Sk, Hkv, D); any strides, contents ignored and overwritten. With GQA the
             gradients of a kv head are summed over the query heads of its group.
         All arrays float32, or all float64. scale, window_left, window_right, softcap as in ``flash_forward``.
@@ -1387,25 +1648,34 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
     window_left, window_right, softcap = _kernel_options(seqlen_q, k.shape[1], window_left, window_right, softcap,
                                                          dtype)
     sq_pad = _padded(seqlen_q, BLOCK_M)
-    # delta_i = dO_i . O_i, the row term of the softmax gradient; padded rows get lse = +inf so that P = 0 there.
+    # delta_i = dO_i . O_i, the row term of the softmax gradient, summed the way dP = dO . v is (_row_dot_kernel).
     delta = _scratch("delta", (batch, nheads_q, sq_pad), dtype)
     delta[:, :, seqlen_q:] = 0
-    np.einsum("bshd,bshd->bhs", dout, out, out=delta[:, :, :seqlen_q])
-    lse2 = _scratch("lse2", (batch, nheads_q, sq_pad), dtype)
-    lse2[:, :, seqlen_q:] = np.inf
-    np.multiply(lse, _LOG2E, out=lse2[:, :, :seqlen_q])
-    q_in, k_in, v_in, do_in = (_head_major(x, head_dim, slot) for x, slot in
-                               ((q, "q"), (k, "k"), (v, "v"), (dout, "dout")))
+    _entry(_row_dot_kernel, dtype)(dout, out, delta)
+    k_in, v_in = _head_major(k, head_dim, "k"), _head_major(v, head_dim, "v")
+    # The forward's softmax statistics of every row, recomputed from the forward's own scores: P is then
+    # exp(score - max) / sum with the forward's max and sum, not exp(score - lse) with lse rounded to float32
+    # (which made P = 1 for one visible key come out 1 - 1e-7, and erred in proportion to |lse|).
+    row_max = _scratch("row_max", (batch, nheads_q, sq_pad), dtype)
+    row_inv = _scratch("row_inv", (batch, nheads_q, sq_pad), dtype)
+    no_lse = np.empty((1, 1, 1), dtype)
+    _entry(_forward_kernel, dtype)(q, k_in, v_in, q, no_lse, head_dim, float(scale), window_left, window_right,
+                                   softcap, row_max, row_inv, True)
+    q_in, do_in = _head_major(q, head_dim, "q"), _head_major(dout, head_dim, "dout")
+    qs = _scratch("qs", (batch, nheads_q, seqlen_q, q_in.shape[3]), dtype)
+    _entry(_pack_scaled_kernel, dtype)(q, qs, head_dim, _score_scale(scale, softcap))
+    qs_in = qs.transpose(0, 2, 1, 3)
     # Fusing dQ into the key-tile pass saves recomputing P and dS, but it needs one iteration per (batch, kv head)
     # to own all key tiles; do it only when there are enough of those to keep every thread busy.
     fuse_dq = batch * nheads_kv >= 2 * numba.get_num_threads()
     n_kt = -(-k.shape[1] // BLOCK_N)
     dq_acc = _scratch("dq", (batch, nheads_q, sq_pad, q_in.shape[3]) if fuse_dq else (1, 1, 1, 1), dtype)
     dq_acc.fill(0)
-    _entry(_backward_kv_kernel, dtype)(q_in, k_in, v_in, do_in, lse2, delta, dq_acc, dk, dv, head_dim, float(scale),
-                                       window_left, window_right, softcap, n_kt if fuse_dq else 1, fuse_dq)
+    _entry(_backward_kv_kernel, dtype)(q_in, qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq_acc, dk, dv,
+                                       head_dim, float(scale), window_left, window_right, softcap,
+                                       n_kt if fuse_dq else 1, fuse_dq)
     if fuse_dq:
         _entry(_store_dq_kernel, dtype)(dq_acc, dq, head_dim)
     else:
-        _entry(_backward_dq_kernel, dtype)(q_in, k_in, v_in, do_in, lse2, delta, dq, head_dim, float(scale),
-                                           window_left, window_right, softcap)
+        _entry(_backward_dq_kernel, dtype)(qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq, head_dim,
+                                           float(scale), window_left, window_right, softcap)

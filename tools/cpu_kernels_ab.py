@@ -1,0 +1,96 @@
+"""Time the CPU kernels of a git revision against the working tree's, and both against torch SDPA, in one process.
+
+    python tools/cpu_kernels_ab.py e5cd89c --repeats 9
+
+The revision's ``numba_flash/cpu/kernels.py`` is loaded beside the current one (numba compiles it once into its
+cache); every repeat calls base, current and torch in turn, forward then backward, so that the machine's load hits
+all three alike. Prints min / median ms and the ratios per (B, H, S, D) = (1, 32, 512, 128), (1, 8, 2048, 64),
+causal and not, float32, layout "bshd". Kernel calls only: no backend dispatch, for either revision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_revision(rev: str):
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:numba_flash/cpu/kernels.py"], check=True,
+                         capture_output=True, text=True).stdout
+    path = Path(tempfile.gettempdir()) / f"numba_flash_cpu_kernels_{rev}.py"
+    path.write_text(src)
+    name = "numba_flash.cpu.kernels_" + rev
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("rev", help="git revision whose kernels are the base")
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    import numba
+    import torch
+    import torch.nn.functional as F
+
+    from numba_flash.cpu import kernels as new
+
+    base = _load_revision(args.rev)
+    torch.set_num_threads(numba.get_num_threads())
+    for batch, heads, seqlen, dim in [(1, 32, 512, 128), (1, 8, 2048, 64)]:
+        for causal in (False, True):
+            rng = np.random.default_rng(0)
+            q, k, v, do = (rng.standard_normal((batch, seqlen, heads, dim)).astype(np.float32) for _ in range(4))
+            scale, right = 1 / math.sqrt(dim), (0 if causal else -1)
+            out, lse = np.empty_like(q), np.empty((batch, heads, seqlen), np.float32)
+            dq, dk, dv = (np.empty_like(q) for _ in range(3))
+            tq, tk, tv = (torch.from_numpy(x).transpose(1, 2).requires_grad_() for x in (q, k, v))
+            tdo = torch.from_numpy(do).transpose(1, 2)
+            tout = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+
+            def torch_fwd():
+                with torch.no_grad():
+                    F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+
+            calls = {
+                "base fwd": lambda: base.flash_forward(q, k, v, out, lse, scale, -1, right, 0.0),
+                "new fwd": lambda: new.flash_forward(q, k, v, out, lse, scale, -1, right, 0.0),
+                "torch fwd": torch_fwd,
+                "base bwd": lambda: base.flash_backward(do, q, k, v, out, lse, dq, dk, dv, scale, -1, right, 0.0),
+                "new bwd": lambda: new.flash_backward(do, q, k, v, out, lse, dq, dk, dv, scale, -1, right, 0.0),
+                "torch bwd": lambda: torch.autograd.grad(tout, (tq, tk, tv), tdo, retain_graph=True),
+            }
+            for fn in calls.values():  # compile / warm up
+                fn()
+            times = {name: [] for name in calls}
+            for _ in range(args.repeats):
+                for name, fn in calls.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+            print(f"(B,H,S,D)=({batch},{heads},{seqlen},{dim}) causal={causal}")
+            for p in ("fwd", "bwd"):
+                b, n, t = times[f"base {p}"], times[f"new {p}"], times[f"torch {p}"]
+                med = statistics.median
+                print(f"  {p}: base {min(b):.1f}/{med(b):.1f}  new {min(n):.1f}/{med(n):.1f}  torch {min(t):.1f}/"
+                      f"{med(t):.1f} ms (min/median) | torch/new {min(t) / min(n):.2f} (min) {med(t) / med(n):.2f} "
+                      f"(median) | torch/base {min(t) / min(b):.2f} {med(t) / med(b):.2f} | new/base "
+                      f"{min(n) / min(b):.2f} {med(n) / med(b):.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
