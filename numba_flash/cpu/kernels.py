@@ -1629,6 +1629,25 @@ def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
                                    float(scale), left, right, softcap, no_stats, no_stats, False)
 
 
+def _defer_to_caller_lse(lse: np.ndarray, row_max: np.ndarray, row_inv: np.ndarray) -> None:
+    """Where the caller's lse (B, Hq, Sq) is not these keys' own, make P = exp(score - lse) instead of the
+    recomputed statistics, in place on row_max and row_inv (B, Hq, Sq).
+
+    The caller's lse says which softmax the gradient is of. Normally it is the forward's own over these keys, and
+    the recomputed max and sum give that P with one rounding. Ring attention and split-KV training pass the lse of a
+    softmax over more keys than this call holds (one block's share of the gradient); its P is exp(score - lse).
+    A row takes the caller's lse when it differs from the local one by more than rounding (8 ulp), is NaN (a row
+    poisoned elsewhere), or is +inf while the row sees keys here."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        given = lse.astype(np.float64)
+        local = row_max.astype(np.float64) - np.log(row_inv.astype(np.float64))
+        tolerance = 8 * np.finfo(lse.dtype).eps * np.maximum(1.0, np.abs(given))
+        other = ~(np.abs(local - given) <= tolerance) & ~(np.isposinf(given) & np.isposinf(local))
+    if other.any():
+        row_max[other] = given[other]
+        row_inv[other] = 1.0
+
+
 def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
                    lse: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, scale: float,
                    window_left: int, window_right: int, softcap: float) -> None:
@@ -1636,8 +1655,10 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
 
     Arguments:
         dout, q, out: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D); any strides, not modified.
-        lse: (B, Hq, Sq), as written by ``flash_forward`` (+inf for rows that see no key). Its values are not read:
-            the kernels recompute each row's max and sum from q and k (``_forward_kernel`` with ``stats_only``).
+        lse: (B, Hq, Sq), as written by ``flash_forward`` (+inf for rows that see no key), or the lse of a softmax
+            over more keys than k holds (ring attention). Where it is these keys' own, the kernels use each row's
+            max and sum recomputed from q and k (``_forward_kernel`` with ``stats_only``), which gives P with one
+            rounding; elsewhere P = exp(score - lse) (``_defer_to_caller_lse``).
         dq: (B, Sq, Hq, D); dk, dv: (B, Sk, Hkv, D); any strides, contents ignored and overwritten. With GQA the
             gradients of a kv head are summed over the query heads of its group.
         All arrays float32, or all float64. scale, window_left, window_right, softcap as in ``flash_forward``.
@@ -1661,6 +1682,7 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
     no_lse = np.empty((1, 1, 1), dtype)
     _entry(_forward_kernel, dtype)(q, k_in, v_in, q, no_lse, head_dim, float(scale), window_left, window_right,
                                    softcap, row_max, row_inv, True)
+    _defer_to_caller_lse(lse, row_max[:, :, :seqlen_q], row_inv[:, :, :seqlen_q])
     q_in, do_in = _head_major(q, head_dim, "q"), _head_major(dout, head_dim, "dout")
     qs = _scratch("qs", (batch, nheads_q, seqlen_q, q_in.shape[3]), dtype)
     _entry(_pack_scaled_kernel, dtype)(q, qs, head_dim, _score_scale(scale, softcap))
