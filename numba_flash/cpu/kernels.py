@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections import OrderedDict
 from typing import Any, Callable
 
 import numba
@@ -988,13 +989,14 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
                     a = alpha[r]
                     for d in range(dp):
                         acc[r, d] = acc[r, d] * a + pv[r, d]
-        if stats_only:
-            # the row max and 1 / sum, with +inf and 0 for a row that sees no key (P = 0 there)
+        if stats_only or row_max.shape[2] > 1:
+            # the row max and 1 / sum, with +inf and 0 for a row that sees no key (P = 0 there); a forward keeps
+            # them too when given arrays for them (the backward reuses them, see _stash_stats)
             for r in range(BLOCK_M):
                 seen = l_run[r] != 0
                 row_max[b, h, i0 + r] = m_run[r] if seen else inf
                 row_inv[b, h, i0 + r] = 1.0 / l_run[r] if seen else 0.0
-        else:
+        if not stats_only:
             for r in range(nq):
                 if row_lo[r] >= row_hi[r]:
                     # Sees no key: 0 and lse = +inf, whatever its q holds (it reads nothing).
@@ -1624,9 +1626,57 @@ def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
     dtype = _check_dtypes(q, k, v, out, lse)
     head_dim = q.shape[3]
     left, right, softcap = _kernel_options(q.shape[1], k.shape[1], window_left, window_right, softcap, dtype)
-    no_stats = np.empty((1, 1, 1), dtype)
+    stats_shape = (q.shape[0], q.shape[2], _padded(q.shape[1], BLOCK_M))
+    row_max, row_inv = np.empty(stats_shape, dtype), np.empty(stats_shape, dtype)
     _entry(_forward_kernel, dtype)(q, _head_major(k, head_dim, "k"), _head_major(v, head_dim, "v"), out, lse, head_dim,
-                                   float(scale), left, right, softcap, no_stats, no_stats, False)
+                                   float(scale), left, right, softcap, row_max, row_inv, False)
+    _stash_stats(lse, row_max, row_inv)
+
+
+# The forward's row statistics, by the lse they produced, for the backward that follows (see _stashed_stats).
+STASH_MAX_BYTES = 64 << 20
+_stash: "OrderedDict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]]" = OrderedDict()
+_stash_lock = threading.Lock()
+stats_passes = 0  # backward calls that had to recompute the statistics (for tests)
+
+
+def _stash_key(lse: np.ndarray) -> tuple:
+    return (lse.__array_interface__["data"][0], lse.shape, lse.strides, lse.dtype.str)
+
+
+def _stash_stats(lse: np.ndarray, row_max: np.ndarray, row_inv: np.ndarray) -> None:
+    """Keep a forward's row max and 1 / sum (B, Hq, Sq_pad) with a copy of the lse (B, Hq, Sq) they gave, the most
+    recent first, within ``STASH_MAX_BYTES``."""
+    entry = (np.array(lse, copy=True), row_max, row_inv)
+    size = sum(a.nbytes for a in entry)
+    if size > STASH_MAX_BYTES:
+        return
+    with _stash_lock:
+        _stash[_stash_key(lse)] = entry
+        _stash.move_to_end(_stash_key(lse), last=False)
+        while sum(a.nbytes for e in _stash.values() for a in e) > STASH_MAX_BYTES:
+            _stash.popitem(last=True)
+
+
+def _stashed_stats(lse: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Copies of the row statistics of the forward that wrote ``lse``, if it is bit for bit what that forward
+    wrote; else None. Safe whatever the caller did in between: statistics whose lse equals the given one bit for bit
+    give P = exp(score - max) / sum = exp(score - lse) up to lse's own rounding, so at worst they are what
+    recomputing P from lse would give, never another call's softmax."""
+    with _stash_lock:
+        entry = _stash.get(_stash_key(lse))
+    if entry is None:
+        return None
+    kept, row_max, row_inv = entry
+    if kept.shape != lse.shape or not np.array_equal(kept.view(_bits(kept.dtype)), lse.view(_bits(lse.dtype))
+                                                     if lse.flags.c_contiguous else
+                                                     np.ascontiguousarray(lse).view(_bits(lse.dtype))):
+        return None
+    return row_max.copy(), row_inv.copy()
+
+
+def _bits(dtype: np.dtype) -> type:
+    return np.uint64 if np.dtype(dtype).itemsize == 8 else np.uint32
 
 
 def _defer_to_caller_lse(lse: np.ndarray, row_max: np.ndarray, row_inv: np.ndarray) -> None:
@@ -1677,11 +1727,17 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
     # The forward's softmax statistics of every row, recomputed from the forward's own scores: P is then
     # exp(score - max) / sum with the forward's max and sum, not exp(score - lse) with lse rounded to float32
     # (which made P = 1 for one visible key come out 1 - 1e-7, and erred in proportion to |lse|).
-    row_max = _scratch("row_max", (batch, nheads_q, sq_pad), dtype)
-    row_inv = _scratch("row_inv", (batch, nheads_q, sq_pad), dtype)
-    no_lse = np.empty((1, 1, 1), dtype)
-    _entry(_forward_kernel, dtype)(q, k_in, v_in, q, no_lse, head_dim, float(scale), window_left, window_right,
-                                   softcap, row_max, row_inv, True)
+    stashed = _stashed_stats(lse)
+    if stashed is not None and stashed[0].shape == (batch, nheads_q, sq_pad):
+        row_max, row_inv = stashed
+    else:
+        global stats_passes
+        stats_passes += 1
+        row_max = _scratch("row_max", (batch, nheads_q, sq_pad), dtype)
+        row_inv = _scratch("row_inv", (batch, nheads_q, sq_pad), dtype)
+        no_lse = np.empty((1, 1, 1), dtype)
+        _entry(_forward_kernel, dtype)(q, k_in, v_in, q, no_lse, head_dim, float(scale), window_left, window_right,
+                                       softcap, row_max, row_inv, True)
     _defer_to_caller_lse(lse, row_max[:, :, :seqlen_q], row_inv[:, :, :seqlen_q])
     q_in, do_in = _head_major(q, head_dim, "q"), _head_major(dout, head_dim, "dout")
     qs = _scratch("qs", (batch, nheads_q, seqlen_q, q_in.shape[3]), dtype)
