@@ -8,6 +8,10 @@ between calls, until it exits or calls ``clear_workspace()``, because fresh mult
 every call. Each buffer is kept only up to a cap, 64 MiB by default: up to 128 MiB per thread after a forward and
 320 MiB after a backward. ``set_workspace_limit(nbytes)`` or ``NUMBA_FLASH_CPU_SCRATCH_MIB`` sets the cap (0 keeps
 nothing); ``workspace_bytes()`` says what this thread holds.
+
+The forward also keeps each row's max and 1 / sum (B x Hq x Sq values, twice), with a copy of the lse it wrote,
+so that the backward given that lse skips a pass over the scores; the most recent entries are kept, up to
+``kernels.STASH_MAX_BYTES`` (64 MiB) per process.
 """
 
 from .. import compile_notice
