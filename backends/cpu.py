@@ -92,10 +92,9 @@ class CpuBackend(Backend):
         k_cache, v_cache = _host(kv.k_cache, compute), _host(kv.v_cache, compute)
         out = np.empty(q.shape, dtype=compute)
         lse = np.empty((kv.batch, kv.nheads_q, kv.seqlen_q), dtype=compute)
-        from numba_flash.cpu.decode import choose_num_splits, decode_forward
+        from numba_flash.cpu.decode import decode_forward
 
-        splits = kv.num_splits or choose_num_splits(kv.batch, kv.nheads_kv, int(kv.seqlens_k.max()),
-                                                    numba.get_num_threads())
+        splits = kvcache.choose_num_splits(kv, numba.get_num_threads())
         rows = kv.cache_rows if kv.cache_rows is not None else np.zeros(kv.batch, np.int64)
         table = kv.block_table if kv.paged else np.zeros((1, 1), np.int64)
         decode_forward(q, k_cache, v_cache, rows, kv.key_start, kv.key_end, table, kv.page_size, out, lse,

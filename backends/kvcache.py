@@ -23,25 +23,17 @@ from typing import Any, Callable
 import numpy as np
 
 from numba_flash.arrays import is_torch_tensor, to_numpy
+from numba_flash import kvcache as kvcache_call
 from numba_flash.kvcache import KVCacheCall
 from numba_flash.merge import merge_attention_states
 from numba_flash.rotary import apply_rotary, rotary_positions
 from numba_flash.semantics import clamp_window_bound
 
-# Below this many keys per part, the cost of another kernel call and merge outweighs the parallelism it adds.
-MIN_KEYS_PER_SPLIT = 512
-MAX_SPLITS = 64
-
-
 def choose_num_splits(kv: KVCacheCall, workers: int) -> int:
-    """Splits of the key range when the caller passed ``num_splits=0``: enough (sequence, kv head, split) units for
-    about twice ``workers`` (threads, or SMs on a GPU), no part shorter than ``MIN_KEYS_PER_SPLIT`` keys."""
-    if kv.num_splits:
-        return kv.num_splits
-    units = kv.batch * kv.nheads_kv
+    """The caller's ``num_splits``, or for 0 ``numba_flash.kvcache.choose_num_splits`` for ``workers`` (threads, or
+    SMs on a GPU)."""
     longest = int(kv.seqlens_k.max())
-    wanted = -(-2 * workers // max(units, 1))
-    return max(1, min(wanted, longest // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+    return kv.num_splits or kvcache_call.choose_num_splits(kv.batch, kv.nheads_kv, longest, workers)
 
 
 def prepare(kv: KVCacheCall, q: Any, k_new: Any, cos: Any, sin: Any, arange: Callable[[int], Any],

@@ -182,14 +182,14 @@ def test_bad_input_is_refused_and_the_cache_untouched(backend, argument, args):
 
 def test_explain_and_choice_of_splits():
     from numba_flash.backends import kvcache as driver
-    from numba_flash.kvcache import validate_kvcache
+    from numba_flash.kvcache import MAX_SPLITS, MIN_KEYS_PER_SPLIT, validate_kvcache
 
     rng = np.random.default_rng(41)
     args = _case(rng, rotary=False, s_new=0, capacity=5000)
     kv = validate_kvcache(**args)
     assert driver.choose_num_splits(kv, 1) == 1
     many = driver.choose_num_splits(kv, 64)
-    assert 1 < many <= driver.MAX_SPLITS and many <= int(kv.seqlens_k.max()) // driver.MIN_KEYS_PER_SPLIT
+    assert 1 < many <= MAX_SPLITS and many <= int(kv.seqlens_k.max()) // MIN_KEYS_PER_SPLIT
     assert driver.choose_num_splits(validate_kvcache(**args, num_splits=5), 64) == 5
     assert "with_kvcache" in kv.dense_call().describe()
     assert numba_flash.attention_ref_kvcache is attention_ref_kvcache
