@@ -30,7 +30,7 @@ import numpy as np
 from .arrays import array_kind, device_of, dtype_name, to_numpy
 from .errors import AttentionInputError
 from .semantics import clamp_window_bound, compute_dtype_name, default_scale, effective_softcap, effective_window
-from .validation import MAX_HEAD_DIM, AttentionCall, _check_array, _check_options
+from .validation import MAX_HEAD_DIM, AttentionCall, _check_array, _check_options, check_same_as_q
 
 INDEX_DTYPES = ("int32", "int64")
 
@@ -169,17 +169,6 @@ def _first_bad(name: str, values: np.ndarray, ok: np.ndarray, expected: str) -> 
         raise _bad(name, expected, f"{name}[{b}] = {int(values[b])}")
 
 
-def _check_same(name: str, info: tuple, q_info: tuple) -> None:
-    _, kind, _, dt, dev = info
-    _, qkind, _, qdt, qdev = q_info
-    if kind != qkind:
-        raise _bad(name, f"the same array kind as q ({qkind})", kind)
-    if dt != qdt:
-        raise _bad(name, f"the same dtype as q ({qdt})", f"dtype {dt}")
-    if dev != qdev:
-        raise _bad(name, f"the same device as q ({qdev})", f"device {dev}")
-
-
 MAX_NUM_SPLITS = 128  # flash-attn's limit; each part costs a partial output per row
 
 
@@ -216,7 +205,7 @@ def validate_kvcache(
         if array_kind(x) is not None and len(x.shape) != 4:
             raise _bad(name, f"4 dimensions {cache_dims}", f"shape {tuple(int(s) for s in x.shape)}")
         caches[name] = _check_array(name, x, "bshd")
-        _check_same(name, caches[name], q_info)
+        check_same_as_q(name, caches[name], q_info)
     k_cache, v_cache = caches["k_cache"][0], caches["v_cache"][0]
     kc_shape = caches["k_cache"][2]
     if caches["v_cache"][2] != kc_shape:
@@ -238,7 +227,7 @@ def validate_kvcache(
         news = {}
         for name, x in (("k", k), ("v", v)):
             news[name] = _check_array(name, x, "bshd")
-            _check_same(name, news[name], q_info)
+            check_same_as_q(name, news[name], q_info)
         k, v = news["k"][0], news["v"][0]
         want = (batch, news["k"][2][1], hkv, d)
         for name in ("k", "v"):

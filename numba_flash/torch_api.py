@@ -19,6 +19,7 @@ import torch
 
 from numba_flash import backend_registry
 from numba_flash.errors import AttentionInputError
+from numba_flash.kvcache import validate_kvcache
 from numba_flash.validation import _bad, _finite_real, _short_repr, validate_forward
 
 __all__ = ["flash_attn_func", "FlashAttnFunc", "flash_attn_varlen_func", "FlashAttnVarlenFunc",
@@ -457,18 +458,14 @@ def flash_attn_with_kvcache(
     (a cache too short for the append, a block index out of range, a rotary table of the wrong shape, ...).
     """
     _check_tensors("flash_attn_with_kvcache", q, k_cache, v_cache)
-    if alibi_slopes is not None:
-        raise _bad("alibi_slopes", "None (ALiBi with a KV cache is not implemented yet)",
-                   f"shape {tuple(alibi_slopes.shape)}")
-    if (isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool)
-            and not torch.compiler.is_compiling()):
-        # The op's schema takes a tensor; an int is every sequence's length. Negative ones are refused inside.
-        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in window_size)):
-        raise _bad("window_size", "a pair of ints (left, right)", _short_repr(window_size))
-    if not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool):
-        raise _bad("num_splits", "an int >= 0 (0 lets the backend choose)", _short_repr(num_splits))
+    if not torch.compiler.is_compiling():
+        # Fail fast, before the op's schema turns the arguments into ints and tensors (as flash_attn_func does).
+        validate_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                         alibi_slopes, num_splits, return_softmax_lse)
+        if isinstance(cache_seqlens, (int, np.integer)):
+            # The op's schema takes a tensor; an int is every sequence's length.
+            cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
     if backend is None:
         backend = backend_registry.get("flash")._forced_name(None)
     scale = None if softmax_scale is None else float(softmax_scale)

@@ -170,6 +170,19 @@ def _check_array(name: str, x: Any, layout: str) -> tuple[Any, str, tuple[int, .
     return x, kind, shape, dt, device_of(x)
 
 
+def check_same_as_q(name: str, info: tuple, q_info: tuple) -> None:
+    """AttentionInputError unless array ``name`` has q's kind, dtype and device; both infos as ``_check_array``
+    returns them."""
+    _, kind, _, dt, dev = info
+    _, qkind, _, qdt, qdev = q_info
+    if kind != qkind:
+        raise _bad(name, f"the same array kind as q ({qkind})", kind)
+    if dt != qdt:
+        raise _bad(name, f"the same dtype as q ({qdt})", f"dtype {dt}")
+    if dev != qdev:
+        raise _bad(name, f"the same device as q ({qdev})", f"device {dev}")
+
+
 def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise _bad(name, "a bool", repr(value))
@@ -227,13 +240,8 @@ def validate_forward(
     check_arguments(layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     infos = {name: _check_array(name, x, layout) for name, x in (("q", q), ("k", k), ("v", v))}
     (q, qkind, qshape, qdt, qdev), (k, _, kshape, _, _), (v, _, vshape, _, _) = infos["q"], infos["k"], infos["v"]
-    for name, (_, kind, _, dt, dev) in (("k", infos["k"]), ("v", infos["v"])):
-        if kind != qkind:
-            raise _bad(name, f"the same array kind as q ({qkind})", kind)
-        if dt != qdt:
-            raise _bad(name, f"the same dtype as q ({qdt})", f"dtype {dt}")
-        if dev != qdev:
-            raise _bad(name, f"the same device as q ({qdev})", f"device {dev}")
+    for name in ("k", "v"):
+        check_same_as_q(name, infos[name], infos["q"])
     if vshape != kshape:
         raise _bad("v", f"the same shape as k {kshape}", f"shape {vshape}")
     packing = None
