@@ -1668,15 +1668,10 @@ def _stashed_stats(lse: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     if entry is None:
         return None
     kept, row_max, row_inv = entry
-    if kept.shape != lse.shape or not np.array_equal(kept.view(_bits(kept.dtype)), lse.view(_bits(lse.dtype))
-                                                     if lse.flags.c_contiguous else
-                                                     np.ascontiguousarray(lse).view(_bits(lse.dtype))):
+    bits = np.uint64 if kept.dtype.itemsize == 8 else np.uint32   # the key holds lse's shape and dtype
+    if not np.array_equal(kept.view(bits), np.ascontiguousarray(lse).view(bits)):
         return None
     return row_max.copy(), row_inv.copy()
-
-
-def _bits(dtype: np.dtype) -> type:
-    return np.uint64 if np.dtype(dtype).itemsize == 8 else np.uint32
 
 
 def _defer_to_caller_lse(lse: np.ndarray, row_max: np.ndarray, row_inv: np.ndarray) -> None:
@@ -1728,7 +1723,7 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
     # exp(score - max) / sum with the forward's max and sum, not exp(score - lse) with lse rounded to float32
     # (which made P = 1 for one visible key come out 1 - 1e-7, and erred in proportion to |lse|).
     stashed = _stashed_stats(lse)
-    if stashed is not None and stashed[0].shape == (batch, nheads_q, sq_pad):
+    if stashed is not None:
         row_max, row_inv = stashed
     else:
         global stats_passes
