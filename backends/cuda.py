@@ -414,17 +414,22 @@ class CudaBackend(Backend):
         with io.on_device():
             return self._forward(call, io)
 
-    def _forward(self, call: AttentionCall, io: _Session) -> tuple[Any, Any]:
+    def _forward_runner(self, io: _Session) -> Any:
+        """``run(call, q, k, v, out, lse)``: the forward kernel on (B, S, H, D) device views, on io's stream."""
         from numba_flash.cuda.launch import flash_forward
-
-        q, k, v = (io.device(x, n) for x, n in ((call.q, "q"), (call.k, "k"), (call.v, "v")))
-        out_user, out = io.empty(tuple(int(s) for s in call.q.shape), call.dtype)
-        lse_user, lse = io.empty(call.lse_shape, "float32")
 
         def run(c: AttentionCall, q: Any, k: Any, v: Any, out: Any, lse: Any) -> None:
             flash_forward(q, k, v, out, lse, softmax_scale=c.softmax_scale, window_left=c.window_left,
                           window_right=c.window_right, softcap=c.softcap, dtype=c.dtype, override=self.config,
                           stream=io.stream)
+
+        return run
+
+    def _forward(self, call: AttentionCall, io: _Session) -> tuple[Any, Any]:
+        q, k, v = (io.device(x, n) for x, n in ((call.q, "q"), (call.k, "k"), (call.v, "v")))
+        out_user, out = io.empty(tuple(int(s) for s in call.q.shape), call.dtype)
+        lse_user, lse = io.empty(call.lse_shape, "float32")
+        run = self._forward_runner(io)
 
         if call.is_varlen:
             varlen.forward(call, run, q, k, v, out, lse, lead_axis=_lead_axis, fill=io.fill)
@@ -459,16 +464,10 @@ class CudaBackend(Backend):
         gather = lambda c, blocks: c[blocks].reshape(-1, *c.shape[2:])  # noqa: E731  (numpy or torch)
         io = _Session(call)
         with io.on_device():
-            from numba_flash.cuda.launch import flash_forward
-
             q = io.device(q_rot, "q")
             out_user, out = io.empty(tuple(int(s) for s in kv.q.shape), kv.dtype)
             lse_user, lse = io.empty((kv.batch, kv.nheads_q, kv.seqlen_q), "float32")
-
-            def run(c: AttentionCall, q: Any, k: Any, v: Any, out: Any, lse: Any) -> None:
-                flash_forward(q, k, v, out, lse, softmax_scale=c.softmax_scale, window_left=c.window_left,
-                              window_right=c.window_right, softcap=c.softcap, dtype=c.dtype, override=self.config,
-                              stream=io.stream)
+            run = self._forward_runner(io)
 
             def keys(b: int) -> tuple[Any, Any]:
                 return tuple(io.device(kvcache.keys_of(kv, cache, b, gather), name)

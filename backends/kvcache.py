@@ -29,6 +29,7 @@ from numba_flash.merge import merge_attention_states
 from numba_flash.rotary import apply_rotary, rotary_positions
 from numba_flash.semantics import clamp_window_bound
 
+
 def choose_num_splits(kv: KVCacheCall, workers: int) -> int:
     """The caller's ``num_splits``, or for 0 ``numba_flash.kvcache.choose_num_splits`` for ``workers`` (threads, or
     SMs on a GPU)."""

@@ -270,6 +270,17 @@ def _sdpa_has_gqa() -> bool:
     return torch.__version__ >= "2.5"  # TorchVersion compares as a version, not as a string
 
 
+def _blockwise_into(careful: bool) -> Any:
+    """``run(call, q, k, v, out, lse)`` for the varlen and KV-cache drivers: ``forward_blockwise`` on one dense
+    call's views, its results copied into ``out`` and ``lse``."""
+    def run(c: AttentionCall, q_b: Any, k_b: Any, v_b: Any, out_b: Any, lse_b: Any) -> None:
+        o, l = forward_blockwise(q_b, k_b, v_b, c, careful=careful)
+        out_b.copy_(o)
+        lse_b.copy_(l)
+
+    return run
+
+
 def forward_blockwise(q: Any, k: Any, v: Any, call: AttentionCall, careful: bool = True) -> tuple[Any, Any]:
     """Blockwise online-softmax forward.
 
@@ -472,15 +483,10 @@ class RocmBackend(Backend):
             out = torch.empty(q.shape, dtype=cdt, device=dev)
             lse = torch.empty((kv.batch, kv.nheads_q, kv.seqlen_q), dtype=cdt, device=dev)
 
-            def run(c: AttentionCall, q_b: Any, k_b: Any, v_b: Any, out_b: Any, lse_b: Any) -> None:
-                o, l = forward_blockwise(q_b, k_b, v_b, c, careful=True)
-                out_b.copy_(o)
-                lse_b.copy_(l)
-
             workers = (torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda"
                        else torch.get_num_threads())
             gather = lambda c, blocks: c[torch.as_tensor(blocks, device=c.device)].flatten(0, 1)  # noqa: E731
-            kvcache.forward(kv, run, q, out, lse, kvcache.choose_num_splits(kv, workers),
+            kvcache.forward(kv, _blockwise_into(careful=True), q, out, lse, kvcache.choose_num_splits(kv, workers),
                             empty_like=torch.empty_like, keys=kvcache.cache_keys(kv, k_cache, v_cache, gather))
         return _to_kind(kv.q, out.to(q.dtype)), _to_kind(kv.q, lse)
 
@@ -492,13 +498,7 @@ class RocmBackend(Backend):
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(call.lse_shape, dtype=_compute_dtype(q.dtype), device=q.device)
-
-        def run(c: AttentionCall, q_b: Any, k_b: Any, v_b: Any, out_b: Any, lse_b: Any) -> None:
-            o, l = forward_blockwise(q_b, k_b, v_b, c, careful=careful)
-            out_b.copy_(o)
-            lse_b.copy_(l)
-
-        varlen.forward(call, run, q, k, v, out, lse)
+        varlen.forward(call, _blockwise_into(careful), q, k, v, out, lse)
         return _to_kind(call.q, out), _to_kind(call.q, lse)
 
     @staticmethod
