@@ -29,6 +29,7 @@ class Backend:
     SUPPORTS_BACKWARD: ClassVar[bool] = True
     SUPPORTS_KVCACHE: ClassVar[bool] = False         # ``with_kvcache`` (decoding with a KV cache)
     SUPPORTS_ALIBI: ClassVar[bool] = False           # ``alibi_slopes``
+    SUPPORTS_BIAS: ClassVar[bool] = False            # ``attn_bias`` (and its gradient, ``return_dbias``)
     IS_DETERMINISTIC: ClassVar[bool] = True
 
     def unavailable_reasons(self, forced: bool = False) -> list[str]:
@@ -58,6 +59,8 @@ class Backend:
             reasons.append("backward not supported")
         if call.alibi is not None and not self.SUPPORTS_ALIBI:
             reasons.append("ALiBi not supported")
+        if call.bias is not None and not self.SUPPORTS_BIAS:
+            reasons.append("attn_bias not supported")
         if call.kvcache is not None and not self.SUPPORTS_KVCACHE:
             reasons.append("KV cache (with_kvcache) not supported")
         if not reasons:

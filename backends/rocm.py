@@ -172,6 +172,14 @@ def _clean(call: AttentionCall, cdt: Any, *tensors: Any) -> bool:
             and call.seqlen_k * vmax <= float(torch.finfo(cdt).max) / 4)
 
 
+def _bias_finite(call: AttentionCall) -> bool:
+    """True when the call has no ``attn_bias`` or every entry of it is finite (else the careful paths run: -inf
+    hides keys, NaN poisons rows)."""
+    import torch
+
+    return call.bias is None or bool(torch.isfinite(_as_torch(call.bias.array)).all())
+
+
 def _nan_if_not_finite_(x: Any) -> Any:
     """In place: every non-finite value of ``x`` (a tensor this module allocated) becomes NaN."""
     import torch
@@ -202,8 +210,9 @@ def _alibi_slopes(call: AttentionCall, cdt: Any, device: Any) -> Any:
 
 
 def _scores(qb: Any, kb: Any, call: AttentionCall, band: _Band, q0: int, q1: int, k0: int, k1: int,
-            need_mask: bool, careful: bool = False, alibi: Any = None) -> tuple[Any, Any]:
-    """Scores of a query block against a key block, softcapped and masked to -inf.
+            need_mask: bool, careful: bool = False, alibi: Any = None, bias: Any = None) -> tuple[Any, Any]:
+    """Scores of a query block against a key block, softcapped, biased (ALiBi, then ``bias``, a
+    ``backends.torch_bias.BlockBias``) and masked to -inf.
 
     qb: (B, Hkv, n*g, D) compute dtype, already multiplied by the softmax scale; kb: (B, Hkv, m, D).
     Returns s (B, Hkv, n*g, m) and, with softcap, tanh(raw / softcap) (the backward's chain factor) else None.
@@ -227,6 +236,8 @@ def _scores(qb: Any, kb: Any, call: AttentionCall, band: _Band, q0: int, q1: int
         dist = (i[:, None] - torch.arange(k0, k1, device=s.device)[None, :]).abs().to(s.dtype)
         b, h, rows, m = s.shape
         s.view(b, h, q1 - q0, rows // (q1 - q0), m).sub_(alibi * dist[None, None, :, None, :])
+    if bias is not None:
+        s.add_(bias.block(q0, q1, k0, k1, s.dtype))
     if need_mask:
         b, h, rows, m = s.shape
         s.view(b, h, q1 - q0, rows // (q1 - q0), m).masked_fill_(
@@ -234,12 +245,26 @@ def _scores(qb: Any, kb: Any, call: AttentionCall, band: _Band, q0: int, q1: int
     return s, t
 
 
-def _block_visible(band: _Band, q0: int, q1: int, k0: int, k1: int, group: int, device: Any) -> Any:
-    """(n*g, m) bool: row r of a query block (query q0 + r // g) sees key k0 + c."""
+def _block_visible(band: _Band, q0: int, q1: int, k0: int, k1: int, group: int, device: Any,
+                   bias: Any = None) -> Any:
+    """(n*g, m) bool: row r of a query block (query q0 + r // g) sees key k0 + c; (B, Hkv, n*g, m) when ``bias``
+    (a ``BlockBias``) hides keys with -inf."""
     import torch
 
     ok = band.visible(q0, q1, k0, k1, device) | torch.zeros((1, group, 1), dtype=torch.bool, device=device)
-    return ok.reshape((q1 - q0) * group, k1 - k0)
+    ok = ok.reshape((q1 - q0) * group, k1 - k0)
+    if bias is not None and bias.hides:
+        ok = ok & (bias.block(q0, q1, k0, k1, torch.float32) != float("-inf"))
+    return ok
+
+
+def _block_bias(call: AttentionCall) -> Any:
+    """The call's ``attn_bias`` as a ``BlockBias`` on the torch side, or None."""
+    if call.bias is None:
+        return None
+    from backends.torch_bias import BlockBias
+
+    return BlockBias(call, _as_torch(call.bias.array))
 
 
 def _forward_sdpa(q: Any, k: Any, v: Any, call: AttentionCall) -> Any:
@@ -255,7 +280,8 @@ def _forward_sdpa(q: Any, k: Any, v: Any, call: AttentionCall) -> Any:
 
 def sdpa_fits(call: AttentionCall) -> bool:
     """True when ``scaled_dot_product_attention`` computes exactly what the contract asks for ``call``."""
-    if call.return_lse or call.is_backward or call.softcap > 0 or call.window_left >= 0 or call.alibi is not None:
+    if (call.return_lse or call.is_backward or call.softcap > 0 or call.window_left >= 0 or call.alibi is not None
+            or call.bias is not None):
         return False
     if call.window_right >= 0:
         # SDPA's is_causal keeps j <= i (top-left); the contract keeps j <= i + Sk - Sq. Equal only when Sq == Sk.
@@ -298,7 +324,8 @@ def forward_blockwise(q: Any, k: Any, v: Any, call: AttentionCall, careful: bool
     qv, ov, lv = _grouped_view(q, call.layout, Hkv), _grouped_view(out, call.layout, Hkv), _lse_view(lse, Hkv)
     kv, vv = _heads_view(k, call.layout), _heads_view(v, call.layout)
     band = _Band(call)
-    alibi = _alibi_slopes(call, cdt, q.device)
+    alibi, bias = _alibi_slopes(call, cdt, q.device), _block_bias(call)
+    hides = bias is not None and bias.hides
     block_q, block_k = block_sizes(call)
     for q0 in range(0, call.seqlen_q, block_q):
         q1 = min(q0 + block_q, call.seqlen_q)
@@ -308,7 +335,7 @@ def forward_blockwise(q: Any, k: Any, v: Any, call: AttentionCall, careful: bool
         l = torch.zeros((B, Hkv, rows), dtype=cdt, device=q.device)
         acc = torch.zeros((B, Hkv, rows, D), dtype=cdt, device=q.device)
         for k0, k1, need_mask in band.key_blocks(q0, q1, block_k):
-            s, _ = _scores(qb, kv[:, :, k0:k1].to(cdt), call, band, q0, q1, k0, k1, need_mask, careful, alibi)
+            s, _ = _scores(qb, kv[:, :, k0:k1].to(cdt), call, band, q0, q1, k0, k1, need_mask, careful, alibi, bias)
             # amax and maximum propagate NaN: a poisoned row's max, sum and accumulator become NaN and stay so.
             m_new = torch.maximum(m, s.amax(dim=-1))
             # A row with every key so far masked keeps max -inf; shift it by 0 so that exp gives 0, not NaN.
@@ -317,8 +344,8 @@ def forward_blockwise(q: Any, k: Any, v: Any, call: AttentionCall, careful: bool
             alpha = torch.exp(m - m_safe)
             l = l * alpha + p.sum(dim=-1)
             vb = vv[:, :, k0:k1].to(cdt)
-            if careful and need_mask:
-                pv = _visible_matmul(p, vb, _block_visible(band, q0, q1, k0, k1, g, q.device))
+            if careful and (need_mask or hides):
+                pv = _visible_matmul(p, vb, _block_visible(band, q0, q1, k0, k1, g, q.device, bias))
             else:
                 pv = p @ vb
             acc.mul_(alpha[..., None]).add_(pv)
@@ -339,11 +366,12 @@ def forward_blockwise(q: Any, k: Any, v: Any, call: AttentionCall, careful: bool
 
 
 def backward_blockwise(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
-                       call: AttentionCall, careful: bool = True) -> tuple[Any, Any, Any]:
+                       call: AttentionCall, careful: bool = True) -> tuple[Any, ...]:
     """Blockwise backward from the forward's lse: P is recomputed per block as exp(s - lse), never S x S.
 
     dout, out, q: (B, Sq, Hq, D) ["bshd"] or (B, Hq, Sq, D); k, v: (B, Sk, Hkv, D) or (B, Hkv, Sk, D); lse
-    (B, Hq, Sq). Returns dq, dk, dv shaped like q, k, v, contiguous, q's dtype; dk, dv summed over each group.
+    (B, Hq, Sq). Returns dq, dk, dv shaped like q, k, v, contiguous, q's dtype; dk, dv summed over each group; with
+    ``call.return_dbias`` also dbias shaped like the bias, in the bias's dtype.
     With ``careful`` (inputs or lse not finite), P and dS are forced to 0 where a row does not see a key (a
     poisoned row's lse is NaN, and exp(-inf - nan) is NaN) and no product lets a non-finite row reach those pairs.
     """
@@ -360,7 +388,9 @@ def backward_blockwise(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
     lv = _lse_view(lse, Hkv)
     kv, vv = _heads_view(k, call.layout), _heads_view(v, call.layout)
     band = _Band(call)
-    alibi = _alibi_slopes(call, cdt, dev)
+    alibi, bias = _alibi_slopes(call, cdt, dev), _block_bias(call)
+    hides = bias is not None and bias.hides
+    dbias = bias.new_grad(cdt, dev) if call.return_dbias else None
     block_q, block_k = block_sizes(call)
     for q0 in range(0, call.seqlen_q, block_q):
         q1 = min(q0 + block_q, call.seqlen_q)
@@ -372,23 +402,27 @@ def backward_blockwise(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
         dq_acc = torch.zeros((B, Hkv, rows, D), dtype=cdt, device=dev)
         for k0, k1, need_mask in band.key_blocks(q0, q1, block_k):
             kb, vb = kv[:, :, k0:k1].to(cdt), vv[:, :, k0:k1].to(cdt)
-            s, t = _scores(qb, kb, call, band, q0, q1, k0, k1, need_mask, alibi=alibi)
+            s, t = _scores(qb, kb, call, band, q0, q1, k0, k1, need_mask, alibi=alibi, bias=bias)
             # lse is +inf on rows that see nothing: exp(s - inf) = 0 there, so those rows add no gradient.
             p = s.sub_(lse_b[..., None]).exp_()
-            careful_block = careful and need_mask
+            careful_block = careful and (need_mask or hides)
             if careful_block:
-                vis = _block_visible(band, q0, q1, k0, k1, g, dev)
+                vis = _block_visible(band, q0, q1, k0, k1, g, dev, bias)
                 p.masked_fill_(~vis, 0.0)
-                dv_acc[:, :, k0:k1] += _visible_matmul(p.transpose(-1, -2), dob, vis.T)
+                dv_acc[:, :, k0:k1] += _visible_matmul(p.transpose(-1, -2), dob, vis.transpose(-1, -2))
             else:
                 dv_acc[:, :, k0:k1] += p.transpose(-1, -2) @ dob
             ds = (dob @ vb.transpose(-1, -2)).sub_(delta[..., None]).mul_(p)
+            if careful_block:
+                ds.masked_fill_(~vis, 0.0)
+            if dbias is not None:
+                # The bias enters after softcap: its gradient is the score's, before softcap's chain factor.
+                bias.add_grad(dbias, ds, q0, q1, k0, k1)
             if t is not None:
                 ds.mul_(1.0 - t * t)
             if careful_block:
-                ds.masked_fill_(~vis, 0.0)
                 dq_acc += _visible_matmul(ds, kb, vis)
-                dk_acc[:, :, k0:k1] += _visible_matmul(ds.transpose(-1, -2), qb, vis.T)
+                dk_acc[:, :, k0:k1] += _visible_matmul(ds.transpose(-1, -2), qb, vis.transpose(-1, -2))
             else:
                 dq_acc += ds @ kb
                 # qb carries the softmax scale, so this is scale * dS^T q; summing the g rows of a group sums the
@@ -399,7 +433,9 @@ def backward_blockwise(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
     dv = torch.empty(v.shape, dtype=v.dtype, device=dev)
     _heads_view(dk, call.layout).copy_(_nan_if_not_finite_(dk_acc))
     _heads_view(dv, call.layout).copy_(_nan_if_not_finite_(dv_acc))
-    return dq, dk, dv
+    if dbias is None:
+        return dq, dk, dv
+    return dq, dk, dv, _nan_if_not_finite_(dbias).reshape(tuple(call.bias.array.shape)).to(bias.grouped.dtype)
 
 
 class RocmBackend(Backend):
@@ -416,6 +452,7 @@ class RocmBackend(Backend):
     SUPPORTED_LAYOUTS = ("bshd", "bhsd", "thd")
     SUPPORTS_KVCACHE = True
     SUPPORTS_ALIBI = True
+    SUPPORTS_BIAS = True
 
     def unavailable_reasons(self, forced: bool = False) -> list[str]:
         if forced:
@@ -447,7 +484,7 @@ class RocmBackend(Backend):
 
         q, k, v = (_as_torch(x) for x in (call.q, call.k, call.v))
         with torch.no_grad():
-            clean = _clean(call, _compute_dtype(q.dtype), q, k, v)
+            clean = _clean(call, _compute_dtype(q.dtype), q, k, v) and _bias_finite(call)
             if call.is_varlen:
                 return self._forward_varlen(call, q, k, v, careful=not clean)
             if clean and sdpa_fits(call) and (call.nheads_q == call.nheads_kv or _sdpa_has_gqa()):
@@ -462,7 +499,8 @@ class RocmBackend(Backend):
         dout, q, k, v, out, lse = (_as_torch(x) for x in (call.dout, call.q, call.k, call.v, call.out, call.lse))
         with torch.no_grad():
             # lse is +inf for rows that see no key: only a NaN in it (a poisoned row) needs the careful path.
-            clean = _clean(call, _compute_dtype(q.dtype), q, k, v, dout, out) and not bool(torch.isnan(lse).any())
+            clean = (_clean(call, _compute_dtype(q.dtype), q, k, v, dout, out) and not bool(torch.isnan(lse).any())
+                     and _bias_finite(call))
             if call.is_varlen:
                 grads = self._backward_varlen(call, dout, q, k, v, out, lse, careful=not clean)
             else:

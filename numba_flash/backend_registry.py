@@ -235,7 +235,7 @@ class Dispatcher:
                 window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str | None = None,
                 return_lse: bool = False, backend: str | None = None, cu_seqlens_q: Any = None,
                 cu_seqlens_k: Any = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                alibi_slopes: Any = None) -> Any:
+                alibi_slopes: Any = None, attn_bias: Any = None) -> Any:
         """Attention forward.
 
         q: (B, Sq, Hq, D) for layout "bshd" (the default) or (B, Hq, Sq, D) for "bhsd"; k, v: (B, Sk, Hkv, D) /
@@ -243,13 +243,15 @@ class Dispatcher:
         k, v (total_k, Hkv, D), ``cu_seqlens_q`` / ``cu_seqlens_k`` (B + 1,) int32 prefix sums, ``max_seqlen_q`` /
         ``max_seqlen_k`` optional upper bounds on the sequence lengths.
         ``alibi_slopes`` (Hq,) or (B, Hq): adds ``-slope * |i + Sk - Sq - j|`` to the scores (flash-attn's ALiBi).
+        ``attn_bias``: an array broadcastable to (B, Hq, Sq, Sk), float32 or q's dtype, added to the scores after
+        softcap; -inf hides a key.
         Returns out shaped like q (same array kind, device, dtype), and with ``return_lse`` also lse (B, Hq, Sq),
         or (Hq, total_q) for "thd", float32.
         """
         call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                 softcap=softcap, layout=layout, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                alibi_slopes=alibi_slopes)
+                                alibi_slopes=alibi_slopes, attn_bias=attn_bias)
         out, lse = self._run(call, backend, "forward")
         return (out, lse) if return_lse else out
 
@@ -257,14 +259,17 @@ class Dispatcher:
                  softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                  layout: str | None = None, backend: str | None = None, cu_seqlens_q: Any = None,
                  cu_seqlens_k: Any = None, max_seqlen_q: int | None = None,
-                 max_seqlen_k: int | None = None, alibi_slopes: Any = None) -> tuple[Any, Any, Any]:
+                 max_seqlen_k: int | None = None, alibi_slopes: Any = None, attn_bias: Any = None,
+                 return_dbias: bool = False) -> tuple[Any, ...]:
         """Attention backward. dout and out are shaped like q; lse is (B, Hq, Sq), or (Hq, total_q) for packed
         sequences, as ``forward`` returned it. Packed sequences take the forward's cu_seqlens and max_seqlen.
-        Returns dq, dk, dv shaped like q, k, v; with GQA dk and dv are summed over each group of query heads."""
+        Returns dq, dk, dv shaped like q, k, v; with GQA dk and dv are summed over each group of query heads.
+        With ``return_dbias`` (needs the forward's ``attn_bias``) also dbias shaped like attn_bias, float32 (float64
+        for float64 inputs), summed over the dimensions the bias was broadcast along."""
         call = validate_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                                  window_size=window_size, softcap=softcap, layout=layout, cu_seqlens_q=cu_seqlens_q,
                                  cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                 alibi_slopes=alibi_slopes)
+                                 alibi_slopes=alibi_slopes, attn_bias=attn_bias, return_dbias=return_dbias)
         return self._run(call, backend, "backward")
 
     def with_kvcache(self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, rotary_cos: Any = None,
@@ -296,7 +301,7 @@ class Dispatcher:
                 window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str | None = None,
                 return_lse: bool = False, backend: str | None = None, cu_seqlens_q: Any = None,
                 cu_seqlens_k: Any = None, max_seqlen_q: int | None = None,
-                max_seqlen_k: int | None = None, alibi_slopes: Any = None) -> "Explanation":
+                max_seqlen_k: int | None = None, alibi_slopes: Any = None, attn_bias: Any = None) -> "Explanation":
         """Which backend a forward call would use and why each other one was passed over.
 
         Returns an ``Explanation``: a ``str`` of a few lines (``print`` it, or search it with ``in``) that also
@@ -305,7 +310,7 @@ class Dispatcher:
         call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                 softcap=softcap, layout=layout, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                alibi_slopes=alibi_slopes)
+                                alibi_slopes=alibi_slopes, attn_bias=attn_bias)
         chosen, table, forced = self._rank(call, backend)
         candidates = []
         for name, reasons in table.items():

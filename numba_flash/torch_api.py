@@ -52,18 +52,20 @@ def _q_heads_seq(q: torch.Tensor, layout: str) -> tuple[int, int]:
 @torch.library.custom_op("numba_flash::flash_fwd", mutates_args=())
 def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
               window_left: int, window_right: int, softcap: float, layout: str, backend: Optional[str],
-              alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+              alibi_slopes: Optional[torch.Tensor] = None,
+              attn_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward through the registry. Returns out (shaped like q, q's dtype, contiguous) and lse (B, Hq, Sq)
     float32 (float64 for float64 inputs), contiguous."""
     out, lse = backend_registry.get("flash").forward(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
-        softcap=softcap, layout=layout, return_lse=True, backend=backend, alibi_slopes=alibi_slopes)
+        softcap=softcap, layout=layout, return_lse=True, backend=backend, alibi_slopes=alibi_slopes,
+        attn_bias=attn_bias)
     return _owned(out, q, q.dtype, (q, k, v)), _owned(lse, q, _lse_dtype(q.dtype), (q, k, v))
 
 
 @flash_fwd.register_fake
 def _flash_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, softcap, layout, backend,
-                    alibi_slopes=None):
+                    alibi_slopes=None, attn_bias=None):
     hq, sq = _q_heads_seq(q, layout)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], hq, sq), dtype=_lse_dtype(q.dtype), device=q.device)
@@ -74,42 +76,52 @@ def _flash_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, s
 def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
               softcap: float, layout: str, backend: Optional[str],
-              alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward through the registry. Returns dq, dk, dv shaped like q, k, v, q's dtype, contiguous."""
-    dq, dk, dv = backend_registry.get("flash").backward(
+              alibi_slopes: Optional[torch.Tensor] = None, attn_bias: Optional[torch.Tensor] = None,
+              return_dbias: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward through the registry. Returns dq, dk, dv shaped like q, k, v, q's dtype, contiguous, and dbias:
+    shaped like attn_bias in its dtype with ``return_dbias``, else an empty tensor (a custom op's outputs are
+    fixed in number)."""
+    grads = backend_registry.get("flash").backward(
         dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
         window_size=(window_left, window_right), softcap=softcap, layout=layout, backend=backend,
-        alibi_slopes=alibi_slopes)
-    inputs = (dout, q, k, v, out, lse)
-    return (_owned(dq, q, q.dtype, inputs), _owned(dk, q, q.dtype, inputs), _owned(dv, q, q.dtype, inputs))
+        alibi_slopes=alibi_slopes, attn_bias=attn_bias, return_dbias=return_dbias)
+    inputs = (dout, q, k, v, out, lse) + (() if attn_bias is None else (attn_bias,))
+    dq, dk, dv = (_owned(g, q, q.dtype, inputs) for g in grads[:3])
+    dbias = _owned(grads[3], attn_bias, attn_bias.dtype, inputs) if return_dbias else q.new_empty((0,))
+    return dq, dk, dv, dbias
 
 
 @flash_bwd.register_fake
 def _flash_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap, layout,
-                    backend, alibi_slopes=None):
-    return tuple(torch.empty(x.shape, dtype=q.dtype, device=q.device) for x in (q, k, v))
+                    backend, alibi_slopes=None, attn_bias=None, return_dbias=False):
+    dbias = torch.empty(attn_bias.shape, dtype=attn_bias.dtype, device=q.device) if return_dbias else \
+        q.new_empty((0,))
+    return tuple(torch.empty(x.shape, dtype=q.dtype, device=q.device) for x in (q, k, v)) + (dbias,)
 
 
 class FlashAttnFunc(torch.autograd.Function):
-    """Autograd glue over ``flash_fwd`` / ``flash_bwd``. Always returns ``(out, lse)``; lse has no gradient."""
+    """Autograd glue over ``flash_fwd`` / ``flash_bwd``. Always returns ``(out, lse)``; lse has no gradient.
+    ``attn_bias`` gets a gradient when it requires one."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, window_left, window_right, softcap, layout, backend,
-                alibi_slopes=None):
+                alibi_slopes=None, attn_bias=None):
         out, lse = torch.ops.numba_flash.flash_fwd(q, k, v, causal, softmax_scale, window_left, window_right,
-                                                   softcap, layout, backend, alibi_slopes)
-        ctx.save_for_backward(q, k, v, out, lse)
+                                                   softcap, layout, backend, alibi_slopes, attn_bias)
+        ctx.save_for_backward(q, k, v, out, lse, attn_bias)
         ctx.params = (causal, softmax_scale, window_left, window_right, softcap, layout, backend, alibi_slopes)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, attn_bias = ctx.saved_tensors
+        return_dbias = attn_bias is not None and ctx.needs_input_grad[11]
         # Gradients arriving from a sum() or an expand() are broadcast views (stride 0); one contiguous copy of
         # dout, the size of q, spares every backend that case.
-        dq, dk, dv = torch.ops.numba_flash.flash_bwd(dout.contiguous(), q, k, v, out, lse, *ctx.params)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        dq, dk, dv, dbias = torch.ops.numba_flash.flash_bwd(dout.contiguous(), q, k, v, out, lse, *ctx.params,
+                                                            attn_bias, return_dbias)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, dbias if return_dbias else None
 
 
 def _check_tensors(function: str, q: Any, k: Any, v: Any) -> None:
@@ -160,12 +172,13 @@ def flash_attn_func(
     layout: str = "bshd",
     return_lse: bool = False,
     backend: Optional[str] = None,
+    attn_bias: Optional[torch.Tensor] = None,
 ):
     """Exact attention on torch tensors, differentiable, computed by the backend the registry picks.
 
     The positional arguments and their defaults are flash-attn's ``flash_attn_func``, in its order, so code written
-    for flash-attn runs unchanged with ``from numba_flash import flash_attn_func``. ``layout``, ``return_lse`` and
-    ``backend`` are this library's and keyword-only.
+    for flash-attn runs unchanged with ``from numba_flash import flash_attn_func``. ``layout``, ``return_lse``,
+    ``backend`` and ``attn_bias`` are this library's and keyword-only.
 
     Grouped-query / multi-query attention is supported by passing K and V with fewer heads than Q: query head h
     reads key/value head ``h // (Hq // Hkv)``. Causal masking and the sliding window are aligned to the bottom-right
@@ -199,6 +212,9 @@ def flash_attn_func(
             partial results with ``numba_flash.merge_attention_states``).
         backend: keyword-only str or None. Force one backend ("cuda", "rocm", "cpu", ...); None lets the registry
             choose.
+        attn_bias: keyword-only, None or a tensor broadcastable to (batch_size, nheads, seqlen_q, seqlen_k),
+            float32 or q's dtype, on q's device: added to the scores after softcap; -inf hides a key. When it
+            requires grad, autograd gives it dbias (summed over the dimensions it was broadcast along).
 
     Returns:
         out: shaped like q, q's dtype and device, contiguous. Rows that see no key are 0.
@@ -215,7 +231,8 @@ def flash_attn_func(
         # when they run, and this Python-level check would only cost graph breaks.
         _check_tensors("flash_attn_func", q, k, v)
         validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                         softcap=softcap, layout=layout, return_lse=return_lse, alibi_slopes=alibi_slopes)
+                         softcap=softcap, layout=layout, return_lse=return_lse, alibi_slopes=alibi_slopes,
+                         attn_bias=attn_bias)
         if backend is None:
             # A backend forced with backend_registry.use() lives in a context variable of this thread, and autograd
             # may run the backward on a thread of its own (one per GPU): name it now so both halves use it.
@@ -223,7 +240,7 @@ def flash_attn_func(
     scale = None if softmax_scale is None else float(softmax_scale)
     left, right = (int(w) for w in window_size)
     out, lse = FlashAttnFunc.apply(q, k, v, bool(causal), scale, left, right, float(softcap), layout, backend,
-                                   alibi_slopes)
+                                   alibi_slopes, attn_bias)
     return (out, lse) if return_lse else out
 
 

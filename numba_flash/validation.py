@@ -65,6 +65,8 @@ class AttentionCall:
     extra: dict = field(default_factory=dict)
     packing: Any = None  # numba_flash.varlen.Packing for layout "thd", else None
     alibi: Any = None    # ALiBi slopes as a read-only float64 host array (B, Hq), else None
+    bias: Any = None     # ``Bias`` for attn_bias, else None
+    return_dbias: bool = False  # backward only: also return dbias, shaped like attn_bias
 
     @property
     def is_backward(self) -> bool:
@@ -111,6 +113,8 @@ class AttentionCall:
             parts.append(f"softcap={self.softcap:g}")
         if self.alibi is not None:
             parts.append("alibi")
+        if self.bias is not None:
+            parts.append(f"attn_bias{self.bias.shape}")
         parts.append("backward" if self.is_backward else "with_kvcache" if self.kvcache is not None else "forward")
         return " ".join(parts)
 
@@ -224,7 +228,7 @@ def validate_forward(
     q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str | None = None,
     return_lse: bool = False, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, max_seqlen_q: Any = None,
-    max_seqlen_k: Any = None, alibi_slopes: Any = None,
+    max_seqlen_k: Any = None, alibi_slopes: Any = None, attn_bias: Any = None,
 ) -> AttentionCall:
     """Check a forward call against the contract; raise ``AttentionInputError`` on the first violation.
 
@@ -232,7 +236,8 @@ def validate_forward(
     Packed sequences ["thd"]: q (total_q, Hq, D), k, v (total_k, Hkv, D), with ``cu_seqlens_q`` / ``cu_seqlens_k``
     (B + 1,) int32 prefix sums and optional ``max_seqlen_q`` / ``max_seqlen_k`` bounds (see ``numba_flash.varlen``).
     ``layout`` None means "thd" when cu_seqlens are given, else "bshd". ``alibi_slopes``: None, (Hq,) or (B, Hq),
-    finite, any float dtype, the array kind and device of q (read on the host).
+    finite, any float dtype, the array kind and device of q (read on the host). ``attn_bias``: None or an array
+    broadcastable to (B, Hq, Sq, Sk), float32 or q's dtype, the array kind and device of q (see ``check_bias``).
     """
     layout = resolve_layout(layout, cu_seqlens_q, cu_seqlens_k)
     causal, softmax_scale, window_size, softcap, layout, return_lse = _check_options(
@@ -266,10 +271,11 @@ def validate_forward(
     left, right = (clamp_window_bound(w, sq, sk) for w in effective_window(causal, window_size))
     softcap = effective_softcap(softcap, compute_dtype_name(qdt))
     alibi = check_alibi(alibi_slopes, qkind, qdev, batch, hq, layout)
+    bias = check_bias(attn_bias, infos["q"], (batch, hq, sq, sk), layout)
     return AttentionCall(q=q, k=k, v=v, kind=qkind, device=qdev, dtype=qdt, layout=layout, batch=batch,
                          seqlen_q=sq, seqlen_k=sk, nheads_q=hq, nheads_kv=hkv, head_dim=d, causal=causal,
                          softmax_scale=scale, window_left=left, window_right=right, softcap=softcap,
-                         return_lse=return_lse, packing=packing, alibi=alibi)
+                         return_lse=return_lse, packing=packing, alibi=alibi, bias=bias)
 
 
 def check_alibi(alibi_slopes: Any, kind: str, device: str, batch: int, nheads_q: int, layout: str) -> Any:
@@ -300,17 +306,61 @@ def check_alibi(alibi_slopes: Any, kind: str, device: str, batch: int, nheads_q:
     return slopes
 
 
+@dataclass(frozen=True)
+class Bias:
+    """A validated ``attn_bias``: ``array`` as the caller passed it (never copied or written), ``shape`` its shape
+    padded on the left with 1s to four dimensions, which broadcast to (B, Hq, Sq, Sk)."""
+
+    array: Any
+    shape: tuple[int, int, int, int]
+
+
+def check_bias(attn_bias: Any, q_info: tuple, full: tuple[int, int, int, int], layout: str) -> Bias | None:
+    """``attn_bias`` as a ``Bias``, or None; AttentionInputError naming attn_bias.
+
+    Broadcastable to ``full`` = (B, Hq, Sq, Sk) by numpy's rules (at most four dimensions, each of size 1 or the
+    full size), float32 or q's dtype, q's array kind and device. Its values are not read here: -inf hides a key,
+    and a NaN poisons its row, as the contract's non-finite rule says. Packed sequences do not take it yet."""
+    if attn_bias is None:
+        return None
+    _, qkind, _, qdt, qdev = q_info
+    what = f"an array broadcastable to (B, Hq, Sq, Sk) = {full}"
+    kind = array_kind(attn_bias)
+    if kind is None:
+        raise _bad("attn_bias", what, f"an object of type {type(attn_bias).__name__}")
+    if layout == "thd":
+        raise _bad("attn_bias", "None for packed sequences (attn_bias with layout 'thd' is not implemented yet)",
+                   f"shape {tuple(attn_bias.shape)}")
+    if kind == "torch":
+        attn_bias = _check_torch("attn_bias", attn_bias)
+    if kind != qkind or device_of(attn_bias) != qdev:
+        raise _bad("attn_bias", f"a {qkind} array on q's device ({qdev})", f"a {kind} array on {device_of(attn_bias)}")
+    shape = tuple(int(n) for n in attn_bias.shape)
+    padded = (1,) * (4 - len(shape)) + shape
+    if len(shape) > 4 or any(n not in (1, f) for n, f in zip(padded, full)):
+        raise _bad("attn_bias", what, f"shape {shape}")
+    dt = dtype_name(attn_bias)
+    if dt not in ("float32", qdt):
+        raise _bad("attn_bias", f"dtype float32 or q's dtype ({qdt})", f"dtype {dt}")
+    return Bias(attn_bias, padded)
+
+
 def validate_backward(
     dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: bool = False,
     softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     layout: str | None = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, max_seqlen_q: Any = None,
-    max_seqlen_k: Any = None, alibi_slopes: Any = None,
+    max_seqlen_k: Any = None, alibi_slopes: Any = None, attn_bias: Any = None, return_dbias: bool = False,
 ) -> AttentionCall:
     """Check a backward call. dout and out are shaped like q with q's dtype; lse is (B, Hq, Sq), or (Hq, total_q)
-    for packed sequences, float32 (float64 for float64 inputs), as the forward returned it."""
+    for packed sequences, float32 (float64 for float64 inputs), as the forward returned it. ``return_dbias``
+    needs ``attn_bias``."""
     call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                             softcap=softcap, layout=layout, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes)
+                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes,
+                            attn_bias=attn_bias)
+    return_dbias = _check_bool("return_dbias", return_dbias)
+    if return_dbias and call.bias is None:
+        raise _bad("return_dbias", "False when no attn_bias is given (dbias is the gradient of attn_bias)", True)
     layout = call.layout
     qshape = tuple(int(s) for s in q.shape)
     checked = {}
@@ -341,4 +391,5 @@ def validate_backward(
         raise _bad("lse", "dtype float32 (as the forward returns it)", f"dtype {ldt}")
     if device_of(lse) != call.device:
         raise _bad("lse", f"the device of q ({call.device})", f"device {device_of(lse)}")
-    return AttentionCall(**{**call.__dict__, "dout": checked["dout"], "out": checked["out"], "lse": lse})
+    return AttentionCall(**{**call.__dict__, "dout": checked["dout"], "out": checked["out"], "lse": lse,
+                            "return_dbias": return_dbias})
