@@ -23,7 +23,8 @@ class Backend:
     SUPPORTED_DTYPES: ClassVar[tuple[str, ...]] = ()
     # "thd" (packed sequences) only for backends that run them, e.g. through ``backends.varlen``
     SUPPORTED_LAYOUTS: ClassVar[tuple[str, ...]] = ("bshd", "bhsd")
-    SUPPORTED_MAX_HEAD_DIM: ClassVar[int] = 256
+    SUPPORTED_MAX_HEAD_DIM: ClassVar[int] = 256      # for q and k, and for v
+    SUPPORTS_HEAD_DIM_V: ClassVar[bool] = False      # v's head dim Dv different from q's and k's D
     SUPPORTS_WINDOW: ClassVar[bool] = True
     SUPPORTS_SOFTCAP: ClassVar[bool] = True
     SUPPORTS_BACKWARD: ClassVar[bool] = True
@@ -47,10 +48,21 @@ class Backend:
             reasons.append(f"{call.device} tensors not supported (runs on {', '.join(self.SUPPORTED_DEVICES)})")
         if self.SUPPORTED_DTYPES and call.dtype not in self.SUPPORTED_DTYPES:
             reasons.append(f"{call.dtype} not supported")
+        reasons.extend(self.feature_reasons(call))
+        if not reasons:
+            reasons.extend(self.unavailable_reasons(forced))
+        return reasons
+
+    def feature_reasons(self, call: AttentionCall) -> list[str]:
+        """Which of the call's features (layout, head dims, window, softcap, backward, ALiBi, attn_bias, KV cache)
+        the class attributes say this backend lacks; backends with their own kind and device checks call it too."""
+        reasons = []
         if call.layout not in self.SUPPORTED_LAYOUTS:
             reasons.append(f"layout {call.layout!r} not supported")
-        if call.head_dim > self.SUPPORTED_MAX_HEAD_DIM:
-            reasons.append(f"head dim {call.head_dim} > {self.SUPPORTED_MAX_HEAD_DIM}")
+        if max(call.head_dim, call.head_dim_v) > self.SUPPORTED_MAX_HEAD_DIM:
+            reasons.append(f"head dim {max(call.head_dim, call.head_dim_v)} > {self.SUPPORTED_MAX_HEAD_DIM}")
+        if call.head_dim_v != call.head_dim and not self.SUPPORTS_HEAD_DIM_V:
+            reasons.append(f"v's head dim Dv={call.head_dim_v} different from D={call.head_dim} not supported")
         if call.has_window and not self.SUPPORTS_WINDOW:
             reasons.append("sliding window not supported")
         if call.softcap and not self.SUPPORTS_SOFTCAP:
@@ -63,8 +75,6 @@ class Backend:
             reasons.append("attn_bias not supported")
         if call.kvcache is not None and not self.SUPPORTS_KVCACHE:
             reasons.append("KV cache (with_kvcache) not supported")
-        if not reasons:
-            reasons.extend(self.unavailable_reasons(forced))
         return reasons
 
     def notes(self, call: AttentionCall) -> list[str]:

@@ -359,10 +359,7 @@ class CudaBackend(Backend):
             reasons.append(BF16_HOST_REASON)
         elif call.dtype == "bfloat16" and call.kind == "cuda_array":
             reasons.append(BF16_CAI_REASON)
-        if call.head_dim > self.SUPPORTED_MAX_HEAD_DIM:
-            reasons.append(f"head dim {call.head_dim} > {self.SUPPORTED_MAX_HEAD_DIM}")
-        if call.alibi is not None:
-            reasons.append("ALiBi not supported")
+        reasons.extend(self.feature_reasons(call))
         if call.kvcache is not None and call.kind not in ("numpy", "torch"):
             reasons.append("KV cache only as torch tensors or numpy arrays (the append writes through them)")
         if not reasons:

@@ -310,16 +310,17 @@ def _blockwise_into(careful: bool) -> Any:
 def forward_blockwise(q: Any, k: Any, v: Any, call: AttentionCall, careful: bool = True) -> tuple[Any, Any]:
     """Blockwise online-softmax forward.
 
-    q: (B, Sq, Hq, D) ["bshd"] or (B, Hq, Sq, D) ["bhsd"]; k, v: (B, Sk, Hkv, D) or (B, Hkv, Sk, D); torch
-    tensors of one dtype on one device, any strides. Returns out shaped like q, contiguous, q's dtype, and lse
+    q: (B, Sq, Hq, D) ["bshd"] or (B, Hq, Sq, D) ["bhsd"]; k: (B, Sk, Hkv, D) or (B, Hkv, Sk, D); v likewise with
+    head dim Dv; torch tensors of one dtype on one device, any strides. Returns out shaped like q with head dim Dv,
+    contiguous, q's dtype, and lse
     (B, Hq, Sq) float32 (float64 for float64 inputs), +inf for rows that see no key, NaN for poisoned rows.
     ``careful=False`` skips the non-finite handling, for inputs known to be ``_clean``.
     """
     import torch
 
     cdt = _compute_dtype(q.dtype)
-    B, Hkv, D, g = call.batch, call.nheads_kv, call.head_dim, call.group_size
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    B, Hkv, D, Dv, g = call.batch, call.nheads_kv, call.head_dim, call.head_dim_v, call.group_size
+    out = torch.empty(q.shape[:-1] + (Dv,), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, call.nheads_q, call.seqlen_q), dtype=cdt, device=q.device)
     qv, ov, lv = _grouped_view(q, call.layout, Hkv), _grouped_view(out, call.layout, Hkv), _lse_view(lse, Hkv)
     kv, vv = _heads_view(k, call.layout), _heads_view(v, call.layout)
@@ -333,7 +334,7 @@ def forward_blockwise(q: Any, k: Any, v: Any, call: AttentionCall, careful: bool
         qb = (qv[:, :, q0:q1].to(cdt) * call.softmax_scale).reshape(B, Hkv, rows, D)
         m = torch.full((B, Hkv, rows), float("-inf"), dtype=cdt, device=q.device)
         l = torch.zeros((B, Hkv, rows), dtype=cdt, device=q.device)
-        acc = torch.zeros((B, Hkv, rows, D), dtype=cdt, device=q.device)
+        acc = torch.zeros((B, Hkv, rows, Dv), dtype=cdt, device=q.device)
         for k0, k1, need_mask in band.key_blocks(q0, q1, block_k):
             s, _ = _scores(qb, kv[:, :, k0:k1].to(cdt), call, band, q0, q1, k0, k1, need_mask, careful, alibi, bias)
             # amax and maximum propagate NaN: a poisoned row's max, sum and accumulator become NaN and stay so.
@@ -358,7 +359,7 @@ def forward_blockwise(q: Any, k: Any, v: Any, call: AttentionCall, careful: bool
         o = acc / l_safe[..., None]
         if careful:
             _nan_if_not_finite_(o.masked_fill_(poisoned[..., None], float("nan")))
-        ov[:, :, q0:q1] = o.view(B, Hkv, q1 - q0, g, D)
+        ov[:, :, q0:q1] = o.view(B, Hkv, q1 - q0, g, Dv)
         m_fin = m.masked_fill(~seen, 0.0)
         row_lse = torch.where(seen, m_fin + torch.log(l_safe), float("inf")).masked_fill_(poisoned, float("nan"))
         lv[:, :, q0:q1] = row_lse.view(B, Hkv, q1 - q0, g)
@@ -378,11 +379,11 @@ def backward_blockwise(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
     import torch
 
     cdt = _compute_dtype(q.dtype)
-    B, Hkv, D, g = call.batch, call.nheads_kv, call.head_dim, call.group_size
+    B, Hkv, D, Dv, g = call.batch, call.nheads_kv, call.head_dim, call.head_dim_v, call.group_size
     dev = q.device
     dq = torch.empty(q.shape, dtype=q.dtype, device=dev)
     dk_acc = torch.zeros((B, Hkv, call.seqlen_k, D), dtype=cdt, device=dev)
-    dv_acc = torch.zeros((B, Hkv, call.seqlen_k, D), dtype=cdt, device=dev)
+    dv_acc = torch.zeros((B, Hkv, call.seqlen_k, Dv), dtype=cdt, device=dev)
     qv, dqv = _grouped_view(q, call.layout, Hkv), _grouped_view(dq, call.layout, Hkv)
     dov, ov = _grouped_view(dout, call.layout, Hkv), _grouped_view(out, call.layout, Hkv)
     lv = _lse_view(lse, Hkv)
@@ -396,8 +397,8 @@ def backward_blockwise(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
         q1 = min(q0 + block_q, call.seqlen_q)
         rows = (q1 - q0) * g
         qb = (qv[:, :, q0:q1].to(cdt) * call.softmax_scale).reshape(B, Hkv, rows, D)
-        dob = dov[:, :, q0:q1].to(cdt).reshape(B, Hkv, rows, D)
-        delta = (dob * ov[:, :, q0:q1].to(cdt).reshape(B, Hkv, rows, D)).sum(dim=-1)
+        dob = dov[:, :, q0:q1].to(cdt).reshape(B, Hkv, rows, Dv)
+        delta = (dob * ov[:, :, q0:q1].to(cdt).reshape(B, Hkv, rows, Dv)).sum(dim=-1)
         lse_b = lv[:, :, q0:q1].to(cdt).reshape(B, Hkv, rows)
         dq_acc = torch.zeros((B, Hkv, rows, D), dtype=cdt, device=dev)
         for k0, k1, need_mask in band.key_blocks(q0, q1, block_k):
@@ -453,6 +454,8 @@ class RocmBackend(Backend):
     SUPPORTS_KVCACHE = True
     SUPPORTS_ALIBI = True
     SUPPORTS_BIAS = True
+    SUPPORTED_MAX_HEAD_DIM = 576
+    SUPPORTS_HEAD_DIM_V = True
 
     def unavailable_reasons(self, forced: bool = False) -> list[str]:
         if forced:
@@ -534,7 +537,7 @@ class RocmBackend(Backend):
         copied into the packed out (total_q, Hq, D) and lse (Hq, total_q)."""
         import torch
 
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape[:-1] + (call.head_dim_v,), dtype=q.dtype, device=q.device)
         lse = torch.empty(call.lse_shape, dtype=_compute_dtype(q.dtype), device=q.device)
         varlen.forward(call, _blockwise_into(careful), q, k, v, out, lse)
         return _to_kind(call.q, out), _to_kind(call.q, lse)

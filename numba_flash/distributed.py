@@ -327,6 +327,9 @@ def ring_attention(
                    _short_repr(window_size))
     validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap, layout="bshd",
                      return_lse=return_lse)
+    if v.shape[-1] != q.shape[-1]:
+        raise _bad("v", f"q's head dim {q.shape[-1]} (ring_attention does not take a different Dv yet)",
+                   f"head dim {v.shape[-1]}")
     if causal:
         if k.shape[1] != q.shape[1]:
             raise _bad("k", f"the local sequence length of q ({q.shape[1]}) for causal ring attention "

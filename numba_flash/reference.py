@@ -161,13 +161,14 @@ def attention_ref(
 
     Arguments:
         q: (B, Sq, Hq, D) for layout "bshd", (B, Hq, Sq, D) for "bhsd"; any float dtype, any array kind.
-        k, v: (B, Sk, Hkv, D) / (B, Hkv, Sk, D), with Hq % Hkv == 0.
+        k: (B, Sk, Hkv, D) / (B, Hkv, Sk, D), with Hq % Hkv == 0.
+        v: (B, Sk, Hkv, Dv) / (B, Hkv, Sk, Dv): its head dim may differ from D (MLA: D = 576, Dv = 512).
         attn_bias: None or an array broadcastable to (B, Hq, Sq, Sk), added to the scores after softcap. A -inf
             entry hides that key from that row, as a mask does (a row whose keys are all hidden sees none: out 0,
             lse +inf); NaN or +inf poisons the row where the key is visible.
         alibi_slopes: None, (Hq,) or (B, Hq): adds ``-slope[h] * |i + Sk - Sq - j|`` (flash-attn's ALiBi).
     Returns:
-        out: float64, shaped like q.
+        out: float64, shaped like q with head dim Dv.
         lse: (B, Hq, Sq) float64, natural log of the sum of exp(score) over visible keys; +inf for a row that sees
             no key, NaN for a row poisoned by a non-finite score (see the module docstring).
     """
@@ -179,7 +180,7 @@ def attention_ref(
     mask = visible_mask(sq, sk, left, right)
     group = hq // hkv
     bias, alibi = _bias_inputs(attn_bias, alibi_slopes, (batch, hq, sq, sk))
-    out = np.zeros((batch, sq, hq, d))
+    out = np.zeros((batch, sq, hq, vb.shape[3]))
     lse = np.full((batch, hq, sq), np.inf)
     with np.errstate(**_QUIET):
         for b in range(batch):
@@ -197,7 +198,7 @@ def attention_ref_backward(
 ) -> tuple[np.ndarray, ...]:
     """Gradients of ``sum(attention_ref(q, k, v) * dout)`` in float64.
 
-    Arguments are shaped as in ``attention_ref``; dout is shaped like q.
+    Arguments are shaped as in ``attention_ref``; dout is shaped like the output (q with head dim Dv).
     Returns dq, dk, dv (float64), shaped like q, k, v; with GQA, dk and dv are summed over each group's query heads.
     With ``return_dbias`` also dbias, shaped like ``attn_bias`` (summed over the dimensions it was broadcast along).
     """
@@ -259,7 +260,7 @@ def attention_ref_varlen(
     scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
     mask = packed_visible_mask(to_numpy(cu_seqlens_q), to_numpy(cu_seqlens_k), *effective_window(causal, window_size))
     group = hq // hkv
-    out = np.zeros((total_q, hq, d))
+    out = np.zeros((total_q, hq, vp.shape[2]))
     lse = np.full((hq, total_q), np.inf)
     with np.errstate(**_QUIET):
         for h in range(hq):
@@ -368,7 +369,7 @@ def attention_ref_kvcache(
             for t in range(s_new):
                 kc[slot(b, int(lens[b]) + t)] = kn[b, t]
                 vc[slot(b, int(lens[b]) + t)] = vn[b, t]
-    out = np.zeros((batch, sq, hq, d))
+    out = np.zeros((batch, sq, hq, vb.shape[3]))
     lse = np.full((batch, hq, sq), np.inf)
     for b in range(batch):
         positions = range(int(starts[b]), int(lens[b]) + s_new)

@@ -54,8 +54,8 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
               window_left: int, window_right: int, softcap: float, layout: str, backend: Optional[str],
               alibi_slopes: Optional[torch.Tensor] = None,
               attn_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward through the registry. Returns out (shaped like q, q's dtype, contiguous) and lse (B, Hq, Sq)
-    float32 (float64 for float64 inputs), contiguous."""
+    """Forward through the registry. Returns out (shaped like q with v's head dim, q's dtype, contiguous) and lse
+    (B, Hq, Sq) float32 (float64 for float64 inputs), contiguous."""
     out, lse = backend_registry.get("flash").forward(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
         softcap=softcap, layout=layout, return_lse=True, backend=backend, alibi_slopes=alibi_slopes,
@@ -67,7 +67,7 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
 def _flash_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, softcap, layout, backend,
                     alibi_slopes=None, attn_bias=None):
     hq, sq = _q_heads_seq(q, layout)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], hq, sq), dtype=_lse_dtype(q.dtype), device=q.device)
     return out, lse
 
@@ -194,7 +194,8 @@ def flash_attn_func(
             "bhsd"; float16, bfloat16, float32 or float64; any device the chosen backend serves; any strides.
         k: (batch_size, seqlen_k, nheads_k, headdim) for "bshd", (batch_size, nheads_k, seqlen_k, headdim) for
             "bhsd"; nheads % nheads_k == 0; q's dtype and device.
-        v: shaped like k.
+        v: shaped like k, except that its head dim may differ (up to 512; q and k up to 576) on backends that
+            support it (the torch path today).
         dropout_p: float in [0, 1). Only 0.0 is implemented yet; any other value raises AttentionInputError.
         softmax_scale: float > 0. Scaling of q k^T before the softmax; default 1 / sqrt(headdim).
         causal: bool. Mask keys after the query's bottom-right-aligned diagonal (same as window_size[1] = 0).
@@ -217,7 +218,7 @@ def flash_attn_func(
             requires grad, autograd gives it dbias (summed over the dimensions it was broadcast along).
 
     Returns:
-        out: shaped like q, q's dtype and device, contiguous. Rows that see no key are 0.
+        out: shaped like q but with v's head dim, q's dtype and device, contiguous. Rows that see no key are 0.
         lse [only if return_lse]: (batch_size, nheads, seqlen_q), float32 (float64 for float64 inputs): the natural
             log of the sum of exp(score) over the visible keys; +inf for a row that sees no key. Not differentiable.
 
@@ -265,7 +266,7 @@ def flash_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 @flash_varlen_fwd.register_fake
 def _flash_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                            window_left, window_right, softcap, backend):
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q.dtype), device=q.device)
     return out, lse
 

@@ -23,12 +23,13 @@ from .varlen import check_arguments, check_packing
 
 LAYOUTS = ("bshd", "bhsd", "thd")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 576    # q and k (MLA's 512 + 64 rotary dims)
+MAX_HEAD_DIM_V = 512  # v, and so the output
 
 _DIM_NAMES = {
-    "bshd": {"q": "(B, Sq, Hq, D)", "k": "(B, Sk, Hkv, D)", "v": "(B, Sk, Hkv, D)"},
-    "bhsd": {"q": "(B, Hq, Sq, D)", "k": "(B, Hkv, Sk, D)", "v": "(B, Hkv, Sk, D)"},
-    "thd": {"q": "(total_q, Hq, D)", "k": "(total_k, Hkv, D)", "v": "(total_k, Hkv, D)"},
+    "bshd": {"q": "(B, Sq, Hq, D)", "k": "(B, Sk, Hkv, D)", "v": "(B, Sk, Hkv, Dv)"},
+    "bhsd": {"q": "(B, Hq, Sq, D)", "k": "(B, Hkv, Sk, D)", "v": "(B, Hkv, Sk, Dv)"},
+    "thd": {"q": "(total_q, Hq, D)", "k": "(total_k, Hkv, D)", "v": "(total_k, Hkv, Dv)"},
 }
 
 
@@ -67,6 +68,11 @@ class AttentionCall:
     alibi: Any = None    # ALiBi slopes as a read-only float64 host array (B, Hq), else None
     bias: Any = None     # ``Bias`` for attn_bias, else None
     return_dbias: bool = False  # backward only: also return dbias, shaped like attn_bias
+    head_dim_v: int = 0  # Dv, v's head dim and the output's; 0 (the default) means D
+
+    def __post_init__(self) -> None:
+        if self.head_dim_v == 0:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
 
     @property
     def is_backward(self) -> bool:
@@ -104,7 +110,8 @@ class AttentionCall:
         else:
             sizes = f"B={self.batch} Sq={self.seqlen_q} Sk={self.seqlen_k}"
         parts = [f"{self.kind}/{self.device}", self.dtype, self.layout,
-                 f"{sizes} Hq={self.nheads_q} Hkv={self.nheads_kv} D={self.head_dim}"]
+                 f"{sizes} Hq={self.nheads_q} Hkv={self.nheads_kv} D={self.head_dim}"
+                 + (f" Dv={self.head_dim_v}" if self.head_dim_v != self.head_dim else "")]
         if self.causal:
             parts.append("causal")
         if self.has_window:
@@ -247,8 +254,8 @@ def validate_forward(
     (q, qkind, qshape, qdt, qdev), (k, _, kshape, _, _), (v, _, vshape, _, _) = infos["q"], infos["k"], infos["v"]
     for name in ("k", "v"):
         check_same_as_q(name, infos[name], infos["q"])
-    if vshape != kshape:
-        raise _bad("v", f"the same shape as k {kshape}", f"shape {vshape}")
+    if vshape[:-1] != kshape[:-1]:
+        raise _bad("v", f"the shape of k {kshape} but for the head dim", f"shape {vshape}")
     packing = None
     if layout == "thd":
         packing = check_packing(qshape[0], kshape[0], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -264,6 +271,8 @@ def validate_forward(
         raise _bad("k", f"head dim {d} like q", f"head dim {kshape[-1]} (shape {kshape})")
     if d > MAX_HEAD_DIM:
         raise _bad("q", f"head dim D between 1 and {MAX_HEAD_DIM}", f"D={d} (shape {qshape})")
+    if vshape[-1] > MAX_HEAD_DIM_V:
+        raise _bad("v", f"head dim Dv between 1 and {MAX_HEAD_DIM_V}", f"Dv={vshape[-1]} (shape {vshape})")
     if hq % hkv != 0:
         raise _bad("k", f"a number of heads that divides q's {hq} (grouped-query attention)",
                    f"Hkv={hkv} (shape {kshape})")
@@ -275,7 +284,7 @@ def validate_forward(
     return AttentionCall(q=q, k=k, v=v, kind=qkind, device=qdev, dtype=qdt, layout=layout, batch=batch,
                          seqlen_q=sq, seqlen_k=sk, nheads_q=hq, nheads_kv=hkv, head_dim=d, causal=causal,
                          softmax_scale=scale, window_left=left, window_right=right, softcap=softcap,
-                         return_lse=return_lse, packing=packing, alibi=alibi, bias=bias)
+                         return_lse=return_lse, packing=packing, alibi=alibi, bias=bias, head_dim_v=vshape[-1])
 
 
 def check_alibi(alibi_slopes: Any, kind: str, device: str, batch: int, nheads_q: int, layout: str) -> Any:
@@ -351,7 +360,7 @@ def validate_backward(
     layout: str | None = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, max_seqlen_q: Any = None,
     max_seqlen_k: Any = None, alibi_slopes: Any = None, attn_bias: Any = None, return_dbias: bool = False,
 ) -> AttentionCall:
-    """Check a backward call. dout and out are shaped like q with q's dtype; lse is (B, Hq, Sq), or (Hq, total_q)
+    """Check a backward call. dout and out are shaped like q but with v's head dim Dv, q's dtype; lse is (B, Hq, Sq), or (Hq, total_q)
     for packed sequences, float32 (float64 for float64 inputs), as the forward returned it. ``return_dbias``
     needs ``attn_bias``."""
     call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
@@ -363,13 +372,15 @@ def validate_backward(
         raise _bad("return_dbias", "False when no attn_bias is given (dbias is the gradient of attn_bias)", True)
     layout = call.layout
     qshape = tuple(int(s) for s in q.shape)
+    oshape = qshape[:-1] + (call.head_dim_v,)
     checked = {}
     for name, x in (("dout", dout), ("out", out)):
         checked[name], kind, shape, dt, dev = _check_array(name, x, layout)
         if kind != call.kind:
             raise _bad(name, f"the same array kind as q ({call.kind})", kind)
-        if shape != qshape:
-            raise _bad(name, f"the shape of q {qshape}", f"shape {shape}")
+        if shape != oshape:
+            what = f"the shape of q {qshape}" if oshape == qshape else f"q's shape with v's head dim, {oshape}"
+            raise _bad(name, what, f"shape {shape}")
         if dt != call.dtype:
             raise _bad(name, f"the dtype of q ({call.dtype})", f"dtype {dt}")
         if dev != call.device:

@@ -92,7 +92,7 @@ def make_cases(config: str | None = None, *, batch: int | None = None, nheads: i
     if nheads % nheads_kv:
         raise BenchArgumentError(f"nheads {nheads} must be a multiple of nheads_kv {nheads_kv}")
     if headdim > MAX_HEAD_DIM:
-        raise BenchArgumentError(f"headdim {headdim} is larger than {MAX_HEAD_DIM}, the most any backend supports")
+        raise BenchArgumentError(f"headdim {headdim} is larger than {MAX_HEAD_DIM}, the most every benchmarked backend supports")
     name = config or ("custom" if custom else DEFAULT_CONFIG)
     return [Case(name, int(batch), int(nheads), int(nheads_kv), int(sl), int(headdim), bool(causal), DTYPES[dtype],
                  layout) for sl in (seqlens or [s])]

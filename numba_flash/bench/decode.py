@@ -75,7 +75,7 @@ def make_decode_cases(batch: int | None = None, nheads: int | None = None, nhead
     if hq % hkv:
         raise BenchArgumentError(f"nheads {hq} must be a multiple of nheads_kv {hkv}")
     if d > MAX_HEAD_DIM:
-        raise BenchArgumentError(f"headdim {d} is larger than {MAX_HEAD_DIM}, the most any backend supports")
+        raise BenchArgumentError(f"headdim {d} is larger than {MAX_HEAD_DIM}, the most every benchmarked backend supports")
     lens = list(cache_lens or DEFAULT_CACHE_LENS)
     if any(int(x) < 1 for x in lens):
         raise BenchArgumentError(f"cache_lens: expected positive lengths, got {lens}")

@@ -90,7 +90,7 @@ def make_varlen_case(rng: np.random.Generator, total_tokens: int | None = None, 
     if hq % hkv:
         raise BenchArgumentError(f"nheads {hq} must be a multiple of nheads_kv {hkv}")
     if d > MAX_HEAD_DIM:
-        raise BenchArgumentError(f"headdim {d} is larger than {MAX_HEAD_DIM}, the most any backend supports")
+        raise BenchArgumentError(f"headdim {d} is larger than {MAX_HEAD_DIM}, the most every benchmarked backend supports")
     lens = draw_lengths(total_tokens or DEFAULT_TOTAL_TOKENS, rng)
     return VarlenCase(tuple(lens), int(hq), int(hkv), int(d), DTYPES[dtype], bool(causal))
 

@@ -94,8 +94,15 @@ def test_empty_dimension(rng):
 
 def test_v_shape_differs_from_k(rng):
     q, k, v = _qkv(rng)
-    _raises(r"^v: expected the same shape as k \(2, 7, 2, 8\), got shape \(2, 6, 2, 8\)", validate_forward,
-            q, k, v[:, :6])
+    _raises(r"^v: expected the shape of k \(2, 7, 2, 8\) but for the head dim, got shape \(2, 6, 2, 8\)",
+            validate_forward, q, k, v[:, :6])
+    # only the head dim may differ (MLA); out and dout then take v's
+    call = validate_forward(q, k, v[..., :3])
+    assert (call.head_dim, call.head_dim_v) == (8, 3)
+    out = np.zeros(q.shape[:-1] + (3,), np.float32)
+    lse = np.zeros((2, 4, 5), np.float32)
+    _raises(r"^dout: expected q's shape with v's head dim, \(2, 5, 4, 3\), got shape \(2, 5, 4, 8\)",
+            validate_backward, q, q, k, v[..., :3], out, lse)
 
 
 def test_batch_mismatch(rng):
@@ -109,8 +116,10 @@ def test_head_dim_mismatch(rng):
 
 
 def test_head_dim_too_large(rng):
-    q, k, v = _qkv(rng, d=257)
-    _raises(r"^q: expected head dim D between 1 and 256, got D=257", validate_forward, q, k, v)
+    q, k, v = _qkv(rng, sq=1, sk=1, d=577)
+    _raises(r"^q: expected head dim D between 1 and 576, got D=577", validate_forward, q, k, v)
+    _raises(r"^v: expected head dim Dv between 1 and 512, got Dv=513", validate_forward, q[..., :576], k[..., :576],
+            np.concatenate([v, v], axis=-1)[..., :513])
 
 
 def test_heads_not_divisible(rng):
