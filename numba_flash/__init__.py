@@ -19,6 +19,7 @@ from typing import Any
 
 from .errors import AttentionInputError, NoBackendError
 from .merge import merge_attention_states
+from .mods import BlockMask, block_mask
 from .reference import (attention_ref, attention_ref_backward, attention_ref_kvcache, attention_ref_varlen,
                         attention_ref_varlen_backward)
 from .validation import AttentionCall, validate_backward, validate_forward
@@ -35,6 +36,8 @@ __all__ = [
     "attention_ref_varlen",
     "attention_ref_varlen_backward",
     "merge_attention_states",
+    "block_mask",
+    "BlockMask",
     "validate_forward",
     "validate_backward",
     "flash_attn_func",

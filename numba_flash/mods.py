@@ -1,0 +1,187 @@
+"""User-written score modifications, FlexAttention's idea without torch.compile: plain Python functions of the
+element's indices that numba compiles.
+
+    bias_mod(b, h, q_idx, kv_idx) -> float           added to the score (after softcap, with attn_bias and ALiBi)
+    mask_mod(b, h, q_idx, kv_idx) -> bool            False hides the key from that query row
+    score_mod(score, b, h, q_idx, kv_idx) -> float   any change of the (biased) score
+    score_mod_grad(score, b, h, q_idx, kv_idx) -> float   d score_mod / d score, which the backward needs
+
+``b`` is the batch index, ``h`` the query head, ``q_idx`` and ``kv_idx`` the positions in the sequences (int64);
+``score`` is float64. A mod may read global numpy arrays (document ids, a per-head table) and call other
+``numba.njit`` functions. numba freezes a function's global arrays when it compiles it, and compiled mods are kept
+per function object: to change a table, build a new function (a factory that returns a closure), do not edit the
+array in place.
+
+``compile_mod`` checks a mod once (``AttentionInputError`` naming the argument and numba's reason when numba cannot
+compile it), ``evaluate_block`` evaluates one over a block of indices, and ``block_mask`` precomputes which tiles a
+mask_mod hides entirely (skipped), shows entirely (run without per-element mask work) or partly, as FlexAttention's
+``create_block_mask`` does.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+from numba import njit, prange, types
+
+from .errors import AttentionInputError
+
+EMPTY, PARTIAL, FULL = 0, 1, 2  # tile states in a BlockMask
+
+_INDEX = (types.int64,) * 4
+SIGNATURES = {
+    "bias_mod": types.float64(*_INDEX),
+    "mask_mod": types.boolean(*_INDEX),
+    "score_mod": types.float64(types.float64, *_INDEX),
+    "score_mod_grad": types.float64(types.float64, *_INDEX),
+}
+ARGUMENTS = {"bias_mod": "(b, h, q_idx, kv_idx) -> float", "mask_mod": "(b, h, q_idx, kv_idx) -> bool",
+             "score_mod": "(score, b, h, q_idx, kv_idx) -> float",
+             "score_mod_grad": "(score, b, h, q_idx, kv_idx) -> float"}
+
+_compiled: dict[tuple[Any, str], Any] = {}
+_lock = threading.Lock()
+
+
+def compile_mod(fn: Any, name: str) -> Any:
+    """``fn`` compiled by numba for the role ``name`` ("bias_mod", "mask_mod", "score_mod" or "score_mod_grad"):
+    a ``numba.njit`` dispatcher with the role's signature. Compiled once per function object (a function already
+    decorated with ``numba.njit`` is used as it is). ``AttentionInputError`` names the argument and gives numba's
+    reason when ``fn`` is not callable or numba cannot compile it."""
+    if not callable(fn):
+        raise AttentionInputError(f"{name}: expected a function {ARGUMENTS[name]}, got {type(fn).__name__}")
+    key = (fn, name)
+    with _lock:
+        hit = _compiled.get(key)
+    if hit is not None:
+        return hit
+    from numba.core.registry import CPUDispatcher
+
+    label = getattr(fn, "__qualname__", None) or repr(fn)
+    try:
+        disp = fn if isinstance(fn, CPUDispatcher) else njit(fn)
+        disp.compile(SIGNATURES[name])
+    except Exception as exc:  # numba raises TypingError, UnsupportedError, NotImplementedError, ...
+        reason = str(exc).strip().splitlines()
+        short = " ".join(line.strip() for line in reason[:6] if line.strip())
+        raise AttentionInputError(
+            f"{name}: expected a function {ARGUMENTS[name]} that numba can compile; numba could not compile "
+            f"{label}: {type(exc).__name__}: {short}") from exc
+    with _lock:
+        _compiled[key] = disp
+    return disp
+
+
+@njit(parallel=True)
+def _index_block(fn, out, b0, h0, q0, k0):
+    nb, nh, nq, nk = out.shape
+    for t in prange(nb * nh * nq):
+        b, h, i = t // (nh * nq), (t // nq) % nh, t % nq
+        for j in range(nk):
+            out[b, h, i, j] = fn(b0 + b, h0 + h, q0 + i, k0 + j)
+
+
+@njit(parallel=True)
+def _score_block(fn, scores, out, b0, h0, q0, k0):
+    nb, nh, nq, nk = out.shape
+    for t in prange(nb * nh * nq):
+        b, h, i = t // (nh * nq), (t // nq) % nh, t % nq
+        for j in range(nk):
+            out[b, h, i, j] = fn(scores[b, h, i, j], b0 + b, h0 + h, q0 + i, k0 + j)
+
+
+def evaluate_block(fn: Any, name: str, batches: range, heads: range, rows: range, keys: range,
+                   scores: np.ndarray | None = None) -> np.ndarray:
+    """A compiled mod (``compile_mod``) at every (b, h, q_idx, kv_idx) of the block: (len(batches), len(heads),
+    len(rows), len(keys)), float64 (bool for a mask_mod). The index ranges have step 1. score_mod and
+    score_mod_grad take ``scores``, float64 of that shape, as their first argument."""
+    shape = (len(batches), len(heads), len(rows), len(keys))
+    out = np.empty(shape, dtype=np.bool_ if name == "mask_mod" else np.float64)
+    if 0 in shape:
+        return out
+    starts = (batches.start, heads.start, rows.start, keys.start)
+    if name in ("score_mod", "score_mod_grad"):
+        _score_block(fn, np.ascontiguousarray(scores, dtype=np.float64), out, *starts)
+    else:
+        _index_block(fn, out, *starts)
+    return out
+
+
+@njit(parallel=True)
+def _tile_states(fn, states, seqlen_q, seqlen_k, block_m, block_n):
+    nb, nh, nqt, nkt = states.shape
+    for t in prange(nb * nh * nqt):
+        b, h, qt = t // (nh * nqt), (t // nqt) % nh, t % nqt
+        q0 = qt * block_m
+        q1 = min(q0 + block_m, seqlen_q)
+        for kt in range(nkt):
+            k0 = kt * block_n
+            k1 = min(k0 + block_n, seqlen_k)
+            seen = 0
+            for i in range(q0, q1):
+                for j in range(k0, k1):
+                    if fn(b, h, i, j):
+                        seen += 1
+            total = (q1 - q0) * (k1 - k0)
+            states[b, h, qt, kt] = 0 if seen == 0 else (2 if seen == total else 1)
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """Which (block_m x block_n) tiles of each (b, h) score matrix a mask_mod hides: ``states`` int8
+    (B, H, ceil(Sq / block_m), ceil(Sk / block_n)) of EMPTY (0: every key hidden, the tile is skipped), PARTIAL (1)
+    or FULL (2: every key visible, no per-element mask work). B or H of 1 means the mask does not depend on it
+    (it was evaluated at b = 0 or h = 0) and serves every batch or head."""
+
+    mask_mod: Callable
+    states: np.ndarray
+    seqlen_q: int
+    seqlen_k: int
+    block_m: int
+    block_n: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(B, H, Sq, Sk) the mask was built for."""
+        return (self.states.shape[0], self.states.shape[1], self.seqlen_q, self.seqlen_k)
+
+    def visible_fraction(self) -> float:
+        """The share of tiles that are not skipped (FULL or PARTIAL), what the kernels' cost follows."""
+        return float((self.states != EMPTY).mean())
+
+    def tile(self, b: int, h: int, i: int, j: int) -> int:
+        """The state of the tile holding score (i, j) of batch b, query head h (broadcast over B or H of 1)."""
+        nb, nh = self.states.shape[:2]
+        return int(self.states[b if nb > 1 else 0, h if nh > 1 else 0, i // self.block_m, j // self.block_n])
+
+    def __repr__(self) -> str:
+        counts = [int((self.states == s).sum()) for s in (EMPTY, PARTIAL, FULL)]
+        return (f"BlockMask(shape={self.shape}, block=({self.block_m}, {self.block_n}), tiles: {counts[0]} empty, "
+                f"{counts[1]} partial, {counts[2]} full; {self.visible_fraction():.1%} of tiles run)")
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise AttentionInputError(f"{name}: expected an int >= 1, got {value!r}")
+    return int(value)
+
+
+def block_mask(mask_mod: Callable, B: int, H: int, Sq: int, Sk: int, block_m: int = 64,
+               block_n: int = 64) -> BlockMask:
+    """Evaluate ``mask_mod(b, h, q_idx, kv_idx)`` once over the whole (B, H, Sq, Sk) grid and record, per tile,
+    whether it hides every key, shows every key or some. Pass B = 1 or H = 1 when the mask does not depend on the
+    batch or the head (evaluated at 0, it then serves all). Cost: one mask_mod call per element, in parallel; the
+    result is (B, H, ceil(Sq / block_m), ceil(Sk / block_n)) bytes, reusable across calls and layers."""
+    dims = [_positive_int(n, v) for n, v in (("B", B), ("H", H), ("Sq", Sq), ("Sk", Sk), ("block_m", block_m),
+                                             ("block_n", block_n))]
+    b, h, sq, sk, bm, bn = dims
+    fn = compile_mod(mask_mod, "mask_mod")
+    states = np.empty((b, h, -(-sq // bm), -(-sk // bn)), dtype=np.int8)
+    _tile_states(fn, states, sq, sk, bm, bn)
+    return BlockMask(mask_mod, states, sq, sk, bm, bn)
+
+
+__all__ = ["BlockMask", "block_mask", "compile_mod", "evaluate_block", "EMPTY", "PARTIAL", "FULL"]
