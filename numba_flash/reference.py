@@ -13,8 +13,11 @@ hidden:
 * Every non-finite result (out, dq, dk, dv) is reported as NaN; lse is NaN for a poisoned row and +inf for a row
   that sees no key (which stays 0 whatever its q holds: it reads nothing).
 
-An additive bias (``attn_bias``, ALiBi) enters after softcap; a -inf bias hides its key exactly as a mask does, so
-a row whose keys are all hidden sees nothing. ``attention_ref_backward(..., return_dbias=True)`` gives its gradient.
+An additive bias (``attn_bias``, ALiBi, ``bias_mod``) enters after softcap, then ``score_mod``; a -inf bias, or a
+score_mod that turns a finite score into -inf, hides its key exactly as a mask (``mask_mod`` too) does, so a row
+whose keys are all hidden sees nothing. ``attention_ref_backward(..., return_dbias=True)`` gives the bias's
+gradient. The mods (``numba_flash.mods``) are called here as the plain Python functions they are, one element at a
+time, never through numba.
 
 Packed sequences (layout "thd") have functions of their own, ``attention_ref_varlen`` and its backward: the same
 rules hold within each sequence, and nothing crosses from one sequence to another.
@@ -69,15 +72,22 @@ def _visible_matmul(a: np.ndarray, b: np.ndarray, vis: np.ndarray) -> np.ndarray
     return res
 
 
-def _probabilities(qh, kh, scale, softcap, mask, bias=None):
-    """(P, d score / d raw, poisoned rows, m, total, mask): P (Sq, Sk) normalised, 0 where a row does not see a key
-    and NaN where a poisoned row does; m and total are the max and the sum of exp(s - m) of the rows that are not.
-    ``bias`` (Sq, Sk) is added after softcap; where it is -inf the key is hidden, exactly as a mask hides it, so
-    the mask returned is ``mask`` without those pairs."""
+def _probabilities(qh, kh, scale, softcap, mask, bias=None, score_mod=None):
+    """(P, d score / d raw, d score' / d score, poisoned rows, m, total, mask): P (Sq, Sk) normalised, 0 where a row
+    does not see a key and NaN where a poisoned row does; m and total are the max and the sum of exp(s - m) of the
+    rows that are not. ``bias`` (Sq, Sk) is added after softcap; where it is -inf the key is hidden, exactly as a
+    mask hides it, so the mask returned is ``mask`` without those pairs. ``score_mod(s) -> (s', d s' / d s)`` then
+    changes the finite scores; a -inf it returns hides the key too."""
     s, dcap = _scores(qh, kh, scale, softcap)
+    dmod = 1.0
     if bias is not None:
         mask = mask & (bias != -np.inf)
         s = s + np.where(mask, bias, 0.0)
+    if score_mod is not None:
+        fin = np.isfinite(s)
+        modded, dmod = score_mod(np.where(fin, s, 0.0))
+        mask = mask & ~(fin & (modded == -np.inf))
+        s = np.where(fin, modded, s)
     poisoned = (mask & ~np.isfinite(s)).any(axis=1)
     s = np.where(mask & ~poisoned[:, None], s, -np.inf)
     m = s.max(axis=1)
@@ -86,7 +96,7 @@ def _probabilities(qh, kh, scale, softcap, mask, bias=None):
     total = p.sum(axis=1)
     p = p / np.where(total > 0, total, 1.0)[:, None]
     p = np.where(poisoned[:, None] & mask, np.nan, p)
-    return p, dcap, poisoned, m, total, mask
+    return p, dcap, dmod, poisoned, m, total, mask
 
 
 # NaN and inf are propagated on purpose (see the module docstring); numpy's warnings about them are noise here.
@@ -94,10 +104,11 @@ _QUIET = dict(invalid="ignore", over="ignore")
 
 
 def _forward_head(qh: np.ndarray, kh: np.ndarray, vh: np.ndarray, scale: float, softcap: float,
-                  mask: np.ndarray, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """One head: qh (Sq, D), kh and vh (Sk, D) float64, mask (Sq, Sk) bool, bias (Sq, Sk) float64 or None.
-    Returns out (Sq, D) and lse (Sq,)."""
-    p, _, poisoned, m, total, mask = _probabilities(qh, kh, scale, softcap, mask, bias)
+                  mask: np.ndarray, bias: np.ndarray | None = None, score_mod: Any = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """One head: qh (Sq, D), kh (Sk, D) and vh (Sk, Dv) float64, mask (Sq, Sk) bool, bias (Sq, Sk) float64 or
+    None, score_mod as for ``_probabilities``. Returns out (Sq, Dv) and lse (Sq,)."""
+    p, _, _, poisoned, m, total, mask = _probabilities(qh, kh, scale, softcap, mask, bias, score_mod)
     seen = mask.any(axis=1)
     o = _nan_if_not_finite(_visible_matmul(p, vh, mask))
     ok = seen & ~poisoned
@@ -106,17 +117,17 @@ def _forward_head(qh: np.ndarray, kh: np.ndarray, vh: np.ndarray, scale: float, 
 
 
 def _backward_head(doh: np.ndarray, qh: np.ndarray, kh: np.ndarray, vh: np.ndarray, scale: float, softcap: float,
-                   mask: np.ndarray, bias: np.ndarray | None = None,
+                   mask: np.ndarray, bias: np.ndarray | None = None, score_mod: Any = None,
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """One head's dq (Sq, D), dk and dv (Sk, D), and the gradient of the biased score (Sq, Sk), which is dbias;
-    arguments as for ``_forward_head``, doh (Sq, D)."""
-    p, dcap, _, _, _, mask = _probabilities(qh, kh, scale, softcap, mask, bias)  # rows that see nothing: all 0
+    """One head's dq (Sq, D), dk (Sk, D), dv (Sk, Dv), and the gradient of the biased score (Sq, Sk), which is
+    dbias; arguments as for ``_forward_head``, doh (Sq, Dv)."""
+    p, dcap, dmod, _, _, _, mask = _probabilities(qh, kh, scale, softcap, mask, bias, score_mod)  # no keys: 0
     dv = _visible_matmul(p.T, doh, mask.T)
     dp = doh @ vh.T  # a non-finite v row makes its column NaN in every row; the masks keep it in band
     # delta_i = sum_j P_ij dP_ij = dout_i . out_i over the keys row i sees (so dS is exactly 0 when a row sees one
     # key, P = 1); non-finite where out_i is
     delta = np.where(mask, p * dp, 0.0).sum(axis=1)
-    dscore = np.where(mask, p * (dp - delta[:, None]), 0.0)
+    dscore = np.where(mask, p * (dp - delta[:, None]) * dmod, 0.0)  # through score_mod: the biased score's gradient
     ds = dscore * dcap * scale
     return _visible_matmul(ds, kh, mask), _visible_matmul(ds.T, qh, mask.T), dv, dscore
 
@@ -132,6 +143,37 @@ def _head_bias(attn_bias: np.ndarray | None, alibi: np.ndarray | None, b: int, h
         distance = np.abs(np.arange(sq)[:, None] + (sk - sq) - np.arange(sk)[None, :])
         bias = bias - alibi[b, h] * distance
     return bias
+
+
+def _mod_grid(fn: Any, b: int, h: int, sq: int, sk: int, scores: np.ndarray | None = None) -> np.ndarray:
+    """``fn`` called as the plain Python function it is at every (b, h, i, j) of one head, (Sq, Sk) float64
+    (score_mod and score_mod_grad also get the score first)."""
+    i, j = np.meshgrid(np.arange(sq), np.arange(sk), indexing="ij")
+    if scores is None:
+        vals = np.frompyfunc(lambda ii, jj: fn(b, h, int(ii), int(jj)), 2, 1)(i, j)
+    else:
+        vals = np.frompyfunc(lambda x, ii, jj: fn(float(x), b, h, int(ii), int(jj)), 3, 1)(scores, i, j)
+    return np.asarray(vals, dtype=np.float64).reshape(sq, sk)
+
+
+def _head_terms(mods: dict, mask: np.ndarray, bias: np.ndarray | None, b: int, h: int
+                ) -> tuple[np.ndarray, np.ndarray | None, Any]:
+    """One head's (mask, bias, score_mod) with the user mods applied: mask_mod narrows the mask, bias_mod adds to
+    the bias, score_mod becomes ``s -> (score_mod(s), score_mod_grad(s))`` (the grad 1 in the forward)."""
+    sq, sk = mask.shape
+    if mods.get("mask_mod") is not None:
+        mask = mask & _mod_grid(mods["mask_mod"], b, h, sq, sk).astype(bool)
+    if mods.get("bias_mod") is not None:
+        extra = _mod_grid(mods["bias_mod"], b, h, sq, sk)
+        bias = extra if bias is None else bias + extra
+    score_mod = None
+    if mods.get("score_mod") is not None:
+        fn, grad = mods["score_mod"], mods.get("score_mod_grad")
+
+        def score_mod(x: np.ndarray) -> tuple[np.ndarray, Any]:
+            return (_mod_grid(fn, b, h, sq, sk, x),
+                    _mod_grid(grad, b, h, sq, sk, x) if grad is not None else 1.0)
+    return mask, bias, score_mod
 
 
 def _bias_inputs(attn_bias: Any, alibi_slopes: Any, shape: tuple[int, int, int, int]
@@ -155,7 +197,7 @@ def _sum_to_shape(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 def attention_ref(
     q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd", attn_bias: Any = None,
-    alibi_slopes: Any = None,
+    alibi_slopes: Any = None, bias_mod: Any = None, mask_mod: Any = None, score_mod: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Exact attention in float64.
 
@@ -167,6 +209,9 @@ def attention_ref(
             entry hides that key from that row, as a mask does (a row whose keys are all hidden sees none: out 0,
             lse +inf); NaN or +inf poisons the row where the key is visible.
         alibi_slopes: None, (Hq,) or (B, Hq): adds ``-slope[h] * |i + Sk - Sq - j|`` (flash-attn's ALiBi).
+        bias_mod, mask_mod, score_mod: None or plain Python functions (see ``numba_flash.mods``), called here one
+            element at a time: ``bias_mod(b, h, i, j)`` is added with the bias, ``score_mod(s, b, h, i, j)``
+            replaces the biased score, ``mask_mod(b, h, i, j)`` False hides key j from row i.
     Returns:
         out: float64, shaped like q with head dim Dv.
         lse: (B, Hq, Sq) float64, natural log of the sum of exp(score) over visible keys; +inf for a row that sees
@@ -182,25 +227,28 @@ def attention_ref(
     bias, alibi = _bias_inputs(attn_bias, alibi_slopes, (batch, hq, sq, sk))
     out = np.zeros((batch, sq, hq, vb.shape[3]))
     lse = np.full((batch, hq, sq), np.inf)
+    mods = dict(bias_mod=bias_mod, mask_mod=mask_mod, score_mod=score_mod)
     with np.errstate(**_QUIET):
         for b in range(batch):
             for h in range(hq):
+                terms = _head_terms(mods, mask, _head_bias(bias, alibi, b, h, sq, sk), b, h)
                 out[b, :, h], lse[b, h] = _forward_head(qb[b, :, h], kb[b, :, h // group], vb[b, :, h // group],
-                                                        scale, softcap, mask,
-                                                        _head_bias(bias, alibi, b, h, sq, sk))
+                                                        scale, softcap, *terms)
     return _from_bshd(out, layout), lse
 
 
 def attention_ref_backward(
     dout: Any, q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd", attn_bias: Any = None,
-    alibi_slopes: Any = None, return_dbias: bool = False,
+    alibi_slopes: Any = None, return_dbias: bool = False, bias_mod: Any = None, mask_mod: Any = None,
+    score_mod: Any = None, score_mod_grad: Any = None,
 ) -> tuple[np.ndarray, ...]:
     """Gradients of ``sum(attention_ref(q, k, v) * dout)`` in float64.
 
     Arguments are shaped as in ``attention_ref``; dout is shaped like the output (q with head dim Dv).
     Returns dq, dk, dv (float64), shaped like q, k, v; with GQA, dk and dv are summed over each group's query heads.
     With ``return_dbias`` also dbias, shaped like ``attn_bias`` (summed over the dimensions it was broadcast along).
+    ``score_mod`` needs ``score_mod_grad(s, b, h, i, j)``, its derivative in s.
     """
     qb, kb, vb, dob = (_to_bshd(x, layout) for x in (q, k, v, dout))
     batch, sq, hq, d = qb.shape
@@ -211,6 +259,9 @@ def attention_ref_backward(
     group = hq // hkv
     if return_dbias and attn_bias is None:
         raise ValueError("return_dbias=True needs attn_bias")
+    if score_mod is not None and score_mod_grad is None:
+        raise ValueError("the backward of score_mod needs score_mod_grad")
+    mods = dict(bias_mod=bias_mod, mask_mod=mask_mod, score_mod=score_mod, score_mod_grad=score_mod_grad)
     bias, alibi = _bias_inputs(attn_bias, alibi_slopes, (batch, hq, sq, sk))
     dq, dk, dv = np.zeros_like(qb), np.zeros_like(kb), np.zeros_like(vb)
     dbias = np.zeros((batch, hq, sq, sk)) if return_dbias else None
@@ -218,8 +269,9 @@ def attention_ref_backward(
         for b in range(batch):
             for h in range(hq):
                 kv = h // group
+                terms = _head_terms(mods, mask, _head_bias(bias, alibi, b, h, sq, sk), b, h)
                 dq_h, dk_h, dv_h, dscore = _backward_head(dob[b, :, h], qb[b, :, h], kb[b, :, kv], vb[b, :, kv],
-                                                          scale, softcap, mask, _head_bias(bias, alibi, b, h, sq, sk))
+                                                          scale, softcap, *terms)
                 dq[b, :, h] = dq_h
                 dk[b, :, kv] += dk_h
                 dv[b, :, kv] += dv_h
