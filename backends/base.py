@@ -31,6 +31,7 @@ class Backend:
     SUPPORTS_KVCACHE: ClassVar[bool] = False         # ``with_kvcache`` (decoding with a KV cache)
     SUPPORTS_ALIBI: ClassVar[bool] = False           # ``alibi_slopes``
     SUPPORTS_BIAS: ClassVar[bool] = False            # ``attn_bias`` (and its gradient, ``return_dbias``)
+    SUPPORTS_MODS: ClassVar[bool] = False            # ``bias_mod``, ``mask_mod``, ``score_mod`` (numba_flash.mods)
     IS_DETERMINISTIC: ClassVar[bool] = True
 
     def unavailable_reasons(self, forced: bool = False) -> list[str]:
@@ -73,6 +74,8 @@ class Backend:
             reasons.append("ALiBi not supported")
         if call.bias is not None and not self.SUPPORTS_BIAS:
             reasons.append("attn_bias not supported")
+        if call.mods is not None and not self.SUPPORTS_MODS:
+            reasons.append("bias_mod, mask_mod and score_mod not supported")
         if call.kvcache is not None and not self.SUPPORTS_KVCACHE:
             reasons.append("KV cache (with_kvcache) not supported")
         return reasons

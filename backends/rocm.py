@@ -209,13 +209,33 @@ def _alibi_slopes(call: AttentionCall, cdt: Any, device: Any) -> Any:
     return slopes.view(call.batch, call.nheads_kv, 1, call.group_size, 1)
 
 
-def _scores(qb: Any, kb: Any, call: AttentionCall, band: _Band, q0: int, q1: int, k0: int, k1: int,
-            need_mask: bool, careful: bool = False, alibi: Any = None, bias: Any = None) -> tuple[Any, Any]:
-    """Scores of a query block against a key block, softcapped, biased (ALiBi, then ``bias``, a
-    ``backends.torch_bias.BlockBias``) and masked to -inf.
+class _Terms:
+    """What a call adds to its scores after softcap, in the contract's order: ALiBi, attn_bias (a
+    ``backends.torch_scores.BlockBias``), bias_mod, then score_mod, and mask_mod (``BlockMods``). ``may_hide``: some
+    term can hide a key the band shows (a -inf bias, mask_mod, a score_mod returning -inf)."""
 
-    qb: (B, Hkv, n*g, D) compute dtype, already multiplied by the softmax scale; kb: (B, Hkv, m, D).
-    Returns s (B, Hkv, n*g, m) and, with softcap, tanh(raw / softcap) (the backward's chain factor) else None.
+    def __init__(self, call: AttentionCall, cdt: Any, device: Any) -> None:
+        from backends.torch_scores import BlockBias, BlockMods
+
+        self.alibi = _alibi_slopes(call, cdt, device)
+        self.bias = None if call.bias is None else BlockBias(call, _as_torch(call.bias.array))
+        self.mods = None if call.mods is None else BlockMods(call)
+        self.may_hide = (self.bias is not None and self.bias.hides) or self.mods is not None
+
+    def keep(self, q0: int, q1: int, k0: int, k1: int, like: Any) -> Any:
+        """mask_mod's verdict on the block (B, Hkv, n*g, m) bool, or None when it hides nothing there."""
+        return None if self.mods is None else self.mods.keep(q0, q1, k0, k1, like)
+
+
+def _scores(qb: Any, kb: Any, call: AttentionCall, band: _Band, q0: int, q1: int, k0: int, k1: int,
+            need_mask: bool, careful: bool = False, terms: _Terms | None = None, keep: Any = None,
+            grad: bool = False) -> tuple[Any, Any, Any, Any]:
+    """Scores of a query block against a key block, softcapped, with ``terms`` added and masked to -inf.
+
+    qb: (B, Hkv, n*g, D) compute dtype, already multiplied by the softmax scale; kb: (B, Hkv, m, D); ``keep``: the
+    block's mask_mod verdict (``_Terms.keep``). Returns s (B, Hkv, n*g, m); with softcap, tanh(raw / softcap) (the
+    backward's chain factor) else None; where a term hid a key the band shows ((B, Hkv, n*g, m) bool) else None;
+    and with ``grad`` and a score_mod, d score_mod / d score, else None.
     With ``careful`` (inputs that are not ``_clean``) a visible score that is not finite becomes NaN, so that -inf
     means masked and nothing else and the NaN poisons its row through the max; with softcap the raw score
     decides, since tanh would map an inf to a finite +-1.
@@ -223,48 +243,51 @@ def _scores(qb: Any, kb: Any, call: AttentionCall, band: _Band, q0: int, q1: int
     import torch
 
     s = qb @ kb.transpose(-1, -2)
-    t = None
+    t = hidden = dmod = None
     bad = ~torch.isfinite(s) if careful else None
     if call.softcap > 0:
         t = s.div_(call.softcap).tanh_()
         s = t * call.softcap
     if careful:
         s.masked_fill_(bad, float("nan"))
-    if alibi is not None:
+    if terms is not None and terms.alibi is not None:
         # -slope * |i + Sk - Sq - j|, after softcap (flash-attn's order); it has no gradient.
         i = torch.arange(q0 + call.seqlen_k - call.seqlen_q, q1 + call.seqlen_k - call.seqlen_q, device=s.device)
         dist = (i[:, None] - torch.arange(k0, k1, device=s.device)[None, :]).abs().to(s.dtype)
         b, h, rows, m = s.shape
-        s.view(b, h, q1 - q0, rows // (q1 - q0), m).sub_(alibi * dist[None, None, :, None, :])
-    if bias is not None:
-        s.add_(bias.block(q0, q1, k0, k1, s.dtype))
+        s.view(b, h, q1 - q0, rows // (q1 - q0), m).sub_(terms.alibi * dist[None, None, :, None, :])
+    if terms is not None and terms.bias is not None:
+        block = terms.bias.block(q0, q1, k0, k1, s.dtype)
+        s.add_(block)
+        if terms.bias.hides:
+            hidden = block == float("-inf")
+    if terms is not None and terms.mods is not None:
+        extra = terms.mods.bias(q0, q1, k0, k1, s)
+        if extra is not None:
+            s.add_(extra)
+        if call.mods.score_mod is not None:
+            s, gone, dmod = terms.mods.score(s, q0, q1, k0, k1, grad)
+            hidden = gone if hidden is None else hidden | gone
+        if keep is not None:
+            hidden = ~keep if hidden is None else hidden | ~keep
+    if hidden is not None:
+        s.masked_fill_(hidden, float("-inf"))  # hidden, whatever the score was (a NaN there reaches nothing)
     if need_mask:
         b, h, rows, m = s.shape
         s.view(b, h, q1 - q0, rows // (q1 - q0), m).masked_fill_(
             ~band.visible(q0, q1, k0, k1, s.device), float("-inf"))
-    return s, t
+    return s, t, hidden, dmod
 
 
 def _block_visible(band: _Band, q0: int, q1: int, k0: int, k1: int, group: int, device: Any,
-                   bias: Any = None) -> Any:
-    """(n*g, m) bool: row r of a query block (query q0 + r // g) sees key k0 + c; (B, Hkv, n*g, m) when ``bias``
-    (a ``BlockBias``) hides keys with -inf."""
+                   hidden: Any = None) -> Any:
+    """(n*g, m) bool: row r of a query block (query q0 + r // g) sees key k0 + c; (B, Hkv, n*g, m) when a term
+    ``hidden`` some keys (``_scores``)."""
     import torch
 
     ok = band.visible(q0, q1, k0, k1, device) | torch.zeros((1, group, 1), dtype=torch.bool, device=device)
     ok = ok.reshape((q1 - q0) * group, k1 - k0)
-    if bias is not None and bias.hides:
-        ok = ok & (bias.block(q0, q1, k0, k1, torch.float32) != float("-inf"))
-    return ok
-
-
-def _block_bias(call: AttentionCall) -> Any:
-    """The call's ``attn_bias`` as a ``BlockBias`` on the torch side, or None."""
-    if call.bias is None:
-        return None
-    from backends.torch_bias import BlockBias
-
-    return BlockBias(call, _as_torch(call.bias.array))
+    return ok if hidden is None else ok & ~hidden
 
 
 def _forward_sdpa(q: Any, k: Any, v: Any, call: AttentionCall) -> Any:
@@ -281,7 +304,7 @@ def _forward_sdpa(q: Any, k: Any, v: Any, call: AttentionCall) -> Any:
 def sdpa_fits(call: AttentionCall) -> bool:
     """True when ``scaled_dot_product_attention`` computes exactly what the contract asks for ``call``."""
     if (call.return_lse or call.is_backward or call.softcap > 0 or call.window_left >= 0 or call.alibi is not None
-            or call.bias is not None):
+            or call.bias is not None or call.mods is not None):
         return False
     if call.window_right >= 0:
         # SDPA's is_causal keeps j <= i (top-left); the contract keeps j <= i + Sk - Sq. Equal only when Sq == Sk.
@@ -325,8 +348,7 @@ def forward_blockwise(q: Any, k: Any, v: Any, call: AttentionCall, careful: bool
     qv, ov, lv = _grouped_view(q, call.layout, Hkv), _grouped_view(out, call.layout, Hkv), _lse_view(lse, Hkv)
     kv, vv = _heads_view(k, call.layout), _heads_view(v, call.layout)
     band = _Band(call)
-    alibi, bias = _alibi_slopes(call, cdt, q.device), _block_bias(call)
-    hides = bias is not None and bias.hides
+    terms = _Terms(call, cdt, q.device)
     block_q, block_k = block_sizes(call)
     for q0 in range(0, call.seqlen_q, block_q):
         q1 = min(q0 + block_q, call.seqlen_q)
@@ -336,7 +358,11 @@ def forward_blockwise(q: Any, k: Any, v: Any, call: AttentionCall, careful: bool
         l = torch.zeros((B, Hkv, rows), dtype=cdt, device=q.device)
         acc = torch.zeros((B, Hkv, rows, Dv), dtype=cdt, device=q.device)
         for k0, k1, need_mask in band.key_blocks(q0, q1, block_k):
-            s, _ = _scores(qb, kv[:, :, k0:k1].to(cdt), call, band, q0, q1, k0, k1, need_mask, careful, alibi, bias)
+            keep = terms.keep(q0, q1, k0, k1, qb)
+            if keep is not None and not bool(keep.any()):
+                continue  # mask_mod hides every key of the block: it adds nothing
+            s, _, hidden, _ = _scores(qb, kv[:, :, k0:k1].to(cdt), call, band, q0, q1, k0, k1, need_mask, careful,
+                                      terms, keep)
             # amax and maximum propagate NaN: a poisoned row's max, sum and accumulator become NaN and stay so.
             m_new = torch.maximum(m, s.amax(dim=-1))
             # A row with every key so far masked keeps max -inf; shift it by 0 so that exp gives 0, not NaN.
@@ -345,8 +371,8 @@ def forward_blockwise(q: Any, k: Any, v: Any, call: AttentionCall, careful: bool
             alpha = torch.exp(m - m_safe)
             l = l * alpha + p.sum(dim=-1)
             vb = vv[:, :, k0:k1].to(cdt)
-            if careful and (need_mask or hides):
-                pv = _visible_matmul(p, vb, _block_visible(band, q0, q1, k0, k1, g, q.device, bias))
+            if careful and (need_mask or hidden is not None):
+                pv = _visible_matmul(p, vb, _block_visible(band, q0, q1, k0, k1, g, q.device, hidden))
             else:
                 pv = p @ vb
             acc.mul_(alpha[..., None]).add_(pv)
@@ -389,9 +415,8 @@ def backward_blockwise(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
     lv = _lse_view(lse, Hkv)
     kv, vv = _heads_view(k, call.layout), _heads_view(v, call.layout)
     band = _Band(call)
-    alibi, bias = _alibi_slopes(call, cdt, dev), _block_bias(call)
-    hides = bias is not None and bias.hides
-    dbias = bias.new_grad(cdt, dev) if call.return_dbias else None
+    terms = _Terms(call, cdt, dev)
+    dbias = terms.bias.new_grad(cdt, dev) if call.return_dbias else None
     block_q, block_k = block_sizes(call)
     for q0 in range(0, call.seqlen_q, block_q):
         q1 = min(q0 + block_q, call.seqlen_q)
@@ -403,22 +428,30 @@ def backward_blockwise(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
         dq_acc = torch.zeros((B, Hkv, rows, D), dtype=cdt, device=dev)
         for k0, k1, need_mask in band.key_blocks(q0, q1, block_k):
             kb, vb = kv[:, :, k0:k1].to(cdt), vv[:, :, k0:k1].to(cdt)
-            s, t = _scores(qb, kb, call, band, q0, q1, k0, k1, need_mask, alibi=alibi, bias=bias)
+            keep = terms.keep(q0, q1, k0, k1, qb)
+            if keep is not None and not bool(keep.any()):
+                continue
+            s, t, hidden, dmod = _scores(qb, kb, call, band, q0, q1, k0, k1, need_mask, terms=terms, keep=keep,
+                                         grad=True)
             # lse is +inf on rows that see nothing: exp(s - inf) = 0 there, so those rows add no gradient.
             p = s.sub_(lse_b[..., None]).exp_()
-            careful_block = careful and (need_mask or hides)
+            careful_block = careful and (need_mask or hidden is not None)
             if careful_block:
-                vis = _block_visible(band, q0, q1, k0, k1, g, dev, bias)
+                vis = _block_visible(band, q0, q1, k0, k1, g, dev, hidden)
                 p.masked_fill_(~vis, 0.0)
                 dv_acc[:, :, k0:k1] += _visible_matmul(p.transpose(-1, -2), dob, vis.transpose(-1, -2))
             else:
                 dv_acc[:, :, k0:k1] += p.transpose(-1, -2) @ dob
             ds = (dob @ vb.transpose(-1, -2)).sub_(delta[..., None]).mul_(p)
+            if dmod is not None:
+                ds.mul_(dmod)  # through score_mod, to the biased score
             if careful_block:
                 ds.masked_fill_(~vis, 0.0)
+            elif hidden is not None:
+                ds.masked_fill_(hidden, 0.0)
             if dbias is not None:
                 # The bias enters after softcap: its gradient is the score's, before softcap's chain factor.
-                bias.add_grad(dbias, ds, q0, q1, k0, k1)
+                terms.bias.add_grad(dbias, ds, q0, q1, k0, k1)
             if t is not None:
                 ds.mul_(1.0 - t * t)
             if careful_block:
@@ -436,7 +469,7 @@ def backward_blockwise(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
     _heads_view(dv, call.layout).copy_(_nan_if_not_finite_(dv_acc))
     if dbias is None:
         return dq, dk, dv
-    return dq, dk, dv, _nan_if_not_finite_(dbias).reshape(tuple(call.bias.array.shape)).to(bias.grouped.dtype)
+    return dq, dk, dv, _nan_if_not_finite_(dbias).reshape(tuple(call.bias.array.shape)).to(terms.bias.grouped.dtype)
 
 
 class RocmBackend(Backend):
@@ -456,6 +489,7 @@ class RocmBackend(Backend):
     SUPPORTS_BIAS = True
     SUPPORTED_MAX_HEAD_DIM = 576
     SUPPORTS_HEAD_DIM_V = True
+    SUPPORTS_MODS = True
 
     def unavailable_reasons(self, forced: bool = False) -> list[str]:
         if forced:

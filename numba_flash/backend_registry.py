@@ -235,7 +235,8 @@ class Dispatcher:
                 window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str | None = None,
                 return_lse: bool = False, backend: str | None = None, cu_seqlens_q: Any = None,
                 cu_seqlens_k: Any = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                alibi_slopes: Any = None, attn_bias: Any = None) -> Any:
+                alibi_slopes: Any = None, attn_bias: Any = None, bias_mod: Any = None, mask_mod: Any = None,
+                score_mod: Any = None, block_mask: Any = None) -> Any:
         """Attention forward.
 
         q: (B, Sq, Hq, D) for layout "bshd" (the default) or (B, Hq, Sq, D) for "bhsd"; k, v: (B, Sk, Hkv, D) /
@@ -244,14 +245,16 @@ class Dispatcher:
         ``max_seqlen_k`` optional upper bounds on the sequence lengths.
         ``alibi_slopes`` (Hq,) or (B, Hq): adds ``-slope * |i + Sk - Sq - j|`` to the scores (flash-attn's ALiBi).
         ``attn_bias``: an array broadcastable to (B, Hq, Sq, Sk), float32 or q's dtype, added to the scores after
-        softcap; -inf hides a key.
+        softcap; -inf hides a key. ``bias_mod``, ``mask_mod``, ``score_mod``: plain Python functions numba compiles
+        (``numba_flash.mods``); ``block_mask``: ``numba_flash.block_mask(mask_mod, ...)``, to reuse across calls.
         Returns out shaped like q (same array kind, device, dtype), and with ``return_lse`` also lse (B, Hq, Sq),
         or (Hq, total_q) for "thd", float32.
         """
         call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                 softcap=softcap, layout=layout, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                alibi_slopes=alibi_slopes, attn_bias=attn_bias)
+                                alibi_slopes=alibi_slopes, attn_bias=attn_bias, bias_mod=bias_mod, mask_mod=mask_mod,
+                                score_mod=score_mod, block_mask=block_mask)
         out, lse = self._run(call, backend, "forward")
         return (out, lse) if return_lse else out
 
@@ -260,16 +263,20 @@ class Dispatcher:
                  layout: str | None = None, backend: str | None = None, cu_seqlens_q: Any = None,
                  cu_seqlens_k: Any = None, max_seqlen_q: int | None = None,
                  max_seqlen_k: int | None = None, alibi_slopes: Any = None, attn_bias: Any = None,
-                 return_dbias: bool = False) -> tuple[Any, ...]:
+                 return_dbias: bool = False, bias_mod: Any = None, mask_mod: Any = None, score_mod: Any = None,
+                 score_mod_grad: Any = None, block_mask: Any = None) -> tuple[Any, ...]:
         """Attention backward. dout and out are shaped like q; lse is (B, Hq, Sq), or (Hq, total_q) for packed
         sequences, as ``forward`` returned it. Packed sequences take the forward's cu_seqlens and max_seqlen.
         Returns dq, dk, dv shaped like q, k, v; with GQA dk and dv are summed over each group of query heads.
         With ``return_dbias`` (needs the forward's ``attn_bias``) also dbias shaped like attn_bias, float32 (float64
-        for float64 inputs), summed over the dimensions the bias was broadcast along."""
+        for float64 inputs), summed over the dimensions the bias was broadcast along. The forward's mods again, and
+        for a ``score_mod`` its derivative ``score_mod_grad(score, b, h, q_idx, kv_idx)``."""
         call = validate_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                                  window_size=window_size, softcap=softcap, layout=layout, cu_seqlens_q=cu_seqlens_q,
                                  cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                 alibi_slopes=alibi_slopes, attn_bias=attn_bias, return_dbias=return_dbias)
+                                 alibi_slopes=alibi_slopes, attn_bias=attn_bias, return_dbias=return_dbias,
+                                 bias_mod=bias_mod, mask_mod=mask_mod, score_mod=score_mod,
+                                 score_mod_grad=score_mod_grad, block_mask=block_mask)
         return self._run(call, backend, "backward")
 
     def with_kvcache(self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, rotary_cos: Any = None,
@@ -301,7 +308,9 @@ class Dispatcher:
                 window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str | None = None,
                 return_lse: bool = False, backend: str | None = None, cu_seqlens_q: Any = None,
                 cu_seqlens_k: Any = None, max_seqlen_q: int | None = None,
-                max_seqlen_k: int | None = None, alibi_slopes: Any = None, attn_bias: Any = None) -> "Explanation":
+                max_seqlen_k: int | None = None, alibi_slopes: Any = None, attn_bias: Any = None,
+                bias_mod: Any = None, mask_mod: Any = None, score_mod: Any = None,
+                block_mask: Any = None) -> "Explanation":
         """Which backend a forward call would use and why each other one was passed over.
 
         Returns an ``Explanation``: a ``str`` of a few lines (``print`` it, or search it with ``in``) that also
@@ -310,7 +319,8 @@ class Dispatcher:
         call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                 softcap=softcap, layout=layout, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                alibi_slopes=alibi_slopes, attn_bias=attn_bias)
+                                alibi_slopes=alibi_slopes, attn_bias=attn_bias, bias_mod=bias_mod, mask_mod=mask_mod,
+                                score_mod=score_mod, block_mask=block_mask)
         chosen, table, forced = self._rank(call, backend)
         candidates = []
         for name, reasons in table.items():

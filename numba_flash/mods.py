@@ -184,4 +184,54 @@ def block_mask(mask_mod: Callable, B: int, H: int, Sq: int, Sk: int, block_m: in
     return BlockMask(mask_mod, states, sq, sk, bm, bn)
 
 
-__all__ = ["BlockMask", "block_mask", "compile_mod", "evaluate_block", "EMPTY", "PARTIAL", "FULL"]
+@dataclass(frozen=True)
+class Mods:
+    """A call's validated mods, each compiled (``compile_mod``) or None, and the BlockMask of its mask_mod (the
+    caller's, or None when it gave none)."""
+
+    bias_mod: Any = None
+    mask_mod: Any = None
+    score_mod: Any = None
+    score_mod_grad: Any = None
+    block_mask: BlockMask | None = None
+
+    def describe(self) -> str:
+        names = [f"{n}={getattr(getattr(self, n), '__name__', '?')}" for n in ARGUMENTS if getattr(self, n)]
+        return " ".join(names + (["block_mask"] if self.block_mask is not None else []))
+
+
+def check_mods(bias_mod: Any, mask_mod: Any, score_mod: Any, score_mod_grad: Any, block_mask: Any,
+               full: tuple[int, int, int, int], layout: str, backward: bool) -> Mods | None:
+    """The call's mods as ``Mods`` (each compiled once per function), or None when it has none;
+    ``AttentionInputError`` naming the argument otherwise. ``full`` = (B, Hq, Sq, Sk). The backward of a
+    score_mod needs its score_mod_grad; a block_mask must come from this mask_mod, for these sizes."""
+    given = dict(bias_mod=bias_mod, mask_mod=mask_mod, score_mod=score_mod, score_mod_grad=score_mod_grad)
+    if all(f is None for f in given.values()) and block_mask is None:
+        return None
+    if layout == "thd":
+        name = next(n for n, f in [*given.items(), ("block_mask", block_mask)] if f is not None)
+        raise AttentionInputError(f"{name}: expected None for packed sequences (mods with layout 'thd' are not "
+                                  "implemented yet)")
+    if backward and score_mod is not None and score_mod_grad is None:
+        raise AttentionInputError("score_mod_grad: expected d score_mod / d score, a function (score, b, h, q_idx, "
+                                  "kv_idx) -> float, for the backward of score_mod, got None")
+    if score_mod_grad is not None and score_mod is None:
+        raise AttentionInputError("score_mod_grad: expected None without a score_mod (it is score_mod's "
+                                  "derivative)")
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise AttentionInputError(f"block_mask: expected a numba_flash.BlockMask (numba_flash.block_mask("
+                                      f"mask_mod, B, H, Sq, Sk)), got {type(block_mask).__name__}")
+        if block_mask.mask_mod is not mask_mod:
+            raise AttentionInputError("block_mask: expected the BlockMask of this call's mask_mod, got one built "
+                                      f"from {getattr(block_mask.mask_mod, '__name__', block_mask.mask_mod)!r}")
+        b, h, sq, sk = block_mask.shape
+        if b not in (1, full[0]) or h not in (1, full[1]) or (sq, sk) != full[2:]:
+            raise AttentionInputError(f"block_mask: expected one built for (B, H, Sq, Sk) = {full} (B or H may be 1), "
+                                      f"got {block_mask.shape}")
+    compiled = {n: None if f is None else compile_mod(f, n) for n, f in given.items()}
+    return Mods(**compiled, block_mask=block_mask)
+
+
+__all__ = ["BlockMask", "block_mask", "compile_mod", "evaluate_block", "check_mods", "Mods", "EMPTY", "PARTIAL",
+           "FULL"]

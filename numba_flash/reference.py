@@ -421,7 +421,7 @@ def attention_ref_kvcache(
             for t in range(s_new):
                 kc[slot(b, int(lens[b]) + t)] = kn[b, t]
                 vc[slot(b, int(lens[b]) + t)] = vn[b, t]
-    out = np.zeros((batch, sq, hq, vb.shape[3]))
+    out = np.zeros((batch, sq, hq, vc.shape[-1]))
     lse = np.full((batch, hq, sq), np.inf)
     for b in range(batch):
         positions = range(int(starts[b]), int(lens[b]) + s_new)

@@ -18,6 +18,7 @@ import numpy as np
 
 from .arrays import array_kind, as_float64, device_of, dtype_name, resolve_torch_bits
 from .errors import AttentionInputError
+from .mods import check_mods
 from .semantics import clamp_window_bound, compute_dtype_name, default_scale, effective_softcap, effective_window
 from .varlen import check_arguments, check_packing
 
@@ -69,6 +70,7 @@ class AttentionCall:
     bias: Any = None     # ``Bias`` for attn_bias, else None
     return_dbias: bool = False  # backward only: also return dbias, shaped like attn_bias
     head_dim_v: int = 0  # Dv, v's head dim and the output's; 0 (the default) means D
+    mods: Any = None     # ``numba_flash.mods.Mods``: bias_mod, mask_mod, score_mod (+ grad), block_mask; else None
 
     def __post_init__(self) -> None:
         if self.head_dim_v == 0:
@@ -122,6 +124,8 @@ class AttentionCall:
             parts.append("alibi")
         if self.bias is not None:
             parts.append(f"attn_bias{self.bias.shape}")
+        if self.mods is not None:
+            parts.append(self.mods.describe())
         parts.append("backward" if self.is_backward else "with_kvcache" if self.kvcache is not None else "forward")
         return " ".join(parts)
 
@@ -235,7 +239,8 @@ def validate_forward(
     q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str | None = None,
     return_lse: bool = False, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, max_seqlen_q: Any = None,
-    max_seqlen_k: Any = None, alibi_slopes: Any = None, attn_bias: Any = None,
+    max_seqlen_k: Any = None, alibi_slopes: Any = None, attn_bias: Any = None, bias_mod: Any = None,
+    mask_mod: Any = None, score_mod: Any = None, block_mask: Any = None,
 ) -> AttentionCall:
     """Check a forward call against the contract; raise ``AttentionInputError`` on the first violation.
 
@@ -245,6 +250,8 @@ def validate_forward(
     ``layout`` None means "thd" when cu_seqlens are given, else "bshd". ``alibi_slopes``: None, (Hq,) or (B, Hq),
     finite, any float dtype, the array kind and device of q (read on the host). ``attn_bias``: None or an array
     broadcastable to (B, Hq, Sq, Sk), float32 or q's dtype, the array kind and device of q (see ``check_bias``).
+    ``bias_mod``, ``mask_mod``, ``score_mod``, ``block_mask``: see ``numba_flash.mods`` (compiled here, once per
+    function).
     """
     layout = resolve_layout(layout, cu_seqlens_q, cu_seqlens_k)
     causal, softmax_scale, window_size, softcap, layout, return_lse = _check_options(
@@ -281,10 +288,12 @@ def validate_forward(
     softcap = effective_softcap(softcap, compute_dtype_name(qdt))
     alibi = check_alibi(alibi_slopes, qkind, qdev, batch, hq, layout)
     bias = check_bias(attn_bias, infos["q"], (batch, hq, sq, sk), layout)
+    mods = check_mods(bias_mod, mask_mod, score_mod, None, block_mask, (batch, hq, sq, sk), layout, False)
     return AttentionCall(q=q, k=k, v=v, kind=qkind, device=qdev, dtype=qdt, layout=layout, batch=batch,
                          seqlen_q=sq, seqlen_k=sk, nheads_q=hq, nheads_kv=hkv, head_dim=d, causal=causal,
                          softmax_scale=scale, window_left=left, window_right=right, softcap=softcap,
-                         return_lse=return_lse, packing=packing, alibi=alibi, bias=bias, head_dim_v=vshape[-1])
+                         return_lse=return_lse, packing=packing, alibi=alibi, bias=bias, head_dim_v=vshape[-1],
+                         mods=mods)
 
 
 def check_alibi(alibi_slopes: Any, kind: str, device: str, batch: int, nheads_q: int, layout: str) -> Any:
@@ -359,14 +368,18 @@ def validate_backward(
     softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     layout: str | None = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, max_seqlen_q: Any = None,
     max_seqlen_k: Any = None, alibi_slopes: Any = None, attn_bias: Any = None, return_dbias: bool = False,
+    bias_mod: Any = None, mask_mod: Any = None, score_mod: Any = None, score_mod_grad: Any = None,
+    block_mask: Any = None,
 ) -> AttentionCall:
-    """Check a backward call. dout and out are shaped like q but with v's head dim Dv, q's dtype; lse is (B, Hq, Sq), or (Hq, total_q)
-    for packed sequences, float32 (float64 for float64 inputs), as the forward returned it. ``return_dbias``
-    needs ``attn_bias``."""
+    """Check a backward call. dout and out are shaped like q but with v's head dim Dv, q's dtype; lse is
+    (B, Hq, Sq), or (Hq, total_q) for packed sequences, float32 (float64 for float64 inputs), as the forward
+    returned it. ``return_dbias`` needs ``attn_bias``; the backward of a ``score_mod`` needs ``score_mod_grad``."""
     call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                             softcap=softcap, layout=layout, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes,
                             attn_bias=attn_bias)
+    mods = check_mods(bias_mod, mask_mod, score_mod, score_mod_grad, block_mask,
+                      (call.batch, call.nheads_q, call.seqlen_q, call.seqlen_k), call.layout, True)
     return_dbias = _check_bool("return_dbias", return_dbias)
     if return_dbias and call.bias is None:
         raise _bad("return_dbias", "False when no attn_bias is given (dbias is the gradient of attn_bias)", True)
@@ -403,4 +416,4 @@ def validate_backward(
     if device_of(lse) != call.device:
         raise _bad("lse", f"the device of q ({call.device})", f"device {device_of(lse)}")
     return AttentionCall(**{**call.__dict__, "dout": checked["dout"], "out": checked["out"], "lse": lse,
-                            "return_dbias": return_dbias})
+                            "return_dbias": return_dbias, "mods": mods})

@@ -1,0 +1,169 @@
+"""bias_mod, mask_mod, score_mod and block_mask on the backends that run them, against the float64 reference (which
+calls the mods as plain Python), and their bad input."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import numba_flash
+from numba_flash import AttentionInputError, attention_ref, attention_ref_backward, backend_registry, block_mask
+
+pytest.importorskip("torch")
+
+BACKENDS = ("rocm",)
+B, SQ, SK, HQ, HKV, D = 2, 29, 45, 4, 2, 16
+DOCS = np.repeat(np.arange(5), [9, 14, 1, 6, 15])  # 45 key positions in 5 documents; query i is at i + SK - SQ
+SLOPES = np.array([0.05, -0.1, 0.2, 0.0])
+
+
+def doc_mask(b, h, q_idx, kv_idx):
+    return DOCS[q_idx + SK - SQ] == DOCS[kv_idx]
+
+
+def head_bias(b, h, q_idx, kv_idx):
+    return SLOPES[h] * abs(q_idx + SK - SQ - kv_idx) + 0.3 * b
+
+
+def soft_clip(score, b, h, q_idx, kv_idx):
+    return 4.0 * math.tanh(score / 4.0) + 0.02 * (kv_idx % 5)
+
+
+def soft_clip_grad(score, b, h, q_idx, kv_idx):
+    t = math.tanh(score / 4.0)
+    return 1.0 - t * t
+
+
+CASES = {
+    "bias_mod": dict(bias_mod=head_bias),
+    "mask_mod": dict(mask_mod=doc_mask),
+    "score_mod": dict(score_mod=soft_clip),
+    "all+causal+softcap": dict(bias_mod=head_bias, mask_mod=doc_mask, score_mod=soft_clip, causal=True, softcap=5.0),
+    "mask_mod+window": dict(mask_mod=doc_mask, window_size=(7, 3)),
+}
+
+
+def _inputs(rng, dtype=np.float32):
+    q = rng.standard_normal((B, SQ, HQ, D)).astype(dtype)
+    k = rng.standard_normal((B, SK, HKV, D)).astype(dtype)
+    v = rng.standard_normal((B, SK, HKV, D)).astype(dtype)
+    return q, k, v, rng.standard_normal(q.shape).astype(dtype)
+
+
+def _grad_kw(kw):
+    return dict(kw, score_mod_grad=soft_clip_grad) if "score_mod" in kw else kw
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("with_block_mask", [False, True])
+def test_mods_match_reference(backend, name, with_block_mask):
+    kw = dict(CASES[name])
+    if with_block_mask:
+        if "mask_mod" not in kw:
+            pytest.skip("a block mask belongs to a mask_mod")
+        kw["block_mask"] = block_mask(doc_mask, 1, 1, SQ, SK, block_m=8, block_n=16)
+    rng = np.random.default_rng(len(name) + 10 * with_block_mask)
+    q, k, v, dout = _inputs(rng)
+    op = backend_registry.get("flash", backend=backend)
+    out, lse = op.forward(q, k, v, return_lse=True, **kw)
+    grads = op.backward(dout, q, k, v, out, lse, **_grad_kw(kw))
+    ref_kw = {n: x for n, x in kw.items() if n != "block_mask"}
+    want_out, want_lse = attention_ref(q, k, v, **ref_kw)
+    want = attention_ref_backward(dout, q, k, v, **_grad_kw(ref_kw))
+    np.testing.assert_allclose(out, want_out, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=1e-5)
+    for n, got, ref in zip(("dq", "dk", "dv"), grads, want):
+        assert np.linalg.norm(got - ref) <= 2e-5 * np.linalg.norm(ref), n
+    plain = {n: x for n, x in ref_kw.items() if n not in ("bias_mod", "mask_mod", "score_mod")}
+    assert np.abs(attention_ref(q, k, v, **plain)[0] - want_out).max() > 1e-2  # the mods change the answer
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_keys_hidden_by_mods_never_poison_and_rows_without_keys_are_zero(backend):
+    rng = np.random.default_rng(51)
+    q, k, v, dout = _inputs(rng)
+
+    def hide_key_3(score, b, h, q_idx, kv_idx):
+        return -math.inf if kv_idx == 3 else score
+
+    def no_keys_for_rows_below_4(b, h, q_idx, kv_idx):
+        return q_idx >= 4 and DOCS[q_idx + SK - SQ] == DOCS[kv_idx]
+
+    v[:, 3] = np.nan           # hidden from every row by the score_mod
+    k[1, 20] = np.inf          # batch 1 key 20: visible to the rows of its document, whom it poisons
+    kw = dict(score_mod=hide_key_3, mask_mod=no_keys_for_rows_below_4)
+    op = backend_registry.get("flash", backend=backend)
+    out, lse = op.forward(q, k, v, return_lse=True, **kw)
+    want_out, want_lse = attention_ref(q, k, v, **kw)
+    assert np.array_equal(np.isnan(out), np.isnan(want_out)) and np.array_equal(np.isnan(lse), np.isnan(want_lse))
+    assert np.all(out[:, :4] == 0) and np.all(lse[:, :, :4] == np.inf)
+    assert np.isfinite(out[0]).all() and np.isnan(out[1]).any()
+    ok = np.isfinite(want_out)
+    np.testing.assert_allclose(out[ok], want_out[ok], atol=2e-5, rtol=0)
+    grads = op.backward(dout, q, k, v, out, lse, score_mod_grad=lambda s, b, h, i, j: 1.0, **kw)
+    want = attention_ref_backward(dout, q, k, v, score_mod_grad=lambda s, b, h, i, j: 1.0, **kw)
+    for n, got, ref in zip(("dq", "dk", "dv"), grads, want):
+        assert np.array_equal(np.isnan(got), np.isnan(ref)), n
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float16_within_twice_the_error_of_naive_float16(backend):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(52)
+    q, k, v, _ = _inputs(rng)
+    t = [torch.from_numpy(x).half() for x in (q, k, v)]
+    out = backend_registry.get("flash", backend=backend).forward(*t, mask_mod=doc_mask, bias_mod=head_bias)
+    rounded = [x.float().numpy() for x in t]
+    want = attention_ref(*rounded, mask_mod=doc_mask, bias_mod=head_bias)[0]
+    grid = np.array([[[[head_bias(b, h, i, j) if doc_mask(b, h, i, j) else -np.inf for j in range(SK)]
+                       for i in range(SQ)] for h in range(HQ)] for b in range(B)])
+    s = torch.einsum("bqhd,bkhd->bhqk", t[0], t[1].repeat_interleave(2, dim=2)) / D ** 0.5
+    s = s + torch.from_numpy(grid).half()
+    naive = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), t[2].repeat_interleave(2, dim=2)).float().numpy()
+    assert np.abs(out.float().numpy() - want).max() <= 2 * np.abs(naive - want).max() + 1e-4
+
+
+def test_block_mask_skips_whole_documents_on_a_long_sequence():
+    docs = np.repeat(np.arange(8), 512)
+
+    def documents(b, h, q_idx, kv_idx):
+        return docs[q_idx] == docs[kv_idx] and kv_idx <= q_idx
+
+    bm = block_mask(documents, 1, 1, 4096, 4096)
+    # 8 documents of 8 tiles each: per document 8 diagonal (partial) tiles and 28 full ones below them
+    assert (bm.states == numba_flash.mods.PARTIAL).sum() == 64 and (bm.states == numba_flash.mods.FULL).sum() == 224
+    assert bm.visible_fraction() == pytest.approx(288 / 4096)
+
+
+def test_backends_without_mods_say_so():
+    rng = np.random.default_rng(53)
+    q, k, v, _ = _inputs(rng)
+    text = str(backend_registry.get("flash").explain(q, k, v, mask_mod=doc_mask))
+    assert "mask_mod=doc_mask" in text and "cpu [priority 10]: bias_mod, mask_mod and score_mod not supported" in text
+
+
+def test_bad_mods():
+    rng = np.random.default_rng(54)
+    q, k, v, dout = _inputs(rng)
+    op = backend_registry.get("flash", backend="rocm")
+    with pytest.raises(AttentionInputError, match=r"^bias_mod: expected .* numba could not compile .*text"):
+        op.forward(q, k, v, bias_mod=lambda b, h, i, j: "text" + i)
+    with pytest.raises(AttentionInputError, match=r"^mask_mod: expected a function .*, got int"):
+        op.forward(q, k, v, mask_mod=3)
+    out, lse = op.forward(q, k, v, score_mod=soft_clip, return_lse=True)
+    with pytest.raises(AttentionInputError, match=r"^score_mod_grad: expected d score_mod / d score"):
+        op.backward(dout, q, k, v, out, lse, score_mod=soft_clip)
+    with pytest.raises(AttentionInputError, match=r"^score_mod_grad: expected None without a score_mod"):
+        op.backward(dout, q, k, v, out, lse, score_mod_grad=soft_clip_grad)
+    with pytest.raises(AttentionInputError, match=r"^block_mask: expected the BlockMask of this call's mask_mod"):
+        op.forward(q, k, v, mask_mod=doc_mask, block_mask=block_mask(head_bias, 1, 1, SQ, SK))
+    with pytest.raises(AttentionInputError, match=r"^block_mask: expected one built for \(B, H, Sq, Sk\) = "):
+        op.forward(q, k, v, mask_mod=doc_mask, block_mask=block_mask(doc_mask, 1, 1, SQ, SK - 1))
+    with pytest.raises(AttentionInputError, match=r"^block_mask: expected a numba_flash.BlockMask"):
+        op.forward(q, k, v, mask_mod=doc_mask, block_mask=np.ones((1, 1, 1, 1)))
+    cu = np.array([0, SQ], np.int32)
+    with pytest.raises(AttentionInputError, match=r"^mask_mod: expected None for packed sequences"):
+        op.forward(q[0], k[0, :SQ], v[0, :SQ], cu_seqlens_q=cu, cu_seqlens_k=cu, mask_mod=doc_mask)
