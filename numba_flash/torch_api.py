@@ -173,12 +173,17 @@ def flash_attn_func(
     return_lse: bool = False,
     backend: Optional[str] = None,
     attn_bias: Optional[torch.Tensor] = None,
+    bias_mod: Any = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
+    score_mod_grad: Any = None,
+    block_mask: Any = None,
 ):
     """Exact attention on torch tensors, differentiable, computed by the backend the registry picks.
 
     The positional arguments and their defaults are flash-attn's ``flash_attn_func``, in its order, so code written
     for flash-attn runs unchanged with ``from numba_flash import flash_attn_func``. ``layout``, ``return_lse``,
-    ``backend`` and ``attn_bias`` are this library's and keyword-only.
+    ``backend``, ``attn_bias`` and the mods are this library's and keyword-only.
 
     Grouped-query / multi-query attention is supported by passing K and V with fewer heads than Q: query head h
     reads key/value head ``h // (Hq // Hkv)``. Causal masking and the sliding window are aligned to the bottom-right
@@ -216,6 +221,10 @@ def flash_attn_func(
         attn_bias: keyword-only, None or a tensor broadcastable to (batch_size, nheads, seqlen_q, seqlen_k),
             float32 or q's dtype, on q's device: added to the scores after softcap; -inf hides a key. When it
             requires grad, autograd gives it dbias (summed over the dimensions it was broadcast along).
+        bias_mod, mask_mod, score_mod, score_mod_grad, block_mask: keyword-only user mods, plain Python functions
+            numba compiles (see ``numba_flash.mods``); score_mod needs score_mod_grad for the backward. A call
+            with mods runs through an autograd.Function rather than the custom ops (whose schemas cannot hold
+            functions): eager mode only, a graph break under torch.compile.
 
     Returns:
         out: shaped like q but with v's head dim, q's dtype and device, contiguous. Rows that see no key are 0.
@@ -233,15 +242,25 @@ def flash_attn_func(
         _check_tensors("flash_attn_func", q, k, v)
         validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                          softcap=softcap, layout=layout, return_lse=return_lse, alibi_slopes=alibi_slopes,
-                         attn_bias=attn_bias)
+                         attn_bias=attn_bias, bias_mod=bias_mod, mask_mod=mask_mod, score_mod=score_mod,
+                         block_mask=block_mask)
         if backend is None:
             # A backend forced with backend_registry.use() lives in a context variable of this thread, and autograd
             # may run the backward on a thread of its own (one per GPU): name it now so both halves use it.
             backend = backend_registry.get("flash")._forced_name(None)
     scale = None if softmax_scale is None else float(softmax_scale)
     left, right = (int(w) for w in window_size)
-    out, lse = FlashAttnFunc.apply(q, k, v, bool(causal), scale, left, right, float(softcap), layout, backend,
-                                   alibi_slopes, attn_bias)
+    mods = dict(bias_mod=bias_mod, mask_mod=mask_mod, score_mod=score_mod, score_mod_grad=score_mod_grad,
+                block_mask=block_mask)
+    if any(m is not None for m in mods.values()):
+        from numba_flash.torch_mods import flash_attn_with_mods
+
+        params = dict(causal=bool(causal), softmax_scale=scale, window_size=(left, right), softcap=float(softcap),
+                      layout=layout, backend=backend, alibi_slopes=alibi_slopes)
+        out, lse = flash_attn_with_mods(q, k, v, attn_bias, params, mods)
+    else:
+        out, lse = FlashAttnFunc.apply(q, k, v, bool(causal), scale, left, right, float(softcap), layout, backend,
+                                       alibi_slopes, attn_bias)
     return (out, lse) if return_lse else out
 
 

@@ -22,7 +22,9 @@ FLASH_ATTN_PARAMETERS = [
     ("dropout_p", 0.0), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)), ("softcap", 0.0),
     ("alibi_slopes", None), ("deterministic", False), ("return_attn_probs", False),
 ]
-OUR_KEYWORD_ONLY = [("layout", "bshd"), ("return_lse", False), ("backend", None), ("attn_bias", None)]
+OUR_KEYWORD_ONLY = [("layout", "bshd"), ("return_lse", False), ("backend", None), ("attn_bias", None),
+                    ("bias_mod", None), ("mask_mod", None), ("score_mod", None), ("score_mod_grad", None),
+                    ("block_mask", None)]
 
 
 @pytest.fixture(autouse=True)
