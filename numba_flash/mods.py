@@ -10,7 +10,9 @@ element's indices that numba compiles.
 ``score`` is float64. A mod may read global numpy arrays (document ids, a per-head table) and call other
 ``numba.njit`` functions. numba freezes a function's global arrays when it compiles it, and compiled mods are kept
 per function object: to change a table, build a new function (a factory that returns a closure), do not edit the
-array in place.
+array in place. Mods are compiled with numpy's error model (1 / 0 is inf, which then poisons its row as any
+non-finite score does) and with bounds checks: an index outside a global array raises ``AttentionInputError``
+naming the mod instead of reading stray memory.
 
 ``compile_mod`` checks a mod once (``AttentionInputError`` naming the argument and numba's reason when numba cannot
 compile it), ``evaluate_block`` evaluates one over a block of indices, and ``block_mask`` precomputes which tiles a
@@ -21,11 +23,12 @@ mask_mod hides entirely (skipped), shows entirely (run without per-element mask 
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
-from numba import njit, prange, types
+from numba import njit, types
 
 from .errors import AttentionInputError
 
@@ -62,7 +65,7 @@ def compile_mod(fn: Any, name: str) -> Any:
 
     label = getattr(fn, "__qualname__", None) or repr(fn)
     try:
-        disp = fn if isinstance(fn, CPUDispatcher) else njit(fn)
+        disp = fn if isinstance(fn, CPUDispatcher) else njit(fn, boundscheck=True, error_model="numpy")
         disp.compile(SIGNATURES[name])
     except Exception as exc:  # numba raises TypingError, UnsupportedError, NotImplementedError, ...
         reason = str(exc).strip().splitlines()
@@ -75,19 +78,21 @@ def compile_mod(fn: Any, name: str) -> Any:
     return disp
 
 
-@njit(parallel=True)
+# The evaluation loops are serial: an exception raised inside a numba prange loop (a mod's IndexError) does not
+# reach the caller intact, and a plain loop reports it as it is.
+@njit
 def _index_block(fn, out, b0, h0, q0, k0):
     nb, nh, nq, nk = out.shape
-    for t in prange(nb * nh * nq):
+    for t in range(nb * nh * nq):
         b, h, i = t // (nh * nq), (t // nq) % nh, t % nq
         for j in range(nk):
             out[b, h, i, j] = fn(b0 + b, h0 + h, q0 + i, k0 + j)
 
 
-@njit(parallel=True)
+@njit
 def _score_block(fn, scores, out, b0, h0, q0, k0):
     nb, nh, nq, nk = out.shape
-    for t in prange(nb * nh * nq):
+    for t in range(nb * nh * nq):
         b, h, i = t // (nh * nq), (t // nq) % nh, t % nq
         for j in range(nk):
             out[b, h, i, j] = fn(scores[b, h, i, j], b0 + b, h0 + h, q0 + i, k0 + j)
@@ -103,17 +108,29 @@ def evaluate_block(fn: Any, name: str, batches: range, heads: range, rows: range
     if 0 in shape:
         return out
     starts = (batches.start, heads.start, rows.start, keys.start)
-    if name in ("score_mod", "score_mod_grad"):
-        _score_block(fn, np.ascontiguousarray(scores, dtype=np.float64), out, *starts)
-    else:
-        _index_block(fn, out, *starts)
+    with _raised_by(name, fn):
+        if name in ("score_mod", "score_mod_grad"):
+            _score_block(fn, np.ascontiguousarray(scores, dtype=np.float64), out, *starts)
+        else:
+            _index_block(fn, out, *starts)
     return out
 
 
-@njit(parallel=True)
+@contextmanager
+def _raised_by(name: str, fn: Any):
+    """An exception a mod raises while it runs (an index out of bounds) as ``AttentionInputError`` naming it."""
+    try:
+        yield
+    except (IndexError, ValueError, ArithmeticError) as exc:
+        label = getattr(fn, "__name__", repr(fn))
+        raise AttentionInputError(f"{name}: expected a function that runs on every (b, h, q_idx, kv_idx) of the "
+                                  f"call; {label} raised {type(exc).__name__}: {exc}") from exc
+
+
+@njit
 def _tile_states(fn, states, seqlen_q, seqlen_k, block_m, block_n):
     nb, nh, nqt, nkt = states.shape
-    for t in prange(nb * nh * nqt):
+    for t in range(nb * nh * nqt):
         b, h, qt = t // (nh * nqt), (t // nqt) % nh, t % nqt
         q0 = qt * block_m
         q1 = min(q0 + block_m, seqlen_q)
@@ -173,14 +190,15 @@ def block_mask(mask_mod: Callable, B: int, H: int, Sq: int, Sk: int, block_m: in
                block_n: int = 64) -> BlockMask:
     """Evaluate ``mask_mod(b, h, q_idx, kv_idx)`` once over the whole (B, H, Sq, Sk) grid and record, per tile,
     whether it hides every key, shows every key or some. Pass B = 1 or H = 1 when the mask does not depend on the
-    batch or the head (evaluated at 0, it then serves all). Cost: one mask_mod call per element, in parallel; the
+    batch or the head (evaluated at 0, it then serves all). Cost: one mask_mod call per element; the
     result is (B, H, ceil(Sq / block_m), ceil(Sk / block_n)) bytes, reusable across calls and layers."""
     dims = [_positive_int(n, v) for n, v in (("B", B), ("H", H), ("Sq", Sq), ("Sk", Sk), ("block_m", block_m),
                                              ("block_n", block_n))]
     b, h, sq, sk, bm, bn = dims
     fn = compile_mod(mask_mod, "mask_mod")
     states = np.empty((b, h, -(-sq // bm), -(-sk // bn)), dtype=np.int8)
-    _tile_states(fn, states, sq, sk, bm, bn)
+    with _raised_by("mask_mod", mask_mod):
+        _tile_states(fn, states, sq, sk, bm, bn)
     return BlockMask(mask_mod, states, sq, sk, bm, bn)
 
 

@@ -117,3 +117,33 @@ def test_mods_numba_cannot_compile_are_refused_with_its_reason(fn, name, match):
 def test_block_mask_bad_sizes(args, match):
     with pytest.raises(AttentionInputError, match=match):
         block_mask(doc_causal, *args)
+
+
+def test_an_index_out_of_bounds_is_refused_not_read():
+    table = np.arange(5.0)
+
+    def reads_past_the_table(b, h, q_idx, kv_idx):
+        return table[q_idx + kv_idx]
+
+    fn = compile_mod(reads_past_the_table, "bias_mod")
+    assert evaluate_block(fn, "bias_mod", range(1), range(1), range(2), range(3)).sum() == 0 + 1 + 2 + 1 + 2 + 3
+    with pytest.raises(AttentionInputError, match=r"^bias_mod: expected a function that runs on every .* "
+                                                  r"reads_past_the_table raised IndexError"):
+        evaluate_block(fn, "bias_mod", range(1), range(1), range(10), range(10))
+
+    def mask_past_the_table(b, h, q_idx, kv_idx):
+        return table[q_idx] > 0
+
+    with pytest.raises(AttentionInputError, match=r"^mask_mod: .* mask_past_the_table raised IndexError"):
+        block_mask(mask_past_the_table, 1, 1, 6, 6)
+
+
+def test_division_by_zero_follows_numpy_and_gives_inf():
+    def inverse_distance(b, h, q_idx, kv_idx):
+        return 1.0 / (q_idx - kv_idx)
+
+    got = evaluate_block(compile_mod(inverse_distance, "bias_mod"), "bias_mod", range(1), range(1), range(3),
+                         range(3))[0, 0]
+    with np.errstate(divide="ignore"):
+        want = 1.0 / (np.arange(3)[:, None] - np.arange(3)[None, :])
+    np.testing.assert_array_equal(got, want)
