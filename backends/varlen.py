@@ -40,11 +40,14 @@ def _fill(x: Any, value: float) -> None:
 def sequence_call(call: AttentionCall, seq: SequenceSpan, **arrays: Any) -> AttentionCall:
     """The dense ``AttentionCall`` ("bshd", B = 1) of sequence ``seq`` of the packed ``call``, holding ``arrays``
     (the views ``run`` gets) in place of the packed ones. The window bounds are capped for this sequence's own
-    lengths, as validation caps those of a dense call, so that kernels never see bounds beyond Sq + Sk."""
+    lengths, as validation caps those of a dense call, so that kernels never see bounds beyond Sq + Sk. ALiBi
+    slopes are this sequence's row; its distances count from the sequence's own bottom-right corner."""
     sq, sk = seq.seqlen_q, seq.seqlen_k
     fields = dict(layout="bshd", batch=1, seqlen_q=sq, seqlen_k=sk, packing=None,
                   window_left=clamp_window_bound(call.window_left, sq, sk),
                   window_right=clamp_window_bound(call.window_right, sq, sk))
+    if call.alibi is not None:
+        fields["alibi"] = call.alibi[seq.index:seq.index + 1]  # this sequence's slopes, (1, Hq)
     return dataclasses.replace(call, **fields, **arrays)
 
 

@@ -283,9 +283,25 @@ def attention_ref_backward(
     return grads + (_nan_if_not_finite(_sum_to_shape(dbias, np.shape(to_numpy(attn_bias)))),)
 
 
+def _packed_alibi(alibi_slopes: Any, cu_q: np.ndarray, cu_k: np.ndarray, h: int) -> np.ndarray | None:
+    """ALiBi of query head h over the packed (total_q, total_k) scores: within sequence b,
+    ``-slope[b, h] * |i + Sk_b - Sq_b - j|`` with i and j counted from the sequence's start; 0 elsewhere (the mask
+    hides those pairs). None without slopes."""
+    if alibi_slopes is None:
+        return None
+    slopes = np.broadcast_to(as_float64(alibi_slopes), (len(cu_q) - 1, np.shape(alibi_slopes)[-1]))
+    bias = np.zeros((cu_q[-1], cu_k[-1]))
+    for b in range(len(cu_q) - 1):
+        sq, sk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        dist = np.abs(np.arange(sq)[:, None] + sk - sq - np.arange(sk)[None, :])
+        bias[cu_q[b]:cu_q[b + 1], cu_k[b]:cu_k[b + 1]] = -slopes[b, h] * dist
+    return bias
+
+
 def attention_ref_varlen(
     q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *, causal: bool = False,
     softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    alibi_slopes: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Exact attention over packed sequences (layout "thd") in float64.
 
@@ -301,6 +317,7 @@ def attention_ref_varlen(
             ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q and keys ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of k and v.
             A sequence may be empty on either side.
         causal, window_size: aligned to the bottom-right corner of each sequence's own (Sq_b, Sk_b) block.
+        alibi_slopes: None, (Hq,) or (B, Hq): ALiBi with each sequence's own distances (``_packed_alibi``).
     Returns:
         out: (total_q, Hq, D) float64; 0 for rows that see no key (every row of a sequence without keys).
         lse: (Hq, total_q) float64, +inf for a row that sees no key, NaN for a poisoned row. The non-finite rule of
@@ -310,19 +327,22 @@ def attention_ref_varlen(
     total_q, hq, d = qp.shape
     hkv = kp.shape[1]
     scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
-    mask = packed_visible_mask(to_numpy(cu_seqlens_q), to_numpy(cu_seqlens_k), *effective_window(causal, window_size))
+    cu_q, cu_k = to_numpy(cu_seqlens_q).astype(np.int64), to_numpy(cu_seqlens_k).astype(np.int64)
+    mask = packed_visible_mask(cu_q, cu_k, *effective_window(causal, window_size))
     group = hq // hkv
     out = np.zeros((total_q, hq, vp.shape[2]))
     lse = np.full((hq, total_q), np.inf)
     with np.errstate(**_QUIET):
         for h in range(hq):
-            out[:, h], lse[h] = _forward_head(qp[:, h], kp[:, h // group], vp[:, h // group], scale, softcap, mask)
+            out[:, h], lse[h] = _forward_head(qp[:, h], kp[:, h // group], vp[:, h // group], scale, softcap, mask,
+                                              _packed_alibi(alibi_slopes, cu_q, cu_k, h))
     return out, lse
 
 
 def attention_ref_varlen_backward(
     dout: Any, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *, causal: bool = False,
     softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    alibi_slopes: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Gradients of ``sum(attention_ref_varlen(q, k, v, ...)[0] * dout)`` in float64.
 
@@ -332,13 +352,15 @@ def attention_ref_varlen_backward(
     qp, kp, vp, dop = (as_float64(x) for x in (q, k, v, dout))
     hq, d, hkv = qp.shape[1], qp.shape[2], kp.shape[1]
     scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
-    mask = packed_visible_mask(to_numpy(cu_seqlens_q), to_numpy(cu_seqlens_k), *effective_window(causal, window_size))
+    cu_q, cu_k = to_numpy(cu_seqlens_q).astype(np.int64), to_numpy(cu_seqlens_k).astype(np.int64)
+    mask = packed_visible_mask(cu_q, cu_k, *effective_window(causal, window_size))
     group = hq // hkv
     dq, dk, dv = np.zeros_like(qp), np.zeros_like(kp), np.zeros_like(vp)
     with np.errstate(**_QUIET):
         for h in range(hq):
             kv = h // group
-            dq[:, h], dk_h, dv_h, _ = _backward_head(dop[:, h], qp[:, h], kp[:, kv], vp[:, kv], scale, softcap, mask)
+            dq[:, h], dk_h, dv_h, _ = _backward_head(dop[:, h], qp[:, h], kp[:, kv], vp[:, kv], scale, softcap, mask,
+                                                     _packed_alibi(alibi_slopes, cu_q, cu_k, h))
             dk[:, kv] += dk_h
             dv[:, kv] += dv_h
     return tuple(_nan_if_not_finite(g) for g in (dq, dk, dv))

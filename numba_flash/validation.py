@@ -286,7 +286,7 @@ def validate_forward(
     scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
     left, right = (clamp_window_bound(w, sq, sk) for w in effective_window(causal, window_size))
     softcap = effective_softcap(softcap, compute_dtype_name(qdt))
-    alibi = check_alibi(alibi_slopes, qkind, qdev, batch, hq, layout)
+    alibi = check_alibi(alibi_slopes, qkind, qdev, batch, hq)
     bias = check_bias(attn_bias, infos["q"], (batch, hq, sq, sk), layout)
     mods = check_mods(bias_mod, mask_mod, score_mod, None, block_mask, (batch, hq, sq, sk), layout, False)
     return AttentionCall(q=q, k=k, v=v, kind=qkind, device=qdev, dtype=qdt, layout=layout, batch=batch,
@@ -296,18 +296,15 @@ def validate_forward(
                          mods=mods)
 
 
-def check_alibi(alibi_slopes: Any, kind: str, device: str, batch: int, nheads_q: int, layout: str) -> Any:
+def check_alibi(alibi_slopes: Any, kind: str, device: str, batch: int, nheads_q: int) -> Any:
     """ALiBi slopes as a read-only float64 host array (B, Hq), or None; AttentionInputError naming alibi_slopes.
-    Packed sequences do not take them yet."""
+    For packed sequences B is the number of sequences."""
     if alibi_slopes is None:
         return None
     what = f"(Hq,) = ({nheads_q},) or (B, Hq) = ({batch}, {nheads_q}) slopes"
     akind = array_kind(alibi_slopes)
     if akind is None:
         raise _bad("alibi_slopes", f"an array {what}", f"an object of type {type(alibi_slopes).__name__}")
-    if layout == "thd":
-        raise _bad("alibi_slopes", "None for packed sequences (ALiBi with layout 'thd' is not implemented yet)",
-                   f"shape {tuple(alibi_slopes.shape)}")
     if akind != kind or device_of(alibi_slopes) != device:
         raise _bad("alibi_slopes", f"a {kind} array on q's device ({device})",
                    f"a {akind} array on {device_of(alibi_slopes)}")

@@ -81,13 +81,41 @@ def test_bad_slopes(slopes, match):
         backend_registry.get("flash", backend="rocm").forward(q, k, v, alibi_slopes=slopes)
 
 
-def test_slopes_of_another_kind_or_for_packed_sequences_are_refused():
+def test_slopes_of_another_kind_are_refused():
     rng = np.random.default_rng(23)
     q, k, v, _ = _inputs(rng)
     with pytest.raises(AttentionInputError, match="^alibi_slopes: expected a numpy array"):
         backend_registry.get("flash").forward(q, k, v, alibi_slopes=torch.ones(4))
     cu = np.array([0, 13, 26], np.int32)
-    with pytest.raises(AttentionInputError, match="^alibi_slopes: expected None for packed sequences"):
-        backend_registry.get("flash").forward(q.reshape(26, 4, 16), k.reshape(58, 2, 16), v.reshape(58, 2, 16),
-                                              cu_seqlens_q=cu, cu_seqlens_k=np.array([0, 29, 58], np.int32),
-                                              alibi_slopes=np.ones(4, np.float32))
+    with pytest.raises(AttentionInputError, match=r"^alibi_slopes: expected \(Hq,\) = \(4,\) or \(B, Hq\) = \(2, 4\)"):
+        backend_registry.get("flash", backend="rocm").forward(
+            q.reshape(26, 4, 16), k.reshape(58, 2, 16), v.reshape(58, 2, 16), cu_seqlens_q=cu,
+            cu_seqlens_k=np.array([0, 29, 58], np.int32), alibi_slopes=np.ones((3, 4), np.float32))
+
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_packed_sequences_with_alibi_match_each_sequence_run_alone(backend, per_batch):
+    rng = np.random.default_rng(24 + per_batch)
+    cu_q, cu_k = np.array([0, 5, 5, 17, 20], np.int32), np.array([0, 9, 13, 26, 26], np.int32)
+    q = rng.standard_normal((20, 4, 16)).astype(np.float32)
+    k = rng.standard_normal((26, 2, 16)).astype(np.float32)
+    v = rng.standard_normal((26, 2, 16)).astype(np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    slopes = rng.uniform(0.05, 1.0, (4, 4) if per_batch else (4,)).astype(np.float32)
+    kw = dict(causal=True, alibi_slopes=slopes)
+    op = backend_registry.get("flash", backend=backend)
+    out, lse = op.forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True, **kw)
+    grads = op.backward(dout, q, k, v, out, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **kw)
+    want_out, want_lse = numba_flash.attention_ref_varlen(q, k, v, cu_q, cu_k, **kw)
+    np.testing.assert_allclose(out, want_out, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=1e-5)
+    for got, want in zip(grads, numba_flash.attention_ref_varlen_backward(dout, q, k, v, cu_q, cu_k, **kw)):
+        assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+    # the packed reference against the dense one, one sequence at a time (each with its own slopes)
+    for b in (0, 2):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        own = slopes[b] if per_batch else slopes
+        dense, _ = attention_ref(q[None, rows], k[None, keys], v[None, keys], causal=True, alibi_slopes=own)
+        np.testing.assert_allclose(want_out[rows], dense[0], atol=1e-12, rtol=0)
