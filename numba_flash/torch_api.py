@@ -271,20 +271,22 @@ def flash_attn_func(
 def flash_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
                      causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
-                     softcap: float, backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+                     softcap: float, backend: Optional[str],
+                     alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed forward through the registry. Returns out (total_q, Hq, D), q's dtype, and lse (Hq, total_q) float32
     (float64 for float64 inputs), both contiguous."""
     out, lse = backend_registry.get("flash").forward(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-        window_size=(window_left, window_right), softcap=softcap, layout="thd", return_lse=True, backend=backend)
+        window_size=(window_left, window_right), softcap=softcap, layout="thd", return_lse=True, backend=backend,
+        alibi_slopes=alibi_slopes)
     inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k)
     return _owned(out, q, q.dtype, inputs), _owned(lse, q, _lse_dtype(q.dtype), inputs)
 
 
 @flash_varlen_fwd.register_fake
 def _flash_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                           window_left, window_right, softcap, backend):
+                           window_left, window_right, softcap, backend, alibi_slopes=None):
     out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q.dtype), device=q.device)
     return out, lse
@@ -295,19 +297,21 @@ def flash_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                      lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                      max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool,
                      softmax_scale: Optional[float], window_left: int, window_right: int, softcap: float,
-                     backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     backend: Optional[str],
+                     alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed backward through the registry. Returns dq, dk, dv shaped like q, k, v, q's dtype, contiguous."""
     dq, dk, dv = backend_registry.get("flash").backward(
         dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-        window_size=(window_left, window_right), softcap=softcap, layout="thd", backend=backend)
+        window_size=(window_left, window_right), softcap=softcap, layout="thd", backend=backend,
+        alibi_slopes=alibi_slopes)
     inputs = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     return tuple(_owned(g, q, q.dtype, inputs) for g in (dq, dk, dv))
 
 
 @flash_varlen_bwd.register_fake
 def _flash_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                           softmax_scale, window_left, window_right, softcap, backend):
+                           softmax_scale, window_left, window_right, softcap, backend, alibi_slopes=None):
     return tuple(torch.empty(x.shape, dtype=q.dtype, device=q.device) for x in (q, k, v))
 
 
@@ -317,12 +321,13 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                window_left, window_right, softcap, backend):
+                window_left, window_right, softcap, backend, alibi_slopes=None):
         out, lse = torch.ops.numba_flash.flash_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                           max_seqlen_k, causal, softmax_scale, window_left,
-                                                          window_right, softcap, backend)
+                                                          window_right, softcap, backend, alibi_slopes)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-        ctx.params = (max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap, backend)
+        ctx.params = (max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap, backend,
+                      alibi_slopes)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -332,7 +337,7 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
         # as in FlashAttnFunc: a broadcast dout (from a sum()) becomes one contiguous copy
         dq, dk, dv = torch.ops.numba_flash.flash_varlen_bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens_q,
                                                             cu_seqlens_k, *ctx.params)
-        return (dq, dk, dv) + (None,) * 10
+        return (dq, dk, dv) + (None,) * 11
 
 
 def flash_attn_varlen_func(
@@ -379,8 +384,9 @@ def flash_attn_varlen_func(
         max_seqlen_q, max_seqlen_k: int >= every sequence's length on that side (an upper bound, as in flash-attn),
             or None.
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs: as
-            in ``flash_attn_func`` (dropout_p other than 0, alibi_slopes and return_attn_probs=True are refused
-            until they are implemented).
+            in ``flash_attn_func`` (alibi_slopes (nheads,) or (batch_size, nheads), one row per sequence, with each
+            sequence's own distances; dropout_p other than 0 and return_attn_probs=True are refused until they are
+            implemented).
         return_lse: keyword-only bool. Also return the log-sum-exp of each query row.
         backend: keyword-only str or None. Force one backend ("cuda", "rocm", "cpu", ...).
 
@@ -392,12 +398,13 @@ def flash_attn_varlen_func(
     Raises ``numba_flash.AttentionInputError`` for arguments that break the contract, and
     ``numba_flash.NoBackendError`` when no backend can serve the call.
     """
-    _check_flash_attn_extras(dropout_p, alibi_slopes, deterministic, return_attn_probs)
+    _check_flash_attn_extras(dropout_p, alibi_slopes, deterministic, return_attn_probs, alibi_ok=True)
     if not torch.compiler.is_compiling():
         _check_tensors("flash_attn_varlen_func", q, k, v)
         validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                          softcap=softcap, layout="thd", return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
-                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                         alibi_slopes=alibi_slopes)
         # The ops' schema takes tensors; a numpy prefix sum (already checked) becomes one without a copy.
         cu_seqlens_q, cu_seqlens_k = (c if isinstance(c, torch.Tensor) else torch.from_numpy(np.asarray(c))
                                       for c in (cu_seqlens_q, cu_seqlens_k))
@@ -407,7 +414,7 @@ def flash_attn_varlen_func(
     mq, mk = (None if m is None else int(m) for m in (max_seqlen_q, max_seqlen_k))
     left, right = (int(w) for w in window_size)
     out, lse = FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, bool(causal), scale, left,
-                                         right, float(softcap), backend)
+                                         right, float(softcap), backend, alibi_slopes)
     return (out, lse) if return_lse else out
 
 

@@ -119,3 +119,21 @@ def test_packed_sequences_with_alibi_match_each_sequence_run_alone(backend, per_
         own = slopes[b] if per_batch else slopes
         dense, _ = attention_ref(q[None, rows], k[None, keys], v[None, keys], causal=True, alibi_slopes=own)
         np.testing.assert_allclose(want_out[rows], dense[0], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flash_attn_varlen_func_with_alibi_and_autograd(backend):
+    rng = np.random.default_rng(26)
+    cu = np.array([0, 7, 19], np.int32)
+    q, k, v, dout = (rng.standard_normal((19, h, 16)).astype(np.float32) for h in (4, 2, 2, 4))
+    slopes = rng.uniform(0.05, 1.0, (2, 4)).astype(np.float32)
+    tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+    out = numba_flash.flash_attn_varlen_func(tq, tk, tv, torch.from_numpy(cu), torch.from_numpy(cu), 12, 12,
+                                             causal=True, alibi_slopes=torch.from_numpy(slopes), backend=backend)
+    out.backward(torch.from_numpy(dout))
+    kw = dict(causal=True, alibi_slopes=slopes)
+    np.testing.assert_allclose(out.detach().numpy(), numba_flash.attention_ref_varlen(q, k, v, cu, cu, **kw)[0],
+                               atol=2e-5, rtol=0)
+    for got, ref in zip((tq.grad, tk.grad, tv.grad),
+                        numba_flash.attention_ref_varlen_backward(dout, q, k, v, cu, cu, **kw)):
+        assert np.linalg.norm(got.numpy() - ref) <= 1e-5 * np.linalg.norm(ref)
