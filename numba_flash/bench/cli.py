@@ -20,6 +20,7 @@ from .decode import DECODE_DEFAULTS, DEFAULT_CACHE_LENS
 from .engine import execute, resolve_runners
 from .plot import plot_format_problem, title_for, write_plot
 from .report import format_table, header_lines, write_csv, write_json
+from .variants import VARIANTS_DEFAULTS
 from .varlen import DEFAULT_TOTAL_TOKENS, VARLEN_DEFAULTS
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -109,6 +110,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     one.add_argument("--varlen", action="store_true",
                      help="the packed (thd) forward over a seeded long-tailed mix of lengths vs a dense forward of "
                           f"the same work. Defaults Hq=Hkv={VARLEN_DEFAULTS['nheads']} D={VARLEN_DEFAULTS['headdim']}")
+    one.add_argument("--variants", action="store_true",
+                     help="the forward with each attention variant (attn_bias, ALiBi, bias_mod, a document "
+                          "mask_mod, score_mod) against the plain forward, per backend (the torch path included), "
+                          "and torch's flex_attention where it compiles (--compare none leaves it out). Defaults "
+                          f"B={VARIANTS_DEFAULTS['batch']} H={VARIANTS_DEFAULTS['nheads']} "
+                          f"S={VARIANTS_DEFAULTS['seqlen']} D={VARIANTS_DEFAULTS['headdim']}")
     modes.add_argument("--cache-lens", type=_positive_ints, metavar="L1,L2,...",
                        help="--decode's cache lengths (default " + ",".join(map(str, DEFAULT_CACHE_LENS)) + ")")
     modes.add_argument("--total-tokens", type=positive_int, metavar="N",
@@ -144,12 +151,50 @@ def _flag_message(exc: BenchArgumentError) -> str:
     return re.sub(r"^(backend|compare|config|dtype|layout|repeats):", r"--\1:", text)
 
 
+def _mode(args: argparse.Namespace) -> str | None:
+    """'--decode', '--varlen' or '--variants' when one of those modes replaces the sweep, else None."""
+    for mode in ("decode", "varlen", "variants"):
+        if getattr(args, mode, False):
+            return "--" + mode
+    return None
+
+
+def _variants_cases(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
+    """--variants' one case, its backends (the torch path too where torch is installed) and flex_attention."""
+    from .decode import resolve_backends
+    from .variants import make_variants_case
+
+    unused = {"--config": args.config, "--plot": args.plot, "--causal": args.causal,
+              "--layout": args.layout if args.layout != "bshd" else None, "--nheads-kv": args.nheads_kv,
+              "--total-tokens": args.total_tokens, "--cache-lens": args.cache_lens, "--no-grad": args.no_grad}
+    for flag, value in unused.items():
+        if value:
+            parser.error(f"{flag} does not apply to --variants")
+    if args.compare not in (None, "none", "flex"):
+        parser.error(f"--compare: --variants compares with flex (torch's flex_attention) or none, got {args.compare!r}")
+    seqlen = args.seqlen[0] if isinstance(args.seqlen, list) and len(args.seqlen) == 1 else args.seqlen
+    if isinstance(seqlen, list):
+        parser.error("--seqlen: --variants takes one sequence length")
+    case = make_variants_case(args.batch, args.nheads, seqlen, args.headdim, args.dtype)
+    backends = resolve_backends(args.backend, kvcache=False)
+    if args.backend is None and "rocm" not in backends:
+        try:
+            import torch  # noqa: F401
+            backends.append("rocm")  # the torch path, forced: on the CPU it is where the variants run today
+        except ImportError:
+            pass
+    runners = [(n, "backend") for n in backends] + ([] if args.compare == "none" else [("flex_attention", "peer")])
+    return [case], runners
+
+
 def _mode_cases(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
     """--decode's cases and (name, kind) runners, or --varlen's one case and backends; flags that have no meaning
     in the mode are refused rather than ignored."""
     from .decode import decode_peers, make_decode_cases, resolve_backends
     from .varlen import make_varlen_case
 
+    if args.variants:
+        return _variants_cases(parser, args)
     mode = "--decode" if args.decode else "--varlen"
     unused = {"--config": args.config, "--seqlen": args.seqlen, "--plot": args.plot,
               "--layout": args.layout if args.layout != "bshd" else None,
@@ -180,19 +225,19 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace
     """Everything that can be wrong with the arguments, found before anything runs (``parser.error`` exits 2).
     Returns the cases (``Case``, or with --decode ``DecodeCase``, with --varlen one ``VarlenCase``) and the
     ``(name, kind)`` runners."""
-    if not (args.decode or args.varlen):
+    if not _mode(args):
         for flag, value in (("--cache-lens", args.cache_lens), ("--total-tokens", args.total_tokens)):
             if value:
                 parser.error(f"{flag} needs {'--decode' if flag == '--cache-lens' else '--varlen'}")
     try:
-        if args.decode or args.varlen:
+        if _mode(args):
             cases, runners = _mode_cases(parser, args)
         else:
             cases = cases_from_args(args)
             runners = resolve_runners(args.backend, args.compare)
     except BenchArgumentError as exc:
         parser.error(_flag_message(exc))
-    if (args.decode or args.varlen) and not runners:
+    if _mode(args) and not runners:
         parser.error("nothing to run: no available backend implements this mode and no peer was asked for")
     for flag, path in (("--csv", args.csv), ("--json", args.json), ("--plot", args.plot)):
         problem = path is not None and _output_problem(path)
@@ -268,6 +313,8 @@ def run_mode_command(args: argparse.Namespace, cases: list[Any], runner_specs: l
               f"the float64 reference over {which}" + (" (skipped)" if not check else ""))
         sys.stdout.flush()
 
+    if args.variants:
+        return _run_variants(args, cases[0], runner_specs)
     if args.decode:
         peers = [n for n, kind in runner_specs if kind == "peer"]
         rows, meta, notes = execute_decode(
@@ -285,9 +332,33 @@ def run_mode_command(args: argparse.Namespace, cases: list[Any], runner_specs: l
     return finish(args, rows, format_varlen_table(rows), notes, _writers(args, rows, meta, VARLEN_COLUMNS))
 
 
+def _run_variants(args: argparse.Namespace, case: Any, runner_specs: list[tuple[str, str]]) -> int:
+    """``--variants``: the header, one progress tick per backend, the table of times relative to the plain forward."""
+    from .engine import progress_bar
+    from .harness import matched_torch_threads
+    from .report import machine_info
+    from .variants import VARIANTS_COLUMNS, execute_variants, format_variants_table
+
+    backends = [n for n, kind in runner_specs if kind == "backend"]
+    if args.seed is None:
+        args.seed = int(np.random.SeedSequence().entropy % 2**32)
+    with matched_torch_threads():
+        meta = machine_info()
+        meta.update(seed=args.seed, repeats=args.repeats, mode="variants")
+        for line in header_lines(meta, case.describe(), args.repeats, False)[:-1]:
+            print(line)
+        print(f"timing: {args.repeats} calls each after one untimed call (the first compiles); outputs not checked "
+              "here (the test suite checks every variant against the float64 reference)")
+        sys.stdout.flush()
+        with progress_bar(len(backends), enabled=len(backends) > 1) as tick:
+            rows, notes = execute_variants(case, backends, np.random.default_rng(args.seed), repeats=args.repeats,
+                                           flex=any(kind == "peer" for _, kind in runner_specs), tick=tick)
+    return finish(args, rows, format_variants_table(rows), notes, _writers(args, rows, meta, VARIANTS_COLUMNS))
+
+
 def run_command(args: argparse.Namespace, cases: list[Case], runner_specs: list[tuple[str, str]]) -> int:
     """Run the bench the arguments describe, print the report, write the files; returns the exit status."""
-    if getattr(args, "decode", False) or getattr(args, "varlen", False):
+    if _mode(args):
         return run_mode_command(args, cases, runner_specs)
 
     def header(meta: dict[str, Any]) -> None:
