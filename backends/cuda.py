@@ -440,8 +440,9 @@ class CudaBackend(Backend):
     def with_kvcache(self, call: AttentionCall) -> tuple[Any, Any]:
         """Rotary and the append through the caller's tensors (torch on their GPU, numpy on the host), then the
         forward kernel per sequence on its keys (views of a torch cache, copies of a host one). Key splits run as
-        separate launches merged on the host, and only for float32: a float16/bfloat16 partial result would be
-        rounded before the merge. A split-KV kernel that merges on the GPU is the next step."""
+        separate launches whose float32 parts are merged on the GPU (``numba_flash.cuda.merge``), and only for
+        float32: a float16/bfloat16 part would be rounded before the merge. One launch over (sequence, split) is the
+        next step."""
         kv = call.kvcache
         if kv.kind == "torch" and kv.device != "cpu":
             import torch
@@ -470,20 +471,21 @@ class CudaBackend(Backend):
                 return tuple(io.device(kvcache.keys_of(kv, cache, b, gather), name)
                              for cache, name in ((kv.k_cache, "k"), (kv.v_cache, "v")))
 
-            def host(x: Any) -> Any:
-                return x.copy_to_host(stream=io.stream) if hasattr(x, "copy_to_host") else x
+            def merge(*parts: Any) -> tuple[Any, Any]:
+                from numba_flash.cuda.merge import merge_states_device
+
+                return merge_states_device(*parts, stream=io.stream)
 
             def store(out_b: Any, lse_b: Any, o: Any, l: Any) -> None:
-                out_b.copy_to_device(np.ascontiguousarray(o), stream=io.stream)
-                lse_b.copy_to_device(np.ascontiguousarray(l), stream=io.stream)
+                out_b.copy_to_device(o, stream=io.stream)   # device to device
+                lse_b.copy_to_device(l, stream=io.stream)
 
             splits = 1
             if kv.dtype == "float32":
                 splits = kvcache.choose_num_splits(kv, self._multiprocessors())
             kvcache.forward(kv, run, q, out, lse, splits, keys=keys, lead_axis=_lead_axis, fill=io.fill,
                             empty_like=lambda x: io.cuda.device_array(x.shape, x.dtype, stream=io.stream),
-                            merge=lambda *parts: kvcache.merge_attention_states(*(host(x) for x in parts)),
-                            store=store)
+                            merge=merge, store=store)
             result = io.result(out_user, out), io.result(lse_user, lse)
             io.finish()
         return result

@@ -39,3 +39,15 @@ def test_every_specialisation_compiles_without_spills():
     assert not any(r.dtype == "bfloat16" and r.cc < (8, 0) for r in results)
     # Every specialisation launches on every listed GPU: a block's registers and shared memory fit an SM.
     assert all(r.occupancy.launchable for r in results), [r for r in results if not r.occupancy.launchable]
+
+
+def test_the_split_kv_merge_kernel_compiles_to_ptx():
+    _needs_toolchain()
+    from numba import cuda, float32
+
+    from numba_flash.cuda.merge import merge_kernel
+
+    out3, lse2 = float32[:, :, :], float32[:, :]
+    ptx, _ = cuda.compile_ptx(merge_kernel().py_func, (out3, lse2, out3, lse2, out3, lse2), cc=(8, 0))
+    assert ".entry" in ptx and "merge_states" in ptx
+    assert ".local" not in ptx   # no local-memory arrays (spills show in SASS; this kernel holds none)
