@@ -205,13 +205,25 @@ class Dispatcher:
                 chosen = be
         return chosen, table, None
 
+    def _served_if_named(self, call: AttentionCall, table: dict[str, list[str]],
+                         declined: dict[str, list[str]] | None) -> tuple[str, ...]:
+        """Backends that turned ``call`` down only because nobody named them (the torch path takes numpy arrays
+        and CPU tensors when forced): the hint a NoBackendError gives."""
+        names_ = []
+        for name in table:
+            be = _instance(self.op, name)
+            if be is not None and name not in (declined or {}) and not be.not_supported_reasons(call, forced=True):
+                names_.append(name)
+        return tuple(names_)
+
     def select(self, call: AttentionCall, backend: str | None = None,
                declined: dict[str, list[str]] | None = None) -> Backend:
         """The backend that will serve ``call``, or ``NoBackendError`` listing every backend's reasons.
         ``declined`` maps backends that already declined this call to their reasons."""
         chosen, table, forced = self._rank(call, backend, declined)
         if chosen is None:
-            raise NoBackendError(self.op, table, forced=forced)
+            raise NoBackendError(self.op, table, forced=forced,
+                                 if_named=() if forced else self._served_if_named(call, table, declined))
         if logger.isEnabledFor(logging.DEBUG):
             passed = "; ".join(f"{n}: {', '.join(r)}" for n, r in table.items() if r)
             logger.debug("%s: %s -> %s%s%s", self.op, call.describe(), chosen.name,

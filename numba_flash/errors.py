@@ -23,17 +23,20 @@ class NoBackendError(RuntimeError):
     all (``cuda: no CUDA GPU; cpu: bfloat16 not supported``) so that the choice can be debugged from the traceback.
     """
 
-    def __init__(self, op: str, reasons: dict[str, list[str]], forced: str | None = None):
+    def __init__(self, op: str, reasons: dict[str, list[str]], forced: str | None = None,
+                 if_named: tuple[str, ...] = ()):
         self.op = op
         self.reasons = dict(reasons)
         self.forced = forced
+        self.if_named = tuple(if_named)   # backends that would serve the call if it named them
         parts = [f"{name}: {', '.join(why) if why else 'unavailable'}" for name, why in self.reasons.items()]
         head = (
             f"backend {forced!r} cannot serve this {op!r} call"
             if forced
             else f"no backend can serve this {op!r} call"
         )
-        super().__init__(f"{head} ({'; '.join(parts) if parts else 'no backend registered'})")
+        tail = "".join(f"; backend={name!r} serves it when named" for name in self.if_named)
+        super().__init__(f"{head} ({'; '.join(parts) if parts else 'no backend registered'}){tail}")
 
 
 class BackendDeclined(RuntimeError):

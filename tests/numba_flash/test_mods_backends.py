@@ -190,3 +190,14 @@ def test_flash_attn_func_with_mods_and_autograd(backend):
     out = numba_flash.flash_attn_func(tq, tk, tv, backend=backend, score_mod=soft_clip)
     with pytest.raises(AttentionInputError, match="^score_mod_grad: expected"):
         out.sum().backward()
+
+
+def test_no_backend_error_names_the_backend_that_serves_the_call_when_named():
+    rng = np.random.default_rng(56)
+    q, k, v, _ = _inputs(rng)
+    with pytest.raises(numba_flash.NoBackendError, match="backend='rocm' serves it when named$") as exc:
+        backend_registry.get("flash").forward(q, k, v, mask_mod=doc_mask)
+    assert exc.value.if_named == ("rocm",)
+    with pytest.raises(numba_flash.NoBackendError) as exc:    # named and still refused: no hint
+        backend_registry.get("flash", backend="cpu").forward(q, k, v, mask_mod=doc_mask)
+    assert exc.value.if_named == () and "serves it when named" not in str(exc.value)
