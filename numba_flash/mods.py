@@ -174,6 +174,41 @@ class BlockMask:
         nb, nh = self.states.shape[:2]
         return int(self.states[b if nb > 1 else 0, h if nh > 1 else 0, i // self.block_m, j // self.block_n])
 
+    def plot(self, b: int = 0, h: int = 0, ax: Any = None) -> Any:
+        """The tile states of batch b, head h as an image (query tiles down, key tiles across; white skipped, grey
+        partial, black full) in ``ax``, or a new bare matplotlib Figure (never pyplot's, so a notebook's own
+        figures are left alone); returns the figure. In a notebook, ``mask.plot()`` shows it."""
+        from matplotlib.colors import ListedColormap
+
+        if ax is None:
+            from matplotlib.figure import Figure
+
+            fig = Figure(figsize=(5, 5 * self.states.shape[2] / max(self.states.shape[3], 1) + 0.6))
+            ax = fig.add_subplot()
+        else:
+            fig = ax.figure
+        nb, nh = self.states.shape[:2]
+        tiles = self.states[b if nb > 1 else 0, h if nh > 1 else 0]
+        ax.imshow(tiles, cmap=ListedColormap(["white", "0.6", "black"]), vmin=EMPTY, vmax=FULL,
+                  interpolation="nearest", aspect="auto")
+        name = getattr(self.mask_mod, "__name__", "mask_mod")
+        ax.set_title(f"{name}: b={b} h={h}, {self.block_m}x{self.block_n} tiles, "
+                     f"{self.visible_fraction():.1%} run", fontsize=9)
+        ax.set_xlabel(f"key tile (Sk = {self.seqlen_k})")
+        ax.set_ylabel(f"query tile (Sq = {self.seqlen_q})")
+        return fig
+
+    def _repr_png_(self) -> bytes | None:
+        """The plot, for notebooks that display objects as images; None (text repr) without matplotlib."""
+        try:
+            import io
+
+            buf = io.BytesIO()
+            self.plot().savefig(buf, format="png", dpi=80)
+            return buf.getvalue()
+        except ImportError:
+            return None
+
     def __repr__(self) -> str:
         counts = [int((self.states == s).sum()) for s in (EMPTY, PARTIAL, FULL)]
         return (f"BlockMask(shape={self.shape}, block=({self.block_m}, {self.block_n}), tiles: {counts[0]} empty, "

@@ -147,3 +147,13 @@ def test_division_by_zero_follows_numpy_and_gives_inf():
     with np.errstate(divide="ignore"):
         want = 1.0 / (np.arange(3)[:, None] - np.arange(3)[None, :])
     np.testing.assert_array_equal(got, want)
+
+
+def test_block_mask_plot_shows_the_tile_states():
+    pytest.importorskip("matplotlib")
+    bm = block_mask(doc_causal, 1, 1, 33, 33, block_m=4, block_n=4)
+    fig = bm.plot()
+    image = fig.axes[0].images[0].get_array()
+    np.testing.assert_array_equal(np.asarray(image), bm.states[0, 0])
+    assert "doc_causal" in fig.axes[0].get_title()
+    assert bm._repr_png_()[:8] == b"\x89PNG\r\n\x1a\n"
