@@ -108,8 +108,10 @@ class VariantRow:
                 **timing_fields(self.stats), "time_vs_plain": self.time_vs_plain}
 
 
-def _backend_calls(name: str, qkv: Sequence[np.ndarray], args: dict[str, dict[str, Any]]
-                   ) -> dict[str, Callable[[], Any]]:
+def variant_calls(name: str, qkv: Sequence[np.ndarray], args: dict[str, dict[str, Any]]
+                  ) -> dict[str, Callable[[], Any]]:
+    """Backend ``name``'s forward per variant on ``qkv`` (B, S, H, D), as calls with no arguments (not yet
+    called): the bench and the asv suite time these."""
     from numba_flash import backend_registry
 
     op = backend_registry.get("flash", backend=name)
@@ -177,7 +179,7 @@ def execute_variants(case: VariantsCase, backends: Sequence[str], rng: np.random
     args = variant_arguments(case, rng)
     rows: list[VariantRow] = []
     for name in backends:
-        rows.extend(_time_rows(case, name, "backend", _backend_calls(name, qkv, args), repeats))
+        rows.extend(_time_rows(case, name, "backend", variant_calls(name, qkv, args), repeats))
         tick()
     if flex:
         try:
