@@ -54,9 +54,9 @@ def cache_location() -> str:
     """Where numba keeps the compiled CPU kernels (``__pycache__`` beside the sources unless ``NUMBA_CACHE_DIR``
     or a read-only install moves it)."""
     try:
-        from numba_flash.cpu import kernels
+        from numba_flash.cpu import forward
 
-        path = kernels._forward_kernel._cache._cache_path  # numba's own answer; private, so only for display
+        path = forward._forward_kernel._cache._cache_path  # numba's own answer; private, so only for display
         return str(path)
     except Exception:  # an older or newer numba without that attribute: say what numba documents
         return "numba's cache directory (NUMBA_CACHE_DIR, else __pycache__ beside the sources)"

@@ -2,22 +2,26 @@
 
     python tools/cpu_kernels_ab.py e5cd89c --repeats 9
 
-The revision's ``numba_flash/cpu/kernels.py`` is loaded beside the current one (numba compiles it once into its
-cache); every repeat calls base, current and torch in turn, forward then backward, so that the machine's load hits
-all three alike. Prints min / median ms and the ratios per (B, H, S, D) = (1, 32, 512, 128), (1, 8, 2048, 64),
-causal and not, float32, layout "bshd". Kernel calls only: no backend dispatch, for either revision.
+The revision's CPU kernels (``numba_flash/cpu/``: the one ``kernels.py`` before the split by concern, or its
+``forward.py`` / ``backward.py`` and their siblings after) are loaded beside the current ones (numba compiles them
+once into its cache); every repeat calls base, current and torch in turn, forward then backward, so that the
+machine's load hits all three alike. Prints min / median ms and the ratios per (B, H, S, D) = (1, 32, 512, 128),
+(1, 8, 2048, 64), causal and not, float32, layout "bshd". Kernel calls only: no backend dispatch, for either revision.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
+import io
 import math
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -25,17 +29,23 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_revision(rev: str):
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:numba_flash/cpu/kernels.py"], check=True,
-                         capture_output=True, text=True).stdout
-    path = Path(tempfile.gettempdir()) / f"numba_flash_cpu_kernels_{rev}.py"
-    path.write_text(src)
-    name = "numba_flash.cpu.kernels_" + rev
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+def _load_revision(rev: str) -> types.SimpleNamespace:
+    """``flash_forward`` and ``flash_backward`` of revision ``rev``, from its ``numba_flash/cpu`` files extracted
+    into a temporary package (its ``__init__`` is not run: it imports the rest of that revision's numba_flash)."""
+    tar = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "numba_flash/cpu"], check=True,
+                         capture_output=True).stdout
+    root = Path(tempfile.gettempdir()) / f"numba_flash_cpu_{rev}"
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        archive.extractall(root, filter="data")
+    name = "numba_flash_cpu_" + "".join(c if c.isalnum() else "_" for c in rev)
+    package = types.ModuleType(name)
+    package.__path__ = [str(root / "numba_flash" / "cpu")]
+    sys.modules[name] = package
+    if (root / "numba_flash" / "cpu" / "kernels.py").exists():
+        kernels = importlib.import_module(name + ".kernels")
+        return types.SimpleNamespace(flash_forward=kernels.flash_forward, flash_backward=kernels.flash_backward)
+    return types.SimpleNamespace(flash_forward=importlib.import_module(name + ".forward").flash_forward,
+                                 flash_backward=importlib.import_module(name + ".backward").flash_backward)
 
 
 def main() -> None:
@@ -47,7 +57,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from numba_flash.cpu import kernels as new
+    import numba_flash.cpu as new
 
     base = _load_revision(args.rev)
     torch.set_num_threads(numba.get_num_threads())

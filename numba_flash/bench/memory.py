@@ -63,9 +63,9 @@ def _malloc_trim() -> None:
 def _release_scratch() -> None:
     # The CPU kernels keep scratch buffers between calls; a call measured with them already resident would look
     # smaller than it is, so they are freed first and the measured call allocates (and counts) them again.
-    kernels = sys.modules.get("numba_flash.cpu.kernels")
-    if kernels is not None:
-        kernels.clear_workspace()
+    workspace = sys.modules.get("numba_flash.cpu.workspace")
+    if workspace is not None:
+        workspace.clear_workspace()
 
 
 def measure_host_peak(fn: Callable[[], Any]) -> tuple[int, Any]:

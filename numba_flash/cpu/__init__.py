@@ -11,12 +11,18 @@ nothing); ``workspace_bytes()`` says what this thread holds.
 
 The forward also keeps each row's max and 1 / sum (B x Hq x Sq values, twice), with a copy of the lse it wrote,
 so that the backward given that lse skips a pass over the scores; the most recent entries are kept, up to
-``kernels.STASH_MAX_BYTES`` (64 MiB) per process.
+``stash.STASH_MAX_BYTES`` (64 MiB) per process.
+
+Modules: ``simd`` (tile sizes, vector width, inlined arithmetic), ``microkernels`` (the register-blocked
+products), ``passes`` (softmax column passes, row copies), ``tiles`` (the causal/window band), ``workspace``
+(compiled entries, scratch, packing), ``forward``, ``backward``, ``stash``, and ``decode`` (KV-cache decoding).
 """
 
 from .. import compile_notice
-from .kernels import (BLOCK_M, BLOCK_N, clear_workspace, flash_backward, flash_forward, set_workspace_limit,
-                      workspace_bytes)
+from .backward import flash_backward
+from .forward import flash_forward
+from .simd import BLOCK_M, BLOCK_N
+from .workspace import clear_workspace, set_workspace_limit, workspace_bytes
 
 # Before anything here can compile: a cold cache then says so instead of hanging silently for half a minute.
 compile_notice.install()

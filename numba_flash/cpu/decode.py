@@ -40,14 +40,15 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from numba_flash.cpu.kernels import _FASTMATH, _LANES, _LN2, _LOG2E, _as_dtype_of, _fast_exp2, _row_key_range
+from numba_flash.cpu.simd import _FASTMATH, _LANES, _LN2, _LOG2E, _as_dtype_of, _fast_exp2
+from numba_flash.cpu.tiles import _row_key_range
 from numba_flash.kvcache import MAX_SPLITS, MIN_KEYS_PER_SPLIT, choose_num_splits  # noqa: F401 (re-exported)
 from numba_flash.semantics import clamp_window_bound, effective_softcap
 
 BLOCK_N = 64  # keys per tile: their k and v rows (64 x D) stay in L1/L2 while every row of the unit uses them
 
 # The per-tile work is three functions compiled on their own, called once per tile of BLOCK_N keys. The two
-# products over the head dim are LLVM IR (``_dot_f32``, ``_pv_run_f32``) for float32, as in kernels.py: written
+# products over the head dim are LLVM IR (``_dot_f32``, ``_pv_run_f32``) for float32, as in microkernels.py: written
 # as numba loops, LLVM's vectoriser took them or not depending on the code around them (one edit elsewhere in
 # the kernel made the P V loop scalar and the call 2x slower; the same loops in a function of their own were
 # never vectorised), and reading flat[off + d] made it gather, since numba's negative-index wrap on off + d

@@ -23,9 +23,9 @@ PROBE = textwrap.dedent("""
     import logging, sys
     import numba, numpy as np
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="LOG %(name)s %(message)s")
-    from numba_flash.cpu import kernels
+    from numba_flash.cpu import workspace
     if "kernel" in sys.argv[1:]:
-        kernels._entry(kernels._pack_kernel, np.float32)
+        workspace._entry(workspace._pack_kernel, np.float32)
     def probe(x):
         return x + 1
     probe.__module__ = "numba_flash.probe"
@@ -47,11 +47,11 @@ def test_a_cold_cache_says_so_once_and_a_warm_one_says_nothing(tmp_path):
     assert cold.stderr.count("numba-flash: compiling the CPU kernels") == 1, cold.stderr   # two compiles, one note
     assert "numba-flash warmup" in cold.stderr and compile_notice.QUIET_ENV in cold.stderr
     assert cold.stdout.count("LOG numba_flash compiling CPU kernels") == 1, cold.stdout
-    assert "LOG numba_flash compiled numba_flash.cpu.kernels._pack_kernel in" in cold.stdout
+    assert "LOG numba_flash compiled numba_flash.cpu.workspace._pack_kernel in" in cold.stdout
     assert "LOG numba_flash compiled numba_flash.probe.probe in" in cold.stdout
 
     warm = _run(tmp_path, "kernel")   # the kernel now loads from the cache: only the uncached probe compiles
-    assert "compiled numba_flash.cpu.kernels._pack_kernel" not in warm.stdout, warm.stdout
+    assert "compiled numba_flash.cpu.workspace._pack_kernel" not in warm.stdout, warm.stdout
     assert "compiled numba_flash.probe.probe in" in warm.stdout
 
 
@@ -64,17 +64,17 @@ def test_quiet_drops_the_note_but_keeps_the_log(tmp_path):
 def test_warmup_makes_every_parallel_kernel_ready(rng):
     """Every ``parallel=True`` kernel of the CPU module is compiled or loaded for float32 after a warmup, and
     the warmup checked its results against the reference."""
-    from numba_flash.cpu import kernels
+    from numba_flash.cpu import backward, forward, workspace
     from numba_flash.warmup import warmup
 
     lines: list[str] = []
     (step,) = warmup(["float32"], report=lines.append, seed=int(rng.integers(2**32)))
     assert step.dtype == "float32" and step.ok and 0 <= step.max_err < 1e-4 and step.seconds > 0
     assert lines[-1] == step.describe() and "float32: forward and backward ready in" in lines[-1]
-    parallel = {name for name, obj in vars(kernels).items()
+    parallel = {name for module in (forward, backward, workspace) for name, obj in vars(module).items()
                 if isinstance(obj, numba.core.registry.CPUDispatcher) and obj.targetoptions.get("parallel")}
     assert len(parallel) >= 4, parallel
-    ready = {kernel.py_func.__name__ for kernel, dtype in kernels._entries if np.dtype(dtype) == np.float32}
+    ready = {kernel.py_func.__name__ for kernel, dtype in workspace._entries if np.dtype(dtype) == np.float32}
     assert parallel <= ready, parallel - ready
     with pytest.raises(ValueError, match="float16"):
         warmup(["float16"])
@@ -105,7 +105,7 @@ def test_scratch_cap_is_settable_and_frees_what_it_no_longer_allows(rng):
 
 
 def test_scratch_cap_from_the_environment():
-    code = "from numba_flash.cpu import kernels; print(kernels.WORKSPACE_MAX_BYTES)"
+    code = "from numba_flash.cpu import workspace; print(workspace.WORKSPACE_MAX_BYTES)"
     env = dict(os.environ, PYTHONPATH=str(REPO), NUMBA_FLASH_CPU_SCRATCH_MIB="0.5")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert int(out.stdout) == 512 << 10

@@ -188,12 +188,12 @@ def test_scratch_reused_across_shapes_and_threads(rng):
     # that, GQA then MHA, and calls from another thread must all still match the reference.
     import threading
 
-    from numba_flash.cpu import clear_workspace, kernels
+    from numba_flash.cpu import clear_workspace, workspace
 
     cases = [(1, 150, 150, 4, 2, 40), (1, 20, 33, 2, 2, 64), (2, 200, 90, 2, 1, 24), (1, 70, 70, 3, 3, 40)]
     for case in cases:
         _check(*_inputs(rng, *case), right=0)
-    assert kernels._workspace.buffers, "the scratch buffers were not kept"
+    assert workspace._workspace.buffers, "the scratch buffers were not kept"
     seeds = rng.integers(2**32, size=2)
     errors = []
 
@@ -210,14 +210,14 @@ def test_scratch_reused_across_shapes_and_threads(rng):
         t.join()
     assert not errors
     clear_workspace()
-    assert not getattr(kernels._workspace, "buffers", None)
+    assert not getattr(workspace._workspace, "buffers", None)
     _check(*_inputs(rng, *cases[0]), right=0)
 
 
 def test_scratch_above_the_cap_is_not_kept(rng, monkeypatch):
-    from numba_flash.cpu import kernels
+    from numba_flash.cpu import workspace
 
-    kernels.clear_workspace()
-    monkeypatch.setattr(kernels, "WORKSPACE_MAX_BYTES", 1024)
+    workspace.clear_workspace()
+    monkeypatch.setattr(workspace, "WORKSPACE_MAX_BYTES", 1024)
     _check(*_inputs(rng, 1, 90, 90, 2, 2, 40), right=0)
-    assert all(b.nbytes <= 1024 for b in kernels._workspace.__dict__.get("buffers", {}).values())
+    assert all(b.nbytes <= 1024 for b in workspace._workspace.__dict__.get("buffers", {}).values())

@@ -16,7 +16,8 @@ _SCRIPT = textwrap.dedent(
     """
     import json, sys
     import numpy as np
-    from numba_flash.cpu import kernels as K
+    from numba_flash.cpu import backward, forward, simd
+    from numba_flash.cpu import flash_backward, flash_forward
     from numba_flash.reference import attention_ref, attention_ref_backward
 
     rng = np.random.default_rng(int(sys.argv[1]))
@@ -32,17 +33,17 @@ _SCRIPT = textwrap.dedent(
             q, k, v, dout = (x.transpose(0, 2, 1, 3) for x in (q, k, v, dout))
         scale = d ** -0.5
         out, lse = np.empty(q.shape, np.float32), np.empty((b, hq, sq), np.float32)
-        K.flash_forward(q, k, v, out, lse, scale, left, right, cap)
+        flash_forward(q, k, v, out, lse, scale, left, right, cap)
         grads = [np.empty(x.shape, np.float32) for x in (q, k, v)]
-        K.flash_backward(dout, q, k, v, out, lse, *grads, scale, left, right, cap)
+        flash_backward(dout, q, k, v, out, lse, *grads, scale, left, right, cap)
         ref_out, _ = attention_ref(q, k, v, softmax_scale=scale, window_size=(left, right), softcap=cap)
         ref_grads = attention_ref_backward(dout, q, k, v, softmax_scale=scale, window_size=(left, right),
                                            softcap=cap)
         errors.append(float(np.abs(out - ref_out).max()))
         errors.extend(float(np.linalg.norm(g - r) / np.linalg.norm(r)) for g, r in zip(grads, ref_grads))
-    kernels = (K._forward_kernel, K._backward_kv_kernel, K._backward_dq_kernel)
+    kernels = (forward._forward_kernel, backward._backward_kv_kernel, backward._backward_dq_kernel)
     print(json.dumps({
-        "lanes": K._LANES,
+        "lanes": simd._LANES,
         "errors": errors,
         "hits": sum(sum(f.stats.cache_hits.values()) for f in kernels),
         "misses": sum(sum(f.stats.cache_misses.values()) for f in kernels),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from numba_flash import attention_ref_backward, backend_registry
-from numba_flash.cpu import kernels
+from numba_flash.cpu import flash_backward, flash_forward, stash
 
 
 def _inputs(rng, sq=131, sk=150):
@@ -23,11 +23,11 @@ def test_backward_after_forward_skips_the_stats_pass_and_gives_the_same_gradient
     q, k, v, dout = _inputs(rng)
     op = backend_registry.get("flash", backend="cpu")
     out, lse = op.forward(q, k, v, return_lse=True, causal=causal, softcap=4.0)
-    before = kernels.stats_passes
+    before = stash.stats_passes
     reused = op.backward(dout, q, k, v, out, lse, causal=causal, softcap=4.0)
-    assert kernels.stats_passes == before
+    assert stash.stats_passes == before
     recomputed = op.backward(dout, q, k, v, out, lse.copy(), causal=causal, softcap=4.0)  # not the forward's lse
-    assert kernels.stats_passes == before + 1
+    assert stash.stats_passes == before + 1
     for a, b in zip(reused, recomputed):
         np.testing.assert_array_equal(a, b)
     for got, want in zip(reused, attention_ref_backward(dout, q, k, v, causal=causal, softcap=4.0)):
@@ -39,9 +39,9 @@ def test_an_lse_changed_in_place_is_not_taken_for_the_forwards(rng):
     op = backend_registry.get("flash", backend="cpu")
     out, lse = op.forward(q, k, v, return_lse=True)
     lse[0, 1, 7] += 0.25      # now the lse of another softmax for that row
-    before = kernels.stats_passes
+    before = stash.stats_passes
     got = op.backward(dout, q, k, v, out, lse)
-    assert kernels.stats_passes == before + 1
+    assert stash.stats_passes == before + 1
     fresh = op.backward(dout, q, k, v, out, lse.copy())
     for a, b in zip(got, fresh):
         np.testing.assert_array_equal(a, b)
@@ -52,12 +52,12 @@ def test_a_new_forward_into_reused_memory_replaces_the_old_statistics(rng):
     q2 = rng.standard_normal(q.shape).astype(np.float32)
     lse = np.empty((2, 4, 131), np.float32)
     out = np.empty_like(q)
-    kernels.flash_forward(q, k, v, out, lse, 0.2, -1, -1, 0.0)
-    kernels.flash_forward(q2, k, v, out, lse, 0.2, -1, -1, 0.0)   # same lse buffer, another call
+    flash_forward(q, k, v, out, lse, 0.2, -1, -1, 0.0)
+    flash_forward(q2, k, v, out, lse, 0.2, -1, -1, 0.0)   # same lse buffer, another call
     dq, dk, dv = (np.empty_like(x) for x in (q, k, v))
-    before = kernels.stats_passes
-    kernels.flash_backward(dout, q2, k, v, out, lse, dq, dk, dv, 0.2, -1, -1, 0.0)
-    assert kernels.stats_passes == before
+    before = stash.stats_passes
+    flash_backward(dout, q2, k, v, out, lse, dq, dk, dv, 0.2, -1, -1, 0.0)
+    assert stash.stats_passes == before
     want = attention_ref_backward(dout, q2, k, v, softmax_scale=0.2)
     for got, ref in zip((dq, dk, dv), want):
         assert np.linalg.norm(got - ref) <= 1e-5 * np.linalg.norm(ref)

@@ -1,0 +1,344 @@
+"""The CPU backward kernels and ``flash_backward``: a key-tile pass (dK, dV, and dQ when fused) and a query-tile
+pass (dQ alone), both recomputing P from the forward's row statistics (``stash``), never storing an S x S array.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from .simd import BLOCK_M, BLOCK_N, _FASTMATH, _as_dtype_of, _capped, _fast_exp
+from .microkernels import _mm, _mm_at, _mm_dot
+from .passes import _rows_finite, _store_rows
+from .tiles import _load_rows, _mask_block, _query_tiles_seeing, _tile_key_span, _visible_product
+from .workspace import (_check_dtypes, _entry, _head_major, _kernel_options, _pack_scaled_kernel, _padded,
+                        _row_dot_kernel, _score_scale, _scratch, _store_dq_kernel)
+from . import stash
+from .stash import _defer_to_caller_lse, _stashed_stats
+from .forward import _forward_kernel
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backward
+#
+# The key-tile pass (dK, dV, and dQ when fused) walks query tiles inside a key tile, so it computes S = Q K^T with
+# queries as rows: it needs K^T and V^T of its key tile only, built once per tile, and reads Q and dO rows in place.
+# The query-tile pass (dQ alone) walks key tiles inside a query tile, so it computes S^T = K Q^T like the forward,
+# building Q^T and dO^T once per query tile and reading K and V rows in place. Either way every transposed copy
+# is made once per call, in parallel, and no O(S^2) array exists.
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _softcap_scores(s, nrows, ncols, softcap, dcap, scale):
+    """s[:nrows, :ncols] = softcap * tanh(s / softcap), the forward's capped scores computed the forward's way
+    (``_capped``); dcap = scale * (1 - tanh^2), d score / d q.k. A loop of its own: fused into the exponent's
+    subtraction (a multiply-add), the capped score would not be the one the forward took the max of."""
+    inf = _as_dtype_of(s, np.inf)
+    nan = _as_dtype_of(s, np.nan)
+    for r in range(nrows):
+        for c in range(ncols):
+            x = s[r, c]
+            capped, t = _capped(x, softcap)
+            s[r, c] = capped if abs(x) < inf else nan
+            dcap[r, c] = _as_dtype_of(dcap, scale * (1.0 - t * t))
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _gradient_terms(score, dp, row_max, inv_l, delta, dscore):
+    """(P, dS) for one score (as the forward computed it) and dp = dO.v, given the row's max and 1 / sum of the
+    forward's last pass (``_forward_kernel`` with ``stats_only``) and delta = dO . O: P is exp(score - max) / sum,
+    dS the gradient with respect to q.k, ``P * (dP - delta) * dscore`` (dscore: scale, times 1 - tanh^2 with
+    softcap). A poisoned row has max NaN, which makes P and dS NaN; a row that sees no key has max +inf and
+    1 / sum = 0, which make P = 0."""
+    prob = _fast_exp(score - row_max) * inv_l
+    return prob, prob * (dp - delta) * dscore
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _probs_and_dscores_rows(s, dps, dcap, row_max, row_inv, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
+                            scale, softcap):
+    """A (BM, BN) block with queries as rows: s holds the scores (Q pre-scaled as in the forward) on entry and P on
+    exit, dps holds dO.v on entry and dS on exit. row_max, row_inv (the forward's row max and 1 / sum, see
+    ``_gradient_terms``) and delta are indexed by query. Masked entries and key columns past nk become 0 in both.
+    dcap: scratch (BM, BN) for softcap's derivative."""
+    zero = _as_dtype_of(s, 0.0)
+    sc = _as_dtype_of(s, scale)
+    if softcap > 0:
+        _softcap_scores(s, s.shape[0], s.shape[1], softcap, dcap, scale)
+        for r in range(s.shape[0]):
+            mr = row_max[i0 + r]
+            il = row_inv[i0 + r]
+            dl = delta[i0 + r]
+            for c in range(s.shape[1]):
+                s[r, c], dps[r, c] = _gradient_terms(s[r, c], dps[r, c], mr, il, dl, dcap[r, c])
+    else:
+        for r in range(s.shape[0]):
+            mr = row_max[i0 + r]
+            il = row_inv[i0 + r]
+            dl = delta[i0 + r]
+            for c in range(s.shape[1]):
+                s[r, c], dps[r, c] = _gradient_terms(s[r, c], dps[r, c], mr, il, dl, sc)
+    if not (full_lo <= j0 and j0 + nk <= full_hi):
+        for r in range(s.shape[0]):
+            lo = row_lo[r] - j0
+            hi = row_hi[r] - j0
+            for c in range(s.shape[1]):
+                if c < lo or c >= hi:
+                    s[r, c] = zero
+                    dps[r, c] = zero
+    elif nk < s.shape[1]:
+        for r in range(s.shape[0]):
+            for c in range(nk, s.shape[1]):
+                s[r, c] = zero
+                dps[r, c] = zero
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _probs_and_dscores_cols(st, dpt, dcap, row_max, row_inv, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
+                            scale, softcap):
+    """The same on a transposed (BN, BM) block, keys as rows: st holds k.q and becomes P^T, dpt holds v.dO and
+    becomes dS^T; row_max, row_inv and delta are indexed by column. Key rows past nk and masked entries become 0."""
+    zero = _as_dtype_of(st, 0.0)
+    sc = _as_dtype_of(st, scale)
+    if softcap > 0:
+        _softcap_scores(st, nk, st.shape[1], softcap, dcap, scale)
+        for c in range(nk):
+            for r in range(st.shape[1]):
+                st[c, r], dpt[c, r] = _gradient_terms(st[c, r], dpt[c, r], row_max[i0 + r], row_inv[i0 + r],
+                                                      delta[i0 + r], dcap[c, r])
+    else:
+        for c in range(nk):
+            for r in range(st.shape[1]):
+                st[c, r], dpt[c, r] = _gradient_terms(st[c, r], dpt[c, r], row_max[i0 + r], row_inv[i0 + r],
+                                                      delta[i0 + r], sc)
+    if not (full_lo <= j0 and j0 + nk <= full_hi):
+        _mask_block(st, j0, nk, row_lo, row_hi, zero)
+        _mask_block(dpt, j0, nk, row_lo, row_hi, zero)
+    for c in range(nk, st.shape[0]):
+        for r in range(st.shape[1]):
+            st[c, r] = zero
+            dpt[c, r] = zero
+
+
+@njit(inline="always", cache=True)
+def _tile_product_add(acc, tile, a, b_rows, n, a_transposed, b_is_keys, masked, j0, row_lo, row_hi):
+    """acc += A @ b_rows[:n] (A = a[:n].T with ``a_transposed``, else a[:, :n]), the product formed in ``tile`` first
+    and then added: a gradient summed over a long sequence then takes one rounding per tile, not one per row of the
+    sequence (dK and dV at Sq = 20000 erred 10x torch's). A masked block whose b_rows hold a non-finite value goes
+    through ``_visible_product``."""
+    zero = _as_dtype_of(acc, 0.0)
+    if masked and not _rows_finite(b_rows, n):
+        tile[:] = zero
+        _visible_product(tile, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, row_hi)
+    elif a_transposed:
+        _mm_at(tile, a, b_rows, n, False)
+    else:
+        _mm(tile, a, b_rows, n, False)
+    for r in range(acc.shape[0]):
+        for d in range(acc.shape[1]):
+            acc[r, d] += tile[r, d]
+
+
+@njit(inline="always", cache=True)
+def _load_transposed(dst, src, n, head_dim):
+    """dst[:head_dim, :n] = src[:n, :head_dim].T and zero in dst's columns n..; dst (D, BN), src a 2-D view."""
+    zero = _as_dtype_of(dst, 0.0)
+    for c in range(n):
+        for d in range(head_dim):
+            dst[d, c] = src[c, d]
+    for d in range(head_dim):
+        for c in range(n, dst.shape[1]):
+            dst[d, c] = zero
+
+
+@njit(parallel=True, fastmath=_FASTMATH, cache=True)
+def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, dv, head_dim, scale, left, right,
+                        softcap, kt_per_unit, fuse_dq):
+    """dK and dV (and, with ``fuse_dq``, dQ into ``dq_acc``).
+
+    q, qs, dout: (B, Sq, Hq, D_pad) and k, v: (B, Sk, Hkv, D_pad), views of head-major buffers (``_head_major``);
+    qs is q times the forward's score scale (``_score_scale``), so that the scores are the forward's to the bit;
+    row_max, row_inv, delta: (B, Hq, n_qt * BLOCK_M), the forward's row max and 1 / sum (+inf and 0 in
+    the padding and for rows that see no key) and rowsum(dO * O);
+    dq_acc: (B, Hq, n_qt * BLOCK_M, D_pad), zeroed, accumulated into when ``fuse_dq``; dk, dv: (B, Sk, Hkv, >= D),
+    any strides, written.
+    One prange iteration per (batch, kv head, run of ``kt_per_unit`` key tiles): it sums dK/dV for its key tiles
+    over every query head of the group and every query tile that sees them and writes only those rows of dk, dv.
+    dQ rows collect contributions from all key tiles, so they may be accumulated here only when one iteration owns
+    all key tiles of its (batch, kv head): then it is the only writer of its group's dQ, and the scores need not
+    be recomputed in a second pass.
+    """
+    batch, seqlen_q, nheads_q = q.shape[0], q.shape[1], q.shape[2]
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    group = nheads_q // nheads_kv
+    dp = q.shape[3]
+    n_kt = (seqlen_k + BLOCK_N - 1) // BLOCK_N
+    n_chunks = (n_kt + kt_per_unit - 1) // kt_per_unit
+    for u in prange(batch * nheads_kv * n_chunks):
+        b = u // (nheads_kv * n_chunks)
+        hk = (u // n_chunks) % nheads_kv
+        chunk = u % n_chunks
+        row_lo = np.empty(BLOCK_M, np.int64)
+        row_hi = np.empty(BLOCK_M, np.int64)
+        k_t = np.empty((head_dim, BLOCK_N), q.dtype)
+        v_t = np.empty((head_dim, BLOCK_N), q.dtype)
+        q_tail = np.empty((BLOCK_M, dp), q.dtype)   # a last, partial query tile, zero-padded
+        do_tail = np.empty((BLOCK_M, dp), q.dtype)
+        s = np.empty((BLOCK_M, BLOCK_N), q.dtype)
+        dps = np.empty((BLOCK_M, BLOCK_N), q.dtype)
+        dcap = np.empty((BLOCK_M, BLOCK_N) if softcap > 0 else (1, 1), q.dtype)
+        dk_acc = np.empty((BLOCK_N, dp), q.dtype)
+        dv_acc = np.empty((BLOCK_N, dp), q.dtype)
+        kv_tile = np.empty((BLOCK_N, dp), q.dtype)
+        q_tile = np.empty((BLOCK_M, dp), q.dtype)
+        for kt in range(chunk * kt_per_unit, min(n_kt, (chunk + 1) * kt_per_unit)):
+            j0 = kt * BLOCK_N
+            nk = min(BLOCK_N, seqlen_k - j0)
+            k_rows = k[b, j0:j0 + nk, hk]
+            _load_transposed(k_t, k_rows, nk, head_dim)
+            _load_transposed(v_t, v[b, j0:j0 + nk, hk], nk, head_dim)
+            dk_acc[:] = 0
+            dv_acc[:] = 0
+            qt_first, qt_end = _query_tiles_seeing(j0, j0 + nk, seqlen_q, seqlen_k, left, right)
+            for h in range(hk * group, (hk + 1) * group):
+                for qt in range(qt_first, qt_end):
+                    i0 = qt * BLOCK_M
+                    nq = min(BLOCK_M, seqlen_q - i0)
+                    _, _, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
+                    q_rows = q[b, i0:i0 + nq, h]
+                    qs_rows = qs[b, i0:i0 + nq, h]
+                    do_rows = dout[b, i0:i0 + nq, h]
+                    if nq == BLOCK_M:
+                        _mm_dot(s, qs_rows, k_t, head_dim)
+                        _mm_dot(dps, do_rows, v_t, head_dim)
+                    else:  # the products read whole tiles of their A operand: pad the partial one
+                        _load_rows(q_tail, qs_rows, nq, dp)
+                        _load_rows(do_tail, do_rows, nq, dp)
+                        _mm_dot(s, q_tail, k_t, head_dim)
+                        _mm_dot(dps, do_tail, v_t, head_dim)
+                    _probs_and_dscores_rows(s, dps, dcap, row_max[b, h], row_inv[b, h], delta[b, h], i0, j0, nk,
+                                            row_lo, row_hi, full_lo, full_hi, scale, softcap)
+                    # P and dS are 0 where a query does not see a key; a non-finite row of Q, dO or K must not
+                    # reach those pairs through 0 * nan (see _visible_product). Only masked blocks have such pairs.
+                    masked = not (full_lo <= j0 and j0 + nk <= full_hi)
+                    _tile_product_add(dv_acc, kv_tile, s, do_rows, nq, True, False, masked, j0, row_lo, row_hi)
+                    _tile_product_add(dk_acc, kv_tile, dps, q_rows, nq, True, False, masked, j0, row_lo, row_hi)
+                    if fuse_dq:
+                        _tile_product_add(dq_acc[b, h, i0:i0 + BLOCK_M], q_tile, dps, k_rows, nk, False, True,
+                                          masked, j0, row_lo, row_hi)
+            _store_rows(dk[b, j0:j0 + nk, hk], dk_acc, nk, head_dim)
+            _store_rows(dv[b, j0:j0 + nk, hk], dv_acc, nk, head_dim)
+
+
+@njit(parallel=True, fastmath=_FASTMATH, cache=True)
+def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, scale, left, right, softcap):
+    """dQ, one prange iteration per (batch, query head, query tile): it recomputes P and dS for the key tiles its
+    rows see and is the only writer of its dq rows. qs, k, v, dout, row_max, row_inv, delta as in
+    ``_backward_kv_kernel``;
+    dq: (B, Sq, Hq, >= D), any strides, written."""
+    batch, seqlen_q, nheads_q = qs.shape[0], qs.shape[1], qs.shape[2]
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    group = nheads_q // nheads_kv
+    dp = qs.shape[3]
+    n_qt = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+    for u in prange(batch * nheads_q * n_qt):
+        b = u // (nheads_q * n_qt)
+        h = (u // n_qt) % nheads_q
+        qt = u % n_qt
+        hk = h // group
+        i0 = qt * BLOCK_M
+        nq = min(BLOCK_M, seqlen_q - i0)
+        row_lo = np.empty(BLOCK_M, np.int64)
+        row_hi = np.empty(BLOCK_M, np.int64)
+        span_lo, span_hi, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
+        q_t = np.empty((head_dim, BLOCK_M), qs.dtype)
+        do_t = np.empty((head_dim, BLOCK_M), qs.dtype)
+        _load_transposed(q_t, qs[b, i0:i0 + nq, h], nq, head_dim)
+        _load_transposed(do_t, dout[b, i0:i0 + nq, h], nq, head_dim)
+        k_tail = np.zeros((BLOCK_N, dp), qs.dtype)
+        v_tail = np.zeros((BLOCK_N, dp), qs.dtype)
+        st = np.empty((BLOCK_N, BLOCK_M), qs.dtype)
+        dpt = np.empty((BLOCK_N, BLOCK_M), qs.dtype)
+        dcap = np.empty((BLOCK_N, BLOCK_M) if softcap > 0 else (1, 1), qs.dtype)
+        acc = np.zeros((BLOCK_M, dp), qs.dtype)
+        tile = np.empty((BLOCK_M, dp), qs.dtype)
+        kt_first = span_lo // BLOCK_N
+        kt_end = (span_hi + BLOCK_N - 1) // BLOCK_N if span_lo < span_hi else kt_first
+        for kt in range(kt_first, kt_end):
+            j0 = kt * BLOCK_N
+            nk = min(BLOCK_N, seqlen_k - j0)
+            if nk == BLOCK_N:
+                kr = k[b, j0:j0 + BLOCK_N, hk]
+                vr = v[b, j0:j0 + BLOCK_N, hk]
+            else:  # a last, partial key tile: the products read whole tiles, so pad it with zero rows
+                _load_rows(k_tail, k[b, j0:j0 + nk, hk], nk, head_dim)
+                _load_rows(v_tail, v[b, j0:j0 + nk, hk], nk, head_dim)
+                kr = k_tail[:, :]
+                vr = v_tail[:, :]
+            _mm_dot(st, kr, q_t, head_dim)
+            _mm_dot(dpt, vr, do_t, head_dim)
+            _probs_and_dscores_cols(st, dpt, dcap, row_max[b, h], row_inv[b, h], delta[b, h], i0, j0, nk, row_lo,
+                                    row_hi, full_lo, full_hi, scale, softcap)
+            _tile_product_add(acc, tile, dpt, kr, nk, True, True, not (full_lo <= j0 and j0 + nk <= full_hi), j0,
+                              row_lo, row_hi)
+        _store_rows(dq[b, i0:i0 + nq, h], acc, nq, head_dim)
+
+
+def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
+                   lse: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, scale: float,
+                   window_left: int, window_right: int, softcap: float) -> None:
+    """Gradients of ``sum(out * dout)`` with respect to q, k and v, written into dq, dk, dv.
+
+    Arguments:
+        dout, q, out: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D); any strides, not modified.
+        lse: (B, Hq, Sq), as written by ``flash_forward`` (+inf for rows that see no key), or the lse of a softmax
+            over more keys than k holds (ring attention). Where it is these keys' own, the kernels use each row's
+            max and sum recomputed from q and k (``_forward_kernel`` with ``stats_only``), which gives P with one
+            rounding; elsewhere P = exp(score - lse) (``_defer_to_caller_lse``).
+        dq: (B, Sq, Hq, D); dk, dv: (B, Sk, Hkv, D); any strides, contents ignored and overwritten. With GQA the
+            gradients of a kv head are summed over the query heads of its group.
+        All arrays float32, or all float64. scale, window_left, window_right, softcap as in ``flash_forward``.
+    """
+    dtype = _check_dtypes(dout, q, k, v, out, lse, dq, dk, dv)
+    batch, seqlen_q, nheads_q, head_dim = q.shape
+    nheads_kv = k.shape[2]
+    window_left, window_right, softcap = _kernel_options(seqlen_q, k.shape[1], window_left, window_right, softcap,
+                                                         dtype)
+    sq_pad = _padded(seqlen_q, BLOCK_M)
+    # delta_i = dO_i . O_i, the row term of the softmax gradient, summed the way dP = dO . v is (_row_dot_kernel).
+    delta = _scratch("delta", (batch, nheads_q, sq_pad), dtype)
+    delta[:, :, seqlen_q:] = 0
+    _entry(_row_dot_kernel, dtype)(dout, out, delta)
+    k_in, v_in = _head_major(k, head_dim, "k"), _head_major(v, head_dim, "v")
+    # The forward's softmax statistics of every row, recomputed from the forward's own scores: P is then
+    # exp(score - max) / sum with the forward's max and sum, not exp(score - lse) with lse rounded to float32
+    # (which made P = 1 for one visible key come out 1 - 1e-7, and erred in proportion to |lse|).
+    stashed = _stashed_stats(lse)
+    if stashed is not None:
+        row_max, row_inv = stashed
+    else:
+        stash.stats_passes += 1
+        row_max = _scratch("row_max", (batch, nheads_q, sq_pad), dtype)
+        row_inv = _scratch("row_inv", (batch, nheads_q, sq_pad), dtype)
+        no_lse = np.empty((1, 1, 1), dtype)
+        _entry(_forward_kernel, dtype)(q, k_in, v_in, q, no_lse, head_dim, float(scale), window_left, window_right,
+                                       softcap, row_max, row_inv, True)
+    _defer_to_caller_lse(lse, row_max[:, :, :seqlen_q], row_inv[:, :, :seqlen_q])
+    q_in, do_in = _head_major(q, head_dim, "q"), _head_major(dout, head_dim, "dout")
+    qs = _scratch("qs", (batch, nheads_q, seqlen_q, q_in.shape[3]), dtype)
+    _entry(_pack_scaled_kernel, dtype)(q, qs, head_dim, _score_scale(scale, softcap))
+    qs_in = qs.transpose(0, 2, 1, 3)
+    # Fusing dQ into the key-tile pass saves recomputing P and dS, but it needs one iteration per (batch, kv head)
+    # to own all key tiles; do it only when there are enough of those to keep every thread busy.
+    fuse_dq = batch * nheads_kv >= 2 * numba.get_num_threads()
+    n_kt = -(-k.shape[1] // BLOCK_N)
+    dq_acc = _scratch("dq", (batch, nheads_q, sq_pad, q_in.shape[3]) if fuse_dq else (1, 1, 1, 1), dtype)
+    dq_acc.fill(0)
+    _entry(_backward_kv_kernel, dtype)(q_in, qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq_acc, dk, dv,
+                                       head_dim, float(scale), window_left, window_right, softcap,
+                                       n_kt if fuse_dq else 1, fuse_dq)
+    if fuse_dq:
+        _entry(_store_dq_kernel, dtype)(dq_acc, dq, head_dim)
+    else:
+        _entry(_backward_dq_kernel, dtype)(qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq, head_dim,
+                                           float(scale), window_left, window_right, softcap)

@@ -1,0 +1,205 @@
+"""The CPU forward kernel and ``flash_forward``; how the CPU kernels lay their work out (the backward's too).
+
+How the work is laid out:
+
+* Scores are computed transposed, one (key tile x query tile) block at a time: ``S^T = K Q^T``, shape
+  (BLOCK_N, BLOCK_M). The softmax statistics of a query (running max, running sum, the rescale factor) then sit
+  along a row of the block, so the online-softmax updates are elementwise vector operations over 64 queries instead
+  of horizontal reductions; and every product of the forward and backward reads K, V, Q and dO as they are stored,
+  one row per key or query with the head dim contiguous:
+
+      forward   S^T = K Q^T       O += P V            (P read as P^T)
+      backward  S^T = K Q^T       dP^T = V dO^T       dV += P^T dO      dK += dS^T Q      dQ += dS K
+
+  Only Q^T and dO^T tiles are built (the forward transposes each query tile once; the backward packs them once per
+  call). K, V (and, for the backward, Q and dO) are read in place from a head-major ``(B, H, S, D_pad)`` buffer:
+  the caller's own array when it already is one (contiguous "bhsd" with D a multiple of 16), else a copy made once
+  per call (``_head_major``). Extra memory is O(B*H*S*D); the S x S matrix is never stored: per thread there is one
+  score block and one accumulator tile.
+* Every product is ``C (+)= A @ B`` (``_mm``) or ``C (+)= A^T @ B`` (``_mm_at``) with row-major B and C, run by a
+  register-blocked outer-product micro-kernel written in LLVM IR (``_mm_block_codegen``): MR rows of C times two
+  vectors of columns stay in registers for the whole reduction, each step broadcasting MR values of A, loading two
+  vectors of B and issuing 2*MR fused multiply-adds. On CPUs with AVX-512 the block is 8 x 32 in 512-bit vectors,
+  elsewhere 4 x 16 in 256-bit vectors (LLVM splits those where vectors are narrower). Python loop nests for these
+  shapes compile to dot products with a horizontal sum each, at about half the speed of the 256-bit block and a
+  third of the 512-bit one.
+* ``exp`` is a polynomial on the bits of the float (``_fast_exp2``) because ``math.exp`` is a scalar libm call that
+  LLVM cannot vectorise. Scores stay in natural-log units; ``_fast_exp`` turns score - max into base 2.
+* Tiles entirely outside the causal/window band are never visited (loop bounds); only tiles that straddle the
+  band's edge are masked.
+* Accuracy, float32 against torch's (issue 16; ``tools/accuracy_vs_torch.py``): the backward recomputes P as
+  exp(score - row max) / row sum with the statistics of a stats-only forward pass over the forward's own scores,
+  not from the float32 lse; head-dim dot products are summed in chunks of ``_DOT_CHUNK``; sums across tiles
+  (P V and row sums over key tiles, dK / dV / dQ over query or key tiles) are formed per tile and then added.
+
+The kernels take (B, S, H, D) views with any strides and are compiled once per dtype (float32, float64) with
+layout-generic array types (``_entry``), so "bshd", "bhsd" and strided inputs share one cached compilation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .simd import BLOCK_M, BLOCK_N, _FASTMATH, _as_dtype_of, _capped, _fast_exp
+from .microkernels import _mm_at, _mm_dot
+from .passes import _column_exp2_sum, _column_max, _rows_finite
+from .tiles import _load_rows, _mask_scores, _tile_key_span, _visible_product
+from .workspace import _check_dtypes, _entry, _head_major, _kernel_options, _padded
+from .stash import _stash_stats
+
+# ---------------------------------------------------------------------------------------------------------------
+# Forward
+
+
+@njit(parallel=True, fastmath=_FASTMATH, cache=True)
+def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, row_max, row_inv, stats_only):
+    """Online-softmax forward. One prange iteration per (batch, query head, query tile); each writes only its own
+    rows of out and lse.
+
+    q, out: (B, Sq, Hq, >= D), any strides; lse: (B, Hq, Sq), any strides;
+    k, v: (B, Sk, Hkv, D_pad) views of head-major buffers (``_head_major``), D_pad = D rounded up to 16, zero past D.
+    All one float dtype.
+    With ``stats_only`` (the backward's first pass) it skips P V and writes neither out nor lse, but each row's
+    final max and 1 / sum of exp(score - max) into row_max and row_inv, (B, Hq, n_qt * BLOCK_M) (+inf and 0 for
+    padding rows and rows that see no key): the backward then recomputes P = exp(score - max) / sum from the very
+    scores of the forward (P = 1 exactly for the max of a row with one key), where exp(score - lse) carried the
+    rounding of lse, as large as lse itself.
+    """
+    batch, seqlen_q, nheads_q = q.shape[0], q.shape[1], q.shape[2]
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    group = nheads_q // nheads_kv
+    dp = v.shape[3]
+    n_qt = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+    # Scores in natural-log units, as torch's: Q carries the scale, and exp(score - max) converts the difference
+    # to base 2 (_fast_exp). With softcap, the raw score is divided by the softcap after the product: that keeps
+    # an inf in q or k, which tanh would turn into a finite +-1, visible as a non-finite raw score.
+    qscale = _as_dtype_of(q, scale)
+    neg_inf = _as_dtype_of(q, -np.inf)
+    inf = _as_dtype_of(q, np.inf)
+    nan = _as_dtype_of(q, np.nan)
+    zero = _as_dtype_of(q, 0.0)
+    for u in prange(batch * nheads_q * n_qt):
+        b = u // (nheads_q * n_qt)
+        h = (u // n_qt) % nheads_q
+        qt = u % n_qt
+        hk = h // group
+        i0 = qt * BLOCK_M
+        nq = min(BLOCK_M, seqlen_q - i0)
+        row_lo = np.empty(BLOCK_M, np.int64)
+        row_hi = np.empty(BLOCK_M, np.int64)
+        span_lo, span_hi, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
+        q_t = np.zeros((head_dim, BLOCK_M), q.dtype)  # scaled Q^T; padding rows stay 0
+        for r in range(nq):
+            for d in range(head_dim):
+                q_t[d, r] = q[b, i0 + r, h, d] * qscale
+        k_tail = np.empty((BLOCK_N, head_dim), q.dtype)  # a last, partial key tile, zero-padded
+        st = np.empty((BLOCK_N, BLOCK_M), q.dtype)
+        acc = np.zeros((BLOCK_M, dp), q.dtype)
+        m_run = np.full(BLOCK_M, neg_inf, q.dtype)
+        m_use = np.empty(BLOCK_M, q.dtype)
+        # Sums across key tiles: each tile's P V and row sums go to a tile buffer first and are then added in, one
+        # rounding per tile instead of one per key (the sums in float64): at Sk = 131072 a running sum over every
+        # key erred 10x torch's.
+        pv = np.empty((BLOCK_M, dp), q.dtype)
+        l_run = np.zeros(BLOCK_M, np.float64)
+        l_tile = np.empty(BLOCK_M, q.dtype)
+        alpha = np.empty(BLOCK_M, q.dtype)
+        kt_first = span_lo // BLOCK_N
+        kt_end = (span_hi + BLOCK_N - 1) // BLOCK_N if span_lo < span_hi else kt_first
+        for kt in range(kt_first, kt_end):
+            j0 = kt * BLOCK_N
+            nk = min(BLOCK_N, seqlen_k - j0)
+            if nk == BLOCK_N:
+                _mm_dot(st, k[b, j0:j0 + BLOCK_N, hk], q_t, head_dim)
+            else:
+                _load_rows(k_tail, k[b, j0:j0 + nk, hk], nk, head_dim)
+                _mm_dot(st, k_tail, q_t, head_dim)
+            if softcap > 0:
+                for c in range(nk):
+                    for r in range(BLOCK_M):
+                        x = st[c, r]
+                        capped = _capped(x, softcap)[0]
+                        st[c, r] = capped if abs(x) < inf else nan
+            # Every block that no mask touches is all visible: there any non-finite score poisons its query.
+            masked = not (full_lo <= j0 and j0 + nk <= full_hi)
+            if masked:
+                _mask_scores(st, j0, nk, row_lo, row_hi)
+            for r in range(BLOCK_M):
+                m_use[r] = m_run[r]
+            _column_max(st, nk, m_use, not masked)
+            for r in range(BLOCK_M):
+                m_new = m_use[r]
+                # A query that has seen no key yet keeps max -inf; shifting by 0 makes its exp2 0, never NaN.
+                # A poisoned query has max NaN: its alpha, sum and accumulator become NaN and stay so.
+                if m_new == neg_inf:
+                    m_use[r] = zero
+                alpha[r] = _fast_exp(m_run[r] - m_use[r])
+                m_run[r] = m_new
+                l_tile[r] = zero
+            _column_exp2_sum(st, nk, l_tile, m_use)
+            for r in range(BLOCK_M):
+                l_run[r] = l_run[r] * alpha[r] + l_tile[r]
+            if not stats_only:
+                v_rows = v[b, j0:j0 + nk, hk]
+                if masked and not _rows_finite(v_rows, nk):
+                    pv[:] = zero
+                    _visible_product(pv, st, v_rows, nk, True, True, j0, row_lo, row_hi)
+                else:
+                    _mm_at(pv, st, v_rows, nk, False)
+                for r in range(BLOCK_M):
+                    a = alpha[r]
+                    for d in range(dp):
+                        acc[r, d] = acc[r, d] * a + pv[r, d]
+        if stats_only or row_max.shape[2] > 1:
+            # the row max and 1 / sum, with +inf and 0 for a row that sees no key (P = 0 there); a forward keeps
+            # them too when given arrays for them (the backward reuses them, see _stash_stats)
+            for r in range(BLOCK_M):
+                seen = l_run[r] != 0
+                row_max[b, h, i0 + r] = m_run[r] if seen else inf
+                row_inv[b, h, i0 + r] = 1.0 / l_run[r] if seen else 0.0
+        if not stats_only:
+            for r in range(nq):
+                if row_lo[r] >= row_hi[r]:
+                    # Sees no key: 0 and lse = +inf, whatever its q holds (it reads nothing).
+                    for d in range(head_dim):
+                        out[b, i0 + r, h, d] = zero
+                    lse[b, h, i0 + r] = inf
+                elif l_run[r] > 0 and m_run[r] == m_run[r]:
+                    inv = _as_dtype_of(acc, 1.0 / l_run[r])
+                    for d in range(head_dim):
+                        o = acc[r, d] * inv
+                        out[b, i0 + r, h, d] = o if abs(o) < inf else nan
+                    lse[b, h, i0 + r] = np.float64(m_run[r]) + math.log(l_run[r])  # in float64, rounded once
+                else:  # poisoned by a score that is not finite
+                    for d in range(head_dim):
+                        out[b, i0 + r, h, d] = nan
+                    lse[b, h, i0 + r] = nan
+
+
+def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: np.ndarray, scale: float,
+                  window_left: int, window_right: int, softcap: float) -> None:
+    """Exact attention forward, written into ``out`` and ``lse``.
+
+    Arguments:
+        q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D) with Hq % Hkv == 0. Any strides; not modified.
+        out: (B, Sq, Hq, D), any strides; written with the attention output.
+        lse: (B, Hq, Sq), any strides; written with the natural-log sum of exp(score) over visible keys, +inf for a
+            row that sees no key (its output row is 0).
+        All arrays float32, or all float64; accumulation is in that dtype.
+        scale: multiplies q.k; window_left / window_right: -1 = unbounded (causal is right = 0);
+        softcap: 0 = off, else scores become softcap * tanh(score / softcap).
+    """
+    dtype = _check_dtypes(q, k, v, out, lse)
+    head_dim = q.shape[3]
+    left, right, softcap = _kernel_options(q.shape[1], k.shape[1], window_left, window_right, softcap, dtype)
+    stats_shape = (q.shape[0], q.shape[2], _padded(q.shape[1], BLOCK_M))
+    row_max, row_inv = np.empty(stats_shape, dtype), np.empty(stats_shape, dtype)
+    _entry(_forward_kernel, dtype)(q, _head_major(k, head_dim, "k"), _head_major(v, head_dim, "v"), out, lse, head_dim,
+                                   float(scale), left, right, softcap, row_max, row_inv, False)
+    _stash_stats(lse, row_max, row_inv)
+
+
+# The forward's row statistics, by the lse they produced, for the backward that follows (see _stashed_stats).

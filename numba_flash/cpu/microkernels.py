@@ -1,0 +1,300 @@
+"""The register-blocked matrix products every CPU kernel is built from: ``_mm`` (C (+)= A @ B), ``_mm_at``
+(C (+)= A^T @ B) and ``_mm_dot`` (the score block S^T = K Q^T, head-dim sums in chunks of ``_DOT_CHUNK``), each an
+outer-product micro-kernel written in LLVM IR (``_mm_block_codegen``): MR rows of C times two vectors of columns
+stay in registers for the whole reduction, each step broadcasting MR values of A, loading two vectors of B and
+issuing 2 * MR fused multiply-adds.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from .simd import _LANES, _MR, _NR
+
+# ---------------------------------------------------------------------------------------------------------------
+# The micro-kernel
+
+
+def _mm_block_codegen(a_transposed: bool, nvec: int, mr: int = _MR, chunk: int = 0) -> Callable:
+    """LLVM IR for C[i:i+MR, j:j+nvec*LANES] (+)= A[i:i+MR, :kdim] @ B[:kdim, j:j+nvec*LANES] on float32 2-D arrays
+    whose last axis is unit-stride, A given as is or (``a_transposed``) as A^T, shape (kdim, >= i+MR).
+
+    Written as IR because neither of LLVM's vectorisers finds this shape in a Python loop nest: the MR * nvec
+    accumulators stay in registers for the whole k loop, each step broadcasting MR values of A, loading nvec vectors
+    of B and issuing MR * nvec multiply-adds, so loads stay below FMAs and no horizontal sum is ever needed.
+
+    With ``chunk`` (the accumulate flag is then ignored: C is written), the reduction runs in chunks of that many
+    steps, each from fresh accumulators, and C = chunk 0, then C = C + chunk i in order (see ``_mm_dot``)."""
+    lanes = _LANES
+
+    def codegen(context, builder, signature, args):
+        cty, aty, bty, ity, jty, kty, accty = signature.args
+        f32 = ir.FloatType()
+        vty = ir.VectorType(f32, lanes)
+        i64 = ir.IntType(64)
+        i8p = ir.IntType(8).as_pointer()
+        arrs = [context.make_array(t)(context, builder, v) for t, v in zip((cty, aty, bty), args[:3])]
+        bases = [builder.bitcast(x.data, i8p) for x in arrs]
+        rs = [cgutils.unpack_tuple(builder, x.strides, 2)[0] for x in arrs]
+        ii = context.cast(builder, args[3], ity, types.int64)
+        jj = context.cast(builder, args[4], jty, types.int64)
+        kd = context.cast(builder, args[5], kty, types.int64)
+        acc_flag = context.cast(builder, args[6], accty, types.boolean)
+        four = ir.Constant(i64, 4)
+
+        def addr(base, row, rstride, col, ty):
+            off = builder.add(builder.mul(row, rstride), builder.mul(col, four))
+            return builder.bitcast(builder.gep(base, [off]), ty.as_pointer())
+
+        def col(h):
+            return builder.add(jj, ir.Constant(i64, lanes * h))
+
+        accs = [[cgutils.alloca_once(builder, vty) for _ in range(nvec)] for _ in range(mr)]
+        cptr = [[addr(bases[0], builder.add(ii, ir.Constant(i64, r)), rs[0], col(h), vty) for h in range(nvec)]
+                for r in range(mr)]
+        zero_mask = ir.Constant(ir.VectorType(ir.IntType(32), lanes), None)
+
+        def zero_accs():
+            for r in range(mr):
+                for h in range(nvec):
+                    builder.store(ir.Constant(vty, None), accs[r][h])
+
+        def step(k):
+            bv = [builder.load(addr(bases[2], k, rs[2], col(h), vty), align=4) for h in range(nvec)]
+            for r in range(mr):
+                row = builder.add(ii, ir.Constant(i64, r))
+                if a_transposed:
+                    av = builder.load(addr(bases[1], k, rs[1], row, f32))
+                else:
+                    av = builder.load(addr(bases[1], row, rs[1], k, f32))
+                bc = builder.shuffle_vector(builder.insert_element(ir.Constant(vty, ir.Undefined), av,
+                                                                   ir.Constant(ir.IntType(32), 0)),
+                                            ir.Constant(vty, ir.Undefined), zero_mask)
+                for h in range(nvec):
+                    # 'contract' lets LLVM fuse into an FMA where the target has one (and stay correct where not)
+                    prod = builder.fmul(bc, bv[h], flags=("contract",))
+                    builder.store(builder.fadd(builder.load(accs[r][h]), prod, flags=("contract",)), accs[r][h])
+
+        def store_accs():
+            for r in range(mr):
+                for h in range(nvec):
+                    builder.store(builder.load(accs[r][h]), cptr[r][h], align=4)
+
+        if chunk:
+            zero = ir.Constant(i64, 0)
+            with cgutils.for_range_slice(builder, zero, kd, ir.Constant(i64, chunk)) as (k0, _):
+                zero_accs()
+                k1 = builder.add(k0, ir.Constant(i64, chunk))
+                k1 = builder.select(builder.icmp_signed("<", k1, kd), k1, kd)
+                with cgutils.for_range_slice(builder, k0, k1, ir.Constant(i64, 1)) as (k, _):
+                    step(k)
+                with builder.if_else(builder.icmp_signed("==", k0, zero)) as (first, later):
+                    with first:
+                        store_accs()
+                    with later:
+                        for r in range(mr):
+                            for h in range(nvec):
+                                total = builder.fadd(builder.load(cptr[r][h], align=4), builder.load(accs[r][h]))
+                                builder.store(total, cptr[r][h], align=4)
+            return context.get_dummy_value()
+        with builder.if_else(acc_flag) as (then, otherwise):
+            with then:
+                for r in range(mr):
+                    for h in range(nvec):
+                        builder.store(builder.load(cptr[r][h], align=4), accs[r][h])
+            with otherwise:
+                zero_accs()
+        with cgutils.for_range(builder, kd) as loop:
+            step(loop.index)
+        store_accs()
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _rows_f32(*arrays) -> bool:
+    """Whether every array is a 2-D float32 array: what the IR micro-kernels take. They also assume a unit-stride
+    last axis, which numba's types cannot state for a strided view; the host code guarantees it."""
+    return all(isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 2 for x in arrays)
+
+
+def _block_sig(c, a, b, i, j, kdim, accumulate):
+    return types.none(c, a, b, i, j, kdim, accumulate) if _rows_f32(c, a, b) else None
+
+
+@intrinsic
+def _block2(typingctx, c, a, b, i, j, kdim, accumulate):
+    """C[i:i+MR, j:j+NR] (+)= A[i:i+MR, :kdim] @ B[:kdim, j:j+NR], float32."""
+    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(False, 2))
+
+
+@intrinsic
+def _block1(typingctx, c, a, b, i, j, kdim, accumulate):
+    """C[i:i+MR, j:j+LANES] (+)= A[i:i+MR, :kdim] @ B[:kdim, j:j+LANES], float32."""
+    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(False, 1))
+
+
+@intrinsic
+def _block2_at(typingctx, c, at, b, i, j, kdim, accumulate):
+    """C[i:i+MR, j:j+NR] (+)= AT[:kdim, i:i+MR]^T @ B[:kdim, j:j+NR], float32."""
+    sig = _block_sig(c, at, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(True, 2))
+
+
+@intrinsic
+def _block1_at(typingctx, c, at, b, i, j, kdim, accumulate):
+    """C[i:i+MR, j:j+LANES] (+)= AT[:kdim, i:i+MR]^T @ B[:kdim, j:j+LANES], float32."""
+    sig = _block_sig(c, at, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(True, 1))
+
+
+# Head-dim products (scores q.k and dP = dO.v) sum their reduction in chunks of this many terms, each chunk a
+# fresh chain of multiply-adds, the chunks then added in order: a chain over all of D = 256 erred 2-10x torch's
+# vectorised dot products at Sq = 1 and 3 with large scores (softcap 50), and at D = 256.
+_DOT_CHUNK = 32
+
+# The 4 x 64 block issues fewer instructions per FMA than 8 x 32 (four broadcasts and four loads for sixteen FMAs
+# against eight and two) and measured faster for long reductions: 349 vs 308 GFLOP/s at kdim 128, 295 vs 303 at 64.
+_WIDE_BLOCK_MIN_KDIM = 96
+
+
+@intrinsic
+def _block4(typingctx, c, a, b, i, j, kdim, accumulate):
+    """C[i:i+4, j:j+4*LANES] (+)= A[i:i+4, :kdim] @ B[:kdim, j:j+4*LANES], float32."""
+    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(False, 4, 4))
+
+
+@intrinsic
+def _block2_dot(typingctx, c, a, b, i, j, kdim, accumulate):
+    """``_block2`` with the reduction in chunks of ``_DOT_CHUNK`` (C written, never accumulated into)."""
+    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(False, 2, chunk=_DOT_CHUNK))
+
+
+@intrinsic
+def _block1_dot(typingctx, c, a, b, i, j, kdim, accumulate):
+    """``_block1`` with the reduction in chunks of ``_DOT_CHUNK``."""
+    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(False, 1, chunk=_DOT_CHUNK))
+
+
+@intrinsic
+def _block4_dot(typingctx, c, a, b, i, j, kdim, accumulate):
+    """``_block4`` with the reduction in chunks of ``_DOT_CHUNK``."""
+    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(False, 4, 4, chunk=_DOT_CHUNK))
+
+
+def _mm(c, a, b, kdim, accumulate):  # pragma: no cover - typed by the overload below
+    """c (=|+=) a[:, :kdim] @ b[:kdim, :c.shape[1]] for 2-D arrays with unit-stride rows: c (R, N), a (R, >= kdim),
+    b (>= kdim, >= N); R % 8 == 0 and N % 16 == 0."""
+    raise NotImplementedError
+
+
+def _mm_at(c, at, b, kdim, accumulate):  # pragma: no cover - typed by the overload below
+    """c (=|+=) at[:kdim].T @ b[:kdim, :c.shape[1]] for 2-D arrays with unit-stride rows: c (R, N),
+    at (>= kdim, R), b (>= kdim, >= N); R % 8 == 0 and N % 16 == 0. Saves transposing P and dS."""
+    raise NotImplementedError
+
+
+@overload(_mm, inline="never")
+def _mm_impl(c, a, b, kdim, accumulate):
+    if _rows_f32(c, a, b):
+        def impl(c, a, b, kdim, accumulate):
+            # Column blocks outermost: the (kdim x NR) panel of B in use stays in L1 while A streams as broadcasts.
+            n = c.shape[1]
+            if n == 4 * _LANES and _LANES == 16 and kdim >= _WIDE_BLOCK_MIN_KDIM:
+                for i in range(0, c.shape[0], 4):
+                    _block4(c, a, b, i, 0, kdim, accumulate)
+                return
+            j = 0
+            while j + _NR <= n:
+                for i in range(0, c.shape[0], _MR):
+                    _block2(c, a, b, i, j, kdim, accumulate)
+                j += _NR
+            if j < n:  # a last 16 columns (512-bit vectors, D_pad % 32 == 16)
+                for i in range(0, c.shape[0], _MR):
+                    _block1(c, a, b, i, j, kdim, accumulate)
+        return impl
+
+    def impl(c, a, b, kdim, accumulate):
+        if not accumulate:
+            c[:] = 0
+        for i in range(c.shape[0]):
+            for k in range(kdim):
+                aik = a[i, k]
+                for j in range(c.shape[1]):
+                    c[i, j] += aik * b[k, j]
+    return impl
+
+
+@overload(_mm_at, inline="never")
+def _mm_at_impl(c, at, b, kdim, accumulate):
+    if _rows_f32(c, at, b):
+        def impl(c, at, b, kdim, accumulate):
+            n = c.shape[1]
+            j = 0
+            while j + _NR <= n:
+                for i in range(0, c.shape[0], _MR):
+                    _block2_at(c, at, b, i, j, kdim, accumulate)
+                j += _NR
+            if j < n:
+                for i in range(0, c.shape[0], _MR):
+                    _block1_at(c, at, b, i, j, kdim, accumulate)
+        return impl
+
+    def impl(c, at, b, kdim, accumulate):
+        if not accumulate:
+            c[:] = 0
+        for k in range(kdim):
+            for i in range(c.shape[0]):
+                aik = at[k, i]
+                for j in range(c.shape[1]):
+                    c[i, j] += aik * b[k, j]
+    return impl
+
+
+def _mm_dot(c, a, b, kdim):  # pragma: no cover - typed by the overload below
+    """c = a[:, :kdim] @ b[:kdim, :c.shape[1]] as ``_mm``, the reduction in chunks of ``_DOT_CHUNK``: C = chunk 0,
+    then C = C + chunk i in order. ``_row_dot_kernel`` sums the same way, so that a row's delta = dO . O equals its
+    dP = dO . v to the bit where O = v."""
+    raise NotImplementedError
+
+
+@overload(_mm_dot, inline="never")
+def _mm_dot_impl(c, a, b, kdim):
+    if _rows_f32(c, a, b):
+        def impl(c, a, b, kdim):
+            n = c.shape[1]
+            if n == 4 * _LANES and _LANES == 16 and kdim >= _WIDE_BLOCK_MIN_KDIM:
+                for i in range(0, c.shape[0], 4):
+                    _block4_dot(c, a, b, i, 0, kdim, False)
+                return
+            j = 0
+            while j + _NR <= n:
+                for i in range(0, c.shape[0], _MR):
+                    _block2_dot(c, a, b, i, j, kdim, False)
+                j += _NR
+            if j < n:
+                for i in range(0, c.shape[0], _MR):
+                    _block1_dot(c, a, b, i, j, kdim, False)
+        return impl
+
+    def impl(c, a, b, kdim):
+        c[:] = 0
+        for k0 in range(0, kdim, _DOT_CHUNK):
+            for i in range(c.shape[0]):
+                for j in range(c.shape[1]):
+                    part = c[i, j] * 0
+                    for k in range(k0, min(kdim, k0 + _DOT_CHUNK)):
+                        part += a[i, k] * b[k, j]
+                    c[i, j] = part if k0 == 0 else c[i, j] + part
+    return impl

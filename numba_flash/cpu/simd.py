@@ -1,0 +1,194 @@
+"""What the CPU kernels inline everywhere: tile sizes, the SIMD width the micro-kernels are written for (512-bit
+vectors where the CPU numba compiles for has AVX-512, else 256-bit; ``NUMBA_FLASH_CPU_SIMD`` forces one), and the
+scalar arithmetic of the online softmax: ``exp2`` as a polynomial on the float's bits (``_fast_exp2``; ``math.exp``
+is a libm call LLVM cannot vectorise), fused multiply-add, softcap, and constants in the array's own dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+BLOCK_M = 64  # query rows per tile
+BLOCK_N = 64  # keys per tile
+_D_ALIGN = 16  # head dims are padded to a multiple of this in the accumulators (a 512-bit vector of float32)
+
+# No 'nnan'/'ninf': the online softmax relies on -inf and +inf comparing correctly.
+_FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
+
+SIMD_ENV = "NUMBA_FLASH_CPU_SIMD"
+
+
+def _simd_lanes() -> int:
+    """float32 lanes of the vectors the micro-kernel is written with: 16 where the CPU numba compiles for has
+    AVX-512, else 8. ``NUMBA_FLASH_CPU_SIMD=256`` forces the 256-bit kernel (for testing it on an AVX-512 CPU)."""
+    forced = os.environ.get(SIMD_ENV, "").strip()
+    if forced in ("256", "avx2"):
+        return 8
+    if forced in ("512", "avx512"):
+        return 16
+    features = numba.config.CPU_FEATURES
+    if features is None:
+        try:
+            from llvmlite import binding as llvm
+
+            features = llvm.get_host_cpu_features().flatten()
+        except Exception:  # a host llvmlite cannot describe: the narrow kernel runs everywhere
+            return 8
+    return 16 if "+avx512f" in features.split(",") else 8
+
+
+_LANES = _simd_lanes()
+_MR = 8 if _LANES == 16 else 4  # rows of C per register block: 2 * MR accumulators, 16 of the 32 zmm / 8 of 16 ymm
+_NR = 2 * _LANES  # columns of C per register block
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+_EXP2_MIN = np.float32(-127.0)  # 2^-127 comes out of _pow2_f32 as exactly 0: masked scores give p = 0, not ~1e-38
+_EXP2_MAX = np.float32(127.0)
+_HALF = np.float32(0.5)
+_ONE = np.float32(1.0)
+_E1 = np.float32(_LN2)  # ln(2)^k / k!: 2^f = exp(f ln 2) as a polynomial in f
+_E2 = np.float32(_LN2 ** 2 / 2)
+_E3 = np.float32(_LN2 ** 3 / 6)
+_E4 = np.float32(_LN2 ** 4 / 24)
+_E5 = np.float32(_LN2 ** 5 / 120)
+_E6 = np.float32(_LN2 ** 6 / 720)
+_E7 = np.float32(_LN2 ** 7 / 5040)  # degree 7: degree 6 alone is 1.2e-7 (2 ulp, one-signed) short at |f| = 1/2
+
+
+# n + 1.5 * 2**23 holds the integer n in its low mantissa bits (for |n| < 2**22): bitcast, minus these bits, is n.
+_ROUND_MAGIC = 12582912.0
+_MAGIC_BITS_MINUS_BIAS = 0x4B400000 - 127
+
+
+def _pow2_bits(builder, n, fty, ity):
+    """IR: 2**n for float ``n`` (scalar or vector type ``fty``, ints ``ity``) holding an integer in [-127, 127],
+    built from the exponent bits; n = -127 gives the bit pattern of +0.0. The integer comes from the bits of
+    ``n + 1.5 * 2**23`` rather than from fptosi, whose result for a NaN is poison in LLVM: a NaN n gives some
+    defined bit pattern here, and the NaN of the polynomial it multiplies carries on."""
+    lanes = getattr(fty, "count", None)
+
+    def const(ty, x):
+        return ir.Constant(ty, [x] * lanes if lanes else x)
+
+    t = builder.fadd(n, const(fty, _ROUND_MAGIC))
+    bits = builder.sub(builder.bitcast(t, ity), const(ity, _MAGIC_BITS_MINUS_BIAS))
+    return builder.bitcast(builder.shl(bits, const(ity, 23)), fty)
+
+
+@intrinsic
+def _pow2_f32(typingctx, n):
+    """2**n as float32 for a float32 ``n`` holding an integer in [-127, 127] (see ``_pow2_bits``)."""
+    if n != types.float32:
+        return None
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return _pow2_bits(builder, args[0], ir.FloatType(), ir.IntType(32))
+
+    return sig, codegen
+
+
+def _fast_exp2(x):  # pragma: no cover - typed by the overload below
+    raise NotImplementedError
+
+
+@overload(_fast_exp2, inline="always")
+def _fast_exp2_impl(x):
+    if x == types.float32:
+        def impl(x):
+            # n = round(x), |f| <= 1/2, and a degree-7 Taylor polynomial of exp(f ln 2) is within ~1 ulp. Pure
+            # arithmetic, so loops over it vectorise. -inf (a masked score, or lse = +inf for a row that sees no
+            # key) clamps to -127 and comes out as exactly 0. A NaN (a poisoned row's lse) stays NaN, never a
+            # probability of 0: max and min return their first argument unless the second compares larger/smaller
+            # (Python's semantics, which numba keeps), so x must stay first.
+            c = min(max(x, _EXP2_MIN), _EXP2_MAX)
+            n = np.floor(c + _HALF)
+            f = c - n
+            p = _ONE + f * (_E1 + f * (_E2 + f * (_E3 + f * (_E4 + f * (_E5 + f * (_E6 + f * _E7))))))
+            return p * _pow2_f32(n)
+        return impl
+    if x == types.float64:
+        def impl(x):
+            return math.exp(x * _LN2)
+        return impl
+    return None
+
+
+@njit(inline="always", cache=True)
+def _capped(x, softcap):
+    """(softcap * tanh(x / softcap) in x's dtype, tanh in float64) for a raw score x: the capped score computed in
+    float64 and rounded once, where float32 steps (x * (1 / softcap), tanh, * softcap) round three times, the first
+    with a systematic error (1 / 50 is not a float32) and numba's float32 tanh off by up to 2 ulp. The forward and
+    the backward both call this, so that the backward's recomputed scores are the forward's to the bit."""
+    t = math.tanh(np.float64(x) / softcap)
+    return type(x)(softcap * t), t
+
+
+def _fma(a, b, c):  # pragma: no cover - typed by the intrinsic below
+    raise NotImplementedError
+
+
+@intrinsic
+def _fma_intrinsic(typingctx, a, b, c):
+    """a * b + c with one rounding (llvm.fma), float32 or float64."""
+    if not (a == b == c and a in (types.float32, types.float64)):
+        return None
+    sig = a(a, b, c)
+
+    def codegen(context, builder, signature, args):
+        ty = context.get_value_type(signature.return_type)
+        name = "llvm.fma.f32" if signature.return_type == types.float32 else "llvm.fma.f64"
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]), name)
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+@overload(_fma, inline="always")
+def _fma_impl(a, b, c):
+    return lambda a, b, c: _fma_intrinsic(a, b, c)
+
+
+def _fast_exp(x):  # pragma: no cover - typed by the overload below
+    raise NotImplementedError
+
+
+_LOG2E_F32 = np.float32(_LOG2E)
+
+
+@overload(_fast_exp, inline="always")
+def _fast_exp_impl(x):
+    """exp(x) for x <= 0 (or -inf, NaN): ``_fast_exp2(x * log2 e)`` in float32. The kernels apply it to differences
+    score - row max only, so that the rounding of log2 e (1.3e-8 relative) scales |score - max|, which is small
+    wherever P is not, rather than the score itself: scores kept in base 2 carried that rounding, and the one of
+    the base-2 scale, into every score, an error as large as the scores (at softcap 50, 4e-6 in P)."""
+    if x == types.float32:
+        return lambda x: _fast_exp2(x * _LOG2E_F32)
+    if x == types.float64:
+        return lambda x: math.exp(x)
+    return None
+
+
+def _as_dtype_of(a, x):  # pragma: no cover - typed by the overload below
+    raise NotImplementedError
+
+
+@overload(_as_dtype_of, inline="always")
+def _as_dtype_of_impl(a, x):
+    """``x`` converted to the element type of array ``a``: keeps float32 kernels from drifting to float64 through
+    Python-float arguments."""
+    dt = a.dtype
+
+    def impl(a, x):
+        return dt(x)
+
+    return impl

@@ -1,0 +1,143 @@
+"""Tile geometry of the causal / sliding-window band: which keys each query row and query tile sees, which query
+tiles see a key tile, masking a score block to it, and products that count only the pairs a query sees (so a
+non-finite value of a key a row does not see never reaches that row).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .simd import BLOCK_M, _as_dtype_of
+from .microkernels import _mm, _mm_at
+from .passes import _copy_rows
+
+# ---------------------------------------------------------------------------------------------------------------
+# Masks
+
+
+@njit(inline="always", cache=True)
+def _row_key_range(i, seqlen_q, seqlen_k, left, right):
+    """Half-open range of keys query row ``i`` sees (numba twin of ``numba_flash.semantics.key_range``); rows past
+    the end of the sequence (tile padding) see nothing."""
+    if i >= seqlen_q:
+        return 0, 0
+    centre = i + seqlen_k - seqlen_q
+    lo = 0 if left < 0 else max(0, centre - left)
+    hi = seqlen_k if right < 0 else min(seqlen_k, centre + right + 1)
+    return lo, max(lo, hi)
+
+
+@njit(inline="always", cache=True)
+def _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi):
+    """Fill the per-row key ranges of the query tile starting at ``i0`` and return ``(lo, hi, full_lo, full_hi)``:
+    the union ``[lo, hi)`` of the ranges of its rows (empty when no row sees a key), and the keys
+    ``[full_lo, full_hi)`` that every real row sees (a key tile inside it needs no mask)."""
+    lo = seqlen_k
+    hi = 0
+    full_lo = 0
+    full_hi = seqlen_k
+    for r in range(row_lo.shape[0]):
+        a, e = _row_key_range(i0 + r, seqlen_q, seqlen_k, left, right)
+        row_lo[r] = a
+        row_hi[r] = e
+        if i0 + r < seqlen_q:
+            full_lo = max(full_lo, a)
+            full_hi = min(full_hi, e)
+        if a < e:
+            lo = min(lo, a)
+            hi = max(hi, e)
+    return lo, hi, full_lo, full_hi
+
+
+@njit(inline="always", cache=True)
+def _query_tiles_seeing(j0, j1, seqlen_q, seqlen_k, left, right):
+    """Query tiles ``[first, end)`` containing a row that may see a key in ``[j0, j1)``: key j is visible to row i
+    iff ``j - off - right <= i <= j - off + left`` (off = Sk - Sq), each bound dropped when unbounded."""
+    off = seqlen_k - seqlen_q
+    i_lo = 0 if right < 0 else max(0, j0 - off - right)
+    i_hi = seqlen_q if left < 0 else min(seqlen_q, j1 - 1 - off + left + 1)
+    if i_lo >= i_hi:
+        return 0, 0
+    return i_lo // BLOCK_M, (i_hi + BLOCK_M - 1) // BLOCK_M
+
+
+@njit(inline="always", cache=True)
+def _mask_block(st, j0, nk, row_lo, row_hi, fill):
+    """st[c, r] = fill where query r does not see key j0 + c, for the first nk key rows of a (BN, BM) block."""
+    for c in range(nk):
+        j = j0 + c
+        for r in range(st.shape[1]):
+            if j < row_lo[r] or j >= row_hi[r]:
+                st[c, r] = fill
+
+
+@njit(inline="always", cache=True)
+def _mask_scores(st, j0, nk, row_lo, row_hi):
+    """The forward's mask on the first nk key rows of a (BN, BM) block of scores: -inf where query r does not see
+    key j0 + c, and NaN where it does but the score is not finite. After it, -inf means "masked" and nothing else,
+    so the max pass ('max_nan') can poison a query for a visible -inf (an inf in q or k, or an overflow) instead of
+    dropping that key."""
+    neg_inf = _as_dtype_of(st, -np.inf)
+    inf = _as_dtype_of(st, np.inf)
+    nan = _as_dtype_of(st, np.nan)
+    for c in range(nk):
+        j = j0 + c
+        for r in range(st.shape[1]):
+            # selects, no branches: the loop vectorises
+            x = st[c, r]
+            x = x if abs(x) < inf else nan
+            st[c, r] = x if (j >= row_lo[r]) & (j < row_hi[r]) else neg_inf
+
+
+@njit(inline="always", cache=True)
+def _visible_product(c_arr, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, row_hi):
+    """c += A @ b_rows[:n] with A = a[:n].T (``a_transposed``) or a[:, :n], counting only the (query, key) pairs a
+    query sees, for a block whose mask hides some pairs (A is 0 there) and whose b_rows hold a value that is not
+    finite: a plain product adds 0 * nan = nan to every row of c, also to queries that do not see that key.
+
+    b_rows has one row per key j0 + c (``b_is_keys``; c's rows are the queries of row_lo/row_hi) or one per query
+    (c's rows are the keys j0 + r). The finite rows go through the same micro-kernel as the fast path, from a copy
+    with the non-finite rows zeroed, so that rows of c that see none of those get exactly the result of a run
+    without them; the non-finite rows are then added pair by pair where a query sees the key."""
+    inf = _as_dtype_of(b_rows, np.inf)
+    zero = _as_dtype_of(b_rows, 0.0)
+    width = b_rows.shape[1]
+    clean = np.empty((n, width), b_rows.dtype)
+    bad = np.zeros(n, np.bool_)
+    for c in range(n):
+        for d in range(width):
+            x = b_rows[c, d]
+            clean[c, d] = x
+            if not abs(x) < inf:
+                bad[c] = True
+        if bad[c]:
+            for d in range(width):
+                clean[c, d] = zero
+    if a_transposed:
+        _mm_at(c_arr, a, clean, n, True)
+    else:
+        _mm(c_arr, a, clean, n, True)
+    for c in range(n):
+        if not bad[c]:
+            continue
+        for r in range(c_arr.shape[0]):
+            if b_is_keys:
+                seen = row_lo[r] <= j0 + c < row_hi[r]
+            else:
+                seen = row_lo[c] <= j0 + r < row_hi[c]
+            if seen:
+                coef = a[c, r] if a_transposed else a[r, c]
+                for d in range(width):
+                    c_arr[r, d] += coef * b_rows[c, d]
+
+
+@njit(inline="always", cache=True)
+def _load_rows(dst, src, n, head_dim):
+    """dst[:n, :head_dim] = src[:n, :head_dim] and zero in dst's rows n..; columns past head_dim keep their
+    (zero) contents. src is a 2-D view of a head-major buffer (unit-stride rows)."""
+    zero = _as_dtype_of(dst, 0.0)
+    _copy_rows(dst, src, n, head_dim)
+    for c in range(n, dst.shape[0]):
+        for d in range(dst.shape[1]):
+            dst[c, d] = zero

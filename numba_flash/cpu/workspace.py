@@ -1,0 +1,239 @@
+"""Host side of the CPU kernels: the compiled kernel per dtype (``_entry``), the per-thread scratch buffers kept
+between calls (``clear_workspace``, ``set_workspace_limit``, ``workspace_bytes``), the kernels that pack K, V, Q and
+dO head-major, and the options every kernel takes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from typing import Any
+
+import numba
+import numpy as np
+from numba import njit, prange, types
+
+from numba_flash.semantics import clamp_window_bound, effective_softcap
+from .simd import _D_ALIGN, _as_dtype_of, _fma
+from .microkernels import _DOT_CHUNK
+from .passes import _copy_rows, _store_rows
+
+@njit(parallel=True, cache=True)
+def _pack_kernel(src, dst, head_dim, unit_stride):
+    """dst[b, h, s, :D] = src[b, s, h, :D] and zero in dst's columns D.., in parallel over runs of 256 rows.
+    src (B, S, H, D) any strides (``unit_stride``: its last axis is); dst (B, H, S, D_pad) C-contiguous."""
+    batch, seqlen, nheads = src.shape[0], src.shape[1], src.shape[2]
+    n_runs = (seqlen + 255) // 256
+    zero = _as_dtype_of(dst, 0.0)
+    for u in prange(batch * nheads * n_runs):
+        b = u // (nheads * n_runs)
+        h = (u // n_runs) % nheads
+        s0 = (u % n_runs) * 256
+        n = min(256, seqlen - s0)
+        d_rows = dst[b, h, s0:s0 + n]
+        s_rows = src[b, s0:s0 + n, h]
+        if unit_stride:  # else the IR copy (float32) would read the wrong elements
+            _copy_rows(d_rows, s_rows, n, head_dim)
+        else:
+            for r in range(n):
+                for d in range(head_dim):
+                    d_rows[r, d] = s_rows[r, d]
+        for r in range(n):
+            for d in range(head_dim, dst.shape[3]):
+                d_rows[r, d] = zero
+
+
+@njit(parallel=True, cache=True)
+def _pack_scaled_kernel(src, dst, head_dim, factor):
+    """dst[b, h, s, :D] = src[b, s, h, :D] * factor (one rounding, as the forward scales Q) and zero in dst's columns
+    D..; src (B, S, H, D) any strides, dst (B, H, S, D_pad) C-contiguous."""
+    batch, seqlen, nheads = src.shape[0], src.shape[1], src.shape[2]
+    n_runs = (seqlen + 255) // 256
+    zero = _as_dtype_of(dst, 0.0)
+    f = _as_dtype_of(dst, factor)
+    for u in prange(batch * nheads * n_runs):
+        b = u // (nheads * n_runs)
+        h = (u // n_runs) % nheads
+        s0 = (u % n_runs) * 256
+        n = min(256, seqlen - s0)
+        for r in range(n):
+            for d in range(head_dim):
+                dst[b, h, s0 + r, d] = src[b, s0 + r, h, d] * f
+            for d in range(head_dim, dst.shape[3]):
+                dst[b, h, s0 + r, d] = zero
+
+
+@njit(parallel=True, cache=True)
+def _row_dot_kernel(a, b, res):
+    """res[b, h, s] = a[b, s, h, :] . b[b, s, h, :] summed as ``_mm_dot`` sums (chains of fused multiply-adds from
+    0, in order of d, in chunks of ``_DOT_CHUNK`` added in order): delta = dO . O then cancels dP = dO . v exactly
+    where a row sees one key (O = v), so dS = P (dP - delta) is exactly 0 there, as torch's is.
+    a, b (B, S, H, D) any strides; res (B, H, >= S)."""
+    batch, seqlen, nheads, width = a.shape
+    for u in prange(batch * nheads):
+        bi = u // nheads
+        h = u % nheads
+        for s in range(seqlen):
+            total = _as_dtype_of(res, 0.0)
+            for k0 in range(0, width, _DOT_CHUNK):
+                acc = _as_dtype_of(res, 0.0)
+                for d in range(k0, min(width, k0 + _DOT_CHUNK)):
+                    acc = _fma(a[bi, s, h, d], b[bi, s, h, d], acc)
+                total = acc if k0 == 0 else total + acc
+            res[bi, h, s] = total
+
+
+@njit(parallel=True, cache=True)
+def _store_dq_kernel(dq_acc, dq, head_dim):
+    """dq[b, s, h, :D] = dq_acc[b, h, s, :D] for the fused backward, NaN where not finite (the contract reports
+    every non-finite result as NaN). dq_acc (B, H, >= S, D_pad) C-contiguous; dq (B, S, H, >= D) any strides."""
+    batch, seqlen, nheads = dq.shape[0], dq.shape[1], dq.shape[2]
+    for u in prange(batch * nheads):
+        b = u // nheads
+        h = u % nheads
+        _store_rows(dq[b, :, h], dq_acc[b, h], seqlen, head_dim)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host side
+
+
+def _padded(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+_entries: dict[tuple[Any, Any], Any] = {}
+_entries_lock = threading.Lock()
+
+
+def _entry(kernel: Any, dtype: np.dtype) -> Any:
+    """The compiled ``kernel`` for ``dtype``. The caller's arrays are typed layout-generic ('A'), so that
+    C-contiguous, transposed and strided views share one compilation (numba would otherwise compile, and cache, one
+    per layout combination); the buffers this module allocates are typed C-contiguous, which lets LLVM vectorise the
+    loops that read them (lse, delta). The first call of a process loads the kernel from numba's on-disk cache."""
+    fn = _entries.get((kernel, dtype))
+    if fn is None:
+        key = (kernel.py_func.__name__, np.dtype(dtype).name)
+        nb = numba.from_dtype(np.dtype(dtype))
+        user = {n: types.Array(nb, n, "A") for n in (3, 4)}
+        own = {n: types.Array(nb, n, "C") for n in (3, 4, 5)}
+        i64, f64, boolean = types.int64, types.float64, types.boolean
+        sigs = {
+            "_forward_kernel": (user[4], user[4], user[4], user[4], user[3], i64, f64, i64, i64, f64, own[3], own[3],
+                                boolean),
+            "_backward_kv_kernel": (user[4], user[4], user[4], user[4], user[4], own[3], own[3], own[3], own[4],
+                                    user[4], user[4], i64, f64, i64, i64, f64, i64, boolean),
+            "_backward_dq_kernel": (user[4], user[4], user[4], user[4], own[3], own[3], own[3], user[4], i64, f64, i64,
+                                    i64, f64),
+            "_pack_kernel": (user[4], own[4], i64, boolean),
+            "_pack_scaled_kernel": (user[4], own[4], i64, f64),
+            "_row_dot_kernel": (user[4], user[4], own[3]),
+            "_store_dq_kernel": (own[4], user[4], i64),
+        }
+        with _entries_lock:
+            fn = _entries.get((kernel, dtype))
+            if fn is None:
+                fn = _entries[(kernel, dtype)] = kernel.compile(sigs[key[0]])
+    return fn
+
+
+# Scratch buffers (packed K/V/Q/dO, dQ accumulators, lse/delta rows) are reused between calls on a thread.
+# Fresh multi-MiB numpy buffers are madvised for huge pages, and faulting them in stalled on memory compaction here:
+# the (1, 32, 512, 128) forward took a median of 35.9 ms with fresh buffers and 23.0 ms with reused ones (min of
+# both ~22.5 ms). Buffers above the cap are not kept: their cost is small next to the O(S^2) work they serve.
+# Each calling thread keeps its own until it exits or calls clear_workspace(): up to 2 x the cap after a forward
+# (K, V) and 5 x the cap after a backward (Q, K, V, dO, dQ), plus the small lse/delta rows.
+WORKSPACE_ENV = "NUMBA_FLASH_CPU_SCRATCH_MIB"
+
+
+def _workspace_cap_from_env() -> int:
+    text = os.environ.get(WORKSPACE_ENV, "").strip()
+    try:
+        return max(0, int(float(text) * 2**20)) if text else 64 << 20
+    except ValueError:
+        raise ValueError(f"{WORKSPACE_ENV}: expected a number of MiB, got {text!r}") from None
+
+
+WORKSPACE_MAX_BYTES = _workspace_cap_from_env()
+_workspace = threading.local()
+
+
+def _scratch(slot: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array of ``shape`` for use inside one call, backed by this thread's buffer
+    for ``slot`` (grown as needed) when it fits ``WORKSPACE_MAX_BYTES``."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    buffers = _workspace.__dict__.setdefault("buffers", {})
+    if slot in buffers and buffers[slot].nbytes > WORKSPACE_MAX_BYTES:  # kept under a larger cap set since
+        del buffers[slot]
+    if nbytes > WORKSPACE_MAX_BYTES:
+        return np.empty(shape, dtype)
+    buf = buffers.get(slot)
+    if buf is None or buf.nbytes < nbytes:
+        buf = buffers[slot] = np.empty(max(nbytes, 1), np.uint8)
+    return buf[:nbytes].view(dtype).reshape(shape)
+
+
+def clear_workspace() -> None:
+    """Free the scratch buffers this thread keeps between calls (at most ``WORKSPACE_MAX_BYTES`` each)."""
+    _workspace.__dict__.pop("buffers", None)
+
+
+def set_workspace_limit(nbytes: int) -> int:
+    """Keep scratch buffers of at most ``nbytes`` each between calls (0: keep none); returns the previous limit.
+    This thread's larger buffers are freed now, other threads' on their next call. The default is 64 MiB, or
+    ``NUMBA_FLASH_CPU_SCRATCH_MIB`` when set at import."""
+    global WORKSPACE_MAX_BYTES
+    if nbytes < 0:
+        raise ValueError(f"nbytes: expected >= 0, got {nbytes}")
+    previous, WORKSPACE_MAX_BYTES = WORKSPACE_MAX_BYTES, int(nbytes)
+    buffers = _workspace.__dict__.get("buffers", {})
+    for slot in [s for s, b in buffers.items() if b.nbytes > WORKSPACE_MAX_BYTES]:
+        del buffers[slot]
+    return previous
+
+
+def workspace_bytes() -> int:
+    """Bytes of scratch this thread keeps between calls."""
+    return sum(b.nbytes for b in _workspace.__dict__.get("buffers", {}).values())
+
+
+def _head_major(x: np.ndarray, head_dim: int, slot: str) -> np.ndarray:
+    """A (B, S, H, D_pad) view of a C-contiguous (B, H, S, D_pad) buffer holding ``x`` (zero-padded to D_pad = D
+    rounded up to 16): ``x`` itself when it already is one (a contiguous "bhsd" array, or "bshd" with H = 1), else a
+    copy, in this thread's scratch buffer ``slot``.
+
+    The kernels read K, V, Q and dO rows in place as micro-kernel operands. Head-major rows make a tile one
+    contiguous block; in "bshd" a tile's rows sit H * D * 4 bytes apart, a power of two for the usual sizes, which
+    maps them onto a few L1 sets and made the products about 1.4x slower in a microbenchmark (2 cores, D = 64,
+    H = 8). The copy is O(B * H * S * D) against O(S^2) work: about 0.4 ms per 8 MiB here, on two threads."""
+    t = x.transpose(0, 2, 1, 3)
+    if t.flags.c_contiguous and head_dim % _D_ALIGN == 0:
+        return x
+    batch, seqlen, nheads, _ = x.shape
+    buf = _scratch(slot, (batch, nheads, seqlen, _padded(head_dim, _D_ALIGN)), x.dtype)
+    _entry(_pack_kernel, x.dtype)(x, buf, head_dim, x.strides[3] == x.itemsize)
+    return buf.transpose(0, 2, 1, 3)
+
+
+def _kernel_options(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int, softcap: float,
+                    dtype: np.dtype) -> tuple[int, int, float]:
+    """Window bounds and softcap as the kernels take them: bounds capped at Sq + Sk (the same mask, and int64
+    arithmetic that cannot overflow), the softcap as ``semantics.effective_softcap`` defines it for ``dtype``.
+    ``validate_forward`` has done both for calls through a backend; this covers direct calls."""
+    left, right = (clamp_window_bound(int(w), seqlen_q, seqlen_k) for w in (window_left, window_right))
+    return left, right, effective_softcap(float(softcap), np.dtype(dtype).name)
+
+
+def _score_scale(scale: float, softcap: float) -> float:
+    """The factor the forward multiplies Q by (``qscale`` in ``_forward_kernel``)."""
+    return float(scale)
+
+
+def _check_dtypes(*arrays: np.ndarray) -> np.dtype:
+    dtype = arrays[0].dtype
+    if dtype not in (np.float32, np.float64) or any(a.dtype != dtype for a in arrays):
+        raise TypeError(f"numba_flash.cpu kernels need all arrays float32 or all float64, got "
+                        f"{sorted({str(a.dtype) for a in arrays})}")
+    return dtype
