@@ -52,6 +52,7 @@ class CpuBackend(Backend):
     SUPPORTED_DTYPES = ("float32", "float16", "bfloat16", "float64")
     SUPPORTED_LAYOUTS = ("bshd", "bhsd", "thd")
     SUPPORTS_KVCACHE = True
+    SUPPORTS_ALIBI = True
 
     def not_supported_reasons(self, call: AttentionCall, forced: bool = False) -> list[str]:
         reasons = super().not_supported_reasons(call, forced)
@@ -108,7 +109,8 @@ def _run_forward(call: AttentionCall, q: np.ndarray, k: np.ndarray, v: np.ndarra
     """The kernel on (B, S, H, D) views and a (B, Hq, Sq) lse, all of the compute dtype; writes out and lse."""
     from numba_flash.cpu import flash_forward
 
-    flash_forward(q, k, v, out, lse, call.softmax_scale, call.window_left, call.window_right, call.softcap)
+    flash_forward(q, k, v, out, lse, call.softmax_scale, call.window_left, call.window_right, call.softcap,
+                  call.alibi)
 
 
 def _run_backward(call: AttentionCall, dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -117,4 +119,4 @@ def _run_backward(call: AttentionCall, dout: np.ndarray, q: np.ndarray, k: np.nd
     from numba_flash.cpu import flash_backward
 
     flash_backward(dout, q, k, v, out, lse, dq, dk, dv, call.softmax_scale, call.window_left, call.window_right,
-                   call.softcap)
+                   call.softcap, call.alibi)

@@ -11,8 +11,8 @@ from numba import njit, prange
 from .simd import BLOCK_M, BLOCK_N, _FASTMATH, _as_dtype_of, _capped, _fast_exp
 from .microkernels import _mm, _mm_at, _mm_dot
 from .passes import _rows_finite, _store_rows
-from .tiles import _load_rows, _mask_block, _query_tiles_seeing, _tile_key_span, _visible_product
-from .workspace import (_check_dtypes, _entry, _head_major, _kernel_options, _pack_scaled_kernel, _padded,
+from .tiles import _add_alibi, _load_rows, _mask_block, _query_tiles_seeing, _tile_key_span, _visible_product
+from .workspace import (_slopes, _check_dtypes, _entry, _head_major, _kernel_options, _pack_scaled_kernel, _padded,
                         _row_dot_kernel, _score_scale, _scratch, _store_dq_kernel)
 from . import stash
 from .stash import _defer_to_caller_lse, _stashed_stats
@@ -56,15 +56,16 @@ def _gradient_terms(score, dp, row_max, inv_l, delta, dscore):
 
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
 def _probs_and_dscores_rows(s, dps, dcap, row_max, row_inv, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
-                            scale, softcap):
+                            scale, softcap, slope, diag):
     """A (BM, BN) block with queries as rows: s holds the scores (Q pre-scaled as in the forward) on entry and P on
     exit, dps holds dO.v on entry and dS on exit. row_max, row_inv (the forward's row max and 1 / sum, see
     ``_gradient_terms``) and delta are indexed by query. Masked entries and key columns past nk become 0 in both.
-    dcap: scratch (BM, BN) for softcap's derivative."""
+    dcap: scratch (BM, BN) for softcap's derivative. slope, diag: ALiBi's (``_add_alibi``; slope 0 for none)."""
     zero = _as_dtype_of(s, 0.0)
     sc = _as_dtype_of(s, scale)
     if softcap > 0:
         _softcap_scores(s, s.shape[0], s.shape[1], softcap, dcap, scale)
+        _add_alibi(s, slope, i0, j0, diag, False)
         for r in range(s.shape[0]):
             mr = row_max[i0 + r]
             il = row_inv[i0 + r]
@@ -72,6 +73,7 @@ def _probs_and_dscores_rows(s, dps, dcap, row_max, row_inv, delta, i0, j0, nk, r
             for c in range(s.shape[1]):
                 s[r, c], dps[r, c] = _gradient_terms(s[r, c], dps[r, c], mr, il, dl, dcap[r, c])
     else:
+        _add_alibi(s, slope, i0, j0, diag, False)
         for r in range(s.shape[0]):
             mr = row_max[i0 + r]
             il = row_inv[i0 + r]
@@ -95,18 +97,20 @@ def _probs_and_dscores_rows(s, dps, dcap, row_max, row_inv, delta, i0, j0, nk, r
 
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
 def _probs_and_dscores_cols(st, dpt, dcap, row_max, row_inv, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
-                            scale, softcap):
+                            scale, softcap, slope, diag):
     """The same on a transposed (BN, BM) block, keys as rows: st holds k.q and becomes P^T, dpt holds v.dO and
     becomes dS^T; row_max, row_inv and delta are indexed by column. Key rows past nk and masked entries become 0."""
     zero = _as_dtype_of(st, 0.0)
     sc = _as_dtype_of(st, scale)
     if softcap > 0:
         _softcap_scores(st, nk, st.shape[1], softcap, dcap, scale)
+        _add_alibi(st, slope, i0, j0, diag, True)
         for c in range(nk):
             for r in range(st.shape[1]):
                 st[c, r], dpt[c, r] = _gradient_terms(st[c, r], dpt[c, r], row_max[i0 + r], row_inv[i0 + r],
                                                       delta[i0 + r], dcap[c, r])
     else:
+        _add_alibi(st, slope, i0, j0, diag, True)
         for c in range(nk):
             for r in range(st.shape[1]):
                 st[c, r], dpt[c, r] = _gradient_terms(st[c, r], dpt[c, r], row_max[i0 + r], row_inv[i0 + r],
@@ -153,7 +157,7 @@ def _load_transposed(dst, src, n, head_dim):
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, dv, head_dim, scale, left, right,
-                        softcap, kt_per_unit, fuse_dq):
+                        softcap, kt_per_unit, fuse_dq, alibi):
     """dK and dV (and, with ``fuse_dq``, dQ into ``dq_acc``).
 
     q, qs, dout: (B, Sq, Hq, D_pad) and k, v: (B, Sk, Hkv, D_pad), views of head-major buffers (``_head_major``);
@@ -161,7 +165,7 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
     row_max, row_inv, delta: (B, Hq, n_qt * BLOCK_M), the forward's row max and 1 / sum (+inf and 0 in
     the padding and for rows that see no key) and rowsum(dO * O);
     dq_acc: (B, Hq, n_qt * BLOCK_M, D_pad), zeroed, accumulated into when ``fuse_dq``; dk, dv: (B, Sk, Hkv, >= D),
-    any strides, written.
+    any strides, written. alibi: (B, Hq) float64 slopes, or (0, 0) for none.
     One prange iteration per (batch, kv head, run of ``kt_per_unit`` key tiles): it sums dK/dV for its key tiles
     over every query head of the group and every query tile that sees them and writes only those rows of dk, dv.
     dQ rows collect contributions from all key tiles, so they may be accumulated here only when one iteration owns
@@ -201,6 +205,7 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
             dv_acc[:] = 0
             qt_first, qt_end = _query_tiles_seeing(j0, j0 + nk, seqlen_q, seqlen_k, left, right)
             for h in range(hk * group, (hk + 1) * group):
+                slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
                 for qt in range(qt_first, qt_end):
                     i0 = qt * BLOCK_M
                     nq = min(BLOCK_M, seqlen_q - i0)
@@ -217,7 +222,8 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
                         _mm_dot(s, q_tail, k_t, head_dim)
                         _mm_dot(dps, do_tail, v_t, head_dim)
                     _probs_and_dscores_rows(s, dps, dcap, row_max[b, h], row_inv[b, h], delta[b, h], i0, j0, nk,
-                                            row_lo, row_hi, full_lo, full_hi, scale, softcap)
+                                            row_lo, row_hi, full_lo, full_hi, scale, softcap, slope,
+                                            seqlen_k - seqlen_q)
                     # P and dS are 0 where a query does not see a key; a non-finite row of Q, dO or K must not
                     # reach those pairs through 0 * nan (see _visible_product). Only masked blocks have such pairs.
                     masked = not (full_lo <= j0 and j0 + nk <= full_hi)
@@ -231,7 +237,7 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, scale, left, right, softcap):
+def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, scale, left, right, softcap, alibi):
     """dQ, one prange iteration per (batch, query head, query tile): it recomputes P and dS for the key tiles its
     rows see and is the only writer of its dq rows. qs, k, v, dout, row_max, row_inv, delta as in
     ``_backward_kv_kernel``;
@@ -248,6 +254,7 @@ def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, s
         hk = h // group
         i0 = qt * BLOCK_M
         nq = min(BLOCK_M, seqlen_q - i0)
+        slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
         row_lo = np.empty(BLOCK_M, np.int64)
         row_hi = np.empty(BLOCK_M, np.int64)
         span_lo, span_hi, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
@@ -278,7 +285,7 @@ def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, s
             _mm_dot(st, kr, q_t, head_dim)
             _mm_dot(dpt, vr, do_t, head_dim)
             _probs_and_dscores_cols(st, dpt, dcap, row_max[b, h], row_inv[b, h], delta[b, h], i0, j0, nk, row_lo,
-                                    row_hi, full_lo, full_hi, scale, softcap)
+                                    row_hi, full_lo, full_hi, scale, softcap, slope, seqlen_k - seqlen_q)
             _tile_product_add(acc, tile, dpt, kr, nk, True, True, not (full_lo <= j0 and j0 + nk <= full_hi), j0,
                               row_lo, row_hi)
         _store_rows(dq[b, i0:i0 + nq, h], acc, nq, head_dim)
@@ -286,7 +293,7 @@ def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, s
 
 def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
                    lse: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, scale: float,
-                   window_left: int, window_right: int, softcap: float) -> None:
+                   window_left: int, window_right: int, softcap: float, alibi: np.ndarray | None = None) -> None:
     """Gradients of ``sum(out * dout)`` with respect to q, k and v, written into dq, dk, dv.
 
     Arguments:
@@ -300,6 +307,7 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
         All arrays float32, or all float64. scale, window_left, window_right, softcap as in ``flash_forward``.
     """
     dtype = _check_dtypes(dout, q, k, v, out, lse, dq, dk, dv)
+    slopes = _slopes(alibi)
     batch, seqlen_q, nheads_q, head_dim = q.shape
     nheads_kv = k.shape[2]
     window_left, window_right, softcap = _kernel_options(seqlen_q, k.shape[1], window_left, window_right, softcap,
@@ -322,7 +330,7 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
         row_inv = _scratch("row_inv", (batch, nheads_q, sq_pad), dtype)
         no_lse = np.empty((1, 1, 1), dtype)
         _entry(_forward_kernel, dtype)(q, k_in, v_in, q, no_lse, head_dim, float(scale), window_left, window_right,
-                                       softcap, row_max, row_inv, True)
+                                       softcap, row_max, row_inv, True, slopes)
     _defer_to_caller_lse(lse, row_max[:, :, :seqlen_q], row_inv[:, :, :seqlen_q])
     q_in, do_in = _head_major(q, head_dim, "q"), _head_major(dout, head_dim, "dout")
     qs = _scratch("qs", (batch, nheads_q, seqlen_q, q_in.shape[3]), dtype)
@@ -336,9 +344,9 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
     dq_acc.fill(0)
     _entry(_backward_kv_kernel, dtype)(q_in, qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq_acc, dk, dv,
                                        head_dim, float(scale), window_left, window_right, softcap,
-                                       n_kt if fuse_dq else 1, fuse_dq)
+                                       n_kt if fuse_dq else 1, fuse_dq, slopes)
     if fuse_dq:
         _entry(_store_dq_kernel, dtype)(dq_acc, dq, head_dim)
     else:
         _entry(_backward_dq_kernel, dtype)(qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq, head_dim,
-                                           float(scale), window_left, window_right, softcap)
+                                           float(scale), window_left, window_right, softcap, slopes)

@@ -46,8 +46,8 @@ from numba import njit, prange
 from .simd import BLOCK_M, BLOCK_N, _FASTMATH, _as_dtype_of, _capped, _fast_exp
 from .microkernels import _mm_at, _mm_dot
 from .passes import _column_exp2_sum, _column_max, _rows_finite
-from .tiles import _load_rows, _mask_scores, _tile_key_span, _visible_product
-from .workspace import _check_dtypes, _entry, _head_major, _kernel_options, _padded
+from .tiles import _add_alibi, _load_rows, _mask_scores, _tile_key_span, _visible_product
+from .workspace import _slopes, _check_dtypes, _entry, _head_major, _kernel_options, _padded
 from .stash import _stash_stats
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -55,7 +55,7 @@ from .stash import _stash_stats
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, row_max, row_inv, stats_only):
+def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, row_max, row_inv, stats_only, alibi):
     """Online-softmax forward. One prange iteration per (batch, query head, query tile); each writes only its own
     rows of out and lse.
 
@@ -67,6 +67,7 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
     padding rows and rows that see no key): the backward then recomputes P = exp(score - max) / sum from the very
     scores of the forward (P = 1 exactly for the max of a row with one key), where exp(score - lse) carried the
     rounding of lse, as large as lse itself.
+    alibi: (B, Hq) float64 ALiBi slopes, added after softcap (``_add_alibi``); (0, 0) for none.
     """
     batch, seqlen_q, nheads_q = q.shape[0], q.shape[1], q.shape[2]
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -88,6 +89,7 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
         hk = h // group
         i0 = qt * BLOCK_M
         nq = min(BLOCK_M, seqlen_q - i0)
+        slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
         row_lo = np.empty(BLOCK_M, np.int64)
         row_hi = np.empty(BLOCK_M, np.int64)
         span_lo, span_hi, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
@@ -123,6 +125,7 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
                         x = st[c, r]
                         capped = _capped(x, softcap)[0]
                         st[c, r] = capped if abs(x) < inf else nan
+            _add_alibi(st, slope, i0, j0, seqlen_k - seqlen_q, True)
             # Every block that no mask touches is all visible: there any non-finite score poisons its query.
             masked = not (full_lo <= j0 and j0 + nk <= full_hi)
             if masked:
@@ -180,7 +183,7 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
 
 
 def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: np.ndarray, scale: float,
-                  window_left: int, window_right: int, softcap: float) -> None:
+                  window_left: int, window_right: int, softcap: float, alibi: np.ndarray | None = None) -> None:
     """Exact attention forward, written into ``out`` and ``lse``.
 
     Arguments:
@@ -191,6 +194,7 @@ def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
         All arrays float32, or all float64; accumulation is in that dtype.
         scale: multiplies q.k; window_left / window_right: -1 = unbounded (causal is right = 0);
         softcap: 0 = off, else scores become softcap * tanh(score / softcap).
+        alibi: None, or (B, Hq) ALiBi slopes: adds -slope * |i + Sk - Sq - j| after softcap.
     """
     dtype = _check_dtypes(q, k, v, out, lse)
     head_dim = q.shape[3]
@@ -198,7 +202,7 @@ def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
     stats_shape = (q.shape[0], q.shape[2], _padded(q.shape[1], BLOCK_M))
     row_max, row_inv = np.empty(stats_shape, dtype), np.empty(stats_shape, dtype)
     _entry(_forward_kernel, dtype)(q, _head_major(k, head_dim, "k"), _head_major(v, head_dim, "v"), out, lse, head_dim,
-                                   float(scale), left, right, softcap, row_max, row_inv, False)
+                                   float(scale), left, right, softcap, row_max, row_inv, False, _slopes(alibi))
     _stash_stats(lse, row_max, row_inv)
 
 

@@ -119,13 +119,14 @@ def _entry(kernel: Any, dtype: np.dtype) -> Any:
         user = {n: types.Array(nb, n, "A") for n in (3, 4)}
         own = {n: types.Array(nb, n, "C") for n in (3, 4, 5)}
         i64, f64, boolean = types.int64, types.float64, types.boolean
+        slopes = types.Array(f64, 2, "A")
         sigs = {
             "_forward_kernel": (user[4], user[4], user[4], user[4], user[3], i64, f64, i64, i64, f64, own[3], own[3],
-                                boolean),
+                                boolean, slopes),
             "_backward_kv_kernel": (user[4], user[4], user[4], user[4], user[4], own[3], own[3], own[3], own[4],
-                                    user[4], user[4], i64, f64, i64, i64, f64, i64, boolean),
+                                    user[4], user[4], i64, f64, i64, i64, f64, i64, boolean, slopes),
             "_backward_dq_kernel": (user[4], user[4], user[4], user[4], own[3], own[3], own[3], user[4], i64, f64, i64,
-                                    i64, f64),
+                                    i64, f64, slopes),
             "_pack_kernel": (user[4], own[4], i64, boolean),
             "_pack_scaled_kernel": (user[4], own[4], i64, f64),
             "_row_dot_kernel": (user[4], user[4], own[3]),
@@ -237,3 +238,11 @@ def _check_dtypes(*arrays: np.ndarray) -> np.dtype:
         raise TypeError(f"numba_flash.cpu kernels need all arrays float32 or all float64, got "
                         f"{sorted({str(a.dtype) for a in arrays})}")
     return dtype
+
+
+_NO_SLOPES = np.zeros((0, 0))
+
+
+def _slopes(alibi: np.ndarray | None) -> np.ndarray:
+    """ALiBi slopes as the kernels take them: (B, Hq) float64, or a (0, 0) array for none."""
+    return _NO_SLOPES if alibi is None else np.asarray(alibi, dtype=np.float64)

@@ -10,7 +10,7 @@ from numba_flash import AttentionInputError, attention_ref, attention_ref_backwa
 
 torch = pytest.importorskip("torch")
 
-BACKENDS = ("rocm",)
+BACKENDS = ("rocm", "cpu")
 CASES = [dict(), dict(causal=True), dict(window_size=(6, 3), softcap=2.5), dict(causal=True, softmax_scale=0.3)]
 
 
