@@ -32,6 +32,7 @@ class Backend:
     SUPPORTS_ALIBI: ClassVar[bool] = False           # ``alibi_slopes``
     SUPPORTS_BIAS: ClassVar[bool] = False            # ``attn_bias`` (and its gradient, ``return_dbias``)
     SUPPORTS_MODS: ClassVar[bool] = False            # ``bias_mod``, ``mask_mod``, ``score_mod`` (numba_flash.mods)
+    SUPPORTS_DROPOUT: ClassVar[bool] = False         # ``dropout_p`` > 0 (masks from ``numba_flash.dropout``)
     IS_DETERMINISTIC: ClassVar[bool] = True
 
     def unavailable_reasons(self, forced: bool = False) -> list[str]:
@@ -76,6 +77,8 @@ class Backend:
             reasons.append("attn_bias not supported")
         if call.mods is not None and not self.SUPPORTS_MODS:
             reasons.append("bias_mod, mask_mod and score_mod not supported")
+        if call.dropout_p and not self.SUPPORTS_DROPOUT:
+            reasons.append("dropout not supported")
         if call.kvcache is not None and not self.SUPPORTS_KVCACHE:
             reasons.append("KV cache (with_kvcache) not supported")
         return reasons

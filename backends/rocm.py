@@ -8,6 +8,8 @@ Numba has no AMD GPU target, so on AMD hardware the work is done by torch itself
 * otherwise a blockwise online-softmax written with torch ops: query blocks and key blocks in Python loops, running
   max and sum in float32 (float64 for float64 inputs), at most one block of scores alive per head, and key blocks
   outside the causal/window band never computed. The backward recomputes each block of probabilities from the lse.
+  Dropout makes each block's mask from the Philox counters of ``numba_flash.dropout``, in the forward and again in
+  the backward; SDPA, whose dropout has its own generator, is not used with it.
 
 Non-finite values follow the contract (``numba_flash.reference`` spells the rule out). One reduction per input
 tensor per call (``_clean``) tells whether any value is non-finite or any score could overflow; only then do the
@@ -209,6 +211,24 @@ def _alibi_slopes(call: AttentionCall, cdt: Any, device: Any) -> Any:
     return slopes.view(call.batch, call.nheads_kv, 1, call.group_size, 1)
 
 
+def _dropout_factors(call: AttentionCall, q0: int, q1: int, k0: int, k1: int, cdt: Any, device: Any) -> Any:
+    """(B, Hkv, n*g, m) factors of a block's probabilities, 1 / (1 - p) where ``numba_flash.dropout`` keeps the
+    pair and 0 where it drops it, made from the counters (b, h, i, j) each time (forward and backward alike, so the
+    mask is never stored); None without dropout."""
+    import torch
+
+    from numba_flash.dropout import dropout_keep_torch, dropout_scale, dropout_threshold
+
+    if not call.dropout_p:
+        return None
+    idx = lambda lo, hi: torch.arange(lo, hi, dtype=torch.int64, device=device)  # noqa: E731
+    b = idx(call.dropout_batch0, call.dropout_batch0 + call.batch).view(-1, 1, 1, 1, 1)
+    h = idx(0, call.nheads_q).view(1, call.nheads_kv, 1, call.group_size, 1)   # query head kv * g + r
+    i, j = idx(q0, q1).view(1, 1, -1, 1, 1), idx(k0, k1).view(1, 1, 1, 1, -1)
+    keep = dropout_keep_torch(call.dropout_seed, dropout_threshold(call.dropout_p), b, h, i, j)
+    return keep.to(cdt).mul_(dropout_scale(call.dropout_p)).flatten(2, 3)
+
+
 class _Terms:
     """What a call adds to its scores after softcap, in the contract's order: ALiBi, attn_bias (a
     ``backends.torch_scores.BlockBias``), bias_mod, then score_mod, and mask_mod (``BlockMods``). ``may_hide``: some
@@ -304,7 +324,8 @@ def _forward_sdpa(q: Any, k: Any, v: Any, call: AttentionCall) -> Any:
 def sdpa_fits(call: AttentionCall) -> bool:
     """True when ``scaled_dot_product_attention`` computes exactly what the contract asks for ``call``."""
     if (call.return_lse or call.is_backward or call.softcap > 0 or call.window_left >= 0 or call.alibi is not None
-            or call.bias is not None or call.mods is not None):
+            or call.bias is not None or call.mods is not None
+            or call.dropout_p):   # SDPA's dropout draws from torch's generator, not from numba_flash.dropout
         return False
     if call.window_right >= 0:
         # SDPA's is_causal keeps j <= i (top-left); the contract keeps j <= i + Sk - Sq. Equal only when Sq == Sk.
@@ -369,7 +390,10 @@ def forward_blockwise(q: Any, k: Any, v: Any, call: AttentionCall, careful: bool
             m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
             p = s.sub_(m_safe[..., None]).exp_()
             alpha = torch.exp(m - m_safe)
-            l = l * alpha + p.sum(dim=-1)
+            l = l * alpha + p.sum(dim=-1)   # the sum before dropout: lse is the softmax's own
+            drop = _dropout_factors(call, q0, q1, k0, k1, cdt, q.device)
+            if drop is not None:
+                p.mul_(drop)
             vb = vv[:, :, k0:k1].to(cdt)
             if careful and (need_mask or hidden is not None):
                 pv = _visible_matmul(p, vb, _block_visible(band, q0, q1, k0, k1, g, q.device, hidden))
@@ -439,10 +463,18 @@ def backward_blockwise(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
             if careful_block:
                 vis = _block_visible(band, q0, q1, k0, k1, g, dev, hidden)
                 p.masked_fill_(~vis, 0.0)
-                dv_acc[:, :, k0:k1] += _visible_matmul(p.transpose(-1, -2), dob, vis.transpose(-1, -2))
+            # With dropout out = (P * drop) V: dV takes the dropped P, dP the factors, and delta = dout . out is
+            # still sum_j P dP.
+            drop = _dropout_factors(call, q0, q1, k0, k1, cdt, dev)
+            p_out = p if drop is None else p * drop
+            if careful_block:
+                dv_acc[:, :, k0:k1] += _visible_matmul(p_out.transpose(-1, -2), dob, vis.transpose(-1, -2))
             else:
-                dv_acc[:, :, k0:k1] += p.transpose(-1, -2) @ dob
-            ds = (dob @ vb.transpose(-1, -2)).sub_(delta[..., None]).mul_(p)
+                dv_acc[:, :, k0:k1] += p_out.transpose(-1, -2) @ dob
+            dp = dob @ vb.transpose(-1, -2)
+            if drop is not None:
+                dp.mul_(drop)
+            ds = dp.sub_(delta[..., None]).mul_(p)
             if dmod is not None:
                 ds.mul_(dmod)  # through score_mod, to the biased score
             if careful_block:
@@ -490,6 +522,7 @@ class RocmBackend(Backend):
     SUPPORTED_MAX_HEAD_DIM = 576
     SUPPORTS_HEAD_DIM_V = True
     SUPPORTS_MODS = True
+    SUPPORTS_DROPOUT = True
 
     def unavailable_reasons(self, forced: bool = False) -> list[str]:
         if forced:

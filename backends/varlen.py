@@ -41,9 +41,10 @@ def sequence_call(call: AttentionCall, seq: SequenceSpan, **arrays: Any) -> Atte
     """The dense ``AttentionCall`` ("bshd", B = 1) of sequence ``seq`` of the packed ``call``, holding ``arrays``
     (the views ``run`` gets) in place of the packed ones. The window bounds are capped for this sequence's own
     lengths, as validation caps those of a dense call, so that kernels never see bounds beyond Sq + Sk. ALiBi
-    slopes are this sequence's row; its distances count from the sequence's own bottom-right corner."""
+    slopes are this sequence's row; its distances count from the sequence's own bottom-right corner. Dropout keys
+    the sequence's mask by its index (``dropout_batch0``), with rows and keys counted within the sequence."""
     sq, sk = seq.seqlen_q, seq.seqlen_k
-    fields = dict(layout="bshd", batch=1, seqlen_q=sq, seqlen_k=sk, packing=None,
+    fields = dict(layout="bshd", batch=1, seqlen_q=sq, seqlen_k=sk, packing=None, dropout_batch0=seq.index,
                   window_left=clamp_window_bound(call.window_left, sq, sk),
                   window_right=clamp_window_bound(call.window_right, sq, sk))
     if call.alibi is not None:

@@ -8,6 +8,7 @@
     o = numba_flash.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)   # packed sequences
     o = numba_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens)  # decode step
     out, lse = numba_flash.merge_attention_states(out_a, lse_a, out_b, lse_b)   # two key sets' partial results
+    keep = numba_flash.dropout_mask(seed, B, Hq, Sq, Sk, dropout_p)   # the dropout mask every backend applies
     o = numba_flash.ring_attention(q, k, v, causal=True)   # sequence split over torch.distributed ranks
 
 Importing this package needs only numpy and numba; torch and numba.cuda are imported where they are used.
@@ -44,6 +45,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
     "ring_attention",
+    "dropout_mask",
     "backend_registry",
     "__version__",
 ]
@@ -59,6 +61,10 @@ def __getattr__(name: str) -> Any:
         from . import distributed
 
         return distributed.ring_attention
+    if name == "dropout_mask":   # numba_flash.dropout compiles nothing until called, but defines numba functions
+        from .dropout import dropout_mask
+
+        return dropout_mask
     if name == "backend_registry":
         import importlib  # not `from . import`: that would look the attribute up here again, endlessly
 

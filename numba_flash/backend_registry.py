@@ -248,7 +248,8 @@ class Dispatcher:
                 return_lse: bool = False, backend: str | None = None, cu_seqlens_q: Any = None,
                 cu_seqlens_k: Any = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                 alibi_slopes: Any = None, attn_bias: Any = None, bias_mod: Any = None, mask_mod: Any = None,
-                score_mod: Any = None, block_mask: Any = None) -> Any:
+                score_mod: Any = None, block_mask: Any = None, dropout_p: float = 0.0,
+                dropout_seed: int | None = None) -> Any:
         """Attention forward.
 
         q: (B, Sq, Hq, D) for layout "bshd" (the default) or (B, Hq, Sq, D) for "bhsd"; k, v: (B, Sk, Hkv, D) /
@@ -259,6 +260,9 @@ class Dispatcher:
         ``attn_bias``: an array broadcastable to (B, Hq, Sq, Sk), float32 or q's dtype, added to the scores after
         softcap; -inf hides a key. ``bias_mod``, ``mask_mod``, ``score_mod``: plain Python functions numba compiles
         (``numba_flash.mods``); ``block_mask``: ``numba_flash.block_mask(mask_mod, ...)``, to reuse across calls.
+        ``dropout_p`` in [0, 1) drops probabilities after the softmax where ``numba_flash.dropout_mask(dropout_seed,
+        ...)`` says so and scales the rest by 1 / (1 - p); ``dropout_seed`` (an int in [0, 2**64)) is needed then,
+        and the backward must be given the same one. lse is the softmax's before dropout.
         Returns out shaped like q (same array kind, device, dtype), and with ``return_lse`` also lse (B, Hq, Sq),
         or (Hq, total_q) for "thd", float32.
         """
@@ -266,7 +270,8 @@ class Dispatcher:
                                 softcap=softcap, layout=layout, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                 alibi_slopes=alibi_slopes, attn_bias=attn_bias, bias_mod=bias_mod, mask_mod=mask_mod,
-                                score_mod=score_mod, block_mask=block_mask)
+                                score_mod=score_mod, block_mask=block_mask, dropout_p=dropout_p,
+                                dropout_seed=dropout_seed)
         out, lse = self._run(call, backend, "forward")
         return (out, lse) if return_lse else out
 
@@ -276,7 +281,8 @@ class Dispatcher:
                  cu_seqlens_k: Any = None, max_seqlen_q: int | None = None,
                  max_seqlen_k: int | None = None, alibi_slopes: Any = None, attn_bias: Any = None,
                  return_dbias: bool = False, bias_mod: Any = None, mask_mod: Any = None, score_mod: Any = None,
-                 score_mod_grad: Any = None, block_mask: Any = None) -> tuple[Any, ...]:
+                 score_mod_grad: Any = None, block_mask: Any = None, dropout_p: float = 0.0,
+                 dropout_seed: int | None = None) -> tuple[Any, ...]:
         """Attention backward. dout and out are shaped like q; lse is (B, Hq, Sq), or (Hq, total_q) for packed
         sequences, as ``forward`` returned it. Packed sequences take the forward's cu_seqlens and max_seqlen.
         Returns dq, dk, dv shaped like q, k, v; with GQA dk and dv are summed over each group of query heads.
@@ -288,7 +294,8 @@ class Dispatcher:
                                  cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                  alibi_slopes=alibi_slopes, attn_bias=attn_bias, return_dbias=return_dbias,
                                  bias_mod=bias_mod, mask_mod=mask_mod, score_mod=score_mod,
-                                 score_mod_grad=score_mod_grad, block_mask=block_mask)
+                                 score_mod_grad=score_mod_grad, block_mask=block_mask, dropout_p=dropout_p,
+                                 dropout_seed=dropout_seed)
         return self._run(call, backend, "backward")
 
     def with_kvcache(self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, rotary_cos: Any = None,
@@ -322,7 +329,7 @@ class Dispatcher:
                 cu_seqlens_k: Any = None, max_seqlen_q: int | None = None,
                 max_seqlen_k: int | None = None, alibi_slopes: Any = None, attn_bias: Any = None,
                 bias_mod: Any = None, mask_mod: Any = None, score_mod: Any = None,
-                block_mask: Any = None) -> "Explanation":
+                block_mask: Any = None, dropout_p: float = 0.0, dropout_seed: int | None = None) -> "Explanation":
         """Which backend a forward call would use and why each other one was passed over.
 
         Returns an ``Explanation``: a ``str`` of a few lines (``print`` it, or search it with ``in``) that also
@@ -332,7 +339,8 @@ class Dispatcher:
                                 softcap=softcap, layout=layout, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                 alibi_slopes=alibi_slopes, attn_bias=attn_bias, bias_mod=bias_mod, mask_mod=mask_mod,
-                                score_mod=score_mod, block_mask=block_mask)
+                                score_mod=score_mod, block_mask=block_mask, dropout_p=dropout_p,
+                                dropout_seed=dropout_seed)
         chosen, table, forced = self._rank(call, backend)
         candidates = []
         for name, reasons in table.items():

@@ -17,7 +17,8 @@ An additive bias (``attn_bias``, ALiBi, ``bias_mod``) enters after softcap, then
 score_mod that turns a finite score into -inf, hides its key exactly as a mask (``mask_mod`` too) does, so a row
 whose keys are all hidden sees nothing. ``attention_ref_backward(..., return_dbias=True)`` gives the bias's
 gradient. The mods (``numba_flash.mods``) are called here as the plain Python functions they are, one element at a
-time, never through numba.
+time, never through numba. Dropout (``dropout_p``, ``dropout_seed``) multiplies the probabilities after the
+softmax by the factors of ``numba_flash.dropout_mask``; the lse stays that of the softmax before dropout.
 
 Packed sequences (layout "thd") have functions of their own, ``attention_ref_varlen`` and its backward: the same
 rules hold within each sequence, and nothing crosses from one sequence to another.
@@ -104,13 +105,14 @@ _QUIET = dict(invalid="ignore", over="ignore")
 
 
 def _forward_head(qh: np.ndarray, kh: np.ndarray, vh: np.ndarray, scale: float, softcap: float,
-                  mask: np.ndarray, bias: np.ndarray | None = None, score_mod: Any = None
-                  ) -> tuple[np.ndarray, np.ndarray]:
+                  mask: np.ndarray, bias: np.ndarray | None = None, score_mod: Any = None,
+                  drop: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """One head: qh (Sq, D), kh (Sk, D) and vh (Sk, Dv) float64, mask (Sq, Sk) bool, bias (Sq, Sk) float64 or
-    None, score_mod as for ``_probabilities``. Returns out (Sq, Dv) and lse (Sq,)."""
+    None, score_mod as for ``_probabilities``, drop (Sq, Sk) float64 dropout factors (0 or 1 / (1 - p)) or None.
+    Returns out (Sq, Dv) and lse (Sq,): the lse of the softmax before dropout."""
     p, _, _, poisoned, m, total, mask = _probabilities(qh, kh, scale, softcap, mask, bias, score_mod)
     seen = mask.any(axis=1)
-    o = _nan_if_not_finite(_visible_matmul(p, vh, mask))
+    o = _nan_if_not_finite(_visible_matmul(p if drop is None else p * drop, vh, mask))
     ok = seen & ~poisoned
     lse = np.where(poisoned, np.nan, np.where(ok, m + np.log(np.where(ok, total, 1.0)), np.inf))
     return np.where(seen[:, None], o, 0.0), lse
@@ -118,12 +120,16 @@ def _forward_head(qh: np.ndarray, kh: np.ndarray, vh: np.ndarray, scale: float, 
 
 def _backward_head(doh: np.ndarray, qh: np.ndarray, kh: np.ndarray, vh: np.ndarray, scale: float, softcap: float,
                    mask: np.ndarray, bias: np.ndarray | None = None, score_mod: Any = None,
+                   drop: np.ndarray | None = None,
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One head's dq (Sq, D), dk (Sk, D), dv (Sk, Dv), and the gradient of the biased score (Sq, Sk), which is
-    dbias; arguments as for ``_forward_head``, doh (Sq, Dv)."""
+    dbias; arguments as for ``_forward_head``, doh (Sq, Dv). With dropout, out = (P * drop) V: dv takes the dropped
+    P and dP the factors, and delta = dout . out still equals sum_j P_ij dP_ij."""
     p, dcap, dmod, _, _, _, mask = _probabilities(qh, kh, scale, softcap, mask, bias, score_mod)  # no keys: 0
-    dv = _visible_matmul(p.T, doh, mask.T)
+    dv = _visible_matmul(p.T if drop is None else (p * drop).T, doh, mask.T)
     dp = doh @ vh.T  # a non-finite v row makes its column NaN in every row; the masks keep it in band
+    if drop is not None:
+        dp = dp * drop
     # delta_i = sum_j P_ij dP_ij = dout_i . out_i over the keys row i sees (so dS is exactly 0 when a row sees one
     # key, P = 1); non-finite where out_i is
     delta = np.where(mask, p * dp, 0.0).sum(axis=1)
@@ -186,6 +192,18 @@ def _bias_inputs(attn_bias: Any, alibi_slopes: Any, shape: tuple[int, int, int, 
     return bias, alibi
 
 
+def _dropout_factors(dropout_p: float, dropout_seed: int | None, shape: tuple[int, int, int, int]
+                     ) -> np.ndarray | None:
+    """(B, Hq, Sq, Sk) float64 factors that multiply the probabilities, 1 / (1 - p) where
+    ``dropout.dropout_mask`` keeps and 0 where it drops; None without dropout."""
+    if float(dropout_p) == 0.0:
+        return None
+    from .dropout import dropout_mask   # it defines numba functions; importing numba_flash does not need them
+
+    keep = dropout_mask(dropout_seed, *shape, dropout_p)
+    return np.where(keep, 1.0 / (1.0 - float(dropout_p)), 0.0)
+
+
 def _sum_to_shape(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """``grad`` (B, Hq, Sq, Sk) summed over the dimensions a bias of ``shape`` was broadcast along."""
     lead = grad.ndim - len(shape)
@@ -198,6 +216,7 @@ def attention_ref(
     q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd", attn_bias: Any = None,
     alibi_slopes: Any = None, bias_mod: Any = None, mask_mod: Any = None, score_mod: Any = None,
+    dropout_p: float = 0.0, dropout_seed: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Exact attention in float64.
 
@@ -212,10 +231,14 @@ def attention_ref(
         bias_mod, mask_mod, score_mod: None or plain Python functions (see ``numba_flash.mods``), called here one
             element at a time: ``bias_mod(b, h, i, j)`` is added with the bias, ``score_mod(s, b, h, i, j)``
             replaces the biased score, ``mask_mod(b, h, i, j)`` False hides key j from row i.
+        dropout_p, dropout_seed: dropout on the probabilities after the softmax: P[b, h, i, j] is kept and scaled
+            by 1 / (1 - p) where ``numba_flash.dropout_mask(seed, B, Hq, Sq, Sk, p)`` is True, else 0. The seed
+            (an int in [0, 2**64)) is needed when p > 0.
     Returns:
         out: float64, shaped like q with head dim Dv.
-        lse: (B, Hq, Sq) float64, natural log of the sum of exp(score) over visible keys; +inf for a row that sees
-            no key, NaN for a row poisoned by a non-finite score (see the module docstring).
+        lse: (B, Hq, Sq) float64, natural log of the sum of exp(score) over visible keys (before dropout, as in
+            flash-attn); +inf for a row that sees no key, NaN for a row poisoned by a non-finite score (see the
+            module docstring).
     """
     qb, kb, vb = _to_bshd(q, layout), _to_bshd(k, layout), _to_bshd(v, layout)
     batch, sq, hq, d = qb.shape
@@ -225,6 +248,7 @@ def attention_ref(
     mask = visible_mask(sq, sk, left, right)
     group = hq // hkv
     bias, alibi = _bias_inputs(attn_bias, alibi_slopes, (batch, hq, sq, sk))
+    drop = _dropout_factors(dropout_p, dropout_seed, (batch, hq, sq, sk))
     out = np.zeros((batch, sq, hq, vb.shape[3]))
     lse = np.full((batch, hq, sq), np.inf)
     mods = dict(bias_mod=bias_mod, mask_mod=mask_mod, score_mod=score_mod)
@@ -233,7 +257,7 @@ def attention_ref(
             for h in range(hq):
                 terms = _head_terms(mods, mask, _head_bias(bias, alibi, b, h, sq, sk), b, h)
                 out[b, :, h], lse[b, h] = _forward_head(qb[b, :, h], kb[b, :, h // group], vb[b, :, h // group],
-                                                        scale, softcap, *terms)
+                                                        scale, softcap, *terms, None if drop is None else drop[b, h])
     return _from_bshd(out, layout), lse
 
 
@@ -241,7 +265,7 @@ def attention_ref_backward(
     dout: Any, q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd", attn_bias: Any = None,
     alibi_slopes: Any = None, return_dbias: bool = False, bias_mod: Any = None, mask_mod: Any = None,
-    score_mod: Any = None, score_mod_grad: Any = None,
+    score_mod: Any = None, score_mod_grad: Any = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Gradients of ``sum(attention_ref(q, k, v) * dout)`` in float64.
 
@@ -263,6 +287,7 @@ def attention_ref_backward(
         raise ValueError("the backward of score_mod needs score_mod_grad")
     mods = dict(bias_mod=bias_mod, mask_mod=mask_mod, score_mod=score_mod, score_mod_grad=score_mod_grad)
     bias, alibi = _bias_inputs(attn_bias, alibi_slopes, (batch, hq, sq, sk))
+    drop = _dropout_factors(dropout_p, dropout_seed, (batch, hq, sq, sk))
     dq, dk, dv = np.zeros_like(qb), np.zeros_like(kb), np.zeros_like(vb)
     dbias = np.zeros((batch, hq, sq, sk)) if return_dbias else None
     with np.errstate(**_QUIET):
@@ -271,7 +296,7 @@ def attention_ref_backward(
                 kv = h // group
                 terms = _head_terms(mods, mask, _head_bias(bias, alibi, b, h, sq, sk), b, h)
                 dq_h, dk_h, dv_h, dscore = _backward_head(dob[b, :, h], qb[b, :, h], kb[b, :, kv], vb[b, :, kv],
-                                                          scale, softcap, *terms)
+                                                          scale, softcap, *terms, None if drop is None else drop[b, h])
                 dq[b, :, h] = dq_h
                 dk[b, :, kv] += dk_h
                 dv[b, :, kv] += dv_h

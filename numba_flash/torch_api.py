@@ -20,7 +20,7 @@ import torch
 from numba_flash import backend_registry
 from numba_flash.errors import AttentionInputError
 from numba_flash.kvcache import validate_kvcache
-from numba_flash.validation import _bad, _finite_real, _short_repr, validate_forward
+from numba_flash.validation import _bad, _finite_real, _short_repr, check_dropout, validate_forward
 
 __all__ = ["flash_attn_func", "FlashAttnFunc", "flash_attn_varlen_func", "FlashAttnVarlenFunc",
            "flash_attn_with_kvcache"]
@@ -52,20 +52,20 @@ def _q_heads_seq(q: torch.Tensor, layout: str) -> tuple[int, int]:
 @torch.library.custom_op("numba_flash::flash_fwd", mutates_args=())
 def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
               window_left: int, window_right: int, softcap: float, layout: str, backend: Optional[str],
-              alibi_slopes: Optional[torch.Tensor] = None,
-              attn_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+              alibi_slopes: Optional[torch.Tensor] = None, attn_bias: Optional[torch.Tensor] = None,
+              dropout_p: float = 0.0, dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward through the registry. Returns out (shaped like q with v's head dim, q's dtype, contiguous) and lse
-    (B, Hq, Sq) float32 (float64 for float64 inputs), contiguous."""
+    (B, Hq, Sq) float32 (float64 for float64 inputs), contiguous. ``dropout_seed`` as ``_seed_for_op`` gives it."""
     out, lse = backend_registry.get("flash").forward(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
         softcap=softcap, layout=layout, return_lse=True, backend=backend, alibi_slopes=alibi_slopes,
-        attn_bias=attn_bias)
+        attn_bias=attn_bias, dropout_p=dropout_p, dropout_seed=dropout_seed % _SEEDS)
     return _owned(out, q, q.dtype, (q, k, v)), _owned(lse, q, _lse_dtype(q.dtype), (q, k, v))
 
 
 @flash_fwd.register_fake
 def _flash_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, softcap, layout, backend,
-                    alibi_slopes=None, attn_bias=None):
+                    alibi_slopes=None, attn_bias=None, dropout_p=0.0, dropout_seed=0):
     hq, sq = _q_heads_seq(q, layout)
     out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], hq, sq), dtype=_lse_dtype(q.dtype), device=q.device)
@@ -77,14 +77,16 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               lse: torch.Tensor, causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
               softcap: float, layout: str, backend: Optional[str],
               alibi_slopes: Optional[torch.Tensor] = None, attn_bias: Optional[torch.Tensor] = None,
-              return_dbias: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              return_dbias: bool = False, dropout_p: float = 0.0,
+              dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward through the registry. Returns dq, dk, dv shaped like q, k, v, q's dtype, contiguous, and dbias:
     shaped like attn_bias in its dtype with ``return_dbias``, else an empty tensor (a custom op's outputs are
     fixed in number)."""
     grads = backend_registry.get("flash").backward(
         dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
         window_size=(window_left, window_right), softcap=softcap, layout=layout, backend=backend,
-        alibi_slopes=alibi_slopes, attn_bias=attn_bias, return_dbias=return_dbias)
+        alibi_slopes=alibi_slopes, attn_bias=attn_bias, return_dbias=return_dbias, dropout_p=dropout_p,
+        dropout_seed=dropout_seed % _SEEDS)
     inputs = (dout, q, k, v, out, lse) + (() if attn_bias is None else (attn_bias,))
     dq, dk, dv = (_owned(g, q, q.dtype, inputs) for g in grads[:3])
     dbias = _owned(grads[3], attn_bias, attn_bias.dtype, inputs) if return_dbias else q.new_empty((0,))
@@ -93,7 +95,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 @flash_bwd.register_fake
 def _flash_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap, layout,
-                    backend, alibi_slopes=None, attn_bias=None, return_dbias=False):
+                    backend, alibi_slopes=None, attn_bias=None, return_dbias=False, dropout_p=0.0, dropout_seed=0):
     dbias = torch.empty(attn_bias.shape, dtype=attn_bias.dtype, device=q.device) if return_dbias else \
         q.new_empty((0,))
     return tuple(torch.empty(x.shape, dtype=q.dtype, device=q.device) for x in (q, k, v)) + (dbias,)
@@ -105,11 +107,14 @@ class FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, window_left, window_right, softcap, layout, backend,
-                alibi_slopes=None, attn_bias=None):
+                alibi_slopes=None, attn_bias=None, dropout_p=0.0, dropout_seed=0):
         out, lse = torch.ops.numba_flash.flash_fwd(q, k, v, causal, softmax_scale, window_left, window_right,
-                                                   softcap, layout, backend, alibi_slopes, attn_bias)
+                                                   softcap, layout, backend, alibi_slopes, attn_bias, dropout_p,
+                                                   dropout_seed)
         ctx.save_for_backward(q, k, v, out, lse, attn_bias)
         ctx.params = (causal, softmax_scale, window_left, window_right, softcap, layout, backend, alibi_slopes)
+        # the seed is kept, not the mask: the backward makes the same mask again from it
+        ctx.dropout = (dropout_p, dropout_seed)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -120,8 +125,8 @@ class FlashAttnFunc(torch.autograd.Function):
         # Gradients arriving from a sum() or an expand() are broadcast views (stride 0); one contiguous copy of
         # dout, the size of q, spares every backend that case.
         dq, dk, dv, dbias = torch.ops.numba_flash.flash_bwd(dout.contiguous(), q, k, v, out, lse, *ctx.params,
-                                                            attn_bias, return_dbias)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, dbias if return_dbias else None
+                                                            attn_bias, return_dbias, *ctx.dropout)
+        return (dq, dk, dv) + (None,) * 8 + (dbias if return_dbias else None, None, None)
 
 
 def _check_tensors(function: str, q: Any, k: Any, v: Any) -> None:
@@ -134,15 +139,17 @@ def _check_tensors(function: str, q: Any, k: Any, v: Any) -> None:
                 f"backend_registry.get('flash').forward for other arrays), got {type(x).__name__}")
 
 
-def _check_flash_attn_extras(dropout_p: Any, alibi_slopes: Any, deterministic: Any, return_attn_probs: Any,
-                             alibi_ok: bool = False) -> None:
+def _check_flash_attn_extras(dropout_p: Any, dropout_seed: Any, alibi_slopes: Any, deterministic: Any,
+                             return_attn_probs: Any, alibi_ok: bool = False) -> tuple[float, int]:
     """flash-attn's arguments for features this library has not built yet: accepted in their place (so that code
     written for flash-attn calls in unchanged), refused with a clear error when they ask for the feature.
-    ``alibi_ok``: the caller takes ALiBi slopes (validated with the tensors)."""
-    if not _finite_real(dropout_p) or not 0.0 <= float(dropout_p) < 1.0:
-        raise _bad("dropout_p", "a number in [0, 1)", _short_repr(dropout_p))
-    if float(dropout_p) != 0.0:
-        raise _bad("dropout_p", "0.0 (dropout is not implemented yet)", _short_repr(dropout_p))
+    ``alibi_ok``: the caller takes ALiBi slopes (validated with the tensors).
+
+    Returns ``(dropout_p, seed)`` for the ops: with dropout and no ``dropout_seed``, a seed drawn from torch's
+    default generator (so ``torch.manual_seed`` makes it reproducible), as a signed int64 (``_seed_for_op``)."""
+    if dropout_seed is None and _finite_real(dropout_p) and float(dropout_p) > 0.0:
+        dropout_seed = int(torch.randint(-(1 << 63), (1 << 63) - 1, ())) % _SEEDS
+    dropout_p, dropout_seed = check_dropout(dropout_p, dropout_seed)
     if alibi_slopes is not None and not alibi_ok:
         got = f"shape {tuple(alibi_slopes.shape)}" if hasattr(alibi_slopes, "shape") else _short_repr(alibi_slopes)
         raise _bad("alibi_slopes", "None (ALiBi is not implemented here yet)", got)
@@ -154,6 +161,16 @@ def _check_flash_attn_extras(dropout_p: Any, alibi_slopes: Any, deterministic: A
         raise _bad("return_attn_probs",
                    "False (returning the attention probabilities is not implemented yet; return_lse=True gives the "
                    "log-sum-exp)", "True")
+    return dropout_p, _seed_for_op(dropout_seed)
+
+
+_SEEDS = 1 << 64
+
+
+def _seed_for_op(seed: int) -> int:
+    """A seed in [0, 2**64) as the signed int64 a custom op's ``int`` holds (the same 64 bits); the ops take it
+    back with ``% 2**64``."""
+    return seed - _SEEDS if seed >= _SEEDS // 2 else seed
 
 
 def flash_attn_func(
@@ -178,12 +195,13 @@ def flash_attn_func(
     score_mod: Any = None,
     score_mod_grad: Any = None,
     block_mask: Any = None,
+    dropout_seed: Optional[int] = None,
 ):
     """Exact attention on torch tensors, differentiable, computed by the backend the registry picks.
 
     The positional arguments and their defaults are flash-attn's ``flash_attn_func``, in its order, so code written
     for flash-attn runs unchanged with ``from numba_flash import flash_attn_func``. ``layout``, ``return_lse``,
-    ``backend``, ``attn_bias`` and the mods are this library's and keyword-only.
+    ``backend``, ``attn_bias``, the mods and ``dropout_seed`` are this library's and keyword-only.
 
     Grouped-query / multi-query attention is supported by passing K and V with fewer heads than Q: query head h
     reads key/value head ``h // (Hq // Hkv)``. Causal masking and the sliding window are aligned to the bottom-right
@@ -201,7 +219,9 @@ def flash_attn_func(
             "bhsd"; nheads % nheads_k == 0; q's dtype and device.
         v: shaped like k, except that its head dim may differ (up to 512; q and k up to 576) on backends that
             support it (the torch path today).
-        dropout_p: float in [0, 1). Only 0.0 is implemented yet; any other value raises AttentionInputError.
+        dropout_p: float in [0, 1). Dropout on the attention probabilities after the softmax: each is kept with
+            probability 1 - p and scaled by 1 / (1 - p), else 0, by the mask ``numba_flash.dropout_mask`` gives
+            for the seed. Runs on the torch ("rocm") backend for now; cpu and cuda say they do not support it.
         softmax_scale: float > 0. Scaling of q k^T before the softmax; default 1 / sqrt(headdim).
         causal: bool. Mask keys after the query's bottom-right-aligned diagonal (same as window_size[1] = 0).
         window_size: (left, right). Sliding-window attention; -1 means unbounded on that side.
@@ -210,7 +230,7 @@ def flash_attn_func(
             ``-slope * |i + seqlen_k - seqlen_q - j|`` to the scores (flash-attn's ALiBi). No gradient.
         deterministic: bool, accepted either way: every backend's backward is already deterministic (no atomic
             adds; each gradient element is summed by one thread in a fixed order), so two runs give bitwise equal
-            gradients.
+            gradients, with dropout too (the backward makes the forward's mask again from the seed).
         return_attn_probs: must be False: returning the probabilities is not implemented yet (True raises
             AttentionInputError); return_lse=True gives the log-sum-exp.
         layout: keyword-only. "bshd" (FlashAttention's) or "bhsd" (PyTorch SDPA's).
@@ -225,6 +245,9 @@ def flash_attn_func(
             numba compiles (see ``numba_flash.mods``); score_mod needs score_mod_grad for the backward. A call
             with mods runs through an autograd.Function rather than the custom ops (whose schemas cannot hold
             functions): eager mode only, a graph break under torch.compile.
+        dropout_seed: keyword-only int in [0, 2**64) or None. The dropout mask's seed (the same seed gives the same
+            mask on every backend); None draws one from torch's default generator when dropout_p > 0, kept for
+            the backward.
 
     Returns:
         out: shaped like q but with v's head dim, q's dtype and device, contiguous. Rows that see no key are 0.
@@ -235,7 +258,8 @@ def flash_attn_func(
     implemented yet, and ``numba_flash.NoBackendError`` when no backend can serve the call.
     """
     # Plain Python values: checking them costs no graph break under torch.compile, so they are checked always.
-    _check_flash_attn_extras(dropout_p, alibi_slopes, deterministic, return_attn_probs, alibi_ok=True)
+    dropout_p, seed = _check_flash_attn_extras(dropout_p, dropout_seed, alibi_slopes, deterministic,
+                                               return_attn_probs, alibi_ok=True)
     if not torch.compiler.is_compiling():
         # Fail fast, naming the argument, before autograd records anything. Under torch.compile the ops validate
         # when they run, and this Python-level check would only cost graph breaks.
@@ -256,11 +280,12 @@ def flash_attn_func(
         from numba_flash.torch_mods import flash_attn_with_mods
 
         params = dict(causal=bool(causal), softmax_scale=scale, window_size=(left, right), softcap=float(softcap),
-                      layout=layout, backend=backend, alibi_slopes=alibi_slopes)
+                      layout=layout, backend=backend, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                      dropout_seed=seed % _SEEDS)
         out, lse = flash_attn_with_mods(q, k, v, attn_bias, params, mods)
     else:
         out, lse = FlashAttnFunc.apply(q, k, v, bool(causal), scale, left, right, float(softcap), layout, backend,
-                                       alibi_slopes, attn_bias)
+                                       alibi_slopes, attn_bias, dropout_p, seed)
     return (out, lse) if return_lse else out
 
 
@@ -271,22 +296,23 @@ def flash_attn_func(
 def flash_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
                      causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
-                     softcap: float, backend: Optional[str],
-                     alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     softcap: float, backend: Optional[str], alibi_slopes: Optional[torch.Tensor] = None,
+                     dropout_p: float = 0.0, dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed forward through the registry. Returns out (total_q, Hq, D), q's dtype, and lse (Hq, total_q) float32
     (float64 for float64 inputs), both contiguous."""
     out, lse = backend_registry.get("flash").forward(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
         window_size=(window_left, window_right), softcap=softcap, layout="thd", return_lse=True, backend=backend,
-        alibi_slopes=alibi_slopes)
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed % _SEEDS)
     inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k)
     return _owned(out, q, q.dtype, inputs), _owned(lse, q, _lse_dtype(q.dtype), inputs)
 
 
 @flash_varlen_fwd.register_fake
 def _flash_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                           window_left, window_right, softcap, backend, alibi_slopes=None):
+                           window_left, window_right, softcap, backend, alibi_slopes=None, dropout_p=0.0,
+                           dropout_seed=0):
     out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q.dtype), device=q.device)
     return out, lse
@@ -297,21 +323,22 @@ def flash_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                      lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                      max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool,
                      softmax_scale: Optional[float], window_left: int, window_right: int, softcap: float,
-                     backend: Optional[str],
-                     alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     backend: Optional[str], alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                     dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed backward through the registry. Returns dq, dk, dv shaped like q, k, v, q's dtype, contiguous."""
     dq, dk, dv = backend_registry.get("flash").backward(
         dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
         window_size=(window_left, window_right), softcap=softcap, layout="thd", backend=backend,
-        alibi_slopes=alibi_slopes)
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed % _SEEDS)
     inputs = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     return tuple(_owned(g, q, q.dtype, inputs) for g in (dq, dk, dv))
 
 
 @flash_varlen_bwd.register_fake
 def _flash_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                           softmax_scale, window_left, window_right, softcap, backend, alibi_slopes=None):
+                           softmax_scale, window_left, window_right, softcap, backend, alibi_slopes=None,
+                           dropout_p=0.0, dropout_seed=0):
     return tuple(torch.empty(x.shape, dtype=q.dtype, device=q.device) for x in (q, k, v))
 
 
@@ -321,13 +348,14 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                window_left, window_right, softcap, backend, alibi_slopes=None):
+                window_left, window_right, softcap, backend, alibi_slopes=None, dropout_p=0.0, dropout_seed=0):
         out, lse = torch.ops.numba_flash.flash_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                           max_seqlen_k, causal, softmax_scale, window_left,
-                                                          window_right, softcap, backend, alibi_slopes)
+                                                          window_right, softcap, backend, alibi_slopes, dropout_p,
+                                                          dropout_seed)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.params = (max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap, backend,
-                      alibi_slopes)
+                      alibi_slopes, dropout_p, dropout_seed)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -337,7 +365,7 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
         # as in FlashAttnFunc: a broadcast dout (from a sum()) becomes one contiguous copy
         dq, dk, dv = torch.ops.numba_flash.flash_varlen_bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens_q,
                                                             cu_seqlens_k, *ctx.params)
-        return (dq, dk, dv) + (None,) * 11
+        return (dq, dk, dv) + (None,) * 13
 
 
 def flash_attn_varlen_func(
@@ -359,6 +387,7 @@ def flash_attn_varlen_func(
     *,
     return_lse: bool = False,
     backend: Optional[str] = None,
+    dropout_seed: Optional[int] = None,
 ):
     """Exact attention over packed sequences on torch tensors, differentiable, on the backend the registry picks.
 
@@ -385,10 +414,11 @@ def flash_attn_varlen_func(
             or None.
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs: as
             in ``flash_attn_func`` (alibi_slopes (nheads,) or (batch_size, nheads), one row per sequence, with each
-            sequence's own distances; dropout_p other than 0 and return_attn_probs=True are refused until they are
-            implemented).
+            sequence's own distances; return_attn_probs=True is refused until it is implemented). Dropout keys
+            sequence b's mask by b, with rows and keys counted within the sequence.
         return_lse: keyword-only bool. Also return the log-sum-exp of each query row.
         backend: keyword-only str or None. Force one backend ("cuda", "rocm", "cpu", ...).
+        dropout_seed: keyword-only int in [0, 2**64) or None, as in ``flash_attn_func``.
 
     Returns:
         out: (total_q, nheads, headdim), q's dtype and device, contiguous.
@@ -398,7 +428,8 @@ def flash_attn_varlen_func(
     Raises ``numba_flash.AttentionInputError`` for arguments that break the contract, and
     ``numba_flash.NoBackendError`` when no backend can serve the call.
     """
-    _check_flash_attn_extras(dropout_p, alibi_slopes, deterministic, return_attn_probs, alibi_ok=True)
+    dropout_p, seed = _check_flash_attn_extras(dropout_p, dropout_seed, alibi_slopes, deterministic,
+                                               return_attn_probs, alibi_ok=True)
     if not torch.compiler.is_compiling():
         _check_tensors("flash_attn_varlen_func", q, k, v)
         validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
@@ -414,7 +445,7 @@ def flash_attn_varlen_func(
     mq, mk = (None if m is None else int(m) for m in (max_seqlen_q, max_seqlen_k))
     left, right = (int(w) for w in window_size)
     out, lse = FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, bool(causal), scale, left,
-                                         right, float(softcap), backend, alibi_slopes)
+                                         right, float(softcap), backend, alibi_slopes, dropout_p, seed)
     return (out, lse) if return_lse else out
 
 

@@ -71,6 +71,9 @@ class AttentionCall:
     return_dbias: bool = False  # backward only: also return dbias, shaped like attn_bias
     head_dim_v: int = 0  # Dv, v's head dim and the output's; 0 (the default) means D
     mods: Any = None     # ``numba_flash.mods.Mods``: bias_mod, mask_mod, score_mod (+ grad), block_mask; else None
+    dropout_p: float = 0.0   # numba_flash.dropout: keep (b, h, i, j) where its Philox word < dropout_threshold(p)
+    dropout_seed: int = 0    # in [0, 2**64)
+    dropout_batch0: int = 0  # the b of this call's first batch row (a packed sequence's index, run as B = 1)
 
     def __post_init__(self) -> None:
         if self.head_dim_v == 0:
@@ -126,6 +129,8 @@ class AttentionCall:
             parts.append(f"attn_bias{self.bias.shape}")
         if self.mods is not None:
             parts.append(self.mods.describe())
+        if self.dropout_p:
+            parts.append(f"dropout={self.dropout_p:g}")
         parts.append("backward" if self.is_backward else "with_kvcache" if self.kvcache is not None else "forward")
         return " ".join(parts)
 
@@ -240,7 +245,8 @@ def validate_forward(
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str | None = None,
     return_lse: bool = False, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, max_seqlen_q: Any = None,
     max_seqlen_k: Any = None, alibi_slopes: Any = None, attn_bias: Any = None, bias_mod: Any = None,
-    mask_mod: Any = None, score_mod: Any = None, block_mask: Any = None,
+    mask_mod: Any = None, score_mod: Any = None, block_mask: Any = None, dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
 ) -> AttentionCall:
     """Check a forward call against the contract; raise ``AttentionInputError`` on the first violation.
 
@@ -251,7 +257,8 @@ def validate_forward(
     finite, any float dtype, the array kind and device of q (read on the host). ``attn_bias``: None or an array
     broadcastable to (B, Hq, Sq, Sk), float32 or q's dtype, the array kind and device of q (see ``check_bias``).
     ``bias_mod``, ``mask_mod``, ``score_mod``, ``block_mask``: see ``numba_flash.mods`` (compiled here, once per
-    function).
+    function). ``dropout_p`` in [0, 1) with ``dropout_seed`` an int in [0, 2**64) (needed when dropout_p > 0; see
+    ``numba_flash.dropout``).
     """
     layout = resolve_layout(layout, cu_seqlens_q, cu_seqlens_k)
     causal, softmax_scale, window_size, softcap, layout, return_lse = _check_options(
@@ -289,11 +296,12 @@ def validate_forward(
     alibi = check_alibi(alibi_slopes, qkind, qdev, batch, hq)
     bias = check_bias(attn_bias, infos["q"], (batch, hq, sq, sk), layout)
     mods = check_mods(bias_mod, mask_mod, score_mod, None, block_mask, (batch, hq, sq, sk), layout, False)
+    dropout_p, dropout_seed = check_dropout(dropout_p, dropout_seed)
     return AttentionCall(q=q, k=k, v=v, kind=qkind, device=qdev, dtype=qdt, layout=layout, batch=batch,
                          seqlen_q=sq, seqlen_k=sk, nheads_q=hq, nheads_kv=hkv, head_dim=d, causal=causal,
                          softmax_scale=scale, window_left=left, window_right=right, softcap=softcap,
                          return_lse=return_lse, packing=packing, alibi=alibi, bias=bias, head_dim_v=vshape[-1],
-                         mods=mods)
+                         mods=mods, dropout_p=dropout_p, dropout_seed=dropout_seed)
 
 
 def check_alibi(alibi_slopes: Any, kind: str, device: str, batch: int, nheads_q: int) -> Any:
@@ -360,13 +368,32 @@ def check_bias(attn_bias: Any, q_info: tuple, full: tuple[int, int, int, int], l
     return Bias(attn_bias, padded)
 
 
+MAX_DROPOUT_SEED = 1 << 64
+
+
+def check_dropout(dropout_p: Any, dropout_seed: Any) -> tuple[float, int]:
+    """``(p, seed)`` as a float in [0, 1) and an int in [0, 2**64) (``numba_flash.dropout`` keys Philox with its
+    two 32-bit halves); AttentionInputError naming the argument. ``dropout_seed`` None is taken as 0 when p is 0
+    and refused otherwise: the backward must see the forward's seed, so it is never drawn here."""
+    if not _finite_real(dropout_p) or not 0.0 <= float(dropout_p) < 1.0:
+        raise _bad("dropout_p", "a real number in [0, 1)", _short_repr(dropout_p))
+    p = float(dropout_p)
+    if dropout_seed is None and p == 0.0:
+        return p, 0
+    if (isinstance(dropout_seed, (bool, np.bool_)) or not isinstance(dropout_seed, numbers.Integral)
+            or not 0 <= int(dropout_seed) < MAX_DROPOUT_SEED):
+        need = " (dropout_p > 0 needs one, the same in forward and backward)" if dropout_seed is None else ""
+        raise _bad("dropout_seed", f"an int in [0, 2**64){need}", _short_repr(dropout_seed))
+    return p, int(dropout_seed)
+
+
 def validate_backward(
     dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: bool = False,
     softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     layout: str | None = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, max_seqlen_q: Any = None,
     max_seqlen_k: Any = None, alibi_slopes: Any = None, attn_bias: Any = None, return_dbias: bool = False,
     bias_mod: Any = None, mask_mod: Any = None, score_mod: Any = None, score_mod_grad: Any = None,
-    block_mask: Any = None,
+    block_mask: Any = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
 ) -> AttentionCall:
     """Check a backward call. dout and out are shaped like q but with v's head dim Dv, q's dtype; lse is
     (B, Hq, Sq), or (Hq, total_q) for packed sequences, float32 (float64 for float64 inputs), as the forward
@@ -374,7 +401,7 @@ def validate_backward(
     call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                             softcap=softcap, layout=layout, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes,
-                            attn_bias=attn_bias)
+                            attn_bias=attn_bias, dropout_p=dropout_p, dropout_seed=dropout_seed)
     mods = check_mods(bias_mod, mask_mod, score_mod, score_mod_grad, block_mask,
                       (call.batch, call.nheads_q, call.seqlen_q, call.seqlen_k), call.layout, True)
     return_dbias = _check_bool("return_dbias", return_dbias)

@@ -24,7 +24,7 @@ FLASH_ATTN_PARAMETERS = [
 ]
 OUR_KEYWORD_ONLY = [("layout", "bshd"), ("return_lse", False), ("backend", None), ("attn_bias", None),
                     ("bias_mod", None), ("mask_mod", None), ("score_mod", None), ("score_mod_grad", None),
-                    ("block_mask", None)]
+                    ("block_mask", None), ("dropout_seed", None)]
 
 
 @pytest.fixture(autouse=True)
@@ -71,7 +71,6 @@ def test_every_positional_argument_lands_where_flash_attn_puts_it(rng, backend):
 
 
 NOT_YET = {
-    "dropout": (dict(dropout_p=0.1), r"dropout_p: expected 0\.0 \(dropout is not implemented yet\), got 0\.1"),
     "attn_probs": (dict(return_attn_probs=True),
                    r"return_attn_probs: expected False \(returning the attention probabilities is not implemented"),
 }
@@ -87,8 +86,6 @@ def test_features_not_built_yet_raise_attention_input_error(rng, case):
 
 def test_not_built_yet_positionally_too(rng):
     q, k, v = _qkv(rng, 1, 5, 6, 4, 2, 4)
-    with pytest.raises(AttentionInputError, match="dropout_p: expected 0.0"):
-        flash_attn_func(q, k, v, 0.5, None, True)
     with pytest.raises(AttentionInputError, match="return_attn_probs: expected False"):
         flash_attn_func(q, k, v, 0.0, None, False, (-1, -1), 0.0, None, False, True)
 
@@ -96,7 +93,7 @@ def test_not_built_yet_positionally_too(rng):
 @pytest.mark.parametrize("value", [-0.1, 1.0, 1.5, float("nan"), float("inf"), "0", None, True])
 def test_dropout_p_is_validated(rng, value):
     q, k, v = _qkv(rng, 1, 5, 6, 2, 2, 4)
-    with pytest.raises(AttentionInputError, match=r"dropout_p: expected a number in \[0, 1\)"):
+    with pytest.raises(AttentionInputError, match=r"dropout_p: expected a real number in \[0, 1\)"):
         flash_attn_func(q, k, v, dropout_p=value)
 
 

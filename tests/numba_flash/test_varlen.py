@@ -348,7 +348,8 @@ def test_varlen_func_signature():
                   if p.kind == p.POSITIONAL_OR_KEYWORD]
     assert positional == FLASH_ATTN_VARLEN_PARAMETERS
     assert [(p.name, p.default) for p in params if p.kind == p.KEYWORD_ONLY] == [("return_lse", False),
-                                                                                ("backend", None)]
+                                                                                ("backend", None),
+                                                                                ("dropout_seed", None)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -391,8 +392,8 @@ def test_varlen_func_extras_numpy_cu_seqlens_and_bad_input(rng):
     same = flash_attn_varlen_func(q, k, v, cu_q.numpy().astype(np.int64), cu_k.numpy(), None, None, causal=True,
                                   backend="cpu")
     assert torch.equal(out, same)
-    with pytest.raises(AttentionInputError, match=r"^dropout_p: expected 0.0"):
-        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 11, 0.1)
+    with pytest.raises(AttentionInputError, match=r"^dropout_p: expected a real number in \[0, 1\), got 1.5"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 11, 1.5)
     with pytest.raises(AttentionInputError, match=r"^max_seqlen_k: expected an int >= the longest key sequence"):
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 10)
     with pytest.raises(AttentionInputError, match=r"^cu_seqlens_q: expected non-decreasing"):
