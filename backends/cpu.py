@@ -53,6 +53,7 @@ class CpuBackend(Backend):
     SUPPORTED_LAYOUTS = ("bshd", "bhsd", "thd")
     SUPPORTS_KVCACHE = True
     SUPPORTS_ALIBI = True
+    SUPPORTS_DROPOUT = True
 
     def not_supported_reasons(self, call: AttentionCall, forced: bool = False) -> list[str]:
         reasons = super().not_supported_reasons(call, forced)
@@ -110,7 +111,7 @@ def _run_forward(call: AttentionCall, q: np.ndarray, k: np.ndarray, v: np.ndarra
     from numba_flash.cpu import flash_forward
 
     flash_forward(q, k, v, out, lse, call.softmax_scale, call.window_left, call.window_right, call.softcap,
-                  call.alibi)
+                  call.alibi, call.dropout_p, call.dropout_seed, call.dropout_batch0)
 
 
 def _run_backward(call: AttentionCall, dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -119,4 +120,4 @@ def _run_backward(call: AttentionCall, dout: np.ndarray, q: np.ndarray, k: np.nd
     from numba_flash.cpu import flash_backward
 
     flash_backward(dout, q, k, v, out, lse, dq, dk, dv, call.softmax_scale, call.window_left, call.window_right,
-                   call.softcap, call.alibi)
+                   call.softcap, call.alibi, call.dropout_p, call.dropout_seed, call.dropout_batch0)

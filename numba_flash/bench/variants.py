@@ -1,11 +1,12 @@
 """``numba-flash bench --variants``: what each attention variant costs on top of the plain forward, per backend,
-as ratios measured in one run (issue 14's goals: a bias within 1.3x of the plain forward, a document mask_mod that
-hides 7/8 of the scores at least 4x faster than the plain call), and torch's ``flex_attention`` on the same calls
-where this torch build runs it.
+as ratios measured in one run (issue 14's goals: a bias or dropout within 1.3x of the plain forward, a document
+mask_mod that hides 7/8 of the scores at least 4x faster than the plain call), and torch's ``flex_attention`` on
+the same calls where this torch build runs it.
 
 Variants: ``plain``; ``attn_bias`` (one (Sq, Sk) float32 table broadcast over batch and heads); ``alibi``;
 ``bias_mod`` (a per-head linear distance bias); ``mask_mod`` (``DOCUMENTS`` equal documents, each query sees
-its own document only); ``score_mod`` (a tanh soft cap written as a mod). A backend that does not run a variant
+its own document only); ``score_mod`` (a tanh soft cap written as a mod); ``dropout`` (``DROPOUT_P``, a fixed
+seed). A backend that does not run a variant
 gets a ``skipped`` line saying why. The outputs are not checked here (the float64 reference would call the Python
 mods once per score); the test suite checks every variant against it.
 """
@@ -23,10 +24,11 @@ from .harness import Clock, TimingStats, busy_note, time_calls, timing_fields
 
 VARIANTS_DEFAULTS = {"batch": 1, "nheads": 8, "headdim": 64, "seqlen": 4096}
 DOCUMENTS = 8
-VARIANTS = ("plain", "attn_bias", "alibi", "bias_mod", "mask_mod", "score_mod")
+VARIANTS = ("plain", "attn_bias", "alibi", "bias_mod", "mask_mod", "score_mod", "dropout")
 VARIANTS_COLUMNS = ("mode", "batch", "nheads", "seqlen", "headdim", "dtype", "name", "variant", "status",
                     "repeats", "min_ms", "median_ms", "p95_ms", "p99_ms", "max_ms", "spread", "time_vs_plain")
 SOFT_CAP = 30.0
+DROPOUT_P = 0.1   # flash-attn's examples and most training recipes use 0.0-0.1
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ def variant_arguments(case: VariantsCase, rng: np.random.Generator) -> dict[str,
     table = rng.standard_normal((case.seqlen, case.seqlen), dtype=np.float32)
     return {"plain": {}, "attn_bias": {"attn_bias": table}, "alibi": {"alibi_slopes": slopes},
             "bias_mod": {"bias_mod": distance_bias}, "mask_mod": {"mask_mod": same_document},
-            "score_mod": {"score_mod": soft_cap}}
+            "score_mod": {"score_mod": soft_cap}, "dropout": {"dropout_p": DROPOUT_P, "dropout_seed": 20261125}}
 
 
 @dataclass

@@ -8,12 +8,14 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from .cache_stamp import stamp_kernels
 from .simd import BLOCK_M, BLOCK_N, _FASTMATH, _as_dtype_of, _capped, _fast_exp
 from .microkernels import _mm, _mm_at, _mm_dot
 from .passes import _rows_finite, _store_rows
-from .tiles import _add_alibi, _load_rows, _mask_block, _query_tiles_seeing, _tile_key_span, _visible_product
-from .workspace import (_slopes, _check_dtypes, _entry, _head_major, _kernel_options, _pack_scaled_kernel, _padded,
-                        _row_dot_kernel, _score_scale, _scratch, _store_dq_kernel)
+from .tiles import (_add_alibi, _dropout_block, _load_rows, _mask_block, _query_tiles_seeing, _tile_key_span,
+                    _visible_product)
+from .workspace import (_dropout_args, _slopes, _check_dtypes, _entry, _head_major, _kernel_options,
+                        _pack_scaled_kernel, _padded, _row_dot_kernel, _score_scale, _scratch, _store_dq_kernel)
 from . import stash
 from .stash import _defer_to_caller_lse, _stashed_stats
 from .forward import _forward_kernel
@@ -125,6 +127,25 @@ def _probs_and_dscores_cols(st, dpt, dcap, row_max, row_inv, delta, i0, j0, nk, 
 
 
 @njit(inline="always", cache=True)
+def _dropout_factors(factors, drop, b, h, i0, j0, nk):
+    """factors (BM, BN), queries as rows, = the dropout factors of the block at (i0, j0) (``_dropout_block``), 1
+    past nk."""
+    one = _as_dtype_of(factors, 1.0)
+    for r in range(factors.shape[0]):
+        for c in range(factors.shape[1]):
+            factors[r, c] = one
+    _dropout_block(factors, drop, b, h, i0, j0, nk, False)
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _scale_block(block, factors):
+    """block *= factors, elementwise."""
+    for r in range(block.shape[0]):
+        for c in range(block.shape[1]):
+            block[r, c] *= factors[r, c]
+
+
+@njit(inline="always", cache=True)
 def _tile_product_add(acc, tile, a, b_rows, n, a_transposed, b_is_keys, masked, j0, row_lo, row_hi):
     """acc += A @ b_rows[:n] (A = a[:n].T with ``a_transposed``, else a[:, :n]), the product formed in ``tile`` first
     and then added: a gradient summed over a long sequence then takes one rounding per tile, not one per row of the
@@ -157,7 +178,7 @@ def _load_transposed(dst, src, n, head_dim):
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, dv, head_dim, scale, left, right,
-                        softcap, kt_per_unit, fuse_dq, alibi):
+                        softcap, kt_per_unit, fuse_dq, alibi, drop):
     """dK and dV (and, with ``fuse_dq``, dQ into ``dq_acc``).
 
     q, qs, dout: (B, Sq, Hq, D_pad) and k, v: (B, Sk, Hkv, D_pad), views of head-major buffers (``_head_major``);
@@ -165,7 +186,8 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
     row_max, row_inv, delta: (B, Hq, n_qt * BLOCK_M), the forward's row max and 1 / sum (+inf and 0 in
     the padding and for rows that see no key) and rowsum(dO * O);
     dq_acc: (B, Hq, n_qt * BLOCK_M, D_pad), zeroed, accumulated into when ``fuse_dq``; dk, dv: (B, Sk, Hkv, >= D),
-    any strides, written. alibi: (B, Hq) float64 slopes, or (0, 0) for none.
+    any strides, written. alibi: (B, Hq) float64 slopes, or (0, 0) for none. drop: dropout (``_dropout_block``;
+    empty for none): out = (P * F) V with F the dropout factors, so dV takes P * F and dS = P (F dP - delta).
     One prange iteration per (batch, kv head, run of ``kt_per_unit`` key tiles): it sums dK/dV for its key tiles
     over every query head of the group and every query tile that sees them and writes only those rows of dk, dv.
     dQ rows collect contributions from all key tiles, so they may be accumulated here only when one iteration owns
@@ -191,6 +213,7 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
         s = np.empty((BLOCK_M, BLOCK_N), q.dtype)
         dps = np.empty((BLOCK_M, BLOCK_N), q.dtype)
         dcap = np.empty((BLOCK_M, BLOCK_N) if softcap > 0 else (1, 1), q.dtype)
+        factors = np.empty((BLOCK_M, BLOCK_N) if drop.shape[0] > 0 else (1, 1), q.dtype)
         dk_acc = np.empty((BLOCK_N, dp), q.dtype)
         dv_acc = np.empty((BLOCK_N, dp), q.dtype)
         kv_tile = np.empty((BLOCK_N, dp), q.dtype)
@@ -221,9 +244,14 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
                         _load_rows(do_tail, do_rows, nq, dp)
                         _mm_dot(s, q_tail, k_t, head_dim)
                         _mm_dot(dps, do_tail, v_t, head_dim)
+                    if drop.shape[0] > 0:
+                        _dropout_factors(factors, drop, b, h, i0, j0, nk)
+                        _scale_block(dps, factors)
                     _probs_and_dscores_rows(s, dps, dcap, row_max[b, h], row_inv[b, h], delta[b, h], i0, j0, nk,
                                             row_lo, row_hi, full_lo, full_hi, scale, softcap, slope,
                                             seqlen_k - seqlen_q)
+                    if drop.shape[0] > 0:
+                        _scale_block(s, factors)
                     # P and dS are 0 where a query does not see a key; a non-finite row of Q, dO or K must not
                     # reach those pairs through 0 * nan (see _visible_product). Only masked blocks have such pairs.
                     masked = not (full_lo <= j0 and j0 + nk <= full_hi)
@@ -237,10 +265,11 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, scale, left, right, softcap, alibi):
+def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, scale, left, right, softcap, alibi,
+                        drop):
     """dQ, one prange iteration per (batch, query head, query tile): it recomputes P and dS for the key tiles its
     rows see and is the only writer of its dq rows. qs, k, v, dout, row_max, row_inv, delta as in
-    ``_backward_kv_kernel``;
+    ``_backward_kv_kernel``, and alibi, drop;
     dq: (B, Sq, Hq, >= D), any strides, written."""
     batch, seqlen_q, nheads_q = qs.shape[0], qs.shape[1], qs.shape[2]
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -284,6 +313,7 @@ def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, s
                 vr = v_tail[:, :]
             _mm_dot(st, kr, q_t, head_dim)
             _mm_dot(dpt, vr, do_t, head_dim)
+            _dropout_block(dpt, drop, b, h, i0, j0, nk, True)   # dS needs F dP; dQ = dS K needs no P
             _probs_and_dscores_cols(st, dpt, dcap, row_max[b, h], row_inv[b, h], delta[b, h], i0, j0, nk, row_lo,
                                     row_hi, full_lo, full_hi, scale, softcap, slope, seqlen_k - seqlen_q)
             _tile_product_add(acc, tile, dpt, kr, nk, True, True, not (full_lo <= j0 and j0 + nk <= full_hi), j0,
@@ -293,7 +323,8 @@ def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, s
 
 def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
                    lse: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, scale: float,
-                   window_left: int, window_right: int, softcap: float, alibi: np.ndarray | None = None) -> None:
+                   window_left: int, window_right: int, softcap: float, alibi: np.ndarray | None = None,
+                   dropout_p: float = 0.0, dropout_seed: int = 0, dropout_batch0: int = 0) -> None:
     """Gradients of ``sum(out * dout)`` with respect to q, k and v, written into dq, dk, dv.
 
     Arguments:
@@ -304,10 +335,12 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
             rounding; elsewhere P = exp(score - lse) (``_defer_to_caller_lse``).
         dq: (B, Sq, Hq, D); dk, dv: (B, Sk, Hkv, D); any strides, contents ignored and overwritten. With GQA the
             gradients of a kv head are summed over the query heads of its group.
-        All arrays float32, or all float64. scale, window_left, window_right, softcap as in ``flash_forward``.
+        All arrays float32, or all float64. scale, window_left, window_right, softcap, alibi and dropout as in
+            ``flash_forward`` (the same dropout_seed as the forward's).
     """
     dtype = _check_dtypes(dout, q, k, v, out, lse, dq, dk, dv)
     slopes = _slopes(alibi)
+    drop = _dropout_args(dropout_p, dropout_seed, dropout_batch0)
     batch, seqlen_q, nheads_q, head_dim = q.shape
     nheads_kv = k.shape[2]
     window_left, window_right, softcap = _kernel_options(seqlen_q, k.shape[1], window_left, window_right, softcap,
@@ -330,7 +363,7 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
         row_inv = _scratch("row_inv", (batch, nheads_q, sq_pad), dtype)
         no_lse = np.empty((1, 1, 1), dtype)
         _entry(_forward_kernel, dtype)(q, k_in, v_in, q, no_lse, head_dim, float(scale), window_left, window_right,
-                                       softcap, row_max, row_inv, True, slopes)
+                                       softcap, row_max, row_inv, True, slopes, drop)
     _defer_to_caller_lse(lse, row_max[:, :, :seqlen_q], row_inv[:, :, :seqlen_q])
     q_in, do_in = _head_major(q, head_dim, "q"), _head_major(dout, head_dim, "dout")
     qs = _scratch("qs", (batch, nheads_q, seqlen_q, q_in.shape[3]), dtype)
@@ -344,9 +377,13 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
     dq_acc.fill(0)
     _entry(_backward_kv_kernel, dtype)(q_in, qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq_acc, dk, dv,
                                        head_dim, float(scale), window_left, window_right, softcap,
-                                       n_kt if fuse_dq else 1, fuse_dq, slopes)
+                                       n_kt if fuse_dq else 1, fuse_dq, slopes, drop)
     if fuse_dq:
         _entry(_store_dq_kernel, dtype)(dq_acc, dq, head_dim)
     else:
         _entry(_backward_dq_kernel, dtype)(qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq, head_dim,
-                                           float(scale), window_left, window_right, softcap, slopes)
+                                           float(scale), window_left, window_right, softcap, slopes, drop)
+
+
+# Recompile when any file the kernels inline from changes, not only this one (see cache_stamp).
+stamp_kernels(globals())

@@ -40,6 +40,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from numba_flash.cpu.cache_stamp import stamp_kernels
 from numba_flash.cpu.simd import _FASTMATH, _LANES, _LN2, _LOG2E, _as_dtype_of, _fast_exp2
 from numba_flash.cpu.tiles import _row_key_range
 from numba_flash.kvcache import MAX_SPLITS, MIN_KEYS_PER_SPLIT, choose_num_splits  # noqa: F401 (re-exported)
@@ -556,3 +557,7 @@ def decode_forward(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, cach
     part_l = np.empty((units, n_rows), dtype)
     _kernel_for(dtype)(_readonly(q), k_flat, k_str, v_flat, v_str, *ints, table, int(page_size), nheads_kv,
                        heads_per_unit, out, lse, part_acc, part_m, part_l, float(scale), left, right, softcap, splits)
+
+
+# Recompile when any file the kernels inline from changes, not only this one (see cache_stamp).
+stamp_kernels(globals())

@@ -43,11 +43,12 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .cache_stamp import stamp_kernels
 from .simd import BLOCK_M, BLOCK_N, _FASTMATH, _as_dtype_of, _capped, _fast_exp
 from .microkernels import _mm_at, _mm_dot
 from .passes import _column_exp2_sum, _column_max, _rows_finite
-from .tiles import _add_alibi, _load_rows, _mask_scores, _tile_key_span, _visible_product
-from .workspace import _slopes, _check_dtypes, _entry, _head_major, _kernel_options, _padded
+from .tiles import _add_alibi, _dropout_block, _load_rows, _mask_scores, _tile_key_span, _visible_product
+from .workspace import _dropout_args, _slopes, _check_dtypes, _entry, _head_major, _kernel_options, _padded
 from .stash import _stash_stats
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -55,7 +56,8 @@ from .stash import _stash_stats
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, row_max, row_inv, stats_only, alibi):
+def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, row_max, row_inv, stats_only, alibi,
+                    drop):
     """Online-softmax forward. One prange iteration per (batch, query head, query tile); each writes only its own
     rows of out and lse.
 
@@ -68,6 +70,8 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
     scores of the forward (P = 1 exactly for the max of a row with one key), where exp(score - lse) carried the
     rounding of lse, as large as lse itself.
     alibi: (B, Hq) float64 ALiBi slopes, added after softcap (``_add_alibi``); (0, 0) for none.
+    drop: dropout (``_dropout_block``), applied to P after its row sums (lse is the softmax's before dropout), or an
+    empty array for none; the stats-only pass ignores it.
     """
     batch, seqlen_q, nheads_q = q.shape[0], q.shape[1], q.shape[2]
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -146,6 +150,7 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
             for r in range(BLOCK_M):
                 l_run[r] = l_run[r] * alpha[r] + l_tile[r]
             if not stats_only:
+                _dropout_block(st, drop, b, h, i0, j0, nk, True)
                 v_rows = v[b, j0:j0 + nk, hk]
                 if masked and not _rows_finite(v_rows, nk):
                     pv[:] = zero
@@ -183,7 +188,8 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
 
 
 def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: np.ndarray, scale: float,
-                  window_left: int, window_right: int, softcap: float, alibi: np.ndarray | None = None) -> None:
+                  window_left: int, window_right: int, softcap: float, alibi: np.ndarray | None = None,
+                  dropout_p: float = 0.0, dropout_seed: int = 0, dropout_batch0: int = 0) -> None:
     """Exact attention forward, written into ``out`` and ``lse``.
 
     Arguments:
@@ -195,6 +201,8 @@ def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
         scale: multiplies q.k; window_left / window_right: -1 = unbounded (causal is right = 0);
         softcap: 0 = off, else scores become softcap * tanh(score / softcap).
         alibi: None, or (B, Hq) ALiBi slopes: adds -slope * |i + Sk - Sq - j| after softcap.
+        dropout_p, dropout_seed: dropout on P with ``numba_flash.dropout``'s mask, batch b of these arrays taking
+            the mask of batch ``dropout_batch0 + b``; lse stays the softmax's own.
     """
     dtype = _check_dtypes(q, k, v, out, lse)
     head_dim = q.shape[3]
@@ -202,8 +210,13 @@ def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
     stats_shape = (q.shape[0], q.shape[2], _padded(q.shape[1], BLOCK_M))
     row_max, row_inv = np.empty(stats_shape, dtype), np.empty(stats_shape, dtype)
     _entry(_forward_kernel, dtype)(q, _head_major(k, head_dim, "k"), _head_major(v, head_dim, "v"), out, lse, head_dim,
-                                   float(scale), left, right, softcap, row_max, row_inv, False, _slopes(alibi))
+                                   float(scale), left, right, softcap, row_max, row_inv, False, _slopes(alibi),
+                                   _dropout_args(dropout_p, dropout_seed, dropout_batch0))
     _stash_stats(lse, row_max, row_inv)
 
 
 # The forward's row statistics, by the lse they produced, for the backward that follows (see _stashed_stats).
+
+
+# Recompile when any file the kernels inline from changes, not only this one (see cache_stamp).
+stamp_kernels(globals())

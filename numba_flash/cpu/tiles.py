@@ -1,6 +1,7 @@
 """Tile geometry of the causal / sliding-window band: which keys each query row and query tile sees, which query
 tiles see a key tile, masking a score block to it, and products that count only the pairs a query sees (so a
-non-finite value of a key a row does not see never reaches that row).
+non-finite value of a key a row does not see never reaches that row); and the per-block score terms, ALiBi and
+dropout.
 """
 
 from __future__ import annotations
@@ -8,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .simd import BLOCK_M, _as_dtype_of
+from ..dropout import philox4x32_10_jit
+from .simd import BLOCK_M, _FASTMATH, _as_dtype_of
 from .microkernels import _mm, _mm_at
 from .passes import _copy_rows
 
@@ -159,3 +161,52 @@ def _add_alibi(block, slope, i0, j0, diag, keys_are_rows):
         for r in range(block.shape[0]):
             for c in range(block.shape[1]):
                 block[r, c] -= _as_dtype_of(block, slope * abs(i0 + r + diag - j0 - c))
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _dropout_block(block, drop, b, h, i0, j0, nk, keys_are_rows):
+    """Dropout: block *= 1 / (1 - p) where ``numba_flash.dropout`` keeps (b, h, i, j) and 0 where it drops it, for
+    query i = i0 + (column or row) and key j = j0 + (row or column) < j0 + nk, keys indexing the rows of ``block``
+    when ``keys_are_rows``. drop: (seed_lo, seed_hi, threshold, 1 / (1 - p), b of this call's first batch row) as
+    float64 (each exact), or an empty array for no dropout (``workspace._dropout_args``). j0 is a multiple of 4, so
+    each Philox call serves four neighbouring keys of one query, and the loop over queries is the vectorised one."""
+    if drop.shape[0] == 0:
+        return
+    u = np.uint64
+    seed_lo, seed_hi, threshold = u(drop[0]), u(drop[1]), u(drop[2])
+    kept = _as_dtype_of(block, drop[3])
+    zero = _as_dtype_of(block, 0.0)
+    bb = u(b + np.int64(drop[4]))
+    hh = u(h)
+    nq = block.shape[1] if keys_are_rows else block.shape[0]
+    for c in range(0, nk, 4):
+        jw = u((j0 + c) >> 2)
+        n4 = min(4, nk - c)
+        for r in range(nq):
+            w0, w1, w2, w3 = philox4x32_10_jit(jw, u(i0 + r), hh, bb, seed_lo, seed_hi)
+            f0 = kept if w0 < threshold else zero
+            f1 = kept if w1 < threshold else zero
+            f2 = kept if w2 < threshold else zero
+            f3 = kept if w3 < threshold else zero
+            if keys_are_rows:
+                block[c, r] *= f0
+                if n4 == 4:
+                    block[c + 1, r] *= f1
+                    block[c + 2, r] *= f2
+                    block[c + 3, r] *= f3
+                else:
+                    if n4 > 1:
+                        block[c + 1, r] *= f1
+                    if n4 > 2:
+                        block[c + 2, r] *= f2
+            else:
+                block[r, c] *= f0
+                if n4 == 4:
+                    block[r, c + 1] *= f1
+                    block[r, c + 2] *= f2
+                    block[r, c + 3] *= f3
+                else:
+                    if n4 > 1:
+                        block[r, c + 1] *= f1
+                    if n4 > 2:
+                        block[r, c + 2] *= f2

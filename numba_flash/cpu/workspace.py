@@ -15,6 +15,7 @@ import numpy as np
 from numba import njit, prange, types
 
 from numba_flash.semantics import clamp_window_bound, effective_softcap
+from .cache_stamp import stamp_kernels
 from .simd import _D_ALIGN, _as_dtype_of, _fma
 from .microkernels import _DOT_CHUNK
 from .passes import _copy_rows, _store_rows
@@ -120,13 +121,14 @@ def _entry(kernel: Any, dtype: np.dtype) -> Any:
         own = {n: types.Array(nb, n, "C") for n in (3, 4, 5)}
         i64, f64, boolean = types.int64, types.float64, types.boolean
         slopes = types.Array(f64, 2, "A")
+        drop = types.Array(f64, 1, "A")
         sigs = {
             "_forward_kernel": (user[4], user[4], user[4], user[4], user[3], i64, f64, i64, i64, f64, own[3], own[3],
-                                boolean, slopes),
+                                boolean, slopes, drop),
             "_backward_kv_kernel": (user[4], user[4], user[4], user[4], user[4], own[3], own[3], own[3], own[4],
-                                    user[4], user[4], i64, f64, i64, i64, f64, i64, boolean, slopes),
+                                    user[4], user[4], i64, f64, i64, i64, f64, i64, boolean, slopes, drop),
             "_backward_dq_kernel": (user[4], user[4], user[4], user[4], own[3], own[3], own[3], user[4], i64, f64, i64,
-                                    i64, f64, slopes),
+                                    i64, f64, slopes, drop),
             "_pack_kernel": (user[4], own[4], i64, boolean),
             "_pack_scaled_kernel": (user[4], own[4], i64, f64),
             "_row_dot_kernel": (user[4], user[4], own[3]),
@@ -246,3 +248,20 @@ _NO_SLOPES = np.zeros((0, 0))
 def _slopes(alibi: np.ndarray | None) -> np.ndarray:
     """ALiBi slopes as the kernels take them: (B, Hq) float64, or a (0, 0) array for none."""
     return _NO_SLOPES if alibi is None else np.asarray(alibi, dtype=np.float64)
+
+
+_NO_DROPOUT = np.zeros(0)
+
+
+def _dropout_args(dropout_p: float, seed: int, batch0: int) -> np.ndarray:
+    """Dropout as the kernels take it (``tiles._dropout_block``): float64 (seed_lo, seed_hi, threshold,
+    1 / (1 - p), batch0), every value an integer below 2**33 or the scale, so exact; an empty array for p = 0."""
+    if not dropout_p:
+        return _NO_DROPOUT
+    from ..dropout import dropout_scale, dropout_threshold, split_seed
+
+    return np.array([*split_seed(seed), dropout_threshold(dropout_p), dropout_scale(dropout_p), batch0], np.float64)
+
+
+# Recompile when any file the kernels inline from changes, not only this one (see cache_stamp).
+stamp_kernels(globals())

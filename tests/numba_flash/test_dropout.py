@@ -203,7 +203,7 @@ def test_reference_p_zero_is_no_dropout():
 
 
 # ---- the backends that run it, and flash_attn_func ----
-# Only the torch path ("rocm") runs dropout so far; it picks itself only on HIP GPUs, so it is forced here.
+# The torch path ("rocm") picks itself only on HIP GPUs, so it is forced here; the CPU kernels are chosen.
 
 CASES = [dict(), dict(causal=True), dict(window_size=(6, 3), softcap=2.5), dict(causal=True, softmax_scale=0.3)]
 
@@ -212,19 +212,20 @@ def _float32(rng, **sizes):
     return tuple(x.astype(np.float32) for x in _inputs(rng, **sizes))
 
 
-@pytest.fixture(params=[False, True], ids=["one-block", "many-blocks"])
-def blocks(request, monkeypatch):
-    """The torch path's whole problem in one block, or cut into blocks of 8 x 8 (each makes its own mask)."""
-    if request.param:
+@pytest.fixture(params=["rocm-one-block", "rocm-many-blocks", "cpu"])
+def dropout_backend(request, monkeypatch):
+    """The torch path with the whole problem in one block or cut into blocks of 8 x 8 (each makes its own mask),
+    or the CPU kernels."""
+    if request.param == "rocm-many-blocks":
         from backends import rocm
 
         monkeypatch.setattr(rocm, "CPU_BLOCK_Q", 8)
         monkeypatch.setattr(rocm, "CPU_BLOCK_K", 8)
-    return request.param
+    return request.param.split("-")[0]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_torch_path_forward_backward_match_reference(case, blocks):
+def test_backend_forward_backward_match_reference(case, dropout_backend):
     torch = pytest.importorskip("torch")
     from numba_flash import backend_registry
 
@@ -233,7 +234,7 @@ def test_torch_path_forward_backward_match_reference(case, blocks):
     p, seed = (0.2, 0.5, 0.1, 0.7)[case], int(rng.integers(0, 1 << 64, dtype=np.uint64))
     kw = dict(CASES[case], dropout_p=p, dropout_seed=seed)
     t = {n: torch.from_numpy(x) for n, x in dict(q=q, k=k, v=v, dout=dout).items()}
-    op = backend_registry.get("flash", backend="rocm")
+    op = backend_registry.get("flash", backend=dropout_backend)
     out, lse = op.forward(t["q"], t["k"], t["v"], return_lse=True, **kw)
     grads = op.backward(t["dout"], t["q"], t["k"], t["v"], out, lse, **kw)
     want_out, want_lse = attention_ref(q, k, v, **kw)
@@ -243,66 +244,136 @@ def test_torch_path_forward_backward_match_reference(case, blocks):
         assert np.linalg.norm(got.numpy() - want) <= 1e-5 * np.linalg.norm(want)
 
 
+# Sizes that cross the CPU kernels' 64 x 64 tiles, with a last key tile of 133 - 128 = 5 keys (one whole group of
+# four keys per Philox call and one key alone).
+CPU_CASES = [dict(), dict(causal=True), dict(window_size=(40, 9), softcap=3.0),
+             dict(alibi_slopes=np.array([0.3, 0.05, 0.7]))]
+
+
+@pytest.fixture(params=[False, True], ids=["dq-pass", "dq-fused"])
+def fuse_dq(request, monkeypatch):
+    """The CPU backward's dQ in a pass of its own, or fused into the key-tile pass (which it does when there are
+    at least two (batch, kv head) pairs per thread): the thread count it sees is set to force either."""
+    import types
+
+    from numba_flash.cpu import backward
+
+    threads = 1 if request.param else 1 << 20
+    monkeypatch.setattr(backward, "numba", types.SimpleNamespace(get_num_threads=lambda: threads))
+    return request.param
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
+@pytest.mark.parametrize("case", range(len(CPU_CASES)))
+def test_cpu_kernels_across_tiles_match_reference(case, fuse_dq, dtype, tol):
+    from numba_flash import backend_registry
+
+    hkv = 1 + 2 * (case % 2)   # GQA (3 query heads per kv head) or not
+    rng = np.random.default_rng(80 + case + 10 * fuse_dq)
+    q, k, v, dout = (x.astype(dtype) for x in _inputs(rng, sq=150, sk=133, hkv=hkv))
+    if case == 1:
+        q, k, v, dout = (x.astype(dtype) for x in _inputs(rng, sq=133, sk=150, hkv=hkv))  # every row sees a key
+    kw = dict(CPU_CASES[case], dropout_p=(0.15, 0.5, 0.3, 0.05)[case],
+              dropout_seed=int(rng.integers(0, 1 << 64, dtype=np.uint64)))
+    op = backend_registry.get("flash", backend="cpu")
+    out, lse = op.forward(q, k, v, return_lse=True, **kw)
+    want_out, want_lse = attention_ref(q, k, v, **kw)
+    np.testing.assert_allclose(out, want_out, atol=tol, rtol=0)
+    seen = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[seen], want_lse[seen], atol=tol, rtol=tol)
+    wants = attention_ref_backward(dout, q, k, v, **kw)
+    for got, want in zip(op.backward(dout, q, k, v, out, lse, **kw), wants):
+        assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want)
+    # the lse of another forward (no stash to reuse) takes the backward's own statistics pass: same gradients
+    for got, want in zip(op.backward(dout, q, k, v, out, lse.copy(), **kw), wants):
+        assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want)
+
+
+def test_cpu_kernels_drop_what_the_mask_says():
+    """Dropout 0.5 with V the identity: out row i is P_i * keep_i / 0.5 itself, so every dropped pair reads 0 and
+    every kept one 2 P. Checks the (b, h, i, j) -> mask mapping directly, with a batch and heads."""
+    from numba_flash import backend_registry
+
+    rng = np.random.default_rng(90)
+    b, sq, sk, h = 2, 70, 67, 2
+    q = rng.standard_normal((b, sq, h, sk))   # D = Sk, as V is the identity (Sk, Sk)
+    k = rng.standard_normal((b, sk, h, sk))
+    v = np.broadcast_to(np.eye(sk)[None, :, None, :], (b, sk, h, sk)).copy()
+    seed = int(rng.integers(0, 1 << 62))
+    out = backend_registry.get("flash", backend="cpu").forward(q, k, v, dropout_p=0.5, dropout_seed=seed)
+    probs = attention_ref(q, k, v)[0].transpose(0, 2, 1, 3)   # (B, H, Sq, Sk): P itself
+    keep = numba_flash.dropout_mask(seed, b, h, sq, sk, 0.5)
+    got = out.transpose(0, 2, 1, 3)
+    assert np.all(got[~keep] == 0)
+    np.testing.assert_allclose(got[keep], 2 * probs[keep], rtol=1e-12, atol=1e-15)
+    assert 0.4 < keep.mean() < 0.6
+
+
 def test_registry_says_which_backends_run_dropout():
     torch = pytest.importorskip("torch")
     from numba_flash import NoBackendError, backend_registry
 
     rng = np.random.default_rng(50)
     q, k, v, _ = _float32(rng)
-    for name in ("cpu", "cuda"):
-        with pytest.raises(NoBackendError, match="dropout not supported"):
-            backend_registry.get("flash", backend=name).forward(q, k, v, dropout_p=0.1, dropout_seed=1)
+    with pytest.raises(NoBackendError, match="dropout not supported"):
+        backend_registry.get("flash", backend="cuda").forward(q, k, v, dropout_p=0.1, dropout_seed=1)
     text = backend_registry.get("flash").explain(*(torch.from_numpy(x) for x in (q, k, v)), dropout_p=0.1,
                                                  dropout_seed=1)
-    assert " dropout=0.1 " in text and "cpu [priority 10]: dropout not supported" in text
+    assert " dropout=0.1 " in text and "cpu [priority 10]: can serve" in text
+    assert "dropout not supported" in text.split("cuda [priority 30]:")[1].splitlines()[0]
     with pytest.raises(AttentionInputError, match="^dropout_seed: expected an int in .*needs one"):
         backend_registry.get("flash").forward(q, k, v, dropout_p=0.1)
 
 
-def _flash(torch, arrays, **kw):
+FUNC_BACKENDS = ["rocm", "cpu"]
+
+
+def _flash(torch, arrays, backend, **kw):
     tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in arrays[:3])
-    out = numba_flash.flash_attn_func(tq, tk, tv, backend="rocm", **kw)
+    out = numba_flash.flash_attn_func(tq, tk, tv, backend=backend, **kw)
     out.backward(torch.from_numpy(arrays[3]))
     return out.detach(), tq.grad, tk.grad, tv.grad
 
 
-def test_flash_attn_func_dropout_matches_reference_through_autograd():
+@pytest.mark.parametrize("backend", FUNC_BACKENDS)
+def test_flash_attn_func_dropout_matches_reference_through_autograd(backend):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(60)
     arrays = _float32(rng)
     q, k, v, dout = arrays
     seed = int(rng.integers(0, 1 << 62))
-    got = _flash(torch, arrays, dropout_p=0.3, causal=True, dropout_seed=seed)
+    got = _flash(torch, arrays, backend, dropout_p=0.3, causal=True, dropout_seed=seed)
     kw = dict(causal=True, dropout_p=0.3, dropout_seed=seed)
     np.testing.assert_allclose(got[0].numpy(), attention_ref(q, k, v, **kw)[0], atol=2e-5, rtol=0)
     for g, want in zip(got[1:], attention_ref_backward(dout, q, k, v, **kw)):
         assert np.linalg.norm(g.numpy() - want) <= 1e-5 * np.linalg.norm(want)
     # positionally, as flash-attn's signature puts dropout_p third
     again = numba_flash.flash_attn_func(*(torch.from_numpy(x) for x in arrays[:3]), 0.3, None, True,
-                                        dropout_seed=seed, backend="rocm")
+                                        dropout_seed=seed, backend=backend)
     assert torch.equal(again, got[0])
 
 
-def test_flash_attn_func_seeds():
+@pytest.mark.parametrize("backend", FUNC_BACKENDS)
+def test_flash_attn_func_seeds(backend):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(61)
     arrays = _float32(rng)
-    a = _flash(torch, arrays, dropout_p=0.4, dropout_seed=11, deterministic=True)
-    b = _flash(torch, arrays, dropout_p=0.4, dropout_seed=11, deterministic=True)
+    a = _flash(torch, arrays, backend, dropout_p=0.4, dropout_seed=11, deterministic=True)
+    b = _flash(torch, arrays, backend, dropout_p=0.4, dropout_seed=11, deterministic=True)
     for x, y in zip(a, b):   # same seed: same output, and the backward bit for bit the same
         assert torch.equal(x, y)
-    c = _flash(torch, arrays, dropout_p=0.4, dropout_seed=12)
+    c = _flash(torch, arrays, backend, dropout_p=0.4, dropout_seed=12)
     assert not torch.equal(a[0], c[0])
     # p = 0 is no dropout at all, whatever the seed
-    plain = _flash(torch, arrays)
-    for x, y in zip(plain, _flash(torch, arrays, dropout_p=0.0, dropout_seed=12)):
+    plain = _flash(torch, arrays, backend)
+    for x, y in zip(plain, _flash(torch, arrays, backend, dropout_p=0.0, dropout_seed=12)):
         assert torch.equal(x, y)
     # no seed: one is drawn from torch's default generator and kept for the backward
     torch.manual_seed(3)
-    d = _flash(torch, arrays, dropout_p=0.4)
+    d = _flash(torch, arrays, backend, dropout_p=0.4)
     torch.manual_seed(3)
-    e = _flash(torch, arrays, dropout_p=0.4)
-    f = _flash(torch, arrays, dropout_p=0.4)
+    e = _flash(torch, arrays, backend, dropout_p=0.4)
+    f = _flash(torch, arrays, backend, dropout_p=0.4)
     for x, y in zip(d, e):
         assert torch.equal(x, y)
     assert not torch.equal(d[0], f[0])
@@ -323,7 +394,8 @@ def test_flash_attn_func_bad_seed(seed):
         numba_flash.flash_attn_func(q, k, v, dropout_p=0.5, dropout_seed=seed)
 
 
-def test_flash_attn_varlen_func_dropout_keys_each_sequence_by_its_index():
+@pytest.mark.parametrize("backend", FUNC_BACKENDS)
+def test_flash_attn_varlen_func_dropout_keys_each_sequence_by_its_index(backend):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(70)
     lens_q, lens_k = [13, 0, 21, 9], [17, 5, 11, 24]
@@ -335,7 +407,7 @@ def test_flash_attn_varlen_func_dropout_keys_each_sequence_by_its_index():
     seed = 2 ** 63 + 12345   # a seed with the top bit set, through the ops' signed int64
     out = numba_flash.flash_attn_varlen_func(tq, tk, tv, torch.from_numpy(cu_q), torch.from_numpy(cu_k),
                                              max(lens_q), max(lens_k), 0.35, causal=True, dropout_seed=seed,
-                                             backend="rocm")
+                                             backend=backend)
     out.backward(torch.from_numpy(dout))
     for b in range(4):
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
