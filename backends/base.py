@@ -30,7 +30,8 @@ class Backend:
     SUPPORTS_BACKWARD: ClassVar[bool] = True
     SUPPORTS_KVCACHE: ClassVar[bool] = False         # ``with_kvcache`` (decoding with a KV cache)
     SUPPORTS_ALIBI: ClassVar[bool] = False           # ``alibi_slopes``
-    SUPPORTS_BIAS: ClassVar[bool] = False            # ``attn_bias`` (and its gradient, ``return_dbias``)
+    SUPPORTS_BIAS: ClassVar[bool] = False            # ``attn_bias``
+    SUPPORTS_DBIAS: ClassVar[bool] = False           # its gradient (``return_dbias``)
     SUPPORTS_MODS: ClassVar[bool] = False            # ``bias_mod``, ``mask_mod``, ``score_mod`` (numba_flash.mods)
     SUPPORTS_DROPOUT: ClassVar[bool] = False         # ``dropout_p`` > 0 (masks from ``numba_flash.dropout``)
     IS_DETERMINISTIC: ClassVar[bool] = True
@@ -75,6 +76,8 @@ class Backend:
             reasons.append("ALiBi not supported")
         if call.bias is not None and not self.SUPPORTS_BIAS:
             reasons.append("attn_bias not supported")
+        elif call.return_dbias and not self.SUPPORTS_DBIAS:
+            reasons.append("attn_bias's gradient (return_dbias) not supported")
         if call.mods is not None and not self.SUPPORTS_MODS:
             reasons.append("bias_mod, mask_mod and score_mod not supported")
         if call.dropout_p and not self.SUPPORTS_DROPOUT:

@@ -54,6 +54,7 @@ class CpuBackend(Backend):
     SUPPORTS_KVCACHE = True
     SUPPORTS_ALIBI = True
     SUPPORTS_DROPOUT = True
+    SUPPORTS_BIAS = True   # dbias (return_dbias) not yet: the torch path (backend='rocm') computes it
 
     def not_supported_reasons(self, call: AttentionCall, forced: bool = False) -> list[str]:
         reasons = super().not_supported_reasons(call, forced)
@@ -105,13 +106,19 @@ class CpuBackend(Backend):
         return _like(kv.q, out, kv.dtype), _like(kv.q, lse, lse_dtype)
 
 
+def _bias(call: AttentionCall, compute: np.dtype) -> np.ndarray | None:
+    """The call's attn_bias on the host in the compute dtype (a copy only when its dtype differs: a float16 bias
+    with float16 inputs), in its own shape; the kernels broadcast it."""
+    return None if call.bias is None else _host(call.bias.array, compute.type)
+
+
 def _run_forward(call: AttentionCall, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
                  lse: np.ndarray) -> None:
     """The kernel on (B, S, H, D) views and a (B, Hq, Sq) lse, all of the compute dtype; writes out and lse."""
     from numba_flash.cpu import flash_forward
 
     flash_forward(q, k, v, out, lse, call.softmax_scale, call.window_left, call.window_right, call.softcap,
-                  call.alibi, call.dropout_p, call.dropout_seed, call.dropout_batch0)
+                  call.alibi, call.dropout_p, call.dropout_seed, call.dropout_batch0, _bias(call, q.dtype))
 
 
 def _run_backward(call: AttentionCall, dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -120,4 +127,5 @@ def _run_backward(call: AttentionCall, dout: np.ndarray, q: np.ndarray, k: np.nd
     from numba_flash.cpu import flash_backward
 
     flash_backward(dout, q, k, v, out, lse, dq, dk, dv, call.softmax_scale, call.window_left, call.window_right,
-                   call.softcap, call.alibi, call.dropout_p, call.dropout_seed, call.dropout_batch0)
+                   call.softcap, call.alibi, call.dropout_p, call.dropout_seed, call.dropout_batch0,
+                   _bias(call, q.dtype))

@@ -519,6 +519,7 @@ class RocmBackend(Backend):
     SUPPORTS_KVCACHE = True
     SUPPORTS_ALIBI = True
     SUPPORTS_BIAS = True
+    SUPPORTS_DBIAS = True
     SUPPORTED_MAX_HEAD_DIM = 576
     SUPPORTS_HEAD_DIM_V = True
     SUPPORTS_MODS = True

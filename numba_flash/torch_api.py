@@ -12,6 +12,7 @@ This module imports torch at import time; ``numba_flash`` imports it only when o
 Annotations are evaluated (no ``from __future__ import annotations``) because ``custom_op`` reads them as its schema.
 """
 
+import dataclasses
 from typing import Any, Optional
 
 import numpy as np
@@ -221,7 +222,7 @@ def flash_attn_func(
             support it (the torch path today).
         dropout_p: float in [0, 1). Dropout on the attention probabilities after the softmax: each is kept with
             probability 1 - p and scaled by 1 / (1 - p), else 0, by the mask ``numba_flash.dropout_mask`` gives
-            for the seed. Runs on the torch ("rocm") backend for now; cpu and cuda say they do not support it.
+            for the seed. Runs on the cpu and torch ("rocm") backends; cuda says it does not support it yet.
         softmax_scale: float > 0. Scaling of q k^T before the softmax; default 1 / sqrt(headdim).
         causal: bool. Mask keys after the query's bottom-right-aligned diagonal (same as window_size[1] = 0).
         window_size: (left, right). Sliding-window attention; -1 means unbounded on that side.
@@ -264,14 +265,18 @@ def flash_attn_func(
         # Fail fast, naming the argument, before autograd records anything. Under torch.compile the ops validate
         # when they run, and this Python-level check would only cost graph breaks.
         _check_tensors("flash_attn_func", q, k, v)
-        validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                         softcap=softcap, layout=layout, return_lse=return_lse, alibi_slopes=alibi_slopes,
-                         attn_bias=attn_bias, bias_mod=bias_mod, mask_mod=mask_mod, score_mod=score_mod,
-                         block_mask=block_mask)
+        call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                softcap=softcap, layout=layout, return_lse=return_lse, alibi_slopes=alibi_slopes,
+                                attn_bias=attn_bias, bias_mod=bias_mod, mask_mod=mask_mod, score_mod=score_mod,
+                                block_mask=block_mask)
         if backend is None:
             # A backend forced with backend_registry.use() lives in a context variable of this thread, and autograd
             # may run the backward on a thread of its own (one per GPU): name it now so both halves use it.
             backend = backend_registry.get("flash")._forced_name(None)
+        if backend is None and attn_bias is not None and attn_bias.requires_grad and torch.is_grad_enabled():
+            # The backward will need dbias, which not every backend that runs the forward computes: choose now,
+            # for both halves, one that does (or say now, not after the forward, that none will).
+            backend = backend_registry.get("flash").select(dataclasses.replace(call, return_dbias=True), None).name
     scale = None if softmax_scale is None else float(softmax_scale)
     left, right = (int(w) for w in window_size)
     mods = dict(bias_mod=bias_mod, mask_mod=mask_mod, score_mod=score_mod, score_mod_grad=score_mod_grad,

@@ -12,10 +12,11 @@ from .cache_stamp import stamp_kernels
 from .simd import BLOCK_M, BLOCK_N, _FASTMATH, _as_dtype_of, _capped, _fast_exp
 from .microkernels import _mm, _mm_at, _mm_dot
 from .passes import _rows_finite, _store_rows
-from .tiles import (_add_alibi, _dropout_block, _load_rows, _mask_block, _query_tiles_seeing, _tile_key_span,
-                    _visible_product)
-from .workspace import (_dropout_args, _slopes, _check_dtypes, _entry, _head_major, _kernel_options,
-                        _pack_scaled_kernel, _padded, _row_dot_kernel, _score_scale, _scratch, _store_dq_kernel)
+from .tiles import (_add_alibi, _bias_scores, _dropout_block, _load_rows, _mask_block, _query_tiles_seeing,
+                    _tile_key_span, _visible_product, _zero_bias_hidden)
+from .workspace import (_bias_view, _dropout_args, _slopes, _check_dtypes, _entry, _head_major,
+                        _kernel_options, _pack_scaled_kernel, _padded, _row_dot_kernel, _score_scale, _scratch,
+                        _store_dq_kernel)
 from . import stash
 from .stash import _defer_to_caller_lse, _stashed_stats
 from .forward import _forward_kernel
@@ -58,16 +59,19 @@ def _gradient_terms(score, dp, row_max, inv_l, delta, dscore):
 
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
 def _probs_and_dscores_rows(s, dps, dcap, row_max, row_inv, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
-                            scale, softcap, slope, diag):
+                            scale, softcap, slope, diag, bias_bh):
     """A (BM, BN) block with queries as rows: s holds the scores (Q pre-scaled as in the forward) on entry and P on
     exit, dps holds dO.v on entry and dS on exit. row_max, row_inv (the forward's row max and 1 / sum, see
     ``_gradient_terms``) and delta are indexed by query. Masked entries and key columns past nk become 0 in both.
-    dcap: scratch (BM, BN) for softcap's derivative. slope, diag: ALiBi's (``_add_alibi``; slope 0 for none)."""
+    dcap: scratch (BM, BN) for softcap's derivative. slope, diag: ALiBi's (``_add_alibi``; slope 0 for none).
+    bias_bh: this head's attn_bias (Sq, Sk) (``_bias_scores``) or a (0, 0) array."""
     zero = _as_dtype_of(s, 0.0)
     sc = _as_dtype_of(s, scale)
     if softcap > 0:
         _softcap_scores(s, s.shape[0], s.shape[1], softcap, dcap, scale)
         _add_alibi(s, slope, i0, j0, diag, False)
+        if bias_bh.shape[0] > 0:
+            _bias_scores(s, bias_bh, i0, j0, nk, False, row_lo, row_hi, False, s)
         for r in range(s.shape[0]):
             mr = row_max[i0 + r]
             il = row_inv[i0 + r]
@@ -76,12 +80,16 @@ def _probs_and_dscores_rows(s, dps, dcap, row_max, row_inv, delta, i0, j0, nk, r
                 s[r, c], dps[r, c] = _gradient_terms(s[r, c], dps[r, c], mr, il, dl, dcap[r, c])
     else:
         _add_alibi(s, slope, i0, j0, diag, False)
+        if bias_bh.shape[0] > 0:
+            _bias_scores(s, bias_bh, i0, j0, nk, False, row_lo, row_hi, False, s)
         for r in range(s.shape[0]):
             mr = row_max[i0 + r]
             il = row_inv[i0 + r]
             dl = delta[i0 + r]
             for c in range(s.shape[1]):
                 s[r, c], dps[r, c] = _gradient_terms(s[r, c], dps[r, c], mr, il, dl, sc)
+    if bias_bh.shape[0] > 0:
+        _zero_bias_hidden(s, dps, bias_bh, i0, j0, nk, False)
     if not (full_lo <= j0 and j0 + nk <= full_hi):
         for r in range(s.shape[0]):
             lo = row_lo[r] - j0
@@ -99,24 +107,31 @@ def _probs_and_dscores_rows(s, dps, dcap, row_max, row_inv, delta, i0, j0, nk, r
 
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
 def _probs_and_dscores_cols(st, dpt, dcap, row_max, row_inv, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
-                            scale, softcap, slope, diag):
+                            scale, softcap, slope, diag, bias_bh, bias_tile):
     """The same on a transposed (BN, BM) block, keys as rows: st holds k.q and becomes P^T, dpt holds v.dO and
-    becomes dS^T; row_max, row_inv and delta are indexed by column. Key rows past nk and masked entries become 0."""
+    becomes dS^T; row_max, row_inv and delta are indexed by column. Key rows past nk and masked entries become 0.
+    bias_bh: this head's attn_bias (Sq, Sk), or a (0, 0) array; bias_tile: (BN, BM) scratch for it."""
     zero = _as_dtype_of(st, 0.0)
     sc = _as_dtype_of(st, scale)
     if softcap > 0:
         _softcap_scores(st, nk, st.shape[1], softcap, dcap, scale)
         _add_alibi(st, slope, i0, j0, diag, True)
+        if bias_bh.shape[0] > 0:
+            _bias_scores(st, bias_bh, i0, j0, nk, True, row_lo, row_hi, False, bias_tile)
         for c in range(nk):
             for r in range(st.shape[1]):
                 st[c, r], dpt[c, r] = _gradient_terms(st[c, r], dpt[c, r], row_max[i0 + r], row_inv[i0 + r],
                                                       delta[i0 + r], dcap[c, r])
     else:
         _add_alibi(st, slope, i0, j0, diag, True)
+        if bias_bh.shape[0] > 0:
+            _bias_scores(st, bias_bh, i0, j0, nk, True, row_lo, row_hi, False, bias_tile)
         for c in range(nk):
             for r in range(st.shape[1]):
                 st[c, r], dpt[c, r] = _gradient_terms(st[c, r], dpt[c, r], row_max[i0 + r], row_inv[i0 + r],
                                                       delta[i0 + r], sc)
+    if bias_bh.shape[0] > 0:
+        _zero_bias_hidden(st, dpt, bias_bh, i0, j0, nk, True)
     if not (full_lo <= j0 and j0 + nk <= full_hi):
         _mask_block(st, j0, nk, row_lo, row_hi, zero)
         _mask_block(dpt, j0, nk, row_lo, row_hi, zero)
@@ -146,15 +161,15 @@ def _scale_block(block, factors):
 
 
 @njit(inline="always", cache=True)
-def _tile_product_add(acc, tile, a, b_rows, n, a_transposed, b_is_keys, masked, j0, row_lo, row_hi):
+def _tile_product_add(acc, tile, a, b_rows, n, a_transposed, b_is_keys, masked, j0, row_lo, row_hi, bias_bh, i0):
     """acc += A @ b_rows[:n] (A = a[:n].T with ``a_transposed``, else a[:, :n]), the product formed in ``tile`` first
     and then added: a gradient summed over a long sequence then takes one rounding per tile, not one per row of the
     sequence (dK and dV at Sq = 20000 erred 10x torch's). A masked block whose b_rows hold a non-finite value goes
-    through ``_visible_product``."""
+    through ``_visible_product`` (with bias_bh and i0)."""
     zero = _as_dtype_of(acc, 0.0)
     if masked and not _rows_finite(b_rows, n):
         tile[:] = zero
-        _visible_product(tile, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, row_hi)
+        _visible_product(tile, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, row_hi, bias_bh, i0)
     elif a_transposed:
         _mm_at(tile, a, b_rows, n, False)
     else:
@@ -178,7 +193,7 @@ def _load_transposed(dst, src, n, head_dim):
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, dv, head_dim, scale, left, right,
-                        softcap, kt_per_unit, fuse_dq, alibi, drop):
+                        softcap, kt_per_unit, fuse_dq, alibi, bias, drop):
     """dK and dV (and, with ``fuse_dq``, dQ into ``dq_acc``).
 
     q, qs, dout: (B, Sq, Hq, D_pad) and k, v: (B, Sk, Hkv, D_pad), views of head-major buffers (``_head_major``);
@@ -186,7 +201,8 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
     row_max, row_inv, delta: (B, Hq, n_qt * BLOCK_M), the forward's row max and 1 / sum (+inf and 0 in
     the padding and for rows that see no key) and rowsum(dO * O);
     dq_acc: (B, Hq, n_qt * BLOCK_M, D_pad), zeroed, accumulated into when ``fuse_dq``; dk, dv: (B, Sk, Hkv, >= D),
-    any strides, written. alibi: (B, Hq) float64 slopes, or (0, 0) for none. drop: dropout (``_dropout_block``;
+    any strides, written. alibi: (B, Hq) float64 slopes, or (0, 0) for none; bias: attn_bias broadcast to
+    (B, Hq, Sq, Sk), or (0, 0, 0, 0) for none. drop: dropout (``_dropout_block``;
     empty for none): out = (P * F) V with F the dropout factors, so dV takes P * F and dS = P (F dP - delta).
     One prange iteration per (batch, kv head, run of ``kt_per_unit`` key tiles): it sums dK/dV for its key tiles
     over every query head of the group and every query tile that sees them and writes only those rows of dk, dv.
@@ -229,6 +245,7 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
             qt_first, qt_end = _query_tiles_seeing(j0, j0 + nk, seqlen_q, seqlen_k, left, right)
             for h in range(hk * group, (hk + 1) * group):
                 slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
+                bias_bh = bias[b, h] if bias.shape[0] > 0 else bias[0:0, 0:0, 0, 0]
                 for qt in range(qt_first, qt_end):
                     i0 = qt * BLOCK_M
                     nq = min(BLOCK_M, seqlen_q - i0)
@@ -249,27 +266,29 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
                         _scale_block(dps, factors)
                     _probs_and_dscores_rows(s, dps, dcap, row_max[b, h], row_inv[b, h], delta[b, h], i0, j0, nk,
                                             row_lo, row_hi, full_lo, full_hi, scale, softcap, slope,
-                                            seqlen_k - seqlen_q)
+                                            seqlen_k - seqlen_q, bias_bh)
                     if drop.shape[0] > 0:
                         _scale_block(s, factors)
                     # P and dS are 0 where a query does not see a key; a non-finite row of Q, dO or K must not
                     # reach those pairs through 0 * nan (see _visible_product). Only masked blocks have such pairs.
-                    masked = not (full_lo <= j0 and j0 + nk <= full_hi)
-                    _tile_product_add(dv_acc, kv_tile, s, do_rows, nq, True, False, masked, j0, row_lo, row_hi)
-                    _tile_product_add(dk_acc, kv_tile, dps, q_rows, nq, True, False, masked, j0, row_lo, row_hi)
+                    masked = bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
+                    _tile_product_add(dv_acc, kv_tile, s, do_rows, nq, True, False, masked, j0, row_lo, row_hi,
+                                      bias_bh, i0)
+                    _tile_product_add(dk_acc, kv_tile, dps, q_rows, nq, True, False, masked, j0, row_lo, row_hi,
+                                      bias_bh, i0)
                     if fuse_dq:
                         _tile_product_add(dq_acc[b, h, i0:i0 + BLOCK_M], q_tile, dps, k_rows, nk, False, True,
-                                          masked, j0, row_lo, row_hi)
+                                          masked, j0, row_lo, row_hi, bias_bh, i0)
             _store_rows(dk[b, j0:j0 + nk, hk], dk_acc, nk, head_dim)
             _store_rows(dv[b, j0:j0 + nk, hk], dv_acc, nk, head_dim)
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, scale, left, right, softcap, alibi,
-                        drop):
+                        bias, drop):
     """dQ, one prange iteration per (batch, query head, query tile): it recomputes P and dS for the key tiles its
     rows see and is the only writer of its dq rows. qs, k, v, dout, row_max, row_inv, delta as in
-    ``_backward_kv_kernel``, and alibi, drop;
+    ``_backward_kv_kernel``, and alibi, bias, drop;
     dq: (B, Sq, Hq, >= D), any strides, written."""
     batch, seqlen_q, nheads_q = qs.shape[0], qs.shape[1], qs.shape[2]
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -284,6 +303,8 @@ def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, s
         i0 = qt * BLOCK_M
         nq = min(BLOCK_M, seqlen_q - i0)
         slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
+        bias_bh = bias[b, h] if bias.shape[0] > 0 else bias[0:0, 0:0, 0, 0]
+        bias_tile = np.empty((BLOCK_N, BLOCK_M) if bias.shape[0] > 0 else (0, 0), qs.dtype)
         row_lo = np.empty(BLOCK_M, np.int64)
         row_hi = np.empty(BLOCK_M, np.int64)
         span_lo, span_hi, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
@@ -315,16 +336,18 @@ def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, s
             _mm_dot(dpt, vr, do_t, head_dim)
             _dropout_block(dpt, drop, b, h, i0, j0, nk, True)   # dS needs F dP; dQ = dS K needs no P
             _probs_and_dscores_cols(st, dpt, dcap, row_max[b, h], row_inv[b, h], delta[b, h], i0, j0, nk, row_lo,
-                                    row_hi, full_lo, full_hi, scale, softcap, slope, seqlen_k - seqlen_q)
-            _tile_product_add(acc, tile, dpt, kr, nk, True, True, not (full_lo <= j0 and j0 + nk <= full_hi), j0,
-                              row_lo, row_hi)
+                                    row_hi, full_lo, full_hi, scale, softcap, slope, seqlen_k - seqlen_q, bias_bh,
+                                    bias_tile)
+            masked = bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
+            _tile_product_add(acc, tile, dpt, kr, nk, True, True, masked, j0, row_lo, row_hi, bias_bh, i0)
         _store_rows(dq[b, i0:i0 + nq, h], acc, nq, head_dim)
 
 
 def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
                    lse: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, scale: float,
                    window_left: int, window_right: int, softcap: float, alibi: np.ndarray | None = None,
-                   dropout_p: float = 0.0, dropout_seed: int = 0, dropout_batch0: int = 0) -> None:
+                   dropout_p: float = 0.0, dropout_seed: int = 0, dropout_batch0: int = 0,
+                   attn_bias: np.ndarray | None = None) -> None:
     """Gradients of ``sum(out * dout)`` with respect to q, k and v, written into dq, dk, dv.
 
     Arguments:
@@ -335,8 +358,8 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
             rounding; elsewhere P = exp(score - lse) (``_defer_to_caller_lse``).
         dq: (B, Sq, Hq, D); dk, dv: (B, Sk, Hkv, D); any strides, contents ignored and overwritten. With GQA the
             gradients of a kv head are summed over the query heads of its group.
-        All arrays float32, or all float64. scale, window_left, window_right, softcap, alibi and dropout as in
-            ``flash_forward`` (the same dropout_seed as the forward's).
+        All arrays float32, or all float64. scale, window_left, window_right, softcap, alibi, dropout and attn_bias
+            as in ``flash_forward`` (the same dropout_seed as the forward's). No dbias here.
     """
     dtype = _check_dtypes(dout, q, k, v, out, lse, dq, dk, dv)
     slopes = _slopes(alibi)
@@ -355,6 +378,7 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
     # exp(score - max) / sum with the forward's max and sum, not exp(score - lse) with lse rounded to float32
     # (which made P = 1 for one visible key come out 1 - 1e-7, and erred in proportion to |lse|).
     stashed = _stashed_stats(lse)
+    bias = _bias_view(attn_bias, q, k)
     if stashed is not None:
         row_max, row_inv = stashed
     else:
@@ -363,7 +387,7 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
         row_inv = _scratch("row_inv", (batch, nheads_q, sq_pad), dtype)
         no_lse = np.empty((1, 1, 1), dtype)
         _entry(_forward_kernel, dtype)(q, k_in, v_in, q, no_lse, head_dim, float(scale), window_left, window_right,
-                                       softcap, row_max, row_inv, True, slopes, drop)
+                                       softcap, row_max, row_inv, True, slopes, bias, drop)
     _defer_to_caller_lse(lse, row_max[:, :, :seqlen_q], row_inv[:, :, :seqlen_q])
     q_in, do_in = _head_major(q, head_dim, "q"), _head_major(dout, head_dim, "dout")
     qs = _scratch("qs", (batch, nheads_q, seqlen_q, q_in.shape[3]), dtype)
@@ -377,12 +401,12 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
     dq_acc.fill(0)
     _entry(_backward_kv_kernel, dtype)(q_in, qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq_acc, dk, dv,
                                        head_dim, float(scale), window_left, window_right, softcap,
-                                       n_kt if fuse_dq else 1, fuse_dq, slopes, drop)
+                                       n_kt if fuse_dq else 1, fuse_dq, slopes, bias, drop)
     if fuse_dq:
         _entry(_store_dq_kernel, dtype)(dq_acc, dq, head_dim)
     else:
         _entry(_backward_dq_kernel, dtype)(qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq, head_dim,
-                                           float(scale), window_left, window_right, softcap, slopes, drop)
+                                           float(scale), window_left, window_right, softcap, slopes, bias, drop)
 
 
 # Recompile when any file the kernels inline from changes, not only this one (see cache_stamp).

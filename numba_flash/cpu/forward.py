@@ -47,8 +47,9 @@ from .cache_stamp import stamp_kernels
 from .simd import BLOCK_M, BLOCK_N, _FASTMATH, _as_dtype_of, _capped, _fast_exp
 from .microkernels import _mm_at, _mm_dot
 from .passes import _column_exp2_sum, _column_max, _rows_finite
-from .tiles import _add_alibi, _dropout_block, _load_rows, _mask_scores, _tile_key_span, _visible_product
-from .workspace import _dropout_args, _slopes, _check_dtypes, _entry, _head_major, _kernel_options, _padded
+from .tiles import _add_alibi, _bias_scores, _dropout_block, _load_rows, _mask_scores, _tile_key_span, _visible_product
+from .workspace import (_bias_view, _dropout_args, _slopes, _check_dtypes, _entry, _head_major, _kernel_options,
+                        _padded)
 from .stash import _stash_stats
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -57,7 +58,7 @@ from .stash import _stash_stats
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, row_max, row_inv, stats_only, alibi,
-                    drop):
+                    bias, drop):
     """Online-softmax forward. One prange iteration per (batch, query head, query tile); each writes only its own
     rows of out and lse.
 
@@ -70,6 +71,7 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
     scores of the forward (P = 1 exactly for the max of a row with one key), where exp(score - lse) carried the
     rounding of lse, as large as lse itself.
     alibi: (B, Hq) float64 ALiBi slopes, added after softcap (``_add_alibi``); (0, 0) for none.
+    bias: attn_bias broadcast to (B, Hq, Sq, Sk), read in place (``_bias_scores``), or a (0, 0, 0, 0) array.
     drop: dropout (``_dropout_block``), applied to P after its row sums (lse is the softmax's before dropout), or an
     empty array for none; the stats-only pass ignores it.
     """
@@ -88,12 +90,20 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
     zero = _as_dtype_of(q, 0.0)
     for u in prange(batch * nheads_q * n_qt):
         b = u // (nheads_q * n_qt)
-        h = (u // n_qt) % nheads_q
-        qt = u % n_qt
+        if bias.shape[0] > 0:
+            # heads innermost, so that the heads sharing a bias (broadcast over them) read its rows of this query
+            # tile one after another, from cache
+            h = u % nheads_q
+            qt = (u // nheads_q) % n_qt
+        else:
+            h = (u // n_qt) % nheads_q
+            qt = u % n_qt
         hk = h // group
         i0 = qt * BLOCK_M
         nq = min(BLOCK_M, seqlen_q - i0)
         slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
+        bias_bh = bias[b, h] if bias.shape[0] > 0 else bias[0:0, 0:0, 0, 0]
+        bias_tile = np.empty((BLOCK_N, BLOCK_M) if bias.shape[0] > 0 else (0, 0), q.dtype)
         row_lo = np.empty(BLOCK_M, np.int64)
         row_hi = np.empty(BLOCK_M, np.int64)
         span_lo, span_hi, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
@@ -130,9 +140,12 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
                         capped = _capped(x, softcap)[0]
                         st[c, r] = capped if abs(x) < inf else nan
             _add_alibi(st, slope, i0, j0, seqlen_k - seqlen_q, True)
-            # Every block that no mask touches is all visible: there any non-finite score poisons its query.
-            masked = not (full_lo <= j0 and j0 + nk <= full_hi)
-            if masked:
+            # Every block that no mask touches is all visible: there any non-finite score poisons its query. A bias
+            # may hide any pair (-inf), so with one every block is masked.
+            masked = bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
+            if bias_bh.shape[0] > 0:
+                _bias_scores(st, bias_bh, i0, j0, nk, True, row_lo, row_hi, True, bias_tile)
+            elif masked:
                 _mask_scores(st, j0, nk, row_lo, row_hi)
             for r in range(BLOCK_M):
                 m_use[r] = m_run[r]
@@ -154,7 +167,7 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
                 v_rows = v[b, j0:j0 + nk, hk]
                 if masked and not _rows_finite(v_rows, nk):
                     pv[:] = zero
-                    _visible_product(pv, st, v_rows, nk, True, True, j0, row_lo, row_hi)
+                    _visible_product(pv, st, v_rows, nk, True, True, j0, row_lo, row_hi, bias_bh, i0)
                 else:
                     _mm_at(pv, st, v_rows, nk, False)
                 for r in range(BLOCK_M):
@@ -181,6 +194,10 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
                         o = acc[r, d] * inv
                         out[b, i0 + r, h, d] = o if abs(o) < inf else nan
                     lse[b, h, i0 + r] = np.float64(m_run[r]) + math.log(l_run[r])  # in float64, rounded once
+                elif m_run[r] == neg_inf:   # every key it could see is hidden by the bias: as if it saw none
+                    for d in range(head_dim):
+                        out[b, i0 + r, h, d] = zero
+                    lse[b, h, i0 + r] = inf
                 else:  # poisoned by a score that is not finite
                     for d in range(head_dim):
                         out[b, i0 + r, h, d] = nan
@@ -189,7 +206,8 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
 
 def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: np.ndarray, scale: float,
                   window_left: int, window_right: int, softcap: float, alibi: np.ndarray | None = None,
-                  dropout_p: float = 0.0, dropout_seed: int = 0, dropout_batch0: int = 0) -> None:
+                  dropout_p: float = 0.0, dropout_seed: int = 0, dropout_batch0: int = 0,
+                  attn_bias: np.ndarray | None = None) -> None:
     """Exact attention forward, written into ``out`` and ``lse``.
 
     Arguments:
@@ -203,6 +221,8 @@ def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
         alibi: None, or (B, Hq) ALiBi slopes: adds -slope * |i + Sk - Sq - j| after softcap.
         dropout_p, dropout_seed: dropout on P with ``numba_flash.dropout``'s mask, batch b of these arrays taking
             the mask of batch ``dropout_batch0 + b``; lse stays the softmax's own.
+        attn_bias: None, or an array broadcastable to (B, Hq, Sq, Sk) of the compute dtype, added after softcap and
+            ALiBi; -inf hides a pair (a row whose every pair is hidden gets 0 and lse +inf). Read in place.
     """
     dtype = _check_dtypes(q, k, v, out, lse)
     head_dim = q.shape[3]
@@ -211,6 +231,7 @@ def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
     row_max, row_inv = np.empty(stats_shape, dtype), np.empty(stats_shape, dtype)
     _entry(_forward_kernel, dtype)(q, _head_major(k, head_dim, "k"), _head_major(v, head_dim, "v"), out, lse, head_dim,
                                    float(scale), left, right, softcap, row_max, row_inv, False, _slopes(alibi),
+                                   _bias_view(attn_bias, q, k),
                                    _dropout_args(dropout_p, dropout_seed, dropout_batch0))
     _stash_stats(lse, row_max, row_inv)
 

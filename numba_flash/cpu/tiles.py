@@ -93,7 +93,7 @@ def _mask_scores(st, j0, nk, row_lo, row_hi):
 
 
 @njit(inline="always", cache=True)
-def _visible_product(c_arr, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, row_hi):
+def _visible_product(c_arr, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, row_hi, bias_bh, i0):
     """c += A @ b_rows[:n] with A = a[:n].T (``a_transposed``) or a[:, :n], counting only the (query, key) pairs a
     query sees, for a block whose mask hides some pairs (A is 0 there) and whose b_rows hold a value that is not
     finite: a plain product adds 0 * nan = nan to every row of c, also to queries that do not see that key.
@@ -101,7 +101,9 @@ def _visible_product(c_arr, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, r
     b_rows has one row per key j0 + c (``b_is_keys``; c's rows are the queries of row_lo/row_hi) or one per query
     (c's rows are the keys j0 + r). The finite rows go through the same micro-kernel as the fast path, from a copy
     with the non-finite rows zeroed, so that rows of c that see none of those get exactly the result of a run
-    without them; the non-finite rows are then added pair by pair where a query sees the key."""
+    without them; the non-finite rows are then added pair by pair where a query sees the key. bias_bh: this
+    head's (Sq, Sk) attn_bias, whose -inf hides a pair as the band does (``_bias_scores``), or a (0, 0) array; i0:
+    the first query of c's rows (``b_is_keys``) or of b_rows."""
     inf = _as_dtype_of(b_rows, np.inf)
     zero = _as_dtype_of(b_rows, 0.0)
     width = b_rows.shape[1]
@@ -125,9 +127,12 @@ def _visible_product(c_arr, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, r
             continue
         for r in range(c_arr.shape[0]):
             if b_is_keys:
-                seen = row_lo[r] <= j0 + c < row_hi[r]
+                i, j, rr = i0 + r, j0 + c, r
             else:
-                seen = row_lo[c] <= j0 + r < row_hi[c]
+                i, j, rr = i0 + c, j0 + r, c
+            seen = row_lo[rr] <= j < row_hi[rr]
+            if seen and bias_bh.shape[0] > 0:
+                seen = i < bias_bh.shape[0] and bias_bh[i, j] != -np.inf
             if seen:
                 coef = a[c, r] if a_transposed else a[r, c]
                 for d in range(width):
@@ -210,3 +215,65 @@ def _dropout_block(block, drop, b, h, i0, j0, nk, keys_are_rows):
                         block[r, c + 1] *= f1
                     if n4 > 2:
                         block[r, c + 2] *= f2
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _bias_scores(block, bias_bh, i0, j0, nk, keys_are_rows, row_lo, row_hi, forward, tile_t):
+    """attn_bias on a block of scores after softcap and ALiBi, for query i = i0 + (column or row) and key j = j0 +
+    (row or column) < j0 + nk, keys indexing the rows of ``block`` when ``keys_are_rows``. bias_bh: this head's
+    (Sq, Sk) bias, read in place. Where the bias is -inf the pair is hidden, as the band hides it, whatever the
+    score: the block gets -inf there. Elsewhere the score gets the bias added. Query rows past Sq (tile padding)
+    become -inf. With keys as rows, the bias tile is first copied transposed into ``tile_t`` (BN, BM) (read along
+    the bias's rows; the scattered writes stay in L1), so that the pass over the block reads both along rows.
+
+    With ``forward`` this also is the forward's ``_mask_scores`` for the block (every block with a bias goes
+    through it): -inf for pairs outside the band, NaN for a visible score that is not finite, so that -inf means
+    hidden and nothing else."""
+    neg_inf = _as_dtype_of(block, -np.inf)
+    inf = _as_dtype_of(block, np.inf)
+    nan = _as_dtype_of(block, np.nan)
+    nq = min(block.shape[1] if keys_are_rows else block.shape[0], bias_bh.shape[0] - i0)
+    if keys_are_rows:
+        for r in range(nq):
+            for c in range(nk):
+                tile_t[c, r] = _as_dtype_of(block, bias_bh[i0 + r, j0 + c])
+        for c in range(nk):
+            j = j0 + c
+            for r in range(nq):   # selects, no branches: the loop vectorises
+                bv = tile_t[c, r]
+                s = block[c, r] + bv
+                if forward:
+                    s = s if abs(s) < inf else nan
+                    seen = (bv != neg_inf) & (j >= row_lo[r]) & (j < row_hi[r])
+                else:
+                    seen = bv != neg_inf
+                block[c, r] = s if seen else neg_inf
+            for r in range(nq, block.shape[1]):
+                block[c, r] = neg_inf
+    else:   # the backward's (BM, BN) blocks, which mask the band themselves
+        for r in range(nq):
+            for c in range(nk):
+                bv = _as_dtype_of(block, bias_bh[i0 + r, j0 + c])
+                s = block[r, c] + bv
+                block[r, c] = s if bv != neg_inf else neg_inf
+        for r in range(nq, block.shape[0]):
+            for c in range(block.shape[1]):
+                block[r, c] = neg_inf
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _zero_bias_hidden(s, dps, bias_bh, i0, j0, nk, keys_are_rows):
+    """s and dps (P and dS of a backward block, laid out as in ``_bias_scores``) = 0 where the (Sq, Sk) bias
+    bias_bh is -inf and so hides the pair: P is 0 there already, but dS may be 0 * NaN."""
+    zero = _as_dtype_of(s, 0.0)
+    neg_inf = _as_dtype_of(s, -np.inf)
+    nq = min(s.shape[1] if keys_are_rows else s.shape[0], bias_bh.shape[0] - i0)
+    for r in range(nq):
+        for c in range(nk):
+            if _as_dtype_of(s, bias_bh[i0 + r, j0 + c]) == neg_inf:
+                if keys_are_rows:
+                    s[c, r] = zero
+                    dps[c, r] = zero
+                else:
+                    s[r, c] = zero
+                    dps[r, c] = zero

@@ -124,11 +124,11 @@ def _entry(kernel: Any, dtype: np.dtype) -> Any:
         drop = types.Array(f64, 1, "A")
         sigs = {
             "_forward_kernel": (user[4], user[4], user[4], user[4], user[3], i64, f64, i64, i64, f64, own[3], own[3],
-                                boolean, slopes, drop),
+                                boolean, slopes, user[4], drop),
             "_backward_kv_kernel": (user[4], user[4], user[4], user[4], user[4], own[3], own[3], own[3], own[4],
-                                    user[4], user[4], i64, f64, i64, i64, f64, i64, boolean, slopes, drop),
+                                    user[4], user[4], i64, f64, i64, i64, f64, i64, boolean, slopes, user[4], drop),
             "_backward_dq_kernel": (user[4], user[4], user[4], user[4], own[3], own[3], own[3], user[4], i64, f64, i64,
-                                    i64, f64, slopes, drop),
+                                    i64, f64, slopes, user[4], drop),
             "_pack_kernel": (user[4], own[4], i64, boolean),
             "_pack_scaled_kernel": (user[4], own[4], i64, f64),
             "_row_dot_kernel": (user[4], user[4], own[3]),
@@ -248,6 +248,16 @@ _NO_SLOPES = np.zeros((0, 0))
 def _slopes(alibi: np.ndarray | None) -> np.ndarray:
     """ALiBi slopes as the kernels take them: (B, Hq) float64, or a (0, 0) array for none."""
     return _NO_SLOPES if alibi is None else np.asarray(alibi, dtype=np.float64)
+
+
+def _bias_view(attn_bias: np.ndarray | None, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """attn_bias as the kernels take it: a read-only view broadcast to (B, Hq, Sq, Sk) (stride 0 along the
+    broadcast dimensions, so no copy), or a (0, 0, 0, 0) array for none. q (B, Sq, Hq, D), k (B, Sk, Hkv, D)."""
+    if attn_bias is None:
+        return np.zeros((0, 0, 0, 0), q.dtype)
+    if attn_bias.dtype != q.dtype:
+        raise TypeError(f"attn_bias has dtype {attn_bias.dtype}, the kernels' is {q.dtype}")
+    return np.broadcast_to(attn_bias, (q.shape[0], q.shape[2], q.shape[1], k.shape[1]))
 
 
 _NO_DROPOUT = np.zeros(0)

@@ -10,7 +10,8 @@ from numba_flash import AttentionInputError, attention_ref, attention_ref_backwa
 
 torch = pytest.importorskip("torch")
 
-BACKENDS = ("rocm",)
+BACKENDS = ("rocm", "cpu")
+DBIAS = {"rocm": True, "cpu": False}   # the CPU kernels take a bias but do not compute its gradient yet
 B, SQ, SK, HQ, HKV, D = 2, 23, 37, 4, 2, 24
 # Every way a bias can broadcast to (B, Hq, Sq, Sk): full, per head, per row, per key, one number.
 SHAPES = [(B, HQ, SQ, SK), (1, HQ, SQ, SK), (HQ, 1, SK), (SQ, SK), (B, 1, 1, SK), (B, HQ, SQ, 1), (1,)]
@@ -25,9 +26,11 @@ def _inputs(rng, dtype=np.float32):
 
 
 def _run(backend, q, k, v, dout, bias, **kw):
+    """out, lse, dq, dk, dv and dbias (None where the backend does not compute it)."""
     op = backend_registry.get("flash", backend=backend)
     out, lse = op.forward(q, k, v, attn_bias=bias, return_lse=True, **kw)
-    return (out, lse) + tuple(op.backward(dout, q, k, v, out, lse, attn_bias=bias, return_dbias=True, **kw))
+    grads = op.backward(dout, q, k, v, out, lse, attn_bias=bias, return_dbias=DBIAS[backend], **kw)
+    return (out, lse) + tuple(grads) + ((None,) if len(grads) == 3 else ())
 
 
 def _rel(got, want):
@@ -50,9 +53,11 @@ def test_forward_backward_and_dbias_match_reference(backend, shape, case):
     np.testing.assert_allclose(out, want_out, atol=2e-5, rtol=0)
     np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=1e-5)
     for name, got, ref in zip(("dq", "dk", "dv", "dbias"), (dq, dk, dv, dbias), want):
+        if got is None and not DBIAS[backend]:
+            continue
         assert got.shape == ref.shape, name
         assert _rel(got, ref) <= 2e-5, (name, _rel(got, ref))
-    assert dbias.dtype == bias.dtype
+    assert dbias is None or dbias.dtype == bias.dtype
     if shape[-1] != 1:  # a bias constant along each row moves no probability; any other changes the answer
         assert np.abs(attention_ref(q, k, v, **kw)[0] - want_out).max() > 1e-2
 
@@ -78,6 +83,8 @@ def test_minus_inf_hides_keys_and_nan_poisons_only_its_row(backend):
     np.testing.assert_allclose(out[ok], want_out[ok], atol=2e-5, rtol=0)
     want = attention_ref_backward(dout, q, k, v, attn_bias=bias, causal=True, return_dbias=True)
     for name, got, ref in zip(("dq", "dk", "dv", "dbias"), (dq, dk, dv, dbias), want):
+        if got is None and not DBIAS[backend]:
+            continue
         assert np.array_equal(np.isnan(got), np.isnan(ref)), name
         fin = ~np.isnan(ref)
         np.testing.assert_allclose(got[fin], ref[fin], atol=5e-5, rtol=0, err_msg=name)
@@ -100,13 +107,15 @@ def test_low_precision_within_twice_naive_error(backend, dtype):
     naive = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), t["v"].repeat_interleave(2, dim=2))
     err, naive_err = np.abs(out.float().numpy() - want).max(), np.abs(naive.float().numpy() - want).max()
     assert err <= 2 * naive_err + 1e-3, (err, naive_err)
+    if not DBIAS[backend]:
+        return
     assert dbias.dtype == tdt and dbias.shape == (1, HQ, SQ, SK)
     want_dbias = attention_ref_backward(rounded["dout"], rounded["q"], rounded["k"], rounded["v"],
                                         attn_bias=rounded["bias"], causal=True, return_dbias=True)[3]
     assert _rel(dbias.float().numpy(), want_dbias) <= 3e-2
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if DBIAS[b]])
 def test_flash_attn_func_gives_dbias_to_autograd(backend):
     rng = np.random.default_rng(33)
     q, k, v, dout = _inputs(rng)
@@ -126,12 +135,61 @@ def test_flash_attn_func_gives_dbias_to_autograd(backend):
     assert frozen.grad is None and tq.grad is not None and np.array_equal(frozen.numpy(), bias)
 
 
+def test_flash_attn_func_on_cpu_runs_a_frozen_bias_and_asks_for_the_torch_path_for_dbias():
+    rng = np.random.default_rng(35)
+    q, k, v, dout = _inputs(rng)
+    bias = rng.standard_normal((HQ, SQ, SK)).astype(np.float32)
+    tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+    out = numba_flash.flash_attn_func(tq, tk, tv, causal=True, attn_bias=torch.from_numpy(bias))   # chosen: cpu
+    out.backward(torch.from_numpy(dout))
+    want = attention_ref_backward(dout, q, k, v, causal=True, attn_bias=bias)
+    for got, ref in zip((tq.grad, tk.grad, tv.grad), want):
+        assert _rel(got.numpy(), ref) <= 2e-5
+    # A bias that needs a gradient: refused before the forward runs, saying which backend would compute it.
+    tb = torch.from_numpy(bias).requires_grad_()
+    with pytest.raises(numba_flash.NoBackendError, match=r"(?s)return_dbias.*backend='rocm'"):
+        numba_flash.flash_attn_func(tq, tk, tv, causal=True, attn_bias=tb)
+    with torch.no_grad():   # no backward coming: the CPU kernels serve it
+        numba_flash.flash_attn_func(tq, tk, tv, causal=True, attn_bias=tb)
+
+
+# Sizes that cross the CPU kernels' 64 x 64 tiles (partial last tiles both ways), every way to broadcast.
+CPU_SHAPES = [(2, 3, 150, 133), (150, 133), (3, 1, 133), (2, 1, 1, 133), (150, 1)]
+CPU_CASES = [dict(), dict(causal=True), dict(window_size=(40, 9), softcap=3.0), dict(dropout_p=0.2, dropout_seed=3),
+             dict(alibi_slopes=np.array([0.3, 0.05, 0.7]))]
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
+@pytest.mark.parametrize("case", range(len(CPU_CASES)))
+def test_cpu_kernels_across_tiles_with_hidden_pairs(case, dtype, tol):
+    rng = np.random.default_rng(36 + case)
+    q = rng.standard_normal((2, 150, 3, 24)).astype(dtype)
+    k, v = (rng.standard_normal((2, 133, 1, 24)).astype(dtype) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    shape = CPU_SHAPES[case]
+    bias = rng.standard_normal(shape).astype(dtype)
+    bias[rng.random(shape) < 0.2] = -np.inf   # hidden pairs everywhere, in blocks no band mask touches too
+    kw = dict(CPU_CASES[case], attn_bias=bias)
+    op = backend_registry.get("flash", backend="cpu")
+    out, lse = op.forward(q, k, v, return_lse=True, **kw)
+    want_out, want_lse = attention_ref(q, k, v, **kw)
+    np.testing.assert_allclose(out, want_out, atol=tol, rtol=0)
+    seen = np.isfinite(want_lse)
+    assert np.array_equal(lse[~seen], want_lse[~seen])
+    np.testing.assert_allclose(lse[seen], want_lse[seen], atol=tol, rtol=tol)
+    for got, want in zip(op.backward(dout, q, k, v, out, lse, **kw), attention_ref_backward(dout, q, k, v, **kw)):
+        assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want)
+
+
 def test_backends_without_bias_say_so():
     rng = np.random.default_rng(34)
     q, k, v, _ = _inputs(rng)
     bias = rng.standard_normal((SQ, SK)).astype(np.float32)
     with pytest.raises(numba_flash.NoBackendError, match="attn_bias not supported"):
-        backend_registry.get("flash", backend="cpu").forward(q, k, v, attn_bias=bias)
+        backend_registry.get("flash", backend="cuda").forward(q, k, v, attn_bias=bias)
+    with pytest.raises(numba_flash.NoBackendError, match=r"attn_bias's gradient \(return_dbias\) not supported"):
+        backend_registry.get("flash", backend="cpu").backward(q, q, k, v, q, np.zeros((B, HQ, SQ), np.float32),
+                                                               attn_bias=bias, return_dbias=True)
     assert f"attn_bias(1, 1, {SQ}, {SK})" in backend_registry.get("flash").explain(q, k, v, attn_bias=bias)
 
 
