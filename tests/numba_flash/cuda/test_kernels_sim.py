@@ -175,7 +175,11 @@ def test_bfloat16_helpers_match_torch_rounding(rng):
 
     # Random magnitudes over the whole exponent range, exact ties (a set bit 15 and nothing below it, both parities
     # of bit 16), values that round up into the next binade or to inf, subnormals, signed zeros and infinities.
-    x = (rng.standard_normal(300) * np.exp2(rng.integers(-140, 128, 300))).astype(np.float32)
+    with np.errstate(over="ignore"):
+        x = (rng.standard_normal(300) * np.exp2(rng.integers(-140, 128, 300))).astype(np.float32)
+    # a product past float32's range is inf, and inf's bits with bit 15 set are a NaN, whose payload rounding is
+    # not the point here: the infinities are among the specials below
+    x = x[np.isfinite(x)]
     bits = x.view(np.uint32)
     ties = ((bits & 0xFFFF0000) | 0x8000).view(np.float32)
     special = np.array([0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7F7F0000, 0x7F7F8000, 0xFF7FFFFF,
