@@ -31,10 +31,17 @@ def sources_stamp() -> tuple[str, str]:
     return ("numba_flash.cpu sources", digest.hexdigest())
 
 
+_process_stamp: tuple[str, str] | None = None
+
+
 def stamp_kernels(namespace: dict[str, Any]) -> list[str]:
     """Stamp the cache of every cached numba function defined in the module whose ``globals()`` is ``namespace``
-    with ``sources_stamp()``. Returns the names stamped."""
-    stamp = sources_stamp()
+    with ``sources_stamp()``, computed once per process (four modules call this on import). Returns the names
+    stamped."""
+    global _process_stamp
+    if _process_stamp is None:
+        _process_stamp = sources_stamp()
+    stamp = _process_stamp
     module = namespace.get("__name__")
     stamped = []
     for name, obj in namespace.items():
