@@ -55,6 +55,7 @@ class CpuBackend(Backend):
     SUPPORTS_ALIBI = True
     SUPPORTS_DROPOUT = True
     SUPPORTS_BIAS = True   # dbias (return_dbias) not yet: the torch path (backend='rocm') computes it
+    SUPPORTS_MODS = True   # compiled into kernels of their own, once per mod in a process (numba_flash.cpu.modhooks)
 
     def not_supported_reasons(self, call: AttentionCall, forced: bool = False) -> list[str]:
         reasons = super().not_supported_reasons(call, forced)
@@ -118,7 +119,7 @@ def _run_forward(call: AttentionCall, q: np.ndarray, k: np.ndarray, v: np.ndarra
     from numba_flash.cpu import flash_forward
 
     flash_forward(q, k, v, out, lse, call.softmax_scale, call.window_left, call.window_right, call.softcap,
-                  call.alibi, call.dropout_p, call.dropout_seed, call.dropout_batch0, _bias(call, q.dtype))
+                  call.alibi, call.dropout_p, call.dropout_seed, call.dropout_batch0, _bias(call, q.dtype), call.mods)
 
 
 def _run_backward(call: AttentionCall, dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -128,4 +129,4 @@ def _run_backward(call: AttentionCall, dout: np.ndarray, q: np.ndarray, k: np.nd
 
     flash_backward(dout, q, k, v, out, lse, dq, dk, dv, call.softmax_scale, call.window_left, call.window_right,
                    call.softcap, call.alibi, call.dropout_p, call.dropout_seed, call.dropout_batch0,
-                   _bias(call, q.dtype))
+                   _bias(call, q.dtype), call.mods)

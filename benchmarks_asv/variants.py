@@ -6,6 +6,7 @@ a score_mod or dropout, and each one's time over the plain forward of the same b
                                        one process (issue 14's goals: <= 1.3 with a bias or dropout, <= 0.25 for the document
                                        mask, which hides 7/8 of the scores)
 
+The cpu backend compiles a kernel per mod in each process (20-60 s each, in ``setup``, outside the timings).
 A modest size (B=1, H=4, S=1024, D=64) so that ``asv run --quick`` stays fast; ``numba-flash bench --variants``
 runs the issue's 4096. Every call is built by ``numba_flash.bench.variants``, so asv and the bench time the same
 thing. A backend that does not run a variant skips it in ``setup``; the torch path ("rocm") runs on the CPU here.
@@ -16,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 BACKENDS = ["cpu", "rocm"]
-VARIANTS = ["plain", "attn_bias", "alibi", "bias_mod", "mask_mod", "score_mod", "dropout"]
+VARIANTS = ["plain", "attn_bias", "alibi", "bias_mod", "mask_mod", "block_mask", "score_mod", "dropout"]
 SIZE = {"batch": 1, "nheads": 4, "seqlen": 1024, "headdim": 64}
 
 _target: dict[str, Any] = {"key": None}

@@ -53,6 +53,14 @@ def _ours(event: Any) -> str | None:
     return None
 
 
+def announce(text: str) -> None:
+    """Log ``text`` at INFO and print it on stderr unless quiet: for compilations numba cannot cache, e.g. the
+    kernels built around a user's mods (``numba_flash.cpu.modhooks``), which the cold-cache note does not cover."""
+    logger.info("%s", text)
+    if not (_state["quiet"] or os.environ.get(QUIET_ENV, "") not in ("", "0")):
+        print(text, file=sys.stderr, flush=True)
+
+
 def _what(name: str) -> str:
     return "CUDA kernels" if name.startswith("numba_flash.cuda") else "CPU kernels"
 
@@ -69,6 +77,8 @@ def _install_listener() -> None:
             if name is None:
                 return
             self._started[id(ev.data)] = time.perf_counter()
+            if name.endswith("[mods]"):   # announced by its caller; never in numba's disk cache
+                return
             with _lock:
                 first = not _state["announced"]
                 _state["announced"] = True

@@ -5,7 +5,9 @@ the same calls where this torch build runs it.
 
 Variants: ``plain``; ``attn_bias`` (one (Sq, Sk) float32 table broadcast over batch and heads); ``alibi``;
 ``bias_mod`` (a per-head linear distance bias); ``mask_mod`` (``DOCUMENTS`` equal documents, each query sees
-its own document only); ``score_mod`` (a tanh soft cap written as a mod); ``dropout`` (``DROPOUT_P``, a fixed
+its own document only), and ``block_mask``, the same with its ``numba_flash.block_mask`` built beforehand (as
+flex_attention always needs; without one the CPU kernels evaluate the mask on every tile to find the empty ones);
+``score_mod`` (a tanh soft cap written as a mod); ``dropout`` (``DROPOUT_P``, a fixed
 seed). A backend that does not run a variant
 gets a ``skipped`` line saying why. The outputs are not checked here (the float64 reference would call the Python
 mods once per score); the test suite checks every variant against it.
@@ -24,7 +26,7 @@ from .harness import Clock, TimingStats, busy_note, time_calls, timing_fields
 
 VARIANTS_DEFAULTS = {"batch": 1, "nheads": 8, "headdim": 64, "seqlen": 4096}
 DOCUMENTS = 8
-VARIANTS = ("plain", "attn_bias", "alibi", "bias_mod", "mask_mod", "score_mod", "dropout")
+VARIANTS = ("plain", "attn_bias", "alibi", "bias_mod", "mask_mod", "block_mask", "score_mod", "dropout")
 VARIANTS_COLUMNS = ("mode", "batch", "nheads", "seqlen", "headdim", "dtype", "name", "variant", "status",
                     "repeats", "min_ms", "median_ms", "p95_ms", "p99_ms", "max_ms", "spread", "time_vs_plain")
 SOFT_CAP = 30.0
@@ -77,9 +79,13 @@ def variant_arguments(case: VariantsCase, rng: np.random.Generator) -> dict[str,
     def soft_cap(score, b, h, q_idx, kv_idx):
         return SOFT_CAP * math.tanh(score / SOFT_CAP)
 
+    from numba_flash import block_mask
+
     table = rng.standard_normal((case.seqlen, case.seqlen), dtype=np.float32)
+    blocks = block_mask(same_document, 1, 1, case.seqlen, case.seqlen)
     return {"plain": {}, "attn_bias": {"attn_bias": table}, "alibi": {"alibi_slopes": slopes},
             "bias_mod": {"bias_mod": distance_bias}, "mask_mod": {"mask_mod": same_document},
+            "block_mask": {"mask_mod": same_document, "block_mask": blocks},
             "score_mod": {"score_mod": soft_cap}, "dropout": {"dropout_p": DROPOUT_P, "dropout_seed": 20261125}}
 
 
@@ -136,7 +142,8 @@ def _flex_calls(case: VariantsCase, qkv: Sequence[np.ndarray]) -> dict[str, Call
                               device="cpu")
     calls = {"plain": lambda: flex(q, k, v),
              "bias_mod": lambda: flex(q, k, v, score_mod=lambda s, b, h, i, j: s - slopes[h] * (i - j).abs()),
-             "mask_mod": lambda: flex(q, k, v, block_mask=block),
+             "mask_mod": lambda: flex(q, k, v, block_mask=block),   # flex takes a mask only as a block mask
+             "block_mask": lambda: flex(q, k, v, block_mask=block),
              "score_mod": lambda: flex(q, k, v, score_mod=lambda s, b, h, i, j: SOFT_CAP * torch.tanh(s / SOFT_CAP))}
     try:
         calls["plain"]()

@@ -4,6 +4,8 @@ pass (dQ alone), both recomputing P from the forward's row statistics (``stash``
 
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
 from numba import njit, prange
@@ -20,6 +22,9 @@ from .workspace import (_bias_view, _dropout_args, _slopes, _check_dtypes, _entr
 from . import stash
 from .stash import _defer_to_caller_lse, _stashed_stats
 from .forward import _forward_kernel
+from .modhooks import (_MODS, _mod_scores, _mod_zero_hidden, _tile_state, kernel_with_mods, states_for_call,
+                       mod_errors)
+from ..mods import EMPTY
 
 # ---------------------------------------------------------------------------------------------------------------
 # Backward
@@ -58,20 +63,35 @@ def _gradient_terms(score, dp, row_max, inv_l, delta, dscore):
 
 
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _block_scores(s, dcap, i0, j0, nk, keys_are_rows, scale, softcap, per_pair, slope, diag, bias_bh, bias_tile,
+                  row_lo, row_hi):
+    """The forward's scores of a block from its q.k (Q pre-scaled as in the forward): softcap, ALiBi, attn_bias
+    (-inf where it hides a pair; the band is masked later). Keys are the rows of s when ``keys_are_rows`` (a
+    (BN, BM) block), else its columns. ``per_pair``: dcap (the block's shape) receives d score / d q.k (scale,
+    times 1 - tanh^2 with softcap), which the user's score_mod then multiplies (``modhooks``); else dcap is
+    untouched and the derivative is the scale. bias_bh: this head's attn_bias (Sq, Sk) or a (0, 0) array;
+    bias_tile: (BN, BM) scratch for it where keys are rows."""
+    nrows = nk if keys_are_rows else s.shape[0]
+    if softcap > 0:
+        _softcap_scores(s, nrows, s.shape[1], softcap, dcap, scale)
+    elif per_pair:
+        dcap[:] = _as_dtype_of(dcap, scale)
+    _add_alibi(s, slope, i0, j0, diag, keys_are_rows)
+    if bias_bh.shape[0] > 0:
+        _bias_scores(s, bias_bh, i0, j0, nk, keys_are_rows, row_lo, row_hi, False, bias_tile)
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
 def _probs_and_dscores_rows(s, dps, dcap, row_max, row_inv, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
-                            scale, softcap, slope, diag, bias_bh):
-    """A (BM, BN) block with queries as rows: s holds the scores (Q pre-scaled as in the forward) on entry and P on
-    exit, dps holds dO.v on entry and dS on exit. row_max, row_inv (the forward's row max and 1 / sum, see
+                            scale, per_pair, bias_bh):
+    """A (BM, BN) block with queries as rows: s holds the scores (``_block_scores``) on entry and P on exit, dps
+    holds dO.v on entry and dS on exit. row_max, row_inv (the forward's row max and 1 / sum, see
     ``_gradient_terms``) and delta are indexed by query. Masked entries and key columns past nk become 0 in both.
-    dcap: scratch (BM, BN) for softcap's derivative. slope, diag: ALiBi's (``_add_alibi``; slope 0 for none).
-    bias_bh: this head's attn_bias (Sq, Sk) (``_bias_scores``) or a (0, 0) array."""
+    dcap: d score / d q.k per pair where ``per_pair``, else the scale is. bias_bh: this head's attn_bias (Sq, Sk)
+    (``_bias_scores``) or a (0, 0) array."""
     zero = _as_dtype_of(s, 0.0)
     sc = _as_dtype_of(s, scale)
-    if softcap > 0:
-        _softcap_scores(s, s.shape[0], s.shape[1], softcap, dcap, scale)
-        _add_alibi(s, slope, i0, j0, diag, False)
-        if bias_bh.shape[0] > 0:
-            _bias_scores(s, bias_bh, i0, j0, nk, False, row_lo, row_hi, False, s)
+    if per_pair:
         for r in range(s.shape[0]):
             mr = row_max[i0 + r]
             il = row_inv[i0 + r]
@@ -79,9 +99,6 @@ def _probs_and_dscores_rows(s, dps, dcap, row_max, row_inv, delta, i0, j0, nk, r
             for c in range(s.shape[1]):
                 s[r, c], dps[r, c] = _gradient_terms(s[r, c], dps[r, c], mr, il, dl, dcap[r, c])
     else:
-        _add_alibi(s, slope, i0, j0, diag, False)
-        if bias_bh.shape[0] > 0:
-            _bias_scores(s, bias_bh, i0, j0, nk, False, row_lo, row_hi, False, s)
         for r in range(s.shape[0]):
             mr = row_max[i0 + r]
             il = row_inv[i0 + r]
@@ -107,25 +124,18 @@ def _probs_and_dscores_rows(s, dps, dcap, row_max, row_inv, delta, i0, j0, nk, r
 
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
 def _probs_and_dscores_cols(st, dpt, dcap, row_max, row_inv, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
-                            scale, softcap, slope, diag, bias_bh, bias_tile):
-    """The same on a transposed (BN, BM) block, keys as rows: st holds k.q and becomes P^T, dpt holds v.dO and
-    becomes dS^T; row_max, row_inv and delta are indexed by column. Key rows past nk and masked entries become 0.
-    bias_bh: this head's attn_bias (Sq, Sk), or a (0, 0) array; bias_tile: (BN, BM) scratch for it."""
+                            scale, per_pair, bias_bh):
+    """The same on a transposed (BN, BM) block, keys as rows: st holds the scores and becomes P^T, dpt holds v.dO
+    and becomes dS^T; row_max, row_inv and delta are indexed by column. Key rows past nk and masked entries
+    become 0."""
     zero = _as_dtype_of(st, 0.0)
     sc = _as_dtype_of(st, scale)
-    if softcap > 0:
-        _softcap_scores(st, nk, st.shape[1], softcap, dcap, scale)
-        _add_alibi(st, slope, i0, j0, diag, True)
-        if bias_bh.shape[0] > 0:
-            _bias_scores(st, bias_bh, i0, j0, nk, True, row_lo, row_hi, False, bias_tile)
+    if per_pair:
         for c in range(nk):
             for r in range(st.shape[1]):
                 st[c, r], dpt[c, r] = _gradient_terms(st[c, r], dpt[c, r], row_max[i0 + r], row_inv[i0 + r],
                                                       delta[i0 + r], dcap[c, r])
     else:
-        _add_alibi(st, slope, i0, j0, diag, True)
-        if bias_bh.shape[0] > 0:
-            _bias_scores(st, bias_bh, i0, j0, nk, True, row_lo, row_hi, False, bias_tile)
         for c in range(nk):
             for r in range(st.shape[1]):
                 st[c, r], dpt[c, r] = _gradient_terms(st[c, r], dpt[c, r], row_max[i0 + r], row_inv[i0 + r],
@@ -161,15 +171,16 @@ def _scale_block(block, factors):
 
 
 @njit(inline="always", cache=True)
-def _tile_product_add(acc, tile, a, b_rows, n, a_transposed, b_is_keys, masked, j0, row_lo, row_hi, bias_bh, i0):
+def _tile_product_add(acc, tile, a, b_rows, n, a_transposed, b_is_keys, masked, j0, row_lo, row_hi, bias_bh, i0,
+                      vis):
     """acc += A @ b_rows[:n] (A = a[:n].T with ``a_transposed``, else a[:, :n]), the product formed in ``tile`` first
     and then added: a gradient summed over a long sequence then takes one rounding per tile, not one per row of the
     sequence (dK and dV at Sq = 20000 erred 10x torch's). A masked block whose b_rows hold a non-finite value goes
-    through ``_visible_product`` (with bias_bh and i0)."""
+    through ``_visible_product`` (with bias_bh, i0 and vis)."""
     zero = _as_dtype_of(acc, 0.0)
     if masked and not _rows_finite(b_rows, n):
         tile[:] = zero
-        _visible_product(tile, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, row_hi, bias_bh, i0)
+        _visible_product(tile, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, row_hi, bias_bh, i0, vis)
     elif a_transposed:
         _mm_at(tile, a, b_rows, n, False)
     else:
@@ -193,7 +204,7 @@ def _load_transposed(dst, src, n, head_dim):
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, dv, head_dim, scale, left, right,
-                        softcap, kt_per_unit, fuse_dq, alibi, bias, drop):
+                        softcap, kt_per_unit, fuse_dq, alibi, bias, drop, tile_states):
     """dK and dV (and, with ``fuse_dq``, dQ into ``dq_acc``).
 
     q, qs, dout: (B, Sq, Hq, D_pad) and k, v: (B, Sk, Hkv, D_pad), views of head-major buffers (``_head_major``);
@@ -202,7 +213,8 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
     the padding and for rows that see no key) and rowsum(dO * O);
     dq_acc: (B, Hq, n_qt * BLOCK_M, D_pad), zeroed, accumulated into when ``fuse_dq``; dk, dv: (B, Sk, Hkv, >= D),
     any strides, written. alibi: (B, Hq) float64 slopes, or (0, 0) for none; bias: attn_bias broadcast to
-    (B, Hq, Sq, Sk), or (0, 0, 0, 0) for none. drop: dropout (``_dropout_block``;
+    (B, Hq, Sq, Sk), or (0, 0, 0, 0) for none. tile_states: the user's mods' (``modhooks``). drop: dropout
+    (``_dropout_block``;
     empty for none): out = (P * F) V with F the dropout factors, so dV takes P * F and dS = P (F dP - delta).
     One prange iteration per (batch, kv head, run of ``kt_per_unit`` key tiles): it sums dK/dV for its key tiles
     over every query head of the group and every query tile that sees them and writes only those rows of dk, dv.
@@ -228,7 +240,9 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
         do_tail = np.empty((BLOCK_M, dp), q.dtype)
         s = np.empty((BLOCK_M, BLOCK_N), q.dtype)
         dps = np.empty((BLOCK_M, BLOCK_N), q.dtype)
-        dcap = np.empty((BLOCK_M, BLOCK_N) if softcap > 0 else (1, 1), q.dtype)
+        per_pair = softcap > 0 or _MODS   # d score / d q.k varies per pair (else it is the scale)
+        dcap = np.empty((BLOCK_M, BLOCK_N) if per_pair else (1, 1), q.dtype)
+        vis = np.empty((BLOCK_M, BLOCK_N) if _MODS else (0, 0), np.bool_)
         factors = np.empty((BLOCK_M, BLOCK_N) if drop.shape[0] > 0 else (1, 1), q.dtype)
         dk_acc = np.empty((BLOCK_N, dp), q.dtype)
         dv_acc = np.empty((BLOCK_N, dp), q.dtype)
@@ -249,6 +263,9 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
                 for qt in range(qt_first, qt_end):
                     i0 = qt * BLOCK_M
                     nq = min(BLOCK_M, seqlen_q - i0)
+                    state = _tile_state(tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, False)
+                    if state == EMPTY:
+                        continue
                     _, _, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
                     q_rows = q[b, i0:i0 + nq, h]
                     qs_rows = qs[b, i0:i0 + nq, h]
@@ -264,31 +281,34 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
                     if drop.shape[0] > 0:
                         _dropout_factors(factors, drop, b, h, i0, j0, nk)
                         _scale_block(dps, factors)
+                    _block_scores(s, dcap, i0, j0, nk, False, scale, softcap, per_pair, slope, seqlen_k - seqlen_q,
+                                  bias_bh, s, row_lo, row_hi)
+                    _mod_scores(s, vis, dcap, state, b, h, i0, j0, nq, nk, False)
                     _probs_and_dscores_rows(s, dps, dcap, row_max[b, h], row_inv[b, h], delta[b, h], i0, j0, nk,
-                                            row_lo, row_hi, full_lo, full_hi, scale, softcap, slope,
-                                            seqlen_k - seqlen_q, bias_bh)
+                                            row_lo, row_hi, full_lo, full_hi, scale, per_pair, bias_bh)
+                    _mod_zero_hidden(s, dps, vis, nq, nk, False)
                     if drop.shape[0] > 0:
                         _scale_block(s, factors)
                     # P and dS are 0 where a query does not see a key; a non-finite row of Q, dO or K must not
                     # reach those pairs through 0 * nan (see _visible_product). Only masked blocks have such pairs.
-                    masked = bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
+                    masked = _MODS or bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
                     _tile_product_add(dv_acc, kv_tile, s, do_rows, nq, True, False, masked, j0, row_lo, row_hi,
-                                      bias_bh, i0)
+                                      bias_bh, i0, vis)
                     _tile_product_add(dk_acc, kv_tile, dps, q_rows, nq, True, False, masked, j0, row_lo, row_hi,
-                                      bias_bh, i0)
+                                      bias_bh, i0, vis)
                     if fuse_dq:
                         _tile_product_add(dq_acc[b, h, i0:i0 + BLOCK_M], q_tile, dps, k_rows, nk, False, True,
-                                          masked, j0, row_lo, row_hi, bias_bh, i0)
+                                          masked, j0, row_lo, row_hi, bias_bh, i0, vis)
             _store_rows(dk[b, j0:j0 + nk, hk], dk_acc, nk, head_dim)
             _store_rows(dv[b, j0:j0 + nk, hk], dv_acc, nk, head_dim)
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, scale, left, right, softcap, alibi,
-                        bias, drop):
+                        bias, drop, tile_states):
     """dQ, one prange iteration per (batch, query head, query tile): it recomputes P and dS for the key tiles its
     rows see and is the only writer of its dq rows. qs, k, v, dout, row_max, row_inv, delta as in
-    ``_backward_kv_kernel``, and alibi, bias, drop;
+    ``_backward_kv_kernel``, and alibi, bias, drop, tile_states;
     dq: (B, Sq, Hq, >= D), any strides, written."""
     batch, seqlen_q, nheads_q = qs.shape[0], qs.shape[1], qs.shape[2]
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -316,7 +336,9 @@ def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, s
         v_tail = np.zeros((BLOCK_N, dp), qs.dtype)
         st = np.empty((BLOCK_N, BLOCK_M), qs.dtype)
         dpt = np.empty((BLOCK_N, BLOCK_M), qs.dtype)
-        dcap = np.empty((BLOCK_N, BLOCK_M) if softcap > 0 else (1, 1), qs.dtype)
+        per_pair = softcap > 0 or _MODS
+        dcap = np.empty((BLOCK_N, BLOCK_M) if per_pair else (1, 1), qs.dtype)
+        vis = np.empty((BLOCK_N, BLOCK_M) if _MODS else (0, 0), np.bool_)
         acc = np.zeros((BLOCK_M, dp), qs.dtype)
         tile = np.empty((BLOCK_M, dp), qs.dtype)
         kt_first = span_lo // BLOCK_N
@@ -324,6 +346,9 @@ def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, s
         for kt in range(kt_first, kt_end):
             j0 = kt * BLOCK_N
             nk = min(BLOCK_N, seqlen_k - j0)
+            state = _tile_state(tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, True)
+            if state == EMPTY:
+                continue
             if nk == BLOCK_N:
                 kr = k[b, j0:j0 + BLOCK_N, hk]
                 vr = v[b, j0:j0 + BLOCK_N, hk]
@@ -335,11 +360,14 @@ def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, s
             _mm_dot(st, kr, q_t, head_dim)
             _mm_dot(dpt, vr, do_t, head_dim)
             _dropout_block(dpt, drop, b, h, i0, j0, nk, True)   # dS needs F dP; dQ = dS K needs no P
+            _block_scores(st, dcap, i0, j0, nk, True, scale, softcap, per_pair, slope, seqlen_k - seqlen_q, bias_bh,
+                          bias_tile, row_lo, row_hi)
+            _mod_scores(st, vis, dcap, state, b, h, i0, j0, nq, nk, True)
             _probs_and_dscores_cols(st, dpt, dcap, row_max[b, h], row_inv[b, h], delta[b, h], i0, j0, nk, row_lo,
-                                    row_hi, full_lo, full_hi, scale, softcap, slope, seqlen_k - seqlen_q, bias_bh,
-                                    bias_tile)
-            masked = bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
-            _tile_product_add(acc, tile, dpt, kr, nk, True, True, masked, j0, row_lo, row_hi, bias_bh, i0)
+                                    row_hi, full_lo, full_hi, scale, per_pair, bias_bh)
+            _mod_zero_hidden(st, dpt, vis, nq, nk, True)
+            masked = _MODS or bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
+            _tile_product_add(acc, tile, dpt, kr, nk, True, True, masked, j0, row_lo, row_hi, bias_bh, i0, vis)
         _store_rows(dq[b, i0:i0 + nq, h], acc, nq, head_dim)
 
 
@@ -347,7 +375,7 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
                    lse: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, scale: float,
                    window_left: int, window_right: int, softcap: float, alibi: np.ndarray | None = None,
                    dropout_p: float = 0.0, dropout_seed: int = 0, dropout_batch0: int = 0,
-                   attn_bias: np.ndarray | None = None) -> None:
+                   attn_bias: np.ndarray | None = None, mods: Any = None) -> None:
     """Gradients of ``sum(out * dout)`` with respect to q, k and v, written into dq, dk, dv.
 
     Arguments:
@@ -360,7 +388,15 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
             gradients of a kv head are summed over the query heads of its group.
         All arrays float32, or all float64. scale, window_left, window_right, softcap, alibi, dropout and attn_bias
             as in ``flash_forward`` (the same dropout_seed as the forward's). No dbias here.
+        mods: as in ``flash_forward``, with the score_mod's score_mod_grad.
     """
+    with mod_errors(mods):
+        _backward(dout, q, k, v, out, lse, dq, dk, dv, scale, window_left, window_right, softcap, alibi, dropout_p,
+                  dropout_seed, dropout_batch0, attn_bias, mods)
+
+
+def _backward(dout, q, k, v, out, lse, dq, dk, dv, scale, window_left, window_right, softcap, alibi, dropout_p,
+              dropout_seed, dropout_batch0, attn_bias, mods) -> None:
     dtype = _check_dtypes(dout, q, k, v, out, lse, dq, dk, dv)
     slopes = _slopes(alibi)
     drop = _dropout_args(dropout_p, dropout_seed, dropout_batch0)
@@ -379,6 +415,7 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
     # (which made P = 1 for one visible key come out 1 - 1e-7, and erred in proportion to |lse|).
     stashed = _stashed_stats(lse)
     bias = _bias_view(attn_bias, q, k)
+    tile_states = states_for_call(mods, batch, nheads_q, seqlen_q, k.shape[1])
     if stashed is not None:
         row_max, row_inv = stashed
     else:
@@ -386,8 +423,9 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
         row_max = _scratch("row_max", (batch, nheads_q, sq_pad), dtype)
         row_inv = _scratch("row_inv", (batch, nheads_q, sq_pad), dtype)
         no_lse = np.empty((1, 1, 1), dtype)
-        _entry(_forward_kernel, dtype)(q, k_in, v_in, q, no_lse, head_dim, float(scale), window_left, window_right,
-                                       softcap, row_max, row_inv, True, slopes, bias, drop)
+        kernel_with_mods(_forward_kernel, dtype, mods)(q, k_in, v_in, q, no_lse, head_dim, float(scale), window_left,
+                                                       window_right, softcap, row_max, row_inv, True, slopes, bias,
+                                                       drop, tile_states)
     _defer_to_caller_lse(lse, row_max[:, :, :seqlen_q], row_inv[:, :, :seqlen_q])
     q_in, do_in = _head_major(q, head_dim, "q"), _head_major(dout, head_dim, "dout")
     qs = _scratch("qs", (batch, nheads_q, seqlen_q, q_in.shape[3]), dtype)
@@ -399,14 +437,15 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
     n_kt = -(-k.shape[1] // BLOCK_N)
     dq_acc = _scratch("dq", (batch, nheads_q, sq_pad, q_in.shape[3]) if fuse_dq else (1, 1, 1, 1), dtype)
     dq_acc.fill(0)
-    _entry(_backward_kv_kernel, dtype)(q_in, qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq_acc, dk, dv,
-                                       head_dim, float(scale), window_left, window_right, softcap,
-                                       n_kt if fuse_dq else 1, fuse_dq, slopes, bias, drop)
+    kernel_with_mods(_backward_kv_kernel, dtype, mods)(
+        q_in, qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq_acc, dk, dv, head_dim, float(scale), window_left,
+        window_right, softcap, n_kt if fuse_dq else 1, fuse_dq, slopes, bias, drop, tile_states)
     if fuse_dq:
         _entry(_store_dq_kernel, dtype)(dq_acc, dq, head_dim)
     else:
-        _entry(_backward_dq_kernel, dtype)(qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq, head_dim,
-                                           float(scale), window_left, window_right, softcap, slopes, bias, drop)
+        kernel_with_mods(_backward_dq_kernel, dtype, mods)(
+            qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq, head_dim, float(scale), window_left, window_right,
+            softcap, slopes, bias, drop, tile_states)
 
 
 # Recompile when any file the kernels inline from changes, not only this one (see cache_stamp).

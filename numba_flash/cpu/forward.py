@@ -39,6 +39,7 @@ layout-generic array types (``_entry``), so "bshd", "bhsd" and strided inputs sh
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 from numba import njit, prange
@@ -47,10 +48,12 @@ from .cache_stamp import stamp_kernels
 from .simd import BLOCK_M, BLOCK_N, _FASTMATH, _as_dtype_of, _capped, _fast_exp
 from .microkernels import _mm_at, _mm_dot
 from .passes import _column_exp2_sum, _column_max, _rows_finite
-from .tiles import _add_alibi, _bias_scores, _dropout_block, _load_rows, _mask_scores, _tile_key_span, _visible_product
-from .workspace import (_bias_view, _dropout_args, _slopes, _check_dtypes, _entry, _head_major, _kernel_options,
-                        _padded)
+from .tiles import (_add_alibi, _bias_scores, _dropout_block, _load_rows, _mask_scores, _tile_key_span,
+                    _visible_product)
+from .workspace import _bias_view, _dropout_args, _slopes, _check_dtypes, _head_major, _kernel_options, _padded
 from .stash import _stash_stats
+from .modhooks import _MODS, _mod_scores, _tile_state, kernel_with_mods, mod_errors, states_for_call
+from ..mods import EMPTY
 
 # ---------------------------------------------------------------------------------------------------------------
 # Forward
@@ -58,7 +61,7 @@ from .stash import _stash_stats
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, row_max, row_inv, stats_only, alibi,
-                    bias, drop):
+                    bias, drop, tile_states):
     """Online-softmax forward. One prange iteration per (batch, query head, query tile); each writes only its own
     rows of out and lse.
 
@@ -74,6 +77,8 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
     bias: attn_bias broadcast to (B, Hq, Sq, Sk), read in place (``_bias_scores``), or a (0, 0, 0, 0) array.
     drop: dropout (``_dropout_block``), applied to P after its row sums (lse is the softmax's before dropout), or an
     empty array for none; the stats-only pass ignores it.
+    tile_states: the user's mods' tiles (``modhooks``), which also runs the mods where it swaps in its hooks; this
+    cached kernel ignores both.
     """
     batch, seqlen_q, nheads_q = q.shape[0], q.shape[1], q.shape[2]
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -111,6 +116,8 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
         for r in range(nq):
             for d in range(head_dim):
                 q_t[d, r] = q[b, i0 + r, h, d] * qscale
+        vis = np.empty((BLOCK_N, BLOCK_M) if _MODS else (0, 0), np.bool_)
+        no_grad = np.empty((0, 0), q.dtype)
         k_tail = np.empty((BLOCK_N, head_dim), q.dtype)  # a last, partial key tile, zero-padded
         st = np.empty((BLOCK_N, BLOCK_M), q.dtype)
         acc = np.zeros((BLOCK_M, dp), q.dtype)
@@ -128,6 +135,9 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
         for kt in range(kt_first, kt_end):
             j0 = kt * BLOCK_N
             nk = min(BLOCK_N, seqlen_k - j0)
+            state = _tile_state(tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, True)
+            if state == EMPTY:
+                continue
             if nk == BLOCK_N:
                 _mm_dot(st, k[b, j0:j0 + BLOCK_N, hk], q_t, head_dim)
             else:
@@ -142,11 +152,12 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
             _add_alibi(st, slope, i0, j0, seqlen_k - seqlen_q, True)
             # Every block that no mask touches is all visible: there any non-finite score poisons its query. A bias
             # may hide any pair (-inf), so with one every block is masked.
-            masked = bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
+            masked = _MODS or bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
             if bias_bh.shape[0] > 0:
                 _bias_scores(st, bias_bh, i0, j0, nk, True, row_lo, row_hi, True, bias_tile)
             elif masked:
                 _mask_scores(st, j0, nk, row_lo, row_hi)
+            _mod_scores(st, vis, no_grad, state, b, h, i0, j0, nq, nk, True)
             for r in range(BLOCK_M):
                 m_use[r] = m_run[r]
             _column_max(st, nk, m_use, not masked)
@@ -167,7 +178,7 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
                 v_rows = v[b, j0:j0 + nk, hk]
                 if masked and not _rows_finite(v_rows, nk):
                     pv[:] = zero
-                    _visible_product(pv, st, v_rows, nk, True, True, j0, row_lo, row_hi, bias_bh, i0)
+                    _visible_product(pv, st, v_rows, nk, True, True, j0, row_lo, row_hi, bias_bh, i0, vis)
                 else:
                     _mm_at(pv, st, v_rows, nk, False)
                 for r in range(BLOCK_M):
@@ -207,7 +218,7 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
 def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: np.ndarray, scale: float,
                   window_left: int, window_right: int, softcap: float, alibi: np.ndarray | None = None,
                   dropout_p: float = 0.0, dropout_seed: int = 0, dropout_batch0: int = 0,
-                  attn_bias: np.ndarray | None = None) -> None:
+                  attn_bias: np.ndarray | None = None, mods: Any = None) -> None:
     """Exact attention forward, written into ``out`` and ``lse``.
 
     Arguments:
@@ -223,20 +234,22 @@ def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
             the mask of batch ``dropout_batch0 + b``; lse stays the softmax's own.
         attn_bias: None, or an array broadcastable to (B, Hq, Sq, Sk) of the compute dtype, added after softcap and
             ALiBi; -inf hides a pair (a row whose every pair is hidden gets 0 and lse +inf). Read in place.
+        mods: None, or the call's ``numba_flash.mods.Mods`` (bias_mod, mask_mod, score_mod, block_mask), compiled
+            into a kernel of their own (``modhooks``; 20-60 s the first time per mod in a process). Tiles the
+            mask_mod hides entirely are skipped.
     """
     dtype = _check_dtypes(q, k, v, out, lse)
     head_dim = q.shape[3]
     left, right, softcap = _kernel_options(q.shape[1], k.shape[1], window_left, window_right, softcap, dtype)
     stats_shape = (q.shape[0], q.shape[2], _padded(q.shape[1], BLOCK_M))
     row_max, row_inv = np.empty(stats_shape, dtype), np.empty(stats_shape, dtype)
-    _entry(_forward_kernel, dtype)(q, _head_major(k, head_dim, "k"), _head_major(v, head_dim, "v"), out, lse, head_dim,
-                                   float(scale), left, right, softcap, row_max, row_inv, False, _slopes(alibi),
-                                   _bias_view(attn_bias, q, k),
-                                   _dropout_args(dropout_p, dropout_seed, dropout_batch0))
+    kernel = kernel_with_mods(_forward_kernel, dtype, mods)
+    with mod_errors(mods):
+        kernel(q, _head_major(k, head_dim, "k"), _head_major(v, head_dim, "v"), out, lse, head_dim, float(scale), left,
+               right, softcap, row_max, row_inv, False, _slopes(alibi), _bias_view(attn_bias, q, k),
+               _dropout_args(dropout_p, dropout_seed, dropout_batch0),
+               states_for_call(mods, q.shape[0], q.shape[2], q.shape[1], k.shape[1]))
     _stash_stats(lse, row_max, row_inv)
-
-
-# The forward's row statistics, by the lse they produced, for the backward that follows (see _stashed_stats).
 
 
 # Recompile when any file the kernels inline from changes, not only this one (see cache_stamp).

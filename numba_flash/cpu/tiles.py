@@ -93,7 +93,7 @@ def _mask_scores(st, j0, nk, row_lo, row_hi):
 
 
 @njit(inline="always", cache=True)
-def _visible_product(c_arr, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, row_hi, bias_bh, i0):
+def _visible_product(c_arr, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, row_hi, bias_bh, i0, vis):
     """c += A @ b_rows[:n] with A = a[:n].T (``a_transposed``) or a[:, :n], counting only the (query, key) pairs a
     query sees, for a block whose mask hides some pairs (A is 0 there) and whose b_rows hold a value that is not
     finite: a plain product adds 0 * nan = nan to every row of c, also to queries that do not see that key.
@@ -103,7 +103,8 @@ def _visible_product(c_arr, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, r
     with the non-finite rows zeroed, so that rows of c that see none of those get exactly the result of a run
     without them; the non-finite rows are then added pair by pair where a query sees the key. bias_bh: this
     head's (Sq, Sk) attn_bias, whose -inf hides a pair as the band does (``_bias_scores``), or a (0, 0) array; i0:
-    the first query of c's rows (``b_is_keys``) or of b_rows."""
+    the first query of c's rows (``b_is_keys``) or of b_rows; vis: bool in a's layout, False where the user's mods
+    hide the pair (``modhooks``), or a (0, 0) array without mods."""
     inf = _as_dtype_of(b_rows, np.inf)
     zero = _as_dtype_of(b_rows, 0.0)
     width = b_rows.shape[1]
@@ -133,6 +134,8 @@ def _visible_product(c_arr, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, r
             seen = row_lo[rr] <= j < row_hi[rr]
             if seen and bias_bh.shape[0] > 0:
                 seen = i < bias_bh.shape[0] and bias_bh[i, j] != -np.inf
+            if seen and vis.shape[0] > 0:
+                seen = vis[c, r] if a_transposed else vis[r, c]
             if seen:
                 coef = a[c, r] if a_transposed else a[r, c]
                 for d in range(width):

@@ -108,36 +108,43 @@ _entries: dict[tuple[Any, Any], Any] = {}
 _entries_lock = threading.Lock()
 
 
+def _signature(name: str, dtype: np.dtype) -> tuple[Any, ...]:
+    """The argument types kernel ``name`` is compiled with for ``dtype``. The caller's arrays are typed
+    layout-generic ('A'), so that C-contiguous, transposed and strided views share one compilation (numba would
+    otherwise compile, and cache, one per layout combination); the buffers this module allocates are typed
+    C-contiguous, which lets LLVM vectorise the loops that read them (lse, delta)."""
+    nb = numba.from_dtype(np.dtype(dtype))
+    user = {n: types.Array(nb, n, "A") for n in (3, 4)}
+    own = {n: types.Array(nb, n, "C") for n in (3, 4, 5)}
+    i64, f64, boolean = types.int64, types.float64, types.boolean
+    slopes = types.Array(f64, 2, "A")
+    drop = types.Array(f64, 1, "A")
+    tiles = types.Array(types.int8, 4, "A")   # modhooks.kernel_tile_states
+    sigs = {
+        "_forward_kernel": (user[4], user[4], user[4], user[4], user[3], i64, f64, i64, i64, f64, own[3], own[3],
+                            boolean, slopes, user[4], drop, tiles),
+        "_backward_kv_kernel": (user[4], user[4], user[4], user[4], user[4], own[3], own[3], own[3], own[4],
+                                user[4], user[4], i64, f64, i64, i64, f64, i64, boolean, slopes, user[4], drop,
+                                tiles),
+        "_backward_dq_kernel": (user[4], user[4], user[4], user[4], own[3], own[3], own[3], user[4], i64, f64, i64,
+                                i64, f64, slopes, user[4], drop, tiles),
+        "_pack_kernel": (user[4], own[4], i64, boolean),
+        "_pack_scaled_kernel": (user[4], own[4], i64, f64),
+        "_row_dot_kernel": (user[4], user[4], own[3]),
+        "_store_dq_kernel": (own[4], user[4], i64),
+    }
+    return sigs[name]
+
+
 def _entry(kernel: Any, dtype: np.dtype) -> Any:
-    """The compiled ``kernel`` for ``dtype``. The caller's arrays are typed layout-generic ('A'), so that
-    C-contiguous, transposed and strided views share one compilation (numba would otherwise compile, and cache, one
-    per layout combination); the buffers this module allocates are typed C-contiguous, which lets LLVM vectorise the
-    loops that read them (lse, delta). The first call of a process loads the kernel from numba's on-disk cache."""
+    """The compiled ``kernel`` for ``dtype``, with the argument types of ``_signature``. The first call of a
+    process loads the kernel from numba's on-disk cache."""
     fn = _entries.get((kernel, dtype))
     if fn is None:
-        key = (kernel.py_func.__name__, np.dtype(dtype).name)
-        nb = numba.from_dtype(np.dtype(dtype))
-        user = {n: types.Array(nb, n, "A") for n in (3, 4)}
-        own = {n: types.Array(nb, n, "C") for n in (3, 4, 5)}
-        i64, f64, boolean = types.int64, types.float64, types.boolean
-        slopes = types.Array(f64, 2, "A")
-        drop = types.Array(f64, 1, "A")
-        sigs = {
-            "_forward_kernel": (user[4], user[4], user[4], user[4], user[3], i64, f64, i64, i64, f64, own[3], own[3],
-                                boolean, slopes, user[4], drop),
-            "_backward_kv_kernel": (user[4], user[4], user[4], user[4], user[4], own[3], own[3], own[3], own[4],
-                                    user[4], user[4], i64, f64, i64, i64, f64, i64, boolean, slopes, user[4], drop),
-            "_backward_dq_kernel": (user[4], user[4], user[4], user[4], own[3], own[3], own[3], user[4], i64, f64, i64,
-                                    i64, f64, slopes, user[4], drop),
-            "_pack_kernel": (user[4], own[4], i64, boolean),
-            "_pack_scaled_kernel": (user[4], own[4], i64, f64),
-            "_row_dot_kernel": (user[4], user[4], own[3]),
-            "_store_dq_kernel": (own[4], user[4], i64),
-        }
         with _entries_lock:
             fn = _entries.get((kernel, dtype))
             if fn is None:
-                fn = _entries[(kernel, dtype)] = kernel.compile(sigs[key[0]])
+                fn = _entries[(kernel, dtype)] = kernel.compile(_signature(kernel.py_func.__name__, dtype))
     return fn
 
 
@@ -261,6 +268,7 @@ def _bias_view(attn_bias: np.ndarray | None, q: np.ndarray, k: np.ndarray) -> np
 
 
 _NO_DROPOUT = np.zeros(0)
+NO_TILE_STATES = np.zeros((0, 0, 0, 0), np.int8)
 
 
 def _dropout_args(dropout_p: float, seed: int, batch0: int) -> np.ndarray:

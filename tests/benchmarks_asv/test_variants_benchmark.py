@@ -33,7 +33,10 @@ def test_every_variant_runs_on_the_torch_path_with_a_ratio():
     assert math.isfinite(ratio) and 0 < ratio < 100
 
 
-def test_a_variant_the_backend_lacks_skips_in_setup_with_the_reason():
+def test_a_variant_the_backend_lacks_skips_in_setup_with_the_reason(monkeypatch):
+    from backends.cpu import CpuBackend
+
+    monkeypatch.setattr(CpuBackend, "SUPPORTS_MODS", False)   # as a backend without mods
     variants.Variants().setup("cpu", "plain")
     with pytest.raises(NotImplementedError, match="bias_mod, mask_mod and score_mod not supported"):
         variants.Variants().setup("cpu", "mask_mod")
