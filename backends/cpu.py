@@ -55,6 +55,8 @@ class CpuBackend(Backend):
     SUPPORTS_ALIBI = True
     SUPPORTS_DROPOUT = True
     SUPPORTS_BIAS = True   # dbias (return_dbias) not yet: the torch path (backend='rocm') computes it
+    SUPPORTED_MAX_HEAD_DIM = 576   # q and k; v and the output to 512 (validation's limits)
+    SUPPORTS_HEAD_DIM_V = True
     SUPPORTS_MODS = True   # compiled into kernels of their own, once per mod in a process (numba_flash.cpu.modhooks)
 
     def not_supported_reasons(self, call: AttentionCall, forced: bool = False) -> list[str]:
@@ -66,7 +68,7 @@ class CpuBackend(Backend):
     def forward(self, call: AttentionCall) -> tuple[Any, Any]:
         compute = _compute_dtype(call.dtype)
         q, k, v = (_host(x, compute) for x in (call.q, call.k, call.v))
-        out = np.empty(q.shape, dtype=compute)
+        out = np.empty(q.shape[:-1] + (v.shape[-1],), dtype=compute)   # Dv, v's head dim
         lse = np.empty(call.lse_shape, dtype=compute)
         if call.is_varlen:
             varlen.forward(call, _run_forward, q, k, v, out, lse)

@@ -207,13 +207,14 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
                         softcap, kt_per_unit, fuse_dq, alibi, bias, drop, tile_states):
     """dK and dV (and, with ``fuse_dq``, dQ into ``dq_acc``).
 
-    q, qs, dout: (B, Sq, Hq, D_pad) and k, v: (B, Sk, Hkv, D_pad), views of head-major buffers (``_head_major``);
+    q, qs: (B, Sq, Hq, D_pad), dout: (B, Sq, Hq, Dv_pad), k: (B, Sk, Hkv, D_pad) and v: (B, Sk, Hkv, Dv_pad), views
+    of head-major buffers (``_head_major``; each head dim rounded up to 16);
     qs is q times the forward's score scale (``_score_scale``), so that the scores are the forward's to the bit;
     row_max, row_inv, delta: (B, Hq, n_qt * BLOCK_M), the forward's row max and 1 / sum (+inf and 0 in
     the padding and for rows that see no key) and rowsum(dO * O);
-    dq_acc: (B, Hq, n_qt * BLOCK_M, D_pad), zeroed, accumulated into when ``fuse_dq``; dk, dv: (B, Sk, Hkv, >= D),
-    any strides, written. alibi: (B, Hq) float64 slopes, or (0, 0) for none; bias: attn_bias broadcast to
-    (B, Hq, Sq, Sk), or (0, 0, 0, 0) for none. tile_states: the user's mods' (``modhooks``). drop: dropout
+    dq_acc: (B, Hq, n_qt * BLOCK_M, D_pad), zeroed, accumulated into when ``fuse_dq``; dk: (B, Sk, Hkv, D) and dv:
+    (B, Sk, Hkv, Dv), any strides, written. alibi: (B, Hq) float64 slopes, or (0, 0) for none; bias: attn_bias
+    broadcast to (B, Hq, Sq, Sk), or (0, 0, 0, 0) for none. tile_states: the user's mods' (``modhooks``). drop: dropout
     (``_dropout_block``;
     empty for none): out = (P * F) V with F the dropout factors, so dV takes P * F and dS = P (F dP - delta).
     One prange iteration per (batch, kv head, run of ``kt_per_unit`` key tiles): it sums dK/dV for its key tiles
@@ -226,6 +227,8 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads_q // nheads_kv
     dp = q.shape[3]
+    dpv = v.shape[3]
+    head_dim_v = dv.shape[3]
     n_kt = (seqlen_k + BLOCK_N - 1) // BLOCK_N
     n_chunks = (n_kt + kt_per_unit - 1) // kt_per_unit
     for u in prange(batch * nheads_kv * n_chunks):
@@ -235,9 +238,9 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
         row_lo = np.empty(BLOCK_M, np.int64)
         row_hi = np.empty(BLOCK_M, np.int64)
         k_t = np.empty((head_dim, BLOCK_N), q.dtype)
-        v_t = np.empty((head_dim, BLOCK_N), q.dtype)
+        v_t = np.empty((head_dim_v, BLOCK_N), q.dtype)
         q_tail = np.empty((BLOCK_M, dp), q.dtype)   # a last, partial query tile, zero-padded
-        do_tail = np.empty((BLOCK_M, dp), q.dtype)
+        do_tail = np.empty((BLOCK_M, dpv), q.dtype)
         s = np.empty((BLOCK_M, BLOCK_N), q.dtype)
         dps = np.empty((BLOCK_M, BLOCK_N), q.dtype)
         per_pair = softcap > 0 or _MODS   # d score / d q.k varies per pair (else it is the scale)
@@ -245,15 +248,16 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
         vis = np.empty((BLOCK_M, BLOCK_N) if _MODS else (0, 0), np.bool_)
         factors = np.empty((BLOCK_M, BLOCK_N) if drop.shape[0] > 0 else (1, 1), q.dtype)
         dk_acc = np.empty((BLOCK_N, dp), q.dtype)
-        dv_acc = np.empty((BLOCK_N, dp), q.dtype)
+        dv_acc = np.empty((BLOCK_N, dpv), q.dtype)
         kv_tile = np.empty((BLOCK_N, dp), q.dtype)
+        v_tile = np.empty((BLOCK_N, dpv), q.dtype)
         q_tile = np.empty((BLOCK_M, dp), q.dtype)
         for kt in range(chunk * kt_per_unit, min(n_kt, (chunk + 1) * kt_per_unit)):
             j0 = kt * BLOCK_N
             nk = min(BLOCK_N, seqlen_k - j0)
             k_rows = k[b, j0:j0 + nk, hk]
             _load_transposed(k_t, k_rows, nk, head_dim)
-            _load_transposed(v_t, v[b, j0:j0 + nk, hk], nk, head_dim)
+            _load_transposed(v_t, v[b, j0:j0 + nk, hk], nk, head_dim_v)
             dk_acc[:] = 0
             dv_acc[:] = 0
             qt_first, qt_end = _query_tiles_seeing(j0, j0 + nk, seqlen_q, seqlen_k, left, right)
@@ -272,12 +276,12 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
                     do_rows = dout[b, i0:i0 + nq, h]
                     if nq == BLOCK_M:
                         _mm_dot(s, qs_rows, k_t, head_dim)
-                        _mm_dot(dps, do_rows, v_t, head_dim)
+                        _mm_dot(dps, do_rows, v_t, head_dim_v)
                     else:  # the products read whole tiles of their A operand: pad the partial one
                         _load_rows(q_tail, qs_rows, nq, dp)
-                        _load_rows(do_tail, do_rows, nq, dp)
+                        _load_rows(do_tail, do_rows, nq, dpv)
                         _mm_dot(s, q_tail, k_t, head_dim)
-                        _mm_dot(dps, do_tail, v_t, head_dim)
+                        _mm_dot(dps, do_tail, v_t, head_dim_v)
                     if drop.shape[0] > 0:
                         _dropout_factors(factors, drop, b, h, i0, j0, nk)
                         _scale_block(dps, factors)
@@ -292,7 +296,7 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
                     # P and dS are 0 where a query does not see a key; a non-finite row of Q, dO or K must not
                     # reach those pairs through 0 * nan (see _visible_product). Only masked blocks have such pairs.
                     masked = _MODS or bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
-                    _tile_product_add(dv_acc, kv_tile, s, do_rows, nq, True, False, masked, j0, row_lo, row_hi,
+                    _tile_product_add(dv_acc, v_tile, s, do_rows, nq, True, False, masked, j0, row_lo, row_hi,
                                       bias_bh, i0, vis)
                     _tile_product_add(dk_acc, kv_tile, dps, q_rows, nq, True, False, masked, j0, row_lo, row_hi,
                                       bias_bh, i0, vis)
@@ -300,20 +304,21 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
                         _tile_product_add(dq_acc[b, h, i0:i0 + BLOCK_M], q_tile, dps, k_rows, nk, False, True,
                                           masked, j0, row_lo, row_hi, bias_bh, i0, vis)
             _store_rows(dk[b, j0:j0 + nk, hk], dk_acc, nk, head_dim)
-            _store_rows(dv[b, j0:j0 + nk, hk], dv_acc, nk, head_dim)
+            _store_rows(dv[b, j0:j0 + nk, hk], dv_acc, nk, head_dim_v)
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, scale, left, right, softcap, alibi,
-                        bias, drop, tile_states):
+def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, head_dim_v, scale, left, right,
+                        softcap, alibi, bias, drop, tile_states):
     """dQ, one prange iteration per (batch, query head, query tile): it recomputes P and dS for the key tiles its
     rows see and is the only writer of its dq rows. qs, k, v, dout, row_max, row_inv, delta as in
-    ``_backward_kv_kernel``, and alibi, bias, drop, tile_states;
+    ``_backward_kv_kernel``, and alibi, bias, drop, tile_states; head_dim, head_dim_v: D and Dv;
     dq: (B, Sq, Hq, >= D), any strides, written."""
     batch, seqlen_q, nheads_q = qs.shape[0], qs.shape[1], qs.shape[2]
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads_q // nheads_kv
     dp = qs.shape[3]
+    dpv = v.shape[3]
     n_qt = (seqlen_q + BLOCK_M - 1) // BLOCK_M
     for u in prange(batch * nheads_q * n_qt):
         b = u // (nheads_q * n_qt)
@@ -329,11 +334,11 @@ def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, s
         row_hi = np.empty(BLOCK_M, np.int64)
         span_lo, span_hi, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
         q_t = np.empty((head_dim, BLOCK_M), qs.dtype)
-        do_t = np.empty((head_dim, BLOCK_M), qs.dtype)
+        do_t = np.empty((head_dim_v, BLOCK_M), qs.dtype)
         _load_transposed(q_t, qs[b, i0:i0 + nq, h], nq, head_dim)
-        _load_transposed(do_t, dout[b, i0:i0 + nq, h], nq, head_dim)
+        _load_transposed(do_t, dout[b, i0:i0 + nq, h], nq, head_dim_v)
         k_tail = np.zeros((BLOCK_N, dp), qs.dtype)
-        v_tail = np.zeros((BLOCK_N, dp), qs.dtype)
+        v_tail = np.zeros((BLOCK_N, dpv), qs.dtype)
         st = np.empty((BLOCK_N, BLOCK_M), qs.dtype)
         dpt = np.empty((BLOCK_N, BLOCK_M), qs.dtype)
         per_pair = softcap > 0 or _MODS
@@ -354,11 +359,11 @@ def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, s
                 vr = v[b, j0:j0 + BLOCK_N, hk]
             else:  # a last, partial key tile: the products read whole tiles, so pad it with zero rows
                 _load_rows(k_tail, k[b, j0:j0 + nk, hk], nk, head_dim)
-                _load_rows(v_tail, v[b, j0:j0 + nk, hk], nk, head_dim)
+                _load_rows(v_tail, v[b, j0:j0 + nk, hk], nk, head_dim_v)
                 kr = k_tail[:, :]
                 vr = v_tail[:, :]
             _mm_dot(st, kr, q_t, head_dim)
-            _mm_dot(dpt, vr, do_t, head_dim)
+            _mm_dot(dpt, vr, do_t, head_dim_v)
             _dropout_block(dpt, drop, b, h, i0, j0, nk, True)   # dS needs F dP; dQ = dS K needs no P
             _block_scores(st, dcap, i0, j0, nk, True, scale, softcap, per_pair, slope, seqlen_k - seqlen_q, bias_bh,
                           bias_tile, row_lo, row_hi)
@@ -379,13 +384,14 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
     """Gradients of ``sum(out * dout)`` with respect to q, k and v, written into dq, dk, dv.
 
     Arguments:
-        dout, q, out: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D); any strides, not modified.
+        q: (B, Sq, Hq, D); dout, out: (B, Sq, Hq, Dv); k: (B, Sk, Hkv, D); v: (B, Sk, Hkv, Dv); any strides, not
+            modified.
         lse: (B, Hq, Sq), as written by ``flash_forward`` (+inf for rows that see no key), or the lse of a softmax
             over more keys than k holds (ring attention). Where it is these keys' own, the kernels use each row's
             max and sum recomputed from q and k (``_forward_kernel`` with ``stats_only``), which gives P with one
             rounding; elsewhere P = exp(score - lse) (``_defer_to_caller_lse``).
-        dq: (B, Sq, Hq, D); dk, dv: (B, Sk, Hkv, D); any strides, contents ignored and overwritten. With GQA the
-            gradients of a kv head are summed over the query heads of its group.
+        dq: (B, Sq, Hq, D); dk: (B, Sk, Hkv, D); dv: (B, Sk, Hkv, Dv); any strides, contents ignored and
+            overwritten. With GQA the gradients of a kv head are summed over the query heads of its group.
         All arrays float32, or all float64. scale, window_left, window_right, softcap, alibi, dropout and attn_bias
             as in ``flash_forward`` (the same dropout_seed as the forward's). No dbias here.
         mods: as in ``flash_forward``, with the score_mod's score_mod_grad.
@@ -409,7 +415,8 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, scale, window_left, window_ri
     delta = _scratch("delta", (batch, nheads_q, sq_pad), dtype)
     delta[:, :, seqlen_q:] = 0
     _entry(_row_dot_kernel, dtype)(dout, out, delta)
-    k_in, v_in = _head_major(k, head_dim, "k"), _head_major(v, head_dim, "v")
+    head_dim_v = v.shape[3]
+    k_in, v_in = _head_major(k, head_dim, "k"), _head_major(v, head_dim_v, "v")
     # The forward's softmax statistics of every row, recomputed from the forward's own scores: P is then
     # exp(score - max) / sum with the forward's max and sum, not exp(score - lse) with lse rounded to float32
     # (which made P = 1 for one visible key come out 1 - 1e-7, and erred in proportion to |lse|).
@@ -427,7 +434,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, scale, window_left, window_ri
                                                        window_right, softcap, row_max, row_inv, True, slopes, bias,
                                                        drop, tile_states)
     _defer_to_caller_lse(lse, row_max[:, :, :seqlen_q], row_inv[:, :, :seqlen_q])
-    q_in, do_in = _head_major(q, head_dim, "q"), _head_major(dout, head_dim, "dout")
+    q_in, do_in = _head_major(q, head_dim, "q"), _head_major(dout, head_dim_v, "dout")
     qs = _scratch("qs", (batch, nheads_q, seqlen_q, q_in.shape[3]), dtype)
     _entry(_pack_scaled_kernel, dtype)(q, qs, head_dim, _score_scale(scale, softcap))
     qs_in = qs.transpose(0, 2, 1, 3)
@@ -444,8 +451,8 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, scale, window_left, window_ri
         _entry(_store_dq_kernel, dtype)(dq_acc, dq, head_dim)
     else:
         kernel_with_mods(_backward_dq_kernel, dtype, mods)(
-            qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq, head_dim, float(scale), window_left, window_right,
-            softcap, slopes, bias, drop, tile_states)
+            qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq, head_dim, head_dim_v, float(scale), window_left,
+            window_right, softcap, slopes, bias, drop, tile_states)
 
 
 # Recompile when any file the kernels inline from changes, not only this one (see cache_stamp).

@@ -65,8 +65,9 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
     """Online-softmax forward. One prange iteration per (batch, query head, query tile); each writes only its own
     rows of out and lse.
 
-    q, out: (B, Sq, Hq, >= D), any strides; lse: (B, Hq, Sq), any strides;
-    k, v: (B, Sk, Hkv, D_pad) views of head-major buffers (``_head_major``), D_pad = D rounded up to 16, zero past D.
+    q: (B, Sq, Hq, D), out: (B, Sq, Hq, Dv), any strides; lse: (B, Hq, Sq), any strides; head_dim: D;
+    k, v: (B, Sk, Hkv, D_pad) and (B, Sk, Hkv, Dv_pad), views of head-major buffers (``_head_major``), each head dim
+    rounded up to 16, zero past it.
     All one float dtype.
     With ``stats_only`` (the backward's first pass) it skips P V and writes neither out nor lse, but each row's
     final max and 1 / sum of exp(score - max) into row_max and row_inv, (B, Hq, n_qt * BLOCK_M) (+inf and 0 for
@@ -196,21 +197,21 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
             for r in range(nq):
                 if row_lo[r] >= row_hi[r]:
                     # Sees no key: 0 and lse = +inf, whatever its q holds (it reads nothing).
-                    for d in range(head_dim):
+                    for d in range(out.shape[3]):
                         out[b, i0 + r, h, d] = zero
                     lse[b, h, i0 + r] = inf
                 elif l_run[r] > 0 and m_run[r] == m_run[r]:
                     inv = _as_dtype_of(acc, 1.0 / l_run[r])
-                    for d in range(head_dim):
+                    for d in range(out.shape[3]):
                         o = acc[r, d] * inv
                         out[b, i0 + r, h, d] = o if abs(o) < inf else nan
                     lse[b, h, i0 + r] = np.float64(m_run[r]) + math.log(l_run[r])  # in float64, rounded once
                 elif m_run[r] == neg_inf:   # every key it could see is hidden by the bias: as if it saw none
-                    for d in range(head_dim):
+                    for d in range(out.shape[3]):
                         out[b, i0 + r, h, d] = zero
                     lse[b, h, i0 + r] = inf
                 else:  # poisoned by a score that is not finite
-                    for d in range(head_dim):
+                    for d in range(out.shape[3]):
                         out[b, i0 + r, h, d] = nan
                     lse[b, h, i0 + r] = nan
 
@@ -222,8 +223,8 @@ def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
     """Exact attention forward, written into ``out`` and ``lse``.
 
     Arguments:
-        q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D) with Hq % Hkv == 0. Any strides; not modified.
-        out: (B, Sq, Hq, D), any strides; written with the attention output.
+        q: (B, Sq, Hq, D); k: (B, Sk, Hkv, D); v: (B, Sk, Hkv, Dv) with Hq % Hkv == 0. Any strides; not modified.
+        out: (B, Sq, Hq, Dv), any strides; written with the attention output.
         lse: (B, Hq, Sq), any strides; written with the natural-log sum of exp(score) over visible keys, +inf for a
             row that sees no key (its output row is 0).
         All arrays float32, or all float64; accumulation is in that dtype.
@@ -245,8 +246,8 @@ def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
     row_max, row_inv = np.empty(stats_shape, dtype), np.empty(stats_shape, dtype)
     kernel = kernel_with_mods(_forward_kernel, dtype, mods)
     with mod_errors(mods):
-        kernel(q, _head_major(k, head_dim, "k"), _head_major(v, head_dim, "v"), out, lse, head_dim, float(scale), left,
-               right, softcap, row_max, row_inv, False, _slopes(alibi), _bias_view(attn_bias, q, k),
+        kernel(q, _head_major(k, head_dim, "k"), _head_major(v, v.shape[3], "v"), out, lse, head_dim, float(scale),
+               left, right, softcap, row_max, row_inv, False, _slopes(alibi), _bias_view(attn_bias, q, k),
                _dropout_args(dropout_p, dropout_seed, dropout_batch0),
                states_for_call(mods, q.shape[0], q.shape[2], q.shape[1], k.shape[1]))
     _stash_stats(lse, row_max, row_inv)

@@ -12,7 +12,7 @@ from numba_flash import attention_ref, attention_ref_backward, backend_registry
 
 torch = pytest.importorskip("torch")
 
-BACKENDS = ("rocm",)
+BACKENDS = ("rocm", "cpu")
 # (D, Dv): value dim smaller, larger, MLA's, Gemma's
 DIMS = [(24, 7), (40, 72), (576, 512), (512, 512)]
 
@@ -111,10 +111,32 @@ def test_backends_without_them_say_so():
     rng = np.random.default_rng(43)
     q, k, v, _ = _inputs(rng, 24, 7)
     text = str(backend_registry.get("flash").explain(q, k, v))
-    assert "Dv=7" in text and "v's head dim Dv=7 different from D=24 not supported" in text
+    assert "Dv=7" in text and "chosen: cpu" in text
+    assert "v's head dim Dv=7 different from D=24 not supported" in text.split("cuda [priority 30]:")[1]
     q, k, v, _ = _inputs(rng, 320, 320, sq=3, sk=4)
-    with pytest.raises(numba_flash.NoBackendError, match="head dim 320 > 256"):
-        backend_registry.get("flash", backend="cpu").forward(q, k, v)
+    text = str(backend_registry.get("flash").explain(q, k, v))
+    assert "head dim 320 > 256" in text.split("cuda [priority 30]:")[1] and "chosen: cpu" in text
+
+
+@pytest.mark.parametrize("d,dv,batch,hkv", [(40, 24, 1, 1), (24, 40, 2, 2), (576, 512, 1, 1)])
+def test_cpu_kernels_over_many_tiles(d, dv, batch, hkv):
+    """Several query and key tiles with partial last ones, GQA, a window and ALiBi; one kv head per call runs dQ in
+    its own pass, two batches of two kv heads fuse it into the key-tile pass (2 threads)."""
+    rng = np.random.default_rng(d * 3 + dv)
+    sq, sk = (70, 93) if d > 256 else (131, 197)
+    q, k, v, dout = _inputs(rng, d, dv, b=batch, sq=sq, sk=sk, hq=2 * hkv, hkv=hkv)
+    slopes = rng.uniform(0.0, 0.2, 2 * hkv).astype(np.float32)
+    kw = dict(causal=True, window_size=(90, 0), alibi_slopes=slopes)
+    op = backend_registry.get("flash", backend="cpu")
+    out, lse = op.forward(q, k, v, return_lse=True, **kw)
+    grads = op.backward(dout, q, k, v, out, lse, **kw)
+    want_out, want_lse = attention_ref(q, k, v, **kw)
+    assert out.shape == want_out.shape == (batch, sq, 2 * hkv, dv)
+    np.testing.assert_allclose(out, want_out, atol=3e-5, rtol=0)
+    np.testing.assert_allclose(lse, want_lse, atol=3e-5, rtol=1e-5)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, attention_ref_backward(dout, q, k, v, **kw)):
+        assert got.shape == ref.shape, name
+        assert np.linalg.norm(got - ref) <= 3e-5 * np.linalg.norm(ref), name
 
 
 def test_ring_attention_refuses_a_different_value_dim():
