@@ -144,3 +144,21 @@ def test_ring_attention_refuses_a_different_value_dim():
     q, k, v, _ = _inputs(rng, 16, 8)
     with pytest.raises(numba_flash.AttentionInputError, match="^v: expected q's head dim 16"):
         numba_flash.ring_attention(*(torch.from_numpy(x) for x in (q, k, v)), group=None)
+
+
+def test_cpu_decode_with_a_576_wide_cache():
+    """The KV-cache decode kernel at MLA's width (k and v caches share D there), with an append and softcap."""
+    rng = np.random.default_rng(45)
+    b, hq, hkv, d, cache_len = 2, 4, 1, 576, 150
+    q = rng.standard_normal((b, 1, hq, d)).astype(np.float32)
+    k_cache = rng.standard_normal((b, cache_len, hkv, d)).astype(np.float32)
+    v_cache = rng.standard_normal((b, cache_len, hkv, d)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((b, 1, hkv, d)).astype(np.float32) for _ in range(2))
+    seqlens = np.array([97, 141], np.int32)
+    want_out, want_lse, _, _ = numba_flash.attention_ref_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                                                 cache_seqlens=seqlens, causal=True, softcap=6.0)
+    out, lse = backend_registry.get("flash", backend="cpu").with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True, softcap=6.0, return_lse=True)
+    np.testing.assert_allclose(out, want_out, atol=3e-5, rtol=0)
+    np.testing.assert_allclose(lse, want_lse, atol=3e-5, rtol=1e-5)
+    assert np.array_equal(k_cache[np.arange(b), seqlens, :, :], k_new[:, 0])   # appended in place
