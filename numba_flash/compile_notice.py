@@ -53,11 +53,15 @@ def _ours(event: Any) -> str | None:
     return None
 
 
+def _is_quiet() -> bool:
+    return _state["quiet"] or os.environ.get(QUIET_ENV, "") not in ("", "0")
+
+
 def announce(text: str) -> None:
     """Log ``text`` at INFO and print it on stderr unless quiet: for compilations numba cannot cache, e.g. the
     kernels built around a user's mods (``numba_flash.cpu.modhooks``), which the cold-cache note does not cover."""
     logger.info("%s", text)
-    if not (_state["quiet"] or os.environ.get(QUIET_ENV, "") not in ("", "0")):
+    if not _is_quiet():
         print(text, file=sys.stderr, flush=True)
 
 
@@ -84,7 +88,7 @@ def _install_listener() -> None:
                 _state["announced"] = True
             if first:
                 logger.info("compiling %s (%s): first use with a cold numba cache", _what(name), name)
-                if not (_state["quiet"] or os.environ.get(QUIET_ENV, "") not in ("", "0")):
+                if not _is_quiet():
                     print(NOTE.format(what=_what(name), quiet=QUIET_ENV), file=sys.stderr, flush=True)
 
         def on_end(self, ev: Any) -> None:

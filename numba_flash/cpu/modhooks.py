@@ -176,6 +176,9 @@ def kernel_with_mods(kernel: Any, dtype: np.dtype, mods: Any) -> Any:
     fns = (mods.bias_mod, mods.mask_mod, mods.score_mod, grad)
     dtype = np.dtype(dtype)
     key = (kernel, dtype.name, *fns)
+    fn = _kernels.get(key)
+    if fn is not None:
+        return fn
     with _kernels_lock:   # one compilation per key, also when threads call at once
         fn = _kernels.get(key)
         if fn is None:
@@ -213,6 +216,7 @@ def mod_errors(mods: Any):
 
 
 _found: "OrderedDict[tuple[Any, ...], np.ndarray]" = OrderedDict()
+_found_lock = threading.Lock()   # not _kernels_lock, which a compilation holds for a minute
 _FOUND_KEPT = 32
 
 
@@ -227,7 +231,7 @@ def states_for_call(mods: Any, batch: int, nheads_q: int, seqlen_q: int, seqlen_
     if mods.block_mask is not None:
         return kernel_tile_states(mods.block_mask, seqlen_q, seqlen_k)
     key = (mods.mask_mod, batch, nheads_q, seqlen_q, seqlen_k)
-    with _kernels_lock:
+    with _found_lock:
         found = _found.get(key)
         if found is None:
             shape = (batch, nheads_q, -(-seqlen_q // BLOCK_M), -(-seqlen_k // BLOCK_N))

@@ -64,24 +64,27 @@ _E6 = np.float32(_LN2 ** 6 / 720)
 _E7 = np.float32(_LN2 ** 7 / 5040)  # degree 7: degree 6 alone is 1.2e-7 (2 ulp, one-signed) short at |f| = 1/2
 
 
-# n + 1.5 * 2**23 holds the integer n in its low mantissa bits (for |n| < 2**22): bitcast, minus these bits, is n.
-_ROUND_MAGIC = 12582912.0
-_MAGIC_BITS_MINUS_BIAS = 0x4B400000 - 127
+# n + 1.5 * 2**m (m mantissa bits) holds the integer n in its low mantissa bits (for |n| < 2**(m - 1)): bitcast,
+# minus these bits, is n. Per width: (m, 1.5 * 2**m, its bits minus the exponent bias).
+_POW2_CONSTANTS = {32: (23, 12582912.0, 0x4B400000 - 127), 64: (52, 6755399441055744.0, 0x4338000000000000 - 1023)}
 
 
 def _pow2_bits(builder, n, fty, ity):
-    """IR: 2**n for float ``n`` (scalar or vector type ``fty``, ints ``ity``) holding an integer in [-127, 127],
-    built from the exponent bits; n = -127 gives the bit pattern of +0.0. The integer comes from the bits of
-    ``n + 1.5 * 2**23`` rather than from fptosi, whose result for a NaN is poison in LLVM: a NaN n gives some
-    defined bit pattern here, and the NaN of the polynomial it multiplies carries on."""
+    """IR: 2**n for float ``n`` (scalar or vector type ``fty``, ints ``ity`` of the same width, 32 or 64 bits)
+    holding an integer in [-bias, bias] (127 for float32, 1023 for float64), built from the exponent bits; n = -bias
+    gives the bit pattern of +0.0. The integer comes from the bits of ``n + 1.5 * 2**m`` rather than from fptosi,
+    whose result for a NaN is poison in LLVM: a NaN n gives some defined bit pattern here, and the NaN of the
+    polynomial it multiplies carries on."""
     lanes = getattr(fty, "count", None)
+    width = (ity.element if lanes else ity).width
+    mantissa, magic, magic_bits = _POW2_CONSTANTS[width]
 
     def const(ty, x):
         return ir.Constant(ty, [x] * lanes if lanes else x)
 
-    t = builder.fadd(n, const(fty, _ROUND_MAGIC))
-    bits = builder.sub(builder.bitcast(t, ity), const(ity, _MAGIC_BITS_MINUS_BIAS))
-    return builder.bitcast(builder.shl(bits, const(ity, 23)), fty)
+    t = builder.fadd(n, const(fty, magic))
+    bits = builder.sub(builder.bitcast(t, ity), const(ity, magic_bits))
+    return builder.bitcast(builder.shl(bits, const(ity, mantissa)), fty)
 
 
 @intrinsic
@@ -125,17 +128,13 @@ def _fast_exp2_impl(x):
 
 @intrinsic
 def _pow2_f64(typingctx, n):
-    """2**n as float64 for a float64 ``n`` holding an integer in [-1022, 1023], from the exponent bits (as
-    ``_pow2_bits`` does for float32: the integer read from the bits of n + 1.5 * 2**52)."""
+    """2**n as float64 for a float64 ``n`` holding an integer in [-1023, 1023] (see ``_pow2_bits``)."""
     if n != types.float64:
         return None
     sig = types.float64(types.float64)
 
     def codegen(context, builder, signature, args):
-        fty, ity = ir.DoubleType(), ir.IntType(64)
-        t = builder.fadd(args[0], ir.Constant(fty, 6755399441055744.0))
-        bits = builder.sub(builder.bitcast(t, ity), ir.Constant(ity, 0x4338000000000000 - 1023))
-        return builder.bitcast(builder.shl(bits, ir.Constant(ity, 52)), fty)
+        return _pow2_bits(builder, args[0], ir.DoubleType(), ir.IntType(64))
 
     return sig, codegen
 

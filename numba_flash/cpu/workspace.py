@@ -119,7 +119,7 @@ def _signature(name: str, dtype: np.dtype) -> tuple[Any, ...]:
     i64, f64, boolean = types.int64, types.float64, types.boolean
     slopes = types.Array(f64, 2, "A")
     drop = types.Array(f64, 1, "A")
-    tiles = types.Array(types.int8, 4, "A")   # modhooks.kernel_tile_states
+    tiles = types.Array(types.int8, 4, "A")   # modhooks.states_for_call
     sigs = {
         "_forward_kernel": (user[4], user[4], user[4], user[4], user[3], i64, f64, i64, i64, f64, own[3], own[3],
                             boolean, slopes, user[4], drop, tiles),
@@ -268,7 +268,6 @@ def _bias_view(attn_bias: np.ndarray | None, q: np.ndarray, k: np.ndarray) -> np
 
 
 _NO_DROPOUT = np.zeros(0)
-NO_TILE_STATES = np.zeros((0, 0, 0, 0), np.int8)
 
 
 def _dropout_args(dropout_p: float, seed: int, batch0: int) -> np.ndarray:
