@@ -45,6 +45,8 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
         assert _outputs(by_source["res"], "text/html"), "the bench results show no table"
         # The bench's figure and the user's pyplot figure after it both render inline.
         assert _outputs(by_source["res.plot()"], "image/png")
+        mask = next(c for c in code if "block_mask(same_doc_causal" in c.source)
+        assert _outputs(mask, "image/png"), "the BlockMask of the mask_mod example is not drawn"
         own = next(c for c in code if "plt.subplots" in c.source)
         assert _outputs(own, "image/png"), "pyplot's inline figure is gone after the bench"
 
