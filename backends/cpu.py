@@ -104,7 +104,7 @@ class CpuBackend(Backend):
         rows = kv.cache_rows if kv.cache_rows is not None else np.zeros(kv.batch, np.int64)
         table = kv.block_table if kv.paged else np.zeros((1, 1), np.int64)
         decode_forward(q, k_cache, v_cache, rows, kv.key_start, kv.key_end, table, kv.page_size, out, lse,
-                       kv.softmax_scale, kv.window_left, kv.window_right, kv.softcap, splits)
+                       kv.softmax_scale, kv.window_left, kv.window_right, kv.softcap, splits, kv.alibi)
         lse_dtype = "float64" if kv.dtype == "float64" else "float32"
         return _like(kv.q, out, kv.dtype), _like(kv.q, lse, lse_dtype)
 

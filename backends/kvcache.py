@@ -11,7 +11,8 @@ The split arithmetic: the keys ``[a, e)`` of a sequence with ``Sk`` keys form a 
 keys; it keeps every row's visible keys exactly when the right bound grows by ``Sk - e`` (a causal block sees more
 of the keys left of the end) and the left bound shrinks by as much. A left bound that would become negative cannot
 be written as a window, so a sequence with a bounded left window is not split; its work is already bounded by the
-window, and the keys left of row 0's window are skipped.
+window, and the keys left of row 0's window are skipped. Nor is a sequence with ALiBi: a part's dense call would
+measure its distances from the part's own end, not the sequence's.
 """
 
 from __future__ import annotations
@@ -152,6 +153,8 @@ def key_parts(kv: KVCacheCall, seqlen_k: int, num_splits: int) -> list[tuple[int
     if left >= 0:
         first = max(0, seqlen_k - kv.seqlen_q - left)
         return [(first, seqlen_k, left, right)]
+    if kv.alibi is not None:
+        return [(0, seqlen_k, left, right)]
     n = max(1, min(num_splits, seqlen_k))
     bounds = [seqlen_k * i // n for i in range(n + 1)]
     parts = []
@@ -190,11 +193,12 @@ def forward(kv: KVCacheCall, run: Callable[..., None], q: Any, out: Any, lse: An
         k_b, v_b = keys(b)
         q_b, out_b, lse_b = lead_axis(q[b]), lead_axis(out[b]), lead_axis(lse[b])
         parts = key_parts(kv, seqlen_k, num_splits)
+        alibi = None if kv.alibi is None else kv.alibi[b:b + 1]
         merged = None
         for a, e, left, right in parts:
             k_part, v_part = lead_axis(k_b[a:e]), lead_axis(v_b[a:e])
             call = dataclasses.replace(base, q=q_b, k=k_part, v=v_part, batch=1, seqlen_k=e - a, causal=False,
-                                       window_left=left, window_right=right, extra={})
+                                       window_left=left, window_right=right, alibi=alibi, extra={})
             if len(parts) == 1:
                 run(call, q_b, k_part, v_part, out_b, lse_b)
                 break

@@ -10,6 +10,8 @@ The semantics are flash-attn's ``flash_attn_with_kvcache``:
   whole capacity). New keys ``k``, ``v`` ``(B, S_new, Hkv, D)`` are written in place at positions
   ``cache_seqlens[b] ..`` of that row (the only input ever modified); the query block then attends to positions
   ``[cache_leftpad[b], cache_seqlens[b] + S_new)``: a dense call with ``Sk_b`` keys, bottom-right aligned.
+  ALiBi (``alibi_slopes`` (Hq,) or (B, Hq)) is that dense call's: ``-slope * |i + Sk_b - Sq - j|`` with j counted
+  from the first key attended.
 * Rotary tables ``rotary_cos`` / ``rotary_sin`` ``(seqlen_ro, rotary_dim / 2)`` rotate the new keys at their
   absolute cache positions and q at ``cache_seqlens[b] + t`` (causal or local), else all of q at
   ``cache_seqlens[b]`` (see ``numba_flash.rotary``). They need new keys, as in flash-attn.
@@ -30,7 +32,7 @@ import numpy as np
 from .arrays import array_kind, device_of, dtype_name, to_numpy
 from .errors import AttentionInputError
 from .semantics import clamp_window_bound, compute_dtype_name, default_scale, effective_softcap, effective_window
-from .validation import MAX_HEAD_DIM, AttentionCall, _check_array, _check_options, check_same_as_q
+from .validation import MAX_HEAD_DIM, AttentionCall, _check_array, _check_options, check_alibi, check_same_as_q
 
 INDEX_DTYPES = ("int32", "int64")
 
@@ -80,6 +82,7 @@ class KVCacheCall:
     softcap: float
     num_splits: int       # 0: the backend chooses
     return_lse: bool
+    alibi: np.ndarray | None = None  # ALiBi slopes, a read-only float64 (B, Hq) host array
 
     @property
     def paged(self) -> bool:
@@ -114,7 +117,7 @@ class KVCacheCall:
                              nheads_q=self.nheads_q, nheads_kv=self.nheads_kv, head_dim=self.head_dim,
                              causal=self.causal, softmax_scale=self.softmax_scale, window_left=left,
                              window_right=right, softcap=self.softcap, return_lse=self.return_lse,
-                             extra={"kvcache": self})
+                             alibi=self.alibi, extra={"kvcache": self})
 
 
 # choose_num_splits: a split shorter than this costs more in its fixed overhead (a unit's setup, a partial
@@ -190,14 +193,12 @@ def validate_kvcache(
     violation, before anything is written."""
     causal, softmax_scale, window_size, softcap, _, return_lse = _check_options(
         causal, softmax_scale, window_size, softcap, "bshd", return_lse)
-    if alibi_slopes is not None:
-        raise _bad("alibi_slopes", "None (ALiBi with a KV cache is not implemented yet)",
-                   "an array")
     if not isinstance(rotary_interleaved, (bool, np.bool_)):
         raise _bad("rotary_interleaved", "a bool", repr(rotary_interleaved))
     num_splits = _check_num_splits(num_splits)
     q_info = _check_array("q", q, "bshd")
     q, qkind, (batch, sq, hq, d), qdt, qdev = q_info
+    alibi = check_alibi(alibi_slopes, qkind, qdev, batch, hq)
     paged = block_table is not None
     cache_dims = "(num_blocks, page_size, Hkv, D)" if paged else "(B_cache, capacity, Hkv, D)"
     caches = {}
@@ -340,4 +341,4 @@ def validate_kvcache(
         local=tuple(window_size) != (-1, -1),
         softmax_scale=default_scale(d) if softmax_scale is None else float(softmax_scale), window_left=left,
         window_right=right, softcap=effective_softcap(softcap, compute_dtype_name(qdt)), num_splits=num_splits,
-        return_lse=return_lse)
+        return_lse=return_lse, alibi=alibi)

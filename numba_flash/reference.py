@@ -424,9 +424,12 @@ def attention_ref_kvcache(
     rotary_sin: Any = None, cache_seqlens: Any = None, cache_batch_idx: Any = None, cache_leftpad: Any = None,
     block_table: Any = None, *, softmax_scale: float | None = None, causal: bool = False,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, rotary_interleaved: bool = True,
+    alibi_slopes: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Decoding with a KV cache (flash-attn's ``flash_attn_with_kvcache``) in float64, on copies: the caches given
     are not modified. Arguments as ``numba_flash.kvcache`` describes them (valid ones: nothing is checked here).
+    ``alibi_slopes`` (Hq,) or (B, Hq): ALiBi over each sequence's keys as over a dense call's, the distance
+    ``|i + Sk_b - Sq - j|`` counted from the first key attended (after ``cache_leftpad``).
 
     Returns:
         out: (B, Sq, Hq, D) float64; lse: (B, Hq, Sq) float64 (+inf for a row that sees no key).
@@ -476,7 +479,8 @@ def attention_ref_kvcache(
             continue
         keys = np.stack([kc[slot(b, p)] for p in positions])[None]
         values = np.stack([vc[slot(b, p)] for p in positions])[None]
+        slopes = None if alibi_slopes is None else np.broadcast_to(as_float64(alibi_slopes), (batch, hq))[b:b + 1]
         out[b:b + 1], lse[b:b + 1] = attention_ref(qa[b:b + 1], keys, values, causal=causal,
                                                    softmax_scale=softmax_scale, window_size=window_size,
-                                                   softcap=softcap)
+                                                   softcap=softcap, alibi_slopes=slopes)
     return out, lse, kc, vc

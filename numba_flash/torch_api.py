@@ -462,12 +462,12 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cache_seqlens: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],
                   cache_leftpad: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
                   softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
-                  rotary_interleaved: bool, num_splits: int,
+                  rotary_interleaved: bool, alibi_slopes: Optional[torch.Tensor], num_splits: int,
                   backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """``with_kvcache`` through the registry; returns out (like q, contiguous) and lse (B, Hq, Sq) float32."""
     out, lse = backend_registry.get("flash").with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-        block_table, softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved, None,
+        block_table, softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved, alibi_slopes,
         num_splits, True, backend=backend)
     inputs = tuple(x for x in (q, k_cache, v_cache, k, v) if x is not None)
     return _owned(out, q, q.dtype, inputs), _owned(lse, q, _lse_dtype(q.dtype), inputs)
@@ -476,7 +476,7 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 @flash_kvcache.register_fake
 def _flash_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                         cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
-                        rotary_interleaved, num_splits, backend):
+                        rotary_interleaved, alibi_slopes, num_splits, backend):
     batch, seqlen_q, nheads, _ = q.shape
     return torch.empty_like(q), q.new_empty((batch, nheads, seqlen_q), dtype=_lse_dtype(q.dtype))
 
@@ -524,7 +524,9 @@ def flash_attn_with_kvcache(
         block_table: (batch_size, max_num_blocks_per_seq) int32 or None: the pages of a paged cache.
         softmax_scale, causal, window_size, softcap: as in ``flash_attn_func``; the mask is aligned to the
             bottom-right corner of each sequence's (seqlen_q, keys attended) block.
-        alibi_slopes: must be None until ALiBi is implemented (else AttentionInputError).
+        alibi_slopes: (nheads,) or (batch_size, nheads) float32 or None: adds ``-slope * |i + Sk_b - seqlen_q - j|``
+            to the score of query i and key j, j counted from the first key attended (``cache_leftpad``) and Sk_b
+            the keys sequence b attends to, after softcap (flash-attn's ALiBi).
         num_splits: split the keys into this many parts merged by lse (flash-decoding); 0 chooses from the work
             and the machine's parallelism.
         return_softmax_lse: also return the log-sum-exp.
@@ -551,5 +553,5 @@ def flash_attn_with_kvcache(
     scale = None if softmax_scale is None else float(softmax_scale)
     out, lse = flash_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                              cache_leftpad, block_table, scale, causal, int(window_size[0]), int(window_size[1]),
-                             softcap, rotary_interleaved, int(num_splits), backend)
+                             softcap, rotary_interleaved, alibi_slopes, int(num_splits), backend)
     return (out, lse) if return_softmax_lse else out

@@ -43,6 +43,7 @@ from numba.extending import intrinsic, overload
 from numba_flash.cpu.cache_stamp import stamp_kernels
 from numba_flash.cpu.simd import _FASTMATH, _LANES, _LN2, _LOG2E, _as_dtype_of, _fast_exp2
 from numba_flash.cpu.tiles import _row_key_range
+from numba_flash.cpu.workspace import _slopes
 from numba_flash.kvcache import MAX_SPLITS, MIN_KEYS_PER_SPLIT, choose_num_splits  # noqa: F401 (re-exported)
 from numba_flash.semantics import clamp_window_bound, effective_softcap
 
@@ -268,10 +269,12 @@ def _tile_pv(acc, s, flat, offs, head_off, step, run_lo, run_hi):
 
 
 @njit(fastmath=_FASTMATH, cache=True)
-def _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, inv_cap, cap2, softcap):
+def _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, inv_cap, cap2, softcap, has_alibi, slope2, shift):
     """The online-softmax step of one tile: for each row, over its run [run_lo, run_hi) of scores (base 2),
-    apply the softcap, update m_i and l_i, rescale acc, and turn the scores into p = exp2(s - m_i) in place.
-    A row with a score that is not finite is marked poisoned and its run emptied, so ``_tile_pv`` skips it."""
+    apply the softcap, then ALiBi where ``has_alibi`` (score -= slope2[r] * |shift[r] - c| for column c: slope2 in
+    base 2, shift[r] = i + Sk - Sq - j0), update m_i and l_i, rescale acc, and turn the scores into
+    p = exp2(s - m_i) in place. A row with a score that is not finite is marked poisoned and its run emptied, so
+    ``_tile_pv`` skips it."""
     inf = _as_dtype_of(s, np.inf)
     neg_inf = _as_dtype_of(s, -np.inf)
     zero = _as_dtype_of(s, 0.0)
@@ -288,6 +291,10 @@ def _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, inv_cap, cap2, sof
                 x = s_r[c]
                 finite &= abs(x) < inf  # the raw score decides: tanh(inf) = 1 would hide it
                 s_r[c] = cap2 * math.tanh(x * inv_cap)
+        if has_alibi:
+            slope, at = slope2[r], shift[r]
+            for c in range(a, e):
+                s_r[c] -= slope * abs(at - c)  # an inf or NaN score stays one: ALiBi is finite
         tile_max = neg_inf
         for c in range(a, e):
             x = s_r[c]
@@ -326,12 +333,13 @@ def _cache_offset(strides, b, pos, hk, cache_rows, key_start, block_table, page_
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _decode_kernel(q, k_flat, k_str, v_flat, v_str, cache_rows, key_start, key_end, block_table, page_size,
                    nheads_kv, heads_per_unit, out, lse, part_acc, part_m, part_l, scale, left, right, softcap,
-                   num_splits):
+                   num_splits, alibi):
     """Both passes of ``decode_forward``. q (B, Sq, Hq, D), out likewise, lse (B, Hq, Sq): any strides. k_flat,
     v_flat: 1-D views of the caches' memory, k_str/v_str (5,) int64 their origin and element strides.
     A unit is (batch, block of ``heads_per_unit`` kv heads, split): U = B * Hkv / heads_per_unit * num_splits units.
     part_acc (U, rows, D), part_m and part_l (U, rows): the units' partial states.
     Row r of a unit: kv head hk0 + r // (group * Sq), query head that * group + (r // Sq) % group, query row r % Sq.
+    alibi: (B, Hq) float64 slopes, or (0, 0) for none.
     """
     batch, seqlen_q, nheads_q, head_dim = q.shape
     group = nheads_q // nheads_kv
@@ -349,6 +357,7 @@ def _decode_kernel(q, k_flat, k_str, v_flat, v_str, cache_rows, key_start, key_e
     nan = _as_dtype_of(q, np.nan)
     zero = _as_dtype_of(q, 0.0)
     one = _as_dtype_of(q, 1.0)
+    has_alibi = alibi.shape[0] > 0
     for u in prange(batch * n_blocks * num_splits):
         b = u // (n_blocks * num_splits)
         hk0 = (u // num_splits) % n_blocks * heads_per_unit
@@ -370,10 +379,14 @@ def _decode_kernel(q, k_flat, k_str, v_flat, v_str, cache_rows, key_start, key_e
         qs = np.empty((n_rows, head_dim), q.dtype)
         k_head = np.empty(n_rows, np.int64)
         v_head = np.empty(n_rows, np.int64)
+        slope2 = np.zeros(n_rows, q.dtype)  # ALiBi slopes in the base-2 score domain
+        shift = np.empty(n_rows, np.int64)
         for r in range(n_rows):
             k_head[r] = r // rows_per_head * k_str[3]
             v_head[r] = r // rows_per_head * v_str[3]
             h = hk0 * group + r // seqlen_q
+            if has_alibi:
+                slope2[r] = _as_dtype_of(q, alibi[b, h] * _LOG2E)
             for d in range(head_dim):
                 qs[r, d] = q[b, r % seqlen_q, h, d] * qscale
         m_i = np.full(n_rows, neg_inf, q.dtype)
@@ -393,8 +406,10 @@ def _decode_kernel(q, k_flat, k_str, v_flat, v_str, cache_rows, key_start, key_e
             for r in range(n_rows):
                 run_lo[r] = max(j0, row_lo[r]) - j0
                 run_hi[r] = run_lo[r] if poisoned[r] else max(run_lo[r], min(j0 + nk, row_hi[r]) - j0)
+                shift[r] = r % seqlen_q + seqlen_k - seqlen_q - j0
             _tile_scores(qs, k_flat, k_off, k_head, k_step, nk, run_lo, run_hi, s)
-            _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, inv_cap, cap2, softcap)
+            _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, inv_cap, cap2, softcap, has_alibi, slope2,
+                          shift)
             _tile_pv(acc, s, v_flat, v_off, v_head, v_step, run_lo, run_hi)
         for r in range(n_rows):
             part_m[u, r] = nan if poisoned[r] else m_i[r]
@@ -458,7 +473,8 @@ def _kernel_for(dtype: np.dtype) -> Any:
         flat = types.Array(nb, 1, "C", readonly=True)
         sig = (types.Array(nb, 4, "A", readonly=True), flat, ints1, flat, ints1, ints1, ints1, ints1, ints2, i64,
                i64, i64, types.Array(nb, 4, "A"), types.Array(nb, 3, "A"), types.Array(nb, 3, "C"),
-               types.Array(nb, 2, "C"), types.Array(nb, 2, "C"), types.float64, i64, i64, types.float64, i64)
+               types.Array(nb, 2, "C"), types.Array(nb, 2, "C"), types.float64, i64, i64, types.float64, i64,
+               types.Array(types.float64, 2, "C", readonly=True))
         with _compiled_lock:
             fn = _compiled.get(dtype)
             if fn is None:
@@ -503,7 +519,7 @@ def _readonly(x: np.ndarray) -> np.ndarray:
 def decode_forward(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, cache_rows: np.ndarray,
                    key_start: np.ndarray, key_end: np.ndarray, block_table: np.ndarray, page_size: int,
                    out: np.ndarray, lse: np.ndarray, scale: float, window_left: int, window_right: int,
-                   softcap: float, num_splits: int) -> None:
+                   softcap: float, num_splits: int, alibi_slopes: np.ndarray | None = None) -> None:
     """Attention of new query rows against a KV cache (flash-decoding), written into ``out`` and ``lse``.
 
     Arguments (no validation here beyond dtypes: the public ``with_kvcache`` validates):
@@ -530,6 +546,7 @@ def decode_forward(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, cach
         scale: multiplies q.k. softcap: 0 = off, else score = softcap * tanh(scale * q.k / softcap).
         num_splits: >= 1 parts of each batch's visible keys, run in parallel and merged exactly (see
             ``choose_num_splits``).
+        alibi_slopes: None or (B, Hq) float64: adds ``-slope * |i + Sk_b - Sq - j|`` to the scores after softcap.
     """
     dtype = q.dtype
     if dtype not in (np.float32, np.float64) or any(a.dtype != dtype for a in (k_cache, v_cache, out, lse)):
@@ -556,7 +573,8 @@ def decode_forward(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, cach
     part_m = np.empty((units, n_rows), dtype)
     part_l = np.empty((units, n_rows), dtype)
     _kernel_for(dtype)(_readonly(q), k_flat, k_str, v_flat, v_str, *ints, table, int(page_size), nheads_kv,
-                       heads_per_unit, out, lse, part_acc, part_m, part_l, float(scale), left, right, softcap, splits)
+                       heads_per_unit, out, lse, part_acc, part_m, part_l, float(scale), left, right, softcap, splits,
+                       _readonly(np.ascontiguousarray(_slopes(alibi_slopes))))
 
 
 # Recompile when any file the kernels inline from changes, not only this one (see cache_stamp).

@@ -57,6 +57,28 @@ def test_reference_equals_attention_over_the_keys_gathered_by_hand():
     np.testing.assert_array_equal(k_after[untouched], args["k_cache"][untouched])
 
 
+def test_reference_alibi_is_the_bias_over_each_sequences_own_keys():
+    """ALiBi with a cache: -slope * |i + Sk_b - Sq - j|, j counted from cache_leftpad and Sk_b the keys sequence b
+    attends to (its cache, then its new keys), written here as an explicit attn_bias on keys gathered by hand."""
+    rng = np.random.default_rng(14)
+    args = _case(rng, rotary=False, leftpad=True, sq=3)
+    slopes = rng.uniform(0.05, 1.0, (3, 4))
+    out, lse, _, _ = attention_ref_kvcache(**args, alibi_slopes=slopes, causal=True)
+    for b in range(3):
+        n, start = args["cache_seqlens"][b], args["cache_leftpad"][b]
+        keys = np.concatenate([args["k_cache"][b, start:n], args["k"][b]])[None]
+        values = np.concatenate([args["v_cache"][b, start:n], args["v"][b]])[None]
+        sk = keys.shape[1]
+        bias = np.empty((1, 4, 3, sk))
+        for h in range(4):
+            for i in range(3):
+                for j in range(sk):
+                    bias[0, h, i, j] = -slopes[b, h] * abs(i + sk - 3 - j)
+        o, l = attention_ref(args["q"][b:b + 1], keys, values, causal=True, attn_bias=bias)
+        np.testing.assert_allclose(out[b:b + 1], o, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(lse[b:b + 1], l, rtol=1e-12)
+
+
 def test_reference_paged_equals_the_same_cache_unpaged():
     rng = np.random.default_rng(13)
     args = _case(rng, paged=True, page=4)
@@ -76,14 +98,26 @@ GRID = [dict(paged=p, batch_idx=bi, leftpad=lp, rotary=r, s_new=s, sq=sq)
                                    (True, False, False, True, 3, 2), (True, False, False, False, 0, 3),
                                    (False, False, True, False, 0, 1), (False, True, False, True, 5, 5)]]
 OPTIONS = [dict(), dict(causal=True), dict(window_size=(6, 0)), dict(window_size=(-1, 2), softcap=3.0),
-           dict(causal=True, rotary_interleaved=False, softmax_scale=0.3)]
+           dict(causal=True, rotary_interleaved=False, softmax_scale=0.3),
+           dict(alibi_slopes="per batch", causal=True), dict(alibi_slopes="per head", window_size=(6, 0), softcap=3.0)]
+
+
+def _options(index, rng, batch=3, nheads=4):
+    """OPTIONS[index] with ALiBi slopes drawn: (B, Hq) or (Hq,), float32 as flash-attn takes them."""
+    opts = dict(OPTIONS[index])
+    if opts.get("alibi_slopes") == "per batch":
+        opts["alibi_slopes"] = rng.uniform(0.01, 1.0, (batch, nheads)).astype(np.float32)
+    elif opts.get("alibi_slopes") == "per head":
+        opts["alibi_slopes"] = rng.uniform(0.01, 1.0, nheads).astype(np.float32)
+    return opts
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case,options", list(itertools.product(range(len(GRID)), range(len(OPTIONS)))))
 def test_backend_matches_reference(backend, case, options):
     rng = np.random.default_rng(100 + 10 * case + options)
-    args, opts = _case(rng, **GRID[case]), OPTIONS[options]
+    args = _case(rng, **GRID[case])
+    opts = _options(options, rng)
     splits = int(rng.choice([0, 1, 3, 64]))
     want_out, want_lse, want_k, want_v = attention_ref_kvcache(**args, **opts)
     given = _copy(args)
@@ -162,7 +196,9 @@ def _bad_cases():
                               "cache_batch_idx": np.array([1, 4, 1], np.int32)}
     yield "cache_leftpad", {**plain, "cache_leftpad": plain["cache_seqlens"] + 1}
     yield "k", {**plain, "k": plain["k"][:, :, :1]}
-    yield "alibi_slopes", {**plain, "alibi_slopes": np.ones(4, np.float32)}
+    yield "alibi_slopes", {**plain, "alibi_slopes": np.ones(5, np.float32)}  # Hq = 4
+    yield "alibi_slopes", {**plain, "alibi_slopes": np.array([0.5, np.nan, 0.5, 0.5], np.float32)}
+    yield "alibi_slopes", {**plain, "alibi_slopes": [0.5] * 4}
     yield "num_splits", {**plain, "num_splits": -2}
     yield "num_splits", {**plain, "num_splits": 10**9}   # would allocate a partial output per part
     frozen = plain["k_cache"].copy()
@@ -228,14 +264,27 @@ def test_flash_attn_with_kvcache_int_seqlens_and_compile():
     np.testing.assert_array_equal(again["k_cache"].numpy(), t["k_cache"].numpy())  # the append happened there too
 
 
-def test_flash_attn_with_kvcache_refuses_numpy_and_alibi():
+def test_flash_attn_with_kvcache_refuses_numpy():
     rng = np.random.default_rng(53)
     args = _case(rng, rotary=False)
     with pytest.raises(AttentionInputError, match="^q: expected a torch.Tensor"):
         numba_flash.flash_attn_with_kvcache(args["q"], args["k_cache"], args["v_cache"])
     t = _as_torch(args)
-    with pytest.raises(AttentionInputError, match="^alibi_slopes: expected None"):
-        numba_flash.flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], alibi_slopes=torch.ones(4))
+    with pytest.raises(AttentionInputError, match="^alibi_slopes: expected a torch array"):
+        numba_flash.flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], alibi_slopes=np.ones(4))
+
+
+def test_flash_attn_with_kvcache_alibi_in_flash_attns_position():
+    rng = np.random.default_rng(54)
+    args = _case(rng, sq=2, s_new=2, leftpad=True)
+    slopes = rng.uniform(0.01, 1.0, 4).astype(np.float32)
+    want_out, want_lse, _, _ = attention_ref_kvcache(**args, causal=True, alibi_slopes=slopes)
+    t = _as_torch(args)
+    out, lse = numba_flash.flash_attn_with_kvcache(
+        t["q"], t["k_cache"], t["v_cache"], t["k"], t["v"], t["rotary_cos"], t["rotary_sin"], t["cache_seqlens"],
+        None, t["cache_leftpad"], None, None, True, (-1, -1), 0.0, True, torch.from_numpy(slopes), 0, True)
+    np.testing.assert_allclose(out.numpy(), want_out, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(lse.numpy(), want_lse, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
