@@ -14,7 +14,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from numba_flash.arrays import as_result_kind, is_torch_tensor, to_numpy
+from numba_flash.arrays import as_result_kind, dtype_name, is_torch_tensor, to_numpy
 from numba_flash.validation import AttentionCall
 
 from . import kvcache, varlen
@@ -54,7 +54,8 @@ class CpuBackend(Backend):
     SUPPORTS_KVCACHE = True
     SUPPORTS_ALIBI = True
     SUPPORTS_DROPOUT = True
-    SUPPORTS_BIAS = True   # dbias (return_dbias) not yet: the torch path (backend='rocm') computes it
+    SUPPORTS_BIAS = True
+    SUPPORTS_DBIAS = True  # not with a score_mod (see feature_reasons)
     SUPPORTED_MAX_HEAD_DIM = 576   # q and k; v and the output to 512 (validation's limits)
     SUPPORTS_HEAD_DIM_V = True
     SUPPORTS_MODS = True   # compiled into kernels of their own, once per mod in a process (numba_flash.cpu.modhooks)
@@ -63,6 +64,13 @@ class CpuBackend(Backend):
         reasons = super().not_supported_reasons(call, forced)
         if call.dtype == "bfloat16" and call.kind != "torch":
             reasons.append("bfloat16 only as torch tensors (numpy has no bfloat16)")
+        return reasons
+
+    def feature_reasons(self, call: AttentionCall) -> list[str]:
+        reasons = super().feature_reasons(call)
+        if call.return_dbias and call.mods is not None and call.mods.score_mod is not None:
+            # The kernels fold score_mod_grad into the softcap's chain factor; dbias needs it apart.
+            reasons.append("attn_bias's gradient (return_dbias) together with a score_mod not supported")
         return reasons
 
     def forward(self, call: AttentionCall) -> tuple[Any, Any]:
@@ -77,17 +85,23 @@ class CpuBackend(Backend):
         lse_dtype = "float64" if call.dtype == "float64" else "float32"
         return _like(call.q, out, call.dtype), _like(call.q, lse, lse_dtype)
 
-    def backward(self, call: AttentionCall) -> tuple[Any, Any, Any]:
+    def backward(self, call: AttentionCall) -> tuple[Any, ...]:
+        """(dq, dk, dv), and dbias shaped like attn_bias in its dtype when ``call.return_dbias``."""
         compute = _compute_dtype(call.dtype)
         dout, q, k, v, out, lse = (_host(x, compute) for x in (call.dout, call.q, call.k, call.v, call.out, call.lse))
         dq, dk, dv = np.empty(q.shape, compute), np.empty(k.shape, compute), np.empty(v.shape, compute)
-        if call.is_varlen:
+        dbias = None
+        if call.is_varlen:  # no attn_bias with packed sequences (validation)
             varlen.backward(call, _run_backward, dout, q, k, v, out, lse, dq, dk, dv)
         else:
             lay = call.layout
-            _run_backward(call, *(_bshd(x, lay) for x in (dout, q, k, v, out)), lse,
-                          *(_bshd(x, lay) for x in (dq, dk, dv)))
-        return tuple(_like(call.q, g, call.dtype) for g in (dq, dk, dv))
+            dbias = _run_backward(call, *(_bshd(x, lay) for x in (dout, q, k, v, out)), lse,
+                                  *(_bshd(x, lay) for x in (dq, dk, dv)))
+        grads = tuple(_like(call.q, g, call.dtype) for g in (dq, dk, dv))
+        if not call.return_dbias:
+            return grads
+        bias = call.bias.array
+        return grads + (_like(bias, dbias.reshape(tuple(int(n) for n in bias.shape)), dtype_name(bias)),)
 
     def with_kvcache(self, call: AttentionCall) -> tuple[Any, Any]:
         kv = call.kvcache
@@ -125,10 +139,12 @@ def _run_forward(call: AttentionCall, q: np.ndarray, k: np.ndarray, v: np.ndarra
 
 
 def _run_backward(call: AttentionCall, dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                  out: np.ndarray, lse: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray) -> None:
-    """The backward kernels on (B, S, H, D) views, as ``_run_forward``; writes dq, dk and dv."""
+                  out: np.ndarray, lse: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray
+                  ) -> np.ndarray | None:
+    """The backward kernels on (B, S, H, D) views, as ``_run_forward``; writes dq, dk and dv, and returns dbias
+    (the bias's shape padded to 4 dimensions, compute dtype) when ``call.return_dbias``, else None."""
     from numba_flash.cpu import flash_backward
 
-    flash_backward(dout, q, k, v, out, lse, dq, dk, dv, call.softmax_scale, call.window_left, call.window_right,
-                   call.softcap, call.alibi, call.dropout_p, call.dropout_seed, call.dropout_batch0,
-                   _bias(call, q.dtype), call.mods)
+    return flash_backward(dout, q, k, v, out, lse, dq, dk, dv, call.softmax_scale, call.window_left,
+                          call.window_right, call.softcap, call.alibi, call.dropout_p, call.dropout_seed,
+                          call.dropout_batch0, _bias(call, q.dtype), call.mods, call.return_dbias)

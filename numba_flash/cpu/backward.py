@@ -307,81 +307,132 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
             _store_rows(dv[b, j0:j0 + nk, hk], dv_acc, nk, head_dim_v)
 
 
+@njit(inline="always", cache=True)
+def _add_dbias(dbias_bh, dst, i0, j0, nq, nk):
+    """dbias_bh[i, j] += dst[j - j0, i - i0], the score gradients of a transposed (BN, BM) block (keys as rows),
+    over its nk keys and nq queries. dbias_bh: this head's (Sq', Sk') slice of the bias's own shape, where an axis
+    of length 1 (broadcast along queries or keys) takes the sum over that axis."""
+    every_row = dbias_bh.shape[0] > 1
+    every_col = dbias_bh.shape[1] > 1
+    for c in range(nk):
+        j = j0 + c if every_col else 0
+        for r in range(nq):
+            dbias_bh[i0 + r if every_row else 0, j] += dst[c, r]
+
+
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, head_dim_v, scale, left, right,
-                        softcap, alibi, bias, drop, tile_states):
-    """dQ, one prange iteration per (batch, query head, query tile): it recomputes P and dS for the key tiles its
-    rows see and is the only writer of its dq rows. qs, k, v, dout, row_max, row_inv, delta as in
-    ``_backward_kv_kernel``, and alibi, bias, drop, tile_states; head_dim, head_dim_v: D and Dv;
-    dq: (B, Sq, Hq, >= D), any strides, written."""
+                        softcap, alibi, bias, drop, tile_states, want_dbias, dbias):
+    """dQ, and dbias when ``dbias`` has parts. A unit is a (batch, query head, query tile); it recomputes P and dS
+    for the key tiles its rows see and is the only writer of its dq rows. qs, k, v, dout, row_max, row_inv, delta
+    as in ``_backward_kv_kernel``, and alibi, bias, drop, tile_states; head_dim, head_dim_v: D and Dv;
+    dq: (B, Sq, Hq, >= D), any strides, written.
+    dbias: with ``want_dbias``, (parts, B', H', Sq', Sk') zeros in the bias's own shape (each of B', H', Sq', Sk'
+    the full size or 1); else any (1, B, Hq, 1, 1) array, untouched. Units whose bias elements coincide (those that differ only along an axis the bias
+    is broadcast along) run one after another in one prange iteration, split into ``parts`` runs with a slice of
+    dbias each, so no two iterations add into the same element; the caller sums the parts."""
     batch, seqlen_q, nheads_q = qs.shape[0], qs.shape[1], qs.shape[2]
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads_q // nheads_kv
     dp = qs.shape[3]
     dpv = v.shape[3]
     n_qt = (seqlen_q + BLOCK_M - 1) // BLOCK_M
-    for u in prange(batch * nheads_q * n_qt):
-        b = u // (nheads_q * n_qt)
-        h = (u // n_qt) % nheads_q
-        qt = u % n_qt
-        hk = h // group
-        i0 = qt * BLOCK_M
-        nq = min(BLOCK_M, seqlen_q - i0)
-        slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
-        bias_bh = bias[b, h] if bias.shape[0] > 0 else bias[0:0, 0:0, 0, 0]
-        bias_tile = np.empty((BLOCK_N, BLOCK_M) if bias.shape[0] > 0 else (0, 0), qs.dtype)
-        row_lo = np.empty(BLOCK_M, np.int64)
-        row_hi = np.empty(BLOCK_M, np.int64)
-        span_lo, span_hi, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
-        q_t = np.empty((head_dim, BLOCK_M), qs.dtype)
-        do_t = np.empty((head_dim_v, BLOCK_M), qs.dtype)
-        _load_transposed(q_t, qs[b, i0:i0 + nq, h], nq, head_dim)
-        _load_transposed(do_t, dout[b, i0:i0 + nq, h], nq, head_dim_v)
-        k_tail = np.zeros((BLOCK_N, dp), qs.dtype)
-        v_tail = np.zeros((BLOCK_N, dpv), qs.dtype)
-        st = np.empty((BLOCK_N, BLOCK_M), qs.dtype)
-        dpt = np.empty((BLOCK_N, BLOCK_M), qs.dtype)
-        per_pair = softcap > 0 or _MODS
-        dcap = np.empty((BLOCK_N, BLOCK_M) if per_pair else (1, 1), qs.dtype)
-        vis = np.empty((BLOCK_N, BLOCK_M) if _MODS else (0, 0), np.bool_)
-        acc = np.zeros((BLOCK_M, dp), qs.dtype)
-        tile = np.empty((BLOCK_M, dp), qs.dtype)
-        kt_first = span_lo // BLOCK_N
-        kt_end = (span_hi + BLOCK_N - 1) // BLOCK_N if span_lo < span_hi else kt_first
-        for kt in range(kt_first, kt_end):
-            j0 = kt * BLOCK_N
-            nk = min(BLOCK_N, seqlen_k - j0)
-            state = _tile_state(tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, True)
-            if state == EMPTY:
-                continue
-            if nk == BLOCK_N:
-                kr = k[b, j0:j0 + BLOCK_N, hk]
-                vr = v[b, j0:j0 + BLOCK_N, hk]
-            else:  # a last, partial key tile: the products read whole tiles, so pad it with zero rows
-                _load_rows(k_tail, k[b, j0:j0 + nk, hk], nk, head_dim)
-                _load_rows(v_tail, v[b, j0:j0 + nk, hk], nk, head_dim_v)
-                kr = k_tail[:, :]
-                vr = v_tail[:, :]
-            _mm_dot(st, kr, q_t, head_dim)
-            _mm_dot(dpt, vr, do_t, head_dim_v)
-            _dropout_block(dpt, drop, b, h, i0, j0, nk, True)   # dS needs F dP; dQ = dS K needs no P
-            _block_scores(st, dcap, i0, j0, nk, True, scale, softcap, per_pair, slope, seqlen_k - seqlen_q, bias_bh,
-                          bias_tile, row_lo, row_hi)
-            _mod_scores(st, vis, dcap, state, b, h, i0, j0, nq, nk, True)
-            _probs_and_dscores_cols(st, dpt, dcap, row_max[b, h], row_inv[b, h], delta[b, h], i0, j0, nk, row_lo,
-                                    row_hi, full_lo, full_hi, scale, per_pair, bias_bh)
-            _mod_zero_hidden(st, dpt, vis, nq, nk, True)
-            masked = _MODS or bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
-            _tile_product_add(acc, tile, dpt, kr, nk, True, True, masked, j0, row_lo, row_hi, bias_bh, i0, vis)
-        _store_rows(dq[b, i0:i0 + nq, h], acc, nq, head_dim)
+    n_parts = dbias.shape[0] if want_dbias else 1
+    # Summed along an axis: a run of units covers it (the bias has length 1 there).
+    sum_b = want_dbias and dbias.shape[1] == 1
+    sum_h = want_dbias and dbias.shape[2] == 1
+    sum_q = want_dbias and dbias.shape[3] == 1
+    runs_b, runs_h, runs_q = (1 if sum_b else batch), (1 if sum_h else nheads_q), (1 if sum_q else n_qt)
+    in_b, in_h, in_q = (batch if sum_b else 1), (nheads_q if sum_h else 1), (n_qt if sum_q else 1)
+    in_run = in_b * in_h * in_q
+    for w in prange(runs_b * runs_h * runs_q * n_parts):
+        run = w // n_parts
+        part = w % n_parts
+        for m in range(in_run * part // n_parts, in_run * (part + 1) // n_parts):
+            b = m // (in_h * in_q) if sum_b else run // (runs_h * runs_q)
+            h = (m // in_q) % in_h if sum_h else (run // runs_q) % runs_h
+            qt = m % in_q if sum_q else run % runs_q
+            hk = h // group
+            i0 = qt * BLOCK_M
+            nq = min(BLOCK_M, seqlen_q - i0)
+            slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
+            bias_bh = bias[b, h] if bias.shape[0] > 0 else bias[0:0, 0:0, 0, 0]
+            dbias_bh = dbias[part, 0 if sum_b else b, 0 if sum_h else h]
+            bias_tile = np.empty((BLOCK_N, BLOCK_M) if bias.shape[0] > 0 else (0, 0), qs.dtype)
+            row_lo = np.empty(BLOCK_M, np.int64)
+            row_hi = np.empty(BLOCK_M, np.int64)
+            span_lo, span_hi, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
+            q_t = np.empty((head_dim, BLOCK_M), qs.dtype)
+            do_t = np.empty((head_dim_v, BLOCK_M), qs.dtype)
+            _load_transposed(q_t, qs[b, i0:i0 + nq, h], nq, head_dim)
+            _load_transposed(do_t, dout[b, i0:i0 + nq, h], nq, head_dim_v)
+            k_tail = np.zeros((BLOCK_N, dp), qs.dtype)
+            v_tail = np.zeros((BLOCK_N, dpv), qs.dtype)
+            st = np.empty((BLOCK_N, BLOCK_M), qs.dtype)
+            dpt = np.empty((BLOCK_N, BLOCK_M), qs.dtype)
+            per_pair = softcap > 0 or _MODS
+            dcap = np.empty((BLOCK_N, BLOCK_M) if per_pair else (1, 1), qs.dtype)
+            vis = np.empty((BLOCK_N, BLOCK_M) if _MODS else (0, 0), np.bool_)
+            acc = np.zeros((BLOCK_M, dp), qs.dtype)
+            tile = np.empty((BLOCK_M, dp), qs.dtype)
+            kt_first = span_lo // BLOCK_N
+            kt_end = (span_hi + BLOCK_N - 1) // BLOCK_N if span_lo < span_hi else kt_first
+            for kt in range(kt_first, kt_end):
+                j0 = kt * BLOCK_N
+                nk = min(BLOCK_N, seqlen_k - j0)
+                state = _tile_state(tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, True)
+                if state == EMPTY:
+                    continue
+                if nk == BLOCK_N:
+                    kr = k[b, j0:j0 + BLOCK_N, hk]
+                    vr = v[b, j0:j0 + BLOCK_N, hk]
+                else:  # a last, partial key tile: the products read whole tiles, so pad it with zero rows
+                    _load_rows(k_tail, k[b, j0:j0 + nk, hk], nk, head_dim)
+                    _load_rows(v_tail, v[b, j0:j0 + nk, hk], nk, head_dim_v)
+                    kr = k_tail[:, :]
+                    vr = v_tail[:, :]
+                _mm_dot(st, kr, q_t, head_dim)
+                _mm_dot(dpt, vr, do_t, head_dim_v)
+                _dropout_block(dpt, drop, b, h, i0, j0, nk, True)   # dS needs F dP; dQ = dS K needs no P
+                _block_scores(st, dcap, i0, j0, nk, True, scale, softcap, per_pair, slope, seqlen_k - seqlen_q,
+                              bias_bh, bias_tile, row_lo, row_hi)
+                _mod_scores(st, vis, dcap, state, b, h, i0, j0, nq, nk, True)
+                # With dbias, dS is first formed without the chain factor (scale, softcap's): the bias enters the
+                # score after both, so dbias is P (dP - delta) itself.
+                _probs_and_dscores_cols(st, dpt, dcap, row_max[b, h], row_inv[b, h], delta[b, h], i0, j0, nk,
+                                        row_lo, row_hi, full_lo, full_hi, 1.0 if want_dbias else scale,
+                                        per_pair and not want_dbias, bias_bh)
+                _mod_zero_hidden(st, dpt, vis, nq, nk, True)
+                if want_dbias:
+                    _add_dbias(dbias_bh, dpt, i0, j0, nq, nk)
+                    _chain_factor(dpt, dcap, scale, per_pair, nk)
+                masked = _MODS or bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
+                _tile_product_add(acc, tile, dpt, kr, nk, True, True, masked, j0, row_lo, row_hi, bias_bh, i0, vis)
+            _store_rows(dq[b, i0:i0 + nq, h], acc, nq, head_dim)
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _chain_factor(dst, dcap, scale, per_pair, nk):
+    """dst[:nk] *= d score / d q.k: dcap per pair where ``per_pair``, else the scale."""
+    if per_pair:
+        for c in range(nk):
+            for r in range(dst.shape[1]):
+                dst[c, r] *= dcap[c, r]
+    else:
+        sc = _as_dtype_of(dst, scale)
+        for c in range(nk):
+            for r in range(dst.shape[1]):
+                dst[c, r] *= sc
 
 
 def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
                    lse: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, scale: float,
                    window_left: int, window_right: int, softcap: float, alibi: np.ndarray | None = None,
                    dropout_p: float = 0.0, dropout_seed: int = 0, dropout_batch0: int = 0,
-                   attn_bias: np.ndarray | None = None, mods: Any = None) -> None:
-    """Gradients of ``sum(out * dout)`` with respect to q, k and v, written into dq, dk, dv.
+                   attn_bias: np.ndarray | None = None, mods: Any = None,
+                   return_dbias: bool = False) -> np.ndarray | None:
+    """Gradients of ``sum(out * dout)`` with respect to q, k and v, written into dq, dk, dv; with
+    ``return_dbias`` also returns the gradient of attn_bias.
 
     Arguments:
         q: (B, Sq, Hq, D); dout, out: (B, Sq, Hq, Dv); k: (B, Sk, Hkv, D); v: (B, Sk, Hkv, Dv); any strides, not
@@ -393,16 +444,45 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
         dq: (B, Sq, Hq, D); dk: (B, Sk, Hkv, D); dv: (B, Sk, Hkv, Dv); any strides, contents ignored and
             overwritten. With GQA the gradients of a kv head are summed over the query heads of its group.
         All arrays float32, or all float64. scale, window_left, window_right, softcap, alibi, dropout and attn_bias
-            as in ``flash_forward`` (the same dropout_seed as the forward's). No dbias here.
+            as in ``flash_forward`` (the same dropout_seed as the forward's).
         mods: as in ``flash_forward``, with the score_mod's score_mod_grad.
+        return_dbias: needs attn_bias, and no score_mod (its gradient would have to be kept apart from the
+            softcap's). Returns dbias in the compute dtype and in the bias's shape with leading axes of length 1
+            up to 4 dimensions (B', H', Sq', Sk'): the gradient of the score, summed over the axes the bias is
+            broadcast along, 0 where a pair is hidden, NaN where it is not finite. Otherwise returns None.
     """
+    if return_dbias and (attn_bias is None or (mods is not None and mods.score_mod is not None)):
+        raise ValueError("flash_backward: return_dbias needs attn_bias and no score_mod")
     with mod_errors(mods):
-        _backward(dout, q, k, v, out, lse, dq, dk, dv, scale, window_left, window_right, softcap, alibi, dropout_p,
-                  dropout_seed, dropout_batch0, attn_bias, mods)
+        return _backward(dout, q, k, v, out, lse, dq, dk, dv, scale, window_left, window_right, softcap, alibi,
+                         dropout_p, dropout_seed, dropout_batch0, attn_bias, mods, return_dbias)
+
+
+# dbias's partial sums (``_dbias_parts``) together take at most this much memory beyond one copy of the bias.
+DBIAS_PARTS_BYTES = 256 << 20
+
+
+def _dbias_parts(bias_shape: tuple[int, ...], batch: int, nheads_q: int, seqlen_q: int, dtype: np.dtype
+                 ) -> np.ndarray:
+    """Zeros (parts, B', H', Sq', Sk') for ``_backward_dq_kernel``'s dbias. Its units form runs that add into
+    the same elements (those along the axes the bias is broadcast along) and a run is one prange iteration; where
+    the runs are fewer than twice the threads, each is cut into ``parts`` pieces with their own partial sums, so
+    that every thread has work. A bias broadcast along everything but its keys, with B = Hq = 1 and one query
+    tile, would otherwise run on one thread."""
+    shape4 = (1,) * (4 - len(bias_shape)) + tuple(int(n) for n in bias_shape)
+    n_qt = -(-seqlen_q // BLOCK_M)
+    sizes = (batch, nheads_q, n_qt)
+    runs = int(np.prod([n for n, own in zip(sizes, shape4[:3]) if own != 1] or [1]))
+    in_run = int(np.prod(sizes)) // runs
+    wanted = 2 * numba.get_num_threads()
+    parts = 1 if runs >= wanted else min(in_run, -(-wanted // runs))
+    one = int(np.prod(shape4)) * np.dtype(dtype).itemsize
+    parts = max(1, min(parts, 1 + DBIAS_PARTS_BYTES // max(one, 1)))
+    return np.zeros((parts,) + shape4, dtype)
 
 
 def _backward(dout, q, k, v, out, lse, dq, dk, dv, scale, window_left, window_right, softcap, alibi, dropout_p,
-              dropout_seed, dropout_batch0, attn_bias, mods) -> None:
+              dropout_seed, dropout_batch0, attn_bias, mods, return_dbias) -> np.ndarray | None:
     dtype = _check_dtypes(dout, q, k, v, out, lse, dq, dk, dv)
     slopes = _slopes(alibi)
     drop = _dropout_args(dropout_p, dropout_seed, dropout_batch0)
@@ -440,7 +520,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, scale, window_left, window_ri
     qs_in = qs.transpose(0, 2, 1, 3)
     # Fusing dQ into the key-tile pass saves recomputing P and dS, but it needs one iteration per (batch, kv head)
     # to own all key tiles; do it only when there are enough of those to keep every thread busy.
-    fuse_dq = batch * nheads_kv >= 2 * numba.get_num_threads()
+    fuse_dq = batch * nheads_kv >= 2 * numba.get_num_threads() and not return_dbias
     n_kt = -(-k.shape[1] // BLOCK_N)
     dq_acc = _scratch("dq", (batch, nheads_q, sq_pad, q_in.shape[3]) if fuse_dq else (1, 1, 1, 1), dtype)
     dq_acc.fill(0)
@@ -449,10 +529,17 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, scale, window_left, window_ri
         window_right, softcap, n_kt if fuse_dq else 1, fuse_dq, slopes, bias, drop, tile_states)
     if fuse_dq:
         _entry(_store_dq_kernel, dtype)(dq_acc, dq, head_dim)
-    else:
-        kernel_with_mods(_backward_dq_kernel, dtype, mods)(
-            qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq, head_dim, head_dim_v, float(scale), window_left,
-            window_right, softcap, slopes, bias, drop, tile_states)
+        return None
+    dbias = (_dbias_parts(attn_bias.shape, batch, nheads_q, seqlen_q, dtype) if return_dbias
+             else np.zeros((1, batch, nheads_q, 1, 1), dtype))
+    kernel_with_mods(_backward_dq_kernel, dtype, mods)(
+        qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq, head_dim, head_dim_v, float(scale), window_left,
+        window_right, softcap, slopes, bias, drop, tile_states, bool(return_dbias), dbias)
+    if not return_dbias:
+        return None
+    total = dbias[0] if dbias.shape[0] == 1 else dbias.sum(axis=0)
+    total[~np.isfinite(total)] = np.nan  # as the torch path gives it: an inf in a sum of gradients is not a limit
+    return total
 
 
 # Recompile when any file the kernels inline from changes, not only this one (see cache_stamp).

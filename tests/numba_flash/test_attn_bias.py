@@ -11,7 +11,7 @@ from numba_flash import AttentionInputError, attention_ref, attention_ref_backwa
 torch = pytest.importorskip("torch")
 
 BACKENDS = ("rocm", "cpu")
-DBIAS = {"rocm": True, "cpu": False}   # the CPU kernels take a bias but do not compute its gradient yet
+DBIAS = {"rocm": True, "cpu": True}
 B, SQ, SK, HQ, HKV, D = 2, 23, 37, 4, 2, 24
 # Every way a bias can broadcast to (B, Hq, Sq, Sk): full, per head, per row, per key, one number.
 SHAPES = [(B, HQ, SQ, SK), (1, HQ, SQ, SK), (HQ, 1, SK), (SQ, SK), (B, 1, 1, SK), (B, HQ, SQ, 1), (1,)]
@@ -135,22 +135,46 @@ def test_flash_attn_func_gives_dbias_to_autograd(backend):
     assert frozen.grad is None and tq.grad is not None and np.array_equal(frozen.numpy(), bias)
 
 
-def test_flash_attn_func_on_cpu_runs_a_frozen_bias_and_asks_for_the_torch_path_for_dbias():
+def test_flash_attn_func_on_cpu_chooses_the_cpu_kernels_for_dbias_too():
     rng = np.random.default_rng(35)
     q, k, v, dout = _inputs(rng)
     bias = rng.standard_normal((HQ, SQ, SK)).astype(np.float32)
-    tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
-    out = numba_flash.flash_attn_func(tq, tk, tv, causal=True, attn_bias=torch.from_numpy(bias))   # chosen: cpu
+    call = dict(causal=True, attn_bias=bias)
+    assert backend_registry.get("flash").explain(q, k, v, **call).chosen == "cpu"
+    tq, tk, tv, tb = (torch.from_numpy(x).requires_grad_() for x in (q, k, v, bias))
+    out = numba_flash.flash_attn_func(tq, tk, tv, causal=True, attn_bias=tb)
     out.backward(torch.from_numpy(dout))
-    want = attention_ref_backward(dout, q, k, v, causal=True, attn_bias=bias)
-    for got, ref in zip((tq.grad, tk.grad, tv.grad), want):
+    want = attention_ref_backward(dout, q, k, v, causal=True, attn_bias=bias, return_dbias=True)
+    for got, ref in zip((tq.grad, tk.grad, tv.grad, tb.grad), want):
         assert _rel(got.numpy(), ref) <= 2e-5
-    # A bias that needs a gradient: refused before the forward runs, saying which backend would compute it.
-    tb = torch.from_numpy(bias).requires_grad_()
-    with pytest.raises(numba_flash.NoBackendError, match=r"(?s)return_dbias.*backend='rocm'"):
-        numba_flash.flash_attn_func(tq, tk, tv, causal=True, attn_bias=tb)
-    with torch.no_grad():   # no backward coming: the CPU kernels serve it
-        numba_flash.flash_attn_func(tq, tk, tv, causal=True, attn_bias=tb)
+
+
+def test_dbias_with_a_score_mod_goes_to_the_torch_path():
+    """The CPU kernels fold score_mod_grad into softcap's chain factor, and dbias needs it apart: the registry
+    says so, names the torch path (numpy arrays go there only when it is named), which gives the reference's dbias."""
+    rng = np.random.default_rng(37)
+    q, k, v, dout = _inputs(rng)
+    bias = rng.standard_normal((SQ, SK)).astype(np.float32)
+    mods = dict(score_mod=_doubled, score_mod_grad=_two)
+    out, lse = backend_registry.get("flash", backend="cpu").forward(q, k, v, attn_bias=bias, return_lse=True,
+                                                                    score_mod=_doubled)
+    with pytest.raises(numba_flash.NoBackendError, match=r"return_dbias\) together with a score_mod"):
+        backend_registry.get("flash", backend="cpu").backward(dout, q, k, v, out, lse, attn_bias=bias,
+                                                               return_dbias=True, **mods)
+    with pytest.raises(numba_flash.NoBackendError, match=r"backend='rocm' serves it"):
+        backend_registry.get("flash").backward(dout, q, k, v, out, lse, attn_bias=bias, return_dbias=True, **mods)
+    dbias = backend_registry.get("flash", backend="rocm").backward(dout, q, k, v, out, lse, attn_bias=bias,
+                                                                   return_dbias=True, **mods)[3]
+    want = attention_ref_backward(dout, q, k, v, attn_bias=bias, return_dbias=True, **mods)[3]
+    assert _rel(dbias, want) <= 2e-5
+
+
+def _doubled(score, b, h, q_idx, kv_idx):
+    return 2.0 * score
+
+
+def _two(score, b, h, q_idx, kv_idx):
+    return 2.0
 
 
 # Sizes that cross the CPU kernels' 64 x 64 tiles (partial last tiles both ways), every way to broadcast.
@@ -177,8 +201,14 @@ def test_cpu_kernels_across_tiles_with_hidden_pairs(case, dtype, tol):
     seen = np.isfinite(want_lse)
     assert np.array_equal(lse[~seen], want_lse[~seen])
     np.testing.assert_allclose(lse[seen], want_lse[seen], atol=tol, rtol=tol)
-    for got, want in zip(op.backward(dout, q, k, v, out, lse, **kw), attention_ref_backward(dout, q, k, v, **kw)):
-        assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want)
+    # dbias too: with 3 query tiles and 2 threads, a bias broadcast over batch, heads or queries is summed by runs
+    # cut into parts with partial sums of their own (backward._dbias_parts).
+    grads = op.backward(dout, q, k, v, out, lse, return_dbias=True, **kw)
+    want = attention_ref_backward(dout, q, k, v, return_dbias=True, **kw)
+    assert grads[3].shape == bias.shape and grads[3].dtype == dtype
+    for name, got, ref in zip(("dq", "dk", "dv", "dbias"), grads, want):
+        assert _rel(got, ref) <= tol, name   # a bias constant along each row has dbias 0: against 1 there
+    assert not grads[3][np.isneginf(bias)].any()   # a hidden pair has no gradient
 
 
 def test_backends_without_bias_say_so():
@@ -187,9 +217,6 @@ def test_backends_without_bias_say_so():
     bias = rng.standard_normal((SQ, SK)).astype(np.float32)
     with pytest.raises(numba_flash.NoBackendError, match="attn_bias not supported"):
         backend_registry.get("flash", backend="cuda").forward(q, k, v, attn_bias=bias)
-    with pytest.raises(numba_flash.NoBackendError, match=r"attn_bias's gradient \(return_dbias\) not supported"):
-        backend_registry.get("flash", backend="cpu").backward(q, q, k, v, q, np.zeros((B, HQ, SQ), np.float32),
-                                                               attn_bias=bias, return_dbias=True)
     assert f"attn_bias(1, 1, {SQ}, {SK})" in backend_registry.get("flash").explain(q, k, v, attn_bias=bias)
 
 

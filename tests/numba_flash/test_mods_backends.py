@@ -203,9 +203,10 @@ def test_flash_attn_func_with_mods_and_autograd(backend):
 def test_no_backend_error_names_the_backend_that_serves_the_call_when_named():
     rng = np.random.default_rng(56)
     q, k, v, dout = _inputs(rng)
-    out, lse = backend_registry.get("flash").forward(q, k, v, mask_mod=doc_mask, return_lse=True)
     bias = rng.standard_normal((1, 1, SQ, SK)).astype(np.float32)
-    kw = dict(mask_mod=doc_mask, attn_bias=bias, return_dbias=True)   # the cpu backend has no dbias
+    out, lse = backend_registry.get("flash").forward(q, k, v, score_mod=soft_clip, attn_bias=bias, return_lse=True)
+    # the cpu backend has no dbias with a score_mod
+    kw = dict(score_mod=soft_clip, score_mod_grad=soft_clip_grad, attn_bias=bias, return_dbias=True)
     with pytest.raises(numba_flash.NoBackendError, match="backend='rocm' serves it when named$") as exc:
         backend_registry.get("flash").backward(dout, q, k, v, out, lse, **kw)
     assert exc.value.if_named == ("rocm",)
