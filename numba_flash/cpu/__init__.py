@@ -15,7 +15,8 @@ so that the backward given that lse skips a pass over the scores; the most recen
 
 Modules: ``simd`` (tile sizes, vector width, inlined arithmetic), ``microkernels`` (the register-blocked
 products), ``passes`` (softmax column passes, row copies), ``tiles`` (the causal/window band), ``workspace``
-(compiled entries, scratch, packing), ``forward``, ``backward``, ``stash``, and ``decode`` (KV-cache decoding).
+(compiled entries, scratch, packing), ``forward``, ``backward`` (the kernels and the host side) with
+``backward_blocks`` (their block steps), ``stash``, and ``decode`` (KV-cache decoding).
 """
 
 from .. import compile_notice

@@ -1,0 +1,212 @@
+"""The block steps of the CPU backward kernels (``backward``): a block's scores recomputed as the forward made
+them, P and dS from the forward's row statistics, dropout factors, the tile products that sum a gradient one tile
+at a time, and dbias added into the bias's own shape. All inline into the kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .cache_stamp import stamp_kernels
+from .simd import _FASTMATH, _as_dtype_of, _capped, _fast_exp
+from .microkernels import _mm, _mm_at
+from .passes import _rows_finite
+from .tiles import _add_alibi, _bias_scores, _dropout_block, _mask_block, _visible_product, _zero_bias_hidden
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _softcap_scores(s, nrows, ncols, softcap, dcap, scale):
+    """s[:nrows, :ncols] = softcap * tanh(s / softcap), the forward's capped scores computed the forward's way
+    (``_capped``); dcap = scale * (1 - tanh^2), d score / d q.k. A loop of its own: fused into the exponent's
+    subtraction (a multiply-add), the capped score would not be the one the forward took the max of."""
+    inf = _as_dtype_of(s, np.inf)
+    nan = _as_dtype_of(s, np.nan)
+    for r in range(nrows):
+        for c in range(ncols):
+            x = s[r, c]
+            capped, t = _capped(x, softcap)
+            s[r, c] = capped if abs(x) < inf else nan
+            dcap[r, c] = _as_dtype_of(dcap, scale * (1.0 - t * t))
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _gradient_terms(score, dp, row_max, inv_l, delta, dscore):
+    """(P, dS) for one score (as the forward computed it) and dp = dO.v, given the row's max and 1 / sum of the
+    forward's last pass (``_forward_kernel`` with ``stats_only``) and delta = dO . O: P is exp(score - max) / sum,
+    dS the gradient with respect to q.k, ``P * (dP - delta) * dscore`` (dscore: scale, times 1 - tanh^2 with
+    softcap). A poisoned row has max NaN, which makes P and dS NaN; a row that sees no key has max +inf and
+    1 / sum = 0, which make P = 0."""
+    prob = _fast_exp(score - row_max) * inv_l
+    return prob, prob * (dp - delta) * dscore
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _block_scores(s, dcap, i0, j0, nk, keys_are_rows, scale, softcap, per_pair, slope, diag, bias_bh, bias_tile,
+                  row_lo, row_hi):
+    """The forward's scores of a block from its q.k (Q pre-scaled as in the forward): softcap, ALiBi, attn_bias
+    (-inf where it hides a pair; the band is masked later). Keys are the rows of s when ``keys_are_rows`` (a
+    (BN, BM) block), else its columns. ``per_pair``: dcap (the block's shape) receives d score / d q.k (scale,
+    times 1 - tanh^2 with softcap), which the user's score_mod then multiplies (``modhooks``); else dcap is
+    untouched and the derivative is the scale. bias_bh: this head's attn_bias (Sq, Sk) or a (0, 0) array;
+    bias_tile: (BN, BM) scratch for it where keys are rows."""
+    nrows = nk if keys_are_rows else s.shape[0]
+    if softcap > 0:
+        _softcap_scores(s, nrows, s.shape[1], softcap, dcap, scale)
+    elif per_pair:
+        dcap[:] = _as_dtype_of(dcap, scale)
+    _add_alibi(s, slope, i0, j0, diag, keys_are_rows)
+    if bias_bh.shape[0] > 0:
+        _bias_scores(s, bias_bh, i0, j0, nk, keys_are_rows, row_lo, row_hi, False, bias_tile)
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _probs_and_dscores_rows(s, dps, dcap, row_max, row_inv, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
+                            scale, per_pair, bias_bh):
+    """A (BM, BN) block with queries as rows: s holds the scores (``_block_scores``) on entry and P on exit, dps
+    holds dO.v on entry and dS on exit. row_max, row_inv (the forward's row max and 1 / sum, see
+    ``_gradient_terms``) and delta are indexed by query. Masked entries and key columns past nk become 0 in both.
+    dcap: d score / d q.k per pair where ``per_pair``, else the scale is. bias_bh: this head's attn_bias (Sq, Sk)
+    (``_bias_scores``) or a (0, 0) array."""
+    zero = _as_dtype_of(s, 0.0)
+    sc = _as_dtype_of(s, scale)
+    if per_pair:
+        for r in range(s.shape[0]):
+            mr = row_max[i0 + r]
+            il = row_inv[i0 + r]
+            dl = delta[i0 + r]
+            for c in range(s.shape[1]):
+                s[r, c], dps[r, c] = _gradient_terms(s[r, c], dps[r, c], mr, il, dl, dcap[r, c])
+    else:
+        for r in range(s.shape[0]):
+            mr = row_max[i0 + r]
+            il = row_inv[i0 + r]
+            dl = delta[i0 + r]
+            for c in range(s.shape[1]):
+                s[r, c], dps[r, c] = _gradient_terms(s[r, c], dps[r, c], mr, il, dl, sc)
+    if bias_bh.shape[0] > 0:
+        _zero_bias_hidden(s, dps, bias_bh, i0, j0, nk, False)
+    if not (full_lo <= j0 and j0 + nk <= full_hi):
+        for r in range(s.shape[0]):
+            lo = row_lo[r] - j0
+            hi = row_hi[r] - j0
+            for c in range(s.shape[1]):
+                if c < lo or c >= hi:
+                    s[r, c] = zero
+                    dps[r, c] = zero
+    elif nk < s.shape[1]:
+        for r in range(s.shape[0]):
+            for c in range(nk, s.shape[1]):
+                s[r, c] = zero
+                dps[r, c] = zero
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _probs_and_dscores_cols(st, dpt, dcap, row_max, row_inv, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
+                            scale, per_pair, bias_bh):
+    """The same on a transposed (BN, BM) block, keys as rows: st holds the scores and becomes P^T, dpt holds v.dO
+    and becomes dS^T; row_max, row_inv and delta are indexed by column. Key rows past nk and masked entries
+    become 0."""
+    zero = _as_dtype_of(st, 0.0)
+    sc = _as_dtype_of(st, scale)
+    if per_pair:
+        for c in range(nk):
+            for r in range(st.shape[1]):
+                st[c, r], dpt[c, r] = _gradient_terms(st[c, r], dpt[c, r], row_max[i0 + r], row_inv[i0 + r],
+                                                      delta[i0 + r], dcap[c, r])
+    else:
+        for c in range(nk):
+            for r in range(st.shape[1]):
+                st[c, r], dpt[c, r] = _gradient_terms(st[c, r], dpt[c, r], row_max[i0 + r], row_inv[i0 + r],
+                                                      delta[i0 + r], sc)
+    if bias_bh.shape[0] > 0:
+        _zero_bias_hidden(st, dpt, bias_bh, i0, j0, nk, True)
+    if not (full_lo <= j0 and j0 + nk <= full_hi):
+        _mask_block(st, j0, nk, row_lo, row_hi, zero)
+        _mask_block(dpt, j0, nk, row_lo, row_hi, zero)
+    for c in range(nk, st.shape[0]):
+        for r in range(st.shape[1]):
+            st[c, r] = zero
+            dpt[c, r] = zero
+
+
+@njit(inline="always", cache=True)
+def _dropout_factors(factors, drop, b, h, i0, j0, nk):
+    """factors (BM, BN), queries as rows, = the dropout factors of the block at (i0, j0) (``_dropout_block``), 1
+    past nk."""
+    one = _as_dtype_of(factors, 1.0)
+    for r in range(factors.shape[0]):
+        for c in range(factors.shape[1]):
+            factors[r, c] = one
+    _dropout_block(factors, drop, b, h, i0, j0, nk, False)
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _scale_block(block, factors):
+    """block *= factors, elementwise."""
+    for r in range(block.shape[0]):
+        for c in range(block.shape[1]):
+            block[r, c] *= factors[r, c]
+
+
+@njit(inline="always", cache=True)
+def _tile_product_add(acc, tile, a, b_rows, n, a_transposed, b_is_keys, masked, j0, row_lo, row_hi, bias_bh, i0,
+                      vis):
+    """acc += A @ b_rows[:n] (A = a[:n].T with ``a_transposed``, else a[:, :n]), the product formed in ``tile`` first
+    and then added: a gradient summed over a long sequence then takes one rounding per tile, not one per row of the
+    sequence (dK and dV at Sq = 20000 erred 10x torch's). A masked block whose b_rows hold a non-finite value goes
+    through ``_visible_product`` (with bias_bh, i0 and vis)."""
+    zero = _as_dtype_of(acc, 0.0)
+    if masked and not _rows_finite(b_rows, n):
+        tile[:] = zero
+        _visible_product(tile, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, row_hi, bias_bh, i0, vis)
+    elif a_transposed:
+        _mm_at(tile, a, b_rows, n, False)
+    else:
+        _mm(tile, a, b_rows, n, False)
+    for r in range(acc.shape[0]):
+        for d in range(acc.shape[1]):
+            acc[r, d] += tile[r, d]
+
+
+@njit(inline="always", cache=True)
+def _load_transposed(dst, src, n, head_dim):
+    """dst[:head_dim, :n] = src[:n, :head_dim].T and zero in dst's columns n..; dst (D, BN), src a 2-D view."""
+    zero = _as_dtype_of(dst, 0.0)
+    for c in range(n):
+        for d in range(head_dim):
+            dst[d, c] = src[c, d]
+    for d in range(head_dim):
+        for c in range(n, dst.shape[1]):
+            dst[d, c] = zero
+
+
+@njit(inline="always", cache=True)
+def _add_dbias(dbias_bh, dst, i0, j0, nq, nk):
+    """dbias_bh[i, j] += dst[j - j0, i - i0], the score gradients of a transposed (BN, BM) block (keys as rows),
+    over its nk keys and nq queries. dbias_bh: this head's (Sq', Sk') slice of the bias's own shape, where an axis
+    of length 1 (broadcast along queries or keys) takes the sum over that axis."""
+    every_row = dbias_bh.shape[0] > 1
+    every_col = dbias_bh.shape[1] > 1
+    for c in range(nk):
+        j = j0 + c if every_col else 0
+        for r in range(nq):
+            dbias_bh[i0 + r if every_row else 0, j] += dst[c, r]
+
+
+@njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _chain_factor(dst, dcap, scale, per_pair, nk):
+    """dst[:nk] *= d score / d q.k: dcap per pair where ``per_pair``, else the scale."""
+    if per_pair:
+        for c in range(nk):
+            for r in range(dst.shape[1]):
+                dst[c, r] *= dcap[c, r]
+    else:
+        sc = _as_dtype_of(dst, scale)
+        for c in range(nk):
+            for r in range(dst.shape[1]):
+                dst[c, r] *= sc
+
+
+# Recompile when any file the kernels inline from changes, not only this one (see cache_stamp).
+stamp_kernels(globals())
