@@ -30,22 +30,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_revision(rev: str) -> types.SimpleNamespace:
-    """``flash_forward`` and ``flash_backward`` of revision ``rev``, from its ``numba_flash/cpu`` files extracted
-    into a temporary package (its ``__init__`` is not run: it imports the rest of that revision's numba_flash)."""
-    tar = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "numba_flash/cpu"], check=True,
+    """``flash_forward`` and ``flash_backward`` of revision ``rev``, from its ``numba_flash`` files extracted into
+    a temporary package under another name. Its top ``__init__`` is not run (it would import the current tree's
+    backends); the kernels' relative imports (``..dropout``, ``..mods``) find that revision's modules."""
+    tar = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "numba_flash"], check=True,
                          capture_output=True).stdout
     root = Path(tempfile.gettempdir()) / f"numba_flash_cpu_{rev}"
     with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
         archive.extractall(root, filter="data")
     name = "numba_flash_cpu_" + "".join(c if c.isalnum() else "_" for c in rev)
     package = types.ModuleType(name)
-    package.__path__ = [str(root / "numba_flash" / "cpu")]
     sys.modules[name] = package
-    if (root / "numba_flash" / "cpu" / "kernels.py").exists():
+    if (root / "numba_flash" / "cpu" / "kernels.py").exists():  # before the split by concern: no parent imports
+        package.__path__ = [str(root / "numba_flash" / "cpu")]
         kernels = importlib.import_module(name + ".kernels")
         return types.SimpleNamespace(flash_forward=kernels.flash_forward, flash_backward=kernels.flash_backward)
-    return types.SimpleNamespace(flash_forward=importlib.import_module(name + ".forward").flash_forward,
-                                 flash_backward=importlib.import_module(name + ".backward").flash_backward)
+    package.__path__ = [str(root / "numba_flash")]
+    return types.SimpleNamespace(flash_forward=importlib.import_module(name + ".cpu.forward").flash_forward,
+                                 flash_backward=importlib.import_module(name + ".cpu.backward").flash_backward)
 
 
 def main() -> None:

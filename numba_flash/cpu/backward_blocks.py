@@ -188,10 +188,15 @@ def _add_dbias(dbias_bh, dst, i0, j0, nq, nk):
     of length 1 (broadcast along queries or keys) takes the sum over that axis."""
     every_row = dbias_bh.shape[0] > 1
     every_col = dbias_bh.shape[1] > 1
-    for c in range(nk):
-        j = j0 + c if every_col else 0
-        for r in range(nq):
-            dbias_bh[i0 + r if every_row else 0, j] += dst[c, r]
+    # Along dbias's rows in the inner loop: the strided reads then fall in the L1-resident block, not in dbias.
+    for r in range(nq):
+        i = i0 + r if every_row else 0
+        if every_col:
+            for c in range(nk):
+                dbias_bh[i, j0 + c] += dst[c, r]
+        else:
+            for c in range(nk):
+                dbias_bh[i, 0] += dst[c, r]
 
 
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
