@@ -6,7 +6,9 @@ the cache once, 2 * Sk * Hkv * D * 4 bytes; the copy moves that many bytes with 
 buffer (reading and writing them, on one thread: numpy's copy is not parallel, so it is a conservative stand-in
 for the machine's read bandwidth). GB/s are of the bytes read. Runs interleave the three, see ``_times``.
 
-Usage: ``PYTHONPATH=. python tools/decode_bandwidth.py [--repeats 10] [--splits N] [--threads N]``.
+Usage: ``PYTHONPATH=. python tools/decode_bandwidth.py [--repeats 10] [--splits N] [--threads N] [--alibi]``.
+``--alibi`` also times the decode with ALiBi slopes (2^-(h+1) / 4 per head) in the same rounds, and prints its
+time over the plain decode's.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def main() -> None:
     parser.add_argument("--splits", type=int, default=0, help="num_splits (0: choose_num_splits)")
     parser.add_argument("--seqlens", type=int, nargs="+", default=[8192, 32768, 65536])
     parser.add_argument("--threads", type=int, default=0, help="numba and torch threads (0: their defaults)")
+    parser.add_argument("--alibi", action="store_true", help="also time the decode with ALiBi slopes")
     args = parser.parse_args()
     try:
         import torch
@@ -82,9 +85,15 @@ def main() -> None:
                 with torch.no_grad():
                     return sdpa(tq, tk, tv, enable_gqa=True)
             fns.append(run_sdpa)
+        slopes = (2.0 ** -np.arange(1, hq + 1) / 4).reshape(1, hq)
+        if args.alibi:
+            fns.append(lambda: decode_forward(q, k_cache, v_cache, rows, start, end, table, 0, out, lse, d ** -0.5,
+                                              -1, -1, 0.0, splits, slopes))
         copy_t, dec_t, *rest = _times(fns, args.repeats)
+        alibi_t = rest.pop() if args.alibi else None
         sdpa_t = rest[0] if rest else (float("nan"), float("nan"))
         if torch is not None:
+            fns[1]()  # out from the plain decode again (the ALiBi one ran last)
             ref = run_sdpa().permute(0, 2, 1, 3).numpy()
             assert np.abs(ref - out).max() < 1e-4, np.abs(ref - out).max()
 
@@ -94,6 +103,9 @@ def main() -> None:
         print(f"{sk:>6} {splits:>6} {nbytes / 1e6:>6.0f} | {gbs(copy_t):>15} | {gbs(dec_t):>15} "
               f"{copy_t[0] / dec_t[0]:>6.2f} | {sdpa_t[0] * 1e3:6.2f}/{sdpa_t[1] * 1e3:6.2f} "
               f"{dec_t[0] * 1e3:6.2f}/{dec_t[1] * 1e3:6.2f} {sdpa_t[0] / dec_t[0]:>8.2f}")
+        if alibi_t is not None:
+            print(f"{'':>6} with ALiBi: {alibi_t[0] * 1e3:6.2f}/{alibi_t[1] * 1e3:6.2f} ms, "
+                  f"{alibi_t[1] / dec_t[1]:.2f}x the plain decode's median")
     print("GB/s and ms as min/median; /copy and sdpa/dec are ratios of the minima (higher is better for decode).")
 
 
