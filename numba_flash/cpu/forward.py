@@ -153,9 +153,11 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
             _add_alibi(st, slope, i0, j0, seqlen_k - seqlen_q, True)
             # Every block that no mask touches is all visible: there any non-finite score poisons its query. A bias
             # may hide any pair (-inf), so with one every block is masked.
-            masked = _MODS or bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
+            band_masked = not (full_lo <= j0 and j0 + nk <= full_hi)
+            masked = _MODS or bias_bh.shape[0] > 0 or band_masked
+            bias_hides = False
             if bias_bh.shape[0] > 0:
-                _bias_scores(st, bias_bh, i0, j0, nk, True, row_lo, row_hi, True, bias_tile)
+                bias_hides = _bias_scores(st, bias_bh, i0, j0, nk, True, row_lo, row_hi, True, bias_tile)
             elif masked:
                 _mask_scores(st, j0, nk, row_lo, row_hi)
             _mod_scores(st, vis, no_grad, state, b, h, i0, j0, nq, nk, True)
@@ -177,7 +179,9 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
             if not stats_only:
                 _dropout_block(st, drop, b, h, i0, j0, nk, True)
                 v_rows = v[b, j0:j0 + nk, hk]
-                if masked and not _rows_finite(v_rows, nk):
+                # a non-finite v row must reach only the queries that see it: where nothing hides a pair of the
+                # block, that is every query, and the plain product does it
+                if (_MODS or band_masked or bias_hides) and not _rows_finite(v_rows, nk):
                     pv[:] = zero
                     _visible_product(pv, st, v_rows, nk, True, True, j0, row_lo, row_hi, bias_bh, i0, vis)
                 else:

@@ -298,3 +298,57 @@ def _mm_dot_impl(c, a, b, kdim):
                         part += a[i, k] * b[k, j]
                     c[i, j] = part if k0 == 0 else c[i, j] + part
     return impl
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Transposing a tile in registers
+
+
+def _transpose_codegen(lanes: int) -> Callable:
+    """LLVM IR for dst[dr + a, dc + b] = src[sr + b, sc + a], a, b < lanes, float32 2-D arrays with unit-stride
+    rows: ``lanes`` row vectors loaded, transposed by log2(lanes) rounds of two-input shuffles (round s swaps the
+    off-diagonal s x s blocks of every 2s x 2s block), stored as ``lanes`` row vectors. A scalar transposing loop
+    makes one strided store per element; this makes 2 * lanes vector moves and lanes * log2(lanes) shuffles."""
+
+    def codegen(context, builder, signature, args):
+        dty, sty = signature.args[:2]
+        f32 = ir.FloatType()
+        vty = ir.VectorType(f32, lanes)
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        i8p = ir.IntType(8).as_pointer()
+        dst, src = (context.make_array(t)(context, builder, v) for t, v in zip((dty, sty), args[:2]))
+        idx = [context.cast(builder, v, t, types.int64) for v, t in zip(args[2:], signature.args[2:])]
+        sr, sc, dr, dc = idx
+        four = ir.Constant(i64, 4)
+
+        def row_ptr(arr, row, col):
+            rstride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
+            off = builder.add(builder.mul(row, rstride), builder.mul(col, four))
+            return builder.bitcast(builder.gep(builder.bitcast(arr.data, i8p), [off]), vty.as_pointer())
+
+        rows = [builder.load(row_ptr(src, builder.add(sr, ir.Constant(i64, b)), sc), align=4) for b in range(lanes)]
+        s = lanes // 2
+        while s >= 1:
+            lo = ir.Constant(ir.VectorType(i32, lanes), [l if not l & s else lanes + l - s for l in range(lanes)])
+            hi = ir.Constant(ir.VectorType(i32, lanes), [l + s if not l & s else lanes + l for l in range(lanes)])
+            new = list(rows)
+            for i in range(lanes):
+                if not i & s:
+                    new[i] = builder.shuffle_vector(rows[i], rows[i + s], lo)
+                    new[i + s] = builder.shuffle_vector(rows[i], rows[i + s], hi)
+            rows = new
+            s //= 2
+        for a in range(lanes):
+            builder.store(rows[a], row_ptr(dst, builder.add(dr, ir.Constant(i64, a)), dc), align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def _transpose_lanes(typingctx, dst, src, src_row, src_col, dst_row, dst_col):
+    """dst[dst_row + a, dst_col + b] = src[src_row + b, src_col + a] for a, b < LANES (16 with AVX-512, else 8);
+    float32 2-D arrays whose rows are unit-stride (the caller checks: numba's types cannot say it of a view)."""
+    if not _rows_f32(dst, src):
+        return None
+    return types.none(dst, src, src_row, src_col, dst_row, dst_col), _transpose_codegen(_LANES)

@@ -7,11 +7,12 @@ dropout.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from ..dropout import philox4x32_10_jit
-from .simd import BLOCK_M, _FASTMATH, _as_dtype_of
-from .microkernels import _mm, _mm_at
+from .simd import BLOCK_M, _FASTMATH, _LANES, _as_dtype_of
+from .microkernels import _mm, _mm_at, _transpose_lanes
 from .passes import _copy_rows
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -220,31 +221,67 @@ def _dropout_block(block, drop, b, h, i0, j0, nk, keys_are_rows):
                         block[r, c + 2] *= f2
 
 
+@njit(inline="always", cache=True)
+def _bias_tile_t_scalar(tile_t, bias_bh, i0, j0, nq, nk):
+    for r in range(nq):
+        for c in range(nk):
+            tile_t[c, r] = bias_bh[i0 + r, j0 + c]
+
+
+def _bias_tile_t(tile_t, bias_bh, i0, j0, nq, nk):  # pragma: no cover - typed by the overload below
+    raise NotImplementedError
+
+
+@overload(_bias_tile_t, inline="always")
+def _bias_tile_t_impl(tile_t, bias_bh, i0, j0, nq, nk):
+    """tile_t[c, r] = bias_bh[i0 + r, j0 + c] for r < nq, c < nk. float32 tiles whose bias rows are unit-stride
+    go through registers, LANES x LANES at a time (``_transpose_lanes``): the scalar copy's one strided store per
+    element made a forward with a bias 1.45x the plain one. Partial tiles, float64 and strided rows: the scalar
+    copy, which reads along the bias's rows and scatters its writes in L1."""
+    if not (tile_t.dtype == types.float32 and bias_bh.dtype == types.float32):
+        def impl_scalar(tile_t, bias_bh, i0, j0, nq, nk):
+            _bias_tile_t_scalar(tile_t, bias_bh, i0, j0, nq, nk)
+        return impl_scalar
+
+    def impl(tile_t, bias_bh, i0, j0, nq, nk):
+        if (nq == tile_t.shape[1] and nk == tile_t.shape[0] and nq % _LANES == 0 and nk % _LANES == 0
+                and bias_bh.strides[1] == 4):
+            for rb in range(0, nq, _LANES):
+                for cb in range(0, nk, _LANES):
+                    _transpose_lanes(tile_t, bias_bh, i0 + rb, j0 + cb, cb, rb)
+        else:
+            _bias_tile_t_scalar(tile_t, bias_bh, i0, j0, nq, nk)
+    return impl
+
+
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
 def _bias_scores(block, bias_bh, i0, j0, nk, keys_are_rows, row_lo, row_hi, forward, tile_t):
     """attn_bias on a block of scores after softcap and ALiBi, for query i = i0 + (column or row) and key j = j0 +
     (row or column) < j0 + nk, keys indexing the rows of ``block`` when ``keys_are_rows``. bias_bh: this head's
     (Sq, Sk) bias, read in place. Where the bias is -inf the pair is hidden, as the band hides it, whatever the
     score: the block gets -inf there. Elsewhere the score gets the bias added. Query rows past Sq (tile padding)
-    become -inf. With keys as rows, the bias tile is first copied transposed into ``tile_t`` (BN, BM) (read along
-    the bias's rows; the scattered writes stay in L1), so that the pass over the block reads both along rows.
+    become -inf. With keys as rows, the bias tile is first copied transposed into ``tile_t`` (BN, BM)
+    (``_bias_tile_t``), so that the pass over the block reads both along rows.
 
     With ``forward`` this also is the forward's ``_mask_scores`` for the block (every block with a bias goes
     through it): -inf for pairs outside the band, NaN for a visible score that is not finite, so that -inf means
-    hidden and nothing else."""
+    hidden and nothing else.
+
+    Returns whether the bias hides any pair of the block (is -inf there): where it does not, the block hides no
+    more than the band does."""
     neg_inf = _as_dtype_of(block, -np.inf)
     inf = _as_dtype_of(block, np.inf)
     nan = _as_dtype_of(block, np.nan)
     nq = min(block.shape[1] if keys_are_rows else block.shape[0], bias_bh.shape[0] - i0)
+    hidden = 0
     if keys_are_rows:
-        for r in range(nq):
-            for c in range(nk):
-                tile_t[c, r] = _as_dtype_of(block, bias_bh[i0 + r, j0 + c])
+        _bias_tile_t(tile_t, bias_bh, i0, j0, nq, nk)
         for c in range(nk):
             j = j0 + c
             for r in range(nq):   # selects, no branches: the loop vectorises
                 bv = tile_t[c, r]
                 s = block[c, r] + bv
+                hidden |= bv == neg_inf
                 if forward:
                     s = s if abs(s) < inf else nan
                     seen = (bv != neg_inf) & (j >= row_lo[r]) & (j < row_hi[r])
@@ -258,10 +295,12 @@ def _bias_scores(block, bias_bh, i0, j0, nk, keys_are_rows, row_lo, row_hi, forw
             for c in range(nk):
                 bv = _as_dtype_of(block, bias_bh[i0 + r, j0 + c])
                 s = block[r, c] + bv
+                hidden |= bv == neg_inf
                 block[r, c] = s if bv != neg_inf else neg_inf
         for r in range(nq, block.shape[0]):
             for c in range(block.shape[1]):
                 block[r, c] = neg_inf
+    return hidden != 0
 
 
 @njit(inline="always", fastmath=_FASTMATH, cache=True)

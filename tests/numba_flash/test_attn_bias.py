@@ -211,6 +211,25 @@ def test_cpu_kernels_across_tiles_with_hidden_pairs(case, dtype, tol):
     assert not grads[3][np.isneginf(bias)].any()   # a hidden pair has no gradient
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_value_row_reaches_only_the_queries_the_bias_lets_see_it(backend):
+    """Whole 64 x 64 tiles with no band mask: only the bias decides who sees key 70, whose v row is NaN."""
+    rng = np.random.default_rng(38)
+    q, k = (rng.standard_normal((1, 128, 2, 16)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((1, 128, 2, 16)).astype(np.float32)
+    v[0, 70, 1, 5] = np.nan
+    bias = rng.standard_normal((128, 128)).astype(np.float32)
+    blind = rng.random(128) < 0.5          # these queries do not see key 70
+    bias[blind, 70] = -np.inf
+    out = backend_registry.get("flash", backend=backend).forward(q, k, v, attn_bias=bias)
+    want = attention_ref(q, k, v, attn_bias=bias)[0]
+    assert np.isnan(out[0, ~blind, 1]).any(axis=-1).all() and not np.isnan(out[0, blind, 1]).any()
+    assert not np.isnan(out[0, :, 0]).any()
+    seen = ~np.isnan(want)
+    assert np.array_equal(seen, ~np.isnan(out))
+    np.testing.assert_allclose(out[seen], want[seen], atol=2e-5, rtol=0)
+
+
 def test_backends_without_bias_say_so():
     rng = np.random.default_rng(34)
     q, k, v, _ = _inputs(rng)
