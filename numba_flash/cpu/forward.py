@@ -96,14 +96,11 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
     zero = _as_dtype_of(q, 0.0)
     for u in prange(batch * nheads_q * n_qt):
         b = u // (nheads_q * n_qt)
-        if bias.shape[0] > 0:
-            # heads innermost, so that the heads sharing a bias (broadcast over them) read its rows of this query
-            # tile one after another, from cache
-            h = u % nheads_q
-            qt = (u // nheads_q) % n_qt
-        else:
-            h = (u // n_qt) % nheads_q
-            qt = u % n_qt
+        # Query tiles innermost, with or without a bias: a thread's consecutive units share K and V (in L2).
+        # Heads innermost (so that heads sharing a bias read its rows from cache) measured 1.29x the plain
+        # forward against 1.24x this way, once the bias tile was transposed in registers.
+        h = (u // n_qt) % nheads_q
+        qt = u % n_qt
         hk = h // group
         i0 = qt * BLOCK_M
         nq = min(BLOCK_M, seqlen_q - i0)

@@ -276,18 +276,27 @@ def _bias_scores(block, bias_bh, i0, j0, nk, keys_are_rows, row_lo, row_hi, forw
     hidden = 0
     if keys_are_rows:
         _bias_tile_t(tile_t, bias_bh, i0, j0, nq, nk)
+        # The band test compares 64-bit key bounds per element: only in blocks the band cuts, each case its own
+        # branch-free loop. Both bounds grow with the row, so the last row's lo and the first row's hi decide.
+        in_band = nq > 0 and row_lo[nq - 1] <= j0 and row_hi[0] >= j0 + nk
         for c in range(nk):
             j = j0 + c
-            for r in range(nq):   # selects, no branches: the loop vectorises
-                bv = tile_t[c, r]
-                s = block[c, r] + bv
-                hidden |= bv == neg_inf
-                if forward:
+            if forward and not in_band:
+                for r in range(nq):   # selects, no branches: the loop vectorises
+                    bv = tile_t[c, r]
+                    s = block[c, r] + bv
+                    hidden |= bv == neg_inf
                     s = s if abs(s) < inf else nan
                     seen = (bv != neg_inf) & (j >= row_lo[r]) & (j < row_hi[r])
-                else:
-                    seen = bv != neg_inf
-                block[c, r] = s if seen else neg_inf
+                    block[c, r] = s if seen else neg_inf
+            else:
+                for r in range(nq):
+                    bv = tile_t[c, r]
+                    s = block[c, r] + bv
+                    hidden |= bv == neg_inf
+                    if forward:
+                        s = s if abs(s) < inf else nan
+                    block[c, r] = s if bv != neg_inf else neg_inf
             for r in range(nq, block.shape[1]):
                 block[c, r] = neg_inf
     else:   # the backward's (BM, BN) blocks, which mask the band themselves
