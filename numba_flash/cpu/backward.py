@@ -39,8 +39,9 @@ from ..mods import EMPTY
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, dv, head_dim, scale, left, right,
-                        softcap, kt_per_unit, fuse_dq, alibi, bias, drop, tile_states):
-    """dK and dV (and, with ``fuse_dq``, dQ into ``dq_acc``).
+                        softcap, kt_per_unit, fuse_dq, alibi, bias, drop, tile_states, want_dbias, dbias):
+    """dK and dV (and, with ``fuse_dq``, dQ into ``dq_acc``; with ``want_dbias`` dbias into ``dbias``, as
+    ``_backward_dq_kernel`` describes it, which needs ``kt_per_unit`` covering every key tile).
 
     q, qs: (B, Sq, Hq, D_pad), dout: (B, Sq, Hq, Dv_pad), k: (B, Sk, Hkv, D_pad) and v: (B, Sk, Hkv, Dv_pad), views
     of head-major buffers (``_head_major``; each head dim rounded up to 16);
@@ -66,80 +67,97 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
     head_dim_v = dv.shape[3]
     n_kt = (seqlen_k + BLOCK_N - 1) // BLOCK_N
     n_chunks = (n_kt + kt_per_unit - 1) // kt_per_unit
-    for u in prange(batch * nheads_kv * n_chunks):
-        b = u // (nheads_kv * n_chunks)
-        hk = (u // n_chunks) % nheads_kv
-        chunk = u % n_chunks
-        row_lo = np.empty(BLOCK_M, np.int64)
-        row_hi = np.empty(BLOCK_M, np.int64)
-        k_t = np.empty((head_dim, BLOCK_N), q.dtype)
-        v_t = np.empty((head_dim_v, BLOCK_N), q.dtype)
-        q_tail = np.empty((BLOCK_M, dp), q.dtype)   # a last, partial query tile, zero-padded
-        do_tail = np.empty((BLOCK_M, dpv), q.dtype)
-        s = np.empty((BLOCK_M, BLOCK_N), q.dtype)
-        dps = np.empty((BLOCK_M, BLOCK_N), q.dtype)
-        per_pair = softcap > 0 or _MODS   # d score / d q.k varies per pair (else it is the scale)
-        dcap = np.empty((BLOCK_M, BLOCK_N) if per_pair else (1, 1), q.dtype)
-        vis = np.empty((BLOCK_M, BLOCK_N) if _MODS else (0, 0), np.bool_)
-        factors = np.empty((BLOCK_M, BLOCK_N) if drop.shape[0] > 0 else (1, 1), q.dtype)
-        dk_acc = np.empty((BLOCK_N, dp), q.dtype)
-        dv_acc = np.empty((BLOCK_N, dpv), q.dtype)
-        kv_tile = np.empty((BLOCK_N, dp), q.dtype)
-        v_tile = np.empty((BLOCK_N, dpv), q.dtype)
-        q_tile = np.empty((BLOCK_M, dp), q.dtype)
-        for kt in range(chunk * kt_per_unit, min(n_kt, (chunk + 1) * kt_per_unit)):
-            j0 = kt * BLOCK_N
-            nk = min(BLOCK_N, seqlen_k - j0)
-            k_rows = k[b, j0:j0 + nk, hk]
-            _load_transposed(k_t, k_rows, nk, head_dim)
-            _load_transposed(v_t, v[b, j0:j0 + nk, hk], nk, head_dim_v)
-            dk_acc[:] = 0
-            dv_acc[:] = 0
-            qt_first, qt_end = _query_tiles_seeing(j0, j0 + nk, seqlen_q, seqlen_k, left, right)
-            for h in range(hk * group, (hk + 1) * group):
-                slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
-                bias_bh = bias[b, h] if bias.shape[0] > 0 else bias[0:0, 0:0, 0, 0]
-                for qt in range(qt_first, qt_end):
-                    i0 = qt * BLOCK_M
-                    nq = min(BLOCK_M, seqlen_q - i0)
-                    state = _tile_state(tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, False)
-                    if state == EMPTY:
-                        continue
-                    _, _, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
-                    q_rows = q[b, i0:i0 + nq, h]
-                    qs_rows = qs[b, i0:i0 + nq, h]
-                    do_rows = dout[b, i0:i0 + nq, h]
-                    if nq == BLOCK_M:
-                        _mm_dot(s, qs_rows, k_t, head_dim)
-                        _mm_dot(dps, do_rows, v_t, head_dim_v)
-                    else:  # the products read whole tiles of their A operand: pad the partial one
-                        _load_rows(q_tail, qs_rows, nq, dp)
-                        _load_rows(do_tail, do_rows, nq, dpv)
-                        _mm_dot(s, q_tail, k_t, head_dim)
-                        _mm_dot(dps, do_tail, v_t, head_dim_v)
-                    if drop.shape[0] > 0:
-                        _dropout_factors(factors, drop, b, h, i0, j0, nk)
-                        _scale_block(dps, factors)
-                    _block_scores(s, dcap, i0, j0, nk, False, scale, softcap, per_pair, slope, seqlen_k - seqlen_q,
-                                  bias_bh, s, row_lo, row_hi)
-                    _mod_scores(s, vis, dcap, state, b, h, i0, j0, nq, nk, False)
-                    _probs_and_dscores_rows(s, dps, dcap, row_max[b, h], row_inv[b, h], delta[b, h], i0, j0, nk,
-                                            row_lo, row_hi, full_lo, full_hi, scale, per_pair, bias_bh)
-                    _mod_zero_hidden(s, dps, vis, nq, nk, False)
-                    if drop.shape[0] > 0:
-                        _scale_block(s, factors)
-                    # P and dS are 0 where a query does not see a key; a non-finite row of Q, dO or K must not
-                    # reach those pairs through 0 * nan (see _visible_product). Only masked blocks have such pairs.
-                    masked = _MODS or bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
-                    _tile_product_add(dv_acc, v_tile, s, do_rows, nq, True, False, masked, j0, row_lo, row_hi,
-                                      bias_bh, i0, vis)
-                    _tile_product_add(dk_acc, kv_tile, dps, q_rows, nq, True, False, masked, j0, row_lo, row_hi,
-                                      bias_bh, i0, vis)
-                    if fuse_dq:
-                        _tile_product_add(dq_acc[b, h, i0:i0 + BLOCK_M], q_tile, dps, k_rows, nk, False, True,
-                                          masked, j0, row_lo, row_hi, bias_bh, i0, vis)
-            _store_rows(dk[b, j0:j0 + nk, hk], dk_acc, nk, head_dim)
-            _store_rows(dv[b, j0:j0 + nk, hk], dv_acc, nk, head_dim_v)
+    # dbias: as in _backward_dq_kernel, the units that add into the same elements (those that differ in batch or
+    # kv head where the bias is broadcast along it) run in order in one iteration, in parts.
+    n_parts = dbias.shape[0] if want_dbias else 1
+    sum_b = want_dbias and dbias.shape[1] == 1
+    sum_h = want_dbias and dbias.shape[2] == 1
+    runs_b, runs_h = (1 if sum_b else batch), (1 if sum_h else nheads_kv)
+    in_b, in_h = (batch if sum_b else 1), (nheads_kv if sum_h else 1)
+    in_run = in_b * in_h
+    for w in prange(runs_b * runs_h * n_chunks * n_parts):
+        run = w // n_parts
+        part = w % n_parts
+        chunk = run % n_chunks
+        for m in range(in_run * part // n_parts, in_run * (part + 1) // n_parts):
+            b = m // in_h if sum_b else run // (runs_h * n_chunks)
+            hk = m % in_h if sum_h else (run // n_chunks) % runs_h
+            row_lo = np.empty(BLOCK_M, np.int64)
+            row_hi = np.empty(BLOCK_M, np.int64)
+            k_t = np.empty((head_dim, BLOCK_N), q.dtype)
+            v_t = np.empty((head_dim_v, BLOCK_N), q.dtype)
+            q_tail = np.empty((BLOCK_M, dp), q.dtype)   # a last, partial query tile, zero-padded
+            do_tail = np.empty((BLOCK_M, dpv), q.dtype)
+            s = np.empty((BLOCK_M, BLOCK_N), q.dtype)
+            dps = np.empty((BLOCK_M, BLOCK_N), q.dtype)
+            per_pair = softcap > 0 or _MODS   # d score / d q.k varies per pair (else it is the scale)
+            dcap = np.empty((BLOCK_M, BLOCK_N) if per_pair else (1, 1), q.dtype)
+            vis = np.empty((BLOCK_M, BLOCK_N) if _MODS else (0, 0), np.bool_)
+            factors = np.empty((BLOCK_M, BLOCK_N) if drop.shape[0] > 0 else (1, 1), q.dtype)
+            dk_acc = np.empty((BLOCK_N, dp), q.dtype)
+            dv_acc = np.empty((BLOCK_N, dpv), q.dtype)
+            kv_tile = np.empty((BLOCK_N, dp), q.dtype)
+            v_tile = np.empty((BLOCK_N, dpv), q.dtype)
+            q_tile = np.empty((BLOCK_M, dp), q.dtype)
+            for kt in range(chunk * kt_per_unit, min(n_kt, (chunk + 1) * kt_per_unit)):
+                j0 = kt * BLOCK_N
+                nk = min(BLOCK_N, seqlen_k - j0)
+                k_rows = k[b, j0:j0 + nk, hk]
+                _load_transposed(k_t, k_rows, nk, head_dim)
+                _load_transposed(v_t, v[b, j0:j0 + nk, hk], nk, head_dim_v)
+                dk_acc[:] = 0
+                dv_acc[:] = 0
+                qt_first, qt_end = _query_tiles_seeing(j0, j0 + nk, seqlen_q, seqlen_k, left, right)
+                for h in range(hk * group, (hk + 1) * group):
+                    slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
+                    bias_bh = bias[b, h] if bias.shape[0] > 0 else bias[0:0, 0:0, 0, 0]
+                    dbias_bh = dbias[part, 0 if sum_b else b, 0 if dbias.shape[2] == 1 else h]
+                    for qt in range(qt_first, qt_end):
+                        i0 = qt * BLOCK_M
+                        nq = min(BLOCK_M, seqlen_q - i0)
+                        state = _tile_state(tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, False)
+                        if state == EMPTY:
+                            continue
+                        _, _, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
+                        q_rows = q[b, i0:i0 + nq, h]
+                        qs_rows = qs[b, i0:i0 + nq, h]
+                        do_rows = dout[b, i0:i0 + nq, h]
+                        if nq == BLOCK_M:
+                            _mm_dot(s, qs_rows, k_t, head_dim)
+                            _mm_dot(dps, do_rows, v_t, head_dim_v)
+                        else:  # the products read whole tiles of their A operand: pad the partial one
+                            _load_rows(q_tail, qs_rows, nq, dp)
+                            _load_rows(do_tail, do_rows, nq, dpv)
+                            _mm_dot(s, q_tail, k_t, head_dim)
+                            _mm_dot(dps, do_tail, v_t, head_dim_v)
+                        if drop.shape[0] > 0:
+                            _dropout_factors(factors, drop, b, h, i0, j0, nk)
+                            _scale_block(dps, factors)
+                        _block_scores(s, dcap, i0, j0, nk, False, scale, softcap, per_pair, slope, seqlen_k - seqlen_q,
+                                      bias_bh, s, row_lo, row_hi)
+                        _mod_scores(s, vis, dcap, state, b, h, i0, j0, nq, nk, False)
+                        # dbias first, before the chain factor (see _backward_dq_kernel)
+                        _probs_and_dscores_rows(s, dps, dcap, row_max[b, h], row_inv[b, h], delta[b, h], i0, j0, nk,
+                                                row_lo, row_hi, full_lo, full_hi, 1.0 if want_dbias else scale,
+                                                per_pair and not want_dbias, bias_bh)
+                        _mod_zero_hidden(s, dps, vis, nq, nk, False)
+                        if want_dbias:
+                            _add_dbias(dbias_bh, dps, i0, j0, nq, nk, False)
+                            _chain_factor(dps, dcap, scale, per_pair)
+                        if drop.shape[0] > 0:
+                            _scale_block(s, factors)
+                        # P and dS are 0 where a query does not see a key; a non-finite row of Q, dO or K must not
+                        # reach those pairs through 0 * nan (see _visible_product). Only masked blocks have such pairs.
+                        masked = _MODS or bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
+                        _tile_product_add(dv_acc, v_tile, s, do_rows, nq, True, False, masked, j0, row_lo, row_hi,
+                                          bias_bh, i0, vis)
+                        _tile_product_add(dk_acc, kv_tile, dps, q_rows, nq, True, False, masked, j0, row_lo, row_hi,
+                                          bias_bh, i0, vis)
+                        if fuse_dq:
+                            _tile_product_add(dq_acc[b, h, i0:i0 + BLOCK_M], q_tile, dps, k_rows, nk, False, True,
+                                              masked, j0, row_lo, row_hi, bias_bh, i0, vis)
+                _store_rows(dk[b, j0:j0 + nk, hk], dk_acc, nk, head_dim)
+                _store_rows(dv[b, j0:j0 + nk, hk], dv_acc, nk, head_dim_v)
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
@@ -150,9 +168,10 @@ def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, h
     as in ``_backward_kv_kernel``, and alibi, bias, drop, tile_states; head_dim, head_dim_v: D and Dv;
     dq: (B, Sq, Hq, >= D), any strides, written.
     dbias: with ``want_dbias``, (parts, B', H', Sq', Sk') zeros in the bias's own shape (each of B', H', Sq', Sk'
-    the full size or 1); else any (1, B, Hq, 1, 1) array, untouched. Units whose bias elements coincide (those that differ only along an axis the bias
-    is broadcast along) run one after another in one prange iteration, split into ``parts`` runs with a slice of
-    dbias each, so no two iterations add into the same element; the caller sums the parts."""
+    the full size or 1); else any (1, B, Hq, 1, 1) array, untouched. Units whose bias elements coincide (those
+    that differ only along an axis the bias is broadcast along) run one after another in one prange iteration,
+    split into ``parts`` runs with a slice of dbias each, so no two iterations add into the same element; the
+    caller sums the parts (``_dbias_parts``)."""
     batch, seqlen_q, nheads_q = qs.shape[0], qs.shape[1], qs.shape[2]
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads_q // nheads_kv
@@ -226,8 +245,8 @@ def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, h
                                         per_pair and not want_dbias, bias_bh)
                 _mod_zero_hidden(st, dpt, vis, nq, nk, True)
                 if want_dbias:
-                    _add_dbias(dbias_bh, dpt, i0, j0, nq, nk)
-                    _chain_factor(dpt, dcap, scale, per_pair, nk)
+                    _add_dbias(dbias_bh, dpt, i0, j0, nq, nk, True)
+                    _chain_factor(dpt, dcap, scale, per_pair)
                 masked = _MODS or bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
                 _tile_product_add(acc, tile, dpt, kr, nk, True, True, masked, j0, row_lo, row_hi, bias_bh, i0, vis)
             _store_rows(dq[b, i0:i0 + nq, h], acc, nq, head_dim)
@@ -270,18 +289,16 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
 DBIAS_PARTS_BYTES = 256 << 20
 
 
-def _dbias_parts(bias_shape: tuple[int, ...], batch: int, nheads_q: int, seqlen_q: int, dtype: np.dtype
-                 ) -> np.ndarray:
-    """Zeros (parts, B', H', Sq', Sk') for ``_backward_dq_kernel``'s dbias. Its units form runs that add into
-    the same elements (those along the axes the bias is broadcast along) and a run is one prange iteration; where
-    the runs are fewer than twice the threads, each is cut into ``parts`` pieces with their own partial sums, so
-    that every thread has work. A bias broadcast along everything but its keys, with B = Hq = 1 and one query
-    tile, would otherwise run on one thread."""
+def _dbias_parts(bias_shape: tuple[int, ...], units: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Zeros (parts, B', H', Sq', Sk') for the dbias of the pass whose units are indexed by ``units``: (B, Hkv) for
+    the fused key-tile pass, (B, Hq, query tiles) for the query-tile pass, whose axes meet the bias's first ones
+    (a kv head's units cover its group's query heads, so an H' of 1 is the only one shared across them). Units
+    that add into the same elements (along the axes where the bias has length 1) form a run, one prange iteration;
+    where the runs are fewer than twice the threads each is cut into ``parts`` pieces with their own partial sums,
+    so that every thread has work (a (1, 1, 1, Sk) bias with B = 1 would otherwise run on one thread)."""
     shape4 = (1,) * (4 - len(bias_shape)) + tuple(int(n) for n in bias_shape)
-    n_qt = -(-seqlen_q // BLOCK_M)
-    sizes = (batch, nheads_q, n_qt)
-    runs = int(np.prod([n for n, own in zip(sizes, shape4[:3]) if own != 1] or [1]))
-    in_run = int(np.prod(sizes)) // runs
+    runs = int(np.prod([n for n, own in zip(units, shape4) if own != 1] or [1]))
+    in_run = int(np.prod(units)) // runs
     wanted = 2 * numba.get_num_threads()
     parts = 1 if runs >= wanted else min(in_run, -(-wanted // runs))
     one = int(np.prod(shape4)) * np.dtype(dtype).itemsize
@@ -328,21 +345,27 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, scale, window_left, window_ri
     qs_in = qs.transpose(0, 2, 1, 3)
     # Fusing dQ into the key-tile pass saves recomputing P and dS, but it needs one iteration per (batch, kv head)
     # to own all key tiles; do it only when there are enough of those to keep every thread busy.
-    fuse_dq = batch * nheads_kv >= 2 * numba.get_num_threads() and not return_dbias
+    fuse_dq = batch * nheads_kv >= 2 * numba.get_num_threads()
     n_kt = -(-k.shape[1] // BLOCK_N)
     dq_acc = _scratch("dq", (batch, nheads_q, sq_pad, q_in.shape[3]) if fuse_dq else (1, 1, 1, 1), dtype)
     dq_acc.fill(0)
+    # dbias is summed in whichever pass forms dQ: the fused key-tile pass (units per (batch, kv head)) or the
+    # query-tile pass (units per (batch, query head, query tile)).
+    no_dbias = np.zeros((1, batch, nheads_q, 1, 1), dtype)
+    dbias = no_dbias
+    if return_dbias:
+        units = (batch, nheads_kv) if fuse_dq else (batch, nheads_q, -(-seqlen_q // BLOCK_M))
+        dbias = _dbias_parts(attn_bias.shape, units, dtype)
     kernel_with_mods(_backward_kv_kernel, dtype, mods)(
         q_in, qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq_acc, dk, dv, head_dim, float(scale), window_left,
-        window_right, softcap, n_kt if fuse_dq else 1, fuse_dq, slopes, bias, drop, tile_states)
+        window_right, softcap, n_kt if fuse_dq else 1, fuse_dq, slopes, bias, drop, tile_states,
+        bool(return_dbias and fuse_dq), dbias if fuse_dq else no_dbias)
     if fuse_dq:
         _entry(_store_dq_kernel, dtype)(dq_acc, dq, head_dim)
-        return None
-    dbias = (_dbias_parts(attn_bias.shape, batch, nheads_q, seqlen_q, dtype) if return_dbias
-             else np.zeros((1, batch, nheads_q, 1, 1), dtype))
-    kernel_with_mods(_backward_dq_kernel, dtype, mods)(
-        qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq, head_dim, head_dim_v, float(scale), window_left,
-        window_right, softcap, slopes, bias, drop, tile_states, bool(return_dbias), dbias)
+    else:
+        kernel_with_mods(_backward_dq_kernel, dtype, mods)(
+            qs_in, k_in, v_in, do_in, row_max, row_inv, delta, dq, head_dim, head_dim_v, float(scale), window_left,
+            window_right, softcap, slopes, bias, drop, tile_states, bool(return_dbias), dbias)
     if not return_dbias:
         return None
     total = dbias[0] if dbias.shape[0] == 1 else dbias.sum(axis=0)

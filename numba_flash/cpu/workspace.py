@@ -125,7 +125,7 @@ def _signature(name: str, dtype: np.dtype) -> tuple[Any, ...]:
                             boolean, slopes, user[4], drop, tiles),
         "_backward_kv_kernel": (user[4], user[4], user[4], user[4], user[4], own[3], own[3], own[3], own[4],
                                 user[4], user[4], i64, f64, i64, i64, f64, i64, boolean, slopes, user[4], drop,
-                                tiles),
+                                tiles, boolean, own[5]),
         "_backward_dq_kernel": (user[4], user[4], user[4], user[4], own[3], own[3], own[3], user[4], i64, i64, f64,
                                 i64, i64, f64, slopes, user[4], drop, tiles, boolean, own[5]),
         "_pack_kernel": (user[4], own[4], i64, boolean),

@@ -230,6 +230,31 @@ def test_nan_value_row_reaches_only_the_queries_the_bias_lets_see_it(backend):
     np.testing.assert_allclose(out[seen], want[seen], atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("nheads_kv", [1, 3])   # dbias in the query-tile pass (1) or in the fused key-tile pass (3)
+def test_dbias_keeps_a_nan_key_out_of_the_queries_that_do_not_see_it(nheads_kv):
+    """softcap's chain factor is NaN at a pair whose raw score is (a NaN key row), also where the window hides the
+    pair: asking for dbias must not carry that NaN into dq, dk or dv, and dbias is NaN exactly where the
+    reference's is."""
+    rng = np.random.default_rng(39)
+    q = rng.standard_normal((2, 150, 3, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 140, nheads_kv, 16)).astype(np.float32) for _ in range(2))
+    k[1, 100, 0, 3] = np.nan
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    bias = rng.standard_normal((3, 150, 140)).astype(np.float32)
+    kw = dict(window_size=(20, 5), softcap=4.0, attn_bias=bias)
+    op = backend_registry.get("flash", backend="cpu")
+    out, lse = op.forward(q, k, v, return_lse=True, **kw)
+    grads = op.backward(dout, q, k, v, out, lse, return_dbias=True, **kw)
+    for name, got, plain in zip(("dq", "dk", "dv"), grads, op.backward(dout, q, k, v, out, lse, **kw)):
+        bad = np.isnan(plain)
+        assert np.array_equal(np.isnan(got), bad) and not bad.all(), name
+        assert _rel(got[~bad], plain[~bad]) <= 1e-6, name
+    want = attention_ref_backward(dout, q, k, v, return_dbias=True, **kw)[3]
+    bad = np.isnan(want)
+    assert np.array_equal(np.isnan(grads[3]), bad) and bad.any() and not bad.all()
+    assert _rel(grads[3][~bad], want[~bad]) <= 2e-5
+
+
 def test_backends_without_bias_say_so():
     rng = np.random.default_rng(34)
     q, k, v, _ = _inputs(rng)
