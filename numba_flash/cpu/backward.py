@@ -294,12 +294,13 @@ def _dbias_parts(bias_shape: tuple[int, ...], units: tuple[int, ...], dtype: np.
     the fused key-tile pass, (B, Hq, query tiles) for the query-tile pass, whose axes meet the bias's first ones
     (a kv head's units cover its group's query heads, so an H' of 1 is the only one shared across them). Units
     that add into the same elements (along the axes where the bias has length 1) form a run, one prange iteration;
-    where the runs are fewer than twice the threads each is cut into ``parts`` pieces with their own partial sums,
-    so that every thread has work (a (1, 1, 1, Sk) bias with B = 1 would otherwise run on one thread)."""
+    where the runs are fewer than the threads each is cut into ``parts`` pieces with their own partial sums, so
+    that every thread has work (a (1, 1, 1, Sk) bias with B = 1 would otherwise run on one thread). No more parts
+    than threads: each costs a zeroed copy of the bias and its sum."""
     shape4 = (1,) * (4 - len(bias_shape)) + tuple(int(n) for n in bias_shape)
     runs = int(np.prod([n for n, own in zip(units, shape4) if own != 1] or [1]))
     in_run = int(np.prod(units)) // runs
-    wanted = 2 * numba.get_num_threads()
+    wanted = numba.get_num_threads()
     parts = 1 if runs >= wanted else min(in_run, -(-wanted // runs))
     one = int(np.prod(shape4)) * np.dtype(dtype).itemsize
     parts = max(1, min(parts, 1 + DBIAS_PARTS_BYTES // max(one, 1)))

@@ -192,9 +192,12 @@ def _add_dbias(dbias_bh, ds, i0, j0, nq, nk, keys_are_rows):
     every_col = dbias_bh.shape[1] > 1
     for r in range(nq):
         i = i0 + r if every_row else 0
-        if every_col:
+        if every_col and keys_are_rows:
             for c in range(nk):
-                dbias_bh[i, j0 + c] += ds[c, r] if keys_are_rows else ds[r, c]
+                dbias_bh[i, j0 + c] += ds[c, r]
+        elif every_col:   # both along rows: this loop vectorises
+            for c in range(nk):
+                dbias_bh[i, j0 + c] += ds[r, c]
         else:
             for c in range(nk):
                 dbias_bh[i, 0] += ds[c, r] if keys_are_rows else ds[r, c]
