@@ -51,7 +51,7 @@ _NR = 2 * _LANES  # columns of C per register block
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-_EXP2_MIN = np.float32(-127.0)  # 2^-127 comes out of _pow2_f32 as exactly 0: masked scores give p = 0, not ~1e-38
+_EXP2_MIN = np.float32(-127.0)  # 2^-127 comes out of _pow2 as exactly 0: masked scores give p = 0, not ~1e-38
 _EXP2_MAX = np.float32(127.0)
 _HALF = np.float32(0.5)
 _ONE = np.float32(1.0)
@@ -88,16 +88,16 @@ def _pow2_bits(builder, n, fty, ity):
 
 
 @intrinsic
-def _pow2_f32(typingctx, n):
-    """2**n as float32 for a float32 ``n`` holding an integer in [-127, 127] (see ``_pow2_bits``)."""
-    if n != types.float32:
+def _pow2(typingctx, n):
+    """2**n for a float32 or float64 ``n`` holding an integer in [-bias, bias] (127 or 1023; see ``_pow2_bits``)."""
+    if n not in (types.float32, types.float64):
         return None
-    sig = types.float32(types.float32)
+    fty, ity = (ir.FloatType(), ir.IntType(32)) if n == types.float32 else (ir.DoubleType(), ir.IntType(64))
 
     def codegen(context, builder, signature, args):
-        return _pow2_bits(builder, args[0], ir.FloatType(), ir.IntType(32))
+        return _pow2_bits(builder, args[0], fty, ity)
 
-    return sig, codegen
+    return n(n), codegen
 
 
 def _fast_exp2(x):  # pragma: no cover - typed by the overload below
@@ -117,26 +117,13 @@ def _fast_exp2_impl(x):
             n = np.floor(c + _HALF)
             f = c - n
             p = _ONE + f * (_E1 + f * (_E2 + f * (_E3 + f * (_E4 + f * (_E5 + f * (_E6 + f * _E7))))))
-            return p * _pow2_f32(n)
+            return p * _pow2(n)
         return impl
     if x == types.float64:
         def impl(x):
             return math.exp(x * _LN2)
         return impl
     return None
-
-
-@intrinsic
-def _pow2_f64(typingctx, n):
-    """2**n as float64 for a float64 ``n`` holding an integer in [-1023, 1023] (see ``_pow2_bits``)."""
-    if n != types.float64:
-        return None
-    sig = types.float64(types.float64)
-
-    def codegen(context, builder, signature, args):
-        return _pow2_bits(builder, args[0], ir.DoubleType(), ir.IntType(64))
-
-    return sig, codegen
 
 
 @intrinsic
@@ -187,7 +174,7 @@ def _tanh64(y):
     p = p * r + _T3
     p = p * r + _T2
     em1 = r + r * r * p
-    scale = _pow2_f64(n)
+    scale = _pow2(n)
     e = scale * em1 + (scale - 1.0)
     t = _fdiv(e, e + 2.0)
     return -t if y < 0 else t
