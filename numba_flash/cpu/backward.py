@@ -13,9 +13,9 @@ from numba import njit, prange
 from .cache_stamp import stamp_kernels
 from .simd import BLOCK_M, BLOCK_N, _FASTMATH
 from .microkernels import _mm_dot
-from .passes import _store_rows
+from .passes import _load_transposed, _store_rows
 from .tiles import _dropout_block, _load_rows, _query_tiles_seeing, _tile_key_span
-from .backward_blocks import (_add_dbias, _block_scores, _chain_factor, _dropout_factors, _load_transposed,
+from .backward_blocks import (_add_dbias, _block_scores, _chain_factor, _dropout_factors,
                               _probs_and_dscores_cols, _probs_and_dscores_rows, _scale_block, _tile_product_add)
 from .workspace import (_bias_view, _dropout_args, _slopes, _check_dtypes, _entry, _head_major,
                         _kernel_options, _pack_scaled_kernel, _padded, _row_dot_kernel, _score_scale, _scratch,

@@ -170,18 +170,6 @@ def _tile_product_add(acc, tile, a, b_rows, n, a_transposed, b_is_keys, masked, 
 
 
 @njit(inline="always", cache=True)
-def _load_transposed(dst, src, n, head_dim):
-    """dst[:head_dim, :n] = src[:n, :head_dim].T and zero in dst's columns n..; dst (D, BN), src a 2-D view."""
-    zero = _as_dtype_of(dst, 0.0)
-    for c in range(n):
-        for d in range(head_dim):
-            dst[d, c] = src[c, d]
-    for d in range(head_dim):
-        for c in range(n, dst.shape[1]):
-            dst[d, c] = zero
-
-
-@njit(inline="always", cache=True)
 def _add_dbias(dbias_bh, ds, i0, j0, nq, nk, keys_are_rows):
     """dbias_bh[i, j] += the score gradient of query i = i0 + r and key j = j0 + c in block ``ds``: ds[c, r] when
     ``keys_are_rows`` (a transposed (BN, BM) block), else ds[r, c]; over nq queries and nk keys. dbias_bh: this

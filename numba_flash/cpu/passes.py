@@ -261,6 +261,19 @@ def _rows_finite_f32(typingctx, rows, n):
 # Packing
 
 
+@njit(inline="always", cache=True)
+def _load_transposed(dst, src, n, head_dim):
+    """dst[:head_dim, :n] = src[:n, :head_dim].T and zero in dst's columns n..; dst (D, BN), src a 2-D view
+    (the backward's K^T, V^T, Q^T and dO^T tiles; a partial bias tile of the forward)."""
+    zero = _as_dtype_of(dst, 0.0)
+    for c in range(n):
+        for d in range(head_dim):
+            dst[d, c] = src[c, d]
+    for d in range(head_dim):
+        for c in range(n, dst.shape[1]):
+            dst[d, c] = zero
+
+
 def _copy_rows(dst, src, n, width):  # pragma: no cover - typed by the overload below
     raise NotImplementedError
 

@@ -13,7 +13,7 @@ from numba.extending import overload
 from ..dropout import philox4x32_10_jit
 from .simd import BLOCK_M, _FASTMATH, _LANES, _as_dtype_of
 from .microkernels import _mm, _mm_at, _transpose_lanes
-from .passes import _copy_rows
+from .passes import _copy_rows, _load_transposed
 
 # ---------------------------------------------------------------------------------------------------------------
 # Masks
@@ -221,13 +221,6 @@ def _dropout_block(block, drop, b, h, i0, j0, nk, keys_are_rows):
                         block[r, c + 2] *= f2
 
 
-@njit(inline="always", cache=True)
-def _bias_tile_t_scalar(tile_t, bias_bh, i0, j0, nq, nk):
-    for r in range(nq):
-        for c in range(nk):
-            tile_t[c, r] = bias_bh[i0 + r, j0 + c]
-
-
 def _bias_tile_t(tile_t, bias_bh, i0, j0, nq, nk):  # pragma: no cover - typed by the overload below
     raise NotImplementedError
 
@@ -237,10 +230,10 @@ def _bias_tile_t_impl(tile_t, bias_bh, i0, j0, nq, nk):
     """tile_t[c, r] = bias_bh[i0 + r, j0 + c] for r < nq, c < nk. float32 tiles whose bias rows are unit-stride
     go through registers, LANES x LANES at a time (``_transpose_lanes``): the scalar copy's one strided store per
     element made a forward with a bias 1.45x the plain one. Partial tiles, float64 and strided rows: the scalar
-    copy, which reads along the bias's rows and scatters its writes in L1."""
+    copy (``_load_transposed``), which reads along the bias's rows and scatters its writes in L1."""
     if not (tile_t.dtype == types.float32 and bias_bh.dtype == types.float32):
         def impl_scalar(tile_t, bias_bh, i0, j0, nq, nk):
-            _bias_tile_t_scalar(tile_t, bias_bh, i0, j0, nq, nk)
+            _load_transposed(tile_t, bias_bh[i0:i0 + nq, j0:j0 + nk], nq, nk)
         return impl_scalar
 
     def impl(tile_t, bias_bh, i0, j0, nq, nk):
@@ -250,7 +243,7 @@ def _bias_tile_t_impl(tile_t, bias_bh, i0, j0, nq, nk):
                 for cb in range(0, nk, _LANES):
                     _transpose_lanes(tile_t, bias_bh, i0 + rb, j0 + cb, cb, rb)
         else:
-            _bias_tile_t_scalar(tile_t, bias_bh, i0, j0, nq, nk)
+            _load_transposed(tile_t, bias_bh[i0:i0 + nq, j0:j0 + nk], nq, nk)
     return impl
 
 
