@@ -406,7 +406,8 @@ def _decode_kernel(q, k_flat, k_str, v_flat, v_str, cache_rows, key_start, key_e
             for r in range(n_rows):
                 run_lo[r] = max(j0, row_lo[r]) - j0
                 run_hi[r] = run_lo[r] if poisoned[r] else max(run_lo[r], min(j0 + nk, row_hi[r]) - j0)
-                shift[r] = r % seqlen_q + seqlen_k - seqlen_q - j0
+                if has_alibi:
+                    shift[r] = r % seqlen_q + seqlen_k - seqlen_q - j0
             _tile_scores(qs, k_flat, k_off, k_head, k_step, nk, run_lo, run_hi, s)
             _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, inv_cap, cap2, softcap, has_alibi, slope2,
                           shift)
