@@ -304,6 +304,7 @@ class CudaBackend(Backend):
     SUPPORTED_LAYOUTS = ("bshd", "bhsd", "thd")
     IS_DETERMINISTIC = True
     SUPPORTS_KVCACHE = True
+    SUPPORTS_ALIBI = True
 
     def __init__(self, config: Any = None):
         self.config = config
@@ -394,7 +395,7 @@ class CudaBackend(Backend):
         device = selfcheck.current_device() if index is None else index
         notes, reasons = [], []
         for kern, cfg in cfgs.items():
-            n, r = selfcheck.problems([cfg], *flags, call.dtype, device=device)
+            n, r = selfcheck.problems([cfg], *flags, call.dtype, device=device, alibi=call.alibi is not None)
             notes.extend(n)
             (reasons if kern in used else notes).extend(r)
         return notes, reasons
@@ -413,12 +414,12 @@ class CudaBackend(Backend):
 
     def _forward_runner(self, io: _Session) -> Any:
         """``run(call, q, k, v, out, lse)``: the forward kernel on (B, S, H, D) device views, on io's stream."""
-        from numba_flash.cuda.launch import flash_forward
+        from numba_flash.cuda.launch import alibi_arg, flash_forward
 
         def run(c: AttentionCall, q: Any, k: Any, v: Any, out: Any, lse: Any) -> None:
             flash_forward(q, k, v, out, lse, softmax_scale=c.softmax_scale, window_left=c.window_left,
-                          window_right=c.window_right, softcap=c.softcap, dtype=c.dtype, override=self.config,
-                          stream=io.stream)
+                          window_right=c.window_right, softcap=c.softcap, dtype=c.dtype,
+                          alibi=alibi_arg(c.alibi, io.stream), override=self.config, stream=io.stream)
 
         return run
 
@@ -505,7 +506,7 @@ class CudaBackend(Backend):
             return self._backward(call, io)
 
     def _backward(self, call: AttentionCall, io: _Session) -> tuple[Any, Any, Any]:
-        from numba_flash.cuda.launch import flash_backward
+        from numba_flash.cuda.launch import alibi_arg, flash_backward
 
         names = ("dout", "q", "k", "v", "out")
         dout, q, k, v, out = (io.device(getattr(call, n), n) for n in names)
@@ -518,7 +519,8 @@ class CudaBackend(Backend):
             _, delta = io.empty(c.lse_shape, "float32")   # scratch, (B, Hq, Sq) like the dense lse
             flash_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, softmax_scale=c.softmax_scale,
                            window_left=c.window_left, window_right=c.window_right, softcap=c.softcap,
-                           dtype=c.dtype, override=self.config, stream=io.stream)
+                           dtype=c.dtype, alibi=alibi_arg(c.alibi, io.stream), override=self.config,
+                           stream=io.stream)
 
         if call.is_varlen:
             varlen.backward(call, run, dout, q, k, v, out, lse, dq, dk, dv, lead_axis=_lead_axis, fill=io.fill)

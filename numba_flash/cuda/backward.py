@@ -28,7 +28,7 @@ from numba import cuda, float32, int32, uint32
 from .config import FlashAttentionConfig
 from .dtypes import element_io
 from .forward import LOG2E
-from .masks import make_key_rows_product, make_visible, nan_if_not_finite
+from .masks import make_key_rows_product, make_score, make_visible, nan_if_not_finite
 from .tiles import make_tile_load
 
 
@@ -63,7 +63,7 @@ def _checked(cfg: FlashAttentionConfig) -> None:
 
 @functools.lru_cache(maxsize=None)
 def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool,
-                     bf16: bool) -> Any:
+                     bf16: bool, alibi: bool = False) -> Any:
     """dK and dV: one block per (key tile, kv head, batch). The block loops over the query heads of its GQA group
     and over the query tiles that can see its keys, so dK and dV are summed over the group in registers, no atomics.
 
@@ -72,7 +72,8 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
       strides;
       lse, delta (B, Hq, Sq) float32; dk, dv (B, Sk, Hkv, D) like k;
       seqlen_q, seqlen_k, head_dim, group, window_left, window_right: ints;
-      qmult (as the forward's), capmult (softcap * log2(e)), scale: float32.
+      qmult (as the forward's), capmult (softcap * log2(e)), scale: float32;
+      slopes (B, Hq) float32, as the forward's.
     """
     _checked(cfg)
     BM, BN, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
@@ -81,15 +82,16 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     S_TM, S_TN = BM // S_TR, BN // S_TC
     G_TN, G_TD = BN // G_TR, DB // G_TC      # dK/dV elements per thread: key rows x head-dim columns
     LD, LDP = DB + 1, BN + 1
-    HAS_LEFT, HAS_RIGHT, SOFTCAP = has_left, has_right, softcap
+    HAS_LEFT, HAS_RIGHT, ALIBI = has_left, has_right, alibi
     STORE = element_io(bf16)[1]
     visible = make_visible(has_left, has_right)
+    score = make_score(softcap, alibi)
     load_x = make_tile_load(BM, DB, NT, bf16)     # query-side tiles: Q, dO
     load_kv = make_tile_load(BN, DB, NT, bf16)    # key-side tiles: K, V
     add_visible_products = make_key_rows_product(BM, G_TN, G_TD, G_TR, G_TC, has_left, has_right)
 
     def flash_dkdv_kernel(q, k, v, dout, lse, delta, dk, dv, seqlen_q, seqlen_k, head_dim, group, window_left,
-                          window_right, qmult, capmult, scale):
+                          window_right, qmult, capmult, scale, slopes):
         t = cuda.threadIdx.x
         n0 = cuda.blockIdx.x * BN
         hk = cuda.blockIdx.y
@@ -141,6 +143,9 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
 
         for g in range(group):
             h = hk * group + g
+            slope = float32(0.0)
+            if ALIBI:
+                slope = slopes[b, h]
             for m0 in range(m_start, i_hi, BM):
                 cuda.syncthreads()   # the previous iteration's readers of x_s, ds_s are done
                 load_x(x_s, q, b, m0, h, seqlen_q, head_dim, qmult, t)
@@ -173,13 +178,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                     for j in range(S_TN):
                         c = s_tc + S_TC * j
                         col = n0 + c
-                        x = s[i, j]
-                        if SOFTCAP:
-                            th = math.tanh(x)
-                            dcap[i, j] = float32(1.0) - th * th
-                            x = capmult * th
-                        else:
-                            dcap[i, j] = float32(1.0)
+                        x, dcap[i, j] = score(s[i, j], capmult, slope, row, col, offset)
                         ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right)
                         p = math.exp2(x - lse_s[r]) if ok else float32(0.0)
                         s[i, j] = p
@@ -254,7 +253,8 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
 
 
 @functools.lru_cache(maxsize=None)
-def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool) -> Any:
+def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool,
+                   alibi: bool = False) -> Any:
     """dQ: one block per (query tile, query head, batch), looping over the key tiles its rows can see.
 
     Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments:
@@ -262,7 +262,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
       strides;
       lse, delta (B, Hq, Sq) float32; dq (B, Sq, Hq, D) like q;
       seqlen_q, seqlen_k, head_dim, group, window_left, window_right: ints;
-      qmult, capmult, scale: float32 (as for the dK/dV kernel).
+      qmult, capmult, scale: float32, and slopes (B, Hq) float32 (as for the dK/dV kernel).
     """
     _checked(cfg)
     BM, BN, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
@@ -271,19 +271,23 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
     S_TM, S_TN = BM // S_TR, BN // S_TC
     O_TM, O_TD = BM // O_TR, DB // O_TC
     LD, LDP = DB + 1, BN + 1
-    HAS_LEFT, HAS_RIGHT, SOFTCAP = has_left, has_right, softcap
+    HAS_LEFT, HAS_RIGHT, ALIBI = has_left, has_right, alibi
     STORE = element_io(bf16)[1]
     visible = make_visible(has_left, has_right)
+    score = make_score(softcap, alibi)
     load_x = make_tile_load(BM, DB, NT, bf16)     # query-side tiles: Q, dO
     load_kv = make_tile_load(BN, DB, NT, bf16)    # key-side tiles: K, V
 
     def flash_dq_kernel(q, k, v, dout, lse, delta, dq, seqlen_q, seqlen_k, head_dim, group, window_left,
-                        window_right, qmult, capmult, scale):
+                        window_right, qmult, capmult, scale, slopes):
         t = cuda.threadIdx.x
         m0 = cuda.blockIdx.x * BM
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         hk = h // group
+        slope = float32(0.0)
+        if ALIBI:
+            slope = slopes[b, h]
 
         q_s = cuda.shared.array((BM, LD), float32)
         do_s = cuda.shared.array((BM, LD), float32)
@@ -292,7 +296,6 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
 
         acc = cuda.local.array((O_TM, O_TD), float32)
         p = cuda.local.array((S_TM, S_TN), float32)
-        dcap = cuda.local.array((S_TM, S_TN), float32)
         dp = cuda.local.array((S_TM, S_TN), float32)
         row_lse = cuda.local.array(S_TM, float32)
         row_delta = cuda.local.array(S_TM, float32)
@@ -352,15 +355,11 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                 row = m0 + s_tr + S_TR * i
                 for j in range(S_TN):
                     col = n0 + s_tc + S_TC * j
-                    x = p[i, j]
-                    if SOFTCAP:
-                        th = math.tanh(x)
-                        dcap[i, j] = float32(1.0) - th * th
-                        x = capmult * th
-                    else:
-                        dcap[i, j] = float32(1.0)
+                    # P times softcap's chain factor: dS needs nothing else from the scores, and a separate
+                    # (S_TM x S_TN) factor would not fit the registers of the D = 32 tiles with ALiBi on.
+                    x, dcap = score(p[i, j], capmult, slope, row, col, offset)
                     ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right)
-                    p[i, j] = math.exp2(x - row_lse[i]) if ok else float32(0.0)
+                    p[i, j] = math.exp2(x - row_lse[i]) * dcap if ok else float32(0.0)
             cuda.syncthreads()
 
             load_kv(kv_s, v, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
@@ -383,7 +382,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                 for j in range(S_TN):
                     c = s_tc + S_TC * j
                     ok = visible(m0 + r, n0 + c, seqlen_q, seqlen_k, offset, window_left, window_right)
-                    ds_s[r, c] = p[i, j] * (dp[i, j] - row_delta[i]) * dcap[i, j] if ok else float32(0.0)
+                    ds_s[r, c] = p[i, j] * (dp[i, j] - row_delta[i]) if ok else float32(0.0)
             cuda.syncthreads()
 
             k_probe = load_kv(kv_s, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)

@@ -64,34 +64,37 @@ class KernelResources:
 
 def kernel_signature(kernel: str, dtype: str) -> Any:
     """The numba signature the backend launches ``kernel`` with: any-stride arrays ('A' layout, which also covers
-    contiguous inputs) of the dtype's storage type (int16 for bfloat16), int64 sizes, float32 multipliers."""
+    contiguous inputs) of the dtype's storage type (int16 for bfloat16), int64 sizes, float32 multipliers, and the
+    (B, Hq) float32 ALiBi slopes last."""
     from numba import types
 
     x = types.Array(getattr(types, storage_dtype(dtype)), 4, "A")
     rows = types.Array(types.float32, 3, "A")
+    slopes = types.Array(types.float32, 2, "A")
     i64, f32 = types.int64, types.float32
     if kernel == "forward":
-        return types.void(x, x, x, x, rows, i64, i64, i64, i64, i64, i64, f32, f32)
+        return types.void(x, x, x, x, rows, i64, i64, i64, i64, i64, i64, f32, f32, slopes)
     if kernel == "backward_dkdv":
-        return types.void(x, x, x, x, rows, rows, x, x, i64, i64, i64, i64, i64, i64, f32, f32, f32)
+        return types.void(x, x, x, x, rows, rows, x, x, i64, i64, i64, i64, i64, i64, f32, f32, f32, slopes)
     if kernel == "backward_dq":
-        return types.void(x, x, x, x, rows, rows, x, i64, i64, i64, i64, i64, i64, f32, f32, f32)
+        return types.void(x, x, x, x, rows, rows, x, i64, i64, i64, i64, i64, i64, f32, f32, f32, slopes)
     if kernel == "backward_delta":
         return types.void(x, x, rows, i64, i64, i64, i64)
     raise ValueError(kernel)
 
 
 def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
-                  flags: tuple[bool, bool, bool] = (True, True, True)) -> Any:
-    """The Python function of one kernel specialisation; ``flags`` are (has_left, has_right, softcap). The compile
-    check builds every flag on: the variant with the most live values, so the worst case for registers."""
+                  flags: tuple[bool, ...] = (True, True, True, True)) -> Any:
+    """The Python function of one kernel specialisation; ``flags`` are (has_left, has_right, softcap[, alibi]),
+    ALiBi off when left out. The compile check builds every flag on: the variant with the most live values, so the
+    worst case for registers."""
     from .backward import make_delta_kernel, make_dkdv_kernel, make_dq_kernel
     from .forward import make_forward_kernel
 
     if kernel == "backward_delta":
         return make_delta_kernel(dtype == "bfloat16").py_func
     factory = {"forward": make_forward_kernel, "backward_dkdv": make_dkdv_kernel, "backward_dq": make_dq_kernel}
-    return factory[kernel](cfg, *flags, dtype == "bfloat16").py_func
+    return factory[kernel](cfg, *flags[:3], dtype == "bfloat16", *flags[3:]).py_func
 
 
 def _int(pattern: str, log: str) -> int:
@@ -100,7 +103,7 @@ def _int(pattern: str, log: str) -> int:
 
 
 def kernel_ptx(kernel: str, cfg: FlashAttentionConfig | None, dtype: str, cc: tuple[int, int],
-               flags: tuple[bool, bool, bool] = (True, True, True), lineinfo: bool = False) -> str:
+               flags: tuple[bool, ...] = (True, True, True, True), lineinfo: bool = False) -> str:
     """PTX of one kernel specialisation for compute capability ``cc`` (types and lowers it: typing errors show).
     ``lineinfo`` adds source-line directives (for the performance model); the code is the same."""
     from numba import cuda

@@ -28,7 +28,7 @@ from numba import config, cuda, float32, int32, uint32, uint64
 
 from .config import FlashAttentionConfig, transposed_stride
 from .dtypes import element_io
-from .masks import make_visible, nan_if_not_finite
+from .masks import make_score, make_visible, nan_if_not_finite
 from .tiles import FETCH_VECTOR, make_tile_fetch, tile_passes
 
 LOG2E = math.log2(math.e)
@@ -58,7 +58,7 @@ def _grids(cfg: FlashAttentionConfig) -> tuple[int, int, int, int]:
 
 @functools.lru_cache(maxsize=None)
 def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool,
-                        bf16: bool) -> Any:
+                        bf16: bool, alibi: bool = False) -> Any:
     """The forward kernel for one tile config, mask kind and element kind (a ``numba.cuda`` dispatcher, compiled
     lazily).
 
@@ -68,7 +68,9 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
       out (B, Sq, Hq, D) like q; lse (B, Hq, Sq) float32;
       seqlen_q, seqlen_k, head_dim, group (= Hq // Hkv), window_left, window_right: ints;
       qmult: float32, scale * log2(e), or scale / softcap when softcap is on;
-      capmult: float32, softcap * log2(e) (unused without softcap).
+      capmult: float32, softcap * log2(e) (unused without softcap);
+      slopes (B, Hq) float32: ALiBi slopes times log2(e), read only with ``alibi`` (any (B, Hq) float32 array
+      otherwise).
     float32 and float16 share one dispatcher (numba specialises it on the array types it is called with); bfloat16
     bits need their own, since an int16 element must be widened, not converted.
     """
@@ -87,16 +89,17 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     # Runs of consecutive rows (columns) a thread owns, and the distance from one of its runs to the next.
     S_RM, S_RN, O_RM, O_RD = min(S_TM, 4), min(S_TN, 4), min(O_TM, 4), min(O_TD, 4)
     S_GAP_M, S_GAP_N, O_GAP_M, O_GAP_D = S_RM * S_TR, S_RN * S_TC, O_RM * O_TR, O_RD * O_TC
-    HAS_LEFT, HAS_RIGHT, SOFTCAP = has_left, has_right, softcap
+    HAS_LEFT, HAS_RIGHT, ALIBI = has_left, has_right, alibi
     LOAD, STORE = element_io(bf16)
     visible = make_visible(has_left, has_right)
+    score = make_score(softcap, alibi)
     Q_PASSES, KV_PASSES, V4 = tile_passes(BM, DB, NT), tile_passes(BN, DB, NT), FETCH_VECTOR
     fetch_q = make_tile_fetch(BM, DB, NT, bf16, LQ, True)
     fetch_k = make_tile_fetch(BN, DB, NT, bf16, LK, True)
     fetch_v = make_tile_fetch(BN, DB, NT, bf16, DB, False)
 
     def flash_forward_kernel(q, k, v, out, lse, seqlen_q, seqlen_k, head_dim, group, window_left, window_right,
-                             qmult, capmult):
+                             qmult, capmult, slopes):
         neg_inf = float32(-math.inf)
         nan = float32(math.nan)
         t = cuda.threadIdx.x
@@ -104,6 +107,9 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         hk = h // group
+        slope = float32(0.0)
+        if ALIBI:
+            slope = slopes[b, h]
 
         q_t = cuda.shared.array(Q_WORDS, float32, alignment=ALIGN)
         kv = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
@@ -191,7 +197,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 for j in range(S_TN):
                     col = n0 + s_tc * S_RN + (j // S_RN) * S_GAP_N + j % S_RN
                     raw = s[i, j]
-                    x = capmult * math.tanh(raw) if SOFTCAP else raw
+                    x = score(raw, capmult, slope, row, col, offset)[0]
                     x = x if abs(raw) < float32(math.inf) else nan
                     ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right)
                     s[i, j] = x if ok else neg_inf

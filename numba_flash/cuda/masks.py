@@ -63,6 +63,31 @@ def make_visible(has_left: bool, has_right: bool) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
+def make_score(softcap: bool, alibi: bool) -> Any:
+    """``score(raw, capmult, slope, row, col, offset) -> (x, dcap)``: the score pipeline after ``Q K^T``, in log2
+    units, as every kernel forms it. ``raw`` is the product of the pre-multiplied Q row (``qmult``, see
+    launch.py) and a K row; softcap gives ``x = capmult * tanh(raw)`` and its chain factor ``dcap = 1 - tanh^2``
+    (1 without softcap); ALiBi then adds ``-slope * |row + offset - col|``, ``slope`` being the head's slope times
+    log2(e) and ``offset = seqlen_k - seqlen_q`` (flash-attn's bottom-right distance). ALiBi is a bias: it adds
+    nothing to the chain factor. A switch that is off is not compiled at all."""
+    SOFTCAP, ALIBI = softcap, alibi
+
+    @cuda.jit(device=True, inline="always")
+    def score(raw, capmult, slope, row, col, offset):
+        x = raw
+        dcap = float32(1.0)
+        if SOFTCAP:
+            th = math.tanh(raw)
+            dcap = float32(1.0) - th * th
+            x = capmult * th
+        if ALIBI:
+            x -= slope * float32(abs(row + offset - col))
+        return x, dcap
+
+    return score
+
+
+@functools.lru_cache(maxsize=None)
 def make_key_rows_product(block_m: int, rows: int, cols: int, row_step: int, col_step: int, has_left: bool,
                           has_right: bool) -> Any:
     """``add(acc, a_s, b_s, m0, n0, key0, col0, seqlen_q, seqlen_k, offset, window_left, window_right)``: the dK/dV

@@ -55,6 +55,11 @@ CASES = [
     pytest.param(1, 15, 26, 4, 2, 7, dict(window_size=(4, -1)), id="left-only-gqa"),
     pytest.param(1, 14, 19, 2, 1, 12, dict(window_size=(-1, 3), softcap=1.5, softmax_scale=0.7), id="softcap"),
     pytest.param(1, 9, 12, 1, 1, 33, {}, id="d33-bucket64"),
+    # ALiBi: distances on both sides of the diagonal (no mask), then per-(batch, head) slopes with causal GQA,
+    # a left window and softcap, Sq > Sk (rows that see nothing).
+    pytest.param(1, 13, 22, 2, 1, 8, dict(alibi_slopes=np.array([0.9, 0.15], np.float32)), id="alibi"),
+    pytest.param(2, 18, 11, 4, 2, 8, dict(causal=True, window_size=(5, 0), softcap=2.0, alibi_slopes=np.array(
+        [[0.5, 0.25, 0.125, 1.0], [0.03, 0.3, 0.7, 0.09]], np.float32)), id="alibi-per-batch-window-softcap"),
 ]
 
 
@@ -78,7 +83,7 @@ def test_rows_that_see_no_key_give_zero_and_inf(rng):
     assert np.max(np.abs(out - ref)) <= 1e-5
 
 
-@pytest.mark.parametrize("b,sq,sk,hq,hkv,d,kw", [CASES[0], CASES[2], CASES[4], CASES[6]])
+@pytest.mark.parametrize("b,sq,sk,hq,hkv,d,kw", [CASES[0], CASES[2], CASES[4], CASES[6], CASES[8], CASES[9]])
 def test_backward_matches_reference(rng, b, sq, sk, hq, hkv, d, kw):
     q, k, v = _inputs(rng, b, sq, sk, hq, hkv, d)
     dout = rng.standard_normal(q.shape).astype(np.float32)

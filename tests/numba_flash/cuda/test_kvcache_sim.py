@@ -25,6 +25,8 @@ SMALL = dict(batch=2, hq=2, hkv=1, d=8, capacity=13)
     (dict(paged=False, batch_idx=True, leftpad=True, s_new=2, sq=2), dict(causal=True, num_splits=3)),
     (dict(paged=True, page=4, s_new=1, sq=1), dict(window_size=(4, 0), softcap=2.0)),
     (dict(paged=False, rotary=False, s_new=0, sq=3), dict(num_splits=2)),
+    (dict(paged=True, page=4, leftpad=False, s_new=1, sq=2),
+     dict(causal=True, num_splits=2, alibi_slopes=np.array([[0.4, 0.9], [0.2, 0.05]], np.float32))),
 ])
 def test_float32_matches_reference(case, options):
     rng = np.random.default_rng(7)

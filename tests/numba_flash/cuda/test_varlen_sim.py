@@ -40,6 +40,9 @@ def _run(q, k, v, dout, cu_q, cu_k, **kw):
 @pytest.mark.parametrize("heads,kw", [
     ((4, 2, 8), dict(causal=True, softcap=1.5)),
     ((3, 1, 5), dict(window_size=(2, 1), softmax_scale=0.6)),
+    # ALiBi with a row of slopes per sequence: each sequence measures distances from its own bottom-right corner.
+    ((2, 1, 6), dict(causal=True, alibi_slopes=np.array([[0.3, 0.8], [0.1, 0.5], [1.0, 0.2], [0.4, 0.05],
+                                                         [0.6, 0.7]], np.float32))),
 ])
 def test_float32_matches_reference(rng, heads, kw):
     inputs = _inputs(rng, *heads)
