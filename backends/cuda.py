@@ -230,6 +230,23 @@ class _Session:
             return cuda.as_cuda_array(_torch_bits(t.detach()), sync=False)
         return cuda.as_cuda_array(x)
 
+    def bias(self, call: AttentionCall) -> Any:
+        """The call's attn_bias as the kernels take it, or None: a float32 device array of 4 dimensions with the
+        broadcast ones kept at 1 (never expanded); zero-copy for a float32 GPU array, else one copy of the bias's
+        own size."""
+        if call.bias is None:
+            return None
+        arr, shape = call.bias.array, call.bias.shape
+        if _is_torch(arr):
+            return self.device(arr.detach().float().reshape(shape), "attn_bias")
+        if isinstance(arr, np.ndarray):
+            return self.device(np.asarray(arr, np.float32).reshape(shape), "attn_bias")
+        dev = self.device(arr, "attn_bias")
+        if str(dev.dtype) != "float32" or len(dev.shape) != 4:   # rare: another dtype or fewer dimensions
+            host = np.asarray(dev.copy_to_host(stream=self.stream), np.float32).reshape(shape)
+            dev = self.cuda.to_device(host, stream=self.stream)
+        return dev
+
     def lse_in(self, x: Any) -> Any:
         """lse as a float32 numba device array (the forward's float32 lse passes through without a copy)."""
         if str(getattr(x, "dtype", "")).endswith("float32"):
@@ -305,6 +322,7 @@ class CudaBackend(Backend):
     IS_DETERMINISTIC = True
     SUPPORTS_KVCACHE = True
     SUPPORTS_ALIBI = True
+    SUPPORTS_BIAS = True   # not its gradient: return_dbias goes to another backend
 
     def __init__(self, config: Any = None):
         self.config = config
@@ -395,7 +413,8 @@ class CudaBackend(Backend):
         device = selfcheck.current_device() if index is None else index
         notes, reasons = [], []
         for kern, cfg in cfgs.items():
-            n, r = selfcheck.problems([cfg], *flags, call.dtype, device=device, alibi=call.alibi is not None)
+            n, r = selfcheck.problems([cfg], *flags, call.dtype, device=device, alibi=call.alibi is not None,
+                                      bias=call.bias is not None)
             notes.extend(n)
             (reasons if kern in used else notes).extend(r)
         return notes, reasons
@@ -419,7 +438,8 @@ class CudaBackend(Backend):
         def run(c: AttentionCall, q: Any, k: Any, v: Any, out: Any, lse: Any) -> None:
             flash_forward(q, k, v, out, lse, softmax_scale=c.softmax_scale, window_left=c.window_left,
                           window_right=c.window_right, softcap=c.softcap, dtype=c.dtype,
-                          alibi=alibi_arg(c.alibi, io.stream), override=self.config, stream=io.stream)
+                          alibi=alibi_arg(c.alibi, io.stream), bias=io.bias(c), override=self.config,
+                          stream=io.stream)
 
         return run
 
@@ -519,8 +539,8 @@ class CudaBackend(Backend):
             _, delta = io.empty(c.lse_shape, "float32")   # scratch, (B, Hq, Sq) like the dense lse
             flash_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, softmax_scale=c.softmax_scale,
                            window_left=c.window_left, window_right=c.window_right, softcap=c.softcap,
-                           dtype=c.dtype, alibi=alibi_arg(c.alibi, io.stream), override=self.config,
-                           stream=io.stream)
+                           dtype=c.dtype, alibi=alibi_arg(c.alibi, io.stream), bias=io.bias(c),
+                           override=self.config, stream=io.stream)
 
         if call.is_varlen:
             varlen.backward(call, run, dout, q, k, v, out, lse, dq, dk, dv, lead_axis=_lead_axis, fill=io.fill)

@@ -28,7 +28,7 @@ from numba import cuda, float32, int32, uint32
 from .config import FlashAttentionConfig
 from .dtypes import element_io
 from .forward import LOG2E
-from .masks import make_key_rows_product, make_score, make_visible, nan_if_not_finite
+from .masks import bias_head, make_bias_tile, make_key_rows_product, make_biases, make_visible, nan_if_not_finite
 from .tiles import make_tile_load
 
 
@@ -61,9 +61,17 @@ def _checked(cfg: FlashAttentionConfig) -> None:
         raise ValueError(f"{cfg}: " + "; ".join(why))
 
 
+@cuda.jit(device=True, inline="always")
+def row_stats(lse, delta, b, h, row, seqlen_q):
+    """(lse in log2 units, delta) of query ``row``; (inf, 0) past the sequence, so that its P and dS are 0."""
+    if row < seqlen_q:
+        return lse[b, h, row] * float32(LOG2E), delta[b, h, row]
+    return float32(math.inf), float32(0.0)
+
+
 @functools.lru_cache(maxsize=None)
 def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool,
-                     bf16: bool, alibi: bool = False) -> Any:
+                     bf16: bool, alibi: bool = False, has_bias: bool = False) -> Any:
     """dK and dV: one block per (key tile, kv head, batch). The block loops over the query heads of its GQA group
     and over the query tiles that can see its keys, so dK and dV are summed over the group in registers, no atomics.
 
@@ -73,7 +81,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
       lse, delta (B, Hq, Sq) float32; dk, dv (B, Sk, Hkv, D) like k;
       seqlen_q, seqlen_k, head_dim, group, window_left, window_right: ints;
       qmult (as the forward's), capmult (softcap * log2(e)), scale: float32;
-      slopes (B, Hq) float32, as the forward's.
+      slopes (B, Hq) float32 and bias (4 dimensions) float32, as the forward's.
     """
     _checked(cfg)
     BM, BN, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
@@ -82,16 +90,17 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     S_TM, S_TN = BM // S_TR, BN // S_TC
     G_TN, G_TD = BN // G_TR, DB // G_TC      # dK/dV elements per thread: key rows x head-dim columns
     LD, LDP = DB + 1, BN + 1
-    HAS_LEFT, HAS_RIGHT, ALIBI = has_left, has_right, alibi
+    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, HAS_BIAS = has_left, has_right, softcap, alibi, has_bias
     STORE = element_io(bf16)[1]
     visible = make_visible(has_left, has_right)
-    score = make_score(softcap, alibi)
+    add_biases = make_biases(alibi, has_bias)
+    load_bias = make_bias_tile(BM, BN, NT, False, 0)
     load_x = make_tile_load(BM, DB, NT, bf16)     # query-side tiles: Q, dO
     load_kv = make_tile_load(BN, DB, NT, bf16)    # key-side tiles: K, V
-    add_visible_products = make_key_rows_product(BM, G_TN, G_TD, G_TR, G_TC, has_left, has_right)
+    add_visible_products = make_key_rows_product(BM, G_TN, G_TD, G_TR, G_TC, has_left, has_right, has_bias)
 
     def flash_dkdv_kernel(q, k, v, dout, lse, delta, dk, dv, seqlen_q, seqlen_k, head_dim, group, window_left,
-                          window_right, qmult, capmult, scale, slopes):
+                          window_right, qmult, capmult, scale, slopes, bias):
         t = cuda.threadIdx.x
         n0 = cuda.blockIdx.x * BN
         hk = cuda.blockIdx.y
@@ -146,9 +155,12 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
             slope = float32(0.0)
             if ALIBI:
                 slope = slopes[b, h]
+            bias_h = bias_head(bias, b, h)
             for m0 in range(m_start, i_hi, BM):
                 cuda.syncthreads()   # the previous iteration's readers of x_s, ds_s are done
                 load_x(x_s, q, b, m0, h, seqlen_q, head_dim, qmult, t)
+                if HAS_BIAS:   # dS's buffer holds the bias tile until dS overwrites it in place
+                    load_bias(ds_s, bias_h, m0, n0, seqlen_q, seqlen_k, t)
                 for r in range(t, BM, NT):
                     row = m0 + r
                     if row < seqlen_q:
@@ -178,8 +190,18 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                     for j in range(S_TN):
                         c = s_tc + S_TC * j
                         col = n0 + c
-                        x, dcap[i, j] = score(s[i, j], capmult, slope, row, col, offset)
-                        ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right)
+                        x = s[i, j]
+                        if SOFTCAP:
+                            th = math.tanh(x)
+                            dcap[i, j] = float32(1.0) - th * th
+                            x = capmult * th
+                        else:
+                            dcap[i, j] = float32(1.0)
+                        bias_value = ds_s[r, c] if HAS_BIAS else float32(0.0)
+                        x = add_biases(x, slope, row, col, offset, bias_value)
+                        ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h)
+                        if HAS_BIAS:
+                            ok = ok & (bias_value != float32(-math.inf))
                         p = math.exp2(x - lse_s[r]) if ok else float32(0.0)
                         s[i, j] = p
                         p_s[r, c] = p
@@ -205,13 +227,15 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                     r = s_tr + S_TR * i
                     for j in range(S_TN):
                         c = s_tc + S_TC * j
-                        ok = visible(m0 + r, n0 + c, seqlen_q, seqlen_k, offset, window_left, window_right)
+                        ok = visible(m0 + r, n0 + c, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h)
+                        if HAS_BIAS:
+                            ok = ok & (ds_s[r, c] != float32(-math.inf))
                         ds_s[r, c] = s[i, j] * (dp[i, j] - delta_s[r]) * dcap[i, j] if ok else float32(0.0)
 
                 # dV += P^T . dO for this thread's (key rows x head-dim columns) block.
                 if do_nonfinite:
                     add_visible_products(dv_acc, p_s, x_s, m0, n0, g_tr, g_tc, seqlen_q, seqlen_k, offset,
-                                         window_left, window_right)
+                                         window_left, window_right, bias_h)
                 else:
                     for m in range(BM):
                         for i in range(G_TN):
@@ -229,7 +253,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                 # dK += dS^T . Q (the softmax scale is applied once, at the end).
                 if q_nonfinite:
                     add_visible_products(dk_acc, ds_s, x_s, m0, n0, g_tr, g_tc, seqlen_q, seqlen_k, offset,
-                                         window_left, window_right)
+                                         window_left, window_right, bias_h)
                 else:
                     for m in range(BM):
                         for i in range(G_TN):
@@ -254,7 +278,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
 
 @functools.lru_cache(maxsize=None)
 def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool,
-                   alibi: bool = False) -> Any:
+                   alibi: bool = False, has_bias: bool = False) -> Any:
     """dQ: one block per (query tile, query head, batch), looping over the key tiles its rows can see.
 
     Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments:
@@ -262,7 +286,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
       strides;
       lse, delta (B, Hq, Sq) float32; dq (B, Sq, Hq, D) like q;
       seqlen_q, seqlen_k, head_dim, group, window_left, window_right: ints;
-      qmult, capmult, scale: float32, and slopes (B, Hq) float32 (as for the dK/dV kernel).
+      qmult, capmult, scale: float32, slopes and bias float32 (as for the dK/dV kernel).
     """
     _checked(cfg)
     BM, BN, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
@@ -271,15 +295,16 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
     S_TM, S_TN = BM // S_TR, BN // S_TC
     O_TM, O_TD = BM // O_TR, DB // O_TC
     LD, LDP = DB + 1, BN + 1
-    HAS_LEFT, HAS_RIGHT, ALIBI = has_left, has_right, alibi
+    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, HAS_BIAS = has_left, has_right, softcap, alibi, has_bias
     STORE = element_io(bf16)[1]
     visible = make_visible(has_left, has_right)
-    score = make_score(softcap, alibi)
+    add_biases = make_biases(alibi, has_bias)
+    load_bias = make_bias_tile(BM, BN, NT, False, 0)
     load_x = make_tile_load(BM, DB, NT, bf16)     # query-side tiles: Q, dO
     load_kv = make_tile_load(BN, DB, NT, bf16)    # key-side tiles: K, V
 
     def flash_dq_kernel(q, k, v, dout, lse, delta, dq, seqlen_q, seqlen_k, head_dim, group, window_left,
-                        window_right, qmult, capmult, scale, slopes):
+                        window_right, qmult, capmult, scale, slopes, bias):
         t = cuda.threadIdx.x
         m0 = cuda.blockIdx.x * BM
         h = cuda.blockIdx.y
@@ -288,6 +313,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
         slope = float32(0.0)
         if ALIBI:
             slope = slopes[b, h]
+        bias_h = bias_head(bias, b, h)
 
         q_s = cuda.shared.array((BM, LD), float32)
         do_s = cuda.shared.array((BM, LD), float32)
@@ -317,13 +343,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
         # Unsigned copies for the product loops' shared-memory indices (see the forward kernel).
         s_tr_u, s_tc_u, o_tr_u, o_tc_u = uint32(s_tr), uint32(s_tc), uint32(o_tr), uint32(o_tc)
         for i in range(S_TM):
-            row = m0 + s_tr + S_TR * i
-            if row < seqlen_q:
-                row_lse[i] = lse[b, h, row] * float32(LOG2E)
-                row_delta[i] = delta[b, h, row]
-            else:
-                row_lse[i] = float32(math.inf)
-                row_delta[i] = float32(0.0)
+            row_lse[i], row_delta[i] = row_stats(lse, delta, b, h, m0 + s_tr + S_TR * i, seqlen_q)
 
         offset = seqlen_k - seqlen_q
         last_row = min(m0 + BM, seqlen_q) - 1
@@ -338,6 +358,8 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
         for n0 in range(n_start, hi, BN):
             cuda.syncthreads()   # previous iteration's readers of kv_s are done (and the Q/dO loads visible)
             load_kv(kv_s, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
+            if HAS_BIAS:   # dS's buffer holds the bias tile until dS overwrites it in place
+                load_bias(ds_s, bias_h, m0, n0, seqlen_q, seqlen_k, t)
             cuda.syncthreads()
 
             for i in range(S_TM):
@@ -353,13 +375,29 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                         p[i, j] += sa_reg[i] * sb_reg[j]
             for i in range(S_TM):
                 row = m0 + s_tr + S_TR * i
+                lse_i = row_lse[i]
+                if HAS_BIAS:   # read again per tile (cache hits): registers are short at D = 32 with attn_bias
+                    lse_i = row_stats(lse, delta, b, h, row, seqlen_q)[0]
                 for j in range(S_TN):
                     col = n0 + s_tc + S_TC * j
                     # P times softcap's chain factor: dS needs nothing else from the scores, and a separate
                     # (S_TM x S_TN) factor would not fit the registers of the D = 32 tiles with ALiBi on.
-                    x, dcap = score(p[i, j], capmult, slope, row, col, offset)
-                    ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right)
-                    p[i, j] = math.exp2(x - row_lse[i]) * dcap if ok else float32(0.0)
+                    bias_value = float32(0.0)
+                    if HAS_BIAS:
+                        bias_value = ds_s[s_tr_u + uint32(S_TR * i), s_tc_u + uint32(S_TC * j)]
+                    x = p[i, j]
+                    dcap = float32(1.0)
+                    if SOFTCAP:
+                        th = math.tanh(x)
+                        dcap = float32(1.0) - th * th
+                        x = capmult * th
+                    x = add_biases(x, slope, row, col, offset, bias_value)
+                    ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h)
+                    if HAS_BIAS:
+                        ok = ok & (bias_value != float32(-math.inf))
+                    # A masked pair's P is -0 with attn_bias: the dS pass tells it by its sign (a visible P, even
+                    # one that underflows, is +0, and a NaN is not 0), with no second read of the bias or the mask.
+                    p[i, j] = math.exp2(x - lse_i) * dcap if ok else float32(-0.0 if HAS_BIAS else 0.0)
             cuda.syncthreads()
 
             load_kv(kv_s, v, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
@@ -379,10 +417,16 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
             # dS is 0 for a masked pair by a select: dP there may be NaN (a non-finite V or dO).
             for i in range(S_TM):
                 r = s_tr + S_TR * i
+                delta_i = row_delta[i]
+                if HAS_BIAS:
+                    delta_i = row_stats(lse, delta, b, h, m0 + r, seqlen_q)[1]
                 for j in range(S_TN):
                     c = s_tc + S_TC * j
-                    ok = visible(m0 + r, n0 + c, seqlen_q, seqlen_k, offset, window_left, window_right)
-                    ds_s[r, c] = p[i, j] * (dp[i, j] - row_delta[i]) if ok else float32(0.0)
+                    if HAS_BIAS:   # masked (by the bias too) iff P is -0, as the score loop left it
+                        ok = (p[i, j] != float32(0.0)) | (math.copysign(float32(1.0), p[i, j]) > float32(0.0))
+                    else:
+                        ok = visible(m0 + r, n0 + c, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h)
+                    ds_s[r, c] = p[i, j] * (dp[i, j] - delta_i) if ok else float32(0.0)
             cuda.syncthreads()
 
             k_probe = load_kv(kv_s, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
@@ -394,8 +438,16 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                 for n in range(BN):
                     for i in range(O_TM):
                         r = o_tr + O_TR * i
-                        seen = visible(m0 + r, n0 + n, seqlen_q, seqlen_k, offset, window_left, window_right)
                         a = ds_s[r, n]
+                        if HAS_BIAS:
+                            # A row that sees such a key is poisoned (its score there is not finite), so its dS is
+                            # NaN at every key it sees, and dS is 0 exactly at the pairs to skip: the masked ones,
+                            # and any with a finite key, where skipping adds nothing. No bias read again (the
+                            # registers of the D = 32 tiles have no room for it).
+                            seen = a != float32(0.0)
+                        else:
+                            seen = visible(m0 + r, n0 + n, seqlen_q, seqlen_k, offset, window_left, window_right,
+                                           bias_h)
                         for j in range(O_TD):
                             x = acc[i, j] + a * kv_s[n, o_tc + O_TC * j]
                             acc[i, j] = x if seen else acc[i, j]

@@ -28,7 +28,7 @@ from numba import config, cuda, float32, int32, uint32, uint64
 
 from .config import FlashAttentionConfig, transposed_stride
 from .dtypes import element_io
-from .masks import make_score, make_visible, nan_if_not_finite
+from .masks import bias_head, make_bias_tile, make_biases, make_visible, nan_if_not_finite
 from .tiles import FETCH_VECTOR, make_tile_fetch, tile_passes
 
 LOG2E = math.log2(math.e)
@@ -58,7 +58,7 @@ def _grids(cfg: FlashAttentionConfig) -> tuple[int, int, int, int]:
 
 @functools.lru_cache(maxsize=None)
 def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool,
-                        bf16: bool, alibi: bool = False) -> Any:
+                        bf16: bool, alibi: bool = False, has_bias: bool = False) -> Any:
     """The forward kernel for one tile config, mask kind and element kind (a ``numba.cuda`` dispatcher, compiled
     lazily).
 
@@ -70,7 +70,9 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
       qmult: float32, scale * log2(e), or scale / softcap when softcap is on;
       capmult: float32, softcap * log2(e) (unused without softcap);
       slopes (B, Hq) float32: ALiBi slopes times log2(e), read only with ``alibi`` (any (B, Hq) float32 array
-      otherwise).
+      otherwise);
+      bias: attn_bias, float32, 4 dimensions each of the full size or 1 (see masks.bias_head), read only with
+      ``has_bias`` (any 4-dimensional float32 array otherwise).
     float32 and float16 share one dispatcher (numba specialises it on the array types it is called with); bfloat16
     bits need their own, since an int16 element must be widened, not converted.
     """
@@ -89,17 +91,19 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     # Runs of consecutive rows (columns) a thread owns, and the distance from one of its runs to the next.
     S_RM, S_RN, O_RM, O_RD = min(S_TM, 4), min(S_TN, 4), min(O_TM, 4), min(O_TD, 4)
     S_GAP_M, S_GAP_N, O_GAP_M, O_GAP_D = S_RM * S_TR, S_RN * S_TC, O_RM * O_TR, O_RD * O_TC
-    HAS_LEFT, HAS_RIGHT, ALIBI = has_left, has_right, alibi
+    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, HAS_BIAS = has_left, has_right, softcap, alibi, has_bias
     LOAD, STORE = element_io(bf16)
     visible = make_visible(has_left, has_right)
-    score = make_score(softcap, alibi)
+    sees = make_visible(has_left, has_right, has_bias)   # also reads attn_bias, for the rare path
+    add_biases = make_biases(alibi, has_bias)
+    load_bias = make_bias_tile(BM, BN, NT, True, BM)
     Q_PASSES, KV_PASSES, V4 = tile_passes(BM, DB, NT), tile_passes(BN, DB, NT), FETCH_VECTOR
     fetch_q = make_tile_fetch(BM, DB, NT, bf16, LQ, True)
     fetch_k = make_tile_fetch(BN, DB, NT, bf16, LK, True)
     fetch_v = make_tile_fetch(BN, DB, NT, bf16, DB, False)
 
     def flash_forward_kernel(q, k, v, out, lse, seqlen_q, seqlen_k, head_dim, group, window_left, window_right,
-                             qmult, capmult, slopes):
+                             qmult, capmult, slopes, bias):
         neg_inf = float32(-math.inf)
         nan = float32(math.nan)
         t = cuda.threadIdx.x
@@ -110,6 +114,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
         slope = float32(0.0)
         if ALIBI:
             slope = slopes[b, h]
+        bias_h = bias_head(bias, b, h)
 
         q_t = cuda.shared.array(Q_WORDS, float32, alignment=ALIGN)
         kv = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
@@ -173,6 +178,8 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 if ok:
                     for e in range(V4):
                         kv[at + uint64(e)] = fetched[e]
+            if HAS_BIAS:   # P^T is free: its bias tile, overwritten in place by the scores
+                load_bias(p_t, bias_h, m0, n0, seqlen_q, seqlen_k, t)
             cuda.syncthreads()
 
             # Scores of this thread's (S_TM x S_TN) block: s = Q K^T over the padded head dim, one outer product of
@@ -197,9 +204,18 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 for j in range(S_TN):
                     col = n0 + s_tc * S_RN + (j // S_RN) * S_GAP_N + j % S_RN
                     raw = s[i, j]
-                    x = score(raw, capmult, slope, row, col, offset)[0]
-                    x = x if abs(raw) < float32(math.inf) else nan
-                    ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right)
+                    bias_value = float32(0.0)
+                    if HAS_BIAS:
+                        bias_value = p_t[p_block + uint64(((j // S_RN) * S_GAP_N + j % S_RN) * BM
+                                                          + (i // S_RM) * S_GAP_M + i % S_RM)]
+                    x = capmult * math.tanh(raw) if SOFTCAP else raw
+                    x = add_biases(x, slope, row, col, offset, bias_value)
+                    finite = abs(raw) < float32(math.inf)
+                    ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h)
+                    if HAS_BIAS:   # a -inf bias masks; a +inf or NaN one poisons
+                        ok = ok & (bias_value != neg_inf)
+                        finite = finite & (abs(x) < float32(math.inf))
+                    x = x if finite else nan
                     s[i, j] = x if ok else neg_inf
             # Into P^T column by column: a run of rows is one 128-bit store.
             for j in range(S_TN):
@@ -267,7 +283,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
             for i in range(O_TM):
                 row = m0 + o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM
                 for key in range(lo, hi):
-                    if visible(row, key, seqlen_q, seqlen_k, offset, window_left, window_right):
+                    if sees(row, key, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h):
                         for j in range(O_TD):
                             d = o_tc * O_RD + (j // O_RD) * O_GAP_D + j % O_RD
                             if d < head_dim and not abs(LOAD(v[b, key, hk, d])) < float32(math.inf):

@@ -82,17 +82,25 @@ def _slopes_arg(slopes: Any, lse: Any) -> Any:
     return lse[:, :, 0] if slopes is None else slopes
 
 
+def _bias_arg(bias: Any, stream: Any) -> Any:
+    """The kernels' ``bias`` argument: attn_bias, or without it a (1, 1, 1, 1) float32 device array, never read."""
+    from numba import cuda
+
+    return cuda.device_array((1, 1, 1, 1), np.float32, stream=stream) if bias is None else bias
+
+
 def launch_forward(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float,
                    window_left: int, window_right: int, softcap: float, bf16: bool, alibi: Any = None,
-                   stream: Any = 0) -> None:
+                   bias: Any = None, stream: Any = 0) -> None:
     """Launch the forward kernel of ``cfg`` as it is, no self-check. Arrays as for ``flash_forward``."""
-    kernel = make_forward_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None)
+    kernel = make_forward_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
+                                 bias is not None)
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     qmult, capmult = _multipliers(softmax_scale, softcap)
     grid = (math.ceil(sq / cfg.block_m), hq, batch)
     kernel[grid, cfg.threads, stream](q, k, v, out, lse, sq, sk, d, hq // hkv, window_left, window_right,
-                                      qmult, capmult, _slopes_arg(alibi, lse))
+                                      qmult, capmult, _slopes_arg(alibi, lse), _bias_arg(bias, stream))
 
 
 def launch_delta(dout: Any, out: Any, delta: Any, *, bf16: bool, stream: Any = 0) -> None:
@@ -105,40 +113,43 @@ def launch_delta(dout: Any, out: Any, delta: Any, *, bf16: bool, stream: Any = 0
 
 def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dk: Any,
                 dv: Any, *, softmax_scale: float, window_left: int, window_right: int, softcap: float, bf16: bool,
-                alibi: Any = None, stream: Any = 0) -> None:
+                alibi: Any = None, bias: Any = None, stream: Any = 0) -> None:
     """Launch the dK/dV kernel of ``cfg`` as it is, no self-check. Arrays as for ``flash_backward``."""
-    kernel = make_dkdv_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None)
+    kernel = make_dkdv_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
+                              bias is not None)
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     qmult, capmult = _multipliers(softmax_scale, softcap)
     grid = (math.ceil(sk / cfg.block_n), hkv, batch)
     kernel[grid, cfg.threads, stream](q, k, v, dout, lse, delta, dk, dv, sq, sk, d, hq // hkv, window_left,
                                       window_right, qmult, capmult, np.float32(softmax_scale),
-                                      _slopes_arg(alibi, lse))
+                                      _slopes_arg(alibi, lse), _bias_arg(bias, stream))
 
 
 def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dq: Any, *,
               softmax_scale: float, window_left: int, window_right: int, softcap: float, bf16: bool,
-              alibi: Any = None, stream: Any = 0) -> None:
+              alibi: Any = None, bias: Any = None, stream: Any = 0) -> None:
     """Launch the dQ kernel of ``cfg`` as it is, no self-check. Arrays as for ``flash_backward``."""
-    kernel = make_dq_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None)
+    kernel = make_dq_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
+                            bias is not None)
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     qmult, capmult = _multipliers(softmax_scale, softcap)
     grid = (math.ceil(sq / cfg.block_m), hq, batch)
     kernel[grid, cfg.threads, stream](q, k, v, dout, lse, delta, dq, sq, sk, d, hq // hkv, window_left,
                                       window_right, qmult, capmult, np.float32(softmax_scale),
-                                      _slopes_arg(alibi, lse))
+                                      _slopes_arg(alibi, lse), _bias_arg(bias, stream))
 
 
 def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float, window_left: int,
-                  window_right: int, softcap: float, dtype: str, alibi: Any = None,
+                  window_right: int, softcap: float, dtype: str, alibi: Any = None, bias: Any = None,
                   override: TileOverride | None = None, stream: Any = 0) -> None:
     """Launch the forward kernel.
 
     q, out: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D); device arrays of ``storage_dtype(dtype)`` (float32, float16,
     or int16 bfloat16 bits), any strides. lse: (B, Hq, Sq) float32 device array. alibi: None or the ALiBi slopes
-    times log2(e), a (B, Hq) float32 device array (``alibi_arg``). Writes out and lse.
+    times log2(e), a (B, Hq) float32 device array (``alibi_arg``). bias: None or attn_bias, a float32 device array
+    of 4 dimensions, each of the full size (B, Hq, Sq, Sk) or 1, any strides. Writes out and lse.
     Raises ``selfcheck.SelfCheckFailed`` (a ``BackendDeclined``), having written nothing, when no forward config
     passes its self-check on this GPU.
     """
@@ -146,33 +157,36 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
     install_from_env()   # under the simulator with NUMBA_FLASH_SIMCHECK=1, check this and every later launch
     picked = configs_for(q.shape[3], dtype, override)["forward"]
     flags = _flags(window_left, window_right, softcap)
-    cfg = selfcheck.choose(picked, *flags, dtype, like=dict(q=q, k=k, v=v, out=out, lse=lse),
-                           alibi=alibi is not None)
+    cfg = selfcheck.choose(picked, *flags, dtype, like=dict(q=q, k=k, v=v, out=out, lse=lse, bias=bias),
+                           alibi=alibi is not None, bias=bias is not None)
     launch_forward(cfg, q, k, v, out, lse, softmax_scale=softmax_scale, window_left=window_left,
-                   window_right=window_right, softcap=softcap, bf16=dtype == "bfloat16", alibi=alibi, stream=stream)
+                   window_right=window_right, softcap=softcap, bf16=dtype == "bfloat16", alibi=alibi, bias=bias,
+                   stream=stream)
 
 
 def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: Any, dk: Any, dv: Any,
                    delta: Any, *, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-                   dtype: str, alibi: Any = None, override: TileOverride | None = None, stream: Any = 0) -> None:
+                   dtype: str, alibi: Any = None, bias: Any = None, override: TileOverride | None = None,
+                   stream: Any = 0) -> None:
     """Launch the three backward kernels: delta pre-pass, dK/dV over key tiles, dQ over query tiles.
 
     dout, q, out, dq: (B, Sq, Hq, D); k, v, dk, dv: (B, Sk, Hkv, D); device arrays of ``storage_dtype(dtype)``
     (float32, float16, or int16 bfloat16 bits), any strides. lse: (B, Hq, Sq) float32 as the forward wrote it;
-    delta: (B, Hq, Sq) float32 scratch; alibi as for ``flash_forward``. Raises ``selfcheck.SelfCheckFailed``,
+    delta: (B, Hq, Sq) float32 scratch; alibi and bias as for ``flash_forward``. Raises ``selfcheck.SelfCheckFailed``,
     having written nothing, when no config of one of the two tiled kernels passes its self-check on this GPU.
     """
     _check_storage(dtype, dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
     install_from_env()   # as in flash_forward
     picked = configs_for(q.shape[3], dtype, override, ("backward_dkdv", "backward_dq"))
     flags = _flags(window_left, window_right, softcap)
-    like = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv, delta=delta)
+    like = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv, delta=delta, bias=bias)
     # Both kernels are vouched for before either runs, so that a refusal leaves every output untouched.
-    dkdv_cfg = selfcheck.choose(picked["backward_dkdv"], *flags, dtype, like=like, alibi=alibi is not None)
-    dq_cfg = selfcheck.choose(picked["backward_dq"], *flags, dtype, like=like, alibi=alibi is not None)
+    variant = dict(alibi=alibi is not None, bias=bias is not None)
+    dkdv_cfg = selfcheck.choose(picked["backward_dkdv"], *flags, dtype, like=like, **variant)
+    dq_cfg = selfcheck.choose(picked["backward_dq"], *flags, dtype, like=like, **variant)
     bf16 = dtype == "bfloat16"
     kw = dict(softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap,
-              bf16=bf16, alibi=alibi, stream=stream)
+              bf16=bf16, alibi=alibi, bias=bias, stream=stream)
     launch_delta(dout, out, delta, bf16=bf16, stream=stream)
     launch_dkdv(dkdv_cfg, q, k, v, dout, lse, delta, dk, dv, **kw)
     launch_dq(dq_cfg, q, k, v, dout, lse, delta, dq, **kw)

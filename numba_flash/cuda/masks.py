@@ -14,7 +14,9 @@ The rule costs the kernels little in the common case and is exact in the rare on
   (``syncthreads_or``, no extra barrier), and a tile that holds a non-finite value goes through a product that
   skips the masked pairs. The kernels name that flag ``*_nonfinite``; the performance model counts the branch it
   guards as not taken (but not the cost its mere presence has on the compiled loop: see BENCHMARKS.md);
-* every result is stored through ``nan_if_not_finite``: the contract reports every non-finite result as NaN.
+* every result is stored through ``nan_if_not_finite``: the contract reports every non-finite result as NaN;
+* ``attn_bias`` is one more mask and one more term: a -inf entry makes its pair masked (in ``visible``, so the
+  rare paths above skip it too), any other entry is added to the score, where a +inf or NaN poisons the row.
 
 The helpers are ``inline="always"`` (see dtypes.py). The performance model attributes their instructions to the
 kernel line that calls them; ``make_key_rows_product``'s loops run only on the rare path, which it does not count.
@@ -27,6 +29,8 @@ import math
 from typing import Any
 
 from numba import cuda, float32
+
+LOG2E = math.log2(math.e)
 
 
 @cuda.jit(device=True, inline="always")
@@ -42,68 +46,117 @@ def nonfinite_probe(x):
     return x * float32(0.0)
 
 
+@cuda.jit(device=True, inline="always")
+def bias_head(bias, b, h):
+    """The (Sq or 1, Sk or 1) slab of attn_bias that batch ``b``, query head ``h`` read: ``bias`` is the caller's
+    bias as a float32 array of 4 dimensions, each of the full size (B, Hq, Sq, Sk) or 1 (never expanded)."""
+    return bias[b if bias.shape[0] > 1 else 0, h if bias.shape[1] > 1 else 0]
+
+
+@cuda.jit(device=True, inline="always")
+def bias_at(bias_h, row, col):
+    """The bias of (``row``, ``col``) in a ``bias_head`` slab. The clamp reads a broadcast dimension's only entry,
+    and past the sequences (a tile's padding) the last one: such a pair is not visible anyway. Two indices and
+    their strides stay live in the kernels, where the 4-dimensional array would keep eight."""
+    return bias_h[min(row, bias_h.shape[0] - 1), min(col, bias_h.shape[1] - 1)]
+
+
 @functools.lru_cache(maxsize=None)
-def make_visible(has_left: bool, has_right: bool) -> Any:
-    """``visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right) -> bool``: whether query ``row``
-    sees key ``col`` (both inside their sequences; bottom-right aligned window with ``offset = seqlen_k -
-    seqlen_q``; a side without a bound, ``has_left``/``has_right`` False, is not tested at all)."""
-    HAS_LEFT, HAS_RIGHT = has_left, has_right
+def make_visible(has_left: bool, has_right: bool, has_bias: bool = False) -> Any:
+    """``visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h) -> bool``: whether
+    query ``row`` sees key ``col`` (both inside their sequences; bottom-right aligned window with ``offset =
+    seqlen_k - seqlen_q``; a side without a bound, ``has_left``/``has_right`` False, is not tested at all), and with
+    ``has_bias`` whether ``attn_bias`` (``bias_h``: see ``bias_head``) leaves it: a -inf entry hides the key
+    exactly as a mask does. Without ``has_bias``, ``bias_h`` is not read."""
+    HAS_LEFT, HAS_RIGHT, HAS_BIAS = has_left, has_right, has_bias
 
     @cuda.jit(device=True, inline="always")
-    def visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right):
+    def visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h):
         # '&' on bools, not 'and': numba branches around the right side of an 'and'.
         ok = (row < seqlen_q) & (col < seqlen_k)
         if HAS_LEFT:
             ok = ok & (col >= row + offset - window_left)
         if HAS_RIGHT:
             ok = ok & (col <= row + offset + window_right)
+        if HAS_BIAS:
+            ok = ok & (bias_at(bias_h, row, col) != float32(-math.inf))
         return ok
 
     return visible
 
 
 @functools.lru_cache(maxsize=None)
-def make_score(softcap: bool, alibi: bool) -> Any:
-    """``score(raw, capmult, slope, row, col, offset) -> (x, dcap)``: the score pipeline after ``Q K^T``, in log2
-    units, as every kernel forms it. ``raw`` is the product of the pre-multiplied Q row (``qmult``, see
-    launch.py) and a K row; softcap gives ``x = capmult * tanh(raw)`` and its chain factor ``dcap = 1 - tanh^2``
-    (1 without softcap); ALiBi then adds ``-slope * |row + offset - col|``, ``slope`` being the head's slope times
-    log2(e) and ``offset = seqlen_k - seqlen_q`` (flash-attn's bottom-right distance). ALiBi is a bias: it adds
-    nothing to the chain factor. A switch that is off is not compiled at all."""
-    SOFTCAP, ALIBI = softcap, alibi
+def make_bias_tile(block_m: int, block_n: int, threads: int, transposed: bool, ld: int) -> Any:
+    """``load(tile, bias_h, m0, n0, seqlen_q, seqlen_k, t)``: the attn_bias of query rows ``m0 ..`` and keys
+    ``n0 ..`` (a ``bias_head`` slab) into a (block_m x block_n) shared tile, 0 past the sequences, by the block's
+    ``threads`` threads (``t``: this one). The kernels read it where they form the scores (an entry's address
+    there is a constant offset, where the bias's own is a product of four indices and strides). ``transposed``:
+    ``tile`` is flat, entry (r, c) at ``c * ld + r``, consecutive threads on consecutive rows (no bank conflict);
+    else ``tile[r, c]``, consecutive threads on consecutive keys (coalesced reads of a row-major bias)."""
+    BM, BN, NT, LD = block_m, block_n, threads, ld
 
     @cuda.jit(device=True, inline="always")
-    def score(raw, capmult, slope, row, col, offset):
-        x = raw
-        dcap = float32(1.0)
-        if SOFTCAP:
-            th = math.tanh(raw)
-            dcap = float32(1.0) - th * th
-            x = capmult * th
+    def load_transposed(tile, bias_h, m0, n0, seqlen_q, seqlen_k, t):
+        for e in range(t, BM * BN, NT):
+            r = e % BM
+            c = e // BM
+            inside = (m0 + r < seqlen_q) & (n0 + c < seqlen_k)
+            tile[c * LD + r] = bias_at(bias_h, m0 + r, n0 + c) if inside else float32(0.0)
+
+    @cuda.jit(device=True, inline="always")
+    def load(tile, bias_h, m0, n0, seqlen_q, seqlen_k, t):
+        for e in range(t, BM * BN, NT):
+            c = e % BN
+            r = e // BN
+            inside = (m0 + r < seqlen_q) & (n0 + c < seqlen_k)
+            tile[r, c] = bias_at(bias_h, m0 + r, n0 + c) if inside else float32(0.0)
+
+    return load_transposed if transposed else load
+
+
+@functools.lru_cache(maxsize=None)
+def make_biases(alibi: bool, has_bias: bool) -> Any:
+    """``add_biases(x, slope, row, col, offset, bias_value) -> x``: the additive terms of the score pipeline, in
+    log2 units, as every kernel applies them after softcap (``x = capmult * tanh(raw)``, or the raw score): ALiBi's
+    ``-slope * |row + offset - col|``, ``slope`` being the head's slope times log2(e) and ``offset = seqlen_k -
+    seqlen_q`` (flash-attn's bottom-right distance), then attn_bias's entry ``bias_value`` (from a
+    ``make_bias_tile`` tile) times log2(e). They add nothing to the chain factor. A switch that is off is not
+    compiled at all; a -inf bias is the caller's to test: it masks.
+
+    Softcap stays written in each kernel: numba gives the instructions of an inlined helper the helper's own line
+    numbers, which the performance model cannot place in the kernel's loops, and tanh is too large a share of the
+    score loop to leave out of its figures."""
+    ALIBI, HAS_BIAS = alibi, has_bias
+
+    @cuda.jit(device=True, inline="always")
+    def add_biases(x, slope, row, col, offset, bias_value):
         if ALIBI:
             x -= slope * float32(abs(row + offset - col))
-        return x, dcap
+        if HAS_BIAS:
+            x += bias_value * float32(LOG2E)
+        return x
 
-    return score
+    return add_biases
 
 
 @functools.lru_cache(maxsize=None)
 def make_key_rows_product(block_m: int, rows: int, cols: int, row_step: int, col_step: int, has_left: bool,
-                          has_right: bool) -> Any:
-    """``add(acc, a_s, b_s, m0, n0, key0, col0, seqlen_q, seqlen_k, offset, window_left, window_right)``: the dK/dV
-    kernel's product ``acc[i, j] += sum_m a_s[m, key_i] * b_s[m, col0 + col_step * j]`` over the tile's
+                          has_right: bool, has_bias: bool = False) -> Any:
+    """``add(acc, a_s, b_s, m0, n0, key0, col0, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h)``:
+    the dK/dV kernel's product ``acc[i, j] += sum_m a_s[m, key_i] * b_s[m, col0 + col_step * j]`` over the tile's
     ``block_m`` query rows (query ``m0 + m``), with ``key_i = key0 + row_step * i`` (key ``n0 + key_i``), taking only
-    the pairs where the query sees the key. For a tile ``b_s`` (dO or Q) that holds a non-finite value: the plain
-    product would add its ``0 * x`` to keys no query of that row sees. ``acc`` is (rows, cols) float32."""
+    the pairs where the query sees the key (``make_visible``). For a tile ``b_s`` (dO or Q) that holds a non-finite
+    value: the plain product would add its ``0 * x`` to keys no query of that row sees. ``acc`` is (rows, cols)
+    float32."""
     BM, ROWS, COLS, ROW_STEP, COL_STEP = block_m, rows, cols, row_step, col_step
-    visible = make_visible(has_left, has_right)
+    visible = make_visible(has_left, has_right, has_bias)
 
     @cuda.jit(device=True, inline="always")
-    def add(acc, a_s, b_s, m0, n0, key0, col0, seqlen_q, seqlen_k, offset, window_left, window_right):
+    def add(acc, a_s, b_s, m0, n0, key0, col0, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h):
         for m in range(BM):
             for i in range(ROWS):
                 key = key0 + ROW_STEP * i
-                seen = visible(m0 + m, n0 + key, seqlen_q, seqlen_k, offset, window_left, window_right)
+                seen = visible(m0 + m, n0 + key, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h)
                 a = a_s[m, key]
                 for j in range(COLS):
                     x = acc[i, j] + a * b_s[m, col0 + COL_STEP * j]

@@ -6,17 +6,17 @@ runs the real compiler's machine code on real hardware. A miscompile, a driver b
 expose would otherwise give wrong numbers silently; the contract wants a refusal with a reason instead.
 
 What is checked: a specialisation is what the kernel factories are keyed on, the kernel (``forward``,
-``backward_dkdv``, ``backward_dq``) x tile config x mask, softcap and ALiBi flags x dtype, and it is checked once per
-GPU (one that passes on one architecture may fail on another). The input is random N(0, 1) data from a fixed seed
-(so that a verdict never depends on luck), with odd sizes that make every tile edge ragged: B = 1, Hq = 2,
-Hkv = 1 (GQA), D = head-dim bucket - 1, Sq = block_m + 3 (two query tiles), Sk = 2 * block_n + 5 (three key
-tiles); causal when the specialisation has a right bound, a left window that crosses a key-tile edge when it has
-a left bound, softcap 1.5 when it has softcap, slopes drawn from U(0.05, 0.5) when it has ALiBi. Outputs start as
-NaN, so an element the kernel never writes shows up. The backward kernels get ``out`` and ``lse`` from the
-reference, so each kernel is judged on its own. Bounds (the contract's): forward float32 out and every dtype's lse,
-max abs error <= max(1e-5, 4x the error of textbook float32 attention on the same input); float16 / bfloat16 out and
-gradients, relative L2 <= 2e-3 / 1.6e-2; float32 gradients, relative L2 <= 1e-5. An exception while compiling or
-running the check counts as a failure.
+``backward_dkdv``, ``backward_dq``) x tile config x mask, softcap, ALiBi and attn_bias flags x dtype, and it is
+checked once per GPU (one that passes on one architecture may fail on another). The input is random N(0, 1) data
+from a fixed seed (so that a verdict never depends on luck), with odd sizes that make every tile edge ragged: B = 1,
+Hq = 2, Hkv = 1 (GQA), D = head-dim bucket - 1, Sq = block_m + 3 (two query tiles), Sk = 2 * block_n + 5 (three key
+tiles); causal when the specialisation has a right bound, a left window that crosses a key-tile edge when it has a
+left bound, softcap 1.5 when it has softcap, slopes drawn from U(0.05, 0.5) when it has ALiBi, an N(0, 1) bias with
+one entry in 8 -inf when it has attn_bias. Outputs start as NaN, so an element the kernel never writes shows up. The
+backward kernels get ``out`` and ``lse`` from the reference, so each kernel is judged on its own. Bounds (the
+contract's): forward float32 out and every dtype's lse, max abs error <= max(1e-5, 4x the error of textbook float32
+attention on the same input); float16 / bfloat16 out and gradients, relative L2 <= 2e-3 / 1.6e-2; float32 gradients,
+relative L2 <= 1e-5. An exception while compiling or running the check counts as a failure.
 
 Cost: the check launches the kernel with arrays of the same numba types (dtype and contiguity) as the call that
 triggers it, so it compiles nothing the call would not compile anyway. What it adds, once per specialisation, GPU
@@ -85,6 +85,7 @@ class Specialisation:
     softcap: bool
     dtype: str
     alibi: bool = False
+    bias: bool = False
 
     def tiles(self) -> str:
         """'64x32/128': block_m x block_n / threads."""
@@ -95,7 +96,8 @@ class Specialisation:
         masks = {(False, False): "", (False, True): " causal", (True, False): " left window",
                  (True, True): " window"}[(self.has_left, self.has_right)]
         return (f"{self.cfg.kernel} {self.tiles()} D={self.cfg.head_dim_bucket} {self.dtype}{masks}"
-                + (" softcap" if self.softcap else "") + (" alibi" if self.alibi else ""))
+                + (" softcap" if self.softcap else "") + (" alibi" if self.alibi else "")
+                + (" attn_bias" if self.bias else ""))
 
 
 @dataclass(frozen=True)
@@ -204,14 +206,14 @@ def check(spec: Specialisation, like: dict[str, Any] | None = None, device: int 
 
 
 def choose(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, dtype: str,
-           like: dict[str, Any] | None = None, alibi: bool = False) -> FlashAttentionConfig:
+           like: dict[str, Any] | None = None, alibi: bool = False, bias: bool = False) -> FlashAttentionConfig:
     """The config to launch: ``cfg`` if it passes its check (or the check is off), else the first fallback that
     passes; ``SelfCheckFailed`` with every failure when none does."""
     if not enabled():
         return cfg
     failures = []
     for cand in candidates(cfg):
-        verdict = check(Specialisation(cand, has_left, has_right, softcap, dtype, alibi), like)
+        verdict = check(Specialisation(cand, has_left, has_right, softcap, dtype, alibi, bias), like)
         if verdict.passed:
             return cand
         failures.append(verdict.reason)
@@ -219,7 +221,7 @@ def choose(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: 
 
 
 def problems(cfgs: list[FlashAttentionConfig], has_left: bool, has_right: bool, softcap: bool, dtype: str,
-             device: int | None = None, alibi: bool = False) -> tuple[list[str], list[str]]:
+             device: int | None = None, alibi: bool = False, bias: bool = False) -> tuple[list[str], list[str]]:
     """What is known so far about the configs a call would pick, without running any check: (notes, reasons).
     A note says a config failed and which fallback serves instead; a reason says no config of a kernel passed."""
     notes: list[str] = []
@@ -230,7 +232,7 @@ def problems(cfgs: list[FlashAttentionConfig], has_left: bool, has_right: bool, 
     for cfg in cfgs:
         failures = []
         for cand in candidates(cfg):
-            spec = Specialisation(cand, has_left, has_right, softcap, dtype, alibi)
+            spec = Specialisation(cand, has_left, has_right, softcap, dtype, alibi, bias)
             verdict = _verdicts.get((dev, spec))
             if verdict is None:       # not checked yet: only what failed before it is known
                 if failures:
@@ -273,6 +275,7 @@ class _Problem:
     window_right: int
     softcap: float
     slopes: np.ndarray | None    # ALiBi slopes (B, Hq) float64, or None
+    bias: np.ndarray | None      # attn_bias (B, Hq, Sq, Sk) float32, about one entry in 8 -inf, or None
 
     @property
     def window_size(self) -> tuple[int, int]:
@@ -310,7 +313,14 @@ def _problem(spec: Specialisation) -> _Problem:
     return _Problem(q=q, k=k, v=v, dout=dout, stored=dict(q=q_s, k=k_s, v=v_s, dout=do_s),
                     scale=1.0 / math.sqrt(d), window_left=cfg.block_n + 3 if spec.has_left else -1,
                     window_right=0 if spec.has_right else -1, softcap=_SOFTCAP if spec.softcap else 0.0,
-                    slopes=rng.uniform(0.05, 0.5, (1, 2)) if spec.alibi else None)
+                    slopes=rng.uniform(0.05, 0.5, (1, 2)) if spec.alibi else None, bias=_bias(rng, sq, sk, spec))
+
+
+def _bias(rng: np.random.Generator, sq: int, sk: int, spec: Specialisation) -> np.ndarray | None:
+    if not spec.bias:
+        return None
+    bias = rng.standard_normal((1, 2, sq, sk)).astype(np.float32)
+    return np.where(rng.random(bias.shape) < 0.125, np.float32(-np.inf), bias)
 
 
 def _device(host: np.ndarray, like: Any) -> Any:
@@ -366,7 +376,11 @@ def _textbook_float32(p: _Problem) -> tuple[np.ndarray, np.ndarray]:
             if p.slopes is not None:
                 distance = np.abs(np.arange(sq)[:, None] + (sk - sq) - np.arange(sk)[None, :])
                 s = s - (np.float32(p.slopes[b, h]) * distance).astype(np.float32)
-            s = np.where(mask, s, np.float32(-np.inf))
+            seen_pairs = mask
+            if p.bias is not None:
+                seen_pairs = mask & (p.bias[b, h] != -np.inf)
+                s = s + np.where(seen_pairs, p.bias[b, h], np.float32(0))
+            s = np.where(seen_pairs, s, np.float32(-np.inf))
             m = s.max(axis=1, keepdims=True)
             seen = np.isfinite(m[:, 0])
             m = np.where(seen[:, None], m, np.float32(0))
@@ -392,11 +406,12 @@ def _judge(measured: list[tuple[str, str, float, float]]) -> tuple[list[str], li
     return failed, text
 
 
-def _launch_kw(spec: Specialisation, p: _Problem) -> dict[str, Any]:
+def _launch_kw(spec: Specialisation, p: _Problem, like: dict[str, Any]) -> dict[str, Any]:
     from .launch import alibi_arg
 
     return dict(softmax_scale=p.scale, window_left=p.window_left, window_right=p.window_right, softcap=p.softcap,
-                bf16=spec.dtype == "bfloat16", alibi=alibi_arg(p.slopes))
+                bf16=spec.dtype == "bfloat16", alibi=alibi_arg(p.slopes),
+                bias=None if p.bias is None else _device(p.bias, like.get("bias")))
 
 
 def _check_forward(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -410,11 +425,11 @@ def _check_forward(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str
     q, k, v = (_device(p.stored[n], like.get(n)) for n in ("q", "k", "v"))
     out = _nan_device(p.q.shape, store, like.get("out"))
     lse = _nan_device((p.q.shape[0], p.q.shape[2], p.q.shape[1]), "float32", like.get("lse"))
-    launch_forward(spec.cfg, q, k, v, out, lse, **_launch_kw(spec, p))
+    launch_forward(spec.cfg, q, k, v, out, lse, **_launch_kw(spec, p, like))
     got_out, got_lse = _widen(out.copy_to_host(), spec.dtype), lse.copy_to_host()
 
     ref_out, ref_lse = attention_ref(p.q, p.k, p.v, softmax_scale=p.scale, window_size=p.window_size,
-                                     softcap=p.softcap, alibi_slopes=p.slopes)
+                                     softcap=p.softcap, alibi_slopes=p.slopes, attn_bias=p.bias)
     tb_out, tb_lse = _textbook_float32(p)
     lse_bound = max(FLOAT32_MAX_ABS, TEXTBOOK_FACTOR * _max_abs(tb_lse, ref_lse))
     if spec.dtype == "float32":
@@ -433,7 +448,8 @@ def _backward_inputs(spec: Specialisation, like: dict[str, Any]) -> tuple[_Probl
     from .launch import launch_delta
 
     p = _problem(spec)
-    kw = dict(softmax_scale=p.scale, window_size=p.window_size, softcap=p.softcap, alibi_slopes=p.slopes)
+    kw = dict(softmax_scale=p.scale, window_size=p.window_size, softcap=p.softcap, alibi_slopes=p.slopes,
+              attn_bias=p.bias)
     ref_out, ref_lse = attention_ref(p.q, p.k, p.v, **kw)
     grads = attention_ref_backward(p.dout, p.q, p.k, p.v, **kw)
     dev = {n: _device(p.stored[n], like.get(n)) for n in ("q", "k", "v", "dout")}
@@ -456,7 +472,7 @@ def _check_dkdv(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str], 
     dk = _nan_device(p.k.shape, storage_dtype(spec.dtype), like.get("dk"))
     dv = _nan_device(p.v.shape, storage_dtype(spec.dtype), like.get("dv"))
     launch_dkdv(spec.cfg, dev["q"], dev["k"], dev["v"], dev["dout"], dev["lse"], dev["delta"], dk, dv,
-                **_launch_kw(spec, p))
+                **_launch_kw(spec, p, like))
     bound = _grad_bound(spec.dtype)
     return _judge([(name, "relative L2 error", _rel_l2(_widen(got.copy_to_host(), spec.dtype), ref), bound)
                    for name, got, ref in (("dk", dk, ref_dk), ("dv", dv, ref_dv))])
@@ -469,7 +485,7 @@ def _check_dq(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str], li
     p, dev, (ref_dq, _, _) = _backward_inputs(spec, like)
     dq = _nan_device(p.q.shape, storage_dtype(spec.dtype), like.get("dq"))
     launch_dq(spec.cfg, dev["q"], dev["k"], dev["v"], dev["dout"], dev["lse"], dev["delta"], dq,
-              **_launch_kw(spec, p))
+              **_launch_kw(spec, p, like))
     got = _widen(dq.copy_to_host(), spec.dtype)
     return _judge([("dq", "relative L2 error", _rel_l2(got, ref_dq), _grad_bound(spec.dtype))])
 

@@ -255,12 +255,23 @@ def test_dbias_keeps_a_nan_key_out_of_the_queries_that_do_not_see_it(nheads_kv):
     assert _rel(grads[3][~bad], want[~bad]) <= 2e-5
 
 
-def test_backends_without_bias_say_so():
+def test_every_backend_takes_a_bias_and_cuda_leaves_dbias_to_others_with_the_reason():
+    from backends.base import Backend
+    from numba_flash.validation import validate_backward, validate_forward
+
     rng = np.random.default_rng(34)
-    q, k, v, _ = _inputs(rng)
+    q, k, v, dout = _inputs(rng)
     bias = rng.standard_normal((SQ, SK)).astype(np.float32)
-    with pytest.raises(numba_flash.NoBackendError, match="attn_bias not supported"):
-        backend_registry.get("flash", backend="cuda").forward(q, k, v, attn_bias=bias)
+    call = validate_forward(q, k, v, attn_bias=bias)
+    for be in backend_registry.backends("flash"):
+        assert "attn_bias not supported" not in be.feature_reasons(call), be.name   # cuda's: simulator-tested
+    assert "attn_bias not supported" in Backend.feature_reasons(Backend(), call)
+    out, lse = attention_ref(q, k, v, attn_bias=bias)
+    grad_call = validate_backward(dout, q, k, v, out.astype(np.float32), lse.astype(np.float32), attn_bias=bias,
+                                  return_dbias=True)
+    cuda = next(be for be in backend_registry.backends("flash") if be.name == "cuda")
+    reasons = cuda.feature_reasons(grad_call)
+    assert reasons == ["attn_bias's gradient (return_dbias) not supported"]
     assert f"attn_bias(1, 1, {SQ}, {SK})" in backend_registry.get("flash").explain(q, k, v, attn_bias=bias)
 
 

@@ -1,0 +1,106 @@
+"""attn_bias in the CUDA kernels, under the Numba CUDA simulator with toy tiles (8 x 8, 16 threads): forward and
+backward against the float64 reference for every way a bias broadcasts, -inf entries that hide keys (also from the
+non-finite values behind them) and NaN ones that poison, low precision, and dbias handed to another backend. The
+same semantics run on the cpu and torch backends in tests/numba_flash/test_attn_bias.py.
+
+Run: NUMBA_ENABLE_CUDASIM=1 .venv/bin/python -m pytest -q -m cudasim tests/numba_flash/cuda/test_attn_bias_sim.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import numba_flash
+from backends import backend_registry
+from numba_flash import attention_ref, attention_ref_backward
+from numba_flash.cuda import tile_config_override
+
+pytestmark = pytest.mark.cudasim
+
+TILES = dict(block_m=8, block_n=8, threads=16)
+B, SQ, SK, HQ, HKV, D = 2, 13, 19, 4, 2, 8
+
+
+def _inputs(rng, dtype=np.float32):
+    q = rng.standard_normal((B, SQ, HQ, D)).astype(dtype)
+    k = rng.standard_normal((B, SK, HKV, D)).astype(dtype)
+    v = rng.standard_normal((B, SK, HKV, D)).astype(dtype)
+    return q, k, v, rng.standard_normal(q.shape).astype(dtype)
+
+
+def _run(q, k, v, dout, **kw):
+    with tile_config_override(**TILES):
+        op = backend_registry.get("flash", backend="cuda")
+        out, lse = op.forward(q, k, v, return_lse=True, **kw)
+        return (out, lse) + tuple(op.backward(dout, q, k, v, out, lse, **kw))
+
+
+def _rel(got, want):
+    return np.linalg.norm(np.asarray(got, np.float64) - want) / max(np.linalg.norm(want), 1.0)
+
+
+@pytest.mark.parametrize("shape,kw", [
+    ((B, HQ, SQ, SK), dict(causal=True)),
+    ((HQ, 1, SK), dict(window_size=(6, 2), softcap=2.5)),
+    ((SQ, SK), dict(alibi_slopes=np.array([0.3, 0.1, 0.6, 0.9], np.float32))),
+    ((B, 1, 1, SK), dict(softmax_scale=0.4)),
+    ((B, HQ, SQ, 1), dict(causal=True)),
+], ids=["full-causal", "per-head-key-window-softcap", "shared-with-alibi", "per-batch-key", "per-row"])
+def test_forward_and_backward_match_reference(shape, kw):
+    rng = np.random.default_rng(len(shape) * 10 + len(kw))
+    q, k, v, dout = _inputs(rng)
+    bias = (2 * rng.standard_normal(shape)).astype(np.float32)
+    got = _run(q, k, v, dout, attn_bias=bias, **kw)
+    want_out, want_lse = attention_ref(q, k, v, attn_bias=bias, **kw)
+    np.testing.assert_allclose(got[0], want_out, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got[1], want_lse, atol=1e-5, rtol=1e-5)
+    for name, g, ref in zip(("dq", "dk", "dv"), got[2:], attention_ref_backward(dout, q, k, v, attn_bias=bias,
+                                                                                   **kw)):
+        assert _rel(g, ref) <= 1e-5, name
+    if shape[-1] != 1:   # a bias constant along each row moves no probability
+        assert np.abs(attention_ref(q, k, v, **kw)[0] - want_out).max() > 1e-2
+
+
+def test_minus_inf_hides_keys_and_their_values_and_nan_poisons_only_its_row():
+    rng = np.random.default_rng(31)
+    q, k, v, dout = _inputs(rng)
+    bias = rng.standard_normal((HQ, SQ, SK)).astype(np.float32)
+    bias[0, 3] = -np.inf                 # head 0, row 3: every key hidden, so it sees nothing
+    bias[1, :, 5] = -np.inf              # head 1: key 5 hidden from every row ...
+    v[:, 5, 0] = np.nan                  # ... so kv head 0's NaN at key 5 reaches head 0 only
+    bias[2:, :, 9] = -np.inf             # heads 2, 3 (kv head 1): key 9 hidden ...
+    k[1, 9, 1] = np.inf                  # ... so its inf poisons nobody
+    bias[2, 7, 11] = np.nan              # head 2, row 7: poisoned
+    got = _run(q, k, v, dout, attn_bias=bias, causal=True)
+    want = attention_ref(q, k, v, attn_bias=bias, causal=True)
+    want += attention_ref_backward(dout, q, k, v, attn_bias=bias, causal=True)
+    assert np.all(got[0][:, 3, 0] == 0) and np.all(got[1][:, 0, 3] == np.inf)
+    assert np.isfinite(got[0][:, :, 1]).all() and np.isfinite(got[0][:, :, 3]).all()
+    assert np.isnan(got[0][:, 7, 2]).all()
+    for name, g, ref in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        assert np.array_equal(np.isnan(g), np.isnan(ref)), name
+        fin = ~np.isnan(ref)
+        np.testing.assert_allclose(g[fin], ref[fin], atol=5e-5, rtol=0, err_msg=name)
+
+
+def test_float16_with_a_float16_bias():
+    rng = np.random.default_rng(32)
+    q, k, v, dout = _inputs(rng, np.float16)
+    bias = rng.standard_normal((HQ, SQ, SK)).astype(np.float16)
+    got = _run(q, k, v, dout, attn_bias=bias)
+    assert all(x.dtype == np.float16 for x in got[:1] + got[2:])
+    want = attention_ref(q, k, v, attn_bias=bias)[:1] + attention_ref_backward(dout, q, k, v, attn_bias=bias)
+    for name, g, ref in zip(("out", "dq", "dk", "dv"), got[:1] + got[2:], want):
+        assert _rel(g, ref) <= 2e-3, name
+
+
+def test_dbias_is_left_to_another_backend_with_the_reason():
+    rng = np.random.default_rng(33)
+    q, k, v, dout = _inputs(rng)
+    bias = rng.standard_normal((SQ, SK)).astype(np.float32)
+    out, lse = attention_ref(q, k, v, attn_bias=bias)
+    with pytest.raises(numba_flash.NoBackendError, match=r"attn_bias's gradient \(return_dbias\) not supported"):
+        backend_registry.get("flash", backend="cuda").backward(dout, q, k, v, out.astype(np.float32),
+                                                               lse.astype(np.float32), attn_bias=bias,
+                                                               return_dbias=True)
