@@ -323,6 +323,7 @@ class CudaBackend(Backend):
     SUPPORTS_KVCACHE = True
     SUPPORTS_ALIBI = True
     SUPPORTS_BIAS = True   # not its gradient: return_dbias goes to another backend
+    SUPPORTS_DROPOUT = True
 
     def __init__(self, config: Any = None):
         self.config = config
@@ -414,7 +415,7 @@ class CudaBackend(Backend):
         notes, reasons = [], []
         for kern, cfg in cfgs.items():
             n, r = selfcheck.problems([cfg], *flags, call.dtype, device=device, alibi=call.alibi is not None,
-                                      bias=call.bias is not None)
+                                      bias=call.bias is not None, dropout=bool(call.dropout_p))
             notes.extend(n)
             (reasons if kern in used else notes).extend(r)
         return notes, reasons
@@ -433,12 +434,13 @@ class CudaBackend(Backend):
 
     def _forward_runner(self, io: _Session) -> Any:
         """``run(call, q, k, v, out, lse)``: the forward kernel on (B, S, H, D) device views, on io's stream."""
-        from numba_flash.cuda.launch import alibi_arg, flash_forward
+        from numba_flash.cuda.launch import alibi_arg, dropout_arg, flash_forward
 
         def run(c: AttentionCall, q: Any, k: Any, v: Any, out: Any, lse: Any) -> None:
             flash_forward(q, k, v, out, lse, softmax_scale=c.softmax_scale, window_left=c.window_left,
                           window_right=c.window_right, softcap=c.softcap, dtype=c.dtype,
-                          alibi=alibi_arg(c.alibi, io.stream), bias=io.bias(c), override=self.config,
+                          alibi=alibi_arg(c.alibi, io.stream), bias=io.bias(c),
+                          dropout=dropout_arg(c.dropout_p, c.dropout_seed, c.dropout_batch0), override=self.config,
                           stream=io.stream)
 
         return run
@@ -526,7 +528,7 @@ class CudaBackend(Backend):
             return self._backward(call, io)
 
     def _backward(self, call: AttentionCall, io: _Session) -> tuple[Any, Any, Any]:
-        from numba_flash.cuda.launch import alibi_arg, flash_backward
+        from numba_flash.cuda.launch import alibi_arg, dropout_arg, flash_backward
 
         names = ("dout", "q", "k", "v", "out")
         dout, q, k, v, out = (io.device(getattr(call, n), n) for n in names)
@@ -540,6 +542,7 @@ class CudaBackend(Backend):
             flash_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, softmax_scale=c.softmax_scale,
                            window_left=c.window_left, window_right=c.window_right, softcap=c.softcap,
                            dtype=c.dtype, alibi=alibi_arg(c.alibi, io.stream), bias=io.bias(c),
+                           dropout=dropout_arg(c.dropout_p, c.dropout_seed, c.dropout_batch0),
                            override=self.config, stream=io.stream)
 
         if call.is_varlen:

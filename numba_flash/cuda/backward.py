@@ -28,7 +28,8 @@ from numba import cuda, float32, int32, uint32
 from .config import FlashAttentionConfig
 from .dtypes import element_io
 from .forward import LOG2E
-from .masks import bias_head, make_bias_tile, make_key_rows_product, make_biases, make_visible, nan_if_not_finite
+from .masks import (bias_head, make_bias_tile, make_biases, make_dropout_tile, make_key_rows_product, make_visible,
+                    nan_if_not_finite)
 from .tiles import make_tile_load
 
 
@@ -71,7 +72,7 @@ def row_stats(lse, delta, b, h, row, seqlen_q):
 
 @functools.lru_cache(maxsize=None)
 def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool,
-                     bf16: bool, alibi: bool = False, has_bias: bool = False) -> Any:
+                     bf16: bool, alibi: bool = False, has_bias: bool = False, dropout: bool = False) -> Any:
     """dK and dV: one block per (key tile, kv head, batch). The block loops over the query heads of its GQA group
     and over the query tiles that can see its keys, so dK and dV are summed over the group in registers, no atomics.
 
@@ -81,7 +82,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
       lse, delta (B, Hq, Sq) float32; dk, dv (B, Sk, Hkv, D) like k;
       seqlen_q, seqlen_k, head_dim, group, window_left, window_right: ints;
       qmult (as the forward's), capmult (softcap * log2(e)), scale: float32;
-      slopes (B, Hq) float32 and bias (4 dimensions) float32, as the forward's.
+      slopes (B, Hq) float32, bias (4 dimensions) float32 and the five dropout scalars, as the forward's.
     """
     _checked(cfg)
     BM, BN, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
@@ -91,6 +92,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     G_TN, G_TD = BN // G_TR, DB // G_TC      # dK/dV elements per thread: key rows x head-dim columns
     LD, LDP = DB + 1, BN + 1
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, HAS_BIAS = has_left, has_right, softcap, alibi, has_bias
+    DROPOUT = dropout
     STORE = element_io(bf16)[1]
     visible = make_visible(has_left, has_right)
     add_biases = make_biases(alibi, has_bias)
@@ -98,9 +100,11 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     load_x = make_tile_load(BM, DB, NT, bf16)     # query-side tiles: Q, dO
     load_kv = make_tile_load(BN, DB, NT, bf16)    # key-side tiles: K, V
     add_visible_products = make_key_rows_product(BM, G_TN, G_TD, G_TR, G_TC, has_left, has_right, has_bias)
+    apply_dropout = make_dropout_tile(BM, BN, NT, True)
 
     def flash_dkdv_kernel(q, k, v, dout, lse, delta, dk, dv, seqlen_q, seqlen_k, head_dim, group, window_left,
-                          window_right, qmult, capmult, scale, slopes, bias):
+                          window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
+                          batch0):
         t = cuda.threadIdx.x
         n0 = cuda.blockIdx.x * BN
         hk = cuda.blockIdx.y
@@ -206,6 +210,8 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                         s[i, j] = p
                         p_s[r, c] = p
                 cuda.syncthreads()
+                if DROPOUT:   # dV takes the kept probabilities, scaled (s keeps P for dS)
+                    apply_dropout(p_s, seed_lo, seed_hi, threshold, dscale, b + batch0, h, m0, n0, t)
 
                 do_probe = load_x(x_s, dout, b, m0, h, seqlen_q, head_dim, float32(1.0), t)
                 do_nonfinite = cuda.syncthreads_or(int32(do_probe != do_probe))
@@ -230,7 +236,11 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                         ok = visible(m0 + r, n0 + c, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h)
                         if HAS_BIAS:
                             ok = ok & (ds_s[r, c] != float32(-math.inf))
-                        ds_s[r, c] = s[i, j] * (dp[i, j] - delta_s[r]) * dcap[i, j] if ok else float32(0.0)
+                        if DROPOUT:   # dS = P (Z dP / (1 - p) - delta), and p_s holds P Z / (1 - p)
+                            ds = (p_s[r, c] * dp[i, j] - s[i, j] * delta_s[r]) * dcap[i, j]
+                        else:
+                            ds = s[i, j] * (dp[i, j] - delta_s[r]) * dcap[i, j]
+                        ds_s[r, c] = ds if ok else float32(0.0)
 
                 # dV += P^T . dO for this thread's (key rows x head-dim columns) block.
                 if do_nonfinite:
@@ -278,7 +288,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
 
 @functools.lru_cache(maxsize=None)
 def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool,
-                   alibi: bool = False, has_bias: bool = False) -> Any:
+                   alibi: bool = False, has_bias: bool = False, dropout: bool = False) -> Any:
     """dQ: one block per (query tile, query head, batch), looping over the key tiles its rows can see.
 
     Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments:
@@ -286,7 +296,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
       strides;
       lse, delta (B, Hq, Sq) float32; dq (B, Sq, Hq, D) like q;
       seqlen_q, seqlen_k, head_dim, group, window_left, window_right: ints;
-      qmult, capmult, scale: float32, slopes and bias float32 (as for the dK/dV kernel).
+      qmult, capmult, scale: float32, slopes and bias float32, the dropout scalars (as for the dK/dV kernel).
     """
     _checked(cfg)
     BM, BN, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
@@ -296,15 +306,18 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
     O_TM, O_TD = BM // O_TR, DB // O_TC
     LD, LDP = DB + 1, BN + 1
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, HAS_BIAS = has_left, has_right, softcap, alibi, has_bias
+    DROPOUT = dropout
     STORE = element_io(bf16)[1]
     visible = make_visible(has_left, has_right)
     add_biases = make_biases(alibi, has_bias)
     load_bias = make_bias_tile(BM, BN, NT, False, 0)
+    dropout_factors = make_dropout_tile(BM, BN, NT, False)
     load_x = make_tile_load(BM, DB, NT, bf16)     # query-side tiles: Q, dO
     load_kv = make_tile_load(BN, DB, NT, bf16)    # key-side tiles: K, V
 
     def flash_dq_kernel(q, k, v, dout, lse, delta, dq, seqlen_q, seqlen_k, head_dim, group, window_left,
-                        window_right, qmult, capmult, scale, slopes, bias):
+                        window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
+                        batch0):
         t = cuda.threadIdx.x
         m0 = cuda.blockIdx.x * BM
         h = cuda.blockIdx.y
@@ -401,6 +414,8 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
             cuda.syncthreads()
 
             load_kv(kv_s, v, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)
+            if DROPOUT:   # the bias tile is read: dS's buffer takes the dropout factors
+                dropout_factors(ds_s, seed_lo, seed_hi, threshold, dscale, b + batch0, h, m0, n0, t)
             cuda.syncthreads()
 
             for i in range(S_TM):
@@ -426,7 +441,10 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                         ok = (p[i, j] != float32(0.0)) | (math.copysign(float32(1.0), p[i, j]) > float32(0.0))
                     else:
                         ok = visible(m0 + r, n0 + c, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h)
-                    ds_s[r, c] = p[i, j] * (dp[i, j] - delta_i) if ok else float32(0.0)
+                    dp_kept = dp[i, j]
+                    if DROPOUT:   # the factor from the tile, overwritten here by dS
+                        dp_kept *= ds_s[r, c]
+                    ds_s[r, c] = p[i, j] * (dp_kept - delta_i) if ok else float32(0.0)
             cuda.syncthreads()
 
             k_probe = load_kv(kv_s, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t)

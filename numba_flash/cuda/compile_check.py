@@ -65,29 +65,31 @@ class KernelResources:
 def kernel_signature(kernel: str, dtype: str) -> Any:
     """The numba signature the backend launches ``kernel`` with: any-stride arrays ('A' layout, which also covers
     contiguous inputs) of the dtype's storage type (int16 for bfloat16), int64 sizes, float32 multipliers, and last
-    the (B, Hq) float32 ALiBi slopes and the 4-dimensional float32 attn_bias."""
+    the (B, Hq) float32 ALiBi slopes, the 4-dimensional float32 attn_bias and dropout's scalars."""
     from numba import types
 
     x = types.Array(getattr(types, storage_dtype(dtype)), 4, "A")
     rows = types.Array(types.float32, 3, "A")
     slopes = types.Array(types.float32, 2, "A")
     bias = types.Array(types.float32, 4, "A")
+    u64 = types.uint64
     i64, f32 = types.int64, types.float32
+    variants = (slopes, bias, u64, u64, u64, f32, i64)   # ALiBi, attn_bias, dropout's five scalars
     if kernel == "forward":
-        return types.void(x, x, x, x, rows, i64, i64, i64, i64, i64, i64, f32, f32, slopes, bias)
+        return types.void(x, x, x, x, rows, i64, i64, i64, i64, i64, i64, f32, f32, *variants)
     if kernel == "backward_dkdv":
-        return types.void(x, x, x, x, rows, rows, x, x, i64, i64, i64, i64, i64, i64, f32, f32, f32, slopes, bias)
+        return types.void(x, x, x, x, rows, rows, x, x, i64, i64, i64, i64, i64, i64, f32, f32, f32, *variants)
     if kernel == "backward_dq":
-        return types.void(x, x, x, x, rows, rows, x, i64, i64, i64, i64, i64, i64, f32, f32, f32, slopes, bias)
+        return types.void(x, x, x, x, rows, rows, x, i64, i64, i64, i64, i64, i64, f32, f32, f32, *variants)
     if kernel == "backward_delta":
         return types.void(x, x, rows, i64, i64, i64, i64)
     raise ValueError(kernel)
 
 
 def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
-                  flags: tuple[bool, ...] = (True,) * 5) -> Any:
+                  flags: tuple[bool, ...] = (True,) * 6) -> Any:
     """The Python function of one kernel specialisation; ``flags`` are (has_left, has_right, softcap[, alibi[,
-    attn_bias]]), those left out off. The compile check builds every flag on: the variant with the most live
+    attn_bias[, dropout]]]), those left out off. The compile check builds every flag on: the variant with the most live
     values, so the worst case for registers."""
     from .backward import make_delta_kernel, make_dkdv_kernel, make_dq_kernel
     from .forward import make_forward_kernel
@@ -104,7 +106,7 @@ def _int(pattern: str, log: str) -> int:
 
 
 def kernel_ptx(kernel: str, cfg: FlashAttentionConfig | None, dtype: str, cc: tuple[int, int],
-               flags: tuple[bool, ...] = (True,) * 5, lineinfo: bool = False) -> str:
+               flags: tuple[bool, ...] = (True,) * 6, lineinfo: bool = False) -> str:
     """PTX of one kernel specialisation for compute capability ``cc`` (types and lowers it: typing errors show).
     ``lineinfo`` adds source-line directives (for the performance model); the code is the same."""
     from numba import cuda

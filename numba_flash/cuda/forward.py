@@ -28,7 +28,7 @@ from numba import config, cuda, float32, int32, uint32, uint64
 
 from .config import FlashAttentionConfig, transposed_stride
 from .dtypes import element_io
-from .masks import bias_head, make_bias_tile, make_biases, make_visible, nan_if_not_finite
+from .masks import bias_head, dropout_factor, make_bias_tile, make_biases, make_visible, nan_if_not_finite
 from .tiles import FETCH_VECTOR, make_tile_fetch, tile_passes
 
 LOG2E = math.log2(math.e)
@@ -58,7 +58,7 @@ def _grids(cfg: FlashAttentionConfig) -> tuple[int, int, int, int]:
 
 @functools.lru_cache(maxsize=None)
 def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool,
-                        bf16: bool, alibi: bool = False, has_bias: bool = False) -> Any:
+                        bf16: bool, alibi: bool = False, has_bias: bool = False, dropout: bool = False) -> Any:
     """The forward kernel for one tile config, mask kind and element kind (a ``numba.cuda`` dispatcher, compiled
     lazily).
 
@@ -72,7 +72,9 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
       slopes (B, Hq) float32: ALiBi slopes times log2(e), read only with ``alibi`` (any (B, Hq) float32 array
       otherwise);
       bias: attn_bias, float32, 4 dimensions each of the full size or 1 (see masks.bias_head), read only with
-      ``has_bias`` (any 4-dimensional float32 array otherwise).
+      ``has_bias`` (any 4-dimensional float32 array otherwise);
+      seed_lo, seed_hi, threshold: uint64, dropout's key words and keep threshold; dscale: float32, 1 / (1 - p);
+      batch0: int, the batch index of the call's first row in dropout's counter (all read only with ``dropout``).
     float32 and float16 share one dispatcher (numba specialises it on the array types it is called with); bfloat16
     bits need their own, since an int16 element must be widened, not converted.
     """
@@ -92,6 +94,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     S_RM, S_RN, O_RM, O_RD = min(S_TM, 4), min(S_TN, 4), min(O_TM, 4), min(O_TD, 4)
     S_GAP_M, S_GAP_N, O_GAP_M, O_GAP_D = S_RM * S_TR, S_RN * S_TC, O_RM * O_TR, O_RD * O_TC
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, HAS_BIAS = has_left, has_right, softcap, alibi, has_bias
+    DROPOUT = dropout
     LOAD, STORE = element_io(bf16)
     visible = make_visible(has_left, has_right)
     sees = make_visible(has_left, has_right, has_bias)   # also reads attn_bias, for the rare path
@@ -103,7 +106,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     fetch_v = make_tile_fetch(BN, DB, NT, bf16, DB, False)
 
     def flash_forward_kernel(q, k, v, out, lse, seqlen_q, seqlen_k, head_dim, group, window_left, window_right,
-                             qmult, capmult, slopes, bias):
+                             qmult, capmult, slopes, bias, seed_lo, seed_hi, threshold, dscale, batch0):
         neg_inf = float32(-math.inf)
         nan = float32(math.nan)
         t = cuda.threadIdx.x
@@ -252,8 +255,10 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 total = float32(0.0)
                 for c in range(BN):
                     p = math.exp2(p_t[uint32(c * BM) + r_u] - m_use)
-                    p_t[uint32(c * BM) + r_u] = p
                     total += p
+                    if DROPOUT:   # the sum is the softmax's; P V takes the kept probabilities, scaled
+                        p *= dropout_factor(seed_lo, seed_hi, threshold, dscale, b + batch0, h, m0 + r, n0 + c)
+                    p_t[uint32(c * BM) + r_u] = p
                 row_max[r] = m_new
                 row_sum[r] = row_sum[r] * alpha + total
                 row_scale[r] = alpha

@@ -82,6 +82,22 @@ def _slopes_arg(slopes: Any, lse: Any) -> Any:
     return lse[:, :, 0] if slopes is None else slopes
 
 
+def dropout_arg(dropout_p: float, seed: int, batch0: int = 0) -> tuple | None:
+    """Dropout as the launch functions take it: None for p = 0, else (seed_lo, seed_hi, threshold, scale, batch0)
+    (``numba_flash.dropout``; batch0 is the batch index of the call's first row, a packed sequence's index)."""
+    if not dropout_p:
+        return None
+    from numba_flash.dropout import dropout_scale, dropout_threshold, split_seed
+
+    return (*split_seed(seed), dropout_threshold(dropout_p), dropout_scale(dropout_p), int(batch0))
+
+
+def _dropout_args(dropout: tuple | None) -> tuple:
+    """The kernels' five dropout scalars (zeros, never read, without dropout)."""
+    lo, hi, threshold, scale, batch0 = dropout if dropout is not None else (0, 0, 0, 0.0, 0)
+    return np.uint64(lo), np.uint64(hi), np.uint64(threshold), np.float32(scale), int(batch0)
+
+
 def _bias_arg(bias: Any, stream: Any) -> Any:
     """The kernels' ``bias`` argument: attn_bias, or without it a (1, 1, 1, 1) float32 device array, never read."""
     from numba import cuda
@@ -91,16 +107,17 @@ def _bias_arg(bias: Any, stream: Any) -> Any:
 
 def launch_forward(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float,
                    window_left: int, window_right: int, softcap: float, bf16: bool, alibi: Any = None,
-                   bias: Any = None, stream: Any = 0) -> None:
+                   bias: Any = None, dropout: tuple | None = None, stream: Any = 0) -> None:
     """Launch the forward kernel of ``cfg`` as it is, no self-check. Arrays as for ``flash_forward``."""
     kernel = make_forward_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                 bias is not None)
+                                 bias is not None, dropout is not None)
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     qmult, capmult = _multipliers(softmax_scale, softcap)
     grid = (math.ceil(sq / cfg.block_m), hq, batch)
     kernel[grid, cfg.threads, stream](q, k, v, out, lse, sq, sk, d, hq // hkv, window_left, window_right,
-                                      qmult, capmult, _slopes_arg(alibi, lse), _bias_arg(bias, stream))
+                                      qmult, capmult, _slopes_arg(alibi, lse), _bias_arg(bias, stream),
+                                      *_dropout_args(dropout))
 
 
 def launch_delta(dout: Any, out: Any, delta: Any, *, bf16: bool, stream: Any = 0) -> None:
@@ -113,43 +130,44 @@ def launch_delta(dout: Any, out: Any, delta: Any, *, bf16: bool, stream: Any = 0
 
 def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dk: Any,
                 dv: Any, *, softmax_scale: float, window_left: int, window_right: int, softcap: float, bf16: bool,
-                alibi: Any = None, bias: Any = None, stream: Any = 0) -> None:
+                alibi: Any = None, bias: Any = None, dropout: tuple | None = None, stream: Any = 0) -> None:
     """Launch the dK/dV kernel of ``cfg`` as it is, no self-check. Arrays as for ``flash_backward``."""
     kernel = make_dkdv_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                              bias is not None)
+                              bias is not None, dropout is not None)
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     qmult, capmult = _multipliers(softmax_scale, softcap)
     grid = (math.ceil(sk / cfg.block_n), hkv, batch)
     kernel[grid, cfg.threads, stream](q, k, v, dout, lse, delta, dk, dv, sq, sk, d, hq // hkv, window_left,
                                       window_right, qmult, capmult, np.float32(softmax_scale),
-                                      _slopes_arg(alibi, lse), _bias_arg(bias, stream))
+                                      _slopes_arg(alibi, lse), _bias_arg(bias, stream), *_dropout_args(dropout))
 
 
 def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dq: Any, *,
               softmax_scale: float, window_left: int, window_right: int, softcap: float, bf16: bool,
-              alibi: Any = None, bias: Any = None, stream: Any = 0) -> None:
+              alibi: Any = None, bias: Any = None, dropout: tuple | None = None, stream: Any = 0) -> None:
     """Launch the dQ kernel of ``cfg`` as it is, no self-check. Arrays as for ``flash_backward``."""
     kernel = make_dq_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                            bias is not None)
+                            bias is not None, dropout is not None)
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     qmult, capmult = _multipliers(softmax_scale, softcap)
     grid = (math.ceil(sq / cfg.block_m), hq, batch)
     kernel[grid, cfg.threads, stream](q, k, v, dout, lse, delta, dq, sq, sk, d, hq // hkv, window_left,
                                       window_right, qmult, capmult, np.float32(softmax_scale),
-                                      _slopes_arg(alibi, lse), _bias_arg(bias, stream))
+                                      _slopes_arg(alibi, lse), _bias_arg(bias, stream), *_dropout_args(dropout))
 
 
 def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float, window_left: int,
                   window_right: int, softcap: float, dtype: str, alibi: Any = None, bias: Any = None,
-                  override: TileOverride | None = None, stream: Any = 0) -> None:
+                  dropout: tuple | None = None, override: TileOverride | None = None, stream: Any = 0) -> None:
     """Launch the forward kernel.
 
     q, out: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D); device arrays of ``storage_dtype(dtype)`` (float32, float16,
     or int16 bfloat16 bits), any strides. lse: (B, Hq, Sq) float32 device array. alibi: None or the ALiBi slopes
     times log2(e), a (B, Hq) float32 device array (``alibi_arg``). bias: None or attn_bias, a float32 device array
-    of 4 dimensions, each of the full size (B, Hq, Sq, Sk) or 1, any strides. Writes out and lse.
+    of 4 dimensions, each of the full size (B, Hq, Sq, Sk) or 1, any strides. dropout: None or ``dropout_arg``'s
+    tuple. Writes out and lse.
     Raises ``selfcheck.SelfCheckFailed`` (a ``BackendDeclined``), having written nothing, when no forward config
     passes its self-check on this GPU.
     """
@@ -158,22 +176,23 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
     picked = configs_for(q.shape[3], dtype, override)["forward"]
     flags = _flags(window_left, window_right, softcap)
     cfg = selfcheck.choose(picked, *flags, dtype, like=dict(q=q, k=k, v=v, out=out, lse=lse, bias=bias),
-                           alibi=alibi is not None, bias=bias is not None)
+                           alibi=alibi is not None, bias=bias is not None, dropout=dropout is not None)
     launch_forward(cfg, q, k, v, out, lse, softmax_scale=softmax_scale, window_left=window_left,
                    window_right=window_right, softcap=softcap, bf16=dtype == "bfloat16", alibi=alibi, bias=bias,
-                   stream=stream)
+                   dropout=dropout, stream=stream)
 
 
 def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: Any, dk: Any, dv: Any,
                    delta: Any, *, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-                   dtype: str, alibi: Any = None, bias: Any = None, override: TileOverride | None = None,
-                   stream: Any = 0) -> None:
+                   dtype: str, alibi: Any = None, bias: Any = None, dropout: tuple | None = None,
+                   override: TileOverride | None = None, stream: Any = 0) -> None:
     """Launch the three backward kernels: delta pre-pass, dK/dV over key tiles, dQ over query tiles.
 
     dout, q, out, dq: (B, Sq, Hq, D); k, v, dk, dv: (B, Sk, Hkv, D); device arrays of ``storage_dtype(dtype)``
     (float32, float16, or int16 bfloat16 bits), any strides. lse: (B, Hq, Sq) float32 as the forward wrote it;
-    delta: (B, Hq, Sq) float32 scratch; alibi and bias as for ``flash_forward``. Raises ``selfcheck.SelfCheckFailed``,
-    having written nothing, when no config of one of the two tiled kernels passes its self-check on this GPU.
+    delta: (B, Hq, Sq) float32 scratch; alibi, bias and dropout as for ``flash_forward``. Raises
+    ``selfcheck.SelfCheckFailed``, having written nothing, when no config of one of the two tiled kernels passes its
+    self-check on this GPU.
     """
     _check_storage(dtype, dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
     install_from_env()   # as in flash_forward
@@ -181,12 +200,12 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
     flags = _flags(window_left, window_right, softcap)
     like = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv, delta=delta, bias=bias)
     # Both kernels are vouched for before either runs, so that a refusal leaves every output untouched.
-    variant = dict(alibi=alibi is not None, bias=bias is not None)
+    variant = dict(alibi=alibi is not None, bias=bias is not None, dropout=dropout is not None)
     dkdv_cfg = selfcheck.choose(picked["backward_dkdv"], *flags, dtype, like=like, **variant)
     dq_cfg = selfcheck.choose(picked["backward_dq"], *flags, dtype, like=like, **variant)
     bf16 = dtype == "bfloat16"
     kw = dict(softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap,
-              bf16=bf16, alibi=alibi, bias=bias, stream=stream)
+              bf16=bf16, alibi=alibi, bias=bias, dropout=dropout, stream=stream)
     launch_delta(dout, out, delta, bf16=bf16, stream=stream)
     launch_dkdv(dkdv_cfg, q, k, v, dout, lse, delta, dk, dv, **kw)
     launch_dq(dq_cfg, q, k, v, dout, lse, delta, dq, **kw)

@@ -30,6 +30,8 @@ from typing import Any
 
 from numba import cuda, float32
 
+from numba_flash.dropout import compile_with
+
 LOG2E = math.log2(math.e)
 
 
@@ -83,6 +85,37 @@ def make_visible(has_left: bool, has_right: bool, has_bias: bool = False) -> Any
         return ok
 
     return visible
+
+
+_KEEP = compile_with(cuda.jit(device=True, inline=True))[2]
+
+
+@cuda.jit(device=True, inline="always")
+def dropout_factor(seed_lo, seed_hi, threshold, scale, b, h, row, col):
+    """What dropout multiplies the probability of (``row``, ``col``) of batch ``b``, query head ``h`` by: ``scale``
+    = 1 / (1 - p) where the pair is kept, 0 where it is dropped (the Philox words of ``numba_flash.dropout``, bit
+    for bit those of every backend). A product, not a select, so that a NaN probability stays NaN."""
+    return scale if _KEEP(seed_lo, seed_hi, threshold, b, h, row, col) else float32(0.0)
+
+
+@functools.lru_cache(maxsize=None)
+def make_dropout_tile(block_m: int, block_n: int, threads: int, multiply: bool) -> Any:
+    """``fill(tile, seed_lo, seed_hi, threshold, scale, b, h, m0, n0, t)``: dropout's factors (``dropout_factor``)
+    of query rows ``m0 ..`` and keys ``n0 ..`` into the shared ``tile[r, c]`` (block_m x block_n), or with
+    ``multiply`` into what the tile holds, by the block's ``threads`` threads. A cooperative pass of its own: Philox
+    written into the unrolled score loops makes them too large to unroll, and their register blocks go to the
+    stack."""
+    BM, BN, NT, MULTIPLY = block_m, block_n, threads, multiply
+
+    @cuda.jit(device=True, inline="always")
+    def fill(tile, seed_lo, seed_hi, threshold, scale, b, h, m0, n0, t):
+        for e in range(t, BM * BN, NT):
+            c = e % BN
+            r = e // BN
+            z = dropout_factor(seed_lo, seed_hi, threshold, scale, b, h, m0 + r, n0 + c)
+            tile[r, c] = tile[r, c] * z if MULTIPLY else z
+
+    return fill
 
 
 @functools.lru_cache(maxsize=None)

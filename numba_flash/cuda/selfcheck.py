@@ -71,6 +71,7 @@ FLOAT32_BACKWARD_REL_L2 = 1e-5
 
 _SEED = 20_240_611
 _SOFTCAP = 1.5
+_DROPOUT_P = 0.3
 
 logger = logging.getLogger("numba_flash")
 
@@ -86,6 +87,7 @@ class Specialisation:
     dtype: str
     alibi: bool = False
     bias: bool = False
+    dropout: bool = False
 
     def tiles(self) -> str:
         """'64x32/128': block_m x block_n / threads."""
@@ -97,7 +99,7 @@ class Specialisation:
                  (True, True): " window"}[(self.has_left, self.has_right)]
         return (f"{self.cfg.kernel} {self.tiles()} D={self.cfg.head_dim_bucket} {self.dtype}{masks}"
                 + (" softcap" if self.softcap else "") + (" alibi" if self.alibi else "")
-                + (" attn_bias" if self.bias else ""))
+                + (" attn_bias" if self.bias else "") + (" dropout" if self.dropout else ""))
 
 
 @dataclass(frozen=True)
@@ -206,14 +208,15 @@ def check(spec: Specialisation, like: dict[str, Any] | None = None, device: int 
 
 
 def choose(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, dtype: str,
-           like: dict[str, Any] | None = None, alibi: bool = False, bias: bool = False) -> FlashAttentionConfig:
+           like: dict[str, Any] | None = None, alibi: bool = False, bias: bool = False,
+           dropout: bool = False) -> FlashAttentionConfig:
     """The config to launch: ``cfg`` if it passes its check (or the check is off), else the first fallback that
     passes; ``SelfCheckFailed`` with every failure when none does."""
     if not enabled():
         return cfg
     failures = []
     for cand in candidates(cfg):
-        verdict = check(Specialisation(cand, has_left, has_right, softcap, dtype, alibi, bias), like)
+        verdict = check(Specialisation(cand, has_left, has_right, softcap, dtype, alibi, bias, dropout), like)
         if verdict.passed:
             return cand
         failures.append(verdict.reason)
@@ -221,7 +224,8 @@ def choose(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: 
 
 
 def problems(cfgs: list[FlashAttentionConfig], has_left: bool, has_right: bool, softcap: bool, dtype: str,
-             device: int | None = None, alibi: bool = False, bias: bool = False) -> tuple[list[str], list[str]]:
+             device: int | None = None, alibi: bool = False, bias: bool = False,
+             dropout: bool = False) -> tuple[list[str], list[str]]:
     """What is known so far about the configs a call would pick, without running any check: (notes, reasons).
     A note says a config failed and which fallback serves instead; a reason says no config of a kernel passed."""
     notes: list[str] = []
@@ -232,7 +236,7 @@ def problems(cfgs: list[FlashAttentionConfig], has_left: bool, has_right: bool, 
     for cfg in cfgs:
         failures = []
         for cand in candidates(cfg):
-            spec = Specialisation(cand, has_left, has_right, softcap, dtype, alibi, bias)
+            spec = Specialisation(cand, has_left, has_right, softcap, dtype, alibi, bias, dropout)
             verdict = _verdicts.get((dev, spec))
             if verdict is None:       # not checked yet: only what failed before it is known
                 if failures:
@@ -276,6 +280,7 @@ class _Problem:
     softcap: float
     slopes: np.ndarray | None    # ALiBi slopes (B, Hq) float64, or None
     bias: np.ndarray | None      # attn_bias (B, Hq, Sq, Sk) float32, about one entry in 8 -inf, or None
+    dropout_p: float             # 0, or _DROPOUT_P with seed _SEED
 
     @property
     def window_size(self) -> tuple[int, int]:
@@ -313,7 +318,8 @@ def _problem(spec: Specialisation) -> _Problem:
     return _Problem(q=q, k=k, v=v, dout=dout, stored=dict(q=q_s, k=k_s, v=v_s, dout=do_s),
                     scale=1.0 / math.sqrt(d), window_left=cfg.block_n + 3 if spec.has_left else -1,
                     window_right=0 if spec.has_right else -1, softcap=_SOFTCAP if spec.softcap else 0.0,
-                    slopes=rng.uniform(0.05, 0.5, (1, 2)) if spec.alibi else None, bias=_bias(rng, sq, sk, spec))
+                    slopes=rng.uniform(0.05, 0.5, (1, 2)) if spec.alibi else None, bias=_bias(rng, sq, sk, spec),
+                    dropout_p=_DROPOUT_P if spec.dropout else 0.0)
 
 
 def _bias(rng: np.random.Generator, sq: int, sk: int, spec: Specialisation) -> np.ndarray | None:
@@ -360,6 +366,7 @@ def _rel_l2(got: np.ndarray, ref: np.ndarray) -> float:
 def _textbook_float32(p: _Problem) -> tuple[np.ndarray, np.ndarray]:
     """Attention computed plainly in float32 (whole score matrix, one softmax): the error the contract measures a
     float32 kernel against. Returns out like q and lse (B, Hq, Sq)."""
+    from numba_flash.dropout import dropout_mask, dropout_scale
     from numba_flash.semantics import visible_mask
 
     batch, sq, hq, _ = p.q.shape
@@ -386,6 +393,9 @@ def _textbook_float32(p: _Problem) -> tuple[np.ndarray, np.ndarray]:
             m = np.where(seen[:, None], m, np.float32(0))
             e = np.exp(s - m)
             total = e.sum(axis=1, keepdims=True)
+            if p.dropout_p:
+                keep = dropout_mask(_SEED, batch, hq, sq, sk, p.dropout_p)[b, h]
+                e = np.where(keep, e * np.float32(dropout_scale(p.dropout_p)), np.float32(0))
             out[b, :, h] = np.where(seen[:, None], (e @ p.v[b, :, h // group]) / np.where(seen[:, None], total, 1),
                                     0)
             lse[b, h] = np.where(seen, m[:, 0] + np.log(np.where(seen, total[:, 0], 1)), np.inf)
@@ -407,10 +417,10 @@ def _judge(measured: list[tuple[str, str, float, float]]) -> tuple[list[str], li
 
 
 def _launch_kw(spec: Specialisation, p: _Problem, like: dict[str, Any]) -> dict[str, Any]:
-    from .launch import alibi_arg
+    from .launch import alibi_arg, dropout_arg
 
     return dict(softmax_scale=p.scale, window_left=p.window_left, window_right=p.window_right, softcap=p.softcap,
-                bf16=spec.dtype == "bfloat16", alibi=alibi_arg(p.slopes),
+                bf16=spec.dtype == "bfloat16", alibi=alibi_arg(p.slopes), dropout=dropout_arg(p.dropout_p, _SEED),
                 bias=None if p.bias is None else _device(p.bias, like.get("bias")))
 
 
@@ -429,7 +439,8 @@ def _check_forward(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str
     got_out, got_lse = _widen(out.copy_to_host(), spec.dtype), lse.copy_to_host()
 
     ref_out, ref_lse = attention_ref(p.q, p.k, p.v, softmax_scale=p.scale, window_size=p.window_size,
-                                     softcap=p.softcap, alibi_slopes=p.slopes, attn_bias=p.bias)
+                                     softcap=p.softcap, alibi_slopes=p.slopes, attn_bias=p.bias,
+                                     dropout_p=p.dropout_p, dropout_seed=_SEED)
     tb_out, tb_lse = _textbook_float32(p)
     lse_bound = max(FLOAT32_MAX_ABS, TEXTBOOK_FACTOR * _max_abs(tb_lse, ref_lse))
     if spec.dtype == "float32":
@@ -449,7 +460,7 @@ def _backward_inputs(spec: Specialisation, like: dict[str, Any]) -> tuple[_Probl
 
     p = _problem(spec)
     kw = dict(softmax_scale=p.scale, window_size=p.window_size, softcap=p.softcap, alibi_slopes=p.slopes,
-              attn_bias=p.bias)
+              attn_bias=p.bias, dropout_p=p.dropout_p, dropout_seed=_SEED)
     ref_out, ref_lse = attention_ref(p.q, p.k, p.v, **kw)
     grads = attention_ref_backward(p.dout, p.q, p.k, p.v, **kw)
     dev = {n: _device(p.stored[n], like.get(n)) for n in ("q", "k", "v", "dout")}

@@ -311,16 +311,20 @@ def test_cpu_kernels_drop_what_the_mask_says():
 
 def test_registry_says_which_backends_run_dropout():
     torch = pytest.importorskip("torch")
-    from numba_flash import NoBackendError, backend_registry
+    from numba_flash import backend_registry
 
     rng = np.random.default_rng(50)
     q, k, v, _ = _float32(rng)
-    with pytest.raises(NoBackendError, match="dropout not supported"):
-        backend_registry.get("flash", backend="cuda").forward(q, k, v, dropout_p=0.1, dropout_seed=1)
+    from backends.base import Backend
+    from numba_flash.validation import validate_forward
+
+    call = validate_forward(q, k, v, dropout_p=0.1, dropout_seed=1)
+    for be in backend_registry.backends("flash"):   # cuda's kernels: tests/numba_flash/cuda/test_dropout_sim.py
+        assert "dropout not supported" not in be.feature_reasons(call), be.name
+    assert "dropout not supported" in Backend.feature_reasons(Backend(), call)
     text = backend_registry.get("flash").explain(*(torch.from_numpy(x) for x in (q, k, v)), dropout_p=0.1,
                                                  dropout_seed=1)
     assert " dropout=0.1 " in text and "cpu [priority 10]: can serve" in text
-    assert "dropout not supported" in text.split("cuda [priority 30]:")[1].splitlines()[0]
     with pytest.raises(AttentionInputError, match="^dropout_seed: expected an int in .*needs one"):
         backend_registry.get("flash").forward(q, k, v, dropout_p=0.1)
 

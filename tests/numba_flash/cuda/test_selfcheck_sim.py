@@ -215,15 +215,15 @@ def test_check_copies_the_calls_contiguity(rng, runs, monkeypatch, layout):
 _KERNELS = ["forward", "backward_dkdv", "backward_dq"]
 
 
-@pytest.mark.parametrize("dtype,flags", [("float32", (False, False, False, False, False)),
-                                         ("float16", (True, True, True, True, True)),
-                                         ("bfloat16", (False, True, False, True, False))])
+@pytest.mark.parametrize("dtype,flags", [("float32", (False, False, False, False, False, False)),
+                                         ("float16", (True, True, True, True, True, True)),
+                                         ("bfloat16", (False, True, False, True, False, True))])
 @pytest.mark.parametrize("kernel", _KERNELS)
 def test_good_kernels_pass_in_every_dtype(runs, kernel, dtype, flags):
     # A false failure would throw a good kernel away on a GPU: the real kernels must pass with a margin.
-    # flags: has_left, has_right, softcap, alibi, attn_bias.
+    # flags: has_left, has_right, softcap, alibi, attn_bias, dropout.
     spec = Specialisation(tile_config_for(16, dtype, kernel=kernel, override=TileOverride(**TILES)),
-                          *flags[:3], dtype, alibi=flags[3], bias=flags[4])
+                          *flags[:3], dtype, alibi=flags[3], bias=flags[4], dropout=flags[5])
     verdict = selfcheck.check(spec)
     assert verdict.passed, verdict.reason
     for part in verdict.detail.split("; "):
