@@ -10,34 +10,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cuda_sim_cases import forward_backward as _run
+from cuda_sim_cases import random_inputs as _inputs
+from cuda_sim_cases import rel_l2 as _rel
 
-from backends import backend_registry
 from numba_flash import attention_ref, attention_ref_backward
-from numba_flash.cuda import tile_config_override
 
 pytestmark = pytest.mark.cudasim
 
-TILES = dict(block_m=8, block_n=8, threads=16)
 SEED = 2 ** 63 + 977     # the top bit set: the key's high word is not a small number
 P = 0.3
-
-
-def _inputs(rng, b, sq, sk, hq, hkv, d, dtype=np.float32):
-    q = rng.standard_normal((b, sq, hq, d)).astype(dtype)
-    k = rng.standard_normal((b, sk, hkv, d)).astype(dtype)
-    v = rng.standard_normal((b, sk, hkv, d)).astype(dtype)
-    return q, k, v, rng.standard_normal(q.shape).astype(dtype)
-
-
-def _run(q, k, v, dout, **kw):
-    with tile_config_override(**TILES):
-        op = backend_registry.get("flash", backend="cuda")
-        out, lse = op.forward(q, k, v, return_lse=True, **kw)
-        return (out, lse) + tuple(op.backward(dout, q, k, v, out, lse, **kw))
-
-
-def _rel(got, want):
-    return np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
 
 
 @pytest.mark.parametrize("sizes,kw", [

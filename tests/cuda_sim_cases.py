@@ -1,0 +1,35 @@
+"""Shared by the simulator tests of the CUDA kernels' variants (``tests/numba_flash/cuda/test_attn_bias_sim.py``,
+``test_dropout_sim.py``): toy tiles, random inputs, one forward and backward through the cuda backend, and the
+error measure. Imported by the test files (pytest puts ``tests/`` on sys.path).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from backends import backend_registry
+from numba_flash.cuda import tile_config_override
+
+#: 8 x 8 tiles of 16 threads: the simulator runs one Python thread per CUDA thread.
+TILES = dict(block_m=8, block_n=8, threads=16)
+
+
+def random_inputs(rng, b, sq, sk, hq, hkv, d, dtype=np.float32):
+    """q, dout (b, sq, hq, d) and k, v (b, sk, hkv, d) of N(0, 1) values in ``dtype``."""
+    q = rng.standard_normal((b, sq, hq, d)).astype(dtype)
+    k = rng.standard_normal((b, sk, hkv, d)).astype(dtype)
+    v = rng.standard_normal((b, sk, hkv, d)).astype(dtype)
+    return q, k, v, rng.standard_normal(q.shape).astype(dtype)
+
+
+def forward_backward(q, k, v, dout, **kw):
+    """(out, lse, dq, dk, dv) of the cuda backend with ``TILES``, the backward given the forward's out and lse."""
+    with tile_config_override(**TILES):
+        op = backend_registry.get("flash", backend="cuda")
+        out, lse = op.forward(q, k, v, return_lse=True, **kw)
+        return (out, lse) + tuple(op.backward(dout, q, k, v, out, lse, **kw))
+
+
+def rel_l2(got, want, floor=0.0):
+    """Relative L2 error, against ``max(|want|, floor)``."""
+    return np.linalg.norm(np.asarray(got, np.float64) - want) / max(np.linalg.norm(want), floor)
