@@ -27,9 +27,8 @@ from numba import cuda, float32, int32, uint32
 
 from .config import FlashAttentionConfig
 from .dtypes import element_io
-from .forward import LOG2E
-from .masks import (bias_head, make_bias_tile, make_biases, make_dropout_tile, make_key_rows_product, make_visible,
-                    nan_if_not_finite)
+from .masks import (LOG2E, bias_head, make_bias_tile, make_biases, make_dropout_tile, make_key_rows_product,
+                    make_visible, nan_if_not_finite)
 from .tiles import make_tile_load
 
 
@@ -165,6 +164,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                 load_x(x_s, q, b, m0, h, seqlen_q, head_dim, qmult, t)
                 if HAS_BIAS:   # dS's buffer holds the bias tile until dS overwrites it in place
                     load_bias(ds_s, bias_h, m0, n0, seqlen_q, seqlen_k, t)
+                # row_stats written out: inside this loop an inlined helper's lines would mislead the perf model
                 for r in range(t, BM, NT):
                     row = m0 + r
                     if row < seqlen_q:

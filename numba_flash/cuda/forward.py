@@ -31,7 +31,6 @@ from .dtypes import element_io
 from .masks import bias_head, dropout_factor, make_bias_tile, make_biases, make_visible, nan_if_not_finite
 from .tiles import FETCH_VECTOR, make_tile_fetch, tile_passes
 
-LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 #: Alignment of the shared tiles: 16 bytes lets LLVM merge four consecutive float32 loads into one 128-bit load.
 #: The simulator refuses any alignment argument (and needs none).

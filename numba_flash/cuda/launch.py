@@ -11,6 +11,7 @@ passes); the ``launch_*`` functions launch one kernel with a given config, for t
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -19,7 +20,8 @@ import numpy as np
 from . import selfcheck
 from .backward import make_delta_kernel, make_dkdv_kernel, make_dq_kernel
 from .config import STATIC_SMEM_LIMIT, FlashAttentionConfig, TileOverride, storage_dtype, tile_config_for
-from .forward import LOG2E, make_forward_kernel
+from .forward import make_forward_kernel
+from .masks import LOG2E
 from .simcheck import install_from_env
 
 
@@ -98,11 +100,19 @@ def _dropout_args(dropout: tuple | None) -> tuple:
     return np.uint64(lo), np.uint64(hi), np.uint64(threshold), np.float32(scale), int(batch0)
 
 
-def _bias_arg(bias: Any, stream: Any) -> Any:
-    """The kernels' ``bias`` argument: attn_bias, or without it a (1, 1, 1, 1) float32 device array, never read."""
+@functools.lru_cache(maxsize=None)
+def _no_bias(device: int) -> Any:
+    """A (1, 1, 1, 1) float32 array on GPU ``device``: the ``bias`` argument of kernels built without attn_bias,
+    never read. One per GPU, not one per launch: an allocation per launch, and the free numba owes it later (which
+    waits for the GPU), would sit on every plain call's path."""
     from numba import cuda
 
-    return cuda.device_array((1, 1, 1, 1), np.float32, stream=stream) if bias is None else bias
+    return cuda.device_array((1, 1, 1, 1), np.float32)
+
+
+def _bias_arg(bias: Any) -> Any:
+    """The kernels' ``bias`` argument: attn_bias, or without it the current GPU's placeholder."""
+    return _no_bias(selfcheck.current_device()) if bias is None else bias
 
 
 def launch_forward(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float,
@@ -116,7 +126,7 @@ def launch_forward(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, out: Any, 
     qmult, capmult = _multipliers(softmax_scale, softcap)
     grid = (math.ceil(sq / cfg.block_m), hq, batch)
     kernel[grid, cfg.threads, stream](q, k, v, out, lse, sq, sk, d, hq // hkv, window_left, window_right,
-                                      qmult, capmult, _slopes_arg(alibi, lse), _bias_arg(bias, stream),
+                                      qmult, capmult, _slopes_arg(alibi, lse), _bias_arg(bias),
                                       *_dropout_args(dropout))
 
 
@@ -140,7 +150,7 @@ def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, ls
     grid = (math.ceil(sk / cfg.block_n), hkv, batch)
     kernel[grid, cfg.threads, stream](q, k, v, dout, lse, delta, dk, dv, sq, sk, d, hq // hkv, window_left,
                                       window_right, qmult, capmult, np.float32(softmax_scale),
-                                      _slopes_arg(alibi, lse), _bias_arg(bias, stream), *_dropout_args(dropout))
+                                      _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout))
 
 
 def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dq: Any, *,
@@ -155,7 +165,7 @@ def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse:
     grid = (math.ceil(sq / cfg.block_m), hq, batch)
     kernel[grid, cfg.threads, stream](q, k, v, dout, lse, delta, dq, sq, sk, d, hq // hkv, window_left,
                                       window_right, qmult, capmult, np.float32(softmax_scale),
-                                      _slopes_arg(alibi, lse), _bias_arg(bias, stream), *_dropout_args(dropout))
+                                      _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout))
 
 
 def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float, window_left: int,

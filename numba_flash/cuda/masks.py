@@ -18,8 +18,10 @@ The rule costs the kernels little in the common case and is exact in the rare on
 * ``attn_bias`` is one more mask and one more term: a -inf entry makes its pair masked (in ``visible``, so the
   rare paths above skip it too), any other entry is added to the score, where a +inf or NaN poisons the row.
 
-The helpers are ``inline="always"`` (see dtypes.py). The performance model attributes their instructions to the
-kernel line that calls them; ``make_key_rows_product``'s loops run only on the rare path, which it does not count.
+The helpers are ``inline="always"`` (see dtypes.py). numba gives an inlined helper's instructions the helper's own
+line numbers under the kernel's file, which the performance model cannot place in the kernel's loops: keep what
+runs in the hot loops small here (tanh stays in the kernels, see ``make_biases``). ``make_key_rows_product``'s
+loops run only on the rare path, which the model does not count.
 """
 
 from __future__ import annotations

@@ -375,6 +375,7 @@ def _textbook_float32(p: _Problem) -> tuple[np.ndarray, np.ndarray]:
     out = np.zeros(p.q.shape, np.float32)
     lse = np.full((batch, hq, sq), np.inf, np.float32)
     scale, cap = np.float32(p.scale), np.float32(p.softcap)
+    keep = dropout_mask(_SEED, batch, hq, sq, sk, p.dropout_p) if p.dropout_p else None
     for b in range(batch):
         for h in range(hq):
             s = (p.q[b, :, h] @ p.k[b, :, h // group].T) * scale
@@ -393,9 +394,8 @@ def _textbook_float32(p: _Problem) -> tuple[np.ndarray, np.ndarray]:
             m = np.where(seen[:, None], m, np.float32(0))
             e = np.exp(s - m)
             total = e.sum(axis=1, keepdims=True)
-            if p.dropout_p:
-                keep = dropout_mask(_SEED, batch, hq, sq, sk, p.dropout_p)[b, h]
-                e = np.where(keep, e * np.float32(dropout_scale(p.dropout_p)), np.float32(0))
+            if keep is not None:
+                e = np.where(keep[b, h], e * np.float32(dropout_scale(p.dropout_p)), np.float32(0))
             out[b, :, h] = np.where(seen[:, None], (e @ p.v[b, :, h // group]) / np.where(seen[:, None], total, 1),
                                     0)
             lse[b, h] = np.where(seen, m[:, 0] + np.log(np.where(seen, total[:, 0], 1)), np.inf)
