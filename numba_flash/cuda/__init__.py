@@ -4,6 +4,9 @@
     forward.py        the forward kernel factory (online softmax, one block per query tile)
     backward.py       delta pre-pass, dK/dV kernel (per key tile), dQ kernel (per query tile)
     dtypes.py         element load/store helpers: bfloat16 travels as int16 bits, widened to float32 and rounded back
+    warp.py           warp-level primitives for tensor cores (mma.sync, ldmatrix, cp.async, shuffles, packing):
+                      inline PTX in warp_ptx.py, and for the simulator an emulation with the same fragment layouts
+                      in warp_sim.py
     launch.py         host wrappers that pick configs and launch on (B, S, H, D) device-array views
     selfcheck.py      first-launch check of each kernel specialisation against the reference, with fallbacks
                       (on for a real GPU; NUMBA_FLASH_SELFCHECK=0 / 1 switches it)

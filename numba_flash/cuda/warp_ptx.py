@@ -1,0 +1,230 @@
+"""The warp primitives of ``warp.py`` as Numba intrinsics emitting inline PTX (for real GPUs and the compiler).
+
+Each intrinsic is typed by Numba like a function and lowered to one ``llvmlite.ir.InlineAsm`` call; NVVM passes the
+asm text through to PTX and ptxas assembles it (``HMMA``, ``LDSM``, ``LDGSTS``, ``F2FP``). Shapes, fragment layouts
+and the rules for calling them are in ``warp.py``'s docstring. Nothing here runs under the simulator (it imports
+this module only without ``NUMBA_ENABLE_CUDASIM``).
+
+Shared-memory addresses go to the asm as 32-bit shared-window addresses: the generic pointer of a ``cuda.shared``
+array element, cast to address space 3 and to an integer, which NVVM folds into the array's own shared symbol.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import cuda, types
+from numba.core import cgutils
+from numba.core.errors import TypingError
+from numba.cuda.extending import intrinsic
+
+_I32 = ir.IntType(32)
+_F32 = ir.FloatType()
+_SHARED = 3   # NVPTX address space of shared memory
+
+
+def _cast_all(context, builder, values, from_types, to_type):
+    return [context.cast(builder, v, t, to_type) for v, t in zip(values, from_types)]
+
+
+def _element_pointer(context, builder, array_type, array, indices):
+    """Generic pointer to ``array[indices]`` (any layout and strides; no wraparound: indices are non-negative)."""
+    ary = context.make_array(array_type)(context, builder, value=array)
+    return cgutils.get_item_pointer(context, builder, array_type, ary, indices, wraparound=False)
+
+
+def _shared_address(context, builder, array_type, array, index, index_type):
+    """32-bit shared-window address of element ``index`` of a 1-D shared array."""
+    idx = context.cast(builder, index, index_type, types.intp)
+    ptr = _element_pointer(context, builder, array_type, array, [idx])
+    shared_ptr = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, _SHARED))
+    return builder.ptrtoint(shared_ptr, _I32)
+
+
+def _check_shared_array(name, array, index):
+    if not isinstance(array, types.Array) or array.ndim != 1 or array.dtype.bitwidth != 16:
+        raise TypingError(f"{name}: expected a 1-D shared array of 16-bit elements, got {array}")
+    if not isinstance(index, types.Integer):
+        raise TypingError(f"{name}: expected an integer element index, got {index}")
+
+
+def _asm_tuple(context, builder, sig, fnty, text, constraints, operands):
+    """Call inline asm returning a struct of registers and repack it as the signature's UniTuple."""
+    asm = ir.InlineAsm(fnty, text, constraints, side_effect=False)
+    res = builder.call(asm, operands)
+    count = sig.return_type.count
+    return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(count)])
+
+
+def _make_mma(kind):
+    """mma.sync.aligned.m16n8k16.row.col.f32.<kind>.<kind>.f32: D = A B + C, A 16x16, B 16x8, C/D 16x8 f32."""
+    text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+            "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
+
+    @intrinsic
+    def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        regs, acc = (a0, a1, a2, a3, b0, b1), (c0, c1, c2, c3)
+        if not all(isinstance(r, types.Integer) for r in regs) or not all(isinstance(c, types.Float) for c in acc):
+            raise TypingError(f"mma_{kind}: expected six 32-bit integer registers and four floats")
+        sig = types.UniTuple(types.float32, 4)(*regs, *acc)
+
+        def codegen(context, builder, sig, args):
+            ints = _cast_all(context, builder, args[:6], sig.args[:6], types.uint32)
+            floats = _cast_all(context, builder, args[6:], sig.args[6:], types.float32)
+            fnty = ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4)
+            return _asm_tuple(context, builder, sig, fnty, text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+                              ints + floats)
+
+        return sig, codegen
+
+    return mma
+
+
+mma_f16 = _make_mma("f16")
+mma_bf16 = _make_mma("bf16")
+
+
+@intrinsic
+def mma_tf32(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32: A 16x8 (a0 = A[g, t], a1 = A[g+8, t], a2 = A[g, t+4],
+    a3 = A[g+8, t+4]), B 8x8 (b0 = B[t, g], b1 = B[t+4, g]), C/D as for m16n8k16; operands are tf32 bit patterns
+    (``float_to_tf32``)."""
+    regs, acc = (a0, a1, a2, a3, b0, b1), (c0, c1, c2, c3)
+    if not all(isinstance(r, types.Integer) for r in regs) or not all(isinstance(c, types.Float) for c in acc):
+        raise TypingError("mma_tf32: expected six 32-bit integer registers and four floats")
+    sig = types.UniTuple(types.float32, 4)(*regs, *acc)
+    text = ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+            "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
+
+    def codegen(context, builder, sig, args):
+        ints = _cast_all(context, builder, args[:6], sig.args[:6], types.uint32)
+        floats = _cast_all(context, builder, args[6:], sig.args[6:], types.float32)
+        fnty = ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4)
+        return _asm_tuple(context, builder, sig, fnty, text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", ints + floats)
+
+    return sig, codegen
+
+
+def _make_ldmatrix(count, trans):
+    suffix = ".trans" if trans else ""
+    outs = ",".join(f"${i}" for i in range(count))
+    text = f"ldmatrix.sync.aligned.m8n8.x{count}{suffix}.shared.b16 {{{outs}}}, [${count}];"
+    constraints = ",".join(["=r"] * count) + ",r"
+    name = f"ldmatrix_x{count}{'_trans' if trans else ''}"
+
+    @intrinsic
+    def ldmatrix(typingctx, smem, index):
+        _check_shared_array(name, smem, index)
+        sig = types.UniTuple(types.uint32, count)(smem, index)
+
+        def codegen(context, builder, sig, args):
+            addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            fnty = ir.FunctionType(ir.LiteralStructType([_I32] * count), [_I32])
+            return _asm_tuple(context, builder, sig, fnty, text, constraints, [addr])
+
+        return sig, codegen
+
+    return ldmatrix
+
+
+ldmatrix_x4 = _make_ldmatrix(4, False)
+ldmatrix_x4_trans = _make_ldmatrix(4, True)
+ldmatrix_x2 = _make_ldmatrix(2, False)
+ldmatrix_x2_trans = _make_ldmatrix(2, True)
+
+
+@intrinsic
+def cp_async_16(typingctx, dst, dst_index, src, src_index, src_bytes):
+    """``cp.async.cg.shared.global``: copy 16 bytes from ``src[src_index]`` (a global array of any rank and strides,
+    ``src_index`` a tuple with one integer per axis) to ``dst[dst_index]`` (1-D shared, 16-bit elements), without
+    waiting; bytes past ``src_bytes`` (0 to 16) are filled with zeros instead of read. Both addresses must be
+    16-byte aligned. Completes at ``cp_async_wait_*`` for this thread, at the barrier after it for the block."""
+    _check_shared_array("cp_async_16", dst, dst_index)
+    if not isinstance(src, types.Array) or not isinstance(src_index, types.BaseTuple) \
+            or len(src_index) != src.ndim or not all(isinstance(i, types.Integer) for i in src_index):
+        raise TypingError(f"cp_async_16: expected a global array and one integer index per axis, got {src}, "
+                          f"{src_index}")
+    if not isinstance(src_bytes, types.Integer):
+        raise TypingError(f"cp_async_16: expected an integer byte count, got {src_bytes}")
+    sig = types.void(dst, dst_index, src, src_index, src_bytes)
+
+    def codegen(context, builder, sig, args):
+        dst_ty, dst_index_ty, src_ty, src_index_ty, nbytes_ty = sig.args
+        addr = _shared_address(context, builder, dst_ty, args[0], args[1], dst_index_ty)
+        raw = cgutils.unpack_tuple(builder, args[3], count=len(src_index_ty))
+        indices = [context.cast(builder, i, t, types.intp) for i, t in zip(raw, src_index_ty)]
+        ptr = _element_pointer(context, builder, src_ty, args[2], indices)
+        gaddr = builder.ptrtoint(ptr, ir.IntType(64))
+        nbytes = context.cast(builder, args[4], nbytes_ty, types.uint32)
+        fnty = ir.FunctionType(ir.VoidType(), [_I32, ir.IntType(64), _I32])
+        asm = ir.InlineAsm(fnty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
+                           side_effect=True)
+        builder.call(asm, [addr, gaddr, nbytes])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _make_void_asm(name, text):
+    @intrinsic
+    def op(typingctx):
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True)
+            builder.call(asm, [])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    op.__name__ = name
+    return op
+
+
+cp_async_commit = _make_void_asm("cp_async_commit", "cp.async.commit_group;")
+cp_async_wait_all = _make_void_asm("cp_async_wait_all", "cp.async.wait_group 0;")
+cp_async_wait_one = _make_void_asm("cp_async_wait_one", "cp.async.wait_group 1;")
+
+
+def _make_pack(kind):
+    # cvt.rn.<kind>x2.f32 d, a, b puts a in the upper half and b in the lower one.
+    text = f"cvt.rn.{kind}x2.f32 $0, $1, $2;"
+
+    @intrinsic
+    def pack(typingctx, lo, hi):
+        if not isinstance(lo, types.Float) or not isinstance(hi, types.Float):
+            raise TypingError(f"pack_{kind}x2: expected two floats, got {lo}, {hi}")
+        sig = types.uint32(lo, hi)
+
+        def codegen(context, builder, sig, args):
+            lo_v, hi_v = _cast_all(context, builder, args, sig.args, types.float32)
+            asm = ir.InlineAsm(ir.FunctionType(_I32, [_F32, _F32]), text, "=r,f,f", side_effect=False)
+            return builder.call(asm, [hi_v, lo_v])
+
+        return sig, codegen
+
+    return pack
+
+
+pack_f16x2 = _make_pack("f16")
+pack_bf16x2 = _make_pack("bf16")
+
+
+@intrinsic
+def float_to_tf32(typingctx, x):
+    """``cvt.rna.tf32.f32``: float32 rounded to tf32 (10 mantissa bits, to nearest, ties away), as its bits."""
+    if not isinstance(x, types.Float):
+        raise TypingError(f"float_to_tf32: expected a float, got {x}")
+    sig = types.uint32(x)
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.float32)
+        asm = ir.InlineAsm(ir.FunctionType(_I32, [_F32]), "cvt.rna.tf32.f32 $0, $1;", "=r,f", side_effect=False)
+        return builder.call(asm, [v])
+
+    return sig, codegen
+
+
+@cuda.jit(device=True, inline="always")
+def shfl_xor(x, lane_mask):
+    """``x`` of lane ``laneid ^ lane_mask`` (float32, the whole warp)."""
+    return cuda.shfl_xor_sync(0xFFFFFFFF, x, lane_mask)

@@ -1,0 +1,340 @@
+"""The simulator's emulation of the warp primitives (``numba_flash.cuda.warp`` under ``NUMBA_ENABLE_CUDASIM=1``).
+
+The fragment layouts are written here a second time, independently of ``warp_sim.py``, the way the PTX ISA states
+them (per lane and register, "row = groupID for a_i where ..."), and the emulated primitives must hand each lane
+exactly those elements; the emulated mma must equal numpy's product. Random tiles, fresh each run.
+
+Run: NUMBA_ENABLE_CUDASIM=1 .venv/bin/python -m pytest -q -m cudasim tests/numba_flash/cuda/test_warp_sim.py
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from numba import cuda, float32, uint16, uint32
+
+from numba_flash.cuda import SimulatorCheckError, simcheck, warp, warp_sim
+
+pytestmark = pytest.mark.cudasim
+LANES = np.arange(32)
+G, T = LANES // 4, LANES % 4          # PTX's groupID and threadID_in_group
+
+
+# ---- the PTX ISA's tables (9.7.14.5.8 mma.m16n8k16 for .f16/.bf16, 9.7.14.5.7 m16n8k8 for .tf32, ldmatrix) ----
+
+def a_elements(i):
+    """(row, col) of element a_i (i = 0..7; register i // 2, half i % 2) for every lane, m16n8k16 A."""
+    row = G if (i < 2 or 4 <= i < 6) else G + 8
+    col = T * 2 + (i & 1) + (8 if i >= 4 else 0)
+    return row, col
+
+
+def b_elements(i):
+    """(row, col) of element b_i (i = 0..3; register i // 2, half i % 2) for every lane, m16n8k16 B."""
+    return T * 2 + (i & 1) + (8 if i >= 2 else 0), G
+
+
+def c_elements(i):
+    """(row, col) of c_i (i = 0..3) for every lane, m16n8 float32 C and D."""
+    return (G if i < 2 else G + 8), T * 2 + (i & 1)
+
+
+def a_tf32_elements(i):
+    """(row, col) of a_i (i = 0..3) for every lane, m16n8k8 .tf32 A (16 x 8)."""
+    return (G if i in (0, 2) else G + 8), (T if i < 2 else T + 4)
+
+
+def b_tf32_elements(i):
+    """(row, col) of b_i (i = 0..1) for every lane, m16n8k8 .tf32 B (8 x 8)."""
+    return (T if i == 0 else T + 4), G
+
+
+def pack_halves(lo_bits, hi_bits):
+    return (lo_bits.astype(np.uint32) | (hi_bits.astype(np.uint32) << 16)).astype(np.uint32)
+
+
+def bits16(x, kind):
+    """16-bit patterns of float values exactly representable in ``kind``."""
+    if kind == "f16":
+        return np.asarray(x, np.float16).view(np.uint16)
+    return (np.asarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def random_values(rng, shape, kind):
+    """N(0, 1) values rounded to float16 or truncated to bfloat16, as float64."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    if kind == "f16":
+        return x.astype(np.float16).astype(np.float64)
+    return (x.view(np.uint32) & 0xFFFF0000).view(np.float32).astype(np.float64)
+
+
+def a_registers(a, kind):
+    """(32, 4) registers of every lane for a 16 x 16 A, by the ISA's table."""
+    bits = bits16(a, kind)
+    regs = np.empty((32, 4), np.uint32)
+    for r in range(4):
+        lo, hi = a_elements(2 * r), a_elements(2 * r + 1)
+        regs[:, r] = pack_halves(bits[lo], bits[hi])
+    return regs
+
+
+def b_registers(b, kind):
+    bits = bits16(b, kind)
+    regs = np.empty((32, 2), np.uint32)
+    for r in range(2):
+        lo, hi = b_elements(2 * r), b_elements(2 * r + 1)
+        regs[:, r] = pack_halves(bits[lo], bits[hi])
+    return regs
+
+
+@pytest.fixture(autouse=True)
+def checker():
+    with simcheck.checking():
+        yield
+
+
+def _launch(kernel, threads, *args, deadline=120.0):
+    """Launch one block on a helper thread with a deadline, so a hang fails the test; re-raise what it raised."""
+    outcome = {}
+
+    def go():
+        try:
+            kernel[1, threads](*args)
+        except BaseException as exc:
+            outcome["exc"] = exc
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(deadline)
+    if t.is_alive():
+        pytest.fail(f"{kernel} still running after {deadline} s")
+    if "exc" in outcome:
+        raise outcome["exc"]
+
+
+# ---- mma ----
+
+@cuda.jit
+def mma_kernel(a_regs, b_regs, c, d, kind):
+    lane = cuda.threadIdx.x
+    a0, a1, a2, a3 = a_regs[lane, 0], a_regs[lane, 1], a_regs[lane, 2], a_regs[lane, 3]
+    b0, b1 = b_regs[lane, 0], b_regs[lane, 1]
+    c0, c1, c2, c3 = c[lane, 0], c[lane, 1], c[lane, 2], c[lane, 3]
+    if kind == 0:
+        r = warp.mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+    elif kind == 1:
+        r = warp.mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+    else:
+        r = warp.mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+    for i in range(4):
+        d[lane, i] = r[i]
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+def test_mma_m16n8k16_is_the_product_in_the_isa_layouts(kind, rng):
+    a = random_values(rng, (16, 16), kind)
+    b = random_values(rng, (16, 8), kind)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    c_regs = np.stack([c[c_elements(i)] for i in range(4)], axis=1).astype(np.float32)
+    d_regs = np.zeros((32, 4), np.float32)
+    _launch(mma_kernel, 32, a_registers(a, kind), b_registers(b, kind), c_regs, d_regs, 0 if kind == "f16" else 1)
+    d = np.empty((16, 8), np.float64)
+    for i in range(4):
+        d[c_elements(i)] = d_regs[:, i]
+    want = a @ b + c
+    np.testing.assert_allclose(d, want, rtol=2e-7, atol=2e-7 * np.abs(want).max())
+
+
+def test_mma_m16n8k8_tf32_is_the_product_in_the_isa_layouts(rng):
+    def tf32(x):   # exactly representable tf32 values
+        return (x.astype(np.float32).view(np.uint32) & 0xFFFFE000).view(np.float32)
+
+    a, b = tf32(rng.standard_normal((16, 8))), tf32(rng.standard_normal((8, 8)))
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    a_regs = np.stack([a[a_tf32_elements(i)] for i in range(4)], axis=1).view(np.uint32)
+    b_regs = np.stack([b[b_tf32_elements(i)] for i in range(2)], axis=1).view(np.uint32)
+    c_regs = np.stack([c[c_elements(i)] for i in range(4)], axis=1).astype(np.float32)
+    d_regs = np.zeros((32, 4), np.float32)
+    _launch(mma_kernel, 32, np.ascontiguousarray(a_regs), np.ascontiguousarray(b_regs), c_regs, d_regs, 2)
+    d = np.empty((16, 8), np.float64)
+    for i in range(4):
+        d[c_elements(i)] = d_regs[:, i]
+    want = a.astype(np.float64) @ b + c
+    np.testing.assert_allclose(d, want, rtol=2e-7, atol=2e-7 * np.abs(want).max())
+
+
+# ---- ldmatrix ----
+
+@cuda.jit
+def ldmatrix_kernel(tile, rows, out, which):
+    """Copy ``tile`` (uint16 bits) into shared memory, then each lane loads with the row address rows[lane]."""
+    lane = cuda.threadIdx.x
+    smem = cuda.shared.array(512, uint16)
+    for e in range(lane, 512, 32):
+        smem[e] = tile[e]
+    cuda.syncthreads()
+    if which == 0:
+        r = warp.ldmatrix_x4(smem, rows[lane])
+    elif which == 1:
+        r = warp.ldmatrix_x4_trans(smem, rows[lane])
+    elif which == 2:
+        r = warp.ldmatrix_x2(smem, rows[lane])
+    else:
+        r = warp.ldmatrix_x2_trans(smem, rows[lane])
+    for j in range(len(r)):
+        out[lane, j] = r[j]
+
+
+@pytest.mark.parametrize("which,count,trans", [(0, 4, False), (1, 4, True), (2, 2, False), (3, 2, True)])
+def test_ldmatrix_hands_each_lane_the_isa_elements(which, count, trans, rng):
+    tile = rng.integers(0, 1 << 16, 512, dtype=np.uint16)
+    # Any 16-byte aligned row addresses, in any order: 64 rows of 8 elements, lanes pick 32 distinct ones.
+    rows = (rng.permutation(64)[:32] * 8).astype(np.int64)
+    out = np.zeros((32, 4), np.uint32)
+    _launch(ldmatrix_kernel, 32, tile, rows, out, which)
+    for j in range(count):
+        row_of = tile[rows[8 * j: 8 * j + 8, None] + np.arange(8)]   # matrix j, 8 x 8, row r from lane 8j + r
+        if trans:   # ISA: with .trans each thread holds a column: rows 2(l % 4), 2(l % 4) + 1 of column l / 4
+            want = pack_halves(row_of[2 * T, G], row_of[2 * T + 1, G])
+        else:       # ISA: row l / 4, elements 2(l % 4) and 2(l % 4) + 1
+            want = pack_halves(row_of[G, 2 * T], row_of[G, 2 * T + 1])
+        np.testing.assert_array_equal(out[:, j], want, err_msg=f"matrix {j}")
+
+
+def test_ldmatrix_x4_of_a_row_major_tile_gives_the_mma_a_fragment(rng):
+    """The kernels' addressing: lane 8j + r points at row r + 8 (j % 2), column 8 (j // 2) of a 16 x 16 tile."""
+    a = random_values(rng, (16, 16), "f16")
+    tile = np.zeros(512, np.uint16)
+    tile[:256] = bits16(a, "f16").ravel()
+    j, r = LANES // 8, LANES % 8
+    rows = ((r + 8 * (j % 2)) * 16 + 8 * (j // 2)).astype(np.int64)
+    out = np.zeros((32, 4), np.uint32)
+    _launch(ldmatrix_kernel, 32, tile, rows, out, 0)
+    np.testing.assert_array_equal(out, a_registers(a, "f16"))
+
+
+def test_unaligned_ldmatrix_address_is_refused(rng):
+    rows = (np.arange(32) * 8 + 2).astype(np.int64)
+    with pytest.raises(Exception, match="16-byte aligned"):
+        _launch(ldmatrix_kernel, 32, np.zeros(512, np.uint16), rows, np.zeros((32, 4), np.uint32), 0)
+
+
+# ---- cp.async ----
+
+@cuda.jit
+def cp_async_kernel(src, nbytes, before, after):
+    """Lane l copies row l of src (B=1, S=32, H=1, D=8 float16) into smem row l, with nbytes[l] valid bytes; reads
+    its own row before the wait (``before``) and after it (``after``)."""
+    lane = cuda.threadIdx.x
+    smem = cuda.shared.array(256, uint16)
+    for e in range(8):
+        smem[lane * 8 + e] = uint16(0xABCD)
+    warp.cp_async_16(smem, lane * 8, src, (0, lane, 0, 0), nbytes[lane])
+    warp.cp_async_commit()
+    for e in range(8):
+        before[lane, e] = smem[lane * 8 + e]
+    warp.cp_async_wait_all()
+    for e in range(8):
+        after[lane, e] = smem[lane * 8 + e]
+
+
+def test_cp_async_copies_at_the_wait_and_zero_fills_past_src_bytes(rng):
+    src = rng.standard_normal((1, 32, 1, 8)).astype(np.float16)
+    nbytes = (rng.integers(0, 9, 32) * 2).astype(np.int64)
+    before, after = np.zeros((32, 8), np.uint16), np.zeros((32, 8), np.uint16)
+    _launch(cp_async_kernel, 32, src, nbytes, before, after)
+    assert np.all(before == 0xABCD)   # not there before the wait: a kernel that skips it reads stale data
+    bits = src[0, :, 0, :].view(np.uint16)
+    want = np.where(np.arange(8)[None, :] * 2 < nbytes[:, None], bits, 0)
+    np.testing.assert_array_equal(after, want)
+
+
+# ---- shuffles and packing ----
+
+@cuda.jit
+def shfl_kernel(x, masks, out):
+    lane = cuda.threadIdx.x
+    for i in range(masks.shape[0]):
+        out[i, lane] = warp.shfl_xor(x[lane], masks[i])
+
+
+def test_shfl_xor_returns_the_partner_lanes_value(rng):
+    x = rng.standard_normal(64).astype(np.float32)
+    masks = np.array([1, 2, 4, 8, 16, 3], np.int64)
+    out = np.zeros((len(masks), 64), np.float32)
+    _launch(shfl_kernel, 64, x, masks, out)   # two warps: each exchanges within itself
+    for i, m in enumerate(masks):
+        partner = (np.arange(64) & ~31) | ((np.arange(64) & 31) ^ m)
+        np.testing.assert_array_equal(out[i], x[partner])
+
+
+@cuda.jit
+def pack_kernel(x, f16, bf16, tf32):
+    i = cuda.threadIdx.x
+    f16[i] = warp.pack_f16x2(x[i, 0], x[i, 1])
+    bf16[i] = warp.pack_bf16x2(x[i, 0], x[i, 1])
+    tf32[i] = warp.float_to_tf32(x[i, 0])
+
+
+def test_packing_rounds_to_nearest_even_low_half_first(rng):
+    x = (rng.standard_normal((32, 2)) * 10.0 ** rng.integers(-6, 6, (32, 2))).astype(np.float32)
+    x[0] = [np.inf, -np.inf]
+    x[1] = [np.nan, 70000.0]          # 70000 overflows float16 to inf
+    x[2] = [1 + 2 ** -11, 1 + 3 * 2 ** -11]   # float16 ties: to even, 1.0 and 1 + 2**-9
+    f16, bf16, tf32 = (np.zeros(32, np.uint32) for _ in range(3))
+    _launch(pack_kernel, 32, x, f16, bf16, tf32)
+    lo, hi = (f16 & 0xFFFF).astype(np.uint16).view(np.float16), (f16 >> 16).astype(np.uint16).view(np.float16)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(lo, x[:, 0].astype(np.float16))
+        np.testing.assert_array_equal(hi, x[:, 1].astype(np.float16))
+    torch = pytest.importorskip("torch")
+    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
+    got = np.stack([bf16 & 0xFFFF, bf16 >> 16], axis=1)
+    finite = np.isfinite(x) | np.isinf(x)
+    np.testing.assert_array_equal(got[finite], want[finite])
+    assert np.isnan((got[~finite] << 16).astype(np.uint32).view(np.float32)).all()
+    # tf32: 10 mantissa bits, nearest with ties away from zero (cvt.rna)
+    mant = x[:, 0].view(np.uint32)
+    expect = np.where(np.isfinite(x[:, 0]), (mant.astype(np.uint64) + 0x1000) & 0xFFFFE000, mant)
+    np.testing.assert_array_equal(tf32, expect.astype(np.uint32))
+
+
+# ---- what the emulation must not hide ----
+
+@cuda.jit
+def cross_warp_kernel(tile, out, with_barrier):
+    """Warp 0 stores a tile; warp 1 reads it with ldmatrix: a block barrier is needed between them."""
+    t = cuda.threadIdx.x
+    smem = cuda.shared.array(256, uint16)
+    if t < 32:
+        for e in range(t, 256, 32):
+            smem[e] = tile[e]
+    if with_barrier:
+        cuda.syncthreads()
+    r = warp.ldmatrix_x4(smem, (t % 32) * 8)
+    out[t] = r[0]
+
+
+def test_warp_exchange_does_not_hide_a_missing_block_barrier(rng):
+    tile = rng.integers(0, 1 << 16, 256, dtype=np.uint16)
+    out = np.zeros(64, np.uint32)
+    _launch(cross_warp_kernel, 64, tile, out, True)
+    with pytest.raises(SimulatorCheckError, match="race"):
+        _launch(cross_warp_kernel, 64, tile, np.zeros(64, np.uint32), False)
+
+
+@cuda.jit
+def divergent_kernel(x, out):
+    lane = cuda.threadIdx.x
+    v = x[lane]
+    if lane < 16:      # half the warp skips the shuffle: undefined on the hardware
+        v = warp.shfl_xor(v, 1)
+    out[lane] = v
+
+
+def test_a_lane_that_skips_a_warp_primitive_fails_the_kernel(monkeypatch):
+    monkeypatch.setattr(warp_sim, "WAIT_TIMEOUT", 1.0)
+    with pytest.raises(Exception, match="other lanes of its warp"):
+        _launch(divergent_kernel, 32, np.ones(32, np.float32), np.zeros(32, np.float32), deadline=60.0)
