@@ -47,9 +47,11 @@ def _check_shared_array(name, array, index):
         raise TypingError(f"{name}: expected an integer element index, got {index}")
 
 
-def _asm_tuple(context, builder, sig, fnty, text, constraints, operands):
-    """Call inline asm returning a struct of registers and repack it as the signature's UniTuple."""
-    asm = ir.InlineAsm(fnty, text, constraints, side_effect=False)
+def _asm_tuple(context, builder, sig, fnty, text, constraints, operands, reads_memory=False):
+    """Call inline asm returning a struct of registers and repack it as the signature's UniTuple. ``reads_memory``:
+    the asm reads shared memory, so it must stay where the program puts it relative to barriers, copies and
+    stores (a side effect; LLVM would otherwise hoist or merge it as pure arithmetic)."""
+    asm = ir.InlineAsm(fnty, text, constraints, side_effect=reads_memory)
     res = builder.call(asm, operands)
     count = sig.return_type.count
     return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(count)])
@@ -119,7 +121,7 @@ def _make_ldmatrix(count, trans):
         def codegen(context, builder, sig, args):
             addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
             fnty = ir.FunctionType(ir.LiteralStructType([_I32] * count), [_I32])
-            return _asm_tuple(context, builder, sig, fnty, text, constraints, [addr])
+            return _asm_tuple(context, builder, sig, fnty, text, constraints, [addr], reads_memory=True)
 
         return sig, codegen
 
@@ -160,6 +162,132 @@ def cp_async_16(typingctx, dst, dst_index, src, src_index, src_bytes):
                            side_effect=True)
         builder.call(asm, [addr, gaddr, nbytes])
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def lds_v4(typingctx, smem, index):
+    """``ld.shared.v4.b32``: the 16 bytes at element ``index`` (a multiple of 8) of a 1-D shared array of 16-bit
+    elements, as four 32-bit words (two elements each, the lower-indexed one in the low half)."""
+    _check_shared_array("lds_v4", smem, index)
+    sig = types.UniTuple(types.uint32, 4)(smem, index)
+
+    def codegen(context, builder, sig, args):
+        addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
+        asm = ir.InlineAsm(fnty, "ld.shared.v4.b32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
+                           side_effect=True)
+        res = builder.call(asm, [addr])
+        return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
+
+    return sig, codegen
+
+
+@intrinsic
+def sts_u32(typingctx, smem, index, word):
+    """``st.shared.b32``: ``word`` into elements ``index`` (even: 4-byte aligned) and ``index + 1`` of a 1-D shared
+    array of 16-bit elements, low half first (two packed float16 or bfloat16 values in one store)."""
+    _check_shared_array("sts_u32", smem, index)
+    if not isinstance(word, types.Integer):
+        raise TypingError(f"sts_u32: expected a 32-bit integer word, got {word}")
+    sig = types.void(smem, index, word)
+
+    def codegen(context, builder, sig, args):
+        addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        value = context.cast(builder, args[2], sig.args[2], types.uint32)
+        asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, _I32]), "st.shared.b32 [$0], $1;",
+                           "r,r,~{memory}", side_effect=True)
+        builder.call(asm, [addr, value])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _make_probe(kind):
+    # fma.rn.<kind>x2 acc, word, 0, acc: each half of acc becomes NaN once a half of some word is an inf or a NaN
+    # (0 * inf is NaN), and stays a signed zero otherwise: one instruction per word to test a tile for non-finite
+    # values.
+    text = f"fma.rn.{kind}x2 $0, $1, $2, $3;"
+
+    @intrinsic
+    def probe(typingctx, acc, word):
+        if not isinstance(acc, types.Integer) or not isinstance(word, types.Integer):
+            raise TypingError(f"probe_{kind}x2: expected two 32-bit integer registers, got {acc}, {word}")
+        sig = types.uint32(acc, word)
+
+        def codegen(context, builder, sig, args):
+            acc_v, word_v = _cast_all(context, builder, args, sig.args, types.uint32)
+            asm = ir.InlineAsm(ir.FunctionType(_I32, [_I32, _I32, _I32]), text, "=r,r,r,r", side_effect=False)
+            return builder.call(asm, [word_v, ir.Constant(_I32, 0), acc_v])
+
+        return sig, codegen
+
+    return probe
+
+
+probe_f16x2 = _make_probe("f16")
+probe_bf16x2 = _make_probe("bf16")
+
+
+@intrinsic
+def cp_async_16_at(typingctx, dst, dst_index, src, byte_offset, src_bytes):
+    """``cp_async_16`` from ``byte_offset`` bytes past the data pointer of the global array ``src`` (the kernel
+    keeps each chunk's offset for the whole loop and adds a tile's base, instead of four index-times-stride
+    products per chunk)."""
+    _check_shared_array("cp_async_16_at", dst, dst_index)
+    if not isinstance(src, types.Array) or not isinstance(byte_offset, types.Integer) \
+            or not isinstance(src_bytes, types.Integer):
+        raise TypingError(f"cp_async_16_at: expected a global array, an integer byte offset and an integer byte "
+                          f"count, got {src}, {byte_offset}, {src_bytes}")
+    sig = types.void(dst, dst_index, src, byte_offset, src_bytes)
+
+    def codegen(context, builder, sig, args):
+        dst_ty, dst_index_ty, src_ty, offset_ty, nbytes_ty = sig.args
+        addr = _shared_address(context, builder, dst_ty, args[0], args[1], dst_index_ty)
+        ary = context.make_array(src_ty)(context, builder, value=args[2])
+        base = builder.ptrtoint(ary.data, ir.IntType(64))
+        gaddr = builder.add(base, context.cast(builder, args[3], offset_ty, types.int64))
+        nbytes = context.cast(builder, args[4], nbytes_ty, types.uint32)
+        fnty = ir.FunctionType(ir.VoidType(), [_I32, ir.IntType(64), _I32])
+        asm = ir.InlineAsm(fnty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
+                           side_effect=True)
+        builder.call(asm, [addr, gaddr, nbytes])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def exp2_approx(typingctx, x):
+    """``ex2.approx.ftz.f32``: 2**x from the special-function unit in one instruction (about 2 ulp; results below
+    2**-126 flush to 0, which changes no softmax: the row's largest term is 1). libdevice's exp2f wraps the same
+    instruction in denormal handling that costs three more per call."""
+    if not isinstance(x, types.Float):
+        raise TypingError(f"exp2_approx: expected a float, got {x}")
+    sig = types.float32(x)
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.float32)
+        asm = ir.InlineAsm(ir.FunctionType(_F32, [_F32]), "ex2.approx.ftz.f32 $0, $1;", "=f,f", side_effect=False)
+        return builder.call(asm, [v])
+
+    return sig, codegen
+
+
+@intrinsic
+def rcp_approx(typingctx, x):
+    """``rcp.approx.ftz.f32``: 1 / x from the special-function unit (about 1 ulp). IEEE division calls a slow-path
+    subroutine for special operands, and a call saves every live register to the stack: the tensor-core kernels'
+    128 accumulators at D = 256."""
+    if not isinstance(x, types.Float):
+        raise TypingError(f"rcp_approx: expected a float, got {x}")
+    sig = types.float32(x)
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.float32)
+        asm = ir.InlineAsm(ir.FunctionType(_F32, [_F32]), "rcp.approx.ftz.f32 $0, $1;", "=f,f", side_effect=False)
+        return builder.call(asm, [v])
 
     return sig, codegen
 

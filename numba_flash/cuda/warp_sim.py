@@ -251,6 +251,45 @@ def ldmatrix_x2_trans(smem, index):
     return _ldmatrix("ldmatrix_x2_trans", 2, True, smem, index)
 
 
+@cuda.jit(device=True)
+def lds_v4(smem, index):
+    _check_row_address("lds_v4", smem, index)
+    at = int(index)
+    return tuple(np.uint32(int(smem[at + 2 * i]) | (int(smem[at + 2 * i + 1]) << 16)) for i in range(4))
+
+
+@cuda.jit(device=True)
+def sts_u32(smem, index, word):
+    at = int(index)
+    if at % 2:
+        raise RuntimeError(f"sts_u32: element index {at} is not 4-byte aligned (even)")
+    w = int(word)
+    smem[at] = np.uint16(w & 0xFFFF)
+    smem[at + 1] = np.uint16(w >> 16)
+
+
+def _probe(kind: str, acc: Any, word: Any) -> np.uint32:
+    """acc + word * 0 on each 16-bit half, in ``kind``'s arithmetic: a half turns NaN for an inf or NaN in word."""
+    a, w = _halves([acc], kind), _halves([word], kind)
+    with np.errstate(invalid="ignore"):   # inf * 0 is the NaN the probe is for
+        out = a + w * 0.0
+    if kind == "f16":
+        bits = out.astype(np.float16).view(np.uint16).astype(np.uint32)
+    else:
+        bits = np.array([_bf16_bits(x) for x in out.astype(np.float32)], np.uint32)
+    return np.uint32(int(bits[0]) | (int(bits[1]) << 16))
+
+
+@cuda.jit(device=True)
+def probe_f16x2(acc, word):
+    return _probe("f16", acc, word)
+
+
+@cuda.jit(device=True)
+def probe_bf16x2(acc, word):
+    return _probe("bf16", acc, word)
+
+
 class _Copies(threading.local):
     """A thread's cp.async copies: the ones not yet committed, then the committed groups, oldest first."""
 
@@ -280,6 +319,59 @@ def _copy(dst: Any, at: int, src: Any, index: tuple, nbytes: int) -> None:
             x = src[head + (d0 + e,)]
             bits = int(np.asarray(x).view(np.uint16))
         dst[at + e] = np.uint16(bits)
+
+
+def _host_array(src: Any) -> np.ndarray:
+    """The numpy array behind a simulated device array as kernel code sees it (the simulator's or the checker's
+    wrapper)."""
+    item = getattr(src, "_item", src)
+    return getattr(item, "_ary", item)
+
+
+class _OffsetSource:
+    """A chunk at a byte offset of a device array, read like ``src[index]`` by ``_copy``: bounds-checked against the
+    array's own elements (an offset between two strided rows, or past the end, raises)."""
+
+    def __init__(self, src: Any, byte_offset: int):
+        self.host = _host_array(src)
+        self.offset = byte_offset
+
+    def __getitem__(self, index: tuple) -> Any:
+        arr, at = self.host, self.offset + 2 * index[-1]
+        # The index each axis takes, largest stride first (any order of axes: a transposed view included).
+        found, rest = [0] * arr.ndim, at
+        for axis in sorted(range(arr.ndim), key=lambda a: -abs(arr.strides[a])):
+            if arr.strides[axis] > 0:
+                found[axis], rest = divmod(rest, arr.strides[axis])
+        exact = sum(i * st for i, st in zip(found, arr.strides)) == at
+        if rest or not exact or not all(0 <= i < n for i, n in zip(found, arr.shape)):
+            raise IndexError(f"cp_async_16_at: byte offset {at} is not an element of the source array "
+                             f"(shape {arr.shape}, strides {arr.strides})")
+        return arr[tuple(found)]
+
+
+@cuda.jit(device=True)
+def cp_async_16_at(dst, dst_index, src, byte_offset, src_bytes):
+    _check_row_address("cp_async_16_at", dst, dst_index)
+    nbytes = int(src_bytes)
+    if not 0 <= nbytes <= 16 or nbytes % 2:
+        raise RuntimeError(f"cp_async_16_at: src_bytes must be an even count from 0 to 16, got {nbytes}")
+    _copies.open.append((dst, int(dst_index), _OffsetSource(src, int(byte_offset)), (0,), nbytes))
+
+
+@cuda.jit(device=True)
+def exp2_approx(x):
+    """2**x with results below 2**-126 flushed to 0, as ex2.approx.ftz."""
+    y = np.float32(np.exp2(np.float32(x)))
+    return np.float32(0.0) if abs(y) < np.float32(2.0 ** -126) else y
+
+
+@cuda.jit(device=True)
+def rcp_approx(x):
+    """1 / x in float32, results below 2**-126 flushed to 0, as rcp.approx.ftz."""
+    with np.errstate(divide="ignore"):
+        y = np.float32(1.0) / np.float32(x)
+    return np.float32(0.0) if abs(y) < np.float32(2.0 ** -126) else y
 
 
 @cuda.jit(device=True)

@@ -251,6 +251,74 @@ def test_cp_async_copies_at_the_wait_and_zero_fills_past_src_bytes(rng):
     np.testing.assert_array_equal(after, want)
 
 
+@cuda.jit
+def cp_async_at_kernel(src, offsets, nbytes, out):
+    """Lane l copies the chunk at byte offset offsets[l] of src (any strides) into smem row l."""
+    lane = cuda.threadIdx.x
+    smem = cuda.shared.array(256, uint16)
+    warp.cp_async_16_at(smem, lane * 8, src, offsets[lane], nbytes[lane])
+    warp.cp_async_commit()
+    warp.cp_async_wait_one()          # one group committed: nothing older to wait for
+    warp.cp_async_wait_all()
+    for e in range(8):
+        out[lane, e] = smem[lane * 8 + e]
+
+
+def test_cp_async_at_reads_by_byte_offset_in_any_layout(rng):
+    # A (2, 8, 3, 16) array viewed with its head and sequence axes swapped: byte offsets follow the strides.
+    base = rng.standard_normal((2, 3, 8, 16)).astype(np.float16)
+    src = base.transpose(0, 2, 1, 3)                  # host view, for the offsets and the expected values
+    dsrc = cuda.to_device(base).transpose((0, 2, 1, 3))   # the same view on the device (simulated)
+    b, s, h, c = rng.integers(0, 2, 32), rng.integers(0, 8, 32), rng.integers(0, 3, 32), rng.integers(0, 2, 32)
+    offsets = (b * src.strides[0] + s * src.strides[1] + h * src.strides[2] + 16 * c).astype(np.int64)
+    nbytes = (rng.integers(0, 9, 32) * 2).astype(np.int64)
+    out = np.zeros((32, 8), np.uint16)
+    _launch(cp_async_at_kernel, 32, dsrc, offsets, nbytes, out)
+    for lane in range(32):
+        want = src[b[lane], s[lane], h[lane], 8 * c[lane]: 8 * c[lane] + 8].view(np.uint16)
+        n = nbytes[lane] // 2
+        np.testing.assert_array_equal(out[lane, :n], want[:n])
+        assert not out[lane, n:].any()
+
+
+def test_cp_async_at_refuses_an_offset_between_elements(rng):
+    src = cuda.to_device(rng.standard_normal((1, 4, 1, 8)).astype(np.float16))[:, :, :, ::2]   # every other one
+    offsets = np.full(32, 2, np.int64)                                          # the skipped element
+    with pytest.raises(Exception, match="not an element"):
+        _launch(cp_async_at_kernel, 32, src, offsets, np.full(32, 2, np.int64), np.zeros((32, 8), np.uint16))
+
+
+@cuda.jit
+def special_kernel(x, ex2, rcp, words, out):
+    i = cuda.threadIdx.x
+    ex2[i] = warp.exp2_approx(x[i])
+    rcp[i] = warp.rcp_approx(x[i])
+    smem = cuda.shared.array(64, uint16)
+    warp.sts_u32(smem, 2 * i, words[i])
+    cuda.syncthreads()
+    out[2 * i] = smem[2 * i]
+    out[2 * i + 1] = smem[2 * i + 1]
+
+
+def test_exp2_and_reciprocal_flush_denormals_and_sts_u32_stores_low_half_first(rng):
+    x = (rng.standard_normal(32) * 40).astype(np.float32)
+    x[0], x[1], x[2] = -130.0, 0.0, -np.inf          # 2**-130 flushes to 0; 1/0 = inf; 2**-inf = 0
+    ex2, rcp = np.zeros(32, np.float32), np.zeros(32, np.float32)
+    words = rng.integers(0, 2 ** 32, 32, dtype=np.uint64).astype(np.uint32)
+    out = np.zeros(64, np.uint16)
+    with np.errstate(all="ignore"):
+        _launch(special_kernel, 32, x, ex2, rcp, words, out)
+        want_ex2 = np.exp2(x.astype(np.float64))
+        want_rcp = 1.0 / x.astype(np.float64)
+    tiny = np.abs(want_ex2) < 2.0 ** -126
+    assert np.all(ex2[tiny] == 0) and ex2[0] == 0 and ex2[2] == 0
+    np.testing.assert_allclose(ex2[~tiny], want_ex2[~tiny], rtol=2e-7)
+    assert rcp[1] == np.inf
+    np.testing.assert_allclose(rcp[3:], want_rcp[3:], rtol=2e-7)
+    np.testing.assert_array_equal(out[0::2], words & 0xFFFF)
+    np.testing.assert_array_equal(out[1::2], words >> 16)
+
+
 # ---- shuffles and packing ----
 
 @cuda.jit
@@ -299,6 +367,45 @@ def test_packing_rounds_to_nearest_even_low_half_first(rng):
     mant = x[:, 0].view(np.uint32)
     expect = np.where(np.isfinite(x[:, 0]), (mant.astype(np.uint64) + 0x1000) & 0xFFFFE000, mant)
     np.testing.assert_array_equal(tf32, expect.astype(np.uint32))
+
+
+@cuda.jit
+def probe_kernel(tile, probes, words):
+    """Lane l reads 8 elements at 8 l with lds_v4 and folds them into a probe of each kind."""
+    lane = cuda.threadIdx.x
+    smem = cuda.shared.array(256, uint16)
+    for e in range(8):
+        smem[lane * 8 + e] = tile[lane * 8 + e]
+    w = warp.lds_v4(smem, lane * 8)
+    f16 = uint32(0)
+    bf16 = uint32(0)
+    for i in range(4):
+        words[lane, i] = w[i]
+        f16 = warp.probe_f16x2(f16, w[i])
+        bf16 = warp.probe_bf16x2(bf16, w[i])
+    probes[lane, 0] = f16
+    probes[lane, 1] = bf16
+
+
+def test_lds_v4_and_the_nonfinite_probes(rng):
+    tile = np.asarray(rng.standard_normal(256), np.float16).view(np.uint16).copy()
+    tile[8 * 3 + 5] = np.float16(np.inf).view(np.uint16)      # lane 3, word 2, high half: inf as float16
+    tile[8 * 7 + 0] = np.float16(np.nan).view(np.uint16)      # lane 7, word 0, low half: NaN
+    tile[8 * 9 + 2] = 0xFF80                                   # lane 9, word 1, low half: -inf as bfloat16
+    probes, words = np.zeros((32, 2), np.uint32), np.zeros((32, 4), np.uint32)
+    _launch(probe_kernel, 32, tile, probes, words)
+    np.testing.assert_array_equal(words, pack_halves(tile[0::2], tile[1::2]).reshape(32, 4))
+
+    def nan_halves(p, exp_bits):
+        return [((int(p) >> s) & 0x7FFF) > exp_bits for s in (0, 16)]
+
+    f16_bad = {i for i in range(32) if any(nan_halves(probes[i, 0], 0x7C00))}
+    bf16_bad = {i for i in range(32) if any(nan_halves(probes[i, 1], 0x7F80))}
+    # A bfloat16 inf or NaN has float16's exponent bits set too, so lane 9 is flagged both ways; finite float16
+    # values may read as non-finite bfloat16 (exponent bits 0x7F80), so the bfloat16 reading need only flag 9.
+    assert f16_bad == {3, 7, 9}
+    assert 9 in bf16_bad
+    assert nan_halves(probes[3, 0], 0x7C00) == [False, True] and nan_halves(probes[7, 0], 0x7C00) == [True, False]
 
 
 # ---- what the emulation must not hide ----
