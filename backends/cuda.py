@@ -402,14 +402,16 @@ class CudaBackend(Backend):
 
         if not selfcheck.has_failures():   # the common case: keep the per-call cost at one lookup
             return [], []
-        from numba_flash.cuda.launch import configs_for
+        from numba_flash.cuda.launch import configs_for, tensor_core_reason
 
         flags = (call.window_left >= 0, call.window_right >= 0, call.softcap > 0)
-        used = ("backward_dkdv", "backward_dq") if call.is_backward else ("forward",)
         try:
-            cfgs = configs_for(call.head_dim, call.dtype, self.config, ("forward", "backward_dkdv", "backward_dq"))
+            forward = "forward" if tensor_core_reason(call.dtype, call.head_dim, bool(call.dropout_p), self.config,
+                                                      cc=_gpu_compute_capability(call.q)) else "tc_forward"
+            cfgs = configs_for(call.head_dim, call.dtype, self.config, (forward, "backward_dkdv", "backward_dq"))
         except AttentionInputError:       # a bad tile override: the call itself will say so
             return [], []
+        used = ("backward_dkdv", "backward_dq") if call.is_backward else (forward,)
         index = _device_index(call.q)
         device = selfcheck.current_device() if index is None else index
         notes, reasons = [], []
@@ -421,10 +423,29 @@ class CudaBackend(Backend):
         return notes, reasons
 
     def notes(self, call: AttentionCall) -> list[str]:
-        """Self-check failures that this call works around (a fallback tile config serves instead)."""
+        """Which kernels serve the call (tensor cores or the float32 SIMT kernels, and why not tensor cores), and
+        self-check failures that it works around (a fallback tile config serves instead)."""
         if self._probe()[1]:    # no GPU, nothing was checked
             return []
-        return self._selfcheck_problems(call)[0]
+        return self._kernels_note(call) + self._selfcheck_problems(call)[0]
+
+    def _kernels_note(self, call: AttentionCall) -> list[str]:
+        """For float16 and bfloat16, which kernels run: float32 calls always run on the SIMT kernels."""
+        from numba_flash.cuda.config import TC_DTYPES
+        from numba_flash.cuda.launch import tensor_core_reason
+
+        if call.dtype not in TC_DTYPES:
+            return []
+        if call.is_backward:
+            return ["SIMT kernels (float32 math: the backward has no tensor-core kernels yet)"]
+        try:
+            why = tensor_core_reason(call.dtype, call.head_dim, bool(call.dropout_p), self.config,
+                                     cc=_gpu_compute_capability(call.q))
+        except AttentionInputError as exc:
+            return [str(exc)]
+        if why is None:
+            return [f"tensor-core kernels (mma.sync, {call.dtype})"]
+        return [f"SIMT kernels: {why}"]
 
     def forward(self, call: AttentionCall) -> tuple[Any, Any]:
         """out like q (same kind, dtype, layout); lse (B, Hq, Sq) float32."""

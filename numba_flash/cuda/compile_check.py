@@ -14,11 +14,16 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from .config import COMPUTE_CAPABILITIES, STATIC_SMEM_LIMIT, FlashAttentionConfig, all_tile_configs, storage_dtype
+from .config import (COMPUTE_CAPABILITIES, STATIC_SMEM_LIMIT, TC_DTYPES, TC_MIN_COMPUTE_CAPABILITY,
+                     FlashAttentionConfig, TileOverride, all_tile_configs, head_dim_bucket, storage_dtype,
+                     tile_config_for)
 from .gpus import Occupancy, gpu_spec, occupancy
 
 #: Threads per block of the delta pre-pass (launch.py launches it with this many).
 DELTA_THREADS = 128
+#: The tensor-core forward kernel's two tile-copy paths, compiled as separate rows: cp.async, and plain loads for
+#: inputs cp.async cannot read (launch.async_copy_ok).
+TC_COPY_PATHS: dict[str, bool] = {"tc_forward": True, "tc_forward_loads": False}
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,15 @@ class KernelResources:
         return self.config.threads if self.config else DELTA_THREADS
 
     @property
+    def declared_smem(self) -> int:
+        """Static shared memory the kernel declares. On sm_90 the assembler's report adds 1 KiB to any kernel that
+        uses shared memory (a kernel declaring 48 KiB reports 50176 B there and 49152 B on sm_75..sm_89; one
+        declaring none reports 0 everywhere, tests/numba_flash/cuda/test_cuda_compile.py): the driver's per-block
+        reservation, which every GPU from sm_80 on makes and which does not count against the 48 KiB a block may
+        declare statically (ptxas, which refuses more than 48 KiB, accepts 48 KiB for sm_90)."""
+        return self.smem - 1024 if self.cc >= (9, 0) and self.smem >= 1024 else self.smem
+
+    @property
     def occupancy(self) -> Occupancy:
         """Blocks per SM on this compute capability; zero means the launch would fail with "too many resources
         requested for launch"."""
@@ -53,8 +67,8 @@ class KernelResources:
         if self.spill_stores or self.spill_loads or self.lmem or self.stack:
             why.append(f"local memory: {self.spill_stores} B spill stores, {self.spill_loads} B spill loads, "
                        f"{self.stack} B stack, {self.lmem} B lmem")
-        if self.smem > smem_limit:
-            why.append(f"{self.smem} B shared memory > {smem_limit}")
+        if self.declared_smem > smem_limit:
+            why.append(f"{self.declared_smem} B static shared memory > {smem_limit}")
         if self.registers > 255:
             why.append(f"{self.registers} registers")
         if self.f64_instructions:
@@ -75,6 +89,9 @@ def kernel_signature(kernel: str, dtype: str) -> Any:
     u64 = types.uint64
     i64, f32 = types.int64, types.float32
     variants = (slopes, bias, u64, u64, u64, f32, i64)   # ALiBi, attn_bias, dropout's five scalars
+    if kernel in TC_COPY_PATHS:   # the forward's arguments, with the data as uint16 bit patterns
+        bits = types.Array(types.uint16, 4, "A")
+        return types.void(bits, bits, bits, bits, rows, i64, i64, i64, i64, i64, i64, f32, f32, *variants)
     if kernel == "forward":
         return types.void(x, x, x, x, rows, i64, i64, i64, i64, i64, i64, f32, f32, *variants)
     if kernel == "backward_dkdv":
@@ -93,7 +110,11 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
     values, so the worst case for registers."""
     from .backward import make_delta_kernel, make_dkdv_kernel, make_dq_kernel
     from .forward import make_forward_kernel
+    from .tc_forward import make_tc_forward_kernel
 
+    if kernel in TC_COPY_PATHS:   # no dropout in the tensor-core kernel
+        return make_tc_forward_kernel(cfg, *flags[:3], dtype == "bfloat16", *flags[3:5],
+                                      async_copy=TC_COPY_PATHS[kernel]).py_func
     if kernel == "backward_delta":
         return make_delta_kernel(dtype == "bfloat16").py_func
     factory = {"forward": make_forward_kernel, "backward_dkdv": make_dkdv_kernel, "backward_dq": make_dq_kernel}
@@ -179,6 +200,9 @@ def check_all(progress: Any = None, ccs: tuple[tuple[int, int], ...] | None = No
     for cc in sorted({cc for cc, _, _ in configs}):
         for dtype in sorted({dt for c, dt, _ in configs if c == cc}):
             targets.setdefault(("backward_delta", dtype, None), []).append(cc)
+    for cc, dtype, cfg in tensor_core_configs(ccs):
+        for kernel in TC_COPY_PATHS:
+            targets.setdefault((kernel, dtype, cfg), []).append(cc)
     results = []
     for (kernel, dtype, cfg), target_ccs in targets.items():
         target_ccs = sorted(target_ccs)
@@ -188,6 +212,17 @@ def check_all(progress: Any = None, ccs: tuple[tuple[int, int], ...] | None = No
             if progress:
                 progress(results[-1])
     return results
+
+
+def tensor_core_configs(ccs: tuple[tuple[int, int], ...] = COMPUTE_CAPABILITIES,
+                        ) -> list[tuple[tuple[int, int], str, FlashAttentionConfig]]:
+    """Every (compute capability, dtype, config) of the tensor-core forward kernel the picker makes: float16 and
+    bfloat16 from compute capability 8.0 on, one config per head-dim bucket."""
+    from .config import HEAD_DIM_BUCKETS
+
+    return [(cc, dtype, tile_config_for(bucket, dtype, cc, kernel="tc_forward", override=TileOverride()))
+            for cc in ccs if tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY for dtype in TC_DTYPES
+            for bucket in HEAD_DIM_BUCKETS if head_dim_bucket(bucket) == bucket]
 
 
 def format_table(results: list[KernelResources]) -> str:

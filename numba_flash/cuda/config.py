@@ -29,6 +29,12 @@ from numba_flash.errors import AttentionInputError
 HEAD_DIM_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256)
 #: Kernels with a tile config. The delta pre-pass of the backward has none (one thread per row).
 KERNELS: tuple[str, ...] = ("forward", "backward_dkdv", "backward_dq")
+#: The tensor-core kernels (mma.sync, float16 and bfloat16 on compute capability >= 8.0; see tc_forward.py): one warp
+#: owns 16 query rows, threads = 32 * block_m / 16, and tiles stay 16-bit in shared memory.
+TC_KERNELS: tuple[str, ...] = ("tc_forward",)
+#: Dtypes and the lowest compute capability the tensor-core kernels are built for.
+TC_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
+TC_MIN_COMPUTE_CAPABILITY = (8, 0)
 #: Dtypes the kernels are built for.
 KERNEL_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 #: Element type of the arrays the kernels are launched with, per dtype. numba has no bfloat16 arrays, so bfloat16
@@ -64,12 +70,21 @@ _PREFERRED: dict[str, dict[int, tuple[int, int, int]]] = {
                       256: (8, 16, 128)},
     "backward_dq": {16: (64, 64, 128), 32: (64, 64, 128), 64: (32, 64, 128), 128: (32, 16, 128),
                     256: (16, 8, 128)},
+    # Tensor cores: 4 warps of 16 query rows, 16-bit tiles, Q sharing V's buffer until its fragments are in
+    # registers (D <= 128). Key tiles of 64, of 32 at D = 128 (64 left the warp 16 registers short: spills). At
+    # D = 256, Q's fragments would take 64 registers next to 128 accumulators, so Q stays in shared memory beside
+    # 16-key K and V tiles: 48 KiB. Chosen with the performance model (BENCHMARKS.md, tensor-core log).
+    "tc_forward": {16: (64, 64, 128), 32: (64, 64, 128), 64: (64, 64, 128), 128: (64, 32, 128),
+                   256: (64, 16, 128)},
 }
 # Fallbacks, best first, for devices with less shared memory than 48 KiB (or callers that ask for a lower limit).
 _CANDIDATES: tuple[tuple[int, int, int], ...] = (
     (64, 64, 128), (64, 32, 128), (32, 64, 128), (32, 32, 128), (64, 16, 128), (32, 16, 128), (16, 32, 128),
     (16, 16, 128), (32, 8, 128), (16, 8, 128), (8, 16, 128), (8, 8, 64), (8, 8, 32),
 )
+
+# Tensor-core fallbacks, best first (a warp's accumulators are its 16 rows' whatever the tile: only smem limits).
+_TC_CANDIDATES: tuple[tuple[int, int, int], ...] = ((64, 32, 128), (32, 32, 64), (32, 16, 64), (16, 16, 32))
 
 
 def storage_dtype(dtype: str) -> str:
@@ -151,9 +166,23 @@ class FlashAttentionConfig:
         """(block_n x D) dK and dV accumulators (backward_dkdv)."""
         return thread_grid(self.block_n, self.head_dim_bucket, self.threads)
 
+    @property
+    def tensor_cores(self) -> bool:
+        """Whether this is a tensor-core kernel (16-bit tiles, one warp per 16 query rows)."""
+        return self.kernel in TC_KERNELS
+
+    @property
+    def q_in_registers(self) -> bool:
+        """Tensor-core forward: Q's fragments stay in registers for the whole key loop (else in shared memory)."""
+        return self.head_dim_bucket <= 128
+
     def smem_floats(self) -> int:
-        """float32 words of static shared memory the kernel declares."""
+        """float32 words of static shared memory the kernel declares (tensor-core tiles: half as many bytes per
+        element, rounded up)."""
         bm, bn, db = self.block_m, self.block_n, self.head_dim_bucket
+        if self.tensor_cores:    # 16-bit elements: K, then V sharing Q's rows (or Q apart when it stays there)
+            elements = (bn + max(bm, bn)) * db if self.q_in_registers else (bm + 2 * bn) * db
+            return -(-elements // 2)
         ld, ldp = db + 1, bn + 1
         if self.kernel == "forward":      # Q^T, one K^T-then-V buffer, P^T, row max/sum/rescale
             k_t, v = db * transposed_stride(bn), bn * db
@@ -169,7 +198,7 @@ class FlashAttentionConfig:
 
     def accumulators_per_thread(self) -> int:
         """float32 accumulators each thread keeps in registers across the whole loop."""
-        if self.kernel == "backward_dkdv":
+        if self.kernel == "backward_dkdv" or self.tensor_cores and "dkdv" in self.kernel:
             return 2 * self.block_n * self.head_dim_bucket // self.threads
         return self.block_m * self.head_dim_bucket // self.threads
 
@@ -186,6 +215,13 @@ class FlashAttentionConfig:
         if self.smem_bytes() > smem_limit:
             why.append(f"needs {self.smem_bytes()} bytes of shared memory for head-dim bucket "
                        f"{self.head_dim_bucket}, more than the {smem_limit} a block may use")
+        if self.tensor_cores:
+            if self.block_m < 16 or self.threads != 32 * (self.block_m // 16):
+                why.append(f"tensor-core kernels run one warp per 16 query rows: block_m={self.block_m} needs "
+                           f"{32 * max(1, self.block_m // 16)} threads, got {self.threads}")
+            if self.block_n < 16:
+                why.append(f"block_n must be at least 16 (one mma k-step of keys), got {self.block_n}")
+            return why
         grids = [("block_m x block_n", self.score_grid)]
         if self.kernel == "backward_dkdv":
             grids.append(("block_n x D", self.kv_grid))
@@ -199,11 +235,14 @@ class FlashAttentionConfig:
 
 @dataclass(frozen=True)
 class TileOverride:
-    """Tile sizes a user wants instead of the picker's; None keeps the picker's value. Applies to every kernel."""
+    """Tile sizes a user wants instead of the picker's; None keeps the picker's value. Applies to every kernel.
+    ``tensor_cores``: True to require the tensor-core kernels (float16/bfloat16 on compute capability >= 8.0),
+    False to keep the float32 SIMT kernels, None to let the backend choose (tensor cores wherever they apply)."""
 
     block_m: int | None = None
     block_n: int | None = None
     threads: int | None = None
+    tensor_cores: bool | None = None
 
     def apply(self, cfg: FlashAttentionConfig) -> FlashAttentionConfig:
         return replace(cfg, **{k: v for k, v in (("block_m", self.block_m), ("block_n", self.block_n),
@@ -215,14 +254,18 @@ _override: contextvars.ContextVar[TileOverride | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def tile_config_override(block_m: int | None = None, block_n: int | None = None,
-                         threads: int | None = None) -> Iterator[TileOverride]:
+def tile_config_override(block_m: int | None = None, block_n: int | None = None, threads: int | None = None,
+                         tensor_cores: bool | None = None) -> Iterator[TileOverride]:
     """Use these tile sizes for every CUDA kernel launched inside the block. Sizes are powers of two; a config
-    that does not fit shared memory raises ``AttentionInputError`` at the call that would use it."""
+    that does not fit shared memory raises ``AttentionInputError`` at the call that would use it.
+    ``tensor_cores=False`` keeps float16/bfloat16 calls on the float32 SIMT kernels; ``True`` requires the
+    tensor-core kernels (``AttentionInputError`` for a call they cannot serve)."""
     for name, v in (("block_m", block_m), ("block_n", block_n), ("threads", threads)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1)):
             raise AttentionInputError(f"{name}: expected a power of two >= 1, got {v!r}")
-    token = _override.set(TileOverride(block_m, block_n, threads))
+    if tensor_cores is not None and not isinstance(tensor_cores, bool):
+        raise AttentionInputError(f"tensor_cores: expected True, False or None, got {tensor_cores!r}")
+    token = _override.set(TileOverride(block_m, block_n, threads, tensor_cores))
     try:
         yield _override.get()
     finally:
@@ -244,8 +287,8 @@ def tile_config_for(head_dim: int, dtype: str = "float32", compute_capability: t
     today (tiles are float32 in shared memory and 48 KiB static is the limit on sm_80 and sm_90) but are part of the
     signature so that a tuned table can depend on them.
     """
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+    if kernel not in KERNELS + TC_KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS + TC_KERNELS}, got {kernel!r}")
     bucket = head_dim_bucket(head_dim)
     bm, bn, nt = _PREFERRED[kernel][bucket]
     cfg = FlashAttentionConfig(kernel, bm, bn, nt, bucket)
@@ -259,9 +302,10 @@ def tile_config_for(head_dim: int, dtype: str = "float32", compute_capability: t
         return cfg
     if not cfg.problems(smem_limit):
         return cfg
-    for bm, bn, nt in _CANDIDATES:
+    for bm, bn, nt in _TC_CANDIDATES if cfg.tensor_cores else _CANDIDATES:
         cand = FlashAttentionConfig(kernel, bm, bn, nt, bucket)
-        if not cand.problems(smem_limit) and cand.accumulators_per_thread() <= MAX_ACCUMULATORS_PER_THREAD:
+        if not cand.problems(smem_limit) and (
+                cand.tensor_cores or cand.accumulators_per_thread() <= MAX_ACCUMULATORS_PER_THREAD):
             return cand
     raise AttentionInputError(f"no {kernel} tile config for head dim {head_dim} fits {smem_limit} bytes of "
                               "shared memory")

@@ -17,12 +17,16 @@ from typing import Any
 
 import numpy as np
 
+from numba_flash.errors import AttentionInputError
+
 from . import selfcheck
 from .backward import make_delta_kernel, make_dkdv_kernel, make_dq_kernel
-from .config import STATIC_SMEM_LIMIT, FlashAttentionConfig, TileOverride, storage_dtype, tile_config_for
+from .config import (STATIC_SMEM_LIMIT, TC_DTYPES, TC_MIN_COMPUTE_CAPABILITY, FlashAttentionConfig, TileOverride,
+                     active_override, storage_dtype, tile_config_for)
 from .forward import make_forward_kernel
 from .masks import LOG2E
 from .simcheck import install_from_env
+from .tc_forward import make_tc_forward_kernel
 
 
 def compute_capability() -> tuple[int, int]:
@@ -44,6 +48,58 @@ def configs_for(head_dim: int, dtype: str, override: TileOverride | None = None,
     """Tile configs of ``kernels`` for this device; a bad override raises AttentionInputError."""
     cc = compute_capability()
     return {kern: tile_config_for(head_dim, dtype, cc, STATIC_SMEM_LIMIT, kern, override) for kern in kernels}
+
+
+def tensor_core_reason(dtype: str, head_dim: int, dropout: bool = False, override: TileOverride | None = None,
+                       cc: tuple[int, int] | None = None) -> str | None:
+    """Why a forward call runs on the float32 SIMT kernels rather than the tensor-core ones; None when it runs on
+    tensor cores. With ``override.tensor_cores`` True a reason is an ``AttentionInputError`` instead."""
+    override = override if override is not None else active_override()
+    if override is not None and override.tensor_cores is False:
+        return "tensor cores switched off by tile_config_override(tensor_cores=False)"
+    cc = compute_capability() if cc is None else cc
+    reason = None
+    if dtype not in TC_DTYPES:
+        reason = f"{dtype} runs on the SIMT kernels (the tensor-core kernels take float16 and bfloat16)"
+    elif tuple(cc) < TC_MIN_COMPUTE_CAPABILITY:
+        need = TC_MIN_COMPUTE_CAPABILITY
+        reason = f"the tensor-core kernels need compute capability >= {need[0]}.{need[1]}, this GPU is {cc[0]}.{cc[1]}"
+    elif dropout:
+        reason = "dropout runs on the SIMT kernels (not in the tensor-core kernels yet)"
+    elif override is not None and (override.block_m, override.block_n, override.threads) != (None, None, None):
+        cfg = override.apply(tile_config_for(head_dim, dtype, tuple(cc), kernel="tc_forward",
+                                             override=TileOverride()))
+        why = cfg.problems(STATIC_SMEM_LIMIT)
+        if why:
+            reason = f"the tile override {override} does not fit the tensor-core kernels: " + "; ".join(why)
+    if reason and override is not None and override.tensor_cores:
+        raise AttentionInputError(f"tensor_cores=True: {reason}")
+    return reason
+
+
+def _bits(arr: Any) -> Any:
+    """A uint16 view of a float16 or int16 (bfloat16 bits) device array: the tensor-core kernels move bits."""
+    return arr.view(np.uint16)
+
+
+def _data_pointer(arr: Any) -> int:
+    host = getattr(arr, "_ary", None)          # a simulator array: numpy underneath
+    if host is not None:
+        return int(host.ctypes.data)
+    return int(arr.__cuda_array_interface__["data"][0])
+
+
+def async_copy_ok(*arrays: Any) -> bool:
+    """Whether ``cp.async`` can copy 16-byte chunks of these (B, S, H, D) 16-bit arrays: unit stride along D, and
+    every row starting 16-byte aligned (the other strides and the data pointer multiples of 16 bytes)."""
+    for arr in arrays:
+        # tuple() first: the simulator's shape tuples take no negative index
+        strides, shape = tuple(int(x) for x in arr.strides), tuple(int(x) for x in arr.shape)
+        if strides[-1] != arr.dtype.itemsize and shape[-1] > 1:
+            return False
+        if any(st % 16 for st, n in zip(strides[:-1], shape[:-1]) if n > 1) or _data_pointer(arr) % 16:
+            return False
+    return True
 
 
 def _check_storage(dtype: str, **arrays: Any) -> None:
@@ -118,9 +174,17 @@ def _bias_arg(bias: Any) -> Any:
 def launch_forward(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float,
                    window_left: int, window_right: int, softcap: float, bf16: bool, alibi: Any = None,
                    bias: Any = None, dropout: tuple | None = None, stream: Any = 0) -> None:
-    """Launch the forward kernel of ``cfg`` as it is, no self-check. Arrays as for ``flash_forward``."""
-    kernel = make_forward_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                 bias is not None, dropout is not None)
+    """Launch the forward kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_forward`` config) as
+    it is, no self-check. Arrays as for ``flash_forward``."""
+    if cfg.tensor_cores:
+        if dropout is not None:
+            raise ValueError("the tensor-core forward kernel has no dropout")
+        kernel = make_tc_forward_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
+                                        bias is not None, async_copy_ok(q, k, v))
+        q, k, v, out = (_bits(x) for x in (q, k, v, out))
+    else:
+        kernel = make_forward_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
+                                     bias is not None, dropout is not None)
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     qmult, capmult = _multipliers(softmax_scale, softcap)
@@ -183,10 +247,12 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
     """
     _check_storage(dtype, q=q, k=k, v=v, out=out)
     install_from_env()   # under the simulator with NUMBA_FLASH_SIMCHECK=1, check this and every later launch
-    picked = configs_for(q.shape[3], dtype, override)["forward"]
+    kernel = "forward" if tensor_core_reason(dtype, q.shape[3], dropout is not None, override) else "tc_forward"
+    picked = configs_for(q.shape[3], dtype, override, (kernel,))[kernel]
     flags = _flags(window_left, window_right, softcap)
     cfg = selfcheck.choose(picked, *flags, dtype, like=dict(q=q, k=k, v=v, out=out, lse=lse, bias=bias),
-                           alibi=alibi is not None, bias=bias is not None, dropout=dropout is not None)
+                           alibi=alibi is not None, bias=bias is not None, dropout=dropout is not None,
+                           async_copy=not picked.tensor_cores or async_copy_ok(q, k, v))
     launch_forward(cfg, q, k, v, out, lse, softmax_scale=softmax_scale, window_left=window_left,
                    window_right=window_right, softcap=softcap, bf16=dtype == "bfloat16", alibi=alibi, bias=bias,
                    dropout=dropout, stream=stream)

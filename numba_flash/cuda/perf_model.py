@@ -58,11 +58,11 @@ VARIANTS: dict[str, tuple[bool, bool, bool]] = {
     "plain": (False, False, False), "causal": (False, True, False),
     "window": (True, True, False), "softcap": (False, False, True),
 }
-MODEL_KERNELS: tuple[str, ...] = ("forward", "backward_dkdv", "backward_dq")
+MODEL_KERNELS: tuple[str, ...] = ("forward", "backward_dkdv", "backward_dq", "tc_forward")
 #: Products (matrix multiplies over the tile) each kernel executes per main-loop iteration, and how many of the
 #: contract's FLOP they are worth: the forward's QK^T and PV; dK/dV recomputes QK^T and dP, then dV and dK; dQ
 #: recomputes QK^T and dP, then dQ. The backward's useful work is five products per score element.
-PRODUCTS = {"forward": 2, "backward_dkdv": 4, "backward_dq": 3}
+PRODUCTS = {"forward": 2, "backward_dkdv": 4, "backward_dq": 3, "tc_forward": 2}
 USEFUL_PRODUCTS = {"forward": 2, "backward": 5}
 DEFAULT_CCS: tuple[tuple[int, int], ...] = ((8, 0), (9, 0))
 # Opcodes that issue once per execution of the source line holding them (the anchors that undo unrolling).
@@ -98,9 +98,11 @@ def _trips(args: list[Any], env: dict[str, Any]) -> int | None:
 
 
 def _is_rare_branch(node: ast.AST) -> bool:
-    """``if <name>_nonfinite:``, the kernels' branch for a tile holding an inf or a NaN (see masks.py): off the
-    steady state the model describes."""
-    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id.endswith("_nonfinite")
+    """``if <name>_nonfinite:``, the kernels' branch for a tile holding an inf or a NaN (see masks.py), and
+    ``if <name>_edge:``, the masking pass of a tile that crosses the band's or the sequence's edge (tc_forward.py):
+    off the steady state the model describes (a long sequence's tiles are interior)."""
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Name)
+            and node.test.id.endswith(("_nonfinite", "_edge")))
 
 
 def _compiled(node: ast.For) -> list[Any]:
@@ -123,7 +125,8 @@ def loop_counts(py_func: Callable, threads: int) -> LoopCounts:
     sequence lengths); loops inside it have compile-time trip counts, possibly depending on the thread index
     ``t`` (``range(t, N, threads)``), and a warp runs a loop as often as its busiest lane. Branches are taken as
     taken (full tiles, every key visible), the steady state of a long sequence, except the rare path for
-    non-finite data (``if x_nonfinite:``), taken as not taken."""
+    non-finite data (``if x_nonfinite:``) and the masking pass of an edge tile (``if x_edge:``), taken as not
+    taken."""
     src = textwrap.dedent(inspect.getsource(py_func))
     first = py_func.__code__.co_firstlineno - 1
     tree = ast.parse(src)
@@ -479,7 +482,7 @@ def run_model(kernels: Iterable[str] = ("forward", "backward"), dtypes: Iterable
               progress: Callable[[str], None] | None = None) -> list[ModelRecord]:
     """Model records for every combination. ``kernels`` may name 'backward' (both backward kernels and their
     combination) or the single kernels; bfloat16 is modelled only on compute capabilities that offer it."""
-    from .config import dtype_supported_on
+    from .config import TC_DTYPES, TC_MIN_COMPUTE_CAPABILITY, dtype_supported_on
 
     wanted = []
     for k in kernels:
@@ -489,6 +492,8 @@ def run_model(kernels: Iterable[str] = ("forward", "backward"), dtypes: Iterable
         cc_ok = [cc for cc in ccs if dtype_supported_on(dtype, cc)]
         if not cc_ok:
             continue
+        # The tensor-core kernels exist for float16 and bfloat16 from sm_80 on.
+        cc_tc = [cc for cc in cc_ok if tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY] if dtype in TC_DTYPES else []
         for head_dim in head_dims:
             for variant in variants:
                 done: dict[str, list[ModelRecord]] = {}
@@ -501,7 +506,9 @@ def run_model(kernels: Iterable[str] = ("forward", "backward"), dtypes: Iterable
                         done[kernel] = [combine_backward(a, b) for a, b in
                                         zip(done["backward_dkdv"], done["backward_dq"])]
                     elif kernel not in done:
-                        done[kernel] = model_specialisation(kernel, dtype, head_dim, variant, cc_ok, use_cache)
+                        targets = cc_tc if kernel.startswith("tc_") else cc_ok
+                        done[kernel] = model_specialisation(kernel, dtype, head_dim, variant, targets,
+                                                            use_cache) if targets else []
                     if progress:
                         progress(f"{kernel} {dtype} D={head_dim} {variant}")
                 for kernel in wanted:

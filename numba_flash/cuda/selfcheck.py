@@ -62,6 +62,8 @@ ENV_VAR = "NUMBA_FLASH_SELFCHECK"
 #: picker's (a bug tied to one tile shape or warp count is likely to spare another), ending with a tiny one that
 #: every head-dim bucket fits. Each is tried only if it is valid for the bucket.
 FALLBACK_TILES: tuple[tuple[int, int, int], ...] = ((32, 16, 128), (16, 16, 64), (8, 8, 32))
+#: The same for the tensor-core kernels (one warp per 16 query rows).
+TC_FALLBACK_TILES: tuple[tuple[int, int, int], ...] = ((32, 32, 64), (16, 16, 32))
 
 #: The contract's bounds.
 FLOAT32_MAX_ABS = 1e-5
@@ -88,6 +90,7 @@ class Specialisation:
     alibi: bool = False
     bias: bool = False
     dropout: bool = False
+    async_copy: bool = True   # tensor-core kernels: tiles copied with cp.async (else plain loads)
 
     def tiles(self) -> str:
         """'64x32/128': block_m x block_n / threads."""
@@ -99,7 +102,8 @@ class Specialisation:
                  (True, True): " window"}[(self.has_left, self.has_right)]
         return (f"{self.cfg.kernel} {self.tiles()} D={self.cfg.head_dim_bucket} {self.dtype}{masks}"
                 + (" softcap" if self.softcap else "") + (" alibi" if self.alibi else "")
-                + (" attn_bias" if self.bias else "") + (" dropout" if self.dropout else ""))
+                + (" attn_bias" if self.bias else "") + (" dropout" if self.dropout else "")
+                + (" plain loads" if self.cfg.tensor_cores and not self.async_copy else ""))
 
 
 @dataclass(frozen=True)
@@ -174,7 +178,7 @@ def verdicts() -> dict[tuple[int, Specialisation], Verdict]:
 def candidates(cfg: FlashAttentionConfig) -> list[FlashAttentionConfig]:
     """``cfg``, then the ``FALLBACK_TILES`` configs of the same kernel and head-dim bucket that are valid for it."""
     found = [cfg]
-    for bm, bn, nt in FALLBACK_TILES:
+    for bm, bn, nt in TC_FALLBACK_TILES if cfg.tensor_cores else FALLBACK_TILES:
         cand = FlashAttentionConfig(cfg.kernel, bm, bn, nt, cfg.head_dim_bucket)
         if cand not in found and not cand.problems(STATIC_SMEM_LIMIT):
             found.append(cand)
@@ -209,14 +213,16 @@ def check(spec: Specialisation, like: dict[str, Any] | None = None, device: int 
 
 def choose(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, dtype: str,
            like: dict[str, Any] | None = None, alibi: bool = False, bias: bool = False,
-           dropout: bool = False) -> FlashAttentionConfig:
+           dropout: bool = False, async_copy: bool = True) -> FlashAttentionConfig:
     """The config to launch: ``cfg`` if it passes its check (or the check is off), else the first fallback that
-    passes; ``SelfCheckFailed`` with every failure when none does."""
+    passes; ``SelfCheckFailed`` with every failure when none does. ``async_copy``: the tensor-core kernels' copy
+    path the call takes (``launch.async_copy_ok`` of its arrays)."""
     if not enabled():
         return cfg
     failures = []
     for cand in candidates(cfg):
-        verdict = check(Specialisation(cand, has_left, has_right, softcap, dtype, alibi, bias, dropout), like)
+        verdict = check(Specialisation(cand, has_left, has_right, softcap, dtype, alibi, bias, dropout,
+                                       async_copy), like)
         if verdict.passed:
             return cand
         failures.append(verdict.reason)
@@ -238,6 +244,9 @@ def problems(cfgs: list[FlashAttentionConfig], has_left: bool, has_right: bool, 
         for cand in candidates(cfg):
             spec = Specialisation(cand, has_left, has_right, softcap, dtype, alibi, bias, dropout)
             verdict = _verdicts.get((dev, spec))
+            if verdict is None and cand.tensor_cores:   # the call's copy path is not known here: either one
+                verdict = _verdicts.get((dev, Specialisation(cand, has_left, has_right, softcap, dtype, alibi,
+                                                             bias, dropout, False)))
             if verdict is None:       # not checked yet: only what failed before it is known
                 if failures:
                     notes.append(f"{'; '.join(failures)}; {spec.tiles()} not checked yet")
@@ -305,7 +314,9 @@ def _widen(x: np.ndarray, dtype: str) -> np.ndarray:
 
 def _problem(spec: Specialisation) -> _Problem:
     cfg = spec.cfg
-    d = max(1, cfg.head_dim_bucket - 1)
+    # A head dim short of the bucket, so that the padding is exercised; the tensor-core kernels' cp.async path
+    # needs rows that start 16-byte aligned, so it gets a multiple of 8 (the plain-load path an odd one).
+    d = max(1, cfg.head_dim_bucket - (8 if cfg.tensor_cores and spec.async_copy else 1))
     sq, sk = cfg.block_m + 3, 2 * cfg.block_n + 5
     rng = np.random.default_rng(_SEED)
 
@@ -327,6 +338,17 @@ def _bias(rng: np.random.Generator, sq: int, sk: int, spec: Specialisation) -> n
         return None
     bias = rng.standard_normal((1, 2, sq, sk)).astype(np.float32)
     return np.where(rng.random(bias.shape) < 0.125, np.float32(-np.inf), bias)
+
+
+class _Strided:
+    """Stands for a call's array that is not contiguous (``_device`` then makes a strided view)."""
+
+    @staticmethod
+    def is_c_contiguous() -> bool:
+        return False
+
+
+_STRIDED = _Strided()
 
 
 def _device(host: np.ndarray, like: Any) -> Any:
@@ -432,6 +454,8 @@ def _check_forward(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str
 
     p = _problem(spec)
     store = storage_dtype(spec.dtype)
+    if spec.cfg.tensor_cores:   # contiguous rows of a multiple of 8 elements for cp.async, strided ones for loads
+        like = {} if spec.async_copy else {n: _STRIDED for n in ("q", "k", "v")}
     q, k, v = (_device(p.stored[n], like.get(n)) for n in ("q", "k", "v"))
     out = _nan_device(p.q.shape, store, like.get("out"))
     lse = _nan_device((p.q.shape[0], p.q.shape[2], p.q.shape[1]), "float32", like.get("lse"))
@@ -503,6 +527,7 @@ def _check_dq(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str], li
 
 _CHECKS: dict[str, Callable[[Specialisation, dict[str, Any]], tuple[list[str], list[str]]]] = {
     "forward": _check_forward,
+    "tc_forward": _check_forward,
     "backward_dkdv": _check_dkdv,
     "backward_dq": _check_dq,
 }

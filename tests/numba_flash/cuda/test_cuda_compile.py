@@ -33,6 +33,9 @@ def test_every_specialisation_compiles_without_spills():
     want = {(cc, dt, kern, b) for cc in COMPUTE_CAPABILITIES for dt in KERNEL_DTYPES
             for kern, buckets in [("backward_delta", [None])] + [(k, HEAD_DIM_BUCKETS) for k in KERNELS]
             for b in buckets if dtype_supported_on(dt, cc)}
+    # The tensor-core forward, both copy paths, float16 and bfloat16, from sm_80 on.
+    want |= {(cc, dt, kern, b) for cc in COMPUTE_CAPABILITIES if cc >= (8, 0) for dt in ("float16", "bfloat16")
+             for kern in ("tc_forward", "tc_forward_loads") for b in HEAD_DIM_BUCKETS}
     assert covered == want, want ^ covered
     # The T4 (7.5) through H100 (9.0), every one; bfloat16 from 8.0 on only.
     assert {r.cc for r in results} == {(7, 5), (8, 0), (8, 6), (8, 9), (9, 0)}
@@ -51,3 +54,30 @@ def test_the_split_kv_merge_kernel_compiles_to_ptx():
     ptx, _ = cuda.compile_ptx(merge_kernel().py_func, (out3, lse2, out3, lse2, out3, lse2), cc=(8, 0))
     assert ".entry" in ptx and "merge_states" in ptx
     assert ".local" not in ptx   # no local-memory arrays (spills show in SASS; this kernel holds none)
+
+
+def test_sm90_reports_one_kib_more_shared_memory_than_declared():
+    """What ``KernelResources.declared_smem`` relies on: the same PTX declaring 48 KiB of shared memory assembles
+    for every target, and the report says 49152 B except on sm_90, which says 50176 B; with none declared, 0."""
+    _needs_toolchain()
+    from numba import cuda, float32, types
+
+    from numba_flash.cuda.compile_check import KernelResources, parse_resources
+    from numba_flash.cuda.sass import link
+
+    def uses_48_kib(a):
+        s = cuda.shared.array(12288, float32)
+        s[cuda.threadIdx.x] = a[0]
+        cuda.syncthreads()
+        a[cuda.threadIdx.x] = s[cuda.threadIdx.x + 1]
+
+    def uses_none(a):
+        a[cuda.threadIdx.x] += float32(1.0)
+
+    for fn, declared in ((uses_48_kib, 49152), (uses_none, 0)):
+        ptx, _ = cuda.compile_ptx(fn, types.void(types.float32[:]), cc=(7, 5))
+        for cc in ((7, 5), (8, 0), (8, 6), (8, 9), (9, 0)):
+            smem = parse_resources(link(ptx, cc)[1])["smem"]
+            assert smem == declared + (1024 if cc == (9, 0) and declared else 0), (fn.__name__, cc, smem)
+            res = KernelResources("probe", cc, "float32", None, 16, 0, 0, 0, 0, smem, 0)
+            assert res.declared_smem == declared
