@@ -510,8 +510,8 @@ class CudaBackend(Backend):
             import torch
 
             with torch.no_grad():
-                plain = [None if x is None else _torch_bits(x.detach()) for x in
-                         (kv.q, kv.k_cache, kv.v_cache, kv.k_new, kv.v_new)]
+                # bfloat16 as bfloat16, not as its int16 bits: rotary computes with the values.
+                plain = [None if x is None else x.detach() for x in (kv.q, kv.k_cache, kv.v_cache, kv.k_new, kv.v_new)]
                 return kvcache.rotate_and_append_torch(kv, *plain)
         q_rot = kvcache.rotate_and_append_host(kv, np.float32)
         if _is_torch(kv.q):
