@@ -405,13 +405,17 @@ class CudaBackend(Backend):
         from numba_flash.cuda.launch import configs_for, tensor_core_reason
 
         flags = (call.window_left >= 0, call.window_right >= 0, call.softcap > 0)
+        kernels = ("forward", "backward_dkdv", "backward_dq")
         try:
-            forward = "forward" if tensor_core_reason(call.dtype, call.head_dim, bool(call.dropout_p), self.config,
-                                                      cc=_gpu_compute_capability(call.q)) else "tc_forward"
-            cfgs = configs_for(call.head_dim, call.dtype, self.config, (forward, "backward_dkdv", "backward_dq"))
+            if call.kvcache is not None:
+                kernels = ("decode",)
+            elif not tensor_core_reason(call.dtype, call.head_dim, bool(call.dropout_p), self.config,
+                                        cc=_gpu_compute_capability(call.q)):
+                kernels = ("tc_forward", "backward_dkdv", "backward_dq")
+            cfgs = configs_for(call.head_dim, call.dtype, self.config, kernels)
         except AttentionInputError:       # a bad tile override: the call itself will say so
             return [], []
-        used = ("backward_dkdv", "backward_dq") if call.is_backward else (forward,)
+        used = ("backward_dkdv", "backward_dq") if call.is_backward else kernels[:1]
         index = _device_index(call.q)
         device = selfcheck.current_device() if index is None else index
         notes, reasons = [], []
@@ -482,57 +486,61 @@ class CudaBackend(Backend):
         return result
 
     def with_kvcache(self, call: AttentionCall) -> tuple[Any, Any]:
-        """Rotary and the append through the caller's tensors (torch on their GPU, numpy on the host), then the
-        forward kernel per sequence on its keys (views of a torch cache, copies of a host one). Key splits run as
-        separate launches whose float32 parts are merged on the GPU (``numba_flash.cuda.merge``), and only for
-        float32: a float16/bfloat16 part would be rounded before the merge. One launch over (sequence, split) is the
-        next step."""
+        """Rotary and the append through the caller's tensors (torch on their GPU, numpy on the host), then one
+        launch of the decode kernel over (sequence, kv head, split), reading the cache in place (paged or not; a
+        host cache is copied to the GPU whole, once), and one launch of the merge of the splits
+        (``numba_flash.cuda.decode``). Splits are float32 partials, so every dtype splits."""
+        from numba_flash.cuda.launch import alibi_arg, decode_config, flash_decode
+
         kv = call.kvcache
+        left, right = kv.window_for(max(1, int(kv.seqlens_k.max())))   # capped: the same mask for every sequence
+        io = _Session(call)
+        with io.on_device():
+            def device_caches() -> dict[str, Any]:
+                return {name: io.device(x, name) for name, x in (("k_cache", kv.k_cache), ("v_cache", kv.v_cache))}
+
+            # A GPU cache is viewed in place; a host one is copied after the append, below.
+            caches = None if io.host else device_caches()
+            # Chosen (and self-checked on a GPU's first use) before the append: a refusal leaves the cache as it was.
+            cfg = decode_config(kv.head_dim, kv.dtype, window_left=left, window_right=right, softcap=kv.softcap,
+                                alibi=kv.alibi is not None, override=self.config, like=caches)
+            q_rot = self._rotate_and_append(kv)
+            caches = caches or device_caches()
+            q = io.device(q_rot, "q")
+            out_user, out = io.empty(tuple(int(s) for s in kv.q.shape), kv.dtype)
+            lse_user, lse = io.empty((kv.batch, kv.nheads_q, kv.seqlen_q), "float32")
+            splits = max(1, min(kvcache.choose_num_splits(kv, self._multiprocessors()), int(kv.seqlens_k.max())))
+            _, part_out = io.empty((splits, kv.batch, kv.nheads_q, kv.seqlen_q, kv.head_dim), "float32")
+            _, part_lse = io.empty((splits, kv.batch, kv.nheads_q, kv.seqlen_q), "float32")
+            rows = kv.cache_rows if kv.cache_rows is not None else np.zeros(kv.batch, np.int64)
+            seqinfo = np.stack([rows, kv.key_start, kv.key_end], axis=1).astype(np.int32)
+            table = kv.block_table if kv.paged else np.zeros((1, 1), np.int64)
+            flash_decode(cfg, q, caches["k_cache"], caches["v_cache"],
+                         io.cuda.to_device(seqinfo, stream=io.stream),
+                         io.cuda.to_device(np.ascontiguousarray(table, np.int32), stream=io.stream), out, lse,
+                         part_out, part_lse, page_size=kv.page_size, softmax_scale=kv.softmax_scale,
+                         window_left=left, window_right=right, softcap=kv.softcap, dtype=kv.dtype,
+                         alibi=alibi_arg(kv.alibi, io.stream), stream=io.stream)
+            result = io.result(out_user, out), io.result(lse_user, lse)
+            io.finish()
+        return result
+
+    @staticmethod
+    def _rotate_and_append(kv: Any) -> Any:
+        """Rotary on q and the new keys and the append, through the caller's arrays; q rotated, in q's kind."""
         if kv.kind == "torch" and kv.device != "cpu":
             import torch
 
             with torch.no_grad():
-                plain = [None if x is None else _torch_bits(x.detach()) for x in
-                         (kv.q, kv.k_cache, kv.v_cache, kv.k_new, kv.v_new)]
-                q_rot = kvcache.rotate_and_append_torch(kv, *plain)
-        else:
-            q_rot = kvcache.rotate_and_append_host(kv, np.float32)
-            if _is_torch(kv.q):
-                import torch
+                # bfloat16 as bfloat16, not as its int16 bits: rotary computes with the values.
+                plain = [None if x is None else x.detach() for x in (kv.q, kv.k_cache, kv.v_cache, kv.k_new, kv.v_new)]
+                return kvcache.rotate_and_append_torch(kv, *plain)
+        q_rot = kvcache.rotate_and_append_host(kv, np.float32)
+        if _is_torch(kv.q):
+            import torch
 
-                q_rot = torch.from_numpy(q_rot).to(kv.q.dtype)
-            else:
-                q_rot = q_rot.astype(kv.dtype)
-        gather = lambda c, blocks: c[blocks].reshape(-1, *c.shape[2:])  # noqa: E731  (numpy or torch)
-        io = _Session(call)
-        with io.on_device():
-            q = io.device(q_rot, "q")
-            out_user, out = io.empty(tuple(int(s) for s in kv.q.shape), kv.dtype)
-            lse_user, lse = io.empty((kv.batch, kv.nheads_q, kv.seqlen_q), "float32")
-            run = self._forward_runner(io)
-
-            def keys(b: int) -> tuple[Any, Any]:
-                return tuple(io.device(kvcache.keys_of(kv, cache, b, gather), name)
-                             for cache, name in ((kv.k_cache, "k"), (kv.v_cache, "v")))
-
-            def merge(*parts: Any) -> tuple[Any, Any]:
-                from numba_flash.cuda.merge import merge_states_device
-
-                return merge_states_device(*parts, stream=io.stream)
-
-            def store(out_b: Any, lse_b: Any, o: Any, l: Any) -> None:
-                out_b.copy_to_device(o, stream=io.stream)   # device to device
-                lse_b.copy_to_device(l, stream=io.stream)
-
-            splits = 1
-            if kv.dtype == "float32":
-                splits = kvcache.choose_num_splits(kv, self._multiprocessors())
-            kvcache.forward(kv, run, q, out, lse, splits, keys=keys, lead_axis=_lead_axis, fill=io.fill,
-                            empty_like=lambda x: io.cuda.device_array(x.shape, x.dtype, stream=io.stream),
-                            merge=merge, store=store)
-            result = io.result(out_user, out), io.result(lse_user, lse)
-            io.finish()
-        return result
+            return torch.from_numpy(q_rot).to(kv.q.dtype)
+        return q_rot.astype(kv.dtype)
 
     def _multiprocessors(self) -> int:
         """SMs of the current GPU (the parallelism split-KV fills); 1 under the simulator."""

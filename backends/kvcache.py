@@ -5,7 +5,8 @@ sequence's cached keys runs the backend's dense forward on views of the cache, s
 
 A backend calls ``prepare`` (rotary on q and the new keys, computed in its compute dtype), then ``append`` (the only
 write to a caller's array), then ``forward`` with its dense ``run`` function, as ``backends.varlen`` does for packed
-sequences. A backend with a kernel of its own for the attention (the CPU's decode kernel) calls only the first two.
+sequences. A backend with a kernel of its own for the attention (the CPU's and the CUDA backend's decode kernels)
+calls only the first two; the torch path (rocm) is the one that runs ``forward``.
 
 The split arithmetic: the keys ``[a, e)`` of a sequence with ``Sk`` keys form a dense call with ``Sk' = e - a``
 keys; it keeps every row's visible keys exactly when the right bound grows by ``Sk - e`` (a causal block sees more

@@ -21,6 +21,10 @@ from .gpus import Occupancy, gpu_spec, occupancy
 
 #: Threads per block of the delta pre-pass (launch.py launches it with this many).
 DELTA_THREADS = 128
+#: Kernels without a tile config, one specialisation per dtype, and their threads per block: the delta pre-pass of
+#: the backward and the merge of decoding's splits (``decode.MERGE_THREADS``, repeated here so that importing this
+#: module imports no numba.cuda).
+UNTILED_THREADS = {"backward_delta": DELTA_THREADS, "decode_merge": 64}
 #: The tensor-core forward kernel's two tile-copy paths, compiled as separate rows: cp.async, and plain loads for
 #: inputs cp.async cannot read (launch.async_copy_ok).
 TC_COPY_PATHS: dict[str, bool] = {"tc_forward": True, "tc_forward_loads": False}
@@ -42,7 +46,7 @@ class KernelResources:
 
     @property
     def threads(self) -> int:
-        return self.config.threads if self.config else DELTA_THREADS
+        return self.config.threads if self.config else UNTILED_THREADS[self.kernel]
 
     @property
     def declared_smem(self) -> int:
@@ -79,12 +83,23 @@ class KernelResources:
 def kernel_signature(kernel: str, dtype: str) -> Any:
     """The numba signature the backend launches ``kernel`` with: any-stride arrays ('A' layout, which also covers
     contiguous inputs) of the dtype's storage type (int16 for bfloat16), int64 sizes, float32 multipliers, and last
-    the (B, Hq) float32 ALiBi slopes, the 4-dimensional float32 attn_bias and dropout's scalars."""
+    the (B, Hq) float32 ALiBi slopes, the 4-dimensional float32 attn_bias and dropout's scalars (decoding: the
+    slopes only; its int32 sequence table and block table, and its float32 partials, come from the backend
+    C-contiguous)."""
     from numba import types
 
     x = types.Array(getattr(types, storage_dtype(dtype)), 4, "A")
     rows = types.Array(types.float32, 3, "A")
     slopes = types.Array(types.float32, 2, "A")
+    if kernel in ("decode", "decode_merge"):
+        ints = types.Array(types.int32, 2, "C")
+        part_out, part_lse = types.Array(types.float32, 5, "C"), types.Array(types.float32, 4, "C")
+        if kernel == "decode_merge":
+            return types.void(part_out, part_lse, x, rows)
+        i64, f32 = types.int64, types.float32
+        # The slopes: a (B, Hq) view of part_lse[0] without ALiBi, hence 'A'.
+        return types.void(x, x, x, ints, ints, part_out, part_lse, i64, i64, i64, i64, i64, i64, i64, f32, f32,
+                          slopes)
     bias = types.Array(types.float32, 4, "A")
     u64 = types.uint64
     i64, f32 = types.int64, types.float32
@@ -106,9 +121,11 @@ def kernel_signature(kernel: str, dtype: str) -> Any:
 def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
                   flags: tuple[bool, ...] = (True,) * 6) -> Any:
     """The Python function of one kernel specialisation; ``flags`` are (has_left, has_right, softcap[, alibi[,
-    attn_bias[, dropout]]]), those left out off. The compile check builds every flag on: the variant with the most live
-    values, so the worst case for registers."""
+    attn_bias[, dropout]]]), those left out off (the decode kernel has no attn_bias or dropout: it takes the first
+    four). The compile check builds every flag on: the variant with the most live values, so the worst case for
+    registers."""
     from .backward import make_delta_kernel, make_dkdv_kernel, make_dq_kernel
+    from .decode import make_decode_kernel, make_split_merge_kernel
     from .forward import make_forward_kernel
     from .tc_forward import make_tc_forward_kernel
 
@@ -117,6 +134,10 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
                                       async_copy=TC_COPY_PATHS[kernel]).py_func
     if kernel == "backward_delta":
         return make_delta_kernel(dtype == "bfloat16").py_func
+    if kernel == "decode_merge":
+        return make_split_merge_kernel(dtype == "bfloat16").py_func
+    if kernel == "decode":
+        return make_decode_kernel(cfg, *flags[:3], dtype == "bfloat16", *flags[3:4]).py_func
     factory = {"forward": make_forward_kernel, "backward_dkdv": make_dkdv_kernel, "backward_dq": make_dq_kernel}
     return factory[kernel](cfg, *flags[:3], dtype == "bfloat16", *flags[3:]).py_func
 
@@ -179,7 +200,8 @@ def toolchain_ccs() -> tuple[tuple[int, int], ...]:
 
 
 def check_all(progress: Any = None, ccs: tuple[tuple[int, int], ...] | None = None) -> list[KernelResources]:
-    """Every (compute capability, dtype, tile config) the picker produces, plus the delta pre-pass; bfloat16 only
+    """Every (compute capability, dtype, tile config) the picker produces, plus the kernels without a tile config
+    (the backward's delta pre-pass, decoding's split merge); bfloat16 only
     for compute capabilities it is offered on (``config.MIN_COMPUTE_CAPABILITY``). ``ccs`` narrows the targets
     (default: ``config.COMPUTE_CAPABILITIES``); one the toolchain cannot build for raises ValueError saying why.
 
@@ -199,6 +221,8 @@ def check_all(progress: Any = None, ccs: tuple[tuple[int, int], ...] | None = No
         targets.setdefault((cfg.kernel, dtype, cfg), []).append(cc)
     for cc in sorted({cc for cc, _, _ in configs}):
         for dtype in sorted({dt for c, dt, _ in configs if c == cc}):
+            for kernel in UNTILED_THREADS:
+                targets.setdefault((kernel, dtype, None), []).append(cc)
             targets.setdefault(("backward_delta", dtype, None), []).append(cc)
     for cc, dtype, cfg in tensor_core_configs(ccs):
         for kernel in TC_COPY_PATHS:
@@ -231,7 +255,7 @@ def format_table(results: list[KernelResources]) -> str:
     lines = [head, "-" * len(head)]
     for r in results:
         cfg = r.config
-        tiles = f"{cfg.block_m} x {cfg.block_n} / {cfg.threads}" if cfg else f"1 row / {DELTA_THREADS} thr"
+        tiles = f"{cfg.block_m} x {cfg.block_n} / {cfg.threads}" if cfg else f"1 row / {r.threads} thr"
         bucket = str(cfg.head_dim_bucket) if cfg else "any"
         lines.append(f"{r.kernel:<15}{r.cc[0]}.{r.cc[1]:<3} {bucket:>4} {r.dtype:<9}{tiles:<20}{r.registers:>5}"
                      f"{r.spill_stores + r.spill_loads:>7}{r.smem:>7}{r.occupancy.blocks_per_sm:>10}  "

@@ -27,8 +27,9 @@ from numba_flash.errors import AttentionInputError
 
 #: Head dims are padded up to one of these (a compile-time constant of each kernel).
 HEAD_DIM_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256)
-#: Kernels with a tile config. The delta pre-pass of the backward has none (one thread per row).
-KERNELS: tuple[str, ...] = ("forward", "backward_dkdv", "backward_dq")
+#: Kernels with a tile config. The delta pre-pass of the backward and the split merge of decoding have none (a
+#: fixed number of threads per row).
+KERNELS: tuple[str, ...] = ("forward", "backward_dkdv", "backward_dq", "decode")
 #: The tensor-core kernels (mma.sync, float16 and bfloat16 on compute capability >= 8.0; see tc_forward.py): one warp
 #: owns 16 query rows, threads = 32 * block_m / 16, and tiles stay 16-bit in shared memory.
 TC_KERNELS: tuple[str, ...] = ("tc_forward",)
@@ -70,6 +71,10 @@ _PREFERRED: dict[str, dict[int, tuple[int, int, int]]] = {
                       256: (8, 16, 128)},
     "backward_dq": {16: (64, 64, 128), 32: (64, 64, 128), 64: (32, 64, 128), 128: (32, 16, 128),
                     256: (16, 8, 128)},
+    # Decoding (decode.py): block_m is query rows of one kv head's group (Hq / Hkv heads x Sq rows, 1 to 8 in a
+    # typical decoding step), so it stays small; block_n keys of K or V in one shared buffer, as long as 48 KiB
+    # allows, so that each barrier-separated step of the tile loop moves a good piece of the cache.
+    "decode": {16: (16, 64, 128), 32: (16, 64, 128), 64: (16, 64, 128), 128: (16, 32, 128), 256: (8, 16, 128)},
     # Tensor cores: 4 warps of 16 query rows, 16-bit tiles, Q sharing V's buffer until its fragments are in
     # registers (D <= 128). Key tiles of 64, of 32 at D = 128 (64 left the warp 16 registers short: spills). At
     # D = 256, Q's fragments would take 64 registers next to 128 accumulators, so Q stays in shared memory beside
@@ -139,7 +144,8 @@ def thread_grid(rows: int, cols: int, threads: int) -> tuple[int, int] | None:
 class FlashAttentionConfig:
     """Tile sizes of one kernel. All sizes are compile-time constants of the kernel built from this config.
 
-    kernel: 'forward' (one block per query tile), 'backward_dkdv' (one block per key tile), 'backward_dq'.
+    kernel: 'forward' (one block per query tile), 'backward_dkdv' (one block per key tile), 'backward_dq',
+    'decode' (one block per batch, kv head, split of the keys and tile of the group's query rows).
     block_m: query rows per tile; block_n: key rows per tile; threads: threads per block;
     head_dim_bucket: the head dim the kernel is compiled for (inputs with a smaller D are zero-padded in smem).
     """
@@ -191,6 +197,8 @@ class FlashAttentionConfig:
             return 2 * bn * ld + bm * ld + 2 * bm * ldp + 2 * bm
         if self.kernel == "backward_dq":  # Q and dO tiles, one K-then-V-then-K tile, dS
             return 2 * bm * ld + bn * ld + bm * ldp
+        if self.kernel == "decode":  # Q, accumulator, one K-then-V tile, P, a word per thread, 4 per row, 2 per key
+            return bm * ld + bm * db + bn * ld + bm * ldp + self.threads + 4 * bm + 2 * bn
         raise ValueError(f"unknown kernel {self.kernel!r}")
 
     def smem_bytes(self) -> int:
@@ -200,6 +208,8 @@ class FlashAttentionConfig:
         """float32 accumulators each thread keeps in registers across the whole loop."""
         if self.kernel == "backward_dkdv" or self.tensor_cores and "dkdv" in self.kernel:
             return 2 * self.block_n * self.head_dim_bucket // self.threads
+        if self.kernel == "decode":   # its accumulators live in shared memory (decode.py says why)
+            return 0
         return self.block_m * self.head_dim_bucket // self.threads
 
     def problems(self, smem_limit: int = STATIC_SMEM_LIMIT) -> list[str]:
@@ -221,6 +231,15 @@ class FlashAttentionConfig:
                            f"{32 * max(1, self.block_m // 16)} threads, got {self.threads}")
             if self.block_n < 16:
                 why.append(f"block_n must be at least 16 (one mma k-step of keys), got {self.block_n}")
+            return why
+        if self.kernel == "decode":
+            # Each query row's softmax is shared by threads // block_m threads; the products are strided loops
+            # that need no grid.
+            if self.threads < self.block_m:
+                why.append(f"threads must be at least block_m ({self.block_m}) for the decode kernel, got "
+                           f"{self.threads}")
+            if self.block_n < 4:   # its products run in steps of 4 keys
+                why.append(f"block_n must be at least 4 for the decode kernel, got {self.block_n}")
             return why
         grids = [("block_m x block_n", self.score_grid)]
         if self.kernel == "backward_dkdv":

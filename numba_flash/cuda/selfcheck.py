@@ -6,17 +6,18 @@ runs the real compiler's machine code on real hardware. A miscompile, a driver b
 expose would otherwise give wrong numbers silently; the contract wants a refusal with a reason instead.
 
 What is checked: a specialisation is what the kernel factories are keyed on, the kernel (``forward``,
-``backward_dkdv``, ``backward_dq``) x tile config x mask, softcap, ALiBi and attn_bias flags x dtype, and it is
-checked once per GPU (one that passes on one architecture may fail on another). The input is random N(0, 1) data
-from a fixed seed (so that a verdict never depends on luck), with odd sizes that make every tile edge ragged: B = 1,
-Hq = 2, Hkv = 1 (GQA), D = head-dim bucket - 1, Sq = block_m + 3 (two query tiles), Sk = 2 * block_n + 5 (three key
-tiles); causal when the specialisation has a right bound, a left window that crosses a key-tile edge when it has a
-left bound, softcap 1.5 when it has softcap, slopes drawn from U(0.05, 0.5) when it has ALiBi, an N(0, 1) bias with
-one entry in 8 -inf when it has attn_bias. Outputs start as NaN, so an element the kernel never writes shows up. The
-backward kernels get ``out`` and ``lse`` from the reference, so each kernel is judged on its own. Bounds (the
-contract's): forward float32 out and every dtype's lse, max abs error <= max(1e-5, 4x the error of textbook float32
-attention on the same input); float16 / bfloat16 out and gradients, relative L2 <= 2e-3 / 1.6e-2; float32 gradients,
-relative L2 <= 1e-5. An exception while compiling or running the check counts as a failure.
+``backward_dkdv``, ``backward_dq``; ``decode`` has a problem of its own, decode_check.py's) x tile config x mask,
+softcap, ALiBi and attn_bias flags x dtype, and it is checked once per GPU (one that passes on one architecture may
+fail on another). The input is random N(0, 1) data from a fixed seed (so that a verdict never depends on luck), with
+odd sizes that make every tile edge ragged: B = 1, Hq = 2, Hkv = 1 (GQA), D = head-dim bucket - 1, Sq = block_m + 3
+(two query tiles), Sk = 2 * block_n + 5 (three key tiles); causal when the specialisation has a right bound, a left
+window that crosses a key-tile edge when it has a left bound, softcap 1.5 when it has softcap, slopes drawn from
+U(0.05, 0.5) when it has ALiBi, an N(0, 1) bias with one entry in 8 -inf when it has attn_bias. Outputs start as
+NaN, so an element the kernel never writes shows up. The backward kernels get ``out`` and ``lse`` from the
+reference, so each kernel is judged on its own. Bounds (the contract's): forward float32 out and every dtype's lse,
+max abs error <= max(1e-5, 4x the error of textbook float32 attention on the same input); float16 / bfloat16 out and
+gradients, relative L2 <= 2e-3 / 1.6e-2; float32 gradients, relative L2 <= 1e-5. An exception while compiling or
+running the check counts as a failure.
 
 Cost: the check launches the kernel with arrays of the same numba types (dtype and contiguity) as the call that
 triggers it, so it compiles nothing the call would not compile anyway. What it adds, once per specialisation, GPU
@@ -525,9 +526,16 @@ def _check_dq(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str], li
     return _judge([("dq", "relative L2 error", _rel_l2(got, ref_dq), _grad_bound(spec.dtype))])
 
 
+def _check_decode(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str], list[str]]:
+    from .decode_check import check_decode   # a decoding problem of its own: see decode_check.py
+
+    return check_decode(spec, like)
+
+
 _CHECKS: dict[str, Callable[[Specialisation, dict[str, Any]], tuple[list[str], list[str]]]] = {
     "forward": _check_forward,
     "tc_forward": _check_forward,
     "backward_dkdv": _check_dkdv,
     "backward_dq": _check_dq,
+    "decode": _check_decode,
 }

@@ -203,3 +203,26 @@ def test_bfloat16_torch_tensors_forward_backward(rng):
 def _rel_l2(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_rotary_of_bfloat16_gpu_tensors_rotates_values_not_bits(rng):
+    # The torch-on-GPU branch of with_kvcache's rotary and append, run here on CPU tensors (torch computes the same
+    # on either), against the host branch on copies: it once rotated bfloat16 tensors viewed as their int16 bits.
+    torch = pytest.importorskip("torch")
+    from kvcache_cases import as_torch, random_case
+
+    from numba_flash.kvcache import validate_kvcache
+
+    args = random_case(rng, batch=2, sq=2, hq=2, hkv=1, d=8, capacity=11, s_new=2, paged=True, page=4)
+
+    def bf16_call():
+        tensors = {n: (t.bfloat16() if t.dtype.is_floating_point else t) for n, t in as_torch(args).items()}
+        return validate_kvcache(**{n: t.clone() for n, t in tensors.items()}, causal=True)
+
+    gpu, host = replace(bf16_call(), device="cuda"), bf16_call()
+    q_gpu, q_host = CudaBackend._rotate_and_append(gpu), CudaBackend._rotate_and_append(host)
+    assert q_gpu.dtype == torch.bfloat16
+    np.testing.assert_allclose(q_gpu.float().numpy(), q_host.float().numpy(), rtol=1.6e-2, atol=1.6e-2)
+    for name in ("k_cache", "v_cache"):
+        np.testing.assert_allclose(getattr(gpu, name).float().numpy(), getattr(host, name).float().numpy(),
+                                   rtol=1.6e-2, atol=1.6e-2)

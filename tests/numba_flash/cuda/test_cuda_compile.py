@@ -1,9 +1,10 @@
-"""Compile every CUDA kernel specialisation with the real compiler (numba-cuda -> PTX -> nvJitLink SASS) for
-sm_75, sm_80, sm_86, sm_89 and sm_90, print the resource table, and fail on spills, local memory, > 48 KiB
-static shared memory, float64 arithmetic, or a block that does not fit an SM of that GPU. Head dims are bucketed (16/32/64/128/256), so the table covers every D from 1 to 256; each
-kernel is compiled with both window bounds and softcap on, its most register-hungry variant, for float32, float16
-and bfloat16 (int16 bit arrays). PTX does not depend on the target, so each specialisation is lowered once and
-assembled for each target.
+"""Compile every CUDA kernel specialisation with the real compiler (numba-cuda -> PTX -> nvJitLink SASS) for sm_75,
+sm_80, sm_86, sm_89 and sm_90, print the resource table, and fail on spills, local memory, > 48 KiB static shared
+memory, float64 arithmetic, or a block that does not fit an SM of that GPU. The kernels are the forward, the
+backward's three and decoding's two (the split-KV decode kernel and the merge of its splits). Head dims are
+bucketed (16/32/64/128/256), so the table covers every D from 1 to 256; each kernel is compiled with both window
+bounds and softcap on, its most register-hungry variant, for float32, float16 and bfloat16 (int16 bit arrays). PTX
+does not depend on the target, so each specialisation is lowered once and assembled for each target.
 Run: .venv/bin/python -m pytest -q -s -m ptx tests/numba_flash/cuda/test_cuda_compile.py"""
 
 import pytest
@@ -28,10 +29,13 @@ def test_every_specialisation_compiles_without_spills():
     bad = [(r.kernel, r.cc, r.dtype, r.config, r.problems()) for r in results if r.problems()]
     assert not bad, bad
     assert all(r.registers > 0 for r in results)   # the log was parsed
-    # Every kernel, head-dim bucket and dtype, bfloat16 included, on both targets.
+    # Every kernel (the decode kernel and its split merge included), head-dim bucket and dtype, bfloat16 included,
+    # on every target.
+    assert {"decode", "decode_merge"} <= {r.kernel for r in results}
     covered = {(r.cc, r.dtype, r.kernel, r.config.head_dim_bucket if r.config else None) for r in results}
     want = {(cc, dt, kern, b) for cc in COMPUTE_CAPABILITIES for dt in KERNEL_DTYPES
-            for kern, buckets in [("backward_delta", [None])] + [(k, HEAD_DIM_BUCKETS) for k in KERNELS]
+            for kern, buckets in [("backward_delta", [None]), ("decode_merge", [None])]
+            + [(k, HEAD_DIM_BUCKETS) for k in KERNELS]
             for b in buckets if dtype_supported_on(dt, cc)}
     # The tensor-core forward, both copy paths, float16 and bfloat16, from sm_80 on.
     want |= {(cc, dt, kern, b) for cc in COMPUTE_CAPABILITIES if cc >= (8, 0) for dt in ("float16", "bfloat16")
