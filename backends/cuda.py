@@ -409,13 +409,16 @@ class CudaBackend(Backend):
         try:
             if call.kvcache is not None:
                 kernels = ("decode",)
-            elif not tensor_core_reason(call.dtype, call.head_dim, bool(call.dropout_p), self.config,
-                                        cc=_gpu_compute_capability(call.q)):
-                kernels = ("tc_forward", "backward_dkdv", "backward_dq")
+            else:
+                cc, dropout = _gpu_compute_capability(call.q), bool(call.dropout_p)
+                if not tensor_core_reason(call.dtype, call.head_dim, dropout, self.config, cc=cc):
+                    kernels = ("tc_forward",) + kernels[1:]
+                if not tensor_core_reason(call.dtype, call.head_dim, dropout, self.config, cc=cc, backward=True):
+                    kernels = kernels[:1] + ("tc_backward_dkdv", "tc_backward_dq")
             cfgs = configs_for(call.head_dim, call.dtype, self.config, kernels)
         except AttentionInputError:       # a bad tile override: the call itself will say so
             return [], []
-        used = ("backward_dkdv", "backward_dq") if call.is_backward else kernels[:1]
+        used = kernels[1:] if call.is_backward else kernels[:1]
         index = _device_index(call.q)
         device = selfcheck.current_device() if index is None else index
         notes, reasons = [], []
@@ -434,22 +437,25 @@ class CudaBackend(Backend):
         return self._kernels_note(call) + self._selfcheck_problems(call)[0]
 
     def _kernels_note(self, call: AttentionCall) -> list[str]:
-        """For float16 and bfloat16, which kernels run: float32 calls always run on the SIMT kernels."""
+        """For float16 and bfloat16, which kernels run the call, and its backward (explain() describes forward
+        calls, which a training step's backward follows): float32 calls always run on the SIMT kernels."""
         from numba_flash.cuda.config import TC_DTYPES
         from numba_flash.cuda.launch import tensor_core_reason
 
-        if call.dtype not in TC_DTYPES:
+        if call.dtype not in TC_DTYPES or call.kvcache is not None:
             return []
-        if call.is_backward:
-            return ["SIMT kernels (float32 math: the backward has no tensor-core kernels yet)"]
+        args = (call.dtype, call.head_dim, bool(call.dropout_p), self.config)
+        cc = _gpu_compute_capability(call.q)
         try:
-            why = tensor_core_reason(call.dtype, call.head_dim, bool(call.dropout_p), self.config,
-                                     cc=_gpu_compute_capability(call.q))
+            why = tensor_core_reason(*args, cc=cc, backward=call.is_backward)
+            why_backward = why if call.is_backward else tensor_core_reason(*args, cc=cc, backward=True)
         except AttentionInputError as exc:
             return [str(exc)]
-        if why is None:
-            return [f"tensor-core kernels (mma.sync, {call.dtype})"]
-        return [f"SIMT kernels: {why}"]
+        if why is not None:
+            return [f"SIMT kernels: {why}"]
+        if why_backward is not None:
+            return [f"tensor-core kernels (mma.sync, {call.dtype}); the backward on the SIMT kernels: {why_backward}"]
+        return [f"tensor-core kernels (mma.sync, {call.dtype}), forward and backward"]
 
     def forward(self, call: AttentionCall) -> tuple[Any, Any]:
         """out like q (same kind, dtype, layout); lse (B, Hq, Sq) float32."""

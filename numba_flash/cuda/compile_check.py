@@ -27,7 +27,9 @@ DELTA_THREADS = 128
 UNTILED_THREADS = {"backward_delta": DELTA_THREADS, "decode_merge": 64}
 #: The tensor-core forward kernel's two tile-copy paths, compiled as separate rows: cp.async, and plain loads for
 #: inputs cp.async cannot read (launch.async_copy_ok).
-TC_COPY_PATHS: dict[str, bool] = {"tc_forward": True, "tc_forward_loads": False}
+TC_COPY_PATHS: dict[str, bool] = {"tc_forward": True, "tc_forward_loads": False,
+                                  "tc_backward_dkdv": True, "tc_backward_dkdv_loads": False,
+                                  "tc_backward_dq": True, "tc_backward_dq_loads": False}
 
 
 @dataclass(frozen=True)
@@ -104,8 +106,14 @@ def kernel_signature(kernel: str, dtype: str) -> Any:
     u64 = types.uint64
     i64, f32 = types.int64, types.float32
     variants = (slopes, bias, u64, u64, u64, f32, i64)   # ALiBi, attn_bias, dropout's five scalars
-    if kernel in TC_COPY_PATHS:   # the forward's arguments, with the data as uint16 bit patterns
+    if kernel in TC_COPY_PATHS:   # the SIMT kernel's arguments, with the data as uint16 bit patterns
         bits = types.Array(types.uint16, 4, "A")
+        if kernel.startswith("tc_backward_dkdv"):
+            return types.void(bits, bits, bits, bits, rows, rows, bits, bits, i64, i64, i64, i64, i64, i64, f32,
+                              f32, f32, *variants)
+        if kernel.startswith("tc_backward_dq"):
+            return types.void(bits, bits, bits, bits, rows, rows, bits, i64, i64, i64, i64, i64, i64, f32, f32, f32,
+                              *variants)
         return types.void(bits, bits, bits, bits, rows, i64, i64, i64, i64, i64, i64, f32, f32, *variants)
     if kernel == "forward":
         return types.void(x, x, x, x, rows, i64, i64, i64, i64, i64, i64, f32, f32, *variants)
@@ -129,9 +137,13 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
     from .forward import make_forward_kernel
     from .tc_forward import make_tc_forward_kernel
 
-    if kernel in TC_COPY_PATHS:   # no dropout in the tensor-core kernel
-        return make_tc_forward_kernel(cfg, *flags[:3], dtype == "bfloat16", *flags[3:5],
-                                      async_copy=TC_COPY_PATHS[kernel]).py_func
+    if kernel in TC_COPY_PATHS:   # no dropout in the tensor-core kernels
+        from .tc_dkdv import make_tc_dkdv_kernel
+        from .tc_dq import make_tc_dq_kernel
+
+        factory = {"tc_forward": make_tc_forward_kernel, "tc_backward_dkdv": make_tc_dkdv_kernel,
+                   "tc_backward_dq": make_tc_dq_kernel}[cfg.kernel]
+        return factory(cfg, *flags[:3], dtype == "bfloat16", *flags[3:5], async_copy=TC_COPY_PATHS[kernel]).py_func
     if kernel == "backward_delta":
         return make_delta_kernel(dtype == "bfloat16").py_func
     if kernel == "decode_merge":
@@ -226,7 +238,8 @@ def check_all(progress: Any = None, ccs: tuple[tuple[int, int], ...] | None = No
             targets.setdefault(("backward_delta", dtype, None), []).append(cc)
     for cc, dtype, cfg in tensor_core_configs(ccs):
         for kernel in TC_COPY_PATHS:
-            targets.setdefault((kernel, dtype, cfg), []).append(cc)
+            if kernel.startswith(cfg.kernel):
+                targets.setdefault((kernel, dtype, cfg), []).append(cc)
     results = []
     for (kernel, dtype, cfg), target_ccs in targets.items():
         target_ccs = sorted(target_ccs)
@@ -240,13 +253,15 @@ def check_all(progress: Any = None, ccs: tuple[tuple[int, int], ...] | None = No
 
 def tensor_core_configs(ccs: tuple[tuple[int, int], ...] = COMPUTE_CAPABILITIES,
                         ) -> list[tuple[tuple[int, int], str, FlashAttentionConfig]]:
-    """Every (compute capability, dtype, config) of the tensor-core forward kernel the picker makes: float16 and
-    bfloat16 from compute capability 8.0 on, one config per head-dim bucket."""
-    from .config import HEAD_DIM_BUCKETS
+    """Every (compute capability, dtype, config) of the tensor-core kernels the picker makes: float16 and bfloat16
+    from compute capability 8.0 on, one config per head-dim bucket (the backward's up to
+    ``TC_BACKWARD_MAX_HEAD_DIM``)."""
+    from .config import HEAD_DIM_BUCKETS, TC_BACKWARD_MAX_HEAD_DIM, TC_KERNELS
 
-    return [(cc, dtype, tile_config_for(bucket, dtype, cc, kernel="tc_forward", override=TileOverride()))
-            for cc in ccs if tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY for dtype in TC_DTYPES
-            for bucket in HEAD_DIM_BUCKETS if head_dim_bucket(bucket) == bucket]
+    return [(cc, dtype, tile_config_for(bucket, dtype, cc, kernel=kernel, override=TileOverride()))
+            for cc in ccs if tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY for dtype in TC_DTYPES for kernel in TC_KERNELS
+            for bucket in HEAD_DIM_BUCKETS
+            if head_dim_bucket(bucket) == bucket and (kernel == "tc_forward" or bucket <= TC_BACKWARD_MAX_HEAD_DIM)]
 
 
 def format_table(results: list[KernelResources]) -> str:

@@ -32,7 +32,10 @@ HEAD_DIM_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256)
 KERNELS: tuple[str, ...] = ("forward", "backward_dkdv", "backward_dq", "decode")
 #: The tensor-core kernels (mma.sync, float16 and bfloat16 on compute capability >= 8.0; see tc_forward.py): one warp
 #: owns 16 query rows, threads = 32 * block_m / 16, and tiles stay 16-bit in shared memory.
-TC_KERNELS: tuple[str, ...] = ("tc_forward",)
+TC_KERNELS: tuple[str, ...] = ("tc_forward", "tc_backward_dkdv", "tc_backward_dq")
+#: The tensor-core backward holds dK's and dV's accumulators for 16 keys in one warp's registers, D per thread:
+#: past D = 128 that cannot fit, and the SIMT backward serves.
+TC_BACKWARD_MAX_HEAD_DIM = 128
 #: Dtypes and the lowest compute capability the tensor-core kernels are built for.
 TC_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
 TC_MIN_COMPUTE_CAPABILITY = (8, 0)
@@ -81,6 +84,13 @@ _PREFERRED: dict[str, dict[int, tuple[int, int, int]]] = {
     # 16-key K and V tiles: 48 KiB. Chosen with the performance model (BENCHMARKS.md, tensor-core log).
     "tc_forward": {16: (64, 64, 128), 32: (64, 64, 128), 64: (64, 64, 128), 128: (64, 32, 128),
                    256: (64, 16, 128)},
+    # The tensor-core dQ kernel keeps Q's and dO's fragments in registers beside dQ's accumulators and three
+    # arrays of scores per key tile (S, dP, softcap's factor), so key tiles stay at 32 or less (64 spilled at
+    # D = 32); K and V tiles in shared memory. D = 256 stays on the SIMT backward (launch.tensor_core_reason).
+    "tc_backward_dq": {16: (64, 32, 128), 32: (64, 32, 128), 64: (64, 32, 128), 128: (64, 16, 128)},
+    # dK/dV: warps own 16 keys each (block_n = 16 x warps), block_m queries per step; K and V stay in shared
+    # memory for the whole loop beside the step's Q and dO.
+    "tc_backward_dkdv": {16: (32, 64, 128), 32: (32, 64, 128), 64: (32, 64, 128), 128: (16, 64, 128)},
 }
 # Fallbacks, best first, for devices with less shared memory than 48 KiB (or callers that ask for a lower limit).
 _CANDIDATES: tuple[tuple[int, int, int], ...] = (
@@ -186,6 +196,10 @@ class FlashAttentionConfig:
         """float32 words of static shared memory the kernel declares (tensor-core tiles: half as many bytes per
         element, rounded up)."""
         bm, bn, db = self.block_m, self.block_n, self.head_dim_bucket
+        if self.kernel == "tc_backward_dq":   # 16-bit K and V tiles, and Q's then dO's then dQ's
+            return -(-(bm + 2 * bn) * db // 2)
+        if self.kernel == "tc_backward_dkdv":   # 16-bit K, V, Q, dO tiles and each query's lse and delta
+            return -(-(2 * bm + 2 * bn) * db // 2) + 2 * bm
         if self.tensor_cores:    # 16-bit elements: K, then V sharing Q's rows (or Q apart when it stays there)
             elements = (bn + max(bm, bn)) * db if self.q_in_registers else (bm + 2 * bn) * db
             return -(-elements // 2)
@@ -226,11 +240,14 @@ class FlashAttentionConfig:
             why.append(f"needs {self.smem_bytes()} bytes of shared memory for head-dim bucket "
                        f"{self.head_dim_bucket}, more than the {smem_limit} a block may use")
         if self.tensor_cores:
-            if self.block_m < 16 or self.threads != 32 * (self.block_m // 16):
-                why.append(f"tensor-core kernels run one warp per 16 query rows: block_m={self.block_m} needs "
-                           f"{32 * max(1, self.block_m // 16)} threads, got {self.threads}")
-            if self.block_n < 16:
-                why.append(f"block_n must be at least 16 (one mma k-step of keys), got {self.block_n}")
+            # One warp per 16 query rows (per 16 keys in the dK/dV kernel), and 16-wide mma k-steps on the other side.
+            owned, other = ("block_n", "block_m") if self.kernel == "tc_backward_dkdv" else ("block_m", "block_n")
+            rows, cols = getattr(self, owned), getattr(self, other)
+            if rows < 16 or self.threads != 32 * (rows // 16):
+                why.append(f"tensor-core kernels run one warp per 16 rows of {owned}: {owned}={rows} needs "
+                           f"{32 * max(1, rows // 16)} threads, got {self.threads}")
+            if cols < 16:
+                why.append(f"{other} must be at least 16 (one mma k-step), got {cols}")
             return why
         if self.kernel == "decode":
             # Each query row's softmax is shared by threads // block_m threads; the products are strided loops

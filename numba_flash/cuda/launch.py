@@ -23,12 +23,14 @@ from numba_flash.errors import AttentionInputError
 
 from . import selfcheck
 from .backward import make_delta_kernel, make_dkdv_kernel, make_dq_kernel
-from .config import (STATIC_SMEM_LIMIT, TC_DTYPES, TC_MIN_COMPUTE_CAPABILITY, FlashAttentionConfig, TileOverride,
-                     active_override, storage_dtype, tile_config_for)
+from .config import (STATIC_SMEM_LIMIT, TC_BACKWARD_MAX_HEAD_DIM, TC_DTYPES, TC_MIN_COMPUTE_CAPABILITY,
+                     FlashAttentionConfig, TileOverride, active_override, storage_dtype, tile_config_for)
 from .decode import MERGE_THREADS, make_decode_kernel, make_split_merge_kernel
 from .forward import make_forward_kernel
 from .masks import LOG2E
 from .simcheck import install_from_env
+from .tc_dkdv import make_tc_dkdv_kernel
+from .tc_dq import make_tc_dq_kernel
 from .tc_forward import make_tc_forward_kernel
 
 
@@ -54,25 +56,31 @@ def configs_for(head_dim: int, dtype: str, override: TileOverride | None = None,
 
 
 def tensor_core_reason(dtype: str, head_dim: int, dropout: bool = False, override: TileOverride | None = None,
-                       cc: tuple[int, int] | None = None) -> str | None:
-    """Why a forward call runs on the float32 SIMT kernels rather than the tensor-core ones; None when it runs on
-    tensor cores. With ``override.tensor_cores`` True a reason is an ``AttentionInputError`` instead."""
+                       cc: tuple[int, int] | None = None, backward: bool = False) -> str | None:
+    """Why a forward (or, with ``backward``, a backward) call runs on the float32 SIMT kernels rather than the
+    tensor-core ones; None when it runs on tensor cores. With ``override.tensor_cores`` True a reason is an
+    ``AttentionInputError`` instead."""
     override = override if override is not None else active_override()
     if override is not None and override.tensor_cores is False:
         return "tensor cores switched off by tile_config_override(tensor_cores=False)"
     cc = compute_capability() if cc is None else cc
     reason = None
     if dtype not in TC_DTYPES:
-        reason = f"{dtype} runs on the SIMT kernels (the tensor-core kernels take float16 and bfloat16)"
+        reason = f"{dtype} (the tensor-core kernels take float16 and bfloat16)"
     elif tuple(cc) < TC_MIN_COMPUTE_CAPABILITY:
         need = TC_MIN_COMPUTE_CAPABILITY
         reason = f"the tensor-core kernels need compute capability >= {need[0]}.{need[1]}, this GPU is {cc[0]}.{cc[1]}"
     elif dropout:
-        reason = "dropout runs on the SIMT kernels (not in the tensor-core kernels yet)"
+        reason = "dropout is not in the tensor-core kernels yet"
+    elif backward and head_dim > TC_BACKWARD_MAX_HEAD_DIM:
+        reason = (f"head dim {head_dim} > {TC_BACKWARD_MAX_HEAD_DIM}: the tensor-core backward would hold more "
+                  "accumulators than a thread has registers")
     elif override is not None and (override.block_m, override.block_n, override.threads) != (None, None, None):
-        cfg = override.apply(tile_config_for(head_dim, dtype, tuple(cc), kernel="tc_forward",
-                                             override=TileOverride()))
-        why = cfg.problems(STATIC_SMEM_LIMIT)
+        kernels = ("tc_backward_dkdv", "tc_backward_dq") if backward else ("tc_forward",)
+        why = []
+        for kernel in kernels:
+            cfg = override.apply(tile_config_for(head_dim, dtype, tuple(cc), kernel=kernel, override=TileOverride()))
+            why += [f"{kernel}: {w}" for w in cfg.problems(STATIC_SMEM_LIMIT)]
         if why:
             reason = f"the tile override {override} does not fit the tensor-core kernels: " + "; ".join(why)
     if reason and override is not None and override.tensor_cores:
@@ -208,9 +216,17 @@ def launch_delta(dout: Any, out: Any, delta: Any, *, bf16: bool, stream: Any = 0
 def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dk: Any,
                 dv: Any, *, softmax_scale: float, window_left: int, window_right: int, softcap: float, bf16: bool,
                 alibi: Any = None, bias: Any = None, dropout: tuple | None = None, stream: Any = 0) -> None:
-    """Launch the dK/dV kernel of ``cfg`` as it is, no self-check. Arrays as for ``flash_backward``."""
-    kernel = make_dkdv_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                              bias is not None, dropout is not None)
+    """Launch the dK/dV kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_backward_dkdv``
+    config) as it is, no self-check. Arrays as for ``flash_backward``."""
+    if cfg.tensor_cores:
+        if dropout is not None:
+            raise ValueError("the tensor-core dK/dV kernel has no dropout")
+        kernel = make_tc_dkdv_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
+                                     bias is not None, async_copy_ok(q, k, v, dout))
+        q, k, v, dout, dk, dv = (_bits(x) for x in (q, k, v, dout, dk, dv))
+    else:
+        kernel = make_dkdv_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
+                                  bias is not None, dropout is not None)
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     qmult, capmult = _multipliers(softmax_scale, softcap)
@@ -223,9 +239,17 @@ def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, ls
 def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dq: Any, *,
               softmax_scale: float, window_left: int, window_right: int, softcap: float, bf16: bool,
               alibi: Any = None, bias: Any = None, dropout: tuple | None = None, stream: Any = 0) -> None:
-    """Launch the dQ kernel of ``cfg`` as it is, no self-check. Arrays as for ``flash_backward``."""
-    kernel = make_dq_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                            bias is not None, dropout is not None)
+    """Launch the dQ kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_backward_dq`` config) as it
+    is, no self-check. Arrays as for ``flash_backward``."""
+    if cfg.tensor_cores:
+        if dropout is not None:
+            raise ValueError("the tensor-core dQ kernel has no dropout")
+        kernel = make_tc_dq_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
+                                   bias is not None, async_copy_ok(q, k, v, dout))
+        q, k, v, dout, dq = (_bits(x) for x in (q, k, v, dout, dq))
+    else:
+        kernel = make_dq_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
+                                bias is not None, dropout is not None)
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     qmult, capmult = _multipliers(softmax_scale, softcap)
@@ -275,13 +299,16 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
     """
     _check_storage(dtype, dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
     install_from_env()   # as in flash_forward
-    picked = configs_for(q.shape[3], dtype, override, ("backward_dkdv", "backward_dq"))
+    tc = tensor_core_reason(dtype, q.shape[3], dropout is not None, override, backward=True) is None
+    dkdv_kernel, dq_kernel = ("tc_backward_dkdv", "tc_backward_dq") if tc else ("backward_dkdv", "backward_dq")
+    picked = configs_for(q.shape[3], dtype, override, (dkdv_kernel, dq_kernel))
     flags = _flags(window_left, window_right, softcap)
     like = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv, delta=delta, bias=bias)
     # Both kernels are vouched for before either runs, so that a refusal leaves every output untouched.
-    variant = dict(alibi=alibi is not None, bias=bias is not None, dropout=dropout is not None)
-    dkdv_cfg = selfcheck.choose(picked["backward_dkdv"], *flags, dtype, like=like, **variant)
-    dq_cfg = selfcheck.choose(picked["backward_dq"], *flags, dtype, like=like, **variant)
+    variant = dict(alibi=alibi is not None, bias=bias is not None, dropout=dropout is not None,
+                   async_copy=not tc or async_copy_ok(q, k, v, dout))
+    dkdv_cfg = selfcheck.choose(picked[dkdv_kernel], *flags, dtype, like=like, **variant)
+    dq_cfg = selfcheck.choose(picked[dq_kernel], *flags, dtype, like=like, **variant)
     bf16 = dtype == "bfloat16"
     kw = dict(softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap,
               bf16=bf16, alibi=alibi, bias=bias, dropout=dropout, stream=stream)

@@ -58,11 +58,13 @@ VARIANTS: dict[str, tuple[bool, bool, bool]] = {
     "plain": (False, False, False), "causal": (False, True, False),
     "window": (True, True, False), "softcap": (False, False, True),
 }
-MODEL_KERNELS: tuple[str, ...] = ("forward", "backward_dkdv", "backward_dq", "tc_forward")
+MODEL_KERNELS: tuple[str, ...] = ("forward", "backward_dkdv", "backward_dq", "tc_forward", "tc_backward_dkdv",
+                                  "tc_backward_dq")
 #: Products (matrix multiplies over the tile) each kernel executes per main-loop iteration, and how many of the
 #: contract's FLOP they are worth: the forward's QK^T and PV; dK/dV recomputes QK^T and dP, then dV and dK; dQ
 #: recomputes QK^T and dP, then dQ. The backward's useful work is five products per score element.
-PRODUCTS = {"forward": 2, "backward_dkdv": 4, "backward_dq": 3, "tc_forward": 2}
+PRODUCTS = {"forward": 2, "backward_dkdv": 4, "backward_dq": 3, "tc_forward": 2, "tc_backward_dkdv": 4,
+            "tc_backward_dq": 3}
 USEFUL_PRODUCTS = {"forward": 2, "backward": 5}
 DEFAULT_CCS: tuple[tuple[int, int], ...] = ((8, 0), (9, 0))
 # Opcodes that issue once per execution of the source line holding them (the anchors that undo unrolling).
@@ -401,7 +403,7 @@ def combine_backward(dkdv: ModelRecord, dq: ModelRecord) -> ModelRecord:
     ceiling = min(1.0, USEFUL_PRODUCTS["backward"] / (cps * peak)) if cps != float("inf") else 0.0
     worse = dkdv if dkdv.ceiling <= dq.ceiling else dq
     return ModelRecord(
-        kernel="backward", dtype=dkdv.dtype, cc=dkdv.cc, head_dim=dkdv.head_dim, variant=dkdv.variant,
+        kernel="tc_backward" if dkdv.kernel.startswith("tc_") else "backward", dtype=dkdv.dtype, cc=dkdv.cc, head_dim=dkdv.head_dim, variant=dkdv.variant,
         unit=dkdv.unit, ceiling=round(ceiling, 4), bound=f"{worse.kernel}: {worse.bound}",
         registers=max(dkdv.registers, dq.registers), spills=dkdv.spills + dq.spills,
         smem_bytes=max(dkdv.smem_bytes, dq.smem_bytes), threads=dkdv.threads,
@@ -486,7 +488,11 @@ def run_model(kernels: Iterable[str] = ("forward", "backward"), dtypes: Iterable
 
     wanted = []
     for k in kernels:
-        wanted.extend(["backward_dkdv", "backward_dq", "backward"] if k == "backward" else [k])
+        if k in ("backward", "tc_backward"):
+            prefix = "tc_" if k == "tc_backward" else ""
+            wanted.extend([f"{prefix}backward_dkdv", f"{prefix}backward_dq", k])
+        else:
+            wanted.append(k)
     records: list[ModelRecord] = []
     for dtype in dtypes:
         cc_ok = [cc for cc in ccs if dtype_supported_on(dtype, cc)]
@@ -498,22 +504,33 @@ def run_model(kernels: Iterable[str] = ("forward", "backward"), dtypes: Iterable
             for variant in variants:
                 done: dict[str, list[ModelRecord]] = {}
                 for kernel in wanted:
-                    if kernel == "backward":
-                        if "backward_dkdv" not in done or "backward_dq" not in done:
-                            for k in ("backward_dkdv", "backward_dq"):
-                                done.setdefault(k, model_specialisation(k, dtype, head_dim, variant, cc_ok,
-                                                                        use_cache))
-                        done[kernel] = [combine_backward(a, b) for a, b in
-                                        zip(done["backward_dkdv"], done["backward_dq"])]
+                    if kernel in ("backward", "tc_backward"):
+                        prefix = "tc_" if kernel == "tc_backward" else ""
+                        parts = (f"{prefix}backward_dkdv", f"{prefix}backward_dq")
+                        for k in parts:
+                            if k not in done:
+                                done[k] = _model_or_none(k, dtype, head_dim, variant, cc_ok, cc_tc, use_cache)
+                        done[kernel] = [combine_backward(a, b) for a, b in zip(done[parts[0]], done[parts[1]])]
                     elif kernel not in done:
-                        targets = cc_tc if kernel.startswith("tc_") else cc_ok
-                        done[kernel] = model_specialisation(kernel, dtype, head_dim, variant, targets,
-                                                            use_cache) if targets else []
+                        done[kernel] = _model_or_none(kernel, dtype, head_dim, variant, cc_ok, cc_tc, use_cache)
                     if progress:
                         progress(f"{kernel} {dtype} D={head_dim} {variant}")
                 for kernel in wanted:
                     records.extend(done[kernel])
     return records
+
+
+def _model_or_none(kernel: str, dtype: str, head_dim: int, variant: str, cc_ok: list, cc_tc: list,
+                   use_cache: bool) -> list[ModelRecord]:
+    """``model_specialisation`` for the compute capabilities the kernel exists on; [] where it does not (a
+    tensor-core kernel for float32 or before sm_80, the tensor-core backward past its head dims)."""
+    from .config import TC_BACKWARD_MAX_HEAD_DIM
+
+    if kernel.startswith("tc_"):
+        if kernel != "tc_forward" and head_dim > TC_BACKWARD_MAX_HEAD_DIM:
+            return []
+        return model_specialisation(kernel, dtype, head_dim, variant, cc_tc, use_cache) if cc_tc else []
+    return model_specialisation(kernel, dtype, head_dim, variant, cc_ok, use_cache)
 
 
 def format_table(records: list[ModelRecord]) -> str:
@@ -567,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the records as JSON")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table, GPUs side by side")
     parser.add_argument("--kernel", nargs="+", default=["forward", "backward"],
-                        choices=["forward", "backward", *MODEL_KERNELS])
+                        choices=["forward", "backward", "tc_backward", *MODEL_KERNELS])
     parser.add_argument("--dtype", nargs="+", default=list(KERNEL_DTYPES), choices=list(KERNEL_DTYPES))
     parser.add_argument("--head-dim", nargs="+", type=int, default=list(HEAD_DIM_BUCKETS),
                         choices=list(HEAD_DIM_BUCKETS))
@@ -587,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
             from tqdm.auto import tqdm
 
             total = len(args.dtype) * len(args.head_dim) * len(args.variant) * sum(
-                3 if k == "backward" else 1 for k in args.kernel)
+                3 if k in ("backward", "tc_backward") else 1 for k in args.kernel)
             bar = tqdm(total=total, desc="perf model", unit="kernel", file=sys.stderr)
         except ImportError:
             pass

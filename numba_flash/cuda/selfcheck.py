@@ -484,6 +484,8 @@ def _backward_inputs(spec: Specialisation, like: dict[str, Any]) -> tuple[_Probl
     from .launch import launch_delta
 
     p = _problem(spec)
+    if spec.cfg.tensor_cores:   # as in _check_forward: the layout decides the copy path under check
+        like = {} if spec.async_copy else {n: _STRIDED for n in ("q", "k", "v", "dout")}
     kw = dict(softmax_scale=p.scale, window_size=p.window_size, softcap=p.softcap, alibi_slopes=p.slopes,
               attn_bias=p.bias, dropout_p=p.dropout_p, dropout_seed=_SEED)
     ref_out, ref_lse = attention_ref(p.q, p.k, p.v, **kw)
@@ -535,6 +537,8 @@ def _check_decode(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str]
 _CHECKS: dict[str, Callable[[Specialisation, dict[str, Any]], tuple[list[str], list[str]]]] = {
     "forward": _check_forward,
     "tc_forward": _check_forward,
+    "tc_backward_dkdv": _check_dkdv,
+    "tc_backward_dq": _check_dq,
     "backward_dkdv": _check_dkdv,
     "backward_dq": _check_dq,
     "decode": _check_decode,

@@ -33,7 +33,8 @@ from numba import config, cuda, float32, int32, int64, uint16, uint32
 
 from . import warp
 from .config import FlashAttentionConfig
-from .masks import LOG2E, bias_at, bias_head, make_visible
+from .masks import bias_head, make_visible
+from .tc_scores import make_score
 from .tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
 
 LN2 = math.log(2.0)
@@ -79,7 +80,7 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
     Q_WORDS = CHUNK if Q_IN_REGS else BLOCK_M * HEAD_DIM   # Q's own tile only when it stays in shared memory
     Q_PASSES, KV_PASSES = copy_passes(BLOCK_M, HEAD_DIM, NT), copy_passes(BLOCK_N, HEAD_DIM, NT)
     PER_ROW, ROW_STEP = HEAD_DIM // CHUNK, copy_row_step(HEAD_DIM, NT)
-    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, HAS_BIAS = has_left, has_right, softcap, alibi, has_bias
+    HAS_LEFT, HAS_RIGHT, ALIBI = has_left, has_right, alibi
     EXP, NAN_BITS = EXPONENT_BITS[bf16], QUIET_NAN_BITS[bf16]
     ALIGN = SMEM_ALIGN
     MMA = warp.mma_bf16 if bf16 else warp.mma_f16
@@ -89,6 +90,7 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
     copy_kv = make_tile_copy(BLOCK_N, HEAD_DIM, NT, async_copy)
     smem_index = make_smem_index(HEAD_DIM)
     sees = make_visible(has_left, has_right, has_bias)
+    score = make_score(softcap, alibi, has_bias)
 
     def flash_tc_forward_kernel(q, k, v, out, lse, seqlen_q, seqlen_k, head_dim, group, window_left,
                                 window_right, qmult, capmult, slopes, bias, seed_lo, seed_hi, threshold, dscale,
@@ -203,22 +205,16 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                     s[j + 1, 0], s[j + 1, 1], s[j + 1, 2], s[j + 1, 3] = MMA(
                         a0, a1, a2, a3, b2, b3, s[j + 1, 0], s[j + 1, 1], s[j + 1, 2], s[j + 1, 3])
 
-            # Scores in log2 units. A visible score whose raw value is not finite must poison its row (the raw one:
-            # tanh turns an inf into a finite cap): adding raw * 0 makes it NaN, which the row's sum then carries
-            # to its output and lse. A -inf bias hides the pair whatever its score.
+            # Scores in log2 units (tc_scores.py: a visible one whose raw product is not finite is NaN, which the
+            # row's sum carries to its output and lse; a -inf bias hides its pair).
             for half in range(2):
-                distance0 = float32(row_top + 8 * half + offset - lane_col - n0)   # ALiBi's, at column 0
+                row = row_top + 8 * half
+                distance0 = float32(row + offset - lane_col - n0)   # ALiBi's, at the lane's first column
                 for j in range(N_TILES):
                     for c in range(2):
-                        raw = s[j, 2 * half + c]
-                        x = capmult * math.tanh(raw * qmult) if SOFTCAP else raw * qmult
-                        x += raw * float32(0.0)
-                        if ALIBI:
-                            x -= slope * abs(distance0 - float32(8 * j + c))
-                        if HAS_BIAS:
-                            bias_value = bias_at(bias_h, row_top + 8 * half, n0 + lane_col + 8 * j + c)
-                            x = neg_inf if bias_value == neg_inf else x + bias_value * float32(LOG2E)
-                        s[j, 2 * half + c] = x
+                        col = 8 * j + c
+                        s[j, 2 * half + c], _ = score(s[j, 2 * half + c], qmult, capmult, slope,
+                                                      distance0 - float32(col), bias_h, row, n0 + lane_col + col)
             tile_edge = (n0 < full_lo) | (n0 + BLOCK_N > full_hi)
             if tile_edge:
                 # Keys past the sequence or outside a row's band: -inf, whatever they computed. Bounds relative to

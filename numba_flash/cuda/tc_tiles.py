@@ -71,7 +71,7 @@ def make_tile_copy(rows: int, head_dim_bucket: int, threads: int, async_copy: bo
     column 0) plus the row's and column's offsets, completed by ``cp_async_wait_*``; without, element by element
     through ``src[b, row, h, d]``, for layouts ``cp.async`` cannot read. The pass loop is the kernel's, so that the
     performance model can count it."""
-    ROWS, NT, ASYNC = rows, threads, async_copy
+    ROWS, ASYNC = rows, async_copy
     STEP = copy_row_step(head_dim_bucket, threads)
     RAGGED = rows % STEP != 0
     smem_index = make_smem_index(head_dim_bucket)

@@ -37,7 +37,7 @@ from numba import config
 __all__ = ["mma_f16", "mma_bf16", "mma_tf32", "ldmatrix_x4", "ldmatrix_x4_trans", "ldmatrix_x2",
            "ldmatrix_x2_trans", "lds_v4", "sts_u32", "cp_async_16", "cp_async_16_at", "cp_async_commit", "cp_async_wait_all",
            "cp_async_wait_one", "shfl_xor", "pack_f16x2", "pack_bf16x2", "float_to_tf32", "probe_f16x2",
-           "probe_bf16x2", "exp2_approx", "rcp_approx", "MIN_COMPUTE_CAPABILITY"]
+           "probe_bf16x2", "exp2_approx", "rcp_approx", "tanh_approx", "MIN_COMPUTE_CAPABILITY"]
 
 #: mma.sync with float16/bfloat16 inputs, ldmatrix and cp.async need sm_80 (Ampere) or newer (float16 mma.m16n8k16
 #: exists on sm_75, but bfloat16, cp.async and the kernels' tile pipeline do not).
@@ -67,6 +67,7 @@ if config.ENABLE_CUDASIM:
         rcp_approx,
         shfl_xor,
         sts_u32,
+        tanh_approx,
     )
 else:
     from .warp_ptx import (  # noqa: F401  (re-exported)
@@ -92,4 +93,5 @@ else:
         rcp_approx,
         shfl_xor,
         sts_u32,
+        tanh_approx,
     )

@@ -276,6 +276,23 @@ def exp2_approx(typingctx, x):
 
 
 @intrinsic
+def tanh_approx(typingctx, x):
+    """``tanh.approx.f32``: tanh from the special-function unit in one instruction (sm_75 and newer; relative error
+    about 2**-11, the size of a float16 score's own rounding). libdevice's tanhf branches between a polynomial and
+    an exp-based formula, and a warp of mixed scores runs both."""
+    if not isinstance(x, types.Float):
+        raise TypingError(f"tanh_approx: expected a float, got {x}")
+    sig = types.float32(x)
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.float32)
+        asm = ir.InlineAsm(ir.FunctionType(_F32, [_F32]), "tanh.approx.f32 $0, $1;", "=f,f", side_effect=False)
+        return builder.call(asm, [v])
+
+    return sig, codegen
+
+
+@intrinsic
 def rcp_approx(typingctx, x):
     """``rcp.approx.ftz.f32``: 1 / x from the special-function unit (about 1 ulp). IEEE division calls a slow-path
     subroutine for special operands, and a call saves every live register to the stack: the tensor-core kernels'

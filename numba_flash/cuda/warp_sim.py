@@ -367,6 +367,12 @@ def exp2_approx(x):
 
 
 @cuda.jit(device=True)
+def tanh_approx(x):
+    """tanh in float32 (the hardware's approximation is within about 2**-11 of it; the simulator is exact)."""
+    return np.float32(np.tanh(np.float32(x)))
+
+
+@cuda.jit(device=True)
 def rcp_approx(x):
     """1 / x in float32, results below 2**-126 flushed to 0, as rcp.approx.ftz."""
     with np.errstate(divide="ignore"):

@@ -40,6 +40,9 @@ def test_every_specialisation_compiles_without_spills():
     # The tensor-core forward, both copy paths, float16 and bfloat16, from sm_80 on.
     want |= {(cc, dt, kern, b) for cc in COMPUTE_CAPABILITIES if cc >= (8, 0) for dt in ("float16", "bfloat16")
              for kern in ("tc_forward", "tc_forward_loads") for b in HEAD_DIM_BUCKETS}
+    want |= {(cc, dt, kern, b) for cc in COMPUTE_CAPABILITIES if cc >= (8, 0) for dt in ("float16", "bfloat16")
+             for kern in ("tc_backward_dkdv", "tc_backward_dkdv_loads", "tc_backward_dq", "tc_backward_dq_loads")
+             for b in HEAD_DIM_BUCKETS if b <= 128}
     assert covered == want, want ^ covered
     # The T4 (7.5) through H100 (9.0), every one; bfloat16 from 8.0 on only.
     assert {r.cc for r in results} == {(7, 5), (8, 0), (8, 6), (8, 9), (9, 0)}

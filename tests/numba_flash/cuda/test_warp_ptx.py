@@ -40,7 +40,7 @@ def _kernel():
         out[t, 0] = r[0]
         out[t, 1] = float32(warp.pack_f16x2(x, r[1]))
         out[t, 2] = float32(warp.pack_bf16x2(x, r[2]))
-        out[t, 3] = r[3] + warp.exp2_approx(r[0]) * warp.rcp_approx(r[1])
+        out[t, 3] = r[3] + warp.exp2_approx(r[0]) * warp.rcp_approx(r[1]) + warp.tanh_approx(r[2])
         warp.sts_u32(smem, t * 2, warp.pack_f16x2(r[2], r[3]))
         warp.cp_async_16_at(smem, 512 + t * 8, q, t * q.strides[1], 16)
         warp.cp_async_commit()
@@ -64,6 +64,7 @@ def test_every_primitive_becomes_its_instruction(cc):
                  "cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group 0",
                  "cvt.rn.f16x2.f32", "cvt.rn.bf16x2.f32", "cvt.rna.tf32.f32", "shfl.sync.bfly",
                  "ld.shared.v4.b32", "fma.rn.f16x2", "fma.rn.bf16x2", "ex2.approx.ftz.f32", "rcp.approx.ftz.f32",
+                 "tanh.approx.f32",
                  "st.shared.b32", "cp.async.wait_group 1"):
         assert text in ptx, text
     cubin, log = link(ptx, cc)
@@ -71,7 +72,7 @@ def test_every_primitive_becomes_its_instruction(cc):
     for want in ("HMMA.16816.F32", "HMMA.16816.F32.BF16", "HMMA.1688.F32.TF32", "LDSM.16.M88.4", "LDSM.16.MT88.4",
                  "LDSM.16.M88.2", "LDSM.16.MT88.2", "LDGSTS.E.BYPASS.128", "SHFL.BFLY", "LDS.128", "HFMA2"):
         assert want in ops, (want, sorted(set(ops)))
-    assert "MUFU.EX2" in ops and "MUFU.RCP" in ops and "STS" in ops
+    assert "MUFU.EX2" in ops and "MUFU.RCP" in ops and "MUFU.TANH" in ops and "STS" in ops
     assert not any(op.startswith("CALL") for op in ops)   # no subroutine: a call would save every live register
     assert any(op.startswith("F2FP") and "BF16" in op for op in ops)
     assert any(op.startswith("F2FP") and "BF16" not in op for op in ops)

@@ -289,10 +289,11 @@ def test_cp_async_at_refuses_an_offset_between_elements(rng):
 
 
 @cuda.jit
-def special_kernel(x, ex2, rcp, words, out):
+def special_kernel(x, ex2, rcp, tanh, words, out):
     i = cuda.threadIdx.x
     ex2[i] = warp.exp2_approx(x[i])
     rcp[i] = warp.rcp_approx(x[i])
+    tanh[i] = warp.tanh_approx(x[i] / float32(40.0))
     smem = cuda.shared.array(64, uint16)
     warp.sts_u32(smem, 2 * i, words[i])
     cuda.syncthreads()
@@ -300,14 +301,14 @@ def special_kernel(x, ex2, rcp, words, out):
     out[2 * i + 1] = smem[2 * i + 1]
 
 
-def test_exp2_and_reciprocal_flush_denormals_and_sts_u32_stores_low_half_first(rng):
+def test_exp2_reciprocal_tanh_and_sts_u32_stores_low_half_first(rng):
     x = (rng.standard_normal(32) * 40).astype(np.float32)
     x[0], x[1], x[2] = -130.0, 0.0, -np.inf          # 2**-130 flushes to 0; 1/0 = inf; 2**-inf = 0
-    ex2, rcp = np.zeros(32, np.float32), np.zeros(32, np.float32)
+    ex2, rcp, tanh = (np.zeros(32, np.float32) for _ in range(3))
     words = rng.integers(0, 2 ** 32, 32, dtype=np.uint64).astype(np.uint32)
     out = np.zeros(64, np.uint16)
     with np.errstate(all="ignore"):
-        _launch(special_kernel, 32, x, ex2, rcp, words, out)
+        _launch(special_kernel, 32, x, ex2, rcp, tanh, words, out)
         want_ex2 = np.exp2(x.astype(np.float64))
         want_rcp = 1.0 / x.astype(np.float64)
     tiny = np.abs(want_ex2) < 2.0 ** -126
@@ -315,6 +316,7 @@ def test_exp2_and_reciprocal_flush_denormals_and_sts_u32_stores_low_half_first(r
     np.testing.assert_allclose(ex2[~tiny], want_ex2[~tiny], rtol=2e-7)
     assert rcp[1] == np.inf
     np.testing.assert_allclose(rcp[3:], want_rcp[3:], rtol=2e-7)
+    np.testing.assert_allclose(tanh, np.tanh(x.astype(np.float64) / 40.0), rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(out[0::2], words & 0xFFFF)
     np.testing.assert_array_equal(out[1::2], words >> 16)
 

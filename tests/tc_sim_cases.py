@@ -1,0 +1,91 @@
+"""Shared by the simulator tests of the tensor-core kernels (``tests/numba_flash/cuda/test_tc_forward_sim.py``,
+``test_tc_backward_sim.py``): toy tiles of one or two warps, random torch CPU inputs (the simulator's cuda backend
+takes them when forced), attention computed plainly in the same dtype (flash-attn's yardstick), and the calls.
+Imported by the test files (pytest puts ``tests/`` on sys.path).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from backends import backend_registry
+from numba_flash import attention_ref
+from numba_flash.cuda import tile_config_override
+
+ONE_WARP = dict(block_m=16, block_n=16, threads=32, tensor_cores=True)
+TWO_WARPS = dict(block_m=32, block_n=16, threads=64, tensor_cores=True)
+BOUND = {"float16": 2e-3, "bfloat16": 1.6e-2}
+TORCH_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def inputs(rng, dtype, b, sq, sk, hq, hkv, d, scale=1.0):
+    """q (b, sq, hq, d), k and v (b, sk, hkv, d) as torch CPU tensors of ``dtype`` (the simulator's cuda backend
+    takes them when forced), and their values in float64."""
+    tensors = [torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * scale).to(TORCH_DTYPE[dtype])
+               for shape in ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d))]
+    return tensors, [t.double().numpy() for t in tensors]
+
+
+def naive_same_dtype(q, k, v, dout=None, **kw):
+    """Attention computed plainly in q's dtype (torch on the CPU): scores, mask, softmax and P V each rounded to the
+    dtype, the yardstick flash-attn's tests hold a kernel to. Same semantics as the reference. Returns out in
+    float64, and with ``dout`` also (dq, dk, dv) by torch's autograd in the same dtype."""
+    from numba_flash.semantics import visible_mask
+
+    batch, sq, hq, d = q.shape
+    sk, group = k.shape[1], hq // k.shape[2]
+    scale = kw.get("softmax_scale") or d ** -0.5
+    left, right = kw.get("window_size", (-1, -1))
+    if kw.get("causal"):
+        right = 0
+    mask = torch.from_numpy(visible_mask(sq, sk, left, right))
+    bias = kw.get("attn_bias")
+    if bias is not None:   # a -inf entry hides its pair, as a mask does
+        bias = torch.as_tensor(np.asarray(bias))
+        mask = mask & (bias != -float("inf"))
+    q, k, v = (x.detach().requires_grad_(dout is not None) for x in (q, k, v))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    kt, vt = kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1)
+    s = (qt @ kt.transpose(-1, -2)) * scale
+    if kw.get("softcap"):
+        s = kw["softcap"] * torch.tanh(s / kw["softcap"])
+    if kw.get("alibi_slopes") is not None:
+        slopes = torch.as_tensor(np.asarray(kw["alibi_slopes"])).reshape(-1, hq, 1, 1).to(s.dtype)
+        dist = (torch.arange(sq)[:, None] + sk - sq - torch.arange(sk)[None, :]).abs().to(s.dtype)
+        s = s - slopes * dist
+    if bias is not None:
+        s = s + bias.masked_fill(bias == -float("inf"), 0.0).to(s.dtype)
+    # A row that sees no key gets 0, with zero gradients: softmax over its zeros, then masked, keeps autograd's NaN
+    # out of it.
+    seen = mask.any(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(~mask, -float("inf")).masked_fill(~seen, 0.0), dim=-1) * seen
+    out = (p @ vt).transpose(1, 2)
+    if dout is None:
+        return out.detach().double().numpy()
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    return out.detach().double().numpy(), [g.double().numpy() for g in grads]
+
+
+def rel_l2(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def forward(q, k, v, tiles=ONE_WARP, **kw):
+    if isinstance(kw.get("alibi_slopes"), np.ndarray) and isinstance(q, torch.Tensor):
+        kw["alibi_slopes"] = torch.from_numpy(kw["alibi_slopes"])   # the kind of array q is
+    with tile_config_override(**tiles):
+        out, lse = backend_registry.get("flash", backend="cuda").forward(q, k, v, return_lse=True, **kw)
+    return out, lse
+
+
+def judge(out, lse, q, k, v, q64, k64, v64, dtype, **kw):
+    ref, ref_lse = attention_ref(q64, k64, v64, **kw)
+    out64 = out.double().numpy()
+    err, naive_err = rel_l2(out64, ref), rel_l2(naive_same_dtype(q, k, v, **kw), ref)
+    assert err <= BOUND[dtype] and err <= 2 * naive_err, (err, naive_err)
+    lse = lse.numpy() if hasattr(lse, "numpy") else lse
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), finite) and np.all(lse[~finite] == np.inf)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=0, atol=1e-4)
