@@ -196,7 +196,7 @@ def format_table(results: list[KernelResources]) -> str:
     lines = [head, "-" * len(head)]
     for r in results:
         cfg = r.config
-        tiles = f"{cfg.block_m} x {cfg.block_n} / {cfg.threads}" if cfg else f"1 row / {DELTA_THREADS} thr"
+        tiles = f"{cfg.block_m} x {cfg.block_n} / {cfg.threads}" if cfg else "1 row / warp"
         bucket = str(cfg.head_dim_bucket) if cfg else "any"
         lines.append(f"{r.kernel:<15}{r.cc[0]}.{r.cc[1]:<3} {bucket:>4} {r.dtype:<9}{tiles:<20}{r.registers:>5}"
                      f"{r.spill_stores + r.spill_loads:>7}{r.smem:>7}{r.occupancy.blocks_per_sm:>10}  "

@@ -20,8 +20,7 @@ The rule costs the kernels little in the common case and is exact in the rare on
 
 The helpers are ``inline="always"`` (see dtypes.py). numba gives an inlined helper's instructions the helper's own
 line numbers under the kernel's file, which the performance model cannot place in the kernel's loops: keep what
-runs in the hot loops small here (tanh stays in the kernels, see ``make_biases``). ``make_key_rows_product``'s
-loops run only on the rare path, which the model does not count.
+runs in the hot loops small here (tanh stays in the kernels, see ``make_biases``).
 """
 
 from __future__ import annotations
@@ -101,21 +100,25 @@ def dropout_factor(seed_lo, seed_hi, threshold, scale, b, h, row, col):
 
 
 @functools.lru_cache(maxsize=None)
-def make_dropout_tile(block_m: int, block_n: int, threads: int, multiply: bool) -> Any:
+def make_dropout_tile(block_m: int, block_n: int, threads: int, ld: int, transposed: bool = False) -> Any:
     """``fill(tile, seed_lo, seed_hi, threshold, scale, b, h, m0, n0, t)``: dropout's factors (``dropout_factor``)
-    of query rows ``m0 ..`` and keys ``n0 ..`` into the shared ``tile[r, c]`` (block_m x block_n), or with
-    ``multiply`` into what the tile holds, by the block's ``threads`` threads. A cooperative pass of its own: Philox
-    written into the unrolled score loops makes them too large to unroll, and their register blocks go to the
-    stack."""
-    BM, BN, NT, MULTIPLY = block_m, block_n, threads, multiply
+    of query rows ``m0 ..`` and keys ``n0 ..`` into the flat shared ``tile``, entry (r, c) at ``r * ld + c`` (or
+    with ``transposed`` at ``c * ld + r``), by the block's ``threads`` threads. A cooperative pass of its own:
+    Philox written into the unrolled score loops makes them too large to unroll, and their register blocks go to
+    the stack."""
+    BM, BN, NT, LD, TRANSPOSED = block_m, block_n, threads, ld, transposed
 
     @cuda.jit(device=True, inline="always")
     def fill(tile, seed_lo, seed_hi, threshold, scale, b, h, m0, n0, t):
         for e in range(t, BM * BN, NT):
-            c = e % BN
-            r = e // BN
-            z = dropout_factor(seed_lo, seed_hi, threshold, scale, b, h, m0 + r, n0 + c)
-            tile[r, c] = tile[r, c] * z if MULTIPLY else z
+            if TRANSPOSED:   # consecutive threads on consecutive rows: no bank conflict
+                r = e % BM
+                c = e // BM
+                tile[c * LD + r] = dropout_factor(seed_lo, seed_hi, threshold, scale, b, h, m0 + r, n0 + c)
+            else:
+                c = e % BN
+                r = e // BN
+                tile[r * LD + c] = dropout_factor(seed_lo, seed_hi, threshold, scale, b, h, m0 + r, n0 + c)
 
     return fill
 
@@ -125,9 +128,10 @@ def make_bias_tile(block_m: int, block_n: int, threads: int, transposed: bool, l
     """``load(tile, bias_h, m0, n0, seqlen_q, seqlen_k, t)``: the attn_bias of query rows ``m0 ..`` and keys
     ``n0 ..`` (a ``bias_head`` slab) into a (block_m x block_n) shared tile, 0 past the sequences, by the block's
     ``threads`` threads (``t``: this one). The kernels read it where they form the scores (an entry's address
-    there is a constant offset, where the bias's own is a product of four indices and strides). ``transposed``:
-    ``tile`` is flat, entry (r, c) at ``c * ld + r``, consecutive threads on consecutive rows (no bank conflict);
-    else ``tile[r, c]``, consecutive threads on consecutive keys (coalesced reads of a row-major bias)."""
+    there is a constant offset, where the bias's own is a product of four indices and strides). ``tile`` is flat:
+    with ``transposed`` entry (r, c) is at ``c * ld + r``, consecutive threads on consecutive rows (no bank
+    conflict); else at ``r * ld + c``, consecutive threads on consecutive keys (coalesced reads of a row-major
+    bias)."""
     BM, BN, NT, LD = block_m, block_n, threads, ld
 
     @cuda.jit(device=True, inline="always")
@@ -144,7 +148,7 @@ def make_bias_tile(block_m: int, block_n: int, threads: int, transposed: bool, l
             c = e % BN
             r = e // BN
             inside = (m0 + r < seqlen_q) & (n0 + c < seqlen_k)
-            tile[r, c] = bias_at(bias_h, m0 + r, n0 + c) if inside else float32(0.0)
+            tile[r * LD + c] = bias_at(bias_h, m0 + r, n0 + c) if inside else float32(0.0)
 
     return load_transposed if transposed else load
 
@@ -172,29 +176,3 @@ def make_biases(alibi: bool, has_bias: bool) -> Any:
         return x
 
     return add_biases
-
-
-@functools.lru_cache(maxsize=None)
-def make_key_rows_product(block_m: int, rows: int, cols: int, row_step: int, col_step: int, has_left: bool,
-                          has_right: bool, has_bias: bool = False) -> Any:
-    """``add(acc, a_s, b_s, m0, n0, key0, col0, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h)``:
-    the dK/dV kernel's product ``acc[i, j] += sum_m a_s[m, key_i] * b_s[m, col0 + col_step * j]`` over the tile's
-    ``block_m`` query rows (query ``m0 + m``), with ``key_i = key0 + row_step * i`` (key ``n0 + key_i``), taking only
-    the pairs where the query sees the key (``make_visible``). For a tile ``b_s`` (dO or Q) that holds a non-finite
-    value: the plain product would add its ``0 * x`` to keys no query of that row sees. ``acc`` is (rows, cols)
-    float32."""
-    BM, ROWS, COLS, ROW_STEP, COL_STEP = block_m, rows, cols, row_step, col_step
-    visible = make_visible(has_left, has_right, has_bias)
-
-    @cuda.jit(device=True, inline="always")
-    def add(acc, a_s, b_s, m0, n0, key0, col0, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h):
-        for m in range(BM):
-            for i in range(ROWS):
-                key = key0 + ROW_STEP * i
-                seen = visible(m0 + m, n0 + key, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h)
-                a = a_s[m, key]
-                for j in range(COLS):
-                    x = acc[i, j] + a * b_s[m, col0 + COL_STEP * j]
-                    acc[i, j] = x if seen else acc[i, j]
-
-    return add

@@ -1,0 +1,247 @@
+"""The backward's dQ kernel: one block per (query tile, query head, batch), looping over the key tiles its rows
+can see. The layout and the score pipeline are the dK/dV kernel's (backward.py's docstring); here the score block's
+columns (keys) are interleaved and its rows in runs, so that dS is stored key-major (dS^T) with one 128-bit store
+per run and the product dQ += dS K reads a run of dS^T and a run of K per key. Per key tile the kernel passes 3
+barriers: before its loads, after them (which also ORs K's non-finite probe), and after writing dS^T.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+# numba.cuda at module level (not in the factories): see backward.py.
+from numba import cuda, float32, int32, uint64
+
+from .config import FlashAttentionConfig, padded_stride
+from .dtypes import element_io
+from .forward import SMEM_ALIGN
+from .masks import LOG2E, bias_head, make_bias_tile, make_biases, make_dropout_tile, make_visible, nan_if_not_finite
+from .tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
+
+
+@functools.lru_cache(maxsize=None)
+def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool,
+                   alibi: bool = False, has_bias: bool = False, dropout: bool = False) -> Any:
+    """dQ: one block per (query tile, query head, batch), looping over the key tiles its rows can see.
+
+    Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments:
+      q, dout (B, Sq, Hq, D), k, v (B, Sk, Hkv, D): float32 or float16 (int16 bfloat16 bits with ``bf16``), any
+      strides;
+      lse, delta (B, Hq, Sq) float32; dq (B, Sq, Hq, D) like q;
+      seqlen_q, seqlen_k, head_dim, group, window_left, window_right: ints;
+      qmult, capmult, scale: float32, slopes and bias float32, the dropout scalars (as for the dK/dV kernel).
+    """
+    BLOCK_M, BLOCK_N, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
+    (S_TR, S_TC), (O_TR, O_TC) = checked_grids(cfg, cfg.out_grid)
+    S_TM, S_TN = BLOCK_M // S_TR, BLOCK_N // S_TC     # score block: rows in runs, columns interleaved
+    O_TM, O_TD = BLOCK_M // O_TR, DB // O_TC          # dQ block: rows and head-dim columns, both in runs
+    S_RM, O_RM, O_RD = min(S_TM, 4), min(O_TM, 4), min(O_TD, 4)
+    S_GAP_M, O_GAP_M, O_GAP_D = S_RM * S_TR, O_RM * O_TR, O_RD * O_TC
+    # Flat shared arrays, row-major: Q, dO (BLOCK_M x LD), K, V (BLOCK_N x LD); dS^T and dropout's factors
+    # (BLOCK_N x LM).
+    LD, LM = padded_stride(DB), padded_stride(BLOCK_M)
+    X_WORDS, KV_WORDS, T_WORDS = BLOCK_M * LD, BLOCK_N * LD, BLOCK_N * LM
+    V4, ALIGN = FETCH_VECTOR, SMEM_ALIGN
+    D_STEP, N_STEP = product_steps(S_TM * S_TN, DB), product_steps(O_TM * O_TD, BLOCK_N, 1)
+    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI = has_left, has_right, softcap, alibi
+    HAS_BIAS, DROPOUT = has_bias, dropout
+    Z_WORDS = T_WORDS if dropout else 1
+    STORE = element_io(bf16)[1]
+    visible = make_visible(has_left, has_right)
+    add_biases = make_biases(alibi, has_bias)
+    load_bias = make_bias_tile(BLOCK_M, BLOCK_N, NT, True, LM)
+    dropout_factors = make_dropout_tile(BLOCK_M, BLOCK_N, NT, LM, True)
+    X_PASSES, KV_PASSES = tile_passes(BLOCK_M, DB, NT), tile_passes(BLOCK_N, DB, NT)
+    fetch_x = make_tile_fetch(BLOCK_M, DB, NT, bf16, LD, False)    # query side: Q, dO
+    fetch_kv = make_tile_fetch(BLOCK_N, DB, NT, bf16, LD, False)   # key side: K, V
+
+    def flash_dq_kernel(q, k, v, dout, lse, delta, dq, seqlen_q, seqlen_k, head_dim, group, window_left,
+                        window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
+                        batch0):
+        t = cuda.threadIdx.x
+        m0 = cuda.blockIdx.x * BLOCK_M
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        hk = h // group
+        slope = float32(0.0)
+        if ALIBI:
+            slope = slopes[b, h]
+        bias_h = bias_head(bias, b, h)
+
+        q_s = cuda.shared.array(X_WORDS, float32, alignment=ALIGN)
+        do_s = cuda.shared.array(X_WORDS, float32, alignment=ALIGN)
+        k_s = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
+        v_s = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
+        ds_t = cuda.shared.array(T_WORDS, float32, alignment=ALIGN)   # attn_bias, then dS; key-major
+        z_t = cuda.shared.array(Z_WORDS, float32, alignment=ALIGN)    # dropout's factors, key-major
+
+        acc = cuda.local.array((O_TM, O_TD), float32)
+        s = cuda.local.array((S_TM, S_TN), float32)       # scores, then P
+        dp = cuda.local.array((S_TM, S_TN), float32)      # dP, then dS
+        lse_i = cuda.local.array(S_TM, float32)           # log2 domain
+        delta_i = cuda.local.array(S_TM, float32)
+        qa = cuda.local.array((S_TM, V4), float32)
+        kb = cuda.local.array((S_TN, V4), float32)
+        a_reg = cuda.local.array(O_TM, float32)
+        b_reg = cuda.local.array(O_TD, float32)
+        fetched = cuda.local.array(V4, float32)
+        for i in range(O_TM):
+            for j in range(O_TD):
+                acc[i, j] = float32(0.0)
+
+        # Q is loaded unscaled: the scores are scaled instead (as in the dK/dV kernel, so both see the same P).
+        for k_pass in range(X_PASSES):
+            at, ok = fetch_x(fetched, q, b, m0, h, seqlen_q, head_dim, float32(1.0), t, k_pass)
+            if ok:
+                for e in range(V4):
+                    q_s[at + uint64(e)] = fetched[e]
+        for k_pass in range(X_PASSES):
+            at, ok = fetch_x(fetched, dout, b, m0, h, seqlen_q, head_dim, float32(1.0), t, k_pass)
+            if ok:
+                for e in range(V4):
+                    do_s[at + uint64(e)] = fetched[e]
+
+        # Score block: rows in runs of S_RM, s_tr * S_RM + (i // S_RM) * S_GAP_M + i % S_RM; columns s_tc + S_TC * j;
+        # consecutive threads take consecutive columns (keys). dQ block: rows and head-dim columns in runs;
+        # consecutive threads take consecutive column runs. Unsigned 64-bit bases, as in the dK/dV kernel.
+        s_tc = t % S_TC
+        s_tr = t // S_TC
+        o_tc = t % O_TC
+        o_tr = t // O_TC
+        q_row0, k_row0 = uint64(s_tr * S_RM * LD), uint64(s_tc * LD)
+        t_at0 = uint64(s_tc * LM + s_tr * S_RM)
+        o_row0, o_col0 = uint64(o_tr * O_RM), uint64(o_tc * O_RD)
+        for i in range(S_TM):
+            row = m0 + s_tr * S_RM + (i // S_RM) * S_GAP_M + i % S_RM
+            if row < seqlen_q:
+                lse_i[i] = lse[b, h, row] * float32(LOG2E)
+                delta_i[i] = delta[b, h, row]
+            else:   # P = 0 and dS = 0 past the sequence
+                lse_i[i] = float32(math.inf)
+                delta_i[i] = float32(0.0)
+
+        offset = seqlen_k - seqlen_q
+        last_row = min(m0 + BLOCK_M, seqlen_q) - 1
+        lo = 0
+        hi = seqlen_k
+        if HAS_LEFT:
+            lo = max(0, m0 + offset - window_left)
+        if HAS_RIGHT:
+            hi = min(seqlen_k, last_row + offset + window_right + 1)
+        n_start = (lo // BLOCK_N) * BLOCK_N
+
+        for n0 in range(n_start, hi, BLOCK_N):
+            cuda.syncthreads()   # the previous tile's readers of k_s, v_s, ds_t and z_t are done
+            probe = float32(0.0)
+            for k_pass in range(KV_PASSES):
+                at, ok = fetch_kv(fetched, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t, k_pass)
+                if ok:
+                    for e in range(V4):
+                        k_s[at + uint64(e)] = fetched[e]
+                        probe += fetched[e] * float32(0.0)
+            for k_pass in range(KV_PASSES):
+                at, ok = fetch_kv(fetched, v, b, n0, hk, seqlen_k, head_dim, float32(1.0), t, k_pass)
+                if ok:
+                    for e in range(V4):
+                        v_s[at + uint64(e)] = fetched[e]
+            if HAS_BIAS:   # dS's buffer holds the bias tile until dS overwrites it in place
+                load_bias(ds_t, bias_h, m0, n0, seqlen_q, seqlen_k, t)
+            if DROPOUT:
+                dropout_factors(z_t, seed_lo, seed_hi, threshold, dscale, b + batch0, h, m0, n0, t)
+            # A K tile with an inf or NaN goes through the product that skips masked pairs.
+            k_nonfinite = cuda.syncthreads_or(int32(probe != probe))
+
+            # S = Q K^T and dP = dO V^T for this thread's block, 4 head-dim columns per load.
+            for i in range(S_TM):
+                for j in range(S_TN):
+                    s[i, j] = float32(0.0)
+                    dp[i, j] = float32(0.0)
+            for d0 in range(0, DB, D_STEP):
+                q_d0, k_d0 = q_row0 + uint64(d0), k_row0 + uint64(d0)
+                for dd in range(0, D_STEP, V4):
+                    for i in range(S_TM):
+                        for e in range(V4):
+                            qa[i, e] = q_s[q_d0 + uint64(((i // S_RM) * S_GAP_M + i % S_RM) * LD + dd + e)]
+                    for j in range(S_TN):
+                        for e in range(V4):
+                            kb[j, e] = k_s[k_d0 + uint64(j * S_TC * LD + dd + e)]
+                    for e in range(V4):
+                        for i in range(S_TM):
+                            for j in range(S_TN):
+                                s[i, j] += qa[i, e] * kb[j, e]
+            for d0 in range(0, DB, D_STEP):
+                q_d0, k_d0 = q_row0 + uint64(d0), k_row0 + uint64(d0)
+                for dd in range(0, D_STEP, V4):
+                    for i in range(S_TM):
+                        for e in range(V4):
+                            qa[i, e] = do_s[q_d0 + uint64(((i // S_RM) * S_GAP_M + i % S_RM) * LD + dd + e)]
+                    for j in range(S_TN):
+                        for e in range(V4):
+                            kb[j, e] = v_s[k_d0 + uint64(j * S_TC * LD + dd + e)]
+                    for e in range(V4):
+                        for i in range(S_TM):
+                            for j in range(S_TN):
+                                dp[i, j] += qa[i, e] * kb[j, e]
+
+            # dS = P * (dP - delta) times softcap's derivative, 0 for a masked pair by a select (its dP may be NaN).
+            for i in range(S_TM):
+                row = m0 + s_tr * S_RM + (i // S_RM) * S_GAP_M + i % S_RM
+                for j in range(S_TN):
+                    col = n0 + s_tc + S_TC * j
+                    at = t_at0 + uint64(j * S_TC * LM + (i // S_RM) * S_GAP_M + i % S_RM)
+                    x = s[i, j] * qmult
+                    dcap = float32(1.0)
+                    if SOFTCAP:
+                        th = math.tanh(x)
+                        dcap = float32(1.0) - th * th
+                        x = capmult * th
+                    bias_value = ds_t[at] if HAS_BIAS else float32(0.0)
+                    x = add_biases(x, slope, row, col, offset, bias_value)
+                    ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h)
+                    if HAS_BIAS:
+                        ok = ok & (bias_value != float32(-math.inf))
+                    p = math.exp2(x - lse_i[i]) if ok else float32(0.0)
+                    dp_kept = dp[i, j]
+                    if DROPOUT:
+                        dp_kept *= z_t[at]
+                    dp[i, j] = p * (dp_kept - delta_i[i]) * dcap if ok else float32(0.0)
+            # Into dS^T key by key: a run of rows is one 128-bit store.
+            for j in range(S_TN):
+                for i in range(S_TM):
+                    ds_t[t_at0 + uint64(j * S_TC * LM + (i // S_RM) * S_GAP_M + i % S_RM)] = dp[i, j]
+            cuda.syncthreads()
+
+            # dQ += dS K: one outer product of a column of dS (a row of dS^T) and a row of K per key.
+            if k_nonfinite:
+                # Rare: 0 * inf would carry a non-finite K element into rows that do not see its key. dS is 0
+                # exactly where a pair is skipped: masked pairs, and pairs of rows that do not see such a key (a row
+                # that sees one is poisoned, its dS NaN at every key it sees), where skipping adds nothing.
+                for n in range(BLOCK_N):
+                    for i in range(O_TM):
+                        a = ds_t[uint64(n * LM) + o_row0 + uint64((i // O_RM) * O_GAP_M + i % O_RM)]
+                        for j in range(O_TD):
+                            x = acc[i, j] + a * k_s[uint64(n * LD) + o_col0 + uint64((j // O_RD) * O_GAP_D + j % O_RD)]
+                            acc[i, j] = x if a != float32(0.0) else acc[i, j]
+            else:
+                for nc in range(0, BLOCK_N, N_STEP):
+                    t_n0, k_n0 = uint64(nc * LM) + o_row0, uint64(nc * LD) + o_col0
+                    for nn in range(N_STEP):
+                        for i in range(O_TM):
+                            a_reg[i] = ds_t[t_n0 + uint64(nn * LM + (i // O_RM) * O_GAP_M + i % O_RM)]
+                        for j in range(O_TD):
+                            b_reg[j] = k_s[k_n0 + uint64(nn * LD + (j // O_RD) * O_GAP_D + j % O_RD)]
+                        for i in range(O_TM):
+                            for j in range(O_TD):
+                                acc[i, j] += a_reg[i] * b_reg[j]
+
+        for i in range(O_TM):
+            row = m0 + o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM
+            if row < seqlen_q:
+                for j in range(O_TD):
+                    d = o_tc * O_RD + (j // O_RD) * O_GAP_D + j % O_RD
+                    if d < head_dim:
+                        dq[b, row, h, d] = STORE(nan_if_not_finite(acc[i, j] * scale))
+
+    return cuda.jit(flash_dq_kernel)
