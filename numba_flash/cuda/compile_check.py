@@ -108,11 +108,17 @@ def _int(pattern: str, log: str) -> int:
 def kernel_ptx(kernel: str, cfg: FlashAttentionConfig | None, dtype: str, cc: tuple[int, int],
                flags: tuple[bool, ...] = (True,) * 6, lineinfo: bool = False) -> str:
     """PTX of one kernel specialisation for compute capability ``cc`` (types and lowers it: typing errors show).
-    ``lineinfo`` adds source-line directives (for the performance model); the code is the same."""
+    ``lineinfo`` adds source-line directives (for the performance model), with inlined helpers' lines in their own
+    files (``lineinfo.helper_lines_in_their_files``); the code is the same."""
+    import contextlib
+
     from numba import cuda
 
-    ptx, _ = cuda.compile_ptx(python_kernel(kernel, cfg, dtype, flags), kernel_signature(kernel, dtype), cc=cc,
-                              lineinfo=lineinfo)
+    from .lineinfo import helper_lines_in_their_files
+
+    with helper_lines_in_their_files() if lineinfo else contextlib.nullcontext():
+        ptx, _ = cuda.compile_ptx(python_kernel(kernel, cfg, dtype, flags), kernel_signature(kernel, dtype),
+                                  cc=cc, lineinfo=lineinfo)
     return ptx
 
 
