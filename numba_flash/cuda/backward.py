@@ -43,7 +43,8 @@ from .backward_dq import make_dq_kernel
 from .config import FlashAttentionConfig, padded_stride
 from .dtypes import element_io
 from .forward import SMEM_ALIGN
-from .masks import LOG2E, bias_head, make_bias_tile, make_biases, make_dropout_tile, make_visible, nan_if_not_finite
+from .masks import (LOG2E, bias_head, make_bias_tile, make_dropout_tile, make_score_grads, make_visible,
+                    nan_if_not_finite)
 from .tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
 
 __all__ = ["make_delta_kernel", "make_dkdv_kernel", "make_dq_kernel", "DELTA_ROWS_PER_BLOCK"]
@@ -101,21 +102,29 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     """
     BLOCK_M, BLOCK_N, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
     (S_TR, S_TC), (G_TR, G_TC) = checked_grids(cfg, cfg.kv_grid)
+    # The score products run in SPLIT parts of DK head-dim columns, a group of GT threads each (config.score_split).
+    SPLIT = cfg.score_split
+    GT, DK = NT // SPLIT, DB // SPLIT
     S_TM, S_TN = BLOCK_M // S_TR, BLOCK_N // S_TC     # score block: rows interleaved, columns in runs
     G_TN, G_TD = BLOCK_N // G_TR, DB // G_TC          # dK/dV block: key rows and head-dim columns, both in runs
     S_RN, G_RN, G_RD = min(S_TN, 4), min(G_TN, 4), min(G_TD, 4)
     S_GAP_N, G_GAP_N, G_GAP_D = S_RN * S_TC, G_RN * G_TR, G_RD * G_TC
-    # Flat shared arrays, row-major: Q, dO (BLOCK_M x LD), K, V (BLOCK_N x LD), P, dS (BLOCK_M x LP).
+    # With SPLIT > 1 each thread then sums the parts of E scores, runs of R keys of one query row.
+    E = BLOCK_M * BLOCK_N // NT
+    R = min(E, 4, BLOCK_N)
+    RUNS, RUNS_PER_ROW = E // R, BLOCK_N // R
+    ROWS = RUNS if SPLIT > 1 else S_TM                # query rows whose lse and delta a thread needs
+    # Flat shared arrays, row-major: Q, dO (BLOCK_M x LD), K, V (BLOCK_N x LD), P, dS and each part of S and dP
+    # (BLOCK_M x LP).
     LD, LP = padded_stride(DB), padded_stride(BLOCK_N)
     X_WORDS, KV_WORDS, P_WORDS = BLOCK_M * LD, BLOCK_N * LD, BLOCK_M * LP
+    PARTS_WORDS = SPLIT * P_WORDS if SPLIT > 1 else 1
     V4, ALIGN = FETCH_VECTOR, SMEM_ALIGN
-    D_STEP, M_STEP = product_steps(S_TM * S_TN, DB), product_steps(G_TN * G_TD, BLOCK_M, 1)
-    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI = has_left, has_right, softcap, alibi
-    HAS_BIAS, DROPOUT = has_bias, dropout
+    D_STEP, M_STEP = product_steps(S_TM * S_TN, DK), product_steps(G_TN * G_TD, BLOCK_M, 1)
+    HAS_LEFT, HAS_RIGHT, ALIBI, HAS_BIAS, DROPOUT = has_left, has_right, alibi, has_bias, dropout
     STORE = element_io(bf16)[1]
-    visible = make_visible(has_left, has_right)
     sees = make_visible(has_left, has_right, has_bias)   # also reads attn_bias, for the rare path
-    add_biases = make_biases(alibi, has_bias)
+    grads = make_score_grads(has_left, has_right, softcap, alibi, has_bias, dropout)
     load_bias = make_bias_tile(BLOCK_M, BLOCK_N, NT, False, LP)
     dropout_factors = make_dropout_tile(BLOCK_M, BLOCK_N, NT, LP)
     X_PASSES, KV_PASSES = tile_passes(BLOCK_M, DB, NT), tile_passes(BLOCK_N, DB, NT)
@@ -136,13 +145,17 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
         do_s = cuda.shared.array(X_WORDS, float32, alignment=ALIGN)
         p_s = cuda.shared.array(P_WORDS, float32, alignment=ALIGN)    # dropout's factors, then P times them
         ds_s = cuda.shared.array(P_WORDS, float32, alignment=ALIGN)   # attn_bias, then dS
+        s_parts = cuda.shared.array(PARTS_WORDS, float32, alignment=ALIGN)
+        dp_parts = cuda.shared.array(PARTS_WORDS, float32, alignment=ALIGN)
 
         dk_acc = cuda.local.array((G_TN, G_TD), float32)
         dv_acc = cuda.local.array((G_TN, G_TD), float32)
         s = cuda.local.array((S_TM, S_TN), float32)       # scores, then P
         dp = cuda.local.array((S_TM, S_TN), float32)      # dP, then dS
-        lse_i = cuda.local.array(S_TM, float32)           # log2 domain
-        delta_i = cuda.local.array(S_TM, float32)
+        lse_i = cuda.local.array(ROWS, float32)           # log2 domain
+        delta_i = cuda.local.array(ROWS, float32)
+        s_run = cuda.local.array(R, float32)
+        dp_run = cuda.local.array(R, float32)
         qa = cuda.local.array((S_TM, V4), float32)
         kb = cuda.local.array((S_TN, V4), float32)
         ga = cuda.local.array(G_TN, float32)
@@ -181,12 +194,16 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
         # dK/dV block: keys and head-dim columns in runs likewise; consecutive threads take consecutive column runs.
         # The bases of the shared-memory indices are unsigned 64-bit (see the forward kernel): the constant parts of
         # the unrolled offsets fold into the loads.
-        s_tr = t % S_TR
-        s_tc = t // S_TR
+        # With SPLIT > 1, thread t is thread tg of the group of part ks, whose columns start at ks * DK.
+        ks = t // GT
+        tg = t - ks * GT
+        s_tr = tg % S_TR
+        s_tc = tg // S_TR
         g_tc = t % G_TC
         g_tr = t // G_TC
-        q_row0, k_row0 = uint64(s_tr * LD), uint64(s_tc * S_RN * LD)
+        q_row0, k_row0 = uint64(s_tr * LD + ks * DK), uint64(s_tc * S_RN * LD + ks * DK)
         p_at0 = uint64(s_tr * LP + s_tc * S_RN)
+        part_at0 = uint64(ks * P_WORDS) + p_at0
         g_key0, g_col0 = uint64(g_tr * G_RN), uint64(g_tc * G_RD)
 
         for g in range(group):
@@ -215,8 +232,8 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                     load_bias(ds_s, bias_h, m0, n0, seqlen_q, seqlen_k, t)
                 if DROPOUT:    # P's buffer holds the factors until P times them overwrites them
                     dropout_factors(p_s, seed_lo, seed_hi, threshold, dscale, b + batch0, h, m0, n0, t)
-                for i in range(S_TM):
-                    row = m0 + s_tr + S_TR * i
+                for i in range(ROWS):
+                    row = m0 + ((t + NT * i) // RUNS_PER_ROW if SPLIT > 1 else s_tr + S_TR * i)
                     if row < seqlen_q:
                         lse_i[i] = lse[b, h, row] * float32(LOG2E)
                         delta_i[i] = delta[b, h, row]
@@ -226,12 +243,12 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                 # A Q or dO tile with an inf or NaN goes through the products that skip masked pairs.
                 x_nonfinite = cuda.syncthreads_or(int32(probe != probe))
 
-                # S = Q K^T and dP = dO V^T for this thread's block, 4 head-dim columns per load.
+                # S = Q K^T and dP = dO V^T for this thread's block (over its part's columns), 4 columns per load.
                 for i in range(S_TM):
                     for j in range(S_TN):
                         s[i, j] = float32(0.0)
                         dp[i, j] = float32(0.0)
-                for d0 in range(0, DB, D_STEP):
+                for d0 in range(0, DK, D_STEP):
                     q_d0, k_d0 = q_row0 + uint64(d0), k_row0 + uint64(d0)
                     for dd in range(0, D_STEP, V4):
                         for i in range(S_TM):
@@ -244,7 +261,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                             for i in range(S_TM):
                                 for j in range(S_TN):
                                     s[i, j] += qa[i, e] * kb[j, e]
-                for d0 in range(0, DB, D_STEP):
+                for d0 in range(0, DK, D_STEP):
                     q_d0, k_d0 = q_row0 + uint64(d0), k_row0 + uint64(d0)
                     for dd in range(0, D_STEP, V4):
                         for i in range(S_TM):
@@ -258,39 +275,49 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                                 for j in range(S_TN):
                                     dp[i, j] += qa[i, e] * kb[j, e]
 
-                # P and dS = P * (dP - delta) (times the softcap derivative); a masked pair gets 0 by a select: its
-                # dP may be NaN (a non-finite V or dO). A poisoned row has lse NaN, so its visible P and dS are NaN.
-                for i in range(S_TM):
-                    row = m0 + s_tr + S_TR * i
-                    for j in range(S_TN):
-                        col = n0 + s_tc * S_RN + (j // S_RN) * S_GAP_N + j % S_RN
-                        at = p_at0 + uint64(i * S_TR * LP + (j // S_RN) * S_GAP_N + j % S_RN)
-                        x = s[i, j] * qmult
-                        dcap = float32(1.0)
-                        if SOFTCAP:
-                            th = math.tanh(x)
-                            dcap = float32(1.0) - th * th
-                            x = capmult * th
-                        bias_value = ds_s[at] if HAS_BIAS else float32(0.0)
-                        x = add_biases(x, slope, row, col, offset, bias_value)
-                        ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h)
-                        if HAS_BIAS:
-                            ok = ok & (bias_value != float32(-math.inf))
-                        p = math.exp2(x - lse_i[i]) if ok else float32(0.0)
-                        if DROPOUT:   # dS = P (Z dP / (1 - p) - delta); dV takes P Z / (1 - p)
-                            kept = p * p_s[at]
-                            ds = (kept * dp[i, j] - p * delta_i[i]) * dcap
-                            p = kept
-                        else:
-                            ds = p * (dp[i, j] - delta_i[i]) * dcap
-                        s[i, j] = p
-                        dp[i, j] = ds if ok else float32(0.0)
-                # A run of columns is one 128-bit store.
-                for i in range(S_TM):
-                    for j in range(S_TN):
-                        at = p_at0 + uint64(i * S_TR * LP + (j // S_RN) * S_GAP_N + j % S_RN)
-                        p_s[at] = s[i, j]
-                        ds_s[at] = dp[i, j]
+                if SPLIT > 1:
+                    # Each part's block into its copy of the tile, then each thread sums the parts of its runs.
+                    for i in range(S_TM):
+                        for j in range(S_TN):
+                            at = part_at0 + uint64(i * S_TR * LP + (j // S_RN) * S_GAP_N + j % S_RN)
+                            s_parts[at] = s[i, j]
+                            dp_parts[at] = dp[i, j]
+                    cuda.syncthreads()
+                    for u in range(RUNS):
+                        m = (t + NT * u) // RUNS_PER_ROW
+                        n = (t + NT * u) % RUNS_PER_ROW * R
+                        at = uint64(m * LP + n)
+                        for e in range(R):
+                            s_run[e] = float32(0.0)
+                            dp_run[e] = float32(0.0)
+                        for kk in range(SPLIT):
+                            for e in range(R):
+                                s_run[e] += s_parts[uint64(kk * P_WORDS + e) + at]
+                                dp_run[e] += dp_parts[uint64(kk * P_WORDS + e) + at]
+                        for e in range(R):
+                            z = p_s[at + uint64(e)] if DROPOUT else float32(1.0)
+                            bias_value = ds_s[at + uint64(e)] if HAS_BIAS else float32(0.0)
+                            s_run[e], dp_run[e] = grads(s_run[e], dp_run[e], m0 + m, n0 + n + e, lse_i[u], delta_i[u],
+                                                        z, bias_value, slope, qmult, capmult, offset, seqlen_q,
+                                                        seqlen_k, window_left, window_right, bias_h)
+                        for e in range(R):   # a run is one 128-bit store
+                            p_s[at + uint64(e)] = s_run[e]
+                            ds_s[at + uint64(e)] = dp_run[e]
+                else:
+                    for i in range(S_TM):
+                        for j in range(S_TN):
+                            c = s_tc * S_RN + (j // S_RN) * S_GAP_N + j % S_RN
+                            at = p_at0 + uint64(i * S_TR * LP + (j // S_RN) * S_GAP_N + j % S_RN)
+                            z = p_s[at] if DROPOUT else float32(1.0)
+                            bias_value = ds_s[at] if HAS_BIAS else float32(0.0)
+                            s[i, j], dp[i, j] = grads(s[i, j], dp[i, j], m0 + s_tr + S_TR * i, n0 + c, lse_i[i],
+                                                      delta_i[i], z, bias_value, slope, qmult, capmult, offset,
+                                                      seqlen_q, seqlen_k, window_left, window_right, bias_h)
+                    for i in range(S_TM):   # a run of columns is one 128-bit store
+                        for j in range(S_TN):
+                            at = p_at0 + uint64(i * S_TR * LP + (j // S_RN) * S_GAP_N + j % S_RN)
+                            p_s[at] = s[i, j]
+                            ds_s[at] = dp[i, j]
                 cuda.syncthreads()
 
                 # dV += P^T dO and dK += dS^T Q (the softmax scale is applied once, at the end): one outer product

@@ -12,12 +12,12 @@ import math
 from typing import Any
 
 # numba.cuda at module level (not in the factories): see backward.py.
-from numba import cuda, float32, int32, uint64
+from numba import cuda, float32, int32, uint32, uint64
 
 from .config import FlashAttentionConfig, padded_stride
 from .dtypes import element_io
 from .forward import SMEM_ALIGN
-from .masks import LOG2E, bias_head, make_bias_tile, make_biases, make_dropout_tile, make_visible, nan_if_not_finite
+from .masks import LOG2E, bias_head, make_bias_tile, make_dropout_tile, make_score_grads, nan_if_not_finite
 from .tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
 
 
@@ -35,22 +35,28 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
     """
     BLOCK_M, BLOCK_N, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
     (S_TR, S_TC), (O_TR, O_TC) = checked_grids(cfg, cfg.out_grid)
+    SPLIT = cfg.score_split                           # as in the dK/dV kernel
+    GT, DK = NT // SPLIT, DB // SPLIT
     S_TM, S_TN = BLOCK_M // S_TR, BLOCK_N // S_TC     # score block: rows in runs, columns interleaved
     O_TM, O_TD = BLOCK_M // O_TR, DB // O_TC          # dQ block: rows and head-dim columns, both in runs
     S_RM, O_RM, O_RD = min(S_TM, 4), min(O_TM, 4), min(O_TD, 4)
     S_GAP_M, O_GAP_M, O_GAP_D = S_RM * S_TR, O_RM * O_TR, O_RD * O_TC
-    # Flat shared arrays, row-major: Q, dO (BLOCK_M x LD), K, V (BLOCK_N x LD); dS^T and dropout's factors
-    # (BLOCK_N x LM).
+    # With SPLIT > 1 each thread sums the parts of E scores, runs of R query rows of one key.
+    E = BLOCK_M * BLOCK_N // NT
+    R = min(E, 4, BLOCK_M)
+    RUNS, RUNS_PER_KEY = E // R, BLOCK_M // R
+    ROWS = R * RUNS if SPLIT > 1 else S_TM            # query rows whose lse and delta a thread needs
+    # Flat shared arrays, row-major: Q, dO (BLOCK_M x LD), K, V (BLOCK_N x LD); dS^T, dropout's factors and each
+    # part of S^T and dP^T (BLOCK_N x LM).
     LD, LM = padded_stride(DB), padded_stride(BLOCK_M)
     X_WORDS, KV_WORDS, T_WORDS = BLOCK_M * LD, BLOCK_N * LD, BLOCK_N * LM
+    PARTS_WORDS = SPLIT * T_WORDS if SPLIT > 1 else 1
     V4, ALIGN = FETCH_VECTOR, SMEM_ALIGN
-    D_STEP, N_STEP = product_steps(S_TM * S_TN, DB), product_steps(O_TM * O_TD, BLOCK_N, 1)
-    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI = has_left, has_right, softcap, alibi
-    HAS_BIAS, DROPOUT = has_bias, dropout
+    D_STEP, N_STEP = product_steps(S_TM * S_TN, DK), product_steps(O_TM * O_TD, BLOCK_N, 1)
+    HAS_LEFT, HAS_RIGHT, ALIBI, HAS_BIAS, DROPOUT = has_left, has_right, alibi, has_bias, dropout
     Z_WORDS = T_WORDS if dropout else 1
     STORE = element_io(bf16)[1]
-    visible = make_visible(has_left, has_right)
-    add_biases = make_biases(alibi, has_bias)
+    grads = make_score_grads(has_left, has_right, softcap, alibi, has_bias, dropout)
     load_bias = make_bias_tile(BLOCK_M, BLOCK_N, NT, True, LM)
     dropout_factors = make_dropout_tile(BLOCK_M, BLOCK_N, NT, LM, True)
     X_PASSES, KV_PASSES = tile_passes(BLOCK_M, DB, NT), tile_passes(BLOCK_N, DB, NT)
@@ -76,12 +82,16 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
         v_s = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
         ds_t = cuda.shared.array(T_WORDS, float32, alignment=ALIGN)   # attn_bias, then dS; key-major
         z_t = cuda.shared.array(Z_WORDS, float32, alignment=ALIGN)    # dropout's factors, key-major
+        s_parts = cuda.shared.array(PARTS_WORDS, float32, alignment=ALIGN)
+        dp_parts = cuda.shared.array(PARTS_WORDS, float32, alignment=ALIGN)
 
         acc = cuda.local.array((O_TM, O_TD), float32)
         s = cuda.local.array((S_TM, S_TN), float32)       # scores, then P
         dp = cuda.local.array((S_TM, S_TN), float32)      # dP, then dS
-        lse_i = cuda.local.array(S_TM, float32)           # log2 domain
-        delta_i = cuda.local.array(S_TM, float32)
+        lse_i = cuda.local.array(ROWS, float32)           # log2 domain
+        delta_i = cuda.local.array(ROWS, float32)
+        s_run = cuda.local.array(R, float32)
+        dp_run = cuda.local.array(R, float32)
         qa = cuda.local.array((S_TM, V4), float32)
         kb = cuda.local.array((S_TN, V4), float32)
         a_reg = cuda.local.array(O_TM, float32)
@@ -106,15 +116,22 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
         # Score block: rows in runs of S_RM, s_tr * S_RM + (i // S_RM) * S_GAP_M + i % S_RM; columns s_tc + S_TC * j;
         # consecutive threads take consecutive columns (keys). dQ block: rows and head-dim columns in runs;
         # consecutive threads take consecutive column runs. Unsigned 64-bit bases, as in the dK/dV kernel.
-        s_tc = t % S_TC
-        s_tr = t // S_TC
+        # With SPLIT > 1, thread t is thread tg of the group of part ks, whose columns start at ks * DK.
+        ks = t // GT
+        tg = t - ks * GT
+        s_tc = tg % S_TC
+        s_tr = tg // S_TC
         o_tc = t % O_TC
         o_tr = t // O_TC
-        q_row0, k_row0 = uint64(s_tr * S_RM * LD), uint64(s_tc * LD)
+        q_row0, k_row0 = uint64(s_tr * S_RM * LD + ks * DK), uint64(s_tc * LD + ks * DK)
         t_at0 = uint64(s_tc * LM + s_tr * S_RM)
+        part_at0 = uint64(ks * T_WORDS) + t_at0
         o_row0, o_col0 = uint64(o_tr * O_RM), uint64(o_tc * O_RD)
-        for i in range(S_TM):
-            row = m0 + s_tr * S_RM + (i // S_RM) * S_GAP_M + i % S_RM
+        for i in range(ROWS):
+            if SPLIT > 1:   # row e of run u: i = u * R + e
+                row = m0 + (t + NT * (i // R)) % RUNS_PER_KEY * R + i % R
+            else:
+                row = m0 + s_tr * S_RM + (i // S_RM) * S_GAP_M + i % S_RM
             if row < seqlen_q:
                 lse_i[i] = lse[b, h, row] * float32(LOG2E)
                 delta_i[i] = delta[b, h, row]
@@ -153,12 +170,12 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
             # A K tile with an inf or NaN goes through the product that skips masked pairs.
             k_nonfinite = cuda.syncthreads_or(int32(probe != probe))
 
-            # S = Q K^T and dP = dO V^T for this thread's block, 4 head-dim columns per load.
+            # S = Q K^T and dP = dO V^T for this thread's block (over its part's columns), 4 columns per load.
             for i in range(S_TM):
                 for j in range(S_TN):
                     s[i, j] = float32(0.0)
                     dp[i, j] = float32(0.0)
-            for d0 in range(0, DB, D_STEP):
+            for d0 in range(0, DK, D_STEP):
                 q_d0, k_d0 = q_row0 + uint64(d0), k_row0 + uint64(d0)
                 for dd in range(0, D_STEP, V4):
                     for i in range(S_TM):
@@ -171,7 +188,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                         for i in range(S_TM):
                             for j in range(S_TN):
                                 s[i, j] += qa[i, e] * kb[j, e]
-            for d0 in range(0, DB, D_STEP):
+            for d0 in range(0, DK, D_STEP):
                 q_d0, k_d0 = q_row0 + uint64(d0), k_row0 + uint64(d0)
                 for dd in range(0, D_STEP, V4):
                     for i in range(S_TM):
@@ -185,32 +202,46 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                             for j in range(S_TN):
                                 dp[i, j] += qa[i, e] * kb[j, e]
 
-            # dS = P * (dP - delta) times softcap's derivative, 0 for a masked pair by a select (its dP may be NaN).
-            for i in range(S_TM):
-                row = m0 + s_tr * S_RM + (i // S_RM) * S_GAP_M + i % S_RM
+            if SPLIT > 1:
+                # Each part's block into its copy of the tile, then each thread sums the parts of its runs.
                 for j in range(S_TN):
-                    col = n0 + s_tc + S_TC * j
-                    at = t_at0 + uint64(j * S_TC * LM + (i // S_RM) * S_GAP_M + i % S_RM)
-                    x = s[i, j] * qmult
-                    dcap = float32(1.0)
-                    if SOFTCAP:
-                        th = math.tanh(x)
-                        dcap = float32(1.0) - th * th
-                        x = capmult * th
-                    bias_value = ds_t[at] if HAS_BIAS else float32(0.0)
-                    x = add_biases(x, slope, row, col, offset, bias_value)
-                    ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h)
-                    if HAS_BIAS:
-                        ok = ok & (bias_value != float32(-math.inf))
-                    p = math.exp2(x - lse_i[i]) if ok else float32(0.0)
-                    dp_kept = dp[i, j]
-                    if DROPOUT:
-                        dp_kept *= z_t[at]
-                    dp[i, j] = p * (dp_kept - delta_i[i]) * dcap if ok else float32(0.0)
-            # Into dS^T key by key: a run of rows is one 128-bit store.
-            for j in range(S_TN):
+                    for i in range(S_TM):
+                        at = part_at0 + uint64(j * S_TC * LM + (i // S_RM) * S_GAP_M + i % S_RM)
+                        s_parts[at] = s[i, j]
+                        dp_parts[at] = dp[i, j]
+                cuda.syncthreads()
+                for u in range(RUNS):
+                    n = (t + NT * u) // RUNS_PER_KEY
+                    m = (t + NT * u) % RUNS_PER_KEY * R
+                    at = uint64(n * LM + m)
+                    for e in range(R):
+                        s_run[e] = float32(0.0)
+                        dp_run[e] = float32(0.0)
+                    for kk in range(SPLIT):
+                        for e in range(R):
+                            s_run[e] += s_parts[uint64(kk * T_WORDS + e) + at]
+                            dp_run[e] += dp_parts[uint64(kk * T_WORDS + e) + at]
+                    for e in range(R):
+                        z = z_t[at + uint64(e)] if DROPOUT else float32(1.0)
+                        bias_value = ds_t[at + uint64(e)] if HAS_BIAS else float32(0.0)
+                        dp_run[e] = grads(s_run[e], dp_run[e], m0 + m + e, n0 + n, lse_i[u * R + e],
+                                          delta_i[u * R + e], z, bias_value, slope, qmult, capmult, offset,
+                                          seqlen_q, seqlen_k, window_left, window_right, bias_h)[1]
+                    for e in range(R):   # a run is one 128-bit store
+                        ds_t[at + uint64(e)] = dp_run[e]
+            else:
                 for i in range(S_TM):
-                    ds_t[t_at0 + uint64(j * S_TC * LM + (i // S_RM) * S_GAP_M + i % S_RM)] = dp[i, j]
+                    row = m0 + s_tr * S_RM + (i // S_RM) * S_GAP_M + i % S_RM
+                    for j in range(S_TN):
+                        at = t_at0 + uint64(j * S_TC * LM + (i // S_RM) * S_GAP_M + i % S_RM)
+                        z = z_t[at] if DROPOUT else float32(1.0)
+                        bias_value = ds_t[at] if HAS_BIAS else float32(0.0)
+                        dp[i, j] = grads(s[i, j], dp[i, j], row, n0 + s_tc + S_TC * j, lse_i[i], delta_i[i], z,
+                                         bias_value, slope, qmult, capmult, offset, seqlen_q, seqlen_k, window_left,
+                                         window_right, bias_h)[1]
+                for j in range(S_TN):   # into dS^T key by key: a run of rows is one 128-bit store
+                    for i in range(S_TM):
+                        ds_t[t_at0 + uint64(j * S_TC * LM + (i // S_RM) * S_GAP_M + i % S_RM)] = dp[i, j]
             cuda.syncthreads()
 
             # dQ += dS K: one outer product of a column of dS (a row of dS^T) and a row of K per key.

@@ -147,9 +147,23 @@ class FlashAttentionConfig:
 
     # Thread grids of the products each kernel computes (see thread_grid).
     @property
+    def score_split(self) -> int:
+        """Parts the backward kernels cut the head dim of their score products (S, dP) into, each computed by its
+        own group of threads over the whole tile and summed through shared memory; 1 for the forward. A thread's
+        share of a tile too small for 4 x 4 blocks reads 4 words per 4 multiply-adds or worse (2 x 2 blocks at
+        D = 128, 1 x 1 at D = 256); split in ``s`` parts it owns an ``s`` times bigger block over ``D / s`` columns,
+        at the price of writing and re-reading the tile ``s`` times."""
+        share = self.block_m * self.block_n // self.threads
+        split = 1
+        if self.kernel != "forward" and share:
+            while share * split < 16 and self.head_dim_bucket // (2 * split) >= 8 and 2 * split <= self.threads:
+                split *= 2
+        return split
+
+    @property
     def score_grid(self) -> tuple[int, int] | None:
-        """(block_m x block_n) scores / probabilities / dP."""
-        return thread_grid(self.block_m, self.block_n, self.threads)
+        """(block_m x block_n) scores / probabilities / dP, over the threads of one part of ``score_split``."""
+        return thread_grid(self.block_m, self.block_n, self.threads // self.score_split)
 
     @property
     def out_grid(self) -> tuple[int, int] | None:
@@ -167,11 +181,12 @@ class FlashAttentionConfig:
         if self.kernel == "forward":      # Q^T, one K^T-then-V buffer, P^T, row max/sum/rescale
             k_t, v = db * transposed_stride(bn), bn * db
             return db * transposed_stride(bm) + max(k_t, v) + bn * bm + 3 * bm
-        ld = padded_stride(db)
-        if self.kernel == "backward_dkdv":  # K, V, Q and dO tiles; P and dS, query-major
-            return 2 * (bn + bm) * ld + 2 * bm * padded_stride(bn)
-        if self.kernel == "backward_dq":  # Q, dO, K and V tiles; dS key-major, and with dropout its factors
-            return 2 * (bm + bn) * ld + 2 * bn * padded_stride(bm)
+        ld, split = padded_stride(db), self.score_split
+        parts = split if split > 1 else 0
+        if self.kernel == "backward_dkdv":  # K, V, Q and dO tiles; P and dS, query-major, and their parts
+            return 2 * (bn + bm) * ld + 2 * (1 + parts) * bm * padded_stride(bn)
+        if self.kernel == "backward_dq":  # Q, dO, K and V tiles; dS, dropout's factors and the parts, key-major
+            return 2 * (bm + bn) * ld + 2 * (1 + parts) * bn * padded_stride(bm)
         raise ValueError(f"unknown kernel {self.kernel!r}")
 
     def smem_bytes(self) -> int:

@@ -18,9 +18,9 @@ The rule costs the kernels little in the common case and is exact in the rare on
 * ``attn_bias`` is one more mask and one more term: a -inf entry makes its pair masked (in ``visible``, so the
   rare paths above skip it too), any other entry is added to the score, where a +inf or NaN poisons the row.
 
-The helpers are ``inline="always"`` (see dtypes.py). numba gives an inlined helper's instructions the helper's own
-line numbers under the kernel's file, which the performance model cannot place in the kernel's loops: keep what
-runs in the hot loops small here (tanh stays in the kernels, see ``make_biases``).
+The helpers are ``inline="always"`` (see dtypes.py). The performance model counts an inlined helper's
+instructions with the kernel loop around them (lineinfo.py), but recovers trip counts from kernel lines only: a
+helper must not hold the loop a kernel's count depends on (it refuses such a loop).
 """
 
 from __future__ import annotations
@@ -160,11 +160,7 @@ def make_biases(alibi: bool, has_bias: bool) -> Any:
     ``-slope * |row + offset - col|``, ``slope`` being the head's slope times log2(e) and ``offset = seqlen_k -
     seqlen_q`` (flash-attn's bottom-right distance), then attn_bias's entry ``bias_value`` (from a
     ``make_bias_tile`` tile) times log2(e). They add nothing to the chain factor. A switch that is off is not
-    compiled at all; a -inf bias is the caller's to test: it masks.
-
-    Softcap stays written in each kernel: numba gives the instructions of an inlined helper the helper's own line
-    numbers, which the performance model cannot place in the kernel's loops, and tanh is too large a share of the
-    score loop to leave out of its figures."""
+    compiled at all; a -inf bias is the caller's to test: it masks."""
     ALIBI, HAS_BIAS = alibi, has_bias
 
     @cuda.jit(device=True, inline="always")
@@ -176,3 +172,42 @@ def make_biases(alibi: bool, has_bias: bool) -> Any:
         return x
 
     return add_biases
+
+
+@functools.lru_cache(maxsize=None)
+def make_score_grads(has_left: bool, has_right: bool, softcap: bool, alibi: bool, has_bias: bool,
+                     dropout: bool) -> Any:
+    """``grads(raw, dp, row, col, lse2, delta, z, bias_value, slope, qmult, capmult, offset, seqlen_q, seqlen_k,
+    window_left, window_right, bias_h) -> (p, ds)``: the backward's pipeline for one score of query ``row`` and key
+    ``col``, as both backward kernels run it. ``raw`` is the unscaled Q K^T, ``dp`` the dO V^T, ``lse2`` the row's
+    lse in log2 units, ``z`` dropout's factor (read only with ``dropout``) and ``bias_value`` the pair's attn_bias
+    (read only with ``has_bias``). ``p`` is the probability dV takes (times ``z`` with dropout); ``ds`` is
+    ``P (z dP - delta)`` times softcap's derivative, 0 for a masked pair by a select (its dP may be NaN: a
+    non-finite V or dO). A poisoned row has ``lse2`` NaN, so its visible P and dS are NaN."""
+    SOFTCAP, HAS_BIAS, DROPOUT = softcap, has_bias, dropout
+    visible = make_visible(has_left, has_right)
+    add_biases = make_biases(alibi, has_bias)
+
+    @cuda.jit(device=True, inline="always")
+    def grads(raw, dp, row, col, lse2, delta, z, bias_value, slope, qmult, capmult, offset, seqlen_q, seqlen_k,
+              window_left, window_right, bias_h):
+        x = raw * qmult
+        dcap = float32(1.0)
+        if SOFTCAP:
+            th = math.tanh(x)
+            dcap = float32(1.0) - th * th
+            x = capmult * th
+        x = add_biases(x, slope, row, col, offset, bias_value)
+        ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h)
+        if HAS_BIAS:
+            ok = ok & (bias_value != float32(-math.inf))
+        p = math.exp2(x - lse2) if ok else float32(0.0)
+        if DROPOUT:
+            kept = p * z
+            ds = (kept * dp - p * delta) * dcap
+            p = kept
+        else:
+            ds = p * (dp - delta) * dcap
+        return p, ds if ok else float32(0.0)
+
+    return grads
