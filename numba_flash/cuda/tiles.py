@@ -97,8 +97,10 @@ def make_tile_fetch(rows: int, head_dim_bucket: int, threads: int, bf16: bool, s
 
 #: Multiply-adds per thread in one iteration of a backward product loop: its steps are an inner loop that NVVM
 #: unrolls in full, so the steps' shared-memory offsets fold into their loads and numba's 64-bit loop control is
-#: paid once per iteration (see forward.py's SCORE_BODY_FMAS for the limit this stays under).
-BODY_FMAS = 128
+#: paid once per iteration. Measured (performance model): at 128 NVVM keeps the inner loop of 2 score steps of
+#: 64 multiply-adds, or 4 accumulator steps of 32, as a loop (about 12 instructions of control a step, and 23 an
+#: outer iteration); at 64 it unrolls them; 32 gains nothing more.
+BODY_FMAS = 64
 
 
 def product_steps(fmas_per_step: int, extent: int, multiple: int = FETCH_VECTOR) -> int:
