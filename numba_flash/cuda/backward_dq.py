@@ -39,6 +39,10 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
     GT, DK = NT // SPLIT, DB // SPLIT
     S_TM, S_TN = BLOCK_M // S_TR, BLOCK_N // S_TC     # score block: rows in runs, columns interleaved
     O_TM, O_TD = BLOCK_M // O_TR, DB // O_TC          # dQ block: rows and head-dim columns, both in runs
+    # The dQ product runs in A_SPLIT groups of AT threads, each over N_PART keys of a tile into its own dQ partial
+    # (config.accumulator_split).
+    A_SPLIT = cfg.accumulator_split
+    AT, N_PART = NT // A_SPLIT, BLOCK_N // A_SPLIT
     S_RM, O_RM, O_RD = min(S_TM, 4), min(O_TM, 4), min(O_TD, 4)
     S_GAP_M, O_GAP_M, O_GAP_D = S_RM * S_TR, O_RM * O_TR, O_RD * O_TC
     # With SPLIT > 1 each thread sums the parts of E scores, runs of R query rows of one key.
@@ -52,7 +56,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
     X_WORDS, KV_WORDS, T_WORDS = BLOCK_M * LD, BLOCK_N * LD, BLOCK_N * LM
     PARTS_WORDS = SPLIT * T_WORDS if SPLIT > 1 else 1
     V4, ALIGN = FETCH_VECTOR, SMEM_ALIGN
-    D_STEP, N_STEP = product_steps(S_TM * S_TN, DK), product_steps(O_TM * O_TD, BLOCK_N, 1)
+    D_STEP, N_STEP = product_steps(S_TM * S_TN, DK), product_steps(O_TM * O_TD, N_PART, 1)
     HAS_LEFT, HAS_RIGHT, ALIBI, HAS_BIAS, DROPOUT = has_left, has_right, alibi, has_bias, dropout
     Z_WORDS = T_WORDS if dropout else 1
     STORE = element_io(bf16)[1]
@@ -121,12 +125,13 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
         tg = t - ks * GT
         s_tc = tg % S_TC
         s_tr = tg // S_TC
-        o_tc = t % O_TC
-        o_tr = t // O_TC
+        ag = t // AT   # the dQ product's group: keys ag * N_PART .. of each tile
+        o_tc = (t - ag * AT) % O_TC
+        o_tr = (t - ag * AT) // O_TC
         q_row0, k_row0 = uint64(s_tr * S_RM * LD + ks * DK), uint64(s_tc * LD + ks * DK)
         t_at0 = uint64(s_tc * LM + s_tr * S_RM)
         part_at0 = uint64(ks * T_WORDS) + t_at0
-        o_row0, o_col0 = uint64(o_tr * O_RM), uint64(o_tc * O_RD)
+        o_row0, o_col0 = uint64(ag * N_PART * LM + o_tr * O_RM), uint64(ag * N_PART * LD + o_tc * O_RD)
         for i in range(ROWS):
             if SPLIT > 1:   # row e of run u: i = u * R + e
                 row = m0 + (t + NT * (i // R)) % RUNS_PER_KEY * R + i % R
@@ -249,14 +254,14 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                 # Rare: 0 * inf would carry a non-finite K element into rows that do not see its key. dS is 0
                 # exactly where a pair is skipped: masked pairs, and pairs of rows that do not see such a key (a row
                 # that sees one is poisoned, its dS NaN at every key it sees), where skipping adds nothing.
-                for n in range(BLOCK_N):
+                for n in range(N_PART):
                     for i in range(O_TM):
                         a = ds_t[uint64(n * LM) + o_row0 + uint64((i // O_RM) * O_GAP_M + i % O_RM)]
                         for j in range(O_TD):
                             x = acc[i, j] + a * k_s[uint64(n * LD) + o_col0 + uint64((j // O_RD) * O_GAP_D + j % O_RD)]
                             acc[i, j] = x if a != float32(0.0) else acc[i, j]
             else:
-                for nc in range(0, BLOCK_N, N_STEP):
+                for nc in range(0, N_PART, N_STEP):
                     t_n0, k_n0 = uint64(nc * LM) + o_row0, uint64(nc * LD) + o_col0
                     for nn in range(N_STEP):
                         for i in range(O_TM):
@@ -267,9 +272,22 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                             for j in range(O_TD):
                                 acc[i, j] += a_reg[i] * b_reg[j]
 
+        if A_SPLIT > 1:   # the second group's partial, through the K buffer (BLOCK_M x DB, row-major), to the first
+            cuda.syncthreads()
+            if ag == 1:
+                for i in range(O_TM):
+                    for j in range(O_TD):
+                        k_s[uint64(((o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM) * DB + o_tc * O_RD
+                                    + (j // O_RD) * O_GAP_D + j % O_RD))] = acc[i, j]
+            cuda.syncthreads()
+            if ag == 0:
+                for i in range(O_TM):
+                    for j in range(O_TD):
+                        acc[i, j] += k_s[uint64(((o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM) * DB + o_tc * O_RD
+                                                 + (j // O_RD) * O_GAP_D + j % O_RD))]
         for i in range(O_TM):
             row = m0 + o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM
-            if row < seqlen_q:
+            if row < seqlen_q and ag == 0:
                 for j in range(O_TD):
                     d = o_tc * O_RD + (j // O_RD) * O_GAP_D + j % O_RD
                     if d < head_dim:

@@ -166,9 +166,22 @@ class FlashAttentionConfig:
         return thread_grid(self.block_m, self.block_n, self.threads // self.score_split)
 
     @property
+    def accumulator_split(self) -> int:
+        """Groups the dQ kernel splits each key tile's keys between, each group keeping a whole dQ partial (summed
+        once, after the last tile, through the K tile's buffer); 1 for the other kernels. A thread's 8 x 4 block
+        reads 3 shared words per 32 multiply-adds, an 8 x 8 one 4 per 64. Two groups where a thread would own 32
+        accumulators and the K buffer holds a partial."""
+        bm, bn, db, nt = self.block_m, self.block_n, self.head_dim_bucket, self.threads
+        if (self.kernel == "backward_dq" and bm * db == 32 * nt and bn % 2 == 0 and nt % 2 == 0
+                and bm * db <= bn * padded_stride(db)):
+            return 2
+        return 1
+
+    @property
     def out_grid(self) -> tuple[int, int] | None:
-        """(block_m x D) output accumulator (forward) or dQ accumulator."""
-        return thread_grid(self.block_m, self.head_dim_bucket, self.threads)
+        """(block_m x D) output accumulator (forward) or dQ accumulator, over the threads of one group of
+        ``accumulator_split``."""
+        return thread_grid(self.block_m, self.head_dim_bucket, self.threads // self.accumulator_split)
 
     @property
     def kv_grid(self) -> tuple[int, int] | None:
@@ -196,7 +209,7 @@ class FlashAttentionConfig:
         """float32 accumulators each thread keeps in registers across the whole loop."""
         if self.kernel == "backward_dkdv":
             return 2 * self.block_n * self.head_dim_bucket // self.threads
-        return self.block_m * self.head_dim_bucket // self.threads
+        return self.block_m * self.head_dim_bucket * self.accumulator_split // self.threads
 
     def problems(self, smem_limit: int = STATIC_SMEM_LIMIT) -> list[str]:
         """Why this config cannot be compiled or run; empty when it can."""
