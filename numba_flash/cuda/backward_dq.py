@@ -64,8 +64,8 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
     load_bias = make_bias_tile(BLOCK_M, BLOCK_N, NT, True, LM)
     dropout_factors = make_dropout_tile(BLOCK_M, BLOCK_N, NT, LM, True)
     X_PASSES, KV_PASSES = tile_passes(BLOCK_M, DB, NT), tile_passes(BLOCK_N, DB, NT)
-    fetch_x = make_tile_fetch(BLOCK_M, DB, NT, bf16, LD, False)    # query side: Q, dO
-    fetch_kv = make_tile_fetch(BLOCK_N, DB, NT, bf16, LD, False)   # key side: K, V
+    fetch_x = make_tile_fetch(BLOCK_M, DB, NT, bf16, LD, False, True)    # query side: Q, dO
+    fetch_kv = make_tile_fetch(BLOCK_N, DB, NT, bf16, LD, False, True)   # key side: K, V
 
     def flash_dq_kernel(q, k, v, dout, lse, delta, dq, seqlen_q, seqlen_k, head_dim, group, window_left,
                         window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,

@@ -34,7 +34,7 @@ def tile_passes(rows: int, head_dim_bucket: int, threads: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def make_tile_fetch(rows: int, head_dim_bucket: int, threads: int, bf16: bool, stride: int,
-                    transposed: bool) -> Any:
+                    transposed: bool, clamped: bool = False) -> Any:
     """``fetch(vals, src, b, row0, h, seqlen, head_dim, mult, t, k) -> (at, ok)``: pass ``k`` of thread ``t`` of a
     copy of rows ``row0 .. row0 + rows - 1`` of head ``h`` of batch ``b`` from ``src`` (B, S, H, D), any strides,
     float32/float16 (int16 bfloat16 bits with ``bf16``), into a flat float32 shared array ``dst``. It fills the
@@ -58,7 +58,11 @@ def make_tile_fetch(rows: int, head_dim_bucket: int, threads: int, bf16: bool, s
     consecutive columns, so a warp's global reads of one row are contiguous, and with a stride of 4 times an odd
     number (``config.transposed_stride``) the 8 threads that share a 128-bit store write 8 different 16-byte
     pieces of the banks. Indices are unsigned 32-bit (numba wraps negative signed indices around, a compare and
-    select each); ``b``, ``row0``, ``h``, ``seqlen`` and ``head_dim`` must be non-negative."""
+    select each); ``b``, ``row0``, ``h``, ``seqlen`` and ``head_dim`` must be non-negative.
+
+    ``clamped`` (row-major only): every element is loaded, from its row and column clamped into the sequence and
+    the head dim (so ``seqlen`` and ``head_dim`` must be at least 1), and a select makes it 0 outside them. Under
+    a branch per element, ptxas reloads the column stride from constant memory for each load."""
     V, DB, NT, STRIDE, TRANSPOSED = FETCH_VECTOR, head_dim_bucket, threads, stride, transposed
     GROUPS = rows * DB // V
     RAGGED = GROUPS % NT != 0          # the last pass has fewer groups than threads
@@ -71,6 +75,21 @@ def make_tile_fetch(rows: int, head_dim_bucket: int, threads: int, bf16: bool, s
         if row < seqlen and d < head_dim:
             x = LOAD(src[b, row, h, d]) * mult
         return x
+
+    @cuda.jit(device=True, inline="always")
+    def fetch_clamped(vals, src, b, row0, h, seqlen, head_dim, mult, t, k):
+        b_u, h_u, seqlen_u, head_dim_u = uint32(b), uint32(h), uint32(seqlen), uint32(head_dim)
+        g = uint32(t + k * NT)
+        d = uint32(uint32(g % uint32(PER_ROW)) * uint32(V))
+        r = uint32(g // uint32(PER_ROW))
+        row = uint32(uint32(row0) + r)
+        inside = row < seqlen_u
+        row_c = min(row, uint32(seqlen_u - uint32(1)))
+        for e in range(V):
+            d_e = uint32(d + uint32(e))
+            x = LOAD(src[b_u, row_c, h_u, min(d_e, uint32(head_dim_u - uint32(1)))]) * mult
+            vals[e] = x if inside & (d_e < head_dim_u) else float32(0.0)
+        return uint64(r * uint32(STRIDE) + d), not RAGGED or g < uint32(GROUPS)
 
     @cuda.jit(device=True, inline="always")
     def fetch(vals, src, b, row0, h, seqlen, head_dim, mult, t, k):
@@ -92,7 +111,9 @@ def make_tile_fetch(rows: int, head_dim_bucket: int, threads: int, bf16: bool, s
             at = uint32(r * uint32(STRIDE) + d)
         return uint64(at), not RAGGED or g < uint32(GROUPS)
 
-    return fetch
+    if clamped and transposed:
+        raise ValueError("make_tile_fetch: clamped loads are row-major only")
+    return fetch_clamped if clamped else fetch
 
 
 #: Multiply-adds per thread in one iteration of a backward product loop: its steps are an inner loop that NVVM
