@@ -149,13 +149,13 @@ class FlashAttentionConfig:
     @property
     def score_split(self) -> int:
         """Parts the backward kernels cut the head dim of their score products (S, dP) into, each computed by its
-        own group of threads over the whole tile and summed through shared memory; 1 for the forward. A thread's
+        own group of threads over the whole tile and summed through shared memory; 1 for the other kernels. A thread's
         share of a tile too small for 4 x 4 blocks reads 4 words per 4 multiply-adds or worse (2 x 2 blocks at
         D = 128, 1 x 1 at D = 256); split in ``s`` parts it owns an ``s`` times bigger block over ``D / s`` columns,
         at the price of writing and re-reading the tile ``s`` times."""
         share = self.block_m * self.block_n // self.threads
         split = 1
-        if self.kernel != "forward" and share:
+        if self.kernel in ("backward_dkdv", "backward_dq") and share:
             while share * split < 16 and self.head_dim_bucket // (2 * split) >= 8 and 2 * split <= self.threads:
                 split *= 2
         return split
