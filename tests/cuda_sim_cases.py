@@ -10,8 +10,13 @@ import numpy as np
 from backends import backend_registry
 from numba_flash.cuda import tile_config_override
 
-#: 8 x 8 tiles of 16 threads: the simulator runs one Python thread per CUDA thread.
+#: 8 x 8 tiles of 16 threads: the simulator runs one Python thread per CUDA thread. The backward kernels split
+#: their score products over these (config.FlashAttentionConfig.score_split).
 TILES = dict(block_m=8, block_n=8, threads=16)
+#: The same tiles over 4 threads, each owning a whole 4 x 4 score block: the backward's path without the split.
+WHOLE_BLOCK_TILES = dict(block_m=8, block_n=8, threads=4)
+#: Both, for tests of the backward's variants: ids and tile sizes.
+BACKWARD_TILES = {"split": TILES, "whole": WHOLE_BLOCK_TILES}
 
 
 def random_inputs(rng, b, sq, sk, hq, hkv, d, dtype=np.float32):
@@ -22,9 +27,10 @@ def random_inputs(rng, b, sq, sk, hq, hkv, d, dtype=np.float32):
     return q, k, v, rng.standard_normal(q.shape).astype(dtype)
 
 
-def forward_backward(q, k, v, dout, **kw):
-    """(out, lse, dq, dk, dv) of the cuda backend with ``TILES``, the backward given the forward's out and lse."""
-    with tile_config_override(**TILES):
+def forward_backward(q, k, v, dout, tiles=None, **kw):
+    """(out, lse, dq, dk, dv) of the cuda backend with ``tiles`` (default ``TILES``), the backward given the
+    forward's out and lse."""
+    with tile_config_override(**(tiles or TILES)):
         op = backend_registry.get("flash", backend="cuda")
         out, lse = op.forward(q, k, v, return_lse=True, **kw)
         return (out, lse) + tuple(op.backward(dout, q, k, v, out, lse, **kw))

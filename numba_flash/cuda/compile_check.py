@@ -9,6 +9,9 @@ its verbose log gives registers, spills, stack and shared memory per kernel.
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -162,11 +165,17 @@ def _int(pattern: str, log: str) -> int:
 def kernel_ptx(kernel: str, cfg: FlashAttentionConfig | None, dtype: str, cc: tuple[int, int],
                flags: tuple[bool, ...] = (True,) * 6, lineinfo: bool = False) -> str:
     """PTX of one kernel specialisation for compute capability ``cc`` (types and lowers it: typing errors show).
-    ``lineinfo`` adds source-line directives (for the performance model); the code is the same."""
+    ``lineinfo`` adds source-line directives (for the performance model), with inlined helpers' lines in their own
+    files (``lineinfo.helper_lines_in_their_files``); the code is the same."""
+    import contextlib
+
     from numba import cuda
 
-    ptx, _ = cuda.compile_ptx(python_kernel(kernel, cfg, dtype, flags), kernel_signature(kernel, dtype), cc=cc,
-                              lineinfo=lineinfo)
+    from .lineinfo import helper_lines_in_their_files
+
+    with helper_lines_in_their_files() if lineinfo else contextlib.nullcontext():
+        ptx, _ = cuda.compile_ptx(python_kernel(kernel, cfg, dtype, flags), kernel_signature(kernel, dtype),
+                                  cc=cc, lineinfo=lineinfo)
     return ptx
 
 
@@ -211,7 +220,8 @@ def toolchain_ccs() -> tuple[tuple[int, int], ...]:
     return COMPUTE_CAPABILITIES if major >= 13 else ((7, 0),) + COMPUTE_CAPABILITIES
 
 
-def check_all(progress: Any = None, ccs: tuple[tuple[int, int], ...] | None = None) -> list[KernelResources]:
+def check_all(progress: Any = None, ccs: tuple[tuple[int, int], ...] | None = None,
+              workers: int | None = None) -> list[KernelResources]:
     """Every (compute capability, dtype, tile config) the picker produces, plus the kernels without a tile config
     (the backward's delta pre-pass, decoding's split merge); bfloat16 only
     for compute capabilities it is offered on (``config.MIN_COMPUTE_CAPABILITY``). ``ccs`` narrows the targets
@@ -219,7 +229,8 @@ def check_all(progress: Any = None, ccs: tuple[tuple[int, int], ...] | None = No
 
     numba lowers each specialisation to PTX once, for the lowest compute capability that has that config (that
     is most of the time: numba's front end is the slow part); nvJitLink then assembles that PTX for every target
-    that uses the config, which is how a driver runs sm_75 PTX on an sm_90 GPU.
+    that uses the config, which is how a driver runs sm_75 PTX on an sm_90 GPU. ``workers`` processes share the
+    specialisations (default: one per CPU core; 1 compiles in this process).
     """
     ccs = tuple(ccs) if ccs else COMPUTE_CAPABILITIES
     missing = [cc for cc in ccs if cc not in toolchain_ccs()]
@@ -235,20 +246,37 @@ def check_all(progress: Any = None, ccs: tuple[tuple[int, int], ...] | None = No
         for dtype in sorted({dt for c, dt, _ in configs if c == cc}):
             for kernel in UNTILED_THREADS:
                 targets.setdefault((kernel, dtype, None), []).append(cc)
-            targets.setdefault(("backward_delta", dtype, None), []).append(cc)
     for cc, dtype, cfg in tensor_core_configs(ccs):
         for kernel in TC_COPY_PATHS:
             if kernel.startswith(cfg.kernel):
                 targets.setdefault((kernel, dtype, cfg), []).append(cc)
+    jobs = [(kernel, cfg, dtype, tuple(sorted(target_ccs))) for (kernel, dtype, cfg), target_ccs in targets.items()]
+    workers = min(len(jobs), workers or os.cpu_count() or 1)
+    if workers <= 1:
+        done = map(_compile_for_targets, jobs)
+    else:
+        # Each specialisation lowers and assembles on its own: one fresh process per core (spawned, not forked:
+        # NVVM's and numba's state are not fork-safe promises), results in the jobs' order.
+        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        done = pool.map(_compile_for_targets, jobs)
     results = []
-    for (kernel, dtype, cfg), target_ccs in targets.items():
-        target_ccs = sorted(target_ccs)
-        ptx = kernel_ptx(kernel, cfg, dtype, target_ccs[0])
-        for cc in target_ccs:
-            results.append(assemble(ptx, kernel, cfg, dtype, cc))
-            if progress:
-                progress(results[-1])
+    try:
+        for rows in done:
+            for row in rows:
+                results.append(row)
+                if progress:
+                    progress(row)
+    finally:
+        if workers > 1:
+            pool.shutdown()
     return results
+
+
+def _compile_for_targets(job: tuple) -> list[KernelResources]:
+    """One specialisation lowered to PTX once, for the lowest target, and assembled for each target."""
+    kernel, cfg, dtype, target_ccs = job
+    ptx = kernel_ptx(kernel, cfg, dtype, target_ccs[0])
+    return [assemble(ptx, kernel, cfg, dtype, cc) for cc in target_ccs]
 
 
 def tensor_core_configs(ccs: tuple[tuple[int, int], ...] = COMPUTE_CAPABILITIES,

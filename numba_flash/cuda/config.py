@@ -1,9 +1,9 @@
 """Tile configurations of the CUDA kernels: what each kernel keeps in shared memory, and the picker.
 
 Every kernel stages its tiles in float32 shared memory (float16 and bfloat16 inputs are widened on load, so one
-config serves every dtype). The backward kernels pad each row by one word, which keeps the column walks of their
-register-blocked products free of bank conflicts; the forward kernel keeps Q and K transposed (d-major) and reads
-four consecutive words per 128-bit load, so its rows keep a multiple of 4 words (``transposed_stride``). Static
+config serves every dtype), and reads four consecutive words per 128-bit load, so every row keeps a multiple of 4
+words, padded by 4 (``padded_stride``): the forward keeps Q and K transposed (d-major), the backward kernels keep
+every tile row-major and read along the head dim (see backward.py). Static
 shared memory is limited to 48 KiB per block on every NVIDIA GPU numba-cuda targets; dynamic shared memory above
 that needs a per-kernel attribute numba does not set, so the picker stays under 48 KiB.
 
@@ -67,13 +67,15 @@ TRANSPOSED_PAD = 4
 # threads, not 128: a thread then owns 8 x 8 accumulators (not 8 x 4) and an 8 x 4 or 4 x 4 score block (not 4 x 4
 # or 4 x 2), so it reads 0.25 shared-memory words per multiply-add of P V (not 0.375) and 0.375 or 0.5 of Q K^T
 # (not 0.5 or 0.75); shared-memory bandwidth is what bounds it on sm_90 otherwise (performance model). Tiles big
-# enough to give 128 threads such blocks do not fit 48 KiB.
+# enough to give 128 threads such blocks do not fit 48 KiB. The backward kernels keep Q, dO, K and V resident
+# (row-major, padded) and from D = 64 on run 64 threads too: 32 x 32 tiles give each thread a 4 x 4 score block and
+# an 8 x 4 block of each of dK, dV (or of dQ); at D = 128 and 256 only 16 x 16 and 8 x 8 tiles fit 48 KiB.
 _PREFERRED: dict[str, dict[int, tuple[int, int, int]]] = {
     "forward": {16: (64, 64, 128), 32: (64, 64, 128), 64: (64, 32, 64), 128: (32, 32, 64), 256: (32, 8, 128)},
-    "backward_dkdv": {16: (32, 64, 128), 32: (32, 64, 128), 64: (32, 32, 128), 128: (16, 32, 128),
-                      256: (8, 16, 128)},
-    "backward_dq": {16: (64, 64, 128), 32: (64, 64, 128), 64: (32, 64, 128), 128: (32, 16, 128),
-                    256: (16, 8, 128)},
+    "backward_dkdv": {16: (32, 64, 128), 32: (32, 64, 128), 64: (32, 32, 64), 128: (16, 16, 64),
+                      256: (8, 8, 64)},
+    "backward_dq": {16: (64, 32, 128), 32: (64, 32, 128), 64: (32, 32, 64), 128: (16, 16, 64),
+                    256: (8, 8, 64)},
     # Decoding (decode.py): block_m is query rows of one kv head's group (Hq / Hkv heads x Sq rows, 1 to 8 in a
     # typical decoding step), so it stays small; block_n keys of K or V in one shared buffer, as long as 48 KiB
     # allows, so that each barrier-separated step of the tile loop moves a good piece of the cache.
@@ -123,14 +125,22 @@ def head_dim_bucket(head_dim: int) -> int:
     raise AttentionInputError(f"q: expected head dim D between 1 and {HEAD_DIM_BUCKETS[-1]}, got D={head_dim}")
 
 
+def padded_stride(words: int) -> int:
+    """Stride, in words, of a shared-memory row holding ``words`` values that threads read 4 at a time.
+
+    4 words of padding make the stride 4 times an odd number once ``words`` is a multiple of 32, so 8 threads
+    reading 16 bytes each from 8 consecutive rows at one column touch 8 different 16-byte pieces of the banks (no
+    conflict). Rows of 8 stay unpadded: padding them would grow them by half, the margin that keeps D = 256 under
+    48 KiB."""
+    return words + TRANSPOSED_PAD if words >= 16 else words
+
+
 def transposed_stride(rows: int) -> int:
     """Row stride, in words, of the transposed (D x rows) shared copy of a (rows x D) tile.
 
-    The loader's stores are conflict-free for any stride (``tiles.lane_rows``), but a stride that is a multiple of
-    32 makes one warp cover 32 rows of a single column, one 4-byte read per input row; 4 words of padding let it
-    cover 4 rows x 8 columns, 32 bytes per row. Tiles of 8 rows stay unpadded (8 rows x 4 columns, 16 bytes per
-    row): padding them would grow them by half, the margin that keeps D = 256 under 48 KiB."""
-    return rows + TRANSPOSED_PAD if rows >= 16 else rows
+    A stride that is a multiple of 32 makes one warp's fetch cover 32 rows of a single column, one 4-byte read per
+    input row; 4 words of padding let it cover 4 rows x 8 columns, 32 bytes per row (``padded_stride``)."""
+    return padded_stride(rows)
 
 
 def thread_grid(rows: int, cols: int, threads: int) -> tuple[int, int] | None:
@@ -168,14 +178,41 @@ class FlashAttentionConfig:
 
     # Thread grids of the products each kernel computes (see thread_grid).
     @property
+    def score_split(self) -> int:
+        """Parts the backward kernels cut the head dim of their score products (S, dP) into, each computed by its
+        own group of threads over the whole tile and summed through shared memory; 1 for the other kernels. A thread's
+        share of a tile too small for 4 x 4 blocks reads 4 words per 4 multiply-adds or worse (2 x 2 blocks at
+        D = 128, 1 x 1 at D = 256); split in ``s`` parts it owns an ``s`` times bigger block over ``D / s`` columns,
+        at the price of writing and re-reading the tile ``s`` times."""
+        share = self.block_m * self.block_n // self.threads
+        split = 1
+        if self.kernel in ("backward_dkdv", "backward_dq") and share:
+            while share * split < 16 and self.head_dim_bucket // (2 * split) >= 8 and 2 * split <= self.threads:
+                split *= 2
+        return split
+
+    @property
     def score_grid(self) -> tuple[int, int] | None:
-        """(block_m x block_n) scores / probabilities / dP."""
-        return thread_grid(self.block_m, self.block_n, self.threads)
+        """(block_m x block_n) scores / probabilities / dP, over the threads of one part of ``score_split``."""
+        return thread_grid(self.block_m, self.block_n, self.threads // self.score_split)
+
+    @property
+    def accumulator_split(self) -> int:
+        """Groups the dQ kernel splits each key tile's keys between, each group keeping a whole dQ partial (summed
+        once, after the last tile, through the K tile's buffer); 1 for the other kernels. A thread's 8 x 4 block
+        reads 3 shared words per 32 multiply-adds, an 8 x 8 one 4 per 64. Two groups where a thread would own 32
+        accumulators and the K buffer holds a partial."""
+        bm, bn, db, nt = self.block_m, self.block_n, self.head_dim_bucket, self.threads
+        if (self.kernel == "backward_dq" and bm * db == 32 * nt and bn % 2 == 0 and nt % 2 == 0
+                and bm * db <= bn * padded_stride(db)):
+            return 2
+        return 1
 
     @property
     def out_grid(self) -> tuple[int, int] | None:
-        """(block_m x D) output accumulator (forward) or dQ accumulator."""
-        return thread_grid(self.block_m, self.head_dim_bucket, self.threads)
+        """(block_m x D) output accumulator (forward) or dQ accumulator, over the threads of one group of
+        ``accumulator_split``."""
+        return thread_grid(self.block_m, self.head_dim_bucket, self.threads // self.accumulator_split)
 
     @property
     def kv_grid(self) -> tuple[int, int] | None:
@@ -203,15 +240,17 @@ class FlashAttentionConfig:
         if self.tensor_cores:    # 16-bit elements: K, then V sharing Q's rows (or Q apart when it stays there)
             elements = (bn + max(bm, bn)) * db if self.q_in_registers else (bm + 2 * bn) * db
             return -(-elements // 2)
-        ld, ldp = db + 1, bn + 1
         if self.kernel == "forward":      # Q^T, one K^T-then-V buffer, P^T, row max/sum/rescale
             k_t, v = db * transposed_stride(bn), bn * db
             return db * transposed_stride(bm) + max(k_t, v) + bn * bm + 3 * bm
-        if self.kernel == "backward_dkdv":  # K and V tiles, one Q-then-dO-then-Q tile, P and dS, lse and delta
-            return 2 * bn * ld + bm * ld + 2 * bm * ldp + 2 * bm
-        if self.kernel == "backward_dq":  # Q and dO tiles, one K-then-V-then-K tile, dS
-            return 2 * bm * ld + bn * ld + bm * ldp
+        ld, split = padded_stride(db), self.score_split
+        parts = split if split > 1 else 0
+        if self.kernel == "backward_dkdv":  # K, V, Q and dO tiles; P and dS, query-major, and their parts
+            return 2 * (bn + bm) * ld + 2 * (1 + parts) * bm * padded_stride(bn)
+        if self.kernel == "backward_dq":  # Q, dO, K and V tiles; dS, dropout's factors and the parts, key-major
+            return 2 * (bm + bn) * ld + 2 * (1 + parts) * bn * padded_stride(bm)
         if self.kernel == "decode":  # Q, accumulator, one K-then-V tile, P, a word per thread, 4 per row, 2 per key
+            ld, ldp = db + 1, bn + 1
             return bm * ld + bm * db + bn * ld + bm * ldp + self.threads + 4 * bm + 2 * bn
         raise ValueError(f"unknown kernel {self.kernel!r}")
 
@@ -224,7 +263,7 @@ class FlashAttentionConfig:
             return 2 * self.block_n * self.head_dim_bucket // self.threads
         if self.kernel == "decode":   # its accumulators live in shared memory (decode.py says why)
             return 0
-        return self.block_m * self.head_dim_bucket // self.threads
+        return self.block_m * self.head_dim_bucket * self.accumulator_split // self.threads
 
     def problems(self, smem_limit: int = STATIC_SMEM_LIMIT) -> list[str]:
         """Why this config cannot be compiled or run; empty when it can."""

@@ -22,7 +22,7 @@ import numpy as np
 from numba_flash.errors import AttentionInputError
 
 from . import selfcheck
-from .backward import make_delta_kernel, make_dkdv_kernel, make_dq_kernel
+from .backward import DELTA_ROWS_PER_BLOCK, make_delta_kernel, make_dkdv_kernel, make_dq_kernel
 from .config import (STATIC_SMEM_LIMIT, TC_BACKWARD_MAX_HEAD_DIM, TC_DTYPES, TC_MIN_COMPUTE_CAPABILITY,
                      FlashAttentionConfig, TileOverride, active_override, storage_dtype, tile_config_for)
 from .decode import MERGE_THREADS, make_decode_kernel, make_split_merge_kernel
@@ -209,8 +209,8 @@ def launch_delta(dout: Any, out: Any, delta: Any, *, bf16: bool, stream: Any = 0
     """Launch the backward's delta pre-pass: delta (B, Hq, Sq) = rowsum(dout * out), dout and out (B, Sq, Hq, D)."""
     batch, sq, hq, d = dout.shape
     rows = batch * hq * sq
-    threads = 128
-    make_delta_kernel(bf16)[math.ceil(rows / threads), threads, stream](dout, out, delta, sq, hq, d, rows)
+    blocks = math.ceil(rows / DELTA_ROWS_PER_BLOCK)   # a warp per row
+    make_delta_kernel(bf16)[blocks, 32 * DELTA_ROWS_PER_BLOCK, stream](dout, out, delta, sq, hq, d, rows)
 
 
 def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dk: Any,

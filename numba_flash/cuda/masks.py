@@ -18,10 +18,9 @@ The rule costs the kernels little in the common case and is exact in the rare on
 * ``attn_bias`` is one more mask and one more term: a -inf entry makes its pair masked (in ``visible``, so the
   rare paths above skip it too), any other entry is added to the score, where a +inf or NaN poisons the row.
 
-The helpers are ``inline="always"`` (see dtypes.py). numba gives an inlined helper's instructions the helper's own
-line numbers under the kernel's file, which the performance model cannot place in the kernel's loops: keep what
-runs in the hot loops small here (tanh stays in the kernels, see ``make_biases``). ``make_key_rows_product``'s
-loops run only on the rare path, which the model does not count.
+The helpers are ``inline="always"`` (see dtypes.py). The performance model counts an inlined helper's
+instructions with the kernel loop around them (lineinfo.py), but recovers trip counts from kernel lines only: a
+helper must not hold the loop a kernel's count depends on (it refuses such a loop).
 """
 
 from __future__ import annotations
@@ -101,21 +100,25 @@ def dropout_factor(seed_lo, seed_hi, threshold, scale, b, h, row, col):
 
 
 @functools.lru_cache(maxsize=None)
-def make_dropout_tile(block_m: int, block_n: int, threads: int, multiply: bool) -> Any:
+def make_dropout_tile(block_m: int, block_n: int, threads: int, ld: int, transposed: bool = False) -> Any:
     """``fill(tile, seed_lo, seed_hi, threshold, scale, b, h, m0, n0, t)``: dropout's factors (``dropout_factor``)
-    of query rows ``m0 ..`` and keys ``n0 ..`` into the shared ``tile[r, c]`` (block_m x block_n), or with
-    ``multiply`` into what the tile holds, by the block's ``threads`` threads. A cooperative pass of its own: Philox
-    written into the unrolled score loops makes them too large to unroll, and their register blocks go to the
-    stack."""
-    BM, BN, NT, MULTIPLY = block_m, block_n, threads, multiply
+    of query rows ``m0 ..`` and keys ``n0 ..`` into the flat shared ``tile``, entry (r, c) at ``r * ld + c`` (or
+    with ``transposed`` at ``c * ld + r``), by the block's ``threads`` threads. A cooperative pass of its own:
+    Philox written into the unrolled score loops makes them too large to unroll, and their register blocks go to
+    the stack."""
+    BM, BN, NT, LD, TRANSPOSED = block_m, block_n, threads, ld, transposed
 
     @cuda.jit(device=True, inline="always")
     def fill(tile, seed_lo, seed_hi, threshold, scale, b, h, m0, n0, t):
         for e in range(t, BM * BN, NT):
-            c = e % BN
-            r = e // BN
-            z = dropout_factor(seed_lo, seed_hi, threshold, scale, b, h, m0 + r, n0 + c)
-            tile[r, c] = tile[r, c] * z if MULTIPLY else z
+            if TRANSPOSED:   # consecutive threads on consecutive rows: no bank conflict
+                r = e % BM
+                c = e // BM
+                tile[c * LD + r] = dropout_factor(seed_lo, seed_hi, threshold, scale, b, h, m0 + r, n0 + c)
+            else:
+                c = e % BN
+                r = e // BN
+                tile[r * LD + c] = dropout_factor(seed_lo, seed_hi, threshold, scale, b, h, m0 + r, n0 + c)
 
     return fill
 
@@ -125,9 +128,10 @@ def make_bias_tile(block_m: int, block_n: int, threads: int, transposed: bool, l
     """``load(tile, bias_h, m0, n0, seqlen_q, seqlen_k, t)``: the attn_bias of query rows ``m0 ..`` and keys
     ``n0 ..`` (a ``bias_head`` slab) into a (block_m x block_n) shared tile, 0 past the sequences, by the block's
     ``threads`` threads (``t``: this one). The kernels read it where they form the scores (an entry's address
-    there is a constant offset, where the bias's own is a product of four indices and strides). ``transposed``:
-    ``tile`` is flat, entry (r, c) at ``c * ld + r``, consecutive threads on consecutive rows (no bank conflict);
-    else ``tile[r, c]``, consecutive threads on consecutive keys (coalesced reads of a row-major bias)."""
+    there is a constant offset, where the bias's own is a product of four indices and strides). ``tile`` is flat:
+    with ``transposed`` entry (r, c) is at ``c * ld + r``, consecutive threads on consecutive rows (no bank
+    conflict); else at ``r * ld + c``, consecutive threads on consecutive keys (coalesced reads of a row-major
+    bias)."""
     BM, BN, NT, LD = block_m, block_n, threads, ld
 
     @cuda.jit(device=True, inline="always")
@@ -144,7 +148,7 @@ def make_bias_tile(block_m: int, block_n: int, threads: int, transposed: bool, l
             c = e % BN
             r = e // BN
             inside = (m0 + r < seqlen_q) & (n0 + c < seqlen_k)
-            tile[r, c] = bias_at(bias_h, m0 + r, n0 + c) if inside else float32(0.0)
+            tile[r * LD + c] = bias_at(bias_h, m0 + r, n0 + c) if inside else float32(0.0)
 
     return load_transposed if transposed else load
 
@@ -156,11 +160,7 @@ def make_biases(alibi: bool, has_bias: bool) -> Any:
     ``-slope * |row + offset - col|``, ``slope`` being the head's slope times log2(e) and ``offset = seqlen_k -
     seqlen_q`` (flash-attn's bottom-right distance), then attn_bias's entry ``bias_value`` (from a
     ``make_bias_tile`` tile) times log2(e). They add nothing to the chain factor. A switch that is off is not
-    compiled at all; a -inf bias is the caller's to test: it masks.
-
-    Softcap stays written in each kernel: numba gives the instructions of an inlined helper the helper's own line
-    numbers, which the performance model cannot place in the kernel's loops, and tanh is too large a share of the
-    score loop to leave out of its figures."""
+    compiled at all; a -inf bias is the caller's to test: it masks."""
     ALIBI, HAS_BIAS = alibi, has_bias
 
     @cuda.jit(device=True, inline="always")
@@ -175,26 +175,39 @@ def make_biases(alibi: bool, has_bias: bool) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def make_key_rows_product(block_m: int, rows: int, cols: int, row_step: int, col_step: int, has_left: bool,
-                          has_right: bool, has_bias: bool = False) -> Any:
-    """``add(acc, a_s, b_s, m0, n0, key0, col0, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h)``:
-    the dK/dV kernel's product ``acc[i, j] += sum_m a_s[m, key_i] * b_s[m, col0 + col_step * j]`` over the tile's
-    ``block_m`` query rows (query ``m0 + m``), with ``key_i = key0 + row_step * i`` (key ``n0 + key_i``), taking only
-    the pairs where the query sees the key (``make_visible``). For a tile ``b_s`` (dO or Q) that holds a non-finite
-    value: the plain product would add its ``0 * x`` to keys no query of that row sees. ``acc`` is (rows, cols)
-    float32."""
-    BM, ROWS, COLS, ROW_STEP, COL_STEP = block_m, rows, cols, row_step, col_step
-    visible = make_visible(has_left, has_right, has_bias)
+def make_score_grads(has_left: bool, has_right: bool, softcap: bool, alibi: bool, has_bias: bool,
+                     dropout: bool) -> Any:
+    """``grads(raw, dp, row, col, lse2, delta, z, bias_value, slope, qmult, capmult, offset, seqlen_q, seqlen_k,
+    window_left, window_right, bias_h) -> (p, ds)``: the backward's pipeline for one score of query ``row`` and key
+    ``col``, as both backward kernels run it. ``raw`` is the unscaled Q K^T, ``dp`` the dO V^T, ``lse2`` the row's
+    lse in log2 units, ``z`` dropout's factor (read only with ``dropout``) and ``bias_value`` the pair's attn_bias
+    (read only with ``has_bias``). ``p`` is the probability dV takes (times ``z`` with dropout); ``ds`` is
+    ``P (z dP - delta)`` times softcap's derivative, 0 for a masked pair by a select (its dP may be NaN: a
+    non-finite V or dO). A poisoned row has ``lse2`` NaN, so its visible P and dS are NaN."""
+    SOFTCAP, HAS_BIAS, DROPOUT = softcap, has_bias, dropout
+    visible = make_visible(has_left, has_right)
+    add_biases = make_biases(alibi, has_bias)
 
     @cuda.jit(device=True, inline="always")
-    def add(acc, a_s, b_s, m0, n0, key0, col0, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h):
-        for m in range(BM):
-            for i in range(ROWS):
-                key = key0 + ROW_STEP * i
-                seen = visible(m0 + m, n0 + key, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h)
-                a = a_s[m, key]
-                for j in range(COLS):
-                    x = acc[i, j] + a * b_s[m, col0 + COL_STEP * j]
-                    acc[i, j] = x if seen else acc[i, j]
+    def grads(raw, dp, row, col, lse2, delta, z, bias_value, slope, qmult, capmult, offset, seqlen_q, seqlen_k,
+              window_left, window_right, bias_h):
+        x = raw * qmult
+        dcap = float32(1.0)
+        if SOFTCAP:
+            th = math.tanh(x)
+            dcap = float32(1.0) - th * th
+            x = capmult * th
+        x = add_biases(x, slope, row, col, offset, bias_value)
+        ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h)
+        if HAS_BIAS:
+            ok = ok & (bias_value != float32(-math.inf))
+        p = math.exp2(x - lse2) if ok else float32(0.0)
+        if DROPOUT:
+            kept = p * z
+            ds = (kept * dp - p * delta) * dcap
+            p = kept
+        else:
+            ds = p * (dp - delta) * dcap
+        return p, ds if ok else float32(0.0)
 
-    return add
+    return grads

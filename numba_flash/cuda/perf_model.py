@@ -44,6 +44,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import sys
 import textwrap
 from dataclasses import asdict, dataclass, field
@@ -236,6 +237,15 @@ def dynamic_counts(fn: Function, counts: LoopCounts) -> list[dict[str, float]]:
         return min(holding, key=lambda ab: ab[1] - ab[0]) if holding else None
 
     home = [innermost(i) for i in range(len(ins))]
+    # Loops of the rare path (``_is_rare_branch``): they hold rare lines and no line of the steady state (values
+    # computed before the main loop may be recomputed in them). Not counted, with any helper's instructions in them.
+    kernel_lines: dict[tuple[int, int], set[int]] = {}
+    for i in range(main[0], main[1] + 1):
+        src = ins[i].source
+        if home[i] is not None and src is not None and src[0] == counts.file:
+            kernel_lines.setdefault(home[i], set()).add(src[1])
+    steady = set().union(*counts.per_warp)
+    rare_loops = {ab for ab, lines in kernel_lines.items() if lines & counts.rare_lines and not lines & steady}
     results = []
     for per_line in counts.per_warp:
         # Anchor instructions of each line in each inner loop, in executions of the line per loop iteration.
@@ -260,7 +270,9 @@ def dynamic_counts(fn: Function, counts: LoopCounts) -> list[dict[str, float]]:
         order = sorted(inner, key=lambda ab: -max(anchors.get(ab, {0: 0}).values() or [0]))
         for ab in order:
             ab_anchors = anchors.get(ab, {})
-            if ab_anchors:
+            if ab in rare_loops:
+                trip = 0.0
+            elif ab_anchors:
                 for k in ab_anchors:
                     remaining_anchor.setdefault(k, float(per_line[k[0]]))
                 trip = _trip(ab_anchors, remaining_anchor)
@@ -269,7 +281,7 @@ def dynamic_counts(fn: Function, counts: LoopCounts) -> list[dict[str, float]]:
             elif plain.get(ab):
                 trip = max(remaining_line[line] / n for line, n in plain[ab].items())
             else:
-                trip = 1.0
+                raise ValueError(_unanchored_message(fn.name, ins, ab, home))
             for line, n in plain.get(ab, {}).items():
                 remaining_line[line] = max(0.0, remaining_line[line] - trip * n)
             trips[ab] = trip
@@ -285,7 +297,7 @@ def dynamic_counts(fn: Function, counts: LoopCounts) -> list[dict[str, float]]:
         for i in range(main[0], main[1] + 1):
             loop = home[i]
             src = ins[i].source
-            if src is not None and src[0] == counts.file and src[1] in counts.rare_lines:
+            if loop in rare_loops or (src is not None and src[0] == counts.file and src[1] in counts.rare_lines):
                 continue
             # An inner loop nested in another inner loop: its trip count already counts every execution.
             m = trips.get(loop, 1.0)
@@ -301,6 +313,16 @@ def dynamic_counts(fn: Function, counts: LoopCounts) -> list[dict[str, float]]:
                 out["smem_wavefronts"] += m * max(1, ins[i].bits // 32)
         results.append(out)
     return results
+
+
+def _unanchored_message(name: str, ins: Any, loop: tuple[int, int], home: list) -> str:
+    where = sorted({f"{os.path.basename(x.source[0])}:{x.source[1]}" for i, x in enumerate(ins)
+                    if home[i] == loop and x.source is not None})
+    short = re.findall(r"\d([A-Za-z_]+_kernel)", name)   # the Python name is the last one numba mangled in
+    return (f"{short[-1] if short else name[:60]}: a SASS loop inside the main loop ({loop[1] - loop[0] + 1} instructions, from "
+            f"{', '.join(where[:8]) or 'no source line'}) holds no instruction of a kernel line that runs in the "
+            "steady state, so its trip count cannot be recovered: a loop the compiler kept inside an inlined helper. "
+            "Write the loop on kernel lines (as the tile fetches are), or fully unroll it.")
 
 
 # ---- bounds ----
@@ -468,7 +490,10 @@ def model_specialisation(kernel: str, dtype: str, head_dim: int, variant: str,
     records = []
     for cc in ccs:
         cubin, log = link(ptx, cc, lineinfo=True)
-        records.append(model_kernel(kernel, cfg, dtype, variant, cc, disassemble(cubin), py_func, log))
+        try:
+            records.append(model_kernel(kernel, cfg, dtype, variant, cc, disassemble(cubin), py_func, log))
+        except ValueError as exc:
+            raise ValueError(f"{kernel} {dtype} D={head_dim} {variant} sm_{cc[0]}{cc[1]}: {exc}") from None
     if use_cache:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"

@@ -6,9 +6,10 @@ dtypes.py) and the kernel pays no call.
 
 Index arithmetic is where a naive tile load spends its instructions (about 65 per element in the first kernels, by
 the performance model): numba counts ``range`` loops in signed 64 bits and wraps negative signed indices around.
-So the helpers loop a compile-time number of times (which the compiler unrolls), compute each thread's row and
-column in unsigned 32 bits (a shift and a mask, with the head dim a power of two), and index with unsigned values,
-which numba does not wrap.
+So a fetch is a compile-time number of passes written on the kernel's lines (the performance model counts a loop
+by its kernel-line anchors, and refuses a loop that stays inside a helper), each pass computes the thread's row and
+column in unsigned 32 bits (a shift and a mask, with the head dim a power of two) and indexes with unsigned values,
+which numba does not wrap. The module also sizes the backward's product loops (``product_steps``).
 """
 
 from __future__ import annotations
@@ -19,44 +20,6 @@ from typing import Any
 from numba import cuda, float32, uint32, uint64
 
 from .dtypes import element_io
-from .masks import nonfinite_probe
-
-
-@functools.lru_cache(maxsize=None)
-def make_tile_load(rows: int, head_dim_bucket: int, threads: int, bf16: bool) -> Any:
-    """``load_tile(dst, src, b, row0, h, seqlen, head_dim, mult, t)``: copy rows ``row0 .. row0 + rows - 1`` of
-    head ``h`` of batch ``b`` from ``src`` (B, S, H, D), any strides, float32/float16 (int16 bfloat16 bits with
-    ``bf16``), into the float32 shared tile ``dst`` (rows, >= head_dim_bucket) scaled by ``mult``; rows at or past
-    ``seqlen`` and columns at or past ``head_dim`` become 0, so they add nothing to any product. Returns the sum of
-    ``masks.nonfinite_probe`` over what this thread stored: NaN iff one of its elements is not finite. ``t`` is the
-    thread's index in a block of ``threads`` threads; consecutive threads take consecutive columns (coalesced
-    global reads, conflict-free shared writes). ``b``, ``row0``, ``h``, ``seqlen`` and ``head_dim`` must be
-    non-negative."""
-    ROWS, DB, NT = rows, head_dim_bucket, threads
-    TOTAL = ROWS * DB
-    PER_THREAD = -(-TOTAL // NT)
-    RAGGED = TOTAL % NT != 0          # the last pass has fewer elements than threads
-    LOAD = element_io(bf16)[0]
-
-    @cuda.jit(device=True, inline="always")
-    def load_tile(dst, src, b, row0, h, seqlen, head_dim, mult, t):
-        b_u, h_u, row0_u = uint32(b), uint32(h), uint32(row0)
-        seqlen_u, head_dim_u = uint32(seqlen), uint32(head_dim)
-        probe = float32(0.0)
-        for k in range(PER_THREAD):
-            idx = uint32(t + k * NT)
-            if not RAGGED or idx < uint32(TOTAL):
-                r = uint32(idx // uint32(DB))
-                d = uint32(idx % uint32(DB))
-                row = uint32(row0_u + r)
-                x = float32(0.0)
-                if row < seqlen_u and d < head_dim_u:
-                    x = LOAD(src[b_u, row, h_u, d]) * mult
-                dst[r, d] = x
-                probe += nonfinite_probe(x)
-        return probe
-
-    return load_tile
 
 
 #: Elements one thread copies per pass of a tile fetch: four neighbours in shared memory, stored with one 128-bit
@@ -71,7 +34,7 @@ def tile_passes(rows: int, head_dim_bucket: int, threads: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def make_tile_fetch(rows: int, head_dim_bucket: int, threads: int, bf16: bool, stride: int,
-                    transposed: bool) -> Any:
+                    transposed: bool, clamped: bool = False) -> Any:
     """``fetch(vals, src, b, row0, h, seqlen, head_dim, mult, t, k) -> (at, ok)``: pass ``k`` of thread ``t`` of a
     copy of rows ``row0 .. row0 + rows - 1`` of head ``h`` of batch ``b`` from ``src`` (B, S, H, D), any strides,
     float32/float16 (int16 bfloat16 bits with ``bf16``), into a flat float32 shared array ``dst``. It fills the
@@ -95,7 +58,11 @@ def make_tile_fetch(rows: int, head_dim_bucket: int, threads: int, bf16: bool, s
     consecutive columns, so a warp's global reads of one row are contiguous, and with a stride of 4 times an odd
     number (``config.transposed_stride``) the 8 threads that share a 128-bit store write 8 different 16-byte
     pieces of the banks. Indices are unsigned 32-bit (numba wraps negative signed indices around, a compare and
-    select each); ``b``, ``row0``, ``h``, ``seqlen`` and ``head_dim`` must be non-negative."""
+    select each); ``b``, ``row0``, ``h``, ``seqlen`` and ``head_dim`` must be non-negative.
+
+    ``clamped`` (row-major only): every element is loaded, from its row and column clamped into the sequence and
+    the head dim (so ``seqlen`` and ``head_dim`` must be at least 1), and a select makes it 0 outside them. Under
+    a branch per element, ptxas reloads the column stride from constant memory for each load."""
     V, DB, NT, STRIDE, TRANSPOSED = FETCH_VECTOR, head_dim_bucket, threads, stride, transposed
     GROUPS = rows * DB // V
     RAGGED = GROUPS % NT != 0          # the last pass has fewer groups than threads
@@ -108,6 +75,21 @@ def make_tile_fetch(rows: int, head_dim_bucket: int, threads: int, bf16: bool, s
         if row < seqlen and d < head_dim:
             x = LOAD(src[b, row, h, d]) * mult
         return x
+
+    @cuda.jit(device=True, inline="always")
+    def fetch_clamped(vals, src, b, row0, h, seqlen, head_dim, mult, t, k):
+        b_u, h_u, seqlen_u, head_dim_u = uint32(b), uint32(h), uint32(seqlen), uint32(head_dim)
+        g = uint32(t + k * NT)
+        d = uint32(uint32(g % uint32(PER_ROW)) * uint32(V))
+        r = uint32(g // uint32(PER_ROW))
+        row = uint32(uint32(row0) + r)
+        inside = row < seqlen_u
+        row_c = min(row, uint32(seqlen_u - uint32(1)))
+        for e in range(V):
+            d_e = uint32(d + uint32(e))
+            x = LOAD(src[b_u, row_c, h_u, min(d_e, uint32(head_dim_u - uint32(1)))]) * mult
+            vals[e] = x if inside & (d_e < head_dim_u) else float32(0.0)
+        return uint64(r * uint32(STRIDE) + d), not RAGGED or g < uint32(GROUPS)
 
     @cuda.jit(device=True, inline="always")
     def fetch(vals, src, b, row0, h, seqlen, head_dim, mult, t, k):
@@ -129,4 +111,32 @@ def make_tile_fetch(rows: int, head_dim_bucket: int, threads: int, bf16: bool, s
             at = uint32(r * uint32(STRIDE) + d)
         return uint64(at), not RAGGED or g < uint32(GROUPS)
 
-    return fetch
+    if clamped and transposed:
+        raise ValueError("make_tile_fetch: clamped loads are row-major only")
+    return fetch_clamped if clamped else fetch
+
+
+#: Multiply-adds per thread in one iteration of a backward product loop: its steps are an inner loop that NVVM
+#: unrolls in full, so the steps' shared-memory offsets fold into their loads and numba's 64-bit loop control is
+#: paid once per iteration. Measured (performance model): at 128 NVVM keeps the inner loop of 2 score steps of
+#: 64 multiply-adds, or 4 accumulator steps of 32, as a loop (about 12 instructions of control a step, and 23 an
+#: outer iteration); at 64 it unrolls them; 32 gains nothing more.
+BODY_FMAS = 64
+
+
+def product_steps(fmas_per_step: int, extent: int, multiple: int = FETCH_VECTOR) -> int:
+    """Steps of the summed dimension per iteration of a product loop over ``extent`` steps, a multiple of
+    ``multiple`` (the score products read 4 head-dim columns per load) and a divisor of ``extent``."""
+    steps = max(multiple, BODY_FMAS // max(1, fmas_per_step) // multiple * multiple)
+    while extent % steps:
+        steps //= 2
+    return max(1, min(steps, extent))
+
+
+def checked_grids(cfg: Any, acc_grid: tuple[int, int] | None) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(score grid, accumulator grid) of a kernel's tile config, or ValueError saying why the config cannot be
+    built (its ``problems`` with no shared-memory limit: the caller may be compiling for any device)."""
+    why = cfg.problems(1 << 62)
+    if why:
+        raise ValueError(f"{cfg}: " + "; ".join(why))
+    return cfg.score_grid, acc_grid

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from cuda_sim_cases import forward_backward as _run
-from cuda_sim_cases import random_inputs, rel_l2
+from cuda_sim_cases import BACKWARD_TILES, random_inputs, rel_l2
 
 import numba_flash
 from backends import backend_registry
@@ -38,11 +38,12 @@ def _rel(got, want):
     ((B, 1, 1, SK), dict(softmax_scale=0.4)),
     ((B, HQ, SQ, 1), dict(causal=True)),
 ], ids=["full-causal", "per-head-key-window-softcap", "shared-with-alibi", "per-batch-key", "per-row"])
-def test_forward_and_backward_match_reference(shape, kw):
+@pytest.mark.parametrize("tiles", list(BACKWARD_TILES))
+def test_forward_and_backward_match_reference(shape, kw, tiles):
     rng = np.random.default_rng(len(shape) * 10 + len(kw))
     q, k, v, dout = _inputs(rng)
     bias = (2 * rng.standard_normal(shape)).astype(np.float32)
-    got = _run(q, k, v, dout, attn_bias=bias, **kw)
+    got = _run(q, k, v, dout, BACKWARD_TILES[tiles], attn_bias=bias, **kw)
     want_out, want_lse = attention_ref(q, k, v, attn_bias=bias, **kw)
     np.testing.assert_allclose(got[0], want_out, atol=1e-5, rtol=0)
     np.testing.assert_allclose(got[1], want_lse, atol=1e-5, rtol=1e-5)
@@ -53,7 +54,8 @@ def test_forward_and_backward_match_reference(shape, kw):
         assert np.abs(attention_ref(q, k, v, **kw)[0] - want_out).max() > 1e-2
 
 
-def test_minus_inf_hides_keys_and_their_values_and_nan_poisons_only_its_row():
+@pytest.mark.parametrize("tiles", list(BACKWARD_TILES))
+def test_minus_inf_hides_keys_and_their_values_and_nan_poisons_only_its_row(tiles):
     rng = np.random.default_rng(31)
     q, k, v, dout = _inputs(rng)
     bias = rng.standard_normal((HQ, SQ, SK)).astype(np.float32)
@@ -63,7 +65,7 @@ def test_minus_inf_hides_keys_and_their_values_and_nan_poisons_only_its_row():
     bias[2:, :, 9] = -np.inf             # heads 2, 3 (kv head 1): key 9 hidden ...
     k[1, 9, 1] = np.inf                  # ... so its inf poisons nobody
     bias[2, 7, 11] = np.nan              # head 2, row 7: poisoned
-    got = _run(q, k, v, dout, attn_bias=bias, causal=True)
+    got = _run(q, k, v, dout, BACKWARD_TILES[tiles], attn_bias=bias, causal=True)
     want = attention_ref(q, k, v, attn_bias=bias, causal=True)
     want += attention_ref_backward(dout, q, k, v, attn_bias=bias, causal=True)
     assert np.all(got[0][:, 3, 0] == 0) and np.all(got[1][:, 0, 3] == np.inf)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cuda_sim_cases import BACKWARD_TILES
 from cuda_sim_cases import forward_backward as _run
 from cuda_sim_cases import random_inputs as _inputs
 from cuda_sim_cases import rel_l2 as _rel
@@ -28,11 +29,12 @@ P = 0.3
     ((1, 11, 17, 2, 2, 8), dict(attn_bias=np.linspace(-1, 1, 17, dtype=np.float32),
                                 alibi_slopes=np.array([0.2, 0.7], np.float32))),
 ], ids=["gqa", "causal-window-softcap", "bias-alibi"])
-def test_forward_and_backward_match_reference(sizes, kw):
+@pytest.mark.parametrize("tiles", list(BACKWARD_TILES))
+def test_forward_and_backward_match_reference(sizes, kw, tiles):
     rng = np.random.default_rng(sum(sizes))
     q, k, v, dout = _inputs(rng, *sizes)
     kw = dict(kw, dropout_p=P, dropout_seed=SEED)
-    got = _run(q, k, v, dout, **kw)
+    got = _run(q, k, v, dout, BACKWARD_TILES[tiles], **kw)
     want = attention_ref(q, k, v, **kw) + attention_ref_backward(dout, q, k, v, **kw)
     np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=0)
     np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=1e-5)   # the lse of the softmax before dropout

@@ -83,12 +83,18 @@ def test_rows_that_see_no_key_give_zero_and_inf(rng):
     assert np.max(np.abs(out - ref)) <= 1e-5
 
 
-@pytest.mark.parametrize("b,sq,sk,hq,hkv,d,kw", [CASES[0], CASES[2], CASES[4], CASES[6], CASES[8], CASES[9]])
-def test_backward_matches_reference(rng, b, sq, sk, hq, hkv, d, kw):
+# The backward splits its score products over TILES, not over the same tiles with 4 threads (a 4 x 4 block each).
+BACKWARD_TILES = {"split": TILES, "whole": dict(TILES, threads=4)}
+
+
+@pytest.mark.parametrize("b,sq,sk,hq,hkv,d,kw", [CASES[0], CASES[2], CASES[4], CASES[6], CASES[7], CASES[8],
+                                                 CASES[9]])
+@pytest.mark.parametrize("tiles", list(BACKWARD_TILES))
+def test_backward_matches_reference(rng, b, sq, sk, hq, hkv, d, kw, tiles):
     q, k, v = _inputs(rng, b, sq, sk, hq, hkv, d)
     dout = rng.standard_normal(q.shape).astype(np.float32)
     out, lse = _forward(q, k, v, **kw)
-    with tile_config_override(**TILES):
+    with tile_config_override(**BACKWARD_TILES[tiles]):
         dq, dk, dv = backend_registry.get("flash", backend="cuda").backward(dout, q, k, v, out, lse, **kw)
     rdq, rdk, rdv = attention_ref_backward(dout, q, k, v, **kw)
     for got, ref in ((dq, rdq), (dk, rdk), (dv, rdv)):

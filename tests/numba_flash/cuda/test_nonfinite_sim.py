@@ -36,8 +36,8 @@ def _forward(q, k, v, **kw):
     return _f64(out), _f64(lse)
 
 
-def _run(q, k, v, dout, **kw):
-    with tile_config_override(**TILES):
+def _run(q, k, v, dout, tiles=TILES, **kw):
+    with tile_config_override(**tiles):
         op = backend_registry.get("flash", backend="cuda")
         out, lse = op.forward(q, k, v, return_lse=True, **kw)
         grads = op.backward(dout, q, k, v, out, lse, **kw)
@@ -72,6 +72,19 @@ def test_one_bad_value(rng, shape_name, where, bad, softcap):
     for x, c in zip((q, k, v, dout), copies):
         assert np.array_equal(x, c, equal_nan=True), "inputs are never modified"
     check(got, clean, _reference(q, k, v, dout, **kw), expected(shape, where, at), _empty_rows(shape))
+
+
+@pytest.mark.parametrize("where,bad,softcap", [CASES[0], CASES[2], CASES[4], CASES[6], CASES[8]])
+def test_one_bad_value_whole_score_blocks(rng, where, bad, softcap):
+    """As above with 4 threads, each owning a whole 4 x 4 score block: the backward's path without the split."""
+    shape = SHAPES["tiles"]
+    clean_inputs = random_inputs(rng, shape)
+    at = place_bad(rng, shape, where)
+    q, k, v, dout = poke(clean_inputs, where, at, BAD[bad])
+    kw = dict(causal=True, softcap=softcap, tiles=dict(TILES, threads=4))
+    check(_run(q, k, v, dout, **kw), _run(*clean_inputs, **kw), _reference(q, k, v, dout, causal=True,
+                                                                            softcap=softcap),
+          expected(shape, where, at), _empty_rows(shape))
 
 
 @pytest.mark.parametrize("scale", [1e38, 1e300])

@@ -205,3 +205,98 @@ def test_model_of_the_forward_kernel(tmp_path, monkeypatch):
     keys = {"kernel", "dtype", "cc", "head_dim", "variant", "unit", "ceiling", "registers", "smem_bytes",
             "warps_per_sm"}
     assert len(data) == 1 and keys <= set(data[0]) and data[0]["ceiling"] == plain["9.0"].ceiling
+
+
+def test_model_of_the_backward_kernels(tmp_path, monkeypatch):
+    _needs_toolchain()
+    from numba_flash.cuda.config import tile_config_for
+    from numba_flash.cuda.perf_model import run_model
+
+    monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(tmp_path))
+    records = {(r.kernel, r.cc): r for r in run_model(["backward"], ["float32"], [64], ["plain"], [(8, 0), (9, 0)])}
+    dkdv, dq = tile_config_for(64, kernel="backward_dkdv"), tile_config_for(64, kernel="backward_dq")
+    # The counts below are derived by hand from the kernels for a thread block of full warps whose score and
+    # accumulator blocks hold runs of 4 (every store and load a 128-bit one).
+    for cfg in (dkdv, dq):
+        assert cfg.threads % 32 == 0 and cfg.block_m * cfg.block_n // cfg.threads >= 16, cfg
+    d, warp_words = 64, 32 * 4            # words one warp moves with one 128-bit instruction
+    for cc in ("8.0", "9.0"):
+        r = records[("backward_dkdv", cc)]
+        # Per query tile: the Q and dO tiles (block_m x D each), then P and dS (block_m x block_n each).
+        assert r.per_iteration["sts"] == (2 * dkdv.block_m * d + 2 * dkdv.block_m * dkdv.block_n) / warp_words
+        assert r.per_iteration["sts"] == r.per_iteration["sts.128"]
+        # Loads: S and dP read, per 4 head-dim columns, one word-run of each of a thread's score rows and columns;
+        # dV and dK read, per query, the thread's key runs of P (dS) and its head-dim runs of dO (Q).
+        (s_tr, s_tc), (g_tr, g_tc) = dkdv.score_grid, dkdv.kv_grid
+        s_rows, s_cols = dkdv.block_m // s_tr, dkdv.block_n // s_tc
+        g_keys, g_cols = dkdv.block_n // g_tr, d // g_tc
+        per_thread = 2 * (s_rows + s_cols) * d // 4 + 2 * dkdv.block_m * (g_keys + g_cols) // 4
+        assert r.per_iteration["lds.128"] == r.per_iteration["lds"] == per_thread * dkdv.threads / 32
+        # The four products' multiply-adds, plus one for each loaded Q and dO element (the non-finite probe) and a
+        # few in the score epilogue.
+        assert 1.0 <= r.ffma_per_useful <= 1.03, r
+        r = records[("backward_dq", cc)]
+        # Per key tile: the K and V tiles (block_n x D each), then dS^T (block_m x block_n).
+        assert r.per_iteration["sts"] == r.per_iteration["sts.128"] == (2 * dq.block_n * d
+                                                                        + dq.block_m * dq.block_n) / warp_words
+        assert 1.0 <= r.ffma_per_useful <= 1.03, r
+        both = records[("backward", cc)]
+        assert 0 < both.ceiling < min(records[("backward_dkdv", cc)].ceiling, r.ceiling)
+
+
+def _helper_loop_kernel_factory():
+    """The predictable kernel's shape, its tile load written as a helper whose 64-pass loop the compiler keeps as a
+    loop (the old backward loader's shape): the model cannot count it and must say so."""
+    from numba import cuda, float32
+
+    @cuda.jit(device=True, inline="always")
+    def load(xs, x, n0, t):
+        for idx in range(t, 4096, 64):
+            xs[idx // 64, idx % 64] = x[n0 + idx // 64, idx % 64] * float32(2.0) + float32(1.0)
+
+    def helper_loop_kernel(x, out, n_rows):
+        t = cuda.threadIdx.x
+        xs = cuda.shared.array((64, 65), float32)
+        acc = cuda.local.array(4, float32)
+        for i in range(4):
+            acc[i] = float32(0.0)
+        for n0 in range(0, n_rows, 64):
+            cuda.syncthreads()
+            load(xs, x, n0, t)
+            cuda.syncthreads()
+            for d in range(64):
+                for i in range(4):
+                    acc[i] += xs[i, d] * xs[(t + i) % 64, d]
+        for i in range(4):
+            out[t, i] = acc[i]
+
+    return helper_loop_kernel
+
+
+def test_a_loop_inside_a_helper_is_refused():
+    _needs_toolchain()
+    with pytest.raises(ValueError, match="inlined helper"):
+        _counts(_helper_loop_kernel_factory(), threads=64)
+
+
+def test_helper_lines_keep_their_file():
+    _needs_toolchain()
+    # numba gives an inlined helper's instructions the kernel's file and the helper's line numbers, which can be a
+    # line of the kernel's main loop; with line info for the model they carry the helper's own file.
+    from numba import cuda, float32, types
+
+    from numba_flash.cuda import masks
+    from numba_flash.cuda.lineinfo import helper_lines_in_their_files
+    from numba_flash.cuda.sass import disassemble, kernel_function, link, parse
+
+    def finite_kernel(x, out, n):
+        i = cuda.grid(1)
+        if i < n:
+            out[i] = masks.nan_if_not_finite(x[i] * float32(3.0))
+
+    sig = types.void(types.float32[:], types.float32[:], types.int64)
+    with helper_lines_in_their_files():
+        ptx, _ = cuda.compile_ptx(finite_kernel, sig, cc=(8, 0), lineinfo=True)
+    fn = kernel_function(parse(disassemble(link(ptx, (8, 0), lineinfo=True)[0])), "finite_kernel")
+    files = {ins.source[0] for ins in fn.instructions if ins.source}
+    assert masks.__file__ in files and __file__ in files, files

@@ -20,6 +20,7 @@ CASES = [
     # (B, Sq, Sk, Hq, Hkv, D, kwargs)
     pytest.param(1, 37, 45, 2, 1, 64, dict(causal=True), id="d64-causal-gqa"),
     pytest.param(1, 37, 45, 2, 1, 128, dict(window_size=(20, 5), softcap=2.5), id="d128-window-softcap-gqa"),
+    pytest.param(1, 13, 11, 2, 1, 200, dict(causal=True), id="d256-causal-gqa"),
 ]
 
 

@@ -1,0 +1,296 @@
+"""The backward's dQ kernel: one block per (query tile, query head, batch), looping over the key tiles its rows
+can see. The layout and the score pipeline are the dK/dV kernel's (backward.py's docstring); here the score block's
+columns (keys) are interleaved and its rows in runs, so that dS is stored key-major (dS^T) with one 128-bit store
+per run and the product dQ += dS K reads a run of dS^T and a run of K per key. Per key tile the kernel passes 3
+barriers: before its loads, after them (which also ORs K's non-finite probe), and after writing dS^T.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+# numba.cuda at module level (not in the factories): see backward.py.
+from numba import cuda, float32, int32, uint32, uint64
+
+from .config import FlashAttentionConfig, padded_stride
+from .dtypes import element_io
+from .forward import SMEM_ALIGN
+from .masks import LOG2E, bias_head, make_bias_tile, make_dropout_tile, make_score_grads, nan_if_not_finite
+from .tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
+
+
+@functools.lru_cache(maxsize=None)
+def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool,
+                   alibi: bool = False, has_bias: bool = False, dropout: bool = False) -> Any:
+    """dQ: one block per (query tile, query head, batch), looping over the key tiles its rows can see.
+
+    Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments:
+      q, dout (B, Sq, Hq, D), k, v (B, Sk, Hkv, D): float32 or float16 (int16 bfloat16 bits with ``bf16``), any
+      strides;
+      lse, delta (B, Hq, Sq) float32; dq (B, Sq, Hq, D) like q;
+      seqlen_q, seqlen_k, head_dim, group, window_left, window_right: ints;
+      qmult, capmult, scale: float32, slopes and bias float32, the dropout scalars (as for the dK/dV kernel).
+    """
+    BLOCK_M, BLOCK_N, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
+    (S_TR, S_TC), (O_TR, O_TC) = checked_grids(cfg, cfg.out_grid)
+    SPLIT = cfg.score_split                           # as in the dK/dV kernel
+    GT, DK = NT // SPLIT, DB // SPLIT
+    S_TM, S_TN = BLOCK_M // S_TR, BLOCK_N // S_TC     # score block: rows in runs, columns interleaved
+    O_TM, O_TD = BLOCK_M // O_TR, DB // O_TC          # dQ block: rows and head-dim columns, both in runs
+    # The dQ product runs in A_SPLIT groups of AT threads, each over N_PART keys of a tile into its own dQ partial
+    # (config.accumulator_split).
+    A_SPLIT = cfg.accumulator_split
+    AT, N_PART = NT // A_SPLIT, BLOCK_N // A_SPLIT
+    S_RM, O_RM, O_RD = min(S_TM, 4), min(O_TM, 4), min(O_TD, 4)
+    S_GAP_M, O_GAP_M, O_GAP_D = S_RM * S_TR, O_RM * O_TR, O_RD * O_TC
+    # With SPLIT > 1 each thread sums the parts of E scores, runs of R query rows of one key.
+    E = BLOCK_M * BLOCK_N // NT
+    R = min(E, 4, BLOCK_M)
+    RUNS, RUNS_PER_KEY = E // R, BLOCK_M // R
+    ROWS = R * RUNS if SPLIT > 1 else S_TM            # query rows whose lse and delta a thread needs
+    # Flat shared arrays, row-major: Q, dO (BLOCK_M x LD), K, V (BLOCK_N x LD); dS^T, dropout's factors and each
+    # part of S^T and dP^T (BLOCK_N x LM).
+    LD, LM = padded_stride(DB), padded_stride(BLOCK_M)
+    X_WORDS, KV_WORDS, T_WORDS = BLOCK_M * LD, BLOCK_N * LD, BLOCK_N * LM
+    PARTS_WORDS = SPLIT * T_WORDS if SPLIT > 1 else 1
+    V4, ALIGN = FETCH_VECTOR, SMEM_ALIGN
+    D_STEP, N_STEP = product_steps(S_TM * S_TN, DK), product_steps(O_TM * O_TD, N_PART, 1)
+    HAS_LEFT, HAS_RIGHT, ALIBI, HAS_BIAS, DROPOUT = has_left, has_right, alibi, has_bias, dropout
+    Z_WORDS = T_WORDS if dropout else 1
+    STORE = element_io(bf16)[1]
+    grads = make_score_grads(has_left, has_right, softcap, alibi, has_bias, dropout)
+    load_bias = make_bias_tile(BLOCK_M, BLOCK_N, NT, True, LM)
+    dropout_factors = make_dropout_tile(BLOCK_M, BLOCK_N, NT, LM, True)
+    X_PASSES, KV_PASSES = tile_passes(BLOCK_M, DB, NT), tile_passes(BLOCK_N, DB, NT)
+    fetch_x = make_tile_fetch(BLOCK_M, DB, NT, bf16, LD, False, True)    # query side: Q, dO
+    fetch_kv = make_tile_fetch(BLOCK_N, DB, NT, bf16, LD, False, True)   # key side: K, V
+
+    def flash_dq_kernel(q, k, v, dout, lse, delta, dq, seqlen_q, seqlen_k, head_dim, group, window_left,
+                        window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
+                        batch0):
+        t = cuda.threadIdx.x
+        m0 = cuda.blockIdx.x * BLOCK_M
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        hk = h // group
+        slope = float32(0.0)
+        if ALIBI:
+            slope = slopes[b, h]
+        bias_h = bias_head(bias, b, h)
+
+        q_s = cuda.shared.array(X_WORDS, float32, alignment=ALIGN)
+        do_s = cuda.shared.array(X_WORDS, float32, alignment=ALIGN)
+        k_s = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
+        v_s = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
+        ds_t = cuda.shared.array(T_WORDS, float32, alignment=ALIGN)   # attn_bias, then dS; key-major
+        z_t = cuda.shared.array(Z_WORDS, float32, alignment=ALIGN)    # dropout's factors, key-major
+        s_parts = cuda.shared.array(PARTS_WORDS, float32, alignment=ALIGN)
+        dp_parts = cuda.shared.array(PARTS_WORDS, float32, alignment=ALIGN)
+
+        acc = cuda.local.array((O_TM, O_TD), float32)
+        s = cuda.local.array((S_TM, S_TN), float32)       # scores, then P
+        dp = cuda.local.array((S_TM, S_TN), float32)      # dP, then dS
+        lse_i = cuda.local.array(ROWS, float32)           # log2 domain
+        delta_i = cuda.local.array(ROWS, float32)
+        s_run = cuda.local.array(R, float32)
+        dp_run = cuda.local.array(R, float32)
+        qa = cuda.local.array((S_TM, V4), float32)
+        kb = cuda.local.array((S_TN, V4), float32)
+        a_reg = cuda.local.array(O_TM, float32)
+        b_reg = cuda.local.array(O_TD, float32)
+        fetched = cuda.local.array(V4, float32)
+        for i in range(O_TM):
+            for j in range(O_TD):
+                acc[i, j] = float32(0.0)
+
+        # Q is loaded unscaled: the scores are scaled instead (as in the dK/dV kernel, so both see the same P).
+        for k_pass in range(X_PASSES):
+            at, ok = fetch_x(fetched, q, b, m0, h, seqlen_q, head_dim, float32(1.0), t, k_pass)
+            if ok:
+                for e in range(V4):
+                    q_s[at + uint64(e)] = fetched[e]
+        for k_pass in range(X_PASSES):
+            at, ok = fetch_x(fetched, dout, b, m0, h, seqlen_q, head_dim, float32(1.0), t, k_pass)
+            if ok:
+                for e in range(V4):
+                    do_s[at + uint64(e)] = fetched[e]
+
+        # Score block: rows in runs of S_RM, s_tr * S_RM + (i // S_RM) * S_GAP_M + i % S_RM; columns s_tc + S_TC * j;
+        # consecutive threads take consecutive columns (keys). dQ block: rows and head-dim columns in runs;
+        # consecutive threads take consecutive column runs. Unsigned 64-bit bases, as in the dK/dV kernel.
+        # With SPLIT > 1, thread t is thread tg of the group of part ks, whose columns start at ks * DK.
+        ks = t // GT
+        tg = t - ks * GT
+        s_tc = tg % S_TC
+        s_tr = tg // S_TC
+        ag = t // AT   # the dQ product's group: keys ag * N_PART .. of each tile
+        o_tc = (t - ag * AT) % O_TC
+        o_tr = (t - ag * AT) // O_TC
+        q_row0, k_row0 = uint64(s_tr * S_RM * LD + ks * DK), uint64(s_tc * LD + ks * DK)
+        t_at0 = uint64(s_tc * LM + s_tr * S_RM)
+        part_at0 = uint64(ks * T_WORDS) + t_at0
+        o_row0, o_col0 = uint64(ag * N_PART * LM + o_tr * O_RM), uint64(ag * N_PART * LD + o_tc * O_RD)
+        for i in range(ROWS):
+            if SPLIT > 1:   # row e of run u: i = u * R + e
+                row = m0 + (t + NT * (i // R)) % RUNS_PER_KEY * R + i % R
+            else:
+                row = m0 + s_tr * S_RM + (i // S_RM) * S_GAP_M + i % S_RM
+            if row < seqlen_q:
+                lse_i[i] = lse[b, h, row] * float32(LOG2E)
+                delta_i[i] = delta[b, h, row]
+            else:   # P = 0 and dS = 0 past the sequence
+                lse_i[i] = float32(math.inf)
+                delta_i[i] = float32(0.0)
+
+        offset = seqlen_k - seqlen_q
+        last_row = min(m0 + BLOCK_M, seqlen_q) - 1
+        lo = 0
+        hi = seqlen_k
+        if HAS_LEFT:
+            lo = max(0, m0 + offset - window_left)
+        if HAS_RIGHT:
+            hi = min(seqlen_k, last_row + offset + window_right + 1)
+        n_start = (lo // BLOCK_N) * BLOCK_N
+
+        for n0 in range(n_start, hi, BLOCK_N):
+            cuda.syncthreads()   # the previous tile's readers of k_s, v_s, ds_t and z_t are done
+            probe = float32(0.0)
+            for k_pass in range(KV_PASSES):
+                at, ok = fetch_kv(fetched, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t, k_pass)
+                if ok:
+                    for e in range(V4):
+                        k_s[at + uint64(e)] = fetched[e]
+                        probe += fetched[e] * float32(0.0)
+            for k_pass in range(KV_PASSES):
+                at, ok = fetch_kv(fetched, v, b, n0, hk, seqlen_k, head_dim, float32(1.0), t, k_pass)
+                if ok:
+                    for e in range(V4):
+                        v_s[at + uint64(e)] = fetched[e]
+            if HAS_BIAS:   # dS's buffer holds the bias tile until dS overwrites it in place
+                load_bias(ds_t, bias_h, m0, n0, seqlen_q, seqlen_k, t)
+            if DROPOUT:
+                dropout_factors(z_t, seed_lo, seed_hi, threshold, dscale, b + batch0, h, m0, n0, t)
+            # A K tile with an inf or NaN goes through the product that skips masked pairs.
+            k_nonfinite = cuda.syncthreads_or(int32(probe != probe))
+
+            # S = Q K^T and dP = dO V^T for this thread's block (over its part's columns), 4 columns per load.
+            for i in range(S_TM):
+                for j in range(S_TN):
+                    s[i, j] = float32(0.0)
+                    dp[i, j] = float32(0.0)
+            for d0 in range(0, DK, D_STEP):
+                q_d0, k_d0 = q_row0 + uint64(d0), k_row0 + uint64(d0)
+                for dd in range(0, D_STEP, V4):
+                    for i in range(S_TM):
+                        for e in range(V4):
+                            qa[i, e] = q_s[q_d0 + uint64(((i // S_RM) * S_GAP_M + i % S_RM) * LD + dd + e)]
+                    for j in range(S_TN):
+                        for e in range(V4):
+                            kb[j, e] = k_s[k_d0 + uint64(j * S_TC * LD + dd + e)]
+                    for e in range(V4):
+                        for i in range(S_TM):
+                            for j in range(S_TN):
+                                s[i, j] += qa[i, e] * kb[j, e]
+            for d0 in range(0, DK, D_STEP):
+                q_d0, k_d0 = q_row0 + uint64(d0), k_row0 + uint64(d0)
+                for dd in range(0, D_STEP, V4):
+                    for i in range(S_TM):
+                        for e in range(V4):
+                            qa[i, e] = do_s[q_d0 + uint64(((i // S_RM) * S_GAP_M + i % S_RM) * LD + dd + e)]
+                    for j in range(S_TN):
+                        for e in range(V4):
+                            kb[j, e] = v_s[k_d0 + uint64(j * S_TC * LD + dd + e)]
+                    for e in range(V4):
+                        for i in range(S_TM):
+                            for j in range(S_TN):
+                                dp[i, j] += qa[i, e] * kb[j, e]
+
+            if SPLIT > 1:
+                # Each part's block into its copy of the tile, then each thread sums the parts of its runs.
+                for j in range(S_TN):
+                    for i in range(S_TM):
+                        at = part_at0 + uint64(j * S_TC * LM + (i // S_RM) * S_GAP_M + i % S_RM)
+                        s_parts[at] = s[i, j]
+                        dp_parts[at] = dp[i, j]
+                cuda.syncthreads()
+                for u in range(RUNS):
+                    n = (t + NT * u) // RUNS_PER_KEY
+                    m = (t + NT * u) % RUNS_PER_KEY * R
+                    at = uint64(n * LM + m)
+                    for e in range(R):
+                        s_run[e] = float32(0.0)
+                        dp_run[e] = float32(0.0)
+                    for kk in range(SPLIT):
+                        for e in range(R):
+                            s_run[e] += s_parts[uint64(kk * T_WORDS + e) + at]
+                            dp_run[e] += dp_parts[uint64(kk * T_WORDS + e) + at]
+                    for e in range(R):
+                        z = z_t[at + uint64(e)] if DROPOUT else float32(1.0)
+                        bias_value = ds_t[at + uint64(e)] if HAS_BIAS else float32(0.0)
+                        dp_run[e] = grads(s_run[e], dp_run[e], m0 + m + e, n0 + n, lse_i[u * R + e],
+                                          delta_i[u * R + e], z, bias_value, slope, qmult, capmult, offset,
+                                          seqlen_q, seqlen_k, window_left, window_right, bias_h)[1]
+                    for e in range(R):   # a run is one 128-bit store
+                        ds_t[at + uint64(e)] = dp_run[e]
+            else:
+                for i in range(S_TM):
+                    row = m0 + s_tr * S_RM + (i // S_RM) * S_GAP_M + i % S_RM
+                    for j in range(S_TN):
+                        at = t_at0 + uint64(j * S_TC * LM + (i // S_RM) * S_GAP_M + i % S_RM)
+                        z = z_t[at] if DROPOUT else float32(1.0)
+                        bias_value = ds_t[at] if HAS_BIAS else float32(0.0)
+                        dp[i, j] = grads(s[i, j], dp[i, j], row, n0 + s_tc + S_TC * j, lse_i[i], delta_i[i], z,
+                                         bias_value, slope, qmult, capmult, offset, seqlen_q, seqlen_k, window_left,
+                                         window_right, bias_h)[1]
+                for j in range(S_TN):   # into dS^T key by key: a run of rows is one 128-bit store
+                    for i in range(S_TM):
+                        ds_t[t_at0 + uint64(j * S_TC * LM + (i // S_RM) * S_GAP_M + i % S_RM)] = dp[i, j]
+            cuda.syncthreads()
+
+            # dQ += dS K: one outer product of a column of dS (a row of dS^T) and a row of K per key.
+            if k_nonfinite:
+                # Rare: 0 * inf would carry a non-finite K element into rows that do not see its key. dS is 0
+                # exactly where a pair is skipped: masked pairs, and pairs of rows that do not see such a key (a row
+                # that sees one is poisoned, its dS NaN at every key it sees), where skipping adds nothing.
+                for n in range(N_PART):
+                    for i in range(O_TM):
+                        a = ds_t[uint64(n * LM) + o_row0 + uint64((i // O_RM) * O_GAP_M + i % O_RM)]
+                        for j in range(O_TD):
+                            x = acc[i, j] + a * k_s[uint64(n * LD) + o_col0 + uint64((j // O_RD) * O_GAP_D + j % O_RD)]
+                            acc[i, j] = x if a != float32(0.0) else acc[i, j]
+            else:
+                for nc in range(0, N_PART, N_STEP):
+                    t_n0, k_n0 = uint64(nc * LM) + o_row0, uint64(nc * LD) + o_col0
+                    for nn in range(N_STEP):
+                        for i in range(O_TM):
+                            a_reg[i] = ds_t[t_n0 + uint64(nn * LM + (i // O_RM) * O_GAP_M + i % O_RM)]
+                        for j in range(O_TD):
+                            b_reg[j] = k_s[k_n0 + uint64(nn * LD + (j // O_RD) * O_GAP_D + j % O_RD)]
+                        for i in range(O_TM):
+                            for j in range(O_TD):
+                                acc[i, j] += a_reg[i] * b_reg[j]
+
+        if A_SPLIT > 1:   # the second group's partial, through the K buffer (BLOCK_M x DB, row-major), to the first
+            cuda.syncthreads()
+            if ag == 1:
+                for i in range(O_TM):
+                    for j in range(O_TD):
+                        k_s[uint64(((o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM) * DB + o_tc * O_RD
+                                    + (j // O_RD) * O_GAP_D + j % O_RD))] = acc[i, j]
+            cuda.syncthreads()
+            if ag == 0:
+                for i in range(O_TM):
+                    for j in range(O_TD):
+                        acc[i, j] += k_s[uint64(((o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM) * DB + o_tc * O_RD
+                                                 + (j // O_RD) * O_GAP_D + j % O_RD))]
+        for i in range(O_TM):
+            row = m0 + o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM
+            if row < seqlen_q and ag == 0:
+                for j in range(O_TD):
+                    d = o_tc * O_RD + (j // O_RD) * O_GAP_D + j % O_RD
+                    if d < head_dim:
+                        dq[b, row, h, d] = STORE(nan_if_not_finite(acc[i, j] * scale))
+
+    return cuda.jit(flash_dq_kernel)
