@@ -485,7 +485,9 @@ def backward_blockwise(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
                 # The bias enters after softcap: its gradient is the score's, before softcap's chain factor.
                 terms.bias.add_grad(dbias, ds, q0, q1, k0, k1)
             if t is not None:
-                ds.mul_(1.0 - t * t)
+                # tanh of a NaN raw score is NaN: 0 instead, so that a masked pair's dS stays 0 (a visible one's P is
+                # NaN already, its row poisoned)
+                ds.mul_((1.0 - t * t).nan_to_num_(0.0))
             if careful_block:
                 dq_acc += _visible_matmul(ds, kb, vis)
                 dk_acc[:, :, k0:k1] += _visible_matmul(ds.transpose(-1, -2), qb, vis.transpose(-1, -2))

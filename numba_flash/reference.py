@@ -134,7 +134,7 @@ def _backward_head(doh: np.ndarray, qh: np.ndarray, kh: np.ndarray, vh: np.ndarr
     # key, P = 1); non-finite where out_i is
     delta = np.where(mask, p * dp, 0.0).sum(axis=1)
     dscore = np.where(mask, p * (dp - delta[:, None]) * dmod, 0.0)  # through score_mod: the biased score's gradient
-    ds = dscore * dcap * scale
+    ds = np.where(mask, dscore * dcap, 0.0) * scale   # softcap's derivative is NaN where the raw score is: masked
     return _visible_matmul(ds, kh, mask), _visible_matmul(ds.T, qh, mask.T), dv, dscore
 
 
