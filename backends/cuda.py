@@ -324,6 +324,7 @@ class CudaBackend(Backend):
     SUPPORTS_ALIBI = True
     SUPPORTS_BIAS = True   # not its gradient: return_dbias goes to another backend
     SUPPORTS_DROPOUT = True
+    SUPPORTS_MODS = True   # compiled into the kernels as device functions (numba_flash/cuda/user_mods.py)
 
     def __init__(self, config: Any = None):
         self.config = config
@@ -466,13 +467,14 @@ class CudaBackend(Backend):
     def _forward_runner(self, io: _Session) -> Any:
         """``run(call, q, k, v, out, lse)``: the forward kernel on (B, S, H, D) device views, on io's stream."""
         from numba_flash.cuda.launch import alibi_arg, dropout_arg, flash_forward
+        from numba_flash.cuda.user_mods import cuda_mods
 
         def run(c: AttentionCall, q: Any, k: Any, v: Any, out: Any, lse: Any) -> None:
             flash_forward(q, k, v, out, lse, softmax_scale=c.softmax_scale, window_left=c.window_left,
                           window_right=c.window_right, softcap=c.softcap, dtype=c.dtype,
                           alibi=alibi_arg(c.alibi, io.stream), bias=io.bias(c),
-                          dropout=dropout_arg(c.dropout_p, c.dropout_seed, c.dropout_batch0), override=self.config,
-                          stream=io.stream)
+                          dropout=dropout_arg(c.dropout_p, c.dropout_seed, c.dropout_batch0),
+                          mods=cuda_mods(c.mods), override=self.config, stream=io.stream)
 
         return run
 
@@ -564,6 +566,7 @@ class CudaBackend(Backend):
 
     def _backward(self, call: AttentionCall, io: _Session) -> tuple[Any, Any, Any]:
         from numba_flash.cuda.launch import alibi_arg, dropout_arg, flash_backward
+        from numba_flash.cuda.user_mods import cuda_mods
 
         names = ("dout", "q", "k", "v", "out")
         dout, q, k, v, out = (io.device(getattr(call, n), n) for n in names)
@@ -578,7 +581,7 @@ class CudaBackend(Backend):
                            window_left=c.window_left, window_right=c.window_right, softcap=c.softcap,
                            dtype=c.dtype, alibi=alibi_arg(c.alibi, io.stream), bias=io.bias(c),
                            dropout=dropout_arg(c.dropout_p, c.dropout_seed, c.dropout_batch0),
-                           override=self.config, stream=io.stream)
+                           mods=cuda_mods(c.mods), override=self.config, stream=io.stream)
 
         if call.is_varlen:
             varlen.backward(call, run, dout, q, k, v, out, lse, dq, dk, dv, lead_axis=_lead_axis, fill=io.fill)

@@ -29,10 +29,10 @@ def random_inputs(rng, b, sq, sk, hq, hkv, d, dtype=np.float32):
 
 def forward_backward(q, k, v, dout, tiles=None, **kw):
     """(out, lse, dq, dk, dv) of the cuda backend with ``tiles`` (default ``TILES``), the backward given the
-    forward's out and lse."""
+    forward's out and lse (score_mod_grad, if given, goes to the backward only)."""
     with tile_config_override(**(tiles or TILES)):
         op = backend_registry.get("flash", backend="cuda")
-        out, lse = op.forward(q, k, v, return_lse=True, **kw)
+        out, lse = op.forward(q, k, v, return_lse=True, **{n: x for n, x in kw.items() if n != "score_mod_grad"})
         return (out, lse) + tuple(op.backward(dout, q, k, v, out, lse, **kw))
 
 

@@ -41,6 +41,11 @@ def naive_same_dtype(q, k, v, dout=None, **kw):
         right = 0
     mask = torch.from_numpy(visible_mask(sq, sk, left, right))
     bias = kw.get("attn_bias")
+    if kw.get("mask_mod") is not None:
+        mask = mask & torch.from_numpy(mod_grid(kw["mask_mod"], batch, hq, sq, sk).astype(bool))
+    if kw.get("bias_mod") is not None:   # added to attn_bias: one bias, in float64 until it meets the scores
+        extra = mod_grid(kw["bias_mod"], batch, hq, sq, sk)
+        bias = extra if bias is None else np.asarray(bias, np.float64) + extra
     if bias is not None:   # a -inf entry hides its pair, as a mask does
         bias = torch.as_tensor(np.asarray(bias))
         mask = mask & (bias != -float("inf"))
@@ -56,6 +61,15 @@ def naive_same_dtype(q, k, v, dout=None, **kw):
         s = s - slopes * dist
     if bias is not None:
         s = s + bias.masked_fill(bias == -float("inf"), 0.0).to(s.dtype)
+    if kw.get("score_mod") is not None:
+        # The mod's value, rounded to the dtype, with score_mod_grad as its derivative for autograd; a -inf it
+        # returns hides the pair.
+        x = s.detach().double().numpy()
+        modded = mod_grid(kw["score_mod"], batch, hq, sq, sk, x)
+        grad = mod_grid(kw["score_mod_grad"], batch, hq, sq, sk, x) if kw.get("score_mod_grad") else np.ones_like(x)
+        mask = mask & torch.from_numpy(modded != -np.inf)
+        modded = np.where(np.isfinite(x) & (modded != -np.inf), modded, np.where(np.isfinite(x), 0.0, x))
+        s = torch.from_numpy(modded).to(s.dtype) + torch.from_numpy(grad).to(s.dtype) * (s - s.detach())
     # A row that sees no key gets 0, with zero gradients: softmax over its zeros, then masked, keeps autograd's NaN
     # out of it.
     seen = mask.any(-1, keepdim=True)
@@ -65,6 +79,15 @@ def naive_same_dtype(q, k, v, dout=None, **kw):
         return out.detach().double().numpy()
     grads = torch.autograd.grad(out, (q, k, v), dout)
     return out.detach().double().numpy(), [g.double().numpy() for g in grads]
+
+
+def mod_grid(fn, batch, heads, sq, sk, scores=None):
+    """A mod (numba_flash.mods) at every (b, h, q_idx, kv_idx), as a float64 (batch, heads, sq, sk) array; a
+    score_mod takes ``scores`` of that shape, float64."""
+    grid = np.empty((batch, heads, sq, sk))
+    for b, h, i, j in np.ndindex(grid.shape):
+        grid[b, h, i, j] = fn(b, h, i, j) if scores is None else fn(float(scores[b, h, i, j]), b, h, i, j)
+    return grid
 
 
 def rel_l2(got, want):

@@ -43,9 +43,10 @@ from .backward_dq import make_dq_kernel
 from .config import FlashAttentionConfig, padded_stride
 from .dtypes import element_io
 from .forward import SMEM_ALIGN
-from .masks import (LOG2E, bias_head, make_bias_tile, make_dropout_tile, make_score_grads, make_visible,
-                    nan_if_not_finite)
+from .masks import (LOG2E, bias_head, make_bias_tile, make_dropout_tile, make_score_grads, make_score_mod_hides,
+                    make_visible, nan_if_not_finite)
 from .tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
+from .user_mods import NO_MODS, CudaMods
 
 __all__ = ["make_delta_kernel", "make_dkdv_kernel", "make_dq_kernel", "DELTA_ROWS_PER_BLOCK"]
 
@@ -88,7 +89,8 @@ def make_delta_kernel(bf16: bool) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool,
-                     bf16: bool, alibi: bool = False, has_bias: bool = False, dropout: bool = False) -> Any:
+                     bf16: bool, alibi: bool = False, has_bias: bool = False, dropout: bool = False,
+                     mods: CudaMods = NO_MODS) -> Any:
     """dK and dV: one block per (key tile, kv head, batch). The block loops over the query heads of its GQA group
     and over the query tiles that can see its keys, so dK and dV are summed over the group in registers, no atomics.
 
@@ -121,11 +123,12 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     PARTS_WORDS = SPLIT * P_WORDS if SPLIT > 1 else 1
     V4, ALIGN = FETCH_VECTOR, SMEM_ALIGN
     D_STEP, M_STEP = product_steps(S_TM * S_TN, DK), product_steps(G_TN * G_TD, BLOCK_M, 1)
-    HAS_LEFT, HAS_RIGHT, ALIBI, HAS_BIAS, DROPOUT = has_left, has_right, alibi, has_bias, dropout
-    STORE = element_io(bf16)[1]
-    sees = make_visible(has_left, has_right, has_bias)   # also reads attn_bias, for the rare path
-    grads = make_score_grads(has_left, has_right, softcap, alibi, has_bias, dropout)
-    load_bias = make_bias_tile(BLOCK_M, BLOCK_N, NT, False, LP)
+    HAS_LEFT, HAS_RIGHT, ALIBI, STAGED, DROPOUT = has_left, has_right, alibi, has_bias or mods.stages_tile, dropout
+    LOAD, STORE = element_io(bf16)
+    sees = make_visible(has_left, has_right, has_bias, mods)   # also attn_bias and mods, for the rare path
+    grads = make_score_grads(has_left, has_right, softcap, alibi, has_bias, dropout, mods)
+    score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, LOAD)   # for the rare path
+    load_bias = make_bias_tile(BLOCK_M, BLOCK_N, NT, False, LP, has_bias, mods)
     dropout_factors = make_dropout_tile(BLOCK_M, BLOCK_N, NT, LP)
     X_PASSES, KV_PASSES = tile_passes(BLOCK_M, DB, NT), tile_passes(BLOCK_N, DB, NT)
     fetch_x = make_tile_fetch(BLOCK_M, DB, NT, bf16, LD, False, True)    # query side: Q, dO
@@ -228,8 +231,8 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                         for e in range(V4):
                             do_s[at + uint64(e)] = fetched[e]
                             probe += fetched[e] * float32(0.0)
-                if HAS_BIAS:   # dS's buffer holds the bias tile until dS overwrites it in place
-                    load_bias(ds_s, bias_h, m0, n0, seqlen_q, seqlen_k, t)
+                if STAGED:   # dS's buffer holds the bias tile until dS overwrites it in place
+                    load_bias(ds_s, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t)
                 if DROPOUT:    # P's buffer holds the factors until P times them overwrites them
                     dropout_factors(p_s, seed_lo, seed_hi, threshold, dscale, b + batch0, h, m0, n0, t)
                 for i in range(ROWS):
@@ -296,10 +299,10 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                                 dp_run[e] += dp_parts[uint64(kk * P_WORDS + e) + at]
                         for e in range(R):
                             z = p_s[at + uint64(e)] if DROPOUT else float32(1.0)
-                            bias_value = ds_s[at + uint64(e)] if HAS_BIAS else float32(0.0)
+                            bias_value = ds_s[at + uint64(e)] if STAGED else float32(0.0)
                             s_run[e], dp_run[e] = grads(s_run[e], dp_run[e], m0 + m, n0 + n + e, lse_i[u], delta_i[u],
                                                         z, bias_value, slope, qmult, capmult, offset, seqlen_q,
-                                                        seqlen_k, window_left, window_right, bias_h)
+                                                        seqlen_k, window_left, window_right, b, h)
                         for e in range(R):   # a run is one 128-bit store
                             p_s[at + uint64(e)] = s_run[e]
                             ds_s[at + uint64(e)] = dp_run[e]
@@ -309,10 +312,10 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                             c = s_tc * S_RN + (j // S_RN) * S_GAP_N + j % S_RN
                             at = p_at0 + uint64(i * S_TR * LP + (j // S_RN) * S_GAP_N + j % S_RN)
                             z = p_s[at] if DROPOUT else float32(1.0)
-                            bias_value = ds_s[at] if HAS_BIAS else float32(0.0)
+                            bias_value = ds_s[at] if STAGED else float32(0.0)
                             s[i, j], dp[i, j] = grads(s[i, j], dp[i, j], m0 + s_tr + S_TR * i, n0 + c, lse_i[i],
                                                       delta_i[i], z, bias_value, slope, qmult, capmult, offset,
-                                                      seqlen_q, seqlen_k, window_left, window_right, bias_h)
+                                                      seqlen_q, seqlen_k, window_left, window_right, b, h)
                     for i in range(S_TM):   # a run of columns is one 128-bit store
                         for j in range(S_TN):
                             at = p_at0 + uint64(i * S_TR * LP + (j // S_RN) * S_GAP_N + j % S_RN)
@@ -328,7 +331,9 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                         for i in range(G_TN):
                             key = g_tr * G_RN + (i // G_RN) * G_GAP_N + i % G_RN
                             seen = sees(m0 + m, n0 + key, seqlen_q, seqlen_k, offset, window_left, window_right,
-                                        bias_h)
+                                        bias_h, b, h) and not score_mod_hides(
+                                q, k, b, h, hk, m0 + m, n0 + key, head_dim, qmult, capmult, slope, offset, bias_h,
+                                seqlen_q, seqlen_k)
                             pa = p_s[uint32(m * LP + key)]
                             sa = ds_s[uint32(m * LP + key)]
                             for j in range(G_TD):

@@ -12,18 +12,20 @@ import math
 from typing import Any
 
 # numba.cuda at module level (not in the factories): see backward.py.
-from numba import cuda, float32, int32, uint32, uint64
+from numba import cuda, float32, int32, uint64
 
 from .config import FlashAttentionConfig, padded_stride
 from .dtypes import element_io
 from .forward import SMEM_ALIGN
 from .masks import LOG2E, bias_head, make_bias_tile, make_dropout_tile, make_score_grads, nan_if_not_finite
 from .tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
+from .user_mods import NO_MODS, CudaMods
 
 
 @functools.lru_cache(maxsize=None)
 def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool,
-                   alibi: bool = False, has_bias: bool = False, dropout: bool = False) -> Any:
+                   alibi: bool = False, has_bias: bool = False, dropout: bool = False,
+                   mods: CudaMods = NO_MODS) -> Any:
     """dQ: one block per (query tile, query head, batch), looping over the key tiles its rows can see.
 
     Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments:
@@ -57,11 +59,11 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
     PARTS_WORDS = SPLIT * T_WORDS if SPLIT > 1 else 1
     V4, ALIGN = FETCH_VECTOR, SMEM_ALIGN
     D_STEP, N_STEP = product_steps(S_TM * S_TN, DK), product_steps(O_TM * O_TD, N_PART, 1)
-    HAS_LEFT, HAS_RIGHT, ALIBI, HAS_BIAS, DROPOUT = has_left, has_right, alibi, has_bias, dropout
+    HAS_LEFT, HAS_RIGHT, ALIBI, STAGED, DROPOUT = has_left, has_right, alibi, has_bias or mods.stages_tile, dropout
     Z_WORDS = T_WORDS if dropout else 1
     STORE = element_io(bf16)[1]
-    grads = make_score_grads(has_left, has_right, softcap, alibi, has_bias, dropout)
-    load_bias = make_bias_tile(BLOCK_M, BLOCK_N, NT, True, LM)
+    grads = make_score_grads(has_left, has_right, softcap, alibi, has_bias, dropout, mods)
+    load_bias = make_bias_tile(BLOCK_M, BLOCK_N, NT, True, LM, has_bias, mods)
     dropout_factors = make_dropout_tile(BLOCK_M, BLOCK_N, NT, LM, True)
     X_PASSES, KV_PASSES = tile_passes(BLOCK_M, DB, NT), tile_passes(BLOCK_N, DB, NT)
     fetch_x = make_tile_fetch(BLOCK_M, DB, NT, bf16, LD, False, True)    # query side: Q, dO
@@ -168,8 +170,8 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                 if ok:
                     for e in range(V4):
                         v_s[at + uint64(e)] = fetched[e]
-            if HAS_BIAS:   # dS's buffer holds the bias tile until dS overwrites it in place
-                load_bias(ds_t, bias_h, m0, n0, seqlen_q, seqlen_k, t)
+            if STAGED:   # dS's buffer holds the bias tile until dS overwrites it in place
+                load_bias(ds_t, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t)
             if DROPOUT:
                 dropout_factors(z_t, seed_lo, seed_hi, threshold, dscale, b + batch0, h, m0, n0, t)
             # A K tile with an inf or NaN goes through the product that skips masked pairs.
@@ -228,10 +230,10 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                             dp_run[e] += dp_parts[uint64(kk * T_WORDS + e) + at]
                     for e in range(R):
                         z = z_t[at + uint64(e)] if DROPOUT else float32(1.0)
-                        bias_value = ds_t[at + uint64(e)] if HAS_BIAS else float32(0.0)
+                        bias_value = ds_t[at + uint64(e)] if STAGED else float32(0.0)
                         dp_run[e] = grads(s_run[e], dp_run[e], m0 + m + e, n0 + n, lse_i[u * R + e],
                                           delta_i[u * R + e], z, bias_value, slope, qmult, capmult, offset,
-                                          seqlen_q, seqlen_k, window_left, window_right, bias_h)[1]
+                                          seqlen_q, seqlen_k, window_left, window_right, b, h)[1]
                     for e in range(R):   # a run is one 128-bit store
                         ds_t[at + uint64(e)] = dp_run[e]
             else:
@@ -240,10 +242,10 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                     for j in range(S_TN):
                         at = t_at0 + uint64(j * S_TC * LM + (i // S_RM) * S_GAP_M + i % S_RM)
                         z = z_t[at] if DROPOUT else float32(1.0)
-                        bias_value = ds_t[at] if HAS_BIAS else float32(0.0)
+                        bias_value = ds_t[at] if STAGED else float32(0.0)
                         dp[i, j] = grads(s[i, j], dp[i, j], row, n0 + s_tc + S_TC * j, lse_i[i], delta_i[i], z,
                                          bias_value, slope, qmult, capmult, offset, seqlen_q, seqlen_k, window_left,
-                                         window_right, bias_h)[1]
+                                         window_right, b, h)[1]
                 for j in range(S_TN):   # into dS^T key by key: a run of rows is one 128-bit store
                     for i in range(S_TM):
                         ds_t[t_at0 + uint64(j * S_TC * LM + (i // S_RM) * S_GAP_M + i % S_RM)] = dp[i, j]

@@ -10,12 +10,17 @@ its verbose log gives registers, spills, stack and shared memory per kernel.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import math
 import multiprocessing
 import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import numpy as np
 
 from .config import (COMPUTE_CAPABILITIES, STATIC_SMEM_LIMIT, TC_DTYPES, TC_MIN_COMPUTE_CAPABILITY,
                      FlashAttentionConfig, TileOverride, all_tile_configs, head_dim_bucket, storage_dtype,
@@ -33,6 +38,42 @@ UNTILED_THREADS = {"backward_delta": DELTA_THREADS, "decode_merge": 64}
 TC_COPY_PATHS: dict[str, bool] = {"tc_forward": True, "tc_forward_loads": False,
                                   "tc_backward_dkdv": True, "tc_backward_dkdv_loads": False,
                                   "tc_backward_dq": True, "tc_backward_dq_loads": False}
+#: Rows of kernels compiled with user mods (the SAMPLE_* functions below, through numba_flash/cuda/user_mods.py)
+#: carry this suffix: the forward and both backward kernels, SIMT in float32 and tensor-core in float16, at head
+#: dim MODS_HEAD_DIM. A mod compiles into every call site (the simulator types none of them).
+MODS_SUFFIX = "+mods"
+MODS_KERNELS = {"forward": "float32", "backward_dkdv": "float32", "backward_dq": "float32",
+                "tc_forward": "float16", "tc_backward_dkdv": "float16", "tc_backward_dq": "float16"}
+MODS_HEAD_DIM = 64
+#: A document-id table as a mask_mod reads one (4096 int32 entries: 16 KiB of the GPU's 64 KiB of constant
+#: memory per read), a per-head table as a bias_mod reads one, and a score_mod written in float32.
+SAMPLE_DOCUMENTS = np.repeat(np.arange(16, dtype=np.int32), 256)
+SAMPLE_HEAD_SLOPES = np.linspace(-0.5, 0.5, 64).astype(np.float32)
+
+
+def sample_mask_mod(b, h, q_idx, kv_idx):
+    return SAMPLE_DOCUMENTS[q_idx] == SAMPLE_DOCUMENTS[kv_idx]
+
+
+def sample_bias_mod(b, h, q_idx, kv_idx):
+    return SAMPLE_HEAD_SLOPES[h % 64] * np.float32(q_idx - kv_idx)
+
+
+def sample_score_mod(score, b, h, q_idx, kv_idx):
+    return np.float32(20.0) * math.tanh(score / np.float32(20.0))
+
+
+def sample_score_mod_grad(score, b, h, q_idx, kv_idx):
+    t = math.tanh(score / np.float32(20.0))
+    return np.float32(1.0) - t * t
+
+
+def sample_mods() -> Any:
+    """The SAMPLE_* mods as the kernels take them (``user_mods.CudaMods``)."""
+    from .user_mods import cuda_mods
+
+    return cuda_mods(SimpleNamespace(bias_mod=sample_bias_mod, mask_mod=sample_mask_mod, score_mod=sample_score_mod,
+                                     score_mod_grad=sample_score_mod_grad))
 
 
 @dataclass(frozen=True)
@@ -93,6 +134,7 @@ def kernel_signature(kernel: str, dtype: str) -> Any:
     C-contiguous)."""
     from numba import types
 
+    kernel = kernel.removesuffix(MODS_SUFFIX)
     x = types.Array(getattr(types, storage_dtype(dtype)), 4, "A")
     rows = types.Array(types.float32, 3, "A")
     slopes = types.Array(types.float32, 2, "A")
@@ -134,19 +176,23 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
     """The Python function of one kernel specialisation; ``flags`` are (has_left, has_right, softcap[, alibi[,
     attn_bias[, dropout]]]), those left out off (the decode kernel has no attn_bias or dropout: it takes the first
     four). The compile check builds every flag on: the variant with the most live values, so the worst case for
-    registers."""
+    registers. A ``MODS_SUFFIX`` kernel is built with ``sample_mods()`` as well."""
     from .backward import make_delta_kernel, make_dkdv_kernel, make_dq_kernel
     from .decode import make_decode_kernel, make_split_merge_kernel
     from .forward import make_forward_kernel
     from .tc_forward import make_tc_forward_kernel
+    from .user_mods import NO_MODS
 
+    mods = sample_mods() if kernel.endswith(MODS_SUFFIX) else NO_MODS
+    kernel = kernel.removesuffix(MODS_SUFFIX)
     if kernel in TC_COPY_PATHS:   # no dropout in the tensor-core kernels
         from .tc_dkdv import make_tc_dkdv_kernel
         from .tc_dq import make_tc_dq_kernel
 
         factory = {"tc_forward": make_tc_forward_kernel, "tc_backward_dkdv": make_tc_dkdv_kernel,
                    "tc_backward_dq": make_tc_dq_kernel}[cfg.kernel]
-        return factory(cfg, *flags[:3], dtype == "bfloat16", *flags[3:5], async_copy=TC_COPY_PATHS[kernel]).py_func
+        return factory(cfg, *flags[:3], dtype == "bfloat16", *flags[3:5], async_copy=TC_COPY_PATHS[kernel],
+                       mods=mods).py_func
     if kernel == "backward_delta":
         return make_delta_kernel(dtype == "bfloat16").py_func
     if kernel == "decode_merge":
@@ -154,7 +200,7 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
     if kernel == "decode":
         return make_decode_kernel(cfg, *flags[:3], dtype == "bfloat16", *flags[3:4]).py_func
     factory = {"forward": make_forward_kernel, "backward_dkdv": make_dkdv_kernel, "backward_dq": make_dq_kernel}
-    return factory[kernel](cfg, *flags[:3], dtype == "bfloat16", *flags[3:]).py_func
+    return factory[kernel](cfg, *flags[:3], dtype == "bfloat16", *flags[3:], mods=mods).py_func
 
 
 def _int(pattern: str, log: str) -> int:
@@ -167,16 +213,28 @@ def kernel_ptx(kernel: str, cfg: FlashAttentionConfig | None, dtype: str, cc: tu
     """PTX of one kernel specialisation for compute capability ``cc`` (types and lowers it: typing errors show).
     ``lineinfo`` adds source-line directives (for the performance model), with inlined helpers' lines in their own
     files (``lineinfo.helper_lines_in_their_files``); the code is the same."""
-    import contextlib
-
     from numba import cuda
 
     from .lineinfo import helper_lines_in_their_files
 
-    with helper_lines_in_their_files() if lineinfo else contextlib.nullcontext():
+    with helper_lines_in_their_files() if lineinfo else contextlib.nullcontext(), device_functions_for(cc):
         ptx, _ = cuda.compile_ptx(python_kernel(kernel, cfg, dtype, flags), kernel_signature(kernel, dtype),
                                   cc=cc, lineinfo=lineinfo)
     return ptx
+
+
+@contextlib.contextmanager
+def device_functions_for(cc: tuple[int, int]) -> Iterator[None]:
+    """numba-cuda compiles a device function that numba does not inline itself (the user's mods, user_mods.py) for
+    the current GPU's compute capability, which needs a GPU; in here, for ``cc`` (its IR does not depend on it)."""
+    from numba.cuda import dispatcher
+
+    real = dispatcher.get_current_device
+    dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=tuple(cc))
+    try:
+        yield
+    finally:
+        dispatcher.get_current_device = real
 
 
 def parse_resources(log: str) -> dict[str, int]:
@@ -223,7 +281,8 @@ def toolchain_ccs() -> tuple[tuple[int, int], ...]:
 def check_all(progress: Any = None, ccs: tuple[tuple[int, int], ...] | None = None,
               workers: int | None = None) -> list[KernelResources]:
     """Every (compute capability, dtype, tile config) the picker produces, plus the kernels without a tile config
-    (the backward's delta pre-pass, decoding's split merge); bfloat16 only
+    (the backward's delta pre-pass, decoding's split merge) and those built with user mods (``MODS_KERNELS``);
+    bfloat16 only
     for compute capabilities it is offered on (``config.MIN_COMPUTE_CAPABILITY``). ``ccs`` narrows the targets
     (default: ``config.COMPUTE_CAPABILITIES``); one the toolchain cannot build for raises ValueError saying why.
 
@@ -250,6 +309,11 @@ def check_all(progress: Any = None, ccs: tuple[tuple[int, int], ...] | None = No
         for kernel in TC_COPY_PATHS:
             if kernel.startswith(cfg.kernel):
                 targets.setdefault((kernel, dtype, cfg), []).append(cc)
+    for cc in ccs:
+        for kernel, dtype in MODS_KERNELS.items():
+            if not kernel.startswith("tc_") or tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY:
+                cfg = tile_config_for(MODS_HEAD_DIM, dtype, cc, kernel=kernel, override=TileOverride())
+                targets.setdefault((kernel + MODS_SUFFIX, dtype, cfg), []).append(cc)
     jobs = [(kernel, cfg, dtype, tuple(sorted(target_ccs))) for (kernel, dtype, cfg), target_ccs in targets.items()]
     workers = min(len(jobs), workers or os.cpu_count() or 1)
     if workers <= 1:

@@ -266,7 +266,7 @@ def make_decode_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: boo
                 x = capmult * math.tanh(raw) if SOFTCAP else raw
                 x = add_biases(x, row_slope[r], i, j, offset, float32(0.0))
                 x = x if abs(raw) < float32(math.inf) else nan
-                ok = visible(i, j, seqlen_q, j_end, offset, window_left, window_right, 0)
+                ok = visible(i, j, seqlen_q, j_end, offset, window_left, window_right, 0, 0, 0)
                 p_s[r, c] = x if ok else neg_inf
             cuda.syncthreads()
 
@@ -332,7 +332,7 @@ def make_decode_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: boo
                 d = e - r * DB
                 if d < head_dim:
                     for j in range(j_begin, j_end):
-                        if visible(row_q[r], j, seqlen_q, j_end, offset, window_left, window_right, 0):
+                        if visible(row_q[r], j, seqlen_q, j_end, offset, window_left, window_right, 0, 0, 0):
                             pos = uint32(key_start + j)
                             page = uint32(cache_row)
                             if page_size > 0:

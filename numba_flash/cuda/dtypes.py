@@ -50,6 +50,21 @@ def store_bf16(x):
     return int16(u >> 16)
 
 
+@_inline
+def load_f16_bits(bits):
+    """float32 of a float16 element stored as uint16 bits (how the tensor-core kernels see their arrays): exact,
+    subnormals, infinities and NaNs included. Their hot paths move bits; this is for their rare paths."""
+    u = int64(bits) & 0xFFFF
+    exponent, mantissa = (u >> 10) & 0x1F, u & 0x3FF
+    if exponent == 0x1F:
+        magnitude = _int_as_float(int32(0x7F800000 | (mantissa << 13)))
+    elif exponent == 0:
+        magnitude = float32(mantissa) * float32(2.0 ** -24)
+    else:
+        magnitude = _int_as_float(int32(((exponent + 112) << 23) | (mantissa << 13)))
+    return -magnitude if u & 0x8000 else magnitude
+
+
 def element_io(bf16: bool) -> tuple[Any, Any]:
     """(load, store) of a kernel built for bfloat16 bit arrays (``bf16``) or for float32/float16 arrays:
     ``load(element) -> float32`` and ``store(float32) -> what to assign to an element``.

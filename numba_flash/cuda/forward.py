@@ -28,7 +28,9 @@ from numba import config, cuda, float32, int32, uint32, uint64
 
 from .config import FlashAttentionConfig, transposed_stride
 from .dtypes import element_io
-from .masks import bias_head, dropout_factor, make_bias_tile, make_biases, make_visible, nan_if_not_finite
+from .masks import (bias_head, dropout_factor, make_bias_tile, make_biases, make_score_mod_hides, make_visible,
+                    nan_if_not_finite)
+from .user_mods import NO_MODS, CudaMods, make_score_mod
 from .tiles import FETCH_VECTOR, make_tile_fetch, tile_passes
 
 LN2 = math.log(2.0)
@@ -57,7 +59,8 @@ def _grids(cfg: FlashAttentionConfig) -> tuple[int, int, int, int]:
 
 @functools.lru_cache(maxsize=None)
 def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool,
-                        bf16: bool, alibi: bool = False, has_bias: bool = False, dropout: bool = False) -> Any:
+                        bf16: bool, alibi: bool = False, has_bias: bool = False, dropout: bool = False,
+                        mods: CudaMods = NO_MODS) -> Any:
     """The forward kernel for one tile config, mask kind and element kind (a ``numba.cuda`` dispatcher, compiled
     lazily).
 
@@ -75,7 +78,8 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
       seed_lo, seed_hi, threshold: uint64, dropout's key words and keep threshold; dscale: float32, 1 / (1 - p);
       batch0: int, the batch index of the call's first row in dropout's counter (all read only with ``dropout``).
     float32 and float16 share one dispatcher (numba specialises it on the array types it is called with); bfloat16
-    bits need their own, since an int16 element must be widened, not converted.
+    bits need their own, since an int16 element must be widened, not converted. ``mods``: the user's mods
+    (user_mods.py): bias_mod and mask_mod go through the staged bias tile, score_mod applies per score.
     """
     BM, BN, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
     S_TR, S_TC, O_TR, O_TC = _grids(cfg)
@@ -92,13 +96,15 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     # Runs of consecutive rows (columns) a thread owns, and the distance from one of its runs to the next.
     S_RM, S_RN, O_RM, O_RD = min(S_TM, 4), min(S_TN, 4), min(O_TM, 4), min(O_TD, 4)
     S_GAP_M, S_GAP_N, O_GAP_M, O_GAP_D = S_RM * S_TR, S_RN * S_TC, O_RM * O_TR, O_RD * O_TC
-    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, HAS_BIAS = has_left, has_right, softcap, alibi, has_bias
-    DROPOUT = dropout
+    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI = has_left, has_right, softcap, alibi
+    DROPOUT, STAGED, SCORE_MOD = dropout, has_bias or mods.stages_tile, mods.score_mod is not None
     LOAD, STORE = element_io(bf16)
     visible = make_visible(has_left, has_right)
-    sees = make_visible(has_left, has_right, has_bias)   # also reads attn_bias, for the rare path
-    add_biases = make_biases(alibi, has_bias)
-    load_bias = make_bias_tile(BM, BN, NT, True, BM)
+    sees = make_visible(has_left, has_right, has_bias, mods)   # also reads attn_bias and the mods, for the rare path
+    add_biases = make_biases(alibi, STAGED)
+    load_bias = make_bias_tile(BM, BN, NT, True, BM, has_bias, mods)
+    score_mod = make_score_mod(mods)
+    score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, LOAD)
     Q_PASSES, KV_PASSES, V4 = tile_passes(BM, DB, NT), tile_passes(BN, DB, NT), FETCH_VECTOR
     fetch_q = make_tile_fetch(BM, DB, NT, bf16, LQ, True)
     fetch_k = make_tile_fetch(BN, DB, NT, bf16, LK, True)
@@ -180,8 +186,8 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 if ok:
                     for e in range(V4):
                         kv[at + uint64(e)] = fetched[e]
-            if HAS_BIAS:   # P^T is free: its bias tile, overwritten in place by the scores
-                load_bias(p_t, bias_h, m0, n0, seqlen_q, seqlen_k, t)
+            if STAGED:   # P^T is free: its bias tile, overwritten in place by the scores
+                load_bias(p_t, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t)
             cuda.syncthreads()
 
             # Scores of this thread's (S_TM x S_TN) block: s = Q K^T over the padded head dim, one outer product of
@@ -207,15 +213,19 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                     col = n0 + s_tc * S_RN + (j // S_RN) * S_GAP_N + j % S_RN
                     raw = s[i, j]
                     bias_value = float32(0.0)
-                    if HAS_BIAS:
+                    if STAGED:
                         bias_value = p_t[p_block + uint64(((j // S_RN) * S_GAP_N + j % S_RN) * BM
                                                           + (i // S_RM) * S_GAP_M + i % S_RM)]
                     x = capmult * math.tanh(raw) if SOFTCAP else raw
                     x = add_biases(x, slope, row, col, offset, bias_value)
                     finite = abs(raw) < float32(math.inf)
-                    ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h)
-                    if HAS_BIAS:   # a -inf bias masks; a +inf or NaN one poisons
+                    ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h, b, h)
+                    if STAGED:   # a -inf bias (or mask_mod) masks; a +inf or NaN one poisons
                         ok = ok & (bias_value != neg_inf)
+                        finite = finite & (abs(x) < float32(math.inf))
+                    if SCORE_MOD:   # on the finite scores; a -inf it returns masks, any other non-finite poisons
+                        x, _ = score_mod(x, ok & finite, b, h, row, col, seqlen_q - 1, seqlen_k - 1)
+                        ok = ok & (x != neg_inf)
                         finite = finite & (abs(x) < float32(math.inf))
                     x = x if finite else nan
                     s[i, j] = x if ok else neg_inf
@@ -287,7 +297,9 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
             for i in range(O_TM):
                 row = m0 + o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM
                 for key in range(lo, hi):
-                    if sees(row, key, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h):
+                    if sees(row, key, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h, b, h) and not \
+                            score_mod_hides(q, k, b, h, hk, row, key, head_dim, qmult, capmult, slope, offset, bias_h,
+                                            seqlen_q, seqlen_k):
                         for j in range(O_TD):
                             d = o_tc * O_RD + (j // O_RD) * O_GAP_D + j % O_RD
                             if d < head_dim and not abs(LOAD(v[b, key, hk, d])) < float32(math.inf):

@@ -13,9 +13,10 @@ to the cache, so that a refusal leaves the cache untouched) and launches with it
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from .simcheck import install_from_env
 from .tc_dkdv import make_tc_dkdv_kernel
 from .tc_dq import make_tc_dq_kernel
 from .tc_forward import make_tc_forward_kernel
+from .user_mods import MOD_NAMES, NO_MODS, CudaMods
 
 
 def compute_capability() -> tuple[int, int]:
@@ -182,27 +184,56 @@ def _bias_arg(bias: Any) -> Any:
     return _no_bias(selfcheck.current_device()) if bias is None else bias
 
 
+@contextlib.contextmanager
+def _compiling(mods: CudaMods) -> Iterator[None]:
+    """Around a launch, which compiles the kernel on its first call: with mods, a failure to compile is the user's
+    mod's (numba-cuda cannot type it, or its global arrays overflow the GPU's 64 KiB of constant memory), so it
+    becomes an AttentionInputError naming the mods and numba's reason."""
+    if not mods.any:
+        yield
+        return
+    try:
+        yield
+    except AttentionInputError:
+        raise
+    except Exception as exc:
+        from numba.core.errors import NumbaError
+
+        text = str(exc)
+        if not isinstance(exc, NumbaError) and "constant" not in text.lower() and "nvvm" not in text.lower():
+            raise
+        names = ", ".join(f"{n}={getattr(getattr(mods, n), '__name__', '?')}" for n in MOD_NAMES
+                          if getattr(mods, n) is not None)
+        reason = " ".join(line.strip() for line in text.strip().splitlines()[:6] if line.strip())
+        raise AttentionInputError(
+            f"{names}: expected mods that numba-cuda can compile into the CUDA kernels (global arrays they read go "
+            f"to the GPU's 64 KiB of constant memory, one copy per read in a mod's source); compiling them "
+            f"failed: {type(exc).__name__}: {reason}") from exc
+
+
 def launch_forward(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float,
                    window_left: int, window_right: int, softcap: float, bf16: bool, alibi: Any = None,
-                   bias: Any = None, dropout: tuple | None = None, stream: Any = 0) -> None:
+                   bias: Any = None, dropout: tuple | None = None, mods: CudaMods = NO_MODS,
+                   stream: Any = 0) -> None:
     """Launch the forward kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_forward`` config) as
     it is, no self-check. Arrays as for ``flash_forward``."""
     if cfg.tensor_cores:
         if dropout is not None:
             raise ValueError("the tensor-core forward kernel has no dropout")
         kernel = make_tc_forward_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                        bias is not None, async_copy_ok(q, k, v))
+                                        bias is not None, async_copy_ok(q, k, v), mods)
         q, k, v, out = (_bits(x) for x in (q, k, v, out))
     else:
         kernel = make_forward_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                     bias is not None, dropout is not None)
+                                     bias is not None, dropout is not None, mods)
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     qmult, capmult = _multipliers(softmax_scale, softcap)
     grid = (math.ceil(sq / cfg.block_m), hq, batch)
-    kernel[grid, cfg.threads, stream](q, k, v, out, lse, sq, sk, d, hq // hkv, window_left, window_right,
-                                      qmult, capmult, _slopes_arg(alibi, lse), _bias_arg(bias),
-                                      *_dropout_args(dropout))
+    with _compiling(mods):
+        kernel[grid, cfg.threads, stream](q, k, v, out, lse, sq, sk, d, hq // hkv, window_left, window_right,
+                                          qmult, capmult, _slopes_arg(alibi, lse), _bias_arg(bias),
+                                          *_dropout_args(dropout))
 
 
 def launch_delta(dout: Any, out: Any, delta: Any, *, bf16: bool, stream: Any = 0) -> None:
@@ -215,60 +246,67 @@ def launch_delta(dout: Any, out: Any, delta: Any, *, bf16: bool, stream: Any = 0
 
 def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dk: Any,
                 dv: Any, *, softmax_scale: float, window_left: int, window_right: int, softcap: float, bf16: bool,
-                alibi: Any = None, bias: Any = None, dropout: tuple | None = None, stream: Any = 0) -> None:
+                alibi: Any = None, bias: Any = None, dropout: tuple | None = None, mods: CudaMods = NO_MODS,
+                stream: Any = 0) -> None:
     """Launch the dK/dV kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_backward_dkdv``
     config) as it is, no self-check. Arrays as for ``flash_backward``."""
     if cfg.tensor_cores:
         if dropout is not None:
             raise ValueError("the tensor-core dK/dV kernel has no dropout")
         kernel = make_tc_dkdv_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                     bias is not None, async_copy_ok(q, k, v, dout))
+                                     bias is not None, async_copy_ok(q, k, v, dout), mods)
         q, k, v, dout, dk, dv = (_bits(x) for x in (q, k, v, dout, dk, dv))
     else:
         kernel = make_dkdv_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                  bias is not None, dropout is not None)
+                                  bias is not None, dropout is not None, mods)
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     qmult, capmult = _multipliers(softmax_scale, softcap)
     grid = (math.ceil(sk / cfg.block_n), hkv, batch)
-    kernel[grid, cfg.threads, stream](q, k, v, dout, lse, delta, dk, dv, sq, sk, d, hq // hkv, window_left,
-                                      window_right, qmult, capmult, np.float32(softmax_scale),
-                                      _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout))
+    with _compiling(mods):
+        kernel[grid, cfg.threads, stream](q, k, v, dout, lse, delta, dk, dv, sq, sk, d, hq // hkv, window_left,
+                                          window_right, qmult, capmult, np.float32(softmax_scale),
+                                          _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout))
 
 
 def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dq: Any, *,
               softmax_scale: float, window_left: int, window_right: int, softcap: float, bf16: bool,
-              alibi: Any = None, bias: Any = None, dropout: tuple | None = None, stream: Any = 0) -> None:
+              alibi: Any = None, bias: Any = None, dropout: tuple | None = None, mods: CudaMods = NO_MODS,
+              stream: Any = 0) -> None:
     """Launch the dQ kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_backward_dq`` config) as it
     is, no self-check. Arrays as for ``flash_backward``."""
     if cfg.tensor_cores:
         if dropout is not None:
             raise ValueError("the tensor-core dQ kernel has no dropout")
         kernel = make_tc_dq_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                   bias is not None, async_copy_ok(q, k, v, dout))
+                                   bias is not None, async_copy_ok(q, k, v, dout), mods)
         q, k, v, dout, dq = (_bits(x) for x in (q, k, v, dout, dq))
     else:
         kernel = make_dq_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                bias is not None, dropout is not None)
+                                bias is not None, dropout is not None, mods)
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     qmult, capmult = _multipliers(softmax_scale, softcap)
     grid = (math.ceil(sq / cfg.block_m), hq, batch)
-    kernel[grid, cfg.threads, stream](q, k, v, dout, lse, delta, dq, sq, sk, d, hq // hkv, window_left,
-                                      window_right, qmult, capmult, np.float32(softmax_scale),
-                                      _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout))
+    with _compiling(mods):
+        kernel[grid, cfg.threads, stream](q, k, v, dout, lse, delta, dq, sq, sk, d, hq // hkv, window_left,
+                                          window_right, qmult, capmult, np.float32(softmax_scale),
+                                          _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout))
 
 
 def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float, window_left: int,
                   window_right: int, softcap: float, dtype: str, alibi: Any = None, bias: Any = None,
-                  dropout: tuple | None = None, override: TileOverride | None = None, stream: Any = 0) -> None:
+                  dropout: tuple | None = None, mods: CudaMods = NO_MODS, override: TileOverride | None = None,
+                  stream: Any = 0) -> None:
     """Launch the forward kernel.
 
     q, out: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D); device arrays of ``storage_dtype(dtype)`` (float32, float16,
     or int16 bfloat16 bits), any strides. lse: (B, Hq, Sq) float32 device array. alibi: None or the ALiBi slopes
     times log2(e), a (B, Hq) float32 device array (``alibi_arg``). bias: None or attn_bias, a float32 device array
     of 4 dimensions, each of the full size (B, Hq, Sq, Sk) or 1, any strides. dropout: None or ``dropout_arg``'s
-    tuple. Writes out and lse.
+    tuple. mods: the user's mods as device functions (``user_mods.cuda_mods``). Writes out and lse. The self-check
+    vouches for the kernels without mods (the mods only change which scores go in); a mod that numba-cuda cannot
+    compile raises AttentionInputError naming it.
     Raises ``selfcheck.SelfCheckFailed`` (a ``BackendDeclined``), having written nothing, when no forward config
     passes its self-check on this GPU.
     """
@@ -282,18 +320,18 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
                            async_copy=not picked.tensor_cores or async_copy_ok(q, k, v))
     launch_forward(cfg, q, k, v, out, lse, softmax_scale=softmax_scale, window_left=window_left,
                    window_right=window_right, softcap=softcap, bf16=dtype == "bfloat16", alibi=alibi, bias=bias,
-                   dropout=dropout, stream=stream)
+                   dropout=dropout, mods=mods, stream=stream)
 
 
 def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: Any, dk: Any, dv: Any,
                    delta: Any, *, softmax_scale: float, window_left: int, window_right: int, softcap: float,
                    dtype: str, alibi: Any = None, bias: Any = None, dropout: tuple | None = None,
-                   override: TileOverride | None = None, stream: Any = 0) -> None:
+                   mods: CudaMods = NO_MODS, override: TileOverride | None = None, stream: Any = 0) -> None:
     """Launch the three backward kernels: delta pre-pass, dK/dV over key tiles, dQ over query tiles.
 
     dout, q, out, dq: (B, Sq, Hq, D); k, v, dk, dv: (B, Sk, Hkv, D); device arrays of ``storage_dtype(dtype)``
     (float32, float16, or int16 bfloat16 bits), any strides. lse: (B, Hq, Sq) float32 as the forward wrote it;
-    delta: (B, Hq, Sq) float32 scratch; alibi, bias and dropout as for ``flash_forward``. Raises
+    delta: (B, Hq, Sq) float32 scratch; alibi, bias, dropout and mods as for ``flash_forward``. Raises
     ``selfcheck.SelfCheckFailed``, having written nothing, when no config of one of the two tiled kernels passes its
     self-check on this GPU.
     """
@@ -311,7 +349,7 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
     dq_cfg = selfcheck.choose(picked[dq_kernel], *flags, dtype, like=like, **variant)
     bf16 = dtype == "bfloat16"
     kw = dict(softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap,
-              bf16=bf16, alibi=alibi, bias=bias, dropout=dropout, stream=stream)
+              bf16=bf16, alibi=alibi, bias=bias, dropout=dropout, mods=mods, stream=stream)
     launch_delta(dout, out, delta, bf16=bf16, stream=stream)
     launch_dkdv(dkdv_cfg, q, k, v, dout, lse, delta, dk, dv, **kw)
     launch_dq(dq_cfg, q, k, v, dout, lse, delta, dq, **kw)

@@ -33,6 +33,8 @@ from numba import cuda, float32
 
 from numba_flash.dropout import compile_with
 
+from .user_mods import NO_MODS, CudaMods, make_hidden_by_mods, make_index_terms, make_score_mod
+
 LOG2E = math.log2(math.e)
 
 
@@ -65,16 +67,19 @@ def bias_at(bias_h, row, col):
 
 
 @functools.lru_cache(maxsize=None)
-def make_visible(has_left: bool, has_right: bool, has_bias: bool = False) -> Any:
-    """``visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h) -> bool``: whether
-    query ``row`` sees key ``col`` (both inside their sequences; bottom-right aligned window with ``offset =
-    seqlen_k - seqlen_q``; a side without a bound, ``has_left``/``has_right`` False, is not tested at all), and with
-    ``has_bias`` whether ``attn_bias`` (``bias_h``: see ``bias_head``) leaves it: a -inf entry hides the key
-    exactly as a mask does. Without ``has_bias``, ``bias_h`` is not read."""
-    HAS_LEFT, HAS_RIGHT, HAS_BIAS = has_left, has_right, has_bias
+def make_visible(has_left: bool, has_right: bool, has_bias: bool = False, mods: CudaMods = NO_MODS) -> Any:
+    """``visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h, b, h) -> bool``: whether
+    query ``row`` sees key ``col`` of batch ``b``, query head ``h`` (both inside their sequences; bottom-right
+    aligned window with ``offset = seqlen_k - seqlen_q``; a side without a bound, ``has_left``/``has_right`` False,
+    is not tested at all), and with ``has_bias`` whether ``attn_bias`` (``bias_h``: see ``bias_head``) leaves it: a
+    -inf entry hides the key exactly as a mask does; and whether the user's mods leave it (``mods``: a mask_mod
+    False or a bias_mod -inf hide it). Without ``has_bias``, ``bias_h`` is not read; without mods, ``b`` and ``h``.
+    The kernels call it on their rare paths; the hot ones read the staged tile (``make_bias_tile``)."""
+    HAS_LEFT, HAS_RIGHT, HAS_BIAS, MODS = has_left, has_right, has_bias, mods.stages_tile
+    hidden_by_mods = make_hidden_by_mods(mods)
 
     @cuda.jit(device=True, inline="always")
-    def visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h):
+    def visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h, b, h):
         # '&' on bools, not 'and': numba branches around the right side of an 'and'.
         ok = (row < seqlen_q) & (col < seqlen_k)
         if HAS_LEFT:
@@ -83,6 +88,9 @@ def make_visible(has_left: bool, has_right: bool, has_bias: bool = False) -> Any
             ok = ok & (col <= row + offset + window_right)
         if HAS_BIAS:
             ok = ok & (bias_at(bias_h, row, col) != float32(-math.inf))
+        if MODS:
+            if ok:   # a mod is never called past the sequences (its tables end there)
+                ok = not hidden_by_mods(b, h, row, col)
         return ok
 
     return visible
@@ -124,33 +132,40 @@ def make_dropout_tile(block_m: int, block_n: int, threads: int, ld: int, transpo
 
 
 @functools.lru_cache(maxsize=None)
-def make_bias_tile(block_m: int, block_n: int, threads: int, transposed: bool, ld: int) -> Any:
-    """``load(tile, bias_h, m0, n0, seqlen_q, seqlen_k, t)``: the attn_bias of query rows ``m0 ..`` and keys
-    ``n0 ..`` (a ``bias_head`` slab) into a (block_m x block_n) shared tile, 0 past the sequences, by the block's
-    ``threads`` threads (``t``: this one). The kernels read it where they form the scores (an entry's address
-    there is a constant offset, where the bias's own is a product of four indices and strides). ``tile`` is flat:
-    with ``transposed`` entry (r, c) is at ``c * ld + r``, consecutive threads on consecutive rows (no bank
-    conflict); else at ``r * ld + c``, consecutive threads on consecutive keys (coalesced reads of a row-major
-    bias)."""
-    BM, BN, NT, LD = block_m, block_n, threads, ld
+def make_bias_tile(block_m: int, block_n: int, threads: int, transposed: bool, ld: int, has_bias: bool = True,
+                   mods: CudaMods = NO_MODS) -> Any:
+    """``load(tile, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t)``: the score terms that do not depend on the score,
+    of query rows ``m0 ..`` and keys ``n0 ..`` of batch ``b``, query head ``h``, into a (block_m x block_n) shared
+    tile, by the block's ``threads`` threads (``t``: this one): attn_bias (with ``has_bias``, from the
+    ``bias_head`` slab ``bias_h``) plus the user's bias_mod, and -inf where the user's mask_mod hides the pair; 0
+    past the sequences (a mod is never called there). The kernels read it where they form the scores (an entry's
+    address there is a constant offset, where the bias's own is a product of four indices and strides, and a mod
+    is a call). ``tile`` is flat: with ``transposed`` entry (r, c) is at ``c * ld + r``, consecutive threads on
+    consecutive rows (no bank conflict); else at ``r * ld + c``, consecutive threads on consecutive keys (coalesced
+    reads of a row-major bias)."""
+    BM, BN, NT, LD, TRANSPOSED, HAS_BIAS, MODS = block_m, block_n, threads, ld, transposed, has_bias, mods.any
+    index_terms = make_index_terms(mods)
 
     @cuda.jit(device=True, inline="always")
-    def load_transposed(tile, bias_h, m0, n0, seqlen_q, seqlen_k, t):
+    def load(tile, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t):
         for e in range(t, BM * BN, NT):
-            r = e % BM
-            c = e // BM
-            inside = (m0 + r < seqlen_q) & (n0 + c < seqlen_k)
-            tile[c * LD + r] = bias_at(bias_h, m0 + r, n0 + c) if inside else float32(0.0)
+            if TRANSPOSED:
+                r = e % BM
+                c = e // BM
+            else:
+                c = e % BN
+                r = e // BN
+            row, col = m0 + r, n0 + c
+            x = float32(0.0)
+            if (row < seqlen_q) & (col < seqlen_k):
+                if HAS_BIAS:
+                    x = bias_at(bias_h, row, col)
+                if MODS:
+                    extra, hidden = index_terms(b, h, row, col)
+                    x = float32(-math.inf) if hidden else x + extra
+            tile[c * LD + r if TRANSPOSED else r * LD + c] = x
 
-    @cuda.jit(device=True, inline="always")
-    def load(tile, bias_h, m0, n0, seqlen_q, seqlen_k, t):
-        for e in range(t, BM * BN, NT):
-            c = e % BN
-            r = e // BN
-            inside = (m0 + r < seqlen_q) & (n0 + c < seqlen_k)
-            tile[r * LD + c] = bias_at(bias_h, m0 + r, n0 + c) if inside else float32(0.0)
-
-    return load_transposed if transposed else load
+    return load
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,22 +190,62 @@ def make_biases(alibi: bool, has_bias: bool) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
+def make_score_mod_hides(softcap: bool, alibi: bool, has_bias: bool, mods: CudaMods, load: Any) -> Any:
+    """``hides(q, k, b, h, hk, row, col, head_dim, qmult, capmult, slope, offset, bias_h, seqlen_q, seqlen_k) ->
+    bool``: whether the user's score_mod hides the pair (returns -inf on its score), for the kernels' rare paths,
+    which know which keys a row sees from the masks (``make_visible``) but no longer hold the scores. The score is
+    recomputed from q (B, Sq, Hq, D) and k (B, Sk, Hkv, D) in global memory (``load`` widens an element to
+    float32), through the whole pipeline: ``qmult`` and ``capmult`` as the kernels take them, ALiBi's ``slope`` and
+    ``offset``, attn_bias's slab ``bias_h``, bias_mod. False without a score_mod, and for a pair whose score is not
+    finite (score_mod is not applied there). Its rounding may differ from the kernel's by an ulp or so: a mod that
+    returns -inf exactly at a threshold may be judged differently at that threshold."""
+    SOFTCAP, ALIBI, HAS_BIAS, LOAD = softcap, alibi, has_bias, load
+    SCORE_MOD, INDEX_MODS = mods.score_mod is not None, mods.stages_tile
+    index_terms = make_index_terms(mods)
+    score_mod = make_score_mod(mods)
+
+    @cuda.jit(device=True, inline="always")
+    def hides(q, k, b, h, hk, row, col, head_dim, qmult, capmult, slope, offset, bias_h, seqlen_q, seqlen_k):
+        if not SCORE_MOD:
+            return False
+        raw = float32(0.0)
+        for d in range(head_dim):
+            raw += LOAD(q[b, row, h, d]) * LOAD(k[b, col, hk, d])
+        x = raw * qmult
+        if SOFTCAP:
+            x = capmult * math.tanh(x)
+        if ALIBI:
+            x -= slope * float32(abs(row + offset - col))
+        if HAS_BIAS:
+            x += bias_at(bias_h, row, col) * float32(LOG2E)
+        if INDEX_MODS:
+            extra, _ = index_terms(b, h, row, col)
+            x += extra * float32(LOG2E)
+        x, _ = score_mod(x, True, b, h, row, col, seqlen_q - 1, seqlen_k - 1)
+        return x == float32(-math.inf)
+
+    return hides
+
+
+@functools.lru_cache(maxsize=None)
 def make_score_grads(has_left: bool, has_right: bool, softcap: bool, alibi: bool, has_bias: bool,
-                     dropout: bool) -> Any:
+                     dropout: bool, mods: CudaMods = NO_MODS) -> Any:
     """``grads(raw, dp, row, col, lse2, delta, z, bias_value, slope, qmult, capmult, offset, seqlen_q, seqlen_k,
-    window_left, window_right, bias_h) -> (p, ds)``: the backward's pipeline for one score of query ``row`` and key
-    ``col``, as both backward kernels run it. ``raw`` is the unscaled Q K^T, ``dp`` the dO V^T, ``lse2`` the row's
-    lse in log2 units, ``z`` dropout's factor (read only with ``dropout``) and ``bias_value`` the pair's attn_bias
-    (read only with ``has_bias``). ``p`` is the probability dV takes (times ``z`` with dropout); ``ds`` is
-    ``P (z dP - delta)`` times softcap's derivative, 0 for a masked pair by a select (its dP may be NaN: a
-    non-finite V or dO). A poisoned row has ``lse2`` NaN, so its visible P and dS are NaN."""
-    SOFTCAP, HAS_BIAS, DROPOUT = softcap, has_bias, dropout
+    window_left, window_right, b, h) -> (p, ds)``: the backward's pipeline for one score of query ``row`` and key
+    ``col`` of batch ``b``, query head ``h``, as both backward kernels run it. ``raw`` is the unscaled Q K^T, ``dp``
+    the dO V^T, ``lse2`` the row's lse in log2 units, ``z`` dropout's factor (read only with ``dropout``) and
+    ``bias_value`` the pair's entry of the staged tile (``make_bias_tile``: attn_bias, bias_mod and mask_mod; read
+    only with ``has_bias`` or such mods). ``p`` is the probability dV takes (times ``z`` with dropout); ``ds`` is
+    ``P (z dP - delta)`` times softcap's derivative and score_mod_grad's, 0 for a masked pair by a select (its dP
+    may be NaN: a non-finite V or dO). A poisoned row has ``lse2`` NaN, so its visible P and dS are NaN."""
+    SOFTCAP, STAGED, DROPOUT, SCORE_MOD = softcap, has_bias or mods.stages_tile, dropout, mods.score_mod is not None
     visible = make_visible(has_left, has_right)
-    add_biases = make_biases(alibi, has_bias)
+    add_biases = make_biases(alibi, STAGED)
+    score_mod = make_score_mod(mods)
 
     @cuda.jit(device=True, inline="always")
     def grads(raw, dp, row, col, lse2, delta, z, bias_value, slope, qmult, capmult, offset, seqlen_q, seqlen_k,
-              window_left, window_right, bias_h):
+              window_left, window_right, b, h):
         x = raw * qmult
         dcap = float32(1.0)
         if SOFTCAP:
@@ -198,9 +253,13 @@ def make_score_grads(has_left: bool, has_right: bool, softcap: bool, alibi: bool
             dcap = float32(1.0) - th * th
             x = capmult * th
         x = add_biases(x, slope, row, col, offset, bias_value)
-        ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h)
-        if HAS_BIAS:
+        ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, 0, b, h)
+        if STAGED:
             ok = ok & (bias_value != float32(-math.inf))
+        if SCORE_MOD:
+            x, dmod = score_mod(x, ok, b, h, row, col, seqlen_q - 1, seqlen_k - 1)
+            ok = ok & (x != float32(-math.inf))
+            dcap *= dmod
         p = math.exp2(x - lse2) if ok else float32(0.0)
         if DROPOUT:
             kept = p * z

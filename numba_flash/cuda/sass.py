@@ -184,8 +184,8 @@ def link(ptx: str, cc: tuple[int, int], lineinfo: bool = False) -> tuple[bytes, 
     handle = nvjitlink.create(len(options), options)
     try:
         data = ptx.encode()
-        nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel")
-        try:
+        try:   # ptxas runs in add_data (its errors show there: too much constant memory) or in complete
+            nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel")
             nvjitlink.complete(handle)
         except Exception as exc:
             err = bytearray(nvjitlink.get_error_log_size(handle))

@@ -28,17 +28,20 @@ from numba import config, cuda, float32, int32, uint16, uint32
 
 from . import warp
 from .config import FlashAttentionConfig
-from .masks import LOG2E, bias_head, make_visible
+from .dtypes import load_bf16, load_f16_bits
+from .masks import LOG2E, bias_head, make_score_mod_hides, make_visible
 from .tc_forward import EXPONENT_BITS, QUIET_NAN_BITS, tile_offset
-from .tc_scores import make_score
+from .tc_scores import hidden_p, is_hidden, make_score
 from .tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
+from .user_mods import NO_MODS, CudaMods
 
 SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16
 
 
 @functools.lru_cache(maxsize=None)
 def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool,
-                        alibi: bool = False, has_bias: bool = False, async_copy: bool = True) -> Any:
+                        alibi: bool = False, has_bias: bool = False, async_copy: bool = True,
+                        mods: CudaMods = NO_MODS) -> Any:
     """The tensor-core dK/dV kernel for one tile config, mask kind and element kind (a ``numba.cuda`` dispatcher).
     ``block_n`` keys (16 per warp) per block, ``block_m`` queries per step of its loop.
 
@@ -62,8 +65,9 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     copy_x = make_tile_copy(BLOCK_M, HEAD_DIM, NT, async_copy)
     copy_kv = make_tile_copy(BLOCK_N, HEAD_DIM, NT, async_copy)
     smem_index = make_smem_index(HEAD_DIM)
-    score = make_score(softcap, alibi, has_bias)
-    sees = make_visible(has_left, has_right, has_bias)
+    score = make_score(softcap, alibi, has_bias, mods)
+    sees = make_visible(has_left, has_right, has_bias, mods)
+    score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, load_bf16 if bf16 else load_f16_bits)
 
     def flash_tc_dkdv_kernel(q, k, v, dout, lse, delta, dk, dv, seqlen_q, seqlen_k, head_dim, group, window_left,
                              window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
@@ -191,8 +195,8 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                         for c in range(2):
                             col = 8 * j + c
                             x, dc = score(s[j, 2 * half + c], qmult, capmult, slope, distance0 + float32(col),
-                                          bias_h, m0 + lane_col + col, key)
-                            s[j, 2 * half + c] = warp.exp2_approx(x - lse_s[lane_col + col])
+                                          bias_h, m0 + lane_col + col, key, b, h, seqlen_q, seqlen_k)
+                            s[j, 2 * half + c] = hidden_p(x, lse_s[lane_col + col])
                             dcap[j, 2 * half + c] = dc
                 # Every pair of the step is in the band unless a key of the warp is right of the first row's right
                 # bound or left of the last row's left bound.
@@ -214,8 +218,7 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                             for c in range(2):
                                 col = 8 * j + c
                                 seen = (col >= first) & (col <= last)
-                                s[j, 2 * half + c] = s[j, 2 * half + c] if seen else float32(0.0)
-                                dcap[j, 2 * half + c] = dcap[j, 2 * half + c] if seen else float32(-1.0)
+                                s[j, 2 * half + c] = s[j, 2 * half + c] if seen else float32(-0.0)
                 for kk in range(QUERY_STEPS):
                     p_frag[kk, 0] = PACK(s[2 * kk, 0], s[2 * kk, 1])
                     p_frag[kk, 1] = PACK(s[2 * kk, 2], s[2 * kk, 3])
@@ -223,10 +226,10 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                     p_frag[kk, 3] = PACK(s[2 * kk + 1, 2], s[2 * kk + 1, 3])
                 for j in range(M_TILES):
                     for r in range(4):
-                        # dcap is -1 where the pair is masked (softcap's own is in [0, 1]): the select keeps a NaN
-                        # of dP out of a masked pair's dS, a product would not.
+                        # A hidden pair's P is -0.0 (tc_scores.hidden_p): the select keeps a NaN of dP out of its
+                        # dS, a product would not.
                         ds = s[j, r] * (dp[j, r] - delta_s[lane_col + 8 * j + (r & 1)]) * dcap[j, r]
-                        s[j, r] = ds if dcap[j, r] >= float32(0.0) else float32(0.0)
+                        s[j, r] = float32(0.0) if is_hidden(s[j, r]) else ds
                 for kk in range(QUERY_STEPS):
                     ds_frag[kk, 0] = PACK(s[2 * kk, 0], s[2 * kk, 1])
                     ds_frag[kk, 1] = PACK(s[2 * kk, 2], s[2 * kk, 3])
@@ -288,10 +291,15 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
             for g_head in range(group):
                 h = hk * group + g_head
                 bias_h = bias_head(bias, b, h)
+                slope = float32(0.0)
+                if ALIBI:
+                    slope = slopes[b, h]
                 for row in range(i_lo, i_hi):
                     for half in range(2):
                         key_row = warp_key0 + int32(g) + 8 * half
-                        if sees(row, n0 + key_row, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h):
+                        if sees(row, n0 + key_row, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h, b,
+                                h) and not score_mod_hides(q, k, b, h, hk, row, n0 + key_row, head_dim, qmult, capmult,
+                                                           slope, offset, bias_h, seqlen_q, seqlen_k):
                             for d in range(lane_col, head_dim):
                                 if (d - lane_col) % 8 < 2 and (dout[b, row, h, d] & uint16(EXP)) == uint16(EXP):
                                     v_tile[smem_index(key_row, d // 8) + uint32(d % 8)] = uint16(NAN_BITS)

@@ -30,15 +30,17 @@ from . import warp
 from .config import FlashAttentionConfig
 from .masks import LOG2E, bias_head
 from .tc_forward import EXPONENT_BITS, tile_offset
-from .tc_scores import make_score
+from .tc_scores import hidden_p, is_hidden, make_score
 from .tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
+from .user_mods import NO_MODS, CudaMods
 
 SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16
 
 
 @functools.lru_cache(maxsize=None)
 def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool,
-                      alibi: bool = False, has_bias: bool = False, async_copy: bool = True) -> Any:
+                      alibi: bool = False, has_bias: bool = False, async_copy: bool = True,
+                      mods: CudaMods = NO_MODS) -> Any:
     """The tensor-core dQ kernel for one tile config, mask kind and element kind (a ``numba.cuda`` dispatcher).
 
     Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments as the float32 dQ
@@ -60,7 +62,7 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
     copy_x = make_tile_copy(BLOCK_M, HEAD_DIM, NT, async_copy)
     copy_kv = make_tile_copy(BLOCK_N, HEAD_DIM, NT, async_copy)
     smem_index = make_smem_index(HEAD_DIM)
-    score = make_score(softcap, alibi, has_bias)
+    score = make_score(softcap, alibi, has_bias, mods)
 
     def flash_tc_dq_kernel(q, k, v, dout, lse, delta, dq, seqlen_q, seqlen_k, head_dim, group, window_left,
                            window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
@@ -206,9 +208,8 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
                     for c in range(2):
                         col = 8 * j + c
                         x, dc = score(s[j, 2 * half + c], qmult, capmult, slope, distance0 - float32(col), bias_h,
-                                      row, n0 + lane_col + col)
-                        p = warp.exp2_approx(x - lse2[half])
-                        s[j, 2 * half + c] = p
+                                      row, n0 + lane_col + col, b, h, seqlen_q, seqlen_k)
+                        s[j, 2 * half + c] = hidden_p(x, lse2[half])
                         dcap[j, 2 * half + c] = dc
             tile_edge = (n0 < full_lo) | (n0 + BLOCK_N > full_hi)
             if tile_edge:
@@ -224,14 +225,13 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
                         for c in range(2):
                             col = 8 * j + c
                             seen = (col >= first) & (col <= last)
-                            s[j, 2 * half + c] = s[j, 2 * half + c] if seen else float32(0.0)
-                            dcap[j, 2 * half + c] = dcap[j, 2 * half + c] if seen else float32(-1.0)
+                            s[j, 2 * half + c] = s[j, 2 * half + c] if seen else float32(-0.0)
             for j in range(N_TILES):
                 for r in range(4):
-                    # dcap is -1 where the pair is masked (softcap's own is in [0, 1]): the select keeps a NaN of dP
-                    # out of a masked pair's dS, a product would not.
+                    # A hidden pair's P is -0.0 (tc_scores.hidden_p): the select keeps a NaN of dP out of its dS, a
+                    # product would not.
                     ds = s[j, r] * (dp[j, r] - delta_i[r >> 1]) * dcap[j, r]
-                    s[j, r] = ds if dcap[j, r] >= float32(0.0) else float32(0.0)
+                    s[j, r] = float32(0.0) if is_hidden(s[j, r]) else ds
             for kk in range(KEY_STEPS):
                 ds_frag[kk, 0] = PACK(s[2 * kk, 0], s[2 * kk, 1])
                 ds_frag[kk, 1] = PACK(s[2 * kk, 2], s[2 * kk, 3])

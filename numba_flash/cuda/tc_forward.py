@@ -33,9 +33,11 @@ from numba import config, cuda, float32, int32, int64, uint16, uint32
 
 from . import warp
 from .config import FlashAttentionConfig
-from .masks import bias_head, make_visible
-from .tc_scores import make_score
+from .dtypes import load_bf16, load_f16_bits
+from .masks import bias_head, make_score_mod_hides, make_visible
+from .tc_scores import make_mod_stage, make_score, staged_value, staged_words
 from .tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
+from .user_mods import NO_MODS, CudaMods, make_score_mod
 
 LN2 = math.log(2.0)
 SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16   # cp.async and ldmatrix move 16-byte aligned chunks
@@ -58,7 +60,8 @@ def tile_offset(x, b, row, h):
 
 @functools.lru_cache(maxsize=None)
 def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool,
-                           alibi: bool = False, has_bias: bool = False, async_copy: bool = True) -> Any:
+                           alibi: bool = False, has_bias: bool = False, async_copy: bool = True,
+                           mods: CudaMods = NO_MODS) -> Any:
     """The tensor-core forward kernel for one tile config, mask kind and element kind (a ``numba.cuda``
     dispatcher, compiled lazily).
 
@@ -89,8 +92,14 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
     copy_q = make_tile_copy(BLOCK_M, HEAD_DIM, NT, async_copy)
     copy_kv = make_tile_copy(BLOCK_N, HEAD_DIM, NT, async_copy)
     smem_index = make_smem_index(HEAD_DIM)
-    sees = make_visible(has_left, has_right, has_bias)
+    sees = make_visible(has_left, has_right, has_bias, mods)
+    # The mods run outside the score loop (tc_scores.make_mod_stage): mask_mod and bias_mod staged ahead of it,
+    # score_mod in a loop of its own after the masks.
     score = make_score(softcap, alibi, has_bias)
+    INDEX_MODS, SCORE_MOD, MOD_WORDS = mods.stages_tile, mods.score_mod is not None, staged_words(N_TILES, NT, mods)
+    stage_mods = make_mod_stage(N_TILES, NT, mods)
+    score_mod = make_score_mod(mods)
+    score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, load_bf16 if bf16 else load_f16_bits)
 
     def flash_tc_forward_kernel(q, k, v, out, lse, seqlen_q, seqlen_k, head_dim, group, window_left,
                                 window_right, qmult, capmult, slopes, bias, seed_lo, seed_hi, threshold, dscale,
@@ -115,6 +124,7 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
         v_tile = cuda.shared.array(V_WORDS, uint16, alignment=ALIGN)
         q_own = cuda.shared.array(Q_WORDS, uint16, alignment=ALIGN)
         q_tile = v_tile if Q_IN_REGS else q_own
+        mod_slots = cuda.shared.array(MOD_WORDS, float32)
 
         q_frag = cuda.local.array((D_STEPS, 4), uint32)
         p_frag = cuda.local.array((KEY_STEPS, 4), uint32)
@@ -186,6 +196,8 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                         v.strides[1], b, hk)
             warp.cp_async_commit()
 
+            if INDEX_MODS:
+                stage_mods(mod_slots, t, b, h, row_top, n0 + lane_col, seqlen_q, seqlen_k)
             # S = Q K^T: per 16-wide step of the head dim, one ldmatrix gives two 8-key tiles' B fragments.
             for j in range(N_TILES):
                 for r in range(4):
@@ -213,8 +225,11 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                 for j in range(N_TILES):
                     for c in range(2):
                         col = 8 * j + c
-                        s[j, 2 * half + c], _ = score(s[j, 2 * half + c], qmult, capmult, slope,
-                                                      distance0 - float32(col), bias_h, row, n0 + lane_col + col)
+                        x, _ = score(s[j, 2 * half + c], qmult, capmult, slope, distance0 - float32(col), bias_h,
+                                     row, n0 + lane_col + col, b, h, seqlen_q, seqlen_k)
+                        if INDEX_MODS:
+                            x = staged_value(x, mod_slots[(4 * j + 2 * half + c) * NT + t])
+                        s[j, 2 * half + c] = x
             tile_edge = (n0 < full_lo) | (n0 + BLOCK_N > full_hi)
             if tile_edge:
                 # Keys past the sequence or outside a row's band: -inf, whatever they computed. Bounds relative to
@@ -232,6 +247,14 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                             col = 8 * j + c          # past the lane's first column: a constant
                             seen = (col >= first) & (col <= last)
                             s[j, 2 * half + c] = s[j, 2 * half + c] if seen else neg_inf
+            if SCORE_MOD:   # on the visible finite scores (the masked ones are -inf by now)
+                for half in range(2):
+                    row = row_top + 8 * half
+                    for j in range(N_TILES):
+                        for c in range(2):
+                            col = n0 + lane_col + 8 * j + c
+                            s[j, 2 * half + c], _ = score_mod(s[j, 2 * half + c], (row < seqlen_q) & (col < seqlen_k),
+                                                              b, h, row, col, seqlen_q - 1, seqlen_k - 1)
 
             # Online softmax, rows top (registers 0, 1) and top + 8 (2, 3). max ignores NaN; the row's sum does not.
             # The accumulators are rescaled in a loop of their own: indexed by ``half`` inside this one, they would
@@ -343,7 +366,9 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
             for key in range(lo, hi):
                 for half in range(2):
                     row = warp_row0 + int32(g) + 8 * half
-                    if sees(m0 + row, key, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h):
+                    if sees(m0 + row, key, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h, b, h) and \
+                            not score_mod_hides(q, k, b, h, hk, m0 + row, key, head_dim, qmult, capmult, slope,
+                                                offset, bias_h, seqlen_q, seqlen_k):
                         for d in range(lane_col, head_dim):
                             if (d - lane_col) % 8 < 2 and (v[b, key, hk, d] & uint16(EXP)) == uint16(EXP):
                                 q_tile[smem_index(row, d // 8) + uint32(d % 8)] = uint16(NAN_BITS)

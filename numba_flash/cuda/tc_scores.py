@@ -1,18 +1,22 @@
 """The score of one (query, key) pair as the tensor-core kernels compute it from the raw product ``q . k``, shared
 by the forward and both backward kernels so that the backward recomputes exactly the forward's probabilities.
 
-Order (the contract's): scale, softcap, ALiBi, attn_bias; masks are the callers' (only tiles that cross the band
-need them). Scores are in log2 units (``scale * log2(e)`` folded into ``qmult``, or ``scale / softcap`` with
-softcap and ``capmult = softcap * log2(e)``), so that the softmax uses exp2.
+Order (the contract's): scale, softcap, ALiBi, attn_bias, the user's mask_mod and bias_mod, then score_mod; the
+window and sequence-end masks are the callers' (only tiles that cross the band need them). Scores are in log2
+units (``scale * log2(e)`` folded into ``qmult``, or ``scale / softcap`` with softcap and ``capmult = softcap *
+log2(e)``), so that the softmax uses exp2.
 
 The non-finite rule: a visible score whose raw product is not finite must poison its row, the raw product
 deciding (tanh would turn an inf into a finite cap). tanh is the special-function unit's approximation
-(``warp.tanh_approx``, about 2**-11 relative, the size of a 16-bit score's own rounding), as FlashAttention-2's. Adding ``raw * 0`` makes such a score NaN in one fused
-multiply-add; the row's sum then carries the NaN to its output and lse. A -inf attn_bias entry hides its pair
-whatever the product (the score becomes -inf, exp2 gives 0).
+(``warp.tanh_approx``, about 2**-11 relative, the size of a 16-bit score's own rounding), as FlashAttention-2's.
+Adding ``raw * 0`` makes such a score NaN in one fused multiply-add; the row's sum then carries the NaN to its
+output and lse. A -inf attn_bias entry hides its pair whatever the product (the score becomes -inf, exp2 gives
+0), as do mask_mod, a -inf bias_mod and a -inf score_mod. The backward keeps hidden pairs' probabilities as -0.0
+(``hidden_p``) so that their dS is 0 by a select, whatever the chain factor and dP.
 
 ``inline="always"``, no loops: numba splices the helper into each unrolled element loop of the kernels, and the
-performance model counts its instructions once per copy (perf_model.py).
+performance model counts its instructions once per copy (perf_model.py). The mods themselves are device functions
+of their own that NVVM inlines (user_mods.py).
 """
 
 from __future__ import annotations
@@ -25,24 +29,32 @@ from numba import cuda, float32
 
 from . import warp
 from .masks import LOG2E, bias_at
+from .user_mods import NO_MODS, CudaMods, make_index_terms, make_score_mod
 
 
 @functools.lru_cache(maxsize=None)
-def make_score(softcap: bool, alibi: bool, has_bias: bool) -> Any:
-    """``score(raw, qmult, capmult, slope, distance, bias_h, row, col) -> (x, dcap)``: the score ``x`` of the pair
-    (query ``row``, key ``col``) in log2 units, and ``dcap``, softcap's derivative ``1 - tanh^2`` (1 without
-    softcap; the backward multiplies dS by it). ``distance``: the pair's ALiBi distance ``row + offset - col`` as a
-    float32 (ignored without ALiBi); ``slope``: the head's ALiBi slope times log2(e); ``bias_h``: the attn_bias slab
-    of the batch and head (``masks.bias_head``), read at (row, col) only with ``has_bias``."""
+def make_score(softcap: bool, alibi: bool, has_bias: bool, mods: CudaMods = NO_MODS) -> Any:
+    """``score(raw, qmult, capmult, slope, distance, bias_h, row, col, b, h, seqlen_q, seqlen_k) -> (x, chain)``: the
+    score ``x`` of the pair (query ``row``, key ``col``) of batch ``b``, query head ``h`` in log2 units, -inf for
+    a pair that attn_bias or the mods hide, and ``chain``, d x / d (raw * scale) for the backward: softcap's
+    derivative ``1 - tanh^2`` times score_mod_grad's (1 without either). ``distance``: the pair's ALiBi distance
+    ``row + offset - col`` as a float32 (ignored without ALiBi); ``slope``: the head's ALiBi slope times log2(e);
+    ``bias_h``: the attn_bias slab of the batch and head (``masks.bias_head``), read at (row, col) only with
+    ``has_bias``. ``mods`` (user_mods.py) are called for pairs inside the sequences only (``seqlen_q``,
+    ``seqlen_k``; not read without mods): mask_mod and bias_mod, then score_mod on a finite score."""
     SOFTCAP, ALIBI, HAS_BIAS = softcap, alibi, has_bias
+    MODS, INDEX_MODS, SCORE_MOD = mods.any, mods.stages_tile, mods.score_mod is not None
+    index_terms = make_index_terms(mods)
+    score_mod = make_score_mod(mods)
 
     @cuda.jit(device=True, inline="always")
-    def score(raw, qmult, capmult, slope, distance, bias_h, row, col):
-        dcap = float32(1.0)
+    def score(raw, qmult, capmult, slope, distance, bias_h, row, col, b, h, seqlen_q, seqlen_k):
+        neg_inf = float32(-math.inf)
+        chain = float32(1.0)
         if SOFTCAP:
             th = warp.tanh_approx(raw * qmult)
             x = capmult * th
-            dcap = float32(1.0) - th * th
+            chain = float32(1.0) - th * th
         else:
             x = raw * qmult
         x += raw * float32(0.0)
@@ -50,7 +62,76 @@ def make_score(softcap: bool, alibi: bool, has_bias: bool) -> Any:
             x -= slope * abs(distance)
         if HAS_BIAS:
             bias_value = bias_at(bias_h, row, col)
-            x = float32(-math.inf) if bias_value == float32(-math.inf) else x + bias_value * float32(LOG2E)
-        return x, dcap
+            x = neg_inf if bias_value == neg_inf else x + bias_value * float32(LOG2E)
+        if MODS:
+            inside = (row < seqlen_q) & (col < seqlen_k)
+            if INDEX_MODS:
+                extra, hidden = float32(0.0), False
+                if inside:
+                    extra, hidden = index_terms(b, h, row, col)
+                x = neg_inf if hidden else x + extra * float32(LOG2E)
+            if SCORE_MOD:
+                x, dmod = score_mod(x, inside, b, h, row, col, seqlen_q - 1, seqlen_k - 1)
+                chain *= dmod
+        return x, chain
 
     return score
+
+
+@cuda.jit(device=True, inline="always")
+def hidden_p(x, lse):
+    """The probability ``exp2(x - lse)`` of a score ``x`` in a row of ``lse`` (log2 units), as the backward kernels
+    keep it: -0.0 for a hidden pair, which no exp2 returns, so that ``is_hidden`` can tell it from a visible
+    probability that underflowed to +0 (whose dS must still carry a NaN dP, as the reference's does). Hidden: ``x``
+    is -inf (attn_bias or a mod hides it; a poisoned row's NaN ``lse`` must not unhide it), or the row sees no key
+    (``lse`` +inf, as rows past the sequence have too, whose scores are not masked)."""
+    y = x - lse
+    return float32(-0.0) if (x == float32(-math.inf)) | (y == float32(-math.inf)) else warp.exp2_approx(y)
+
+
+@cuda.jit(device=True, inline="always")
+def is_hidden(p):
+    """Whether ``p`` (see ``hidden_p``) is a hidden pair's: -0.0."""
+    return (p == float32(0.0)) & (math.copysign(float32(1.0), p) < float32(0.0))
+
+
+def staged_words(n_tiles: int, threads: int, mods: CudaMods) -> int:
+    """Shared words ``make_mod_stage`` needs: a slot per score a thread holds (``n_tiles`` 8-key tiles of 4), per
+    thread; 1 (unused) without mask_mod and bias_mod."""
+    return n_tiles * 4 * threads if mods.stages_tile else 1
+
+
+@functools.lru_cache(maxsize=None)
+def make_mod_stage(n_tiles: int, threads: int, mods: CudaMods) -> Any:
+    """``stage(slots, t, b, h, row_top, col0, seqlen_q, seqlen_k)``: mask_mod and bias_mod of the scores thread
+    ``t`` holds (rows ``row_top`` and ``row_top + 8``, columns ``col0 + 8 j + c``, the C-fragment layout) into its
+    slots of the shared array ``slots`` (``staged_words``): bias_mod in log2 units, -inf where mask_mod hides the
+    pair, 0 past the sequences; slot of score ``(j, r)`` at ``(4 j + r) * threads + t`` (consecutive threads,
+    consecutive banks), which ``staged_value`` reads.
+
+    Why shared memory that only its own thread reads: computed in the unrolled score loop, the mods' code for every
+    score interleaves with the live accumulators and spills (the tensor-core forward with every variant on, sm_80
+    and sm_90: 24-32 B); here it runs in a loop of its own, ahead of the products, and the score loop reads one word
+    per score (none spills)."""
+    N_SCORES, NT = n_tiles * 4, threads
+    index_terms = make_index_terms(mods)
+
+    @cuda.jit(device=True, inline="always")
+    def stage(slots, t, b, h, row_top, col0, seqlen_q, seqlen_k):
+        for e in range(N_SCORES):
+            row = row_top + 8 * ((e & 3) >> 1)
+            col = col0 + 8 * (e >> 2) + (e & 1)
+            value = float32(0.0)
+            if (row < seqlen_q) & (col < seqlen_k):
+                extra, hidden = index_terms(b, h, row, col)
+                value = float32(-math.inf) if hidden else extra * float32(LOG2E)
+            slots[e * NT + t] = value
+
+    return stage
+
+
+@cuda.jit(device=True, inline="always")
+def staged_value(x, value):
+    """Score ``x`` with a staged mods value (``make_mod_stage``) applied: -inf hides the pair whatever ``x`` is."""
+    return float32(-math.inf) if value == float32(-math.inf) else x + value
+

@@ -3,10 +3,9 @@ calls the mods as plain Python), and their bad input."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
+from mods_cases import HIDDEN_KEY, document_mods, nan_value_reaches_without_score_mod, soft_clip, soft_clip_grad
 
 import numba_flash
 from numba_flash import AttentionInputError, attention_ref, attention_ref_backward, backend_registry, block_mask
@@ -20,26 +19,7 @@ BACKENDS = ("rocm", "cpu")
 CPU_CASES = ("all+causal+softcap", "all+window")
 B, SQ, SK, HQ, HKV, D = 2, 29, 45, 4, 2, 16
 DOCS = np.repeat(np.arange(5), [9, 14, 1, 6, 15])  # 45 key positions in 5 documents; query i is at i + SK - SQ
-SLOPES = np.array([0.05, -0.1, 0.2, 0.0])
-
-
-def doc_mask(b, h, q_idx, kv_idx):
-    # rows 0-3 see no key at all: their output must be 0 and their lse +inf
-    return q_idx >= 4 and DOCS[q_idx + SK - SQ] == DOCS[kv_idx]
-
-
-def head_bias(b, h, q_idx, kv_idx):
-    return SLOPES[h] * abs(q_idx + SK - SQ - kv_idx) + 0.3 * b
-
-
-def soft_clip(score, b, h, q_idx, kv_idx):
-    # key 3 is hidden from every row (-inf from a score_mod hides a key as a mask does)
-    return -math.inf if kv_idx == 3 else 4.0 * math.tanh(score / 4.0) + 0.02 * (kv_idx % 5)
-
-
-def soft_clip_grad(score, b, h, q_idx, kv_idx):
-    t = math.tanh(score / 4.0)
-    return 1.0 - t * t
+doc_mask, head_bias = document_mods(DOCS, SQ, SK, blind_rows=4)
 
 
 CASES = {
@@ -95,7 +75,7 @@ def test_keys_hidden_by_mods_never_poison_and_rows_without_keys_are_zero(backend
     rng = np.random.default_rng(51)
     q, k, v, dout = _inputs(rng)
 
-    v[:, 3] = np.nan           # hidden from every row by soft_clip
+    v[:, HIDDEN_KEY] = np.nan  # hidden from every row by soft_clip
     k[1, 20] = np.inf          # batch 1 key 20: visible to the rows of its document, whom it poisons
     kw = dict(CASES["all+window"], window_size=(-1, -1))   # the cpu backend's compiled set; doc_mask hides rows 0-3
     op = backend_registry.get("flash", backend=backend)
@@ -104,6 +84,7 @@ def test_keys_hidden_by_mods_never_poison_and_rows_without_keys_are_zero(backend
     assert np.array_equal(np.isnan(out), np.isnan(want_out)) and np.array_equal(np.isnan(lse), np.isnan(want_lse))
     assert np.all(out[:, :4] == 0) and np.all(lse[:, :, :4] == np.inf)
     assert np.isfinite(out[0]).all() and np.isnan(out[1]).any()
+    assert nan_value_reaches_without_score_mod(q, k, v, kw)   # the case is live
     ok = np.isfinite(want_out)
     np.testing.assert_allclose(out[ok], want_out[ok], atol=2e-5, rtol=0)
     grads = op.backward(dout, q, k, v, out, lse, score_mod_grad=soft_clip_grad, **kw)
@@ -147,7 +128,10 @@ def test_explain_says_who_runs_mods():
     q, k, v, _ = _inputs(rng)
     text = str(backend_registry.get("flash").explain(q, k, v, mask_mod=doc_mask))
     assert "mask_mod=doc_mask" in text and "chosen: cpu" in text
-    assert "cuda [priority 30]: " in text and "bias_mod, mask_mod and score_mod not supported" in text
+    # Every backend runs mods (cuda's in numba_flash/cuda/user_mods.py): the GPU ones decline these host arrays
+    # for that reason only.
+    cuda_line = next(line for line in text.splitlines() if "cuda [priority 30]: " in line)
+    assert "host (numpy) input" in cuda_line and "not supported" not in text
 
 
 def test_bad_mods():

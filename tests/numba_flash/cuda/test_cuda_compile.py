@@ -19,7 +19,7 @@ def _needs_toolchain():
 
 def test_every_specialisation_compiles_without_spills():
     _needs_toolchain()
-    from numba_flash.cuda.compile_check import check_all, format_table
+    from numba_flash.cuda.compile_check import MODS_HEAD_DIM, MODS_KERNELS, MODS_SUFFIX, check_all, format_table
     from numba_flash.cuda.config import (COMPUTE_CAPABILITIES, HEAD_DIM_BUCKETS, KERNEL_DTYPES, KERNELS,
                                          dtype_supported_on)
 
@@ -43,6 +43,9 @@ def test_every_specialisation_compiles_without_spills():
     want |= {(cc, dt, kern, b) for cc in COMPUTE_CAPABILITIES if cc >= (8, 0) for dt in ("float16", "bfloat16")
              for kern in ("tc_backward_dkdv", "tc_backward_dkdv_loads", "tc_backward_dq", "tc_backward_dq_loads")
              for b in HEAD_DIM_BUCKETS if b <= 128}
+    # The forward and both backward kernels again with user mods (compile_check.sample_mods), at head dim 64.
+    want |= {(cc, dt, kern + MODS_SUFFIX, MODS_HEAD_DIM) for cc in COMPUTE_CAPABILITIES
+             for kern, dt in MODS_KERNELS.items() if cc >= (8, 0) or not kern.startswith("tc_")}
     assert covered == want, want ^ covered
     # The T4 (7.5) through H100 (9.0), every one; bfloat16 from 8.0 on only.
     assert {r.cc for r in results} == {(7, 5), (8, 0), (8, 6), (8, 9), (9, 0)}
@@ -88,3 +91,70 @@ def test_sm90_reports_one_kib_more_shared_memory_than_declared():
             assert smem == declared + (1024 if cc == (9, 0) and declared else 0), (fn.__name__, cc, smem)
             res = KernelResources("probe", cc, "float32", None, 16, 0, 0, 0, 0, smem, 0)
             assert res.declared_smem == declared
+
+
+def _mods(**fns):
+    from types import SimpleNamespace
+
+    from numba_flash.cuda.user_mods import MOD_NAMES, cuda_mods
+
+    return cuda_mods(SimpleNamespace(**{name: fns.get(name) for name in MOD_NAMES}))
+
+
+def _forward_ptx_with(mods):
+    from numba import cuda
+
+    from numba_flash.cuda.compile_check import device_functions_for, kernel_signature
+    from numba_flash.cuda.config import TileOverride, tile_config_for
+    from numba_flash.cuda.forward import make_forward_kernel
+
+    cfg = tile_config_for(64, "float32", (8, 0), kernel="forward", override=TileOverride())
+    kernel = make_forward_kernel(cfg, False, True, False, False, mods=mods)
+    with device_functions_for((8, 0)):
+        return cuda.compile_ptx(kernel.py_func, kernel_signature("forward", "float32"), cc=(8, 0))[0]
+
+
+def test_a_mod_numba_cuda_cannot_build_is_named_in_the_error():
+    """numba compiles it for the CPU (a str of an int), numba-cuda cannot: the launch's compile error becomes an
+    AttentionInputError naming the mod and numba's reason."""
+    _needs_toolchain()
+    from numba_flash import AttentionInputError
+    from numba_flash.cuda.launch import _compiling
+
+    def needs_strings(b, h, q_idx, kv_idx):
+        return len(str(q_idx)) <= len(str(kv_idx))
+
+    mods = _mods(mask_mod=needs_strings)
+    with pytest.raises(AttentionInputError, match=r"mask_mod=needs_strings: expected mods that numba-cuda can "
+                                                  r"compile.*TypingError"):
+        with _compiling(mods):
+            _forward_ptx_with(mods)
+
+
+def test_tables_past_the_constant_memory_are_named_in_the_error():
+    """A mod's global array lands in the GPU's 64 KiB of constant memory, once per read in its source: a 48 KiB
+    table read twice compiles to PTX, and the assembler refuses it; the error names the mod and says why."""
+    _needs_toolchain()
+    import numpy as np
+
+    from numba_flash import AttentionInputError
+    from numba_flash.cuda.launch import _compiling
+    from numba_flash.cuda.sass import link
+
+    documents = np.repeat(np.arange(12, dtype=np.int64), 512)   # 48 KiB
+
+    def same_document(b, h, q_idx, kv_idx):
+        return documents[q_idx] == documents[kv_idx]
+
+    mods = _mods(mask_mod=same_document)
+    ptx = _forward_ptx_with(mods)
+    with pytest.raises(AttentionInputError, match=r"mask_mod=same_document:.*64 KiB of constant memory.*"
+                                                  r"too much global constant data"):
+        with _compiling(mods):
+            link(ptx, (8, 0))
+    half = documents[::2].copy()     # 24 KiB, read twice: fits
+
+    def same_half_document(b, h, q_idx, kv_idx):
+        return half[q_idx] == half[kv_idx]
+
+    assert link(_forward_ptx_with(_mods(mask_mod=same_half_document)), (8, 0))[0]

@@ -53,9 +53,10 @@ def _empty_rows(shape):
     return ~visible_mask(shape[1], shape[2], -1, 0).any(axis=1)
 
 
-# One bad value in each input, with and without softcap (tanh(+-inf) = +-1 must not hide an inf in k).
+# One bad value in each input, with and without softcap (tanh(+-inf) = +-1 must not hide an inf in k; softcap's
+# derivative at a NaN score is NaN, and must not reach the rows that do not see the key).
 CASES = [("q", "nan", 0.0), ("q", "inf", 0.0), ("k", "inf", 0.0), ("k", "nan", 0.0), ("v", "nan", 0.0),
-         ("v", "-inf", 0.0), ("k", "inf", 2.0), ("dout", "nan", 0.0), ("dout", "inf", 0.0)]
+         ("v", "-inf", 0.0), ("k", "inf", 2.0), ("dout", "nan", 0.0), ("dout", "inf", 0.0), ("k", "nan", 2.0)]
 
 
 @pytest.mark.parametrize("where,bad,softcap", CASES)

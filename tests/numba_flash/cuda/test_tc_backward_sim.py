@@ -36,7 +36,7 @@ def tc_backward_launches(monkeypatch):
         real = getattr(launch, name)
 
         def spy(cfg, *flags, _real=real):
-            seen.append((cfg.kernel, cfg, flags[-1]))
+            seen.append((cfg.kernel, cfg, flags[-2]))   # (..., async_copy, mods)
             return _real(cfg, *flags)
 
         monkeypatch.setattr(launch, name, spy)

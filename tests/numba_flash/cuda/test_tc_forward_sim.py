@@ -32,7 +32,7 @@ def tc_launches(monkeypatch):
     real = launch.make_tc_forward_kernel
 
     def spy(cfg, *flags):
-        seen.append((cfg, flags[-1]))
+        seen.append((cfg, flags[-2]))   # (..., async_copy, mods)
         return real(cfg, *flags)
 
     monkeypatch.setattr(launch, "make_tc_forward_kernel", spy)
