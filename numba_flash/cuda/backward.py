@@ -109,6 +109,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     GT, DK = NT // SPLIT, DB // SPLIT
     S_TM, S_TN = BLOCK_M // S_TR, BLOCK_N // S_TC     # score block: rows interleaved, columns in runs
     G_TN, G_TD = BLOCK_N // G_TR, DB // G_TC          # dK/dV block: key rows and head-dim columns, both in runs
+    assert G_TN <= 32, "the rare path keeps which keys a row sees in 32 bits"
     S_RN, G_RN, G_RD = min(S_TN, 4), min(G_TN, 4), min(G_TD, 4)
     S_GAP_N, G_GAP_N, G_GAP_D = S_RN * S_TC, G_RN * G_TR, G_RD * G_TC
     # With SPLIT > 1 each thread then sums the parts of E scores, runs of R keys of one query row.
@@ -328,12 +329,19 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                 if x_nonfinite:
                     # Rare: 0 * inf would carry a non-finite Q or dO element into keys its row does not see.
                     for m in range(BLOCK_M):
+                        # Which of the thread's keys row m sees, as bits: the accumulators are indexed only from
+                        # the loop below, which the compiler unrolls; this one, with score_mod_hides inlined, it
+                        # does not, and indexing them from it would move them to local memory.
+                        seen_bits = uint32(0)
                         for i in range(G_TN):
                             key = g_tr * G_RN + (i // G_RN) * G_GAP_N + i % G_RN
-                            seen = sees(m0 + m, n0 + key, seqlen_q, seqlen_k, offset, window_left, window_right,
-                                        bias_h, b, h) and not score_mod_hides(
-                                q, k, b, h, hk, m0 + m, n0 + key, head_dim, qmult, capmult, slope, offset, bias_h,
-                                seqlen_q, seqlen_k)
+                            if sees(m0 + m, n0 + key, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h,
+                                    b, h) and not score_mod_hides(q, k, b, h, hk, m0 + m, n0 + key, head_dim, qmult,
+                                                                  capmult, slope, offset, bias_h, seqlen_q, seqlen_k):
+                                seen_bits |= uint32(1) << uint32(i)
+                        for i in range(G_TN):
+                            key = g_tr * G_RN + (i // G_RN) * G_GAP_N + i % G_RN
+                            seen = (seen_bits >> uint32(i)) & uint32(1) != uint32(0)
                             pa = p_s[uint32(m * LP + key)]
                             sa = ds_s[uint32(m * LP + key)]
                             for j in range(G_TD):

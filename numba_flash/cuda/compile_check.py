@@ -40,7 +40,9 @@ TC_COPY_PATHS: dict[str, bool] = {"tc_forward": True, "tc_forward_loads": False,
                                   "tc_backward_dq": True, "tc_backward_dq_loads": False}
 #: Rows of kernels compiled with user mods (the SAMPLE_* functions below, through numba_flash/cuda/user_mods.py)
 #: carry this suffix: the forward and both backward kernels, SIMT in float32 and tensor-core in float16, at head
-#: dim MODS_HEAD_DIM. A mod compiles into every call site (the simulator types none of them).
+#: dim MODS_HEAD_DIM. A mod compiles into every call site (the simulator types none of them). They are built with
+#: every option but attn_bias, which bias_mod subsumes: attn_bias and all three mods at once take the sm_90 dK/dV
+#: tensor-core kernel to 255 registers and an 8-byte spill (218 without attn_bias, 222 with ALiBi too).
 MODS_SUFFIX = "+mods"
 MODS_KERNELS = {"forward": "float32", "backward_dkdv": "float32", "backward_dq": "float32",
                 "tc_forward": "float16", "tc_backward_dkdv": "float16", "tc_backward_dq": "float16"}
@@ -176,14 +178,16 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
     """The Python function of one kernel specialisation; ``flags`` are (has_left, has_right, softcap[, alibi[,
     attn_bias[, dropout]]]), those left out off (the decode kernel has no attn_bias or dropout: it takes the first
     four). The compile check builds every flag on: the variant with the most live values, so the worst case for
-    registers. A ``MODS_SUFFIX`` kernel is built with ``sample_mods()`` as well."""
+    registers. A ``MODS_SUFFIX`` kernel is built with ``sample_mods()`` as well, and without attn_bias (see there)."""
     from .backward import make_delta_kernel, make_dkdv_kernel, make_dq_kernel
     from .decode import make_decode_kernel, make_split_merge_kernel
     from .forward import make_forward_kernel
     from .tc_forward import make_tc_forward_kernel
     from .user_mods import NO_MODS
 
-    mods = sample_mods() if kernel.endswith(MODS_SUFFIX) else NO_MODS
+    mods = NO_MODS
+    if kernel.endswith(MODS_SUFFIX):
+        mods, flags = sample_mods(), flags[:4] + (False,) + flags[5:]   # no attn_bias beside the mods (above)
     kernel = kernel.removesuffix(MODS_SUFFIX)
     if kernel in TC_COPY_PATHS:   # no dropout in the tensor-core kernels
         from .tc_dkdv import make_tc_dkdv_kernel

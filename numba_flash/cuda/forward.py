@@ -30,8 +30,8 @@ from .config import FlashAttentionConfig, transposed_stride
 from .dtypes import element_io
 from .masks import (bias_head, dropout_factor, make_bias_tile, make_biases, make_score_mod_hides, make_visible,
                     nan_if_not_finite)
-from .user_mods import NO_MODS, CudaMods, make_score_mod
 from .tiles import FETCH_VECTOR, make_tile_fetch, tile_passes
+from .user_mods import NO_MODS, CudaMods, make_score_mod
 
 LN2 = math.log(2.0)
 #: Alignment of the shared tiles: 16 bytes lets LLVM merge four consecutive float32 loads into one 128-bit load.
@@ -291,19 +291,6 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                             acc[i, j] += a_reg[i] * b_reg[j]
             cuda.syncthreads()
 
-        if cuda.syncthreads_or(int32(v_nonfinite_seen)):
-            # Rare: V held an inf or NaN, loaded as 0. Each row that sees such a key gets NaN in its column (p * inf
-            # or p * NaN is not finite whatever p is), read again from global memory: this runs once per block.
-            for i in range(O_TM):
-                row = m0 + o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM
-                for key in range(lo, hi):
-                    if sees(row, key, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h, b, h) and not \
-                            score_mod_hides(q, k, b, h, hk, row, key, head_dim, qmult, capmult, slope, offset, bias_h,
-                                            seqlen_q, seqlen_k):
-                        for j in range(O_TD):
-                            d = o_tc * O_RD + (j // O_RD) * O_GAP_D + j % O_RD
-                            if d < head_dim and not abs(LOAD(v[b, key, hk, d])) < float32(math.inf):
-                                acc[i, j] = nan
         for i in range(O_TM):
             r = o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM
             row = m0 + r
@@ -314,6 +301,22 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                     d = o_tc * O_RD + (j // O_RD) * O_GAP_D + j % O_RD
                     if d < head_dim:
                         out[b, row, h, d] = STORE(nan_if_not_finite(acc[i, j] * inv))
+        if cuda.syncthreads_or(int32(v_nonfinite_seen)):
+            # Rare: V held an inf or NaN, loaded as 0. Each row that sees such a key gets NaN in its column (p * inf
+            # or p * NaN is not finite whatever p is), read again from global memory: this runs once per block.
+            # Written over the output just stored, not into acc: indexing acc from these loops, which the compiler
+            # does not unroll once score_mod_hides is inlined, would move it to local memory for the whole kernel.
+            for i in range(O_TM):
+                row = m0 + o_tr * O_RM + (i // O_RM) * O_GAP_M + i % O_RM
+                for key in range(lo, hi):
+                    if row < seqlen_q and sees(row, key, seqlen_q, seqlen_k, offset, window_left, window_right,
+                                                bias_h, b, h) and not score_mod_hides(
+                            q, k, b, h, hk, row, key, head_dim, qmult, capmult, slope, offset, bias_h, seqlen_q,
+                            seqlen_k):
+                        for j in range(O_TD):
+                            d = o_tc * O_RD + (j // O_RD) * O_GAP_D + j % O_RD
+                            if d < head_dim and not abs(LOAD(v[b, key, hk, d])) < float32(math.inf):
+                                out[b, row, h, d] = STORE(nan)
         for r in range(t, BM, NT):
             row = m0 + r
             if row < seqlen_q:

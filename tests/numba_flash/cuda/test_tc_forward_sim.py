@@ -163,8 +163,8 @@ def test_explain_names_the_tensor_core_kernels_and_why_not(rng):
 
 def test_the_first_use_self_check_covers_the_tensor_core_kernel(rng, monkeypatch):
     """With the check on, the tensor-core specialisation is checked once against the reference (on the copy path
-    the call takes), and a broken one (its output scaled by 1.01: float16's bound is 2e-3) gives way to a fallback tile config that
-    passes, with the reason in explain()."""
+    the call takes), and a broken one (its output scaled by 1.01: float16's bound is 2e-3) gives way to a fallback
+    tile config that passes, with the reason in explain()."""
     from numba_flash.cuda import launch, selfcheck
 
     monkeypatch.setenv(selfcheck.ENV_VAR, "1")
