@@ -601,7 +601,10 @@ def format_markdown(records: list[ModelRecord]) -> str:
             r = by_cc.get(c)
             cells += ([f"{100 * r.ceiling:.1f}%", f"{r.registers}, {r.warps_per_sm}, {100 * r.ffma_share:.1f}",
                        r.bound] if r else ["-", "-", "-"])
-        tiles = next(iter(by_cc.values())).tiles
+        # Tiles may differ per GPU (their shared-memory limits differ: config.smem_limit_for); then each is named.
+        per_cc = {c: r.tiles for c, r in by_cc.items()}
+        tiles = (next(iter(per_cc.values())) if len(set(per_cc.values())) == 1
+                 else ", ".join(f"{t} (sm_{c.replace('.', '')})" for c, t in per_cc.items()))
         lines.append(f"| {kernel} | {dtype} | {d} | {variant} | {tiles} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
