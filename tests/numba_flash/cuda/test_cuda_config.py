@@ -32,7 +32,7 @@ def test_smem_limit_per_compute_capability():
 @pytest.mark.parametrize("cc,tiles", [
     ((7, 5), {"forward": (32, 8, 128), "backward_dkdv": (8, 8, 64), "backward_dq": (8, 8, 64)}),
     ((8, 0), {"forward": (32, 32, 128), "backward_dkdv": (16, 32, 256), "backward_dq": (32, 16, 128)}),
-    ((8, 6), {"forward": (32, 32, 128), "backward_dkdv": (16, 16, 128), "backward_dq": (16, 16, 64)}),
+    ((8, 6), {"forward": (32, 32, 128), "backward_dkdv": (16, 16, 128), "backward_dq": (16, 16, 128)}),
     ((9, 0), {"forward": (32, 32, 128), "backward_dkdv": (16, 32, 256), "backward_dq": (32, 32, 256)}),
 ])
 def test_d256_takes_the_bigger_tiles_the_device_allows(cc, tiles):
