@@ -68,3 +68,41 @@ def test_the_real_bindings_have_the_attributes_it_names():
     from numba.cuda.cudadrv.driver import driver
 
     assert hasattr(type(driver), "__getattr__")   # the wrapper resolves cuKernelSetAttribute on use
+
+
+class FakeDispatcher:
+    """A numba-cuda dispatcher as smem.launch uses it: ``specialize`` (one compiled overload), ``[config](*args)``."""
+
+    def __init__(self, events):
+        self.events, self.overloads = events, {}
+
+    def specialize(self, *args):
+        special = FakeDispatcher(self.events)
+        cufunc = fake_cufunc()
+        special.overloads = {"sig": SimpleNamespace(_codelibrary=SimpleNamespace(get_cufunc=lambda: cufunc))}
+        self.events.append(("specialize", args))
+        return special
+
+    def __getitem__(self, launch_config):
+        # bool(self.overloads): True for the specialised dispatcher, False for the plain one
+        return lambda *args: self.events.append(("launch", bool(self.overloads),
+                                                 launch_config, args))
+
+
+@pytest.mark.parametrize("allowed", [True, False])
+def test_launch_opts_in_the_function_it_then_launches(monkeypatch, allowed):
+    from numba_flash.cuda import smem
+
+    events = []
+    monkeypatch.setattr(smem, "allow_dynamic_smem",
+                        lambda cufunc, nbytes: events.append(("allow", cufunc.handle, nbytes)) or allowed)
+    kernel = FakeDispatcher(events)
+    assert smem.launch(kernel, (3, 2, 1), 128, 0, 100_000, ("q", 7)) is allowed
+    want = [("specialize", ("q", 7)), ("allow", "kernel-handle", 100_000)]
+    # The specialised dispatcher (the one whose function got the attribute) runs, with the bytes as 4th element.
+    want += [("launch", True, ((3, 2, 1), 128, 0, 100_000), ("q", 7))] if allowed else []
+    assert events == want
+    # Within 48 KiB nothing is specialised or set: the plain dispatcher launches.
+    events.clear()
+    assert smem.launch(kernel, (1, 1, 1), 64, 0, 0, ("q",))
+    assert events == [("launch", False, ((1, 1, 1), 64, 0), ("q",))]
