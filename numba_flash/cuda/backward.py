@@ -45,6 +45,7 @@ from .dtypes import element_io
 from .forward import SMEM_ALIGN
 from .masks import (LOG2E, bias_head, make_bias_tile, make_dropout_tile, make_score_grads, make_score_mod_hides,
                     make_visible, nan_if_not_finite)
+from .smem import carve
 from .tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
 from .user_mods import NO_MODS, CudaMods
 
@@ -123,6 +124,10 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     X_WORDS, KV_WORDS, P_WORDS = BLOCK_M * LD, BLOCK_N * LD, BLOCK_M * LP
     PARTS_WORDS = SPLIT * P_WORDS if SPLIT > 1 else 1
     V4, ALIGN = FETCH_VECTOR, SMEM_ALIGN
+    DYNAMIC = cfg.dynamic_smem
+    USED_PARTS = PARTS_WORDS if SPLIT > 1 else 0
+    K_AT, V_AT, Q_AT, DO_AT, P_AT, DS_AT, SP_AT, DP_AT = carve(KV_WORDS, KV_WORDS, X_WORDS, X_WORDS, P_WORDS, P_WORDS,
+                                                               USED_PARTS, USED_PARTS)
     D_STEP, M_STEP = product_steps(S_TM * S_TN, DK), product_steps(G_TN * G_TD, BLOCK_M, 1)
     HAS_LEFT, HAS_RIGHT, ALIBI, STAGED, DROPOUT = has_left, has_right, alibi, has_bias or mods.stages_tile, dropout
     LOAD, STORE = element_io(bf16)
@@ -143,14 +148,25 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
         hk = cuda.blockIdx.y
         b = cuda.blockIdx.z
 
-        k_s = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
-        v_s = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
-        q_s = cuda.shared.array(X_WORDS, float32, alignment=ALIGN)
-        do_s = cuda.shared.array(X_WORDS, float32, alignment=ALIGN)
-        p_s = cuda.shared.array(P_WORDS, float32, alignment=ALIGN)    # dropout's factors, then P times them
-        ds_s = cuda.shared.array(P_WORDS, float32, alignment=ALIGN)   # attn_bias, then dS
-        s_parts = cuda.shared.array(PARTS_WORDS, float32, alignment=ALIGN)
-        dp_parts = cuda.shared.array(PARTS_WORDS, float32, alignment=ALIGN)
+        if DYNAMIC:   # past 48 KiB: one dynamic buffer (smem.py), carved at compile-time offsets
+            smem = cuda.shared.array(0, float32, alignment=ALIGN)
+            k_s = smem[K_AT[0]:K_AT[1]]
+            v_s = smem[V_AT[0]:V_AT[1]]
+            q_s = smem[Q_AT[0]:Q_AT[1]]
+            do_s = smem[DO_AT[0]:DO_AT[1]]
+            p_s = smem[P_AT[0]:P_AT[1]]
+            ds_s = smem[DS_AT[0]:DS_AT[1]]
+            s_parts = smem[SP_AT[0]:SP_AT[1]]
+            dp_parts = smem[DP_AT[0]:DP_AT[1]]
+        else:
+            k_s = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
+            v_s = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
+            q_s = cuda.shared.array(X_WORDS, float32, alignment=ALIGN)
+            do_s = cuda.shared.array(X_WORDS, float32, alignment=ALIGN)
+            p_s = cuda.shared.array(P_WORDS, float32, alignment=ALIGN)    # dropout's factors, then P times them
+            ds_s = cuda.shared.array(P_WORDS, float32, alignment=ALIGN)   # attn_bias, then dS
+            s_parts = cuda.shared.array(PARTS_WORDS, float32, alignment=ALIGN)
+            dp_parts = cuda.shared.array(PARTS_WORDS, float32, alignment=ALIGN)
 
         dk_acc = cuda.local.array((G_TN, G_TD), float32)
         dv_acc = cuda.local.array((G_TN, G_TD), float32)

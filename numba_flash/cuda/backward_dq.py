@@ -18,6 +18,7 @@ from .config import FlashAttentionConfig, padded_stride
 from .dtypes import element_io
 from .forward import SMEM_ALIGN
 from .masks import LOG2E, bias_head, make_bias_tile, make_dropout_tile, make_score_grads, nan_if_not_finite
+from .smem import carve
 from .tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
 from .user_mods import NO_MODS, CudaMods
 
@@ -61,6 +62,10 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
     D_STEP, N_STEP = product_steps(S_TM * S_TN, DK), product_steps(O_TM * O_TD, N_PART, 1)
     HAS_LEFT, HAS_RIGHT, ALIBI, STAGED, DROPOUT = has_left, has_right, alibi, has_bias or mods.stages_tile, dropout
     Z_WORDS = T_WORDS if dropout else 1
+    DYNAMIC = cfg.dynamic_smem
+    USED_PARTS = PARTS_WORDS if SPLIT > 1 else 0
+    Q_AT, DO_AT, K_AT, V_AT, DS_AT, Z_AT, SP_AT, DP_AT = carve(X_WORDS, X_WORDS, KV_WORDS, KV_WORDS, T_WORDS,
+                                                               T_WORDS if dropout else 0, USED_PARTS, USED_PARTS)
     STORE = element_io(bf16)[1]
     grads = make_score_grads(has_left, has_right, softcap, alibi, has_bias, dropout, mods)
     load_bias = make_bias_tile(BLOCK_M, BLOCK_N, NT, True, LM, has_bias, mods)
@@ -82,14 +87,25 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
             slope = slopes[b, h]
         bias_h = bias_head(bias, b, h)
 
-        q_s = cuda.shared.array(X_WORDS, float32, alignment=ALIGN)
-        do_s = cuda.shared.array(X_WORDS, float32, alignment=ALIGN)
-        k_s = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
-        v_s = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
-        ds_t = cuda.shared.array(T_WORDS, float32, alignment=ALIGN)   # attn_bias, then dS; key-major
-        z_t = cuda.shared.array(Z_WORDS, float32, alignment=ALIGN)    # dropout's factors, key-major
-        s_parts = cuda.shared.array(PARTS_WORDS, float32, alignment=ALIGN)
-        dp_parts = cuda.shared.array(PARTS_WORDS, float32, alignment=ALIGN)
+        if DYNAMIC:   # past 48 KiB: one dynamic buffer (smem.py), carved at compile-time offsets
+            smem = cuda.shared.array(0, float32, alignment=ALIGN)
+            q_s = smem[Q_AT[0]:Q_AT[1]]
+            do_s = smem[DO_AT[0]:DO_AT[1]]
+            k_s = smem[K_AT[0]:K_AT[1]]
+            v_s = smem[V_AT[0]:V_AT[1]]
+            ds_t = smem[DS_AT[0]:DS_AT[1]]
+            z_t = smem[Z_AT[0]:Z_AT[1]]
+            s_parts = smem[SP_AT[0]:SP_AT[1]]
+            dp_parts = smem[DP_AT[0]:DP_AT[1]]
+        else:
+            q_s = cuda.shared.array(X_WORDS, float32, alignment=ALIGN)
+            do_s = cuda.shared.array(X_WORDS, float32, alignment=ALIGN)
+            k_s = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
+            v_s = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
+            ds_t = cuda.shared.array(T_WORDS, float32, alignment=ALIGN)   # attn_bias, then dS; key-major
+            z_t = cuda.shared.array(Z_WORDS, float32, alignment=ALIGN)    # dropout's factors, key-major
+            s_parts = cuda.shared.array(PARTS_WORDS, float32, alignment=ALIGN)
+            dp_parts = cuda.shared.array(PARTS_WORDS, float32, alignment=ALIGN)
 
         acc = cuda.local.array((O_TM, O_TD), float32)
         s = cuda.local.array((S_TM, S_TN), float32)       # scores, then P

@@ -24,7 +24,7 @@ import numpy as np
 
 from .config import (COMPUTE_CAPABILITIES, STATIC_SMEM_LIMIT, TC_DTYPES, TC_MIN_COMPUTE_CAPABILITY,
                      FlashAttentionConfig, TileOverride, all_tile_configs, head_dim_bucket, storage_dtype,
-                     tile_config_for)
+                     smem_limit_for, tile_config_for)
 from .gpus import Occupancy, gpu_spec, occupancy
 
 #: Threads per block of the delta pre-pass (launch.py launches it with this many).
@@ -106,10 +106,16 @@ class KernelResources:
         return self.smem - 1024 if self.cc >= (9, 0) and self.smem >= 1024 else self.smem
 
     @property
+    def dynamic_smem(self) -> int:
+        """Dynamic shared memory the kernel is launched with (its config past 48 KiB, smem.py); the assembler's
+        report does not see it."""
+        return self.config.dynamic_smem_bytes() if self.config else 0
+
+    @property
     def occupancy(self) -> Occupancy:
-        """Blocks per SM on this compute capability; zero means the launch would fail with "too many resources
-        requested for launch"."""
-        return occupancy(gpu_spec(self.cc), self.threads, self.registers, self.smem)
+        """Blocks per SM on this compute capability, static and dynamic shared memory together; zero means the
+        launch would fail with "too many resources requested for launch"."""
+        return occupancy(gpu_spec(self.cc), self.threads, self.registers, self.smem + self.dynamic_smem)
 
     def problems(self, smem_limit: int = STATIC_SMEM_LIMIT) -> list[str]:
         why = []
@@ -121,6 +127,9 @@ class KernelResources:
                        f"{self.stack} B stack, {self.lmem} B lmem")
         if self.declared_smem > smem_limit:
             why.append(f"{self.declared_smem} B static shared memory > {smem_limit}")
+        if self.dynamic_smem and self.declared_smem + self.dynamic_smem > smem_limit_for(self.cc):
+            why.append(f"{self.declared_smem} B static + {self.dynamic_smem} B dynamic shared memory > the "
+                       f"{smem_limit_for(self.cc)} B opt-in limit of sm_{self.cc[0]}{self.cc[1]}")
         if self.registers > 255:
             why.append(f"{self.registers} registers")
         if self.f64_instructions:
@@ -369,7 +378,7 @@ def format_table(results: list[KernelResources]) -> str:
         tiles = f"{cfg.block_m} x {cfg.block_n} / {cfg.threads}" if cfg else f"1 row / {r.threads} thr"
         bucket = str(cfg.head_dim_bucket) if cfg else "any"
         lines.append(f"{r.kernel:<15}{r.cc[0]}.{r.cc[1]:<3} {bucket:>4} {r.dtype:<9}{tiles:<20}{r.registers:>5}"
-                     f"{r.spill_stores + r.spill_loads:>7}{r.smem:>7}{r.occupancy.blocks_per_sm:>10}  "
+                     f"{r.spill_stores + r.spill_loads:>7}{r.smem + r.dynamic_smem:>7}{r.occupancy.blocks_per_sm:>10}  "
                      f"{'; '.join(r.problems()) or 'ok'}")
     return "\n".join(lines)
 

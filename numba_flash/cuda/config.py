@@ -4,8 +4,10 @@ Every kernel stages its tiles in float32 shared memory (float16 and bfloat16 inp
 config serves every dtype), and reads four consecutive words per 128-bit load, so every row keeps a multiple of 4
 words, padded by 4 (``padded_stride``): the forward keeps Q and K transposed (d-major), the backward kernels keep
 every tile row-major and read along the head dim (see backward.py). Static
-shared memory is limited to 48 KiB per block on every NVIDIA GPU numba-cuda targets; dynamic shared memory above
-that needs a per-kernel attribute numba does not set, so the picker stays under 48 KiB.
+shared memory is limited to 48 KiB per block on every NVIDIA GPU numba-cuda targets; past it the SIMT kernels take
+one dynamic buffer, which needs a per-kernel attribute numba does not set (smem.py sets it), up to the device's
+opt-in limit (``smem_limit_for``). The picker uses that only where the performance model says a bigger tile pays
+(``_PREFERRED_DYNAMIC``: D = 256, sm_80 on).
 
 Users can override tile sizes for a block of code::
 
@@ -54,6 +56,8 @@ COMPUTE_CAPABILITIES: tuple[tuple[int, int], ...] = ((7, 5), (8, 0), (8, 6), (8,
 #: Compute capabilities a real GPU may run the kernels on (what the backend accepts).
 SUPPORTED_COMPUTE_CAPABILITIES: tuple[tuple[int, int], ...] = ((7, 0),) + COMPUTE_CAPABILITIES
 STATIC_SMEM_LIMIT = 48 * 1024
+#: Kernels that can take their shared memory dynamically, past 48 KiB (smem.py): the SIMT forward and backward.
+DYNAMIC_SMEM_KERNELS: tuple[str, ...] = ("forward", "backward_dkdv", "backward_dq")
 #: Upper bound on float32 accumulators one thread keeps in registers; above it ptxas starts spilling at D = 256.
 MAX_ACCUMULATORS_PER_THREAD = 64
 _FLOAT = 4
@@ -94,6 +98,23 @@ _PREFERRED: dict[str, dict[int, tuple[int, int, int]]] = {
     # memory for the whole loop beside the step's Q and dO.
     "tc_backward_dkdv": {16: (32, 64, 128), 32: (32, 64, 128), 64: (32, 64, 128), 128: (16, 64, 128)},
 }
+# Past 48 KiB (dynamic shared memory, smem.py; sm_80 on, config.smem_limit_for), best first: the first that fits
+# the device's limit wins over _PREFERRED. Only D = 256, where 48 KiB held the tiles to 32 x 8 (forward) and 8 x 8
+# (backward), whose loads fed too few multiply-adds; chosen with the performance model (float32, plain; ceilings
+# sm_90 / sm_80, was 27.1% / 54.3% forward, 40.9% / 71.2% dK/dV, 36.6% / 67.3% dQ). Forward: 32 x 32 / 128,
+# 76 KiB, 46.2% / 82.6% (64 x 32 / 256 models 47.7% / 88.6% but holds one block per SM, and its 64-row query
+# tiles halve the blocks of a short sequence). dK/dV: 16 x 32 / 256, 138 KiB, 51.4% / 89.7% (one block of 8 warps
+# per SM); 16 x 16 / 128, 87.5 KiB, 45.2% / 82.6%, where 99 KiB is the limit (sm_86, sm_89). dQ: 32 x 32 / 256,
+# 175 KiB, 51.3% (sm_90 only: 8 warps per SM where 32 x 16 / 128 models 51.6% with 4); 32 x 16 / 128, 120 KiB,
+# 87.4% on sm_80; 16 x 16 / 128, 87.5 KiB, within 99 KiB: 44.8% on sm_86 (8 x 8: 39.3%; 16 x 16 / 64 would be
+# 23.2%, one block of 2 warps per SM). On sm_86 and sm_89 the forward models 46.4% (was 27.1%) and dK/dV 46.0%
+# (was 42.1%). Every one keeps 64 accumulators a thread.
+_PREFERRED_DYNAMIC: dict[str, dict[int, tuple[tuple[int, int, int], ...]]] = {
+    "forward": {256: ((32, 32, 128),)},
+    "backward_dkdv": {256: ((16, 32, 256), (16, 16, 128))},
+    "backward_dq": {256: ((32, 32, 256), (32, 16, 128), (16, 16, 128))},
+}
+
 # Fallbacks, best first, for devices with less shared memory than 48 KiB (or callers that ask for a lower limit).
 _CANDIDATES: tuple[tuple[int, int, int], ...] = (
     (64, 64, 128), (64, 32, 128), (32, 64, 128), (32, 32, 128), (64, 16, 128), (32, 16, 128), (16, 32, 128),
@@ -102,6 +123,20 @@ _CANDIDATES: tuple[tuple[int, int, int], ...] = (
 
 # Tensor-core fallbacks, best first (a warp's accumulators are its 16 rows' whatever the tile: only smem limits).
 _TC_CANDIDATES: tuple[tuple[int, int, int], ...] = ((64, 32, 128), (32, 32, 64), (32, 16, 64), (16, 16, 32))
+
+
+def smem_limit_for(compute_capability: tuple[int, int]) -> int:
+    """Shared memory per block the picker may plan for on ``compute_capability``: the opt-in limit from sm_80 on
+    (gpus.py: 163 KiB on sm_80, 99 KiB on sm_86 and sm_89, 227 KiB on sm_90), which the SIMT kernels reach through
+    dynamic shared memory (smem.py); 48 KiB on sm_7x, which keep the static path (the T4's 64 KiB would buy no
+    bigger D = 256 tile, and the compile matrix stays as it was there). At launch, the device's own opt-in limit
+    can lower it further (launch.configs_for)."""
+    from .gpus import GPUS
+
+    cc = tuple(compute_capability)
+    if cc < (8, 0) or cc not in GPUS:
+        return STATIC_SMEM_LIMIT
+    return GPUS[cc].max_smem_per_block
 
 
 def storage_dtype(dtype: str) -> str:
@@ -257,6 +292,16 @@ class FlashAttentionConfig:
     def smem_bytes(self) -> int:
         return self.smem_floats() * _FLOAT
 
+    @property
+    def dynamic_smem(self) -> bool:
+        """Whether the kernel takes its shared memory as one dynamic buffer (more than the 48 KiB a block may
+        declare statically; launched with the opt-in attribute, smem.py)."""
+        return self.kernel in DYNAMIC_SMEM_KERNELS and self.smem_bytes() > STATIC_SMEM_LIMIT
+
+    def dynamic_smem_bytes(self) -> int:
+        """Bytes of dynamic shared memory to launch the kernel with: 0 for a kernel whose arrays are static."""
+        return self.smem_bytes() if self.dynamic_smem else 0
+
     def accumulators_per_thread(self) -> int:
         """float32 accumulators each thread keeps in registers across the whole loop."""
         if self.kernel == "backward_dkdv" or self.tensor_cores and "dkdv" in self.kernel:
@@ -275,6 +320,8 @@ class FlashAttentionConfig:
             return why
         if self.threads > 1024:
             why.append(f"threads must be at most 1024, got {self.threads}")
+        if self.kernel not in DYNAMIC_SMEM_KERNELS:   # static arrays only
+            smem_limit = min(smem_limit, STATIC_SMEM_LIMIT)
         if self.smem_bytes() > smem_limit:
             why.append(f"needs {self.smem_bytes()} bytes of shared memory for head-dim bucket "
                        f"{self.head_dim_bucket}, more than the {smem_limit} a block may use")
@@ -357,10 +404,11 @@ def tile_config_for(head_dim: int, dtype: str = "float32", compute_capability: t
     """The tile config of ``kernel`` for a head dim, dtype and device.
 
     ``override`` (else the active ``tile_config_override``) replaces the picked sizes; an override that does not
-    fit raises ``AttentionInputError``. Without one, the preferred config of the head-dim bucket is taken if it fits
-    ``smem_limit``, else the first fallback that does. ``dtype`` and ``compute_capability`` do not change the choice
-    today (tiles are float32 in shared memory and 48 KiB static is the limit on sm_80 and sm_90) but are part of the
-    signature so that a tuned table can depend on them.
+    fit raises ``AttentionInputError``. Without one: with ``smem_limit`` above 48 KiB (``smem_limit_for(cc)``, the
+    device's opt-in), the first ``_PREFERRED_DYNAMIC`` config that fits it; else the preferred config of the
+    head-dim bucket if it fits ``smem_limit``, else the first fallback that does. ``dtype`` and
+    ``compute_capability`` do not change the choice today (tiles are float32 in shared memory; the limit carries
+    the device's part) but are part of the signature so that a tuned table can depend on them.
     """
     if kernel not in KERNELS + TC_KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS + TC_KERNELS}, got {kernel!r}")
@@ -368,13 +416,19 @@ def tile_config_for(head_dim: int, dtype: str = "float32", compute_capability: t
     bm, bn, nt = _PREFERRED[kernel][bucket]
     cfg = FlashAttentionConfig(kernel, bm, bn, nt, bucket)
     override = override if override is not None else active_override()
-    if override is not None:
+    # An override that names no tile size (``TileOverride()``, or only ``tensor_cores``) leaves the choice to the
+    # picker; one that does applies to the 48 KiB preferred config, as it always has.
+    if override is not None and (override.block_m, override.block_n, override.threads) != (None, None, None):
         cfg = override.apply(cfg)
         why = cfg.problems(smem_limit)
         if why:
             raise AttentionInputError(f"tile override {override}: {kernel} kernel, head dim {head_dim}: "
                                       + "; ".join(why))
         return cfg
+    for bm, bn, nt in _PREFERRED_DYNAMIC.get(kernel, {}).get(bucket, ()) if smem_limit > STATIC_SMEM_LIMIT else ():
+        big = FlashAttentionConfig(kernel, bm, bn, nt, bucket)
+        if not big.problems(smem_limit) and big.accumulators_per_thread() <= MAX_ACCUMULATORS_PER_THREAD:
+            return big
     if not cfg.problems(smem_limit):
         return cfg
     for bm, bn, nt in _TC_CANDIDATES if cfg.tensor_cores else _CANDIDATES:
@@ -398,7 +452,7 @@ def all_tile_configs(ccs: tuple[tuple[int, int], ...] = COMPUTE_CAPABILITIES,
                 continue
             for kernel in KERNELS:
                 for bucket in HEAD_DIM_BUCKETS:
-                    cfg = tile_config_for(bucket, dtype, cc, STATIC_SMEM_LIMIT, kernel, override=TileOverride())
+                    cfg = tile_config_for(bucket, dtype, cc, smem_limit_for(cc), kernel, override=TileOverride())
                     entry = (cc, dtype, cfg)
                     if entry not in seen:
                         seen.append(entry)

@@ -30,6 +30,7 @@ from .config import FlashAttentionConfig, transposed_stride
 from .dtypes import element_io
 from .masks import (bias_head, dropout_factor, make_bias_tile, make_biases, make_score_mod_hides, make_visible,
                     nan_if_not_finite)
+from .smem import carve
 from .tiles import FETCH_VECTOR, make_tile_fetch, tile_passes
 from .user_mods import NO_MODS, CudaMods, make_score_mod
 
@@ -91,6 +92,8 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     LQ, LK = transposed_stride(BM), transposed_stride(BN)
     Q_WORDS, KV_WORDS, P_WORDS = DB * LQ, max(DB * LK, BN * DB), BN * BM
     ALIGN = SMEM_ALIGN
+    DYNAMIC = cfg.dynamic_smem
+    Q_AT, KV_AT, P_AT, MAX_AT, SUM_AT, SCALE_AT = carve(Q_WORDS, KV_WORDS, P_WORDS, BM, BM, BM)
     D_STEPS = min(DB, MAX_STEPS, max(1, SCORE_BODY_FMAS // (S_TM * S_TN)))
     N_STEPS = min(BN, MAX_STEPS, max(1, PV_BODY_FMAS // (O_TM * O_TD)))
     # Runs of consecutive rows (columns) a thread owns, and the distance from one of its runs to the next.
@@ -124,12 +127,21 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
             slope = slopes[b, h]
         bias_h = bias_head(bias, b, h)
 
-        q_t = cuda.shared.array(Q_WORDS, float32, alignment=ALIGN)
-        kv = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
-        p_t = cuda.shared.array(P_WORDS, float32, alignment=ALIGN)
-        row_max = cuda.shared.array(BM, float32)     # running max, log2 domain
-        row_sum = cuda.shared.array(BM, float32)     # running sum of exp2(s - row_max)
-        row_scale = cuda.shared.array(BM, float32)   # this tile's rescale factor of the accumulator
+        if DYNAMIC:   # past 48 KiB: one dynamic buffer (smem.py), carved at compile-time offsets
+            smem = cuda.shared.array(0, float32, alignment=ALIGN)
+            q_t = smem[Q_AT[0]:Q_AT[1]]
+            kv = smem[KV_AT[0]:KV_AT[1]]
+            p_t = smem[P_AT[0]:P_AT[1]]
+            row_max = smem[MAX_AT[0]:MAX_AT[1]]
+            row_sum = smem[SUM_AT[0]:SUM_AT[1]]
+            row_scale = smem[SCALE_AT[0]:SCALE_AT[1]]
+        else:
+            q_t = cuda.shared.array(Q_WORDS, float32, alignment=ALIGN)
+            kv = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
+            p_t = cuda.shared.array(P_WORDS, float32, alignment=ALIGN)
+            row_max = cuda.shared.array(BM, float32)     # running max, log2 domain
+            row_sum = cuda.shared.array(BM, float32)     # running sum of exp2(s - row_max)
+            row_scale = cuda.shared.array(BM, float32)   # this tile's rescale factor of the accumulator
 
         acc = cuda.local.array((O_TM, O_TD), float32)
         s = cuda.local.array((S_TM, S_TN), float32)

@@ -22,14 +22,16 @@ import numpy as np
 
 from numba_flash.errors import AttentionInputError
 
-from . import selfcheck
+from . import selfcheck, smem
 from .backward import DELTA_ROWS_PER_BLOCK, make_delta_kernel, make_dkdv_kernel, make_dq_kernel
 from .config import (STATIC_SMEM_LIMIT, TC_BACKWARD_MAX_HEAD_DIM, TC_DTYPES, TC_MIN_COMPUTE_CAPABILITY,
-                     FlashAttentionConfig, TileOverride, active_override, storage_dtype, tile_config_for)
+                     FlashAttentionConfig, TileOverride, active_override, smem_limit_for, storage_dtype,
+                     tile_config_for)
 from .decode import MERGE_THREADS, make_decode_kernel, make_split_merge_kernel
 from .forward import make_forward_kernel
 from .masks import LOG2E
 from .simcheck import install_from_env
+from .smem import device_optin_limit
 from .tc_dkdv import make_tc_dkdv_kernel
 from .tc_dq import make_tc_dq_kernel
 from .tc_forward import make_tc_forward_kernel
@@ -50,11 +52,40 @@ def compute_capability() -> tuple[int, int]:
         return (9, 0)
 
 
+def smem_limit() -> int:
+    """Shared memory per block the picker may plan for on this device: ``config.smem_limit_for`` its compute
+    capability, lowered to what the device itself says it opts in to (smem.py); 48 KiB where it cannot say. The
+    simulator runs dynamic shared memory as it is, so it gets sm_90's limit."""
+    from numba import config, cuda
+
+    limit = smem_limit_for(compute_capability())
+    if config.ENABLE_CUDASIM:
+        return limit
+    try:
+        device = cuda.get_current_device()
+    except Exception:
+        return STATIC_SMEM_LIMIT
+    return min(limit, device_optin_limit(device))
+
+
 def configs_for(head_dim: int, dtype: str, override: TileOverride | None = None,
                 kernels: tuple[str, ...] = ("forward",)) -> dict[str, FlashAttentionConfig]:
     """Tile configs of ``kernels`` for this device; a bad override raises AttentionInputError."""
-    cc = compute_capability()
-    return {kern: tile_config_for(head_dim, dtype, cc, STATIC_SMEM_LIMIT, kern, override) for kern in kernels}
+    cc, limit = compute_capability(), smem_limit()
+    return {kern: tile_config_for(head_dim, dtype, cc, limit, kern, override) for kern in kernels}
+
+
+def _run(kernel: Any, grid: tuple[int, ...], cfg: FlashAttentionConfig, stream: Any, args: tuple) -> bool:
+    """Launch ``kernel`` (built from ``cfg``) with the dynamic shared memory ``cfg`` needs; False, having launched
+    nothing, when the device refused the opt-in past 48 KiB (smem.launch): the caller retries on the 48 KiB
+    config, ``static_fallback(cfg)``."""
+    return smem.launch(kernel, grid, cfg.threads, stream, cfg.dynamic_smem_bytes(), args)
+
+
+def static_fallback(cfg: FlashAttentionConfig) -> FlashAttentionConfig:
+    """The picker's config of ``cfg``'s kernel and head dim within 48 KiB of static shared memory."""
+    return tile_config_for(cfg.head_dim_bucket, "float32", compute_capability(), STATIC_SMEM_LIMIT, cfg.kernel,
+                           override=TileOverride())
 
 
 def tensor_core_reason(dtype: str, head_dim: int, dropout: bool = False, override: TileOverride | None = None,
@@ -230,10 +261,14 @@ def launch_forward(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, out: Any, 
     sk, hkv = k.shape[1], k.shape[2]
     qmult, capmult = _multipliers(softmax_scale, softcap)
     grid = (math.ceil(sq / cfg.block_m), hq, batch)
+    args = (q, k, v, out, lse, sq, sk, d, hq // hkv, window_left, window_right, qmult, capmult,
+            _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout))
     with _compiling(mods):
-        kernel[grid, cfg.threads, stream](q, k, v, out, lse, sq, sk, d, hq // hkv, window_left, window_right,
-                                          qmult, capmult, _slopes_arg(alibi, lse), _bias_arg(bias),
-                                          *_dropout_args(dropout))
+        launched = _run(kernel, grid, cfg, stream, args)
+    if not launched:
+        launch_forward(static_fallback(cfg), q, k, v, out, lse, softmax_scale=softmax_scale,
+                       window_left=window_left, window_right=window_right, softcap=softcap, bf16=bf16, alibi=alibi,
+                       bias=bias, dropout=dropout, mods=mods, stream=stream)
 
 
 def launch_delta(dout: Any, out: Any, delta: Any, *, bf16: bool, stream: Any = 0) -> None:
@@ -263,10 +298,14 @@ def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, ls
     sk, hkv = k.shape[1], k.shape[2]
     qmult, capmult = _multipliers(softmax_scale, softcap)
     grid = (math.ceil(sk / cfg.block_n), hkv, batch)
+    args = (q, k, v, dout, lse, delta, dk, dv, sq, sk, d, hq // hkv, window_left, window_right, qmult, capmult,
+            np.float32(softmax_scale), _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout))
     with _compiling(mods):
-        kernel[grid, cfg.threads, stream](q, k, v, dout, lse, delta, dk, dv, sq, sk, d, hq // hkv, window_left,
-                                          window_right, qmult, capmult, np.float32(softmax_scale),
-                                          _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout))
+        launched = _run(kernel, grid, cfg, stream, args)
+    if not launched:
+        launch_dkdv(static_fallback(cfg), q, k, v, dout, lse, delta, dk, dv, softmax_scale=softmax_scale,
+                    window_left=window_left, window_right=window_right, softcap=softcap, bf16=bf16, alibi=alibi,
+                    bias=bias, dropout=dropout, mods=mods, stream=stream)
 
 
 def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dq: Any, *,
@@ -288,10 +327,14 @@ def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse:
     sk, hkv = k.shape[1], k.shape[2]
     qmult, capmult = _multipliers(softmax_scale, softcap)
     grid = (math.ceil(sq / cfg.block_m), hq, batch)
+    args = (q, k, v, dout, lse, delta, dq, sq, sk, d, hq // hkv, window_left, window_right, qmult, capmult,
+            np.float32(softmax_scale), _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout))
     with _compiling(mods):
-        kernel[grid, cfg.threads, stream](q, k, v, dout, lse, delta, dq, sq, sk, d, hq // hkv, window_left,
-                                          window_right, qmult, capmult, np.float32(softmax_scale),
-                                          _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout))
+        launched = _run(kernel, grid, cfg, stream, args)
+    if not launched:
+        launch_dq(static_fallback(cfg), q, k, v, dout, lse, delta, dq, softmax_scale=softmax_scale,
+                  window_left=window_left, window_right=window_right, softcap=softcap, bf16=bf16, alibi=alibi,
+                  bias=bias, dropout=dropout, mods=mods, stream=stream)
 
 
 def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float, window_left: int,

@@ -50,7 +50,8 @@ import textwrap
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
-from .config import HEAD_DIM_BUCKETS, KERNEL_DTYPES, FlashAttentionConfig, TileOverride, tile_config_for
+from .config import (HEAD_DIM_BUCKETS, KERNEL_DTYPES, FlashAttentionConfig, TileOverride, smem_limit_for,
+                     tile_config_for)
 from .gpus import GPUS, GpuSpec, gpu_spec, occupancy
 from .sass import FP32_PIPE, Function, disassemble, kernel_function, link, parse
 
@@ -388,7 +389,10 @@ def model_kernel(kernel: str, cfg: FlashAttentionConfig, dtype: str, variant: st
     res = parse_resources(log)
     fn = kernel_function(parse(sass_text, keep_file=py_func.__code__.co_filename), py_func.__name__)
     per_warp = dynamic_counts(fn, loop_counts(py_func, cfg.threads))
-    occ = occupancy(spec, cfg.threads, res["registers"], res["smem"])
+    # The assembler reports static shared memory only; a kernel past 48 KiB takes its tiles dynamically
+    # (smem.py), and those bytes limit the blocks per SM just the same.
+    smem = res["smem"] + cfg.dynamic_smem_bytes()
+    occ = occupancy(spec, cfg.threads, res["registers"], smem)
     blocks = max(occ.blocks_per_sm, 1)
     cycles = _cycles(spec, per_warp, blocks)
     bound = max(cycles, key=lambda k: cycles[k])
@@ -404,7 +408,7 @@ def model_kernel(kernel: str, cfg: FlashAttentionConfig, dtype: str, variant: st
     return ModelRecord(
         kernel=kernel, dtype=dtype, cc=f"{cc[0]}.{cc[1]}", head_dim=cfg.head_dim_bucket, variant=variant,
         unit="tensor" if tensor else "simt_fp32", ceiling=round(ceiling, 4), bound=bound,
-        registers=res["registers"], spills=res["spill_stores"] + res["spill_loads"], smem_bytes=res["smem"],
+        registers=res["registers"], spills=res["spill_stores"] + res["spill_loads"], smem_bytes=smem,
         threads=cfg.threads, tiles=f"{cfg.block_m}x{cfg.block_n}", blocks_per_sm=occ.blocks_per_sm,
         warps_per_sm=occ.warps_per_sm,
         ffma_share=round(per_iter.get("ffma", 0.0) / per_iter["total"], 4),
@@ -472,28 +476,37 @@ def cache_dir() -> str:
 
 
 def model_specialisation(kernel: str, dtype: str, head_dim: int, variant: str,
-                         ccs: Iterable[tuple[int, int]], use_cache: bool = True) -> list[ModelRecord]:
+                         ccs: Iterable[tuple[int, int]], use_cache: bool = True,
+                         cfg: FlashAttentionConfig | None = None) -> list[ModelRecord]:
     """Model one (kernel, dtype, head-dim bucket, variant) for each compute capability in ``ccs``: lowered to PTX
-    once (for the lowest cc, as a driver would JIT it on newer GPUs), assembled for each."""
+    once per tile config (for the lowest cc that has it, as a driver would JIT it on newer GPUs), assembled for
+    each. The picker's config per cc (its shared-memory limit differs: ``config.smem_limit_for``), or ``cfg`` for
+    every cc (to try a config before putting it in the table)."""
     from .compile_check import kernel_ptx, python_kernel
 
     ccs = sorted(tuple(cc) for cc in ccs)
-    path = os.path.join(cache_dir(), f"{_source_key()}-{kernel}-{dtype}-{head_dim}-{variant}-"
+    tag = "" if cfg is None else f"-{cfg.block_m}x{cfg.block_n}x{cfg.threads}"
+    path = os.path.join(cache_dir(), f"{_source_key()}-{kernel}-{dtype}-{head_dim}-{variant}{tag}-"
                         + "_".join(f"{a}{b}" for a, b in ccs) + ".json")
     if use_cache and os.path.exists(path):
         with open(path) as f:
             return [ModelRecord(**r) for r in json.load(f)]
     flags = VARIANTS[variant]
-    cfg = tile_config_for(head_dim, dtype, ccs[0], kernel=kernel, override=TileOverride())
-    py_func = python_kernel(kernel, cfg, dtype, flags)
-    ptx = kernel_ptx(kernel, cfg, dtype, ccs[0], flags, lineinfo=True)
-    records = []
+    by_config: dict[FlashAttentionConfig, list[tuple[int, int]]] = {}
     for cc in ccs:
-        cubin, log = link(ptx, cc, lineinfo=True)
-        try:
-            records.append(model_kernel(kernel, cfg, dtype, variant, cc, disassemble(cubin), py_func, log))
-        except ValueError as exc:
-            raise ValueError(f"{kernel} {dtype} D={head_dim} {variant} sm_{cc[0]}{cc[1]}: {exc}") from None
+        picked = cfg or tile_config_for(head_dim, dtype, cc, smem_limit_for(cc), kernel, override=TileOverride())
+        by_config.setdefault(picked, []).append(cc)
+    records = []
+    for picked, group in by_config.items():
+        py_func = python_kernel(kernel, picked, dtype, flags)
+        ptx = kernel_ptx(kernel, picked, dtype, group[0], flags, lineinfo=True)
+        for cc in group:
+            cubin, log = link(ptx, cc, lineinfo=True)
+            try:
+                records.append(model_kernel(kernel, picked, dtype, variant, cc, disassemble(cubin), py_func, log))
+            except ValueError as exc:
+                raise ValueError(f"{kernel} {dtype} D={head_dim} {variant} sm_{cc[0]}{cc[1]}: {exc}") from None
+    records.sort(key=lambda r: tuple(int(x) for x in r.cc.split(".")))
     if use_cache:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -588,7 +601,10 @@ def format_markdown(records: list[ModelRecord]) -> str:
             r = by_cc.get(c)
             cells += ([f"{100 * r.ceiling:.1f}%", f"{r.registers}, {r.warps_per_sm}, {100 * r.ffma_share:.1f}",
                        r.bound] if r else ["-", "-", "-"])
-        tiles = next(iter(by_cc.values())).tiles
+        # Tiles may differ per GPU (their shared-memory limits differ: config.smem_limit_for); then each is named.
+        per_cc = {c: r.tiles for c, r in by_cc.items()}
+        tiles = (next(iter(per_cc.values())) if len(set(per_cc.values())) == 1
+                 else ", ".join(f"{t} (sm_{c.replace('.', '')})" for c, t in per_cc.items()))
         lines.append(f"| {kernel} | {dtype} | {d} | {variant} | {tiles} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

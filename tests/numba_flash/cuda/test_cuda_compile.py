@@ -158,3 +158,33 @@ def test_tables_past_the_constant_memory_are_named_in_the_error():
         return half[q_idx] == half[kv_idx]
 
     assert link(_forward_ptx_with(_mods(mask_mod=same_half_document)), (8, 0))[0]
+
+
+def test_dynamic_shared_memory_configs_compile_and_fit():
+    """The configs past 48 KiB (config._PREFERRED_DYNAMIC, D = 256, float32, sm_80 on) with every switch on: no
+    spills, no static shared array left beside the dynamic buffer, and a block of static plus dynamic shared memory
+    that fits an SM (the compile check's rows for them; its full matrix test covers every dtype)."""
+    _needs_toolchain()
+    from numba_flash.cuda.compile_check import _compile_for_targets, format_table, kernel_ptx
+    from numba_flash.cuda.config import STATIC_SMEM_LIMIT, all_tile_configs
+
+    targets = {}
+    for cc, dtype, cfg in all_tile_configs(((7, 5), (8, 0), (8, 6), (9, 0))):
+        if cfg.dynamic_smem and dtype == "float32":
+            targets.setdefault(cfg, []).append(cc)
+    assert {cc for ccs in targets.values() for cc in ccs} == {(8, 0), (8, 6), (9, 0)}   # sm_75 stays static
+    assert {cfg.kernel for cfg in targets} == {"forward", "backward_dkdv", "backward_dq"}
+    rows = []
+    for cfg, ccs in targets.items():
+        rows += _compile_for_targets((cfg.kernel, cfg, "float32", tuple(sorted(ccs))))
+    print()
+    print(format_table(rows))
+    for r in rows:
+        assert not r.problems(), (r.config, r.cc, r.problems())
+        assert r.dynamic_smem > STATIC_SMEM_LIMIT and r.declared_smem == 0, (r.config, r.cc, r.smem)
+        assert r.occupancy.launchable and r.occupancy.blocks_per_sm >= 1
+    # The PTX takes its tiles from the one dynamic (extern) buffer.
+    cfg = next(c for c in targets if c.kernel == "forward")
+    ptx = kernel_ptx("forward", cfg, "float32", (8, 0))
+    shared = [line for line in ptx.splitlines() if ".shared" in line and line.lstrip().startswith(".")]
+    assert shared and all(".extern" in line for line in shared), shared

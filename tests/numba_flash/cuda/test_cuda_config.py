@@ -5,18 +5,57 @@ import pytest
 from numba_flash import AttentionInputError
 from numba_flash.cuda import (HEAD_DIM_BUCKETS, TileOverride, all_tile_configs, head_dim_bucket, tile_config_for,
                               tile_config_override)
-from numba_flash.cuda.config import (KERNELS, MAX_ACCUMULATORS_PER_THREAD, STATIC_SMEM_LIMIT, dtype_supported_on,
-                                     storage_dtype)
+from numba_flash.cuda.config import (DYNAMIC_SMEM_KERNELS, KERNELS, MAX_ACCUMULATORS_PER_THREAD, STATIC_SMEM_LIMIT,
+                                     dtype_supported_on, smem_limit_for, storage_dtype)
 
 
 def test_every_config_fits_and_splits():
     configs = all_tile_configs()
     assert {cfg.kernel for _, _, cfg in configs} == set(KERNELS)
     assert {cfg.head_dim_bucket for _, _, cfg in configs} == set(HEAD_DIM_BUCKETS)
-    for _, _, cfg in configs:
-        assert cfg.problems(STATIC_SMEM_LIMIT) == [], cfg
-        assert cfg.smem_bytes() <= STATIC_SMEM_LIMIT
+    for cc, _, cfg in configs:
+        assert cfg.problems(smem_limit_for(cc)) == [], cfg
+        assert cfg.smem_bytes() <= smem_limit_for(cc)
+        # Only the kernels that take a dynamic buffer go past 48 KiB, and only from sm_80 on.
+        assert cfg.dynamic_smem == (cfg.smem_bytes() > STATIC_SMEM_LIMIT)
+        assert not cfg.dynamic_smem or (cc >= (8, 0) and cfg.kernel in DYNAMIC_SMEM_KERNELS), (cc, cfg)
         assert cfg.accumulators_per_thread() <= MAX_ACCUMULATORS_PER_THREAD
+
+
+def test_smem_limit_per_compute_capability():
+    assert smem_limit_for((7, 5)) == STATIC_SMEM_LIMIT
+    assert smem_limit_for((8, 0)) == 163 * 1024
+    assert smem_limit_for((8, 6)) == smem_limit_for((8, 9)) == 99 * 1024
+    assert smem_limit_for((9, 0)) == 227 * 1024
+
+
+@pytest.mark.parametrize("cc,tiles", [
+    ((7, 5), {"forward": (32, 8, 128), "backward_dkdv": (8, 8, 64), "backward_dq": (8, 8, 64)}),
+    ((8, 0), {"forward": (32, 32, 128), "backward_dkdv": (16, 32, 256), "backward_dq": (32, 16, 128)}),
+    ((8, 6), {"forward": (32, 32, 128), "backward_dkdv": (16, 16, 128), "backward_dq": (16, 16, 128)}),
+    ((9, 0), {"forward": (32, 32, 128), "backward_dkdv": (16, 32, 256), "backward_dq": (32, 32, 256)}),
+])
+def test_d256_takes_the_bigger_tiles_the_device_allows(cc, tiles):
+    for kernel, want in tiles.items():
+        cfg = tile_config_for(256, "float32", cc, smem_limit_for(cc), kernel)
+        assert (cfg.block_m, cfg.block_n, cfg.threads) == want, (cc, kernel)
+        # 48 KiB (a GPU that refuses the opt-in) gives the static tiles back.
+        static = tile_config_for(256, "float32", cc, STATIC_SMEM_LIMIT, kernel)
+        assert not static.dynamic_smem and static.dynamic_smem_bytes() == 0
+    # Other head dims keep their 48 KiB tiles, and so do the kernels without a dynamic buffer.
+    for kernel in KERNELS:
+        assert not tile_config_for(128, "float32", cc, smem_limit_for(cc), kernel).dynamic_smem
+    assert not tile_config_for(256, "float16", cc, smem_limit_for(cc), "tc_forward").dynamic_smem
+
+
+def test_an_override_past_48_kib_fits_only_the_kernels_with_a_dynamic_buffer():
+    big = TileOverride(block_m=32, block_n=32, threads=128)
+    assert tile_config_for(256, kernel="forward", smem_limit=227 * 1024, override=big).dynamic_smem
+    with pytest.raises(AttentionInputError, match="shared memory"):
+        tile_config_for(256, kernel="forward", override=big)   # the default limit is 48 KiB
+    with pytest.raises(AttentionInputError, match="shared memory"):
+        tile_config_for(256, kernel="tc_forward", smem_limit=227 * 1024,
+                        override=TileOverride(block_m=64, block_n=64, threads=128))
 
 
 @pytest.mark.parametrize("d", [1, 7, 16, 17, 33, 64, 65, 100, 128, 129, 200, 255, 256])

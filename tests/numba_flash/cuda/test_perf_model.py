@@ -300,3 +300,19 @@ def test_helper_lines_keep_their_file():
     fn = kernel_function(parse(disassemble(link(ptx, (8, 0), lineinfo=True)[0])), "finite_kernel")
     files = {ins.source[0] for ins in fn.instructions if ins.source}
     assert masks.__file__ in files and __file__ in files, files
+
+
+def test_model_counts_dynamic_shared_memory_in_the_occupancy(tmp_path, monkeypatch):
+    """A config past 48 KiB declares no static shared memory (the assembler reports none of it), yet its dynamic
+    buffer is what limits the blocks per SM: 32 x 32 / 128 forward at D = 256, 78,208 B, + 1 KiB the driver
+    reserves per block, two blocks in sm_90's 228 KiB and in sm_80's 164 KiB."""
+    _needs_toolchain()
+    from numba_flash.cuda.config import tile_config_for, smem_limit_for
+    from numba_flash.cuda.perf_model import model_specialisation
+
+    monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(tmp_path))
+    cfg = tile_config_for(256, "float32", (9, 0), smem_limit_for((9, 0)), "forward")
+    assert (cfg.block_m, cfg.block_n, cfg.threads, cfg.dynamic_smem_bytes()) == (32, 32, 128, 78208)
+    for r in model_specialisation("forward", "float32", 256, "plain", [(8, 0), (9, 0)]):
+        assert r.tiles == "32x32" and r.smem_bytes >= 78208, r
+        assert r.blocks_per_sm == 2 and r.spills == 0, r

@@ -13,6 +13,7 @@ import pytest
 from backends import backend_registry
 from numba_flash import attention_ref, attention_ref_backward
 from numba_flash.cuda import simcheck, tile_config_for
+from numba_flash.cuda.config import STATIC_SMEM_LIMIT, smem_limit_for
 
 pytestmark = pytest.mark.cudasim
 
@@ -21,6 +22,9 @@ CASES = [
     pytest.param(1, 37, 45, 2, 1, 64, dict(causal=True), id="d64-causal-gqa"),
     pytest.param(1, 37, 45, 2, 1, 128, dict(window_size=(20, 5), softcap=2.5), id="d128-window-softcap-gqa"),
     pytest.param(1, 13, 11, 2, 1, 200, dict(causal=True), id="d256-causal-gqa"),
+    # The simulator plans for sm_90 (227 KiB): D = 256 runs the dynamic-shared-memory tiles above; sm_7x, or a GPU
+    # that refuses the opt-in, runs these 48 KiB ones.
+    pytest.param(1, 13, 11, 2, 1, 200, dict(causal=True, smem_limit=STATIC_SMEM_LIMIT), id="d256-causal-gqa-48k"),
 ]
 
 
@@ -68,7 +72,12 @@ def _check_lse(lse, ref_lse):
 
 
 @pytest.mark.parametrize("b,sq,sk,hq,hkv,d,kw", CASES)
-def test_production_tiles_match_reference(rng, launches, b, sq, sk, hq, hkv, d, kw):
+def test_production_tiles_match_reference(rng, launches, monkeypatch, b, sq, sk, hq, hkv, d, kw):
+    import numba_flash.cuda.launch as launch
+
+    kw = dict(kw)
+    limit = kw.pop("smem_limit", smem_limit_for((9, 0)))
+    monkeypatch.setattr(launch, "smem_limit", lambda: limit)
     q = rng.standard_normal((b, sq, hq, d)).astype(np.float32)
     k = rng.standard_normal((b, sk, hkv, d)).astype(np.float32)
     v = rng.standard_normal((b, sk, hkv, d)).astype(np.float32)
@@ -80,11 +89,14 @@ def test_production_tiles_match_reference(rng, launches, b, sq, sk, hq, hkv, d, 
 
     # Each kernel ran once, with the picker's config and its thread count: no override crept in.
     assert [name for name, _, _ in launches] == ["forward", "delta", "backward_dkdv", "backward_dq"]
-    for name, cfg, (grid, threads, *_) in launches:
+    for name, cfg, (grid, threads, *rest) in launches:
         if name == "delta":
             assert threads == 128
             continue
-        assert cfg == tile_config_for(d, kernel=name) and threads == cfg.threads >= 64
+        assert cfg == tile_config_for(d, kernel=name, smem_limit=limit) and threads == cfg.threads >= 64
+        # Past 48 KiB the launch asks for the config's whole shared memory dynamically; below it, for none.
+        assert (rest[1] if len(rest) > 1 else 0) == cfg.dynamic_smem_bytes()
+        assert cfg.dynamic_smem == (d > 128 and limit > STATIC_SMEM_LIMIT)
         rows = sk if name == "backward_dkdv" else sq
         tile = cfg.block_n if name == "backward_dkdv" else cfg.block_m
         assert grid[0] == -(-rows // tile)
