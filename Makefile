@@ -37,9 +37,10 @@ bench: warmup
 
 # Everything but the simulator suite, then the CUDA simulator suite in its own process (the simulator must be
 # switched on before numba.cuda is first imported), with the race, bounds and barrier checker on.
+# --durations: CI's log then says where the suite's time goes (the suite is to stay well under 30 minutes).
 test: warmup
-	$(PY) -m pytest -q
-	NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 $(PY) -m pytest -q -m cudasim
+	$(PY) -m pytest -q --durations=15
+	NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 $(PY) -m pytest -q -m cudasim --durations=15
 
 test-cudasim: $(STAMP)
 	NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 $(PY) -m pytest -q -m cudasim
