@@ -33,9 +33,7 @@ from numba import cuda, float32
 
 from numba_flash.dropout import compile_with
 
-from .user_mods import NO_MODS, CudaMods, make_hidden_by_mods, make_index_terms, make_score_mod
-
-LOG2E = math.log2(math.e)
+from .user_mods import LOG2E, NO_MODS, CudaMods, make_hidden_by_mods, make_index_terms, make_score_mod
 
 
 @cuda.jit(device=True, inline="always")

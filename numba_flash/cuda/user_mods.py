@@ -80,27 +80,6 @@ def cuda_mods(mods: Any) -> CudaMods:
 
 
 @functools.lru_cache(maxsize=None)
-def make_hidden_by_mods(mods: CudaMods) -> Any:
-    """``hidden_by_mods(b, h, row, col) -> bool``: whether mask_mod or bias_mod hide the pair (mask_mod False, or
-    bias_mod -inf) of query ``row`` and key ``col`` of batch ``b``, query head ``h``, for indices inside the
-    sequences (the caller's to ensure); always False without those mods."""
-    MASK_MOD, BIAS_MOD = mods.mask_mod, mods.bias_mod
-    HAS_MASK, HAS_BIAS_MOD = MASK_MOD is not None, BIAS_MOD is not None
-
-    @cuda.jit(device=True, inline="always")
-    def hidden_by_mods(b, h, row, col):
-        hidden = False
-        if HAS_MASK:
-            hidden = hidden | (not MASK_MOD(int64(b), int64(h), int64(row), int64(col)))
-        if HAS_BIAS_MOD:
-            extra = float32(BIAS_MOD(int64(b), int64(h), int64(row), int64(col)))
-            hidden = hidden | (extra == float32(-math.inf))
-        return hidden
-
-    return hidden_by_mods
-
-
-@functools.lru_cache(maxsize=None)
 def make_index_terms(mods: CudaMods) -> Any:
     """``index_terms(b, h, row, col) -> (extra, hidden)``: the terms that depend on the indices only: bias_mod's
     value in natural units (0 without one) and whether mask_mod hides the pair (False without one). For indices
@@ -119,6 +98,21 @@ def make_index_terms(mods: CudaMods) -> Any:
         return extra, hidden
 
     return index_terms
+
+
+@functools.lru_cache(maxsize=None)
+def make_hidden_by_mods(mods: CudaMods) -> Any:
+    """``hidden_by_mods(b, h, row, col) -> bool``: whether mask_mod or bias_mod hide the pair (mask_mod False, or
+    bias_mod -inf) of query ``row`` and key ``col`` of batch ``b``, query head ``h``, for indices inside the
+    sequences (the caller's to ensure); always False without those mods."""
+    index_terms = make_index_terms(mods)
+
+    @cuda.jit(device=True, inline="always")
+    def hidden_by_mods(b, h, row, col):
+        extra, hidden = index_terms(b, h, row, col)
+        return hidden | (extra == float32(-math.inf))
+
+    return hidden_by_mods
 
 
 @functools.lru_cache(maxsize=None)
