@@ -135,3 +135,20 @@ def test_explain_says_tensor_cores_with_dropout():
     (q, k, v), _ = inputs(np.random.default_rng(1), "bfloat16", 1, 5, 7, 1, 1, 16)
     text = str(op.explain(q, k, v, dropout_p=0.2, dropout_seed=1))
     assert "tensor-core kernels (mma.sync, bfloat16), forward and backward" in text
+
+
+def test_the_first_use_self_check_passes_the_dropout_kernels(monkeypatch):
+    """With the check on, each tensor-core kernel is checked with dropout on against the self-check's own
+    reference (selfcheck.py draws the same mask), and passes: a false failure would turn the backend away."""
+    from numba_flash.cuda import selfcheck
+
+    monkeypatch.setenv(selfcheck.ENV_VAR, "1")
+    selfcheck.reset()
+    try:
+        (q, k, v), _ = inputs(np.random.default_rng(4), "bfloat16", 1, 9, 11, 1, 1, 16)
+        run(q, k, v, torch.ones_like(q), causal=True, dropout_p=P, dropout_seed=SEED)
+        checked = {(s.cfg.kernel, s.dropout, verdict.passed) for (_, s), verdict in selfcheck.verdicts().items()}
+        assert checked == {("tc_forward", True, True), ("tc_backward_dkdv", True, True),
+                           ("tc_backward_dq", True, True)}
+    finally:
+        selfcheck.reset()
