@@ -138,7 +138,6 @@ def staged_value(x, value):
     return float32(-math.inf) if value == float32(-math.inf) else x + value
 
 
-
 _PHILOX, _WORD, _ = compile_with(cuda.jit(device=True, inline=True))
 
 
@@ -153,8 +152,10 @@ def make_keep_bits(n_tiles: int, transposed: bool = False) -> Any:
     Why bits: Philox written into the kernels' unrolled score loops would make them too large to unroll and send
     the score arrays to local memory (as masks.make_dropout_tile says of the SIMT kernels). Here it runs in a loop
     of its own that writes one register, so the compiler may keep it rolled, and the score loops read a bit per
-    score (``make_kept_factor``). Untransposed, one Philox call serves a lane's two neighbouring keys (an even column
-    and the next: the same group of four)."""
+    score (``make_kept_factor``). It does: the PTX holds one copy of Philox's rounds per call site (sm_80, D = 64).
+    Untransposed, one Philox call serves a lane's two neighbouring keys (an even column and the next: the same group
+    of four). The performance model has no dropout variant; one would need this loop on kernel lines (perf_model
+    refuses a loop the compiler keeps inside an inlined helper), as make_mod_stage's would."""
     if n_tiles * 4 > 64:
         raise ValueError(f"{n_tiles} 8-wide tiles: more scores than a 64-bit keep mask holds")
     N_TILES, TRANSPOSED = n_tiles, transposed
