@@ -411,10 +411,10 @@ class CudaBackend(Backend):
             if call.kvcache is not None:
                 kernels = ("decode",)
             else:
-                cc, dropout = _gpu_compute_capability(call.q), bool(call.dropout_p)
-                if not tensor_core_reason(call.dtype, call.head_dim, dropout, self.config, cc=cc):
+                cc = _gpu_compute_capability(call.q)
+                if not tensor_core_reason(call.dtype, call.head_dim, self.config, cc=cc):
                     kernels = ("tc_forward",) + kernels[1:]
-                if not tensor_core_reason(call.dtype, call.head_dim, dropout, self.config, cc=cc, backward=True):
+                if not tensor_core_reason(call.dtype, call.head_dim, self.config, cc=cc, backward=True):
                     kernels = kernels[:1] + ("tc_backward_dkdv", "tc_backward_dq")
             cfgs = configs_for(call.head_dim, call.dtype, self.config, kernels)
         except AttentionInputError:       # a bad tile override: the call itself will say so
@@ -445,7 +445,7 @@ class CudaBackend(Backend):
 
         if call.dtype not in TC_DTYPES or call.kvcache is not None:
             return []
-        args = (call.dtype, call.head_dim, bool(call.dropout_p), self.config)
+        args = (call.dtype, call.head_dim, self.config)
         cc = _gpu_compute_capability(call.q)
         try:
             why = tensor_core_reason(*args, cc=cc, backward=call.is_backward)

@@ -28,9 +28,9 @@ def inputs(rng, dtype, b, sq, sk, hq, hkv, d, scale=1.0):
 
 
 def naive_same_dtype(q, k, v, dout=None, **kw):
-    """Attention computed plainly in q's dtype (torch on the CPU): scores, mask, softmax and P V each rounded to the
-    dtype, the yardstick flash-attn's tests hold a kernel to. Same semantics as the reference. Returns out in
-    float64, and with ``dout`` also (dq, dk, dv) by torch's autograd in the same dtype."""
+    """Attention computed plainly in q's dtype (torch on the CPU): scores, mask, softmax (then dropout) and P V each
+    rounded to the dtype, the yardstick flash-attn's tests hold a kernel to. Same semantics as the reference.
+    Returns out in float64, and with ``dout`` also (dq, dk, dv) by torch's autograd in the same dtype."""
     from numba_flash.semantics import visible_mask
 
     batch, sq, hq, d = q.shape
@@ -74,6 +74,11 @@ def naive_same_dtype(q, k, v, dout=None, **kw):
     # out of it.
     seen = mask.any(-1, keepdim=True)
     p = torch.softmax(s.masked_fill(~mask, -float("inf")).masked_fill(~seen, 0.0), dim=-1) * seen
+    if kw.get("dropout_p"):   # the mask every backend draws, its factor rounded to the dtype
+        from numba_flash import dropout_mask
+
+        keep = torch.from_numpy(dropout_mask(kw["dropout_seed"], batch, hq, sq, sk, kw["dropout_p"]))
+        p = p * (keep.to(p.dtype) * (1.0 / (1.0 - kw["dropout_p"])))
     out = (p @ vt).transpose(1, 2)
     if dout is None:
         return out.detach().double().numpy()

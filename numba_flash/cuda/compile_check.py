@@ -198,13 +198,13 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
     if kernel.endswith(MODS_SUFFIX):
         mods, flags = sample_mods(), flags[:4] + (False,) + flags[5:]   # no attn_bias beside the mods (above)
     kernel = kernel.removesuffix(MODS_SUFFIX)
-    if kernel in TC_COPY_PATHS:   # no dropout in the tensor-core kernels
+    if kernel in TC_COPY_PATHS:
         from .tc_dkdv import make_tc_dkdv_kernel
         from .tc_dq import make_tc_dq_kernel
 
         factory = {"tc_forward": make_tc_forward_kernel, "tc_backward_dkdv": make_tc_dkdv_kernel,
                    "tc_backward_dq": make_tc_dq_kernel}[cfg.kernel]
-        return factory(cfg, *flags[:3], dtype == "bfloat16", *flags[3:5], async_copy=TC_COPY_PATHS[kernel],
+        return factory(cfg, *flags[:3], dtype == "bfloat16", *flags[3:], async_copy=TC_COPY_PATHS[kernel],
                        mods=mods).py_func
     if kernel == "backward_delta":
         return make_delta_kernel(dtype == "bfloat16").py_func

@@ -88,7 +88,7 @@ def static_fallback(cfg: FlashAttentionConfig) -> FlashAttentionConfig:
                            override=TileOverride())
 
 
-def tensor_core_reason(dtype: str, head_dim: int, dropout: bool = False, override: TileOverride | None = None,
+def tensor_core_reason(dtype: str, head_dim: int, override: TileOverride | None = None,
                        cc: tuple[int, int] | None = None, backward: bool = False) -> str | None:
     """Why a forward (or, with ``backward``, a backward) call runs on the float32 SIMT kernels rather than the
     tensor-core ones; None when it runs on tensor cores. With ``override.tensor_cores`` True a reason is an
@@ -103,8 +103,6 @@ def tensor_core_reason(dtype: str, head_dim: int, dropout: bool = False, overrid
     elif tuple(cc) < TC_MIN_COMPUTE_CAPABILITY:
         need = TC_MIN_COMPUTE_CAPABILITY
         reason = f"the tensor-core kernels need compute capability >= {need[0]}.{need[1]}, this GPU is {cc[0]}.{cc[1]}"
-    elif dropout:
-        reason = "dropout is not in the tensor-core kernels yet"
     elif backward and head_dim > TC_BACKWARD_MAX_HEAD_DIM:
         reason = (f"head dim {head_dim} > {TC_BACKWARD_MAX_HEAD_DIM}: the tensor-core backward would hold more "
                   "accumulators than a thread has registers")
@@ -249,10 +247,8 @@ def launch_forward(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, out: Any, 
     """Launch the forward kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_forward`` config) as
     it is, no self-check. Arrays as for ``flash_forward``."""
     if cfg.tensor_cores:
-        if dropout is not None:
-            raise ValueError("the tensor-core forward kernel has no dropout")
         kernel = make_tc_forward_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                        bias is not None, async_copy_ok(q, k, v), mods)
+                                        bias is not None, dropout is not None, async_copy_ok(q, k, v), mods)
         q, k, v, out = (_bits(x) for x in (q, k, v, out))
     else:
         kernel = make_forward_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
@@ -286,10 +282,8 @@ def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, ls
     """Launch the dK/dV kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_backward_dkdv``
     config) as it is, no self-check. Arrays as for ``flash_backward``."""
     if cfg.tensor_cores:
-        if dropout is not None:
-            raise ValueError("the tensor-core dK/dV kernel has no dropout")
         kernel = make_tc_dkdv_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                     bias is not None, async_copy_ok(q, k, v, dout), mods)
+                                     bias is not None, dropout is not None, async_copy_ok(q, k, v, dout), mods)
         q, k, v, dout, dk, dv = (_bits(x) for x in (q, k, v, dout, dk, dv))
     else:
         kernel = make_dkdv_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
@@ -315,10 +309,8 @@ def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse:
     """Launch the dQ kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_backward_dq`` config) as it
     is, no self-check. Arrays as for ``flash_backward``."""
     if cfg.tensor_cores:
-        if dropout is not None:
-            raise ValueError("the tensor-core dQ kernel has no dropout")
         kernel = make_tc_dq_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                   bias is not None, async_copy_ok(q, k, v, dout), mods)
+                                   bias is not None, dropout is not None, async_copy_ok(q, k, v, dout), mods)
         q, k, v, dout, dq = (_bits(x) for x in (q, k, v, dout, dq))
     else:
         kernel = make_dq_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
@@ -355,7 +347,7 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
     """
     _check_storage(dtype, q=q, k=k, v=v, out=out)
     install_from_env()   # under the simulator with NUMBA_FLASH_SIMCHECK=1, check this and every later launch
-    kernel = "forward" if tensor_core_reason(dtype, q.shape[3], dropout is not None, override) else "tc_forward"
+    kernel = "forward" if tensor_core_reason(dtype, q.shape[3], override) else "tc_forward"
     picked = configs_for(q.shape[3], dtype, override, (kernel,))[kernel]
     flags = _flags(window_left, window_right, softcap)
     cfg = selfcheck.choose(picked, *flags, dtype, like=dict(q=q, k=k, v=v, out=out, lse=lse, bias=bias),
@@ -380,7 +372,7 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
     """
     _check_storage(dtype, dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
     install_from_env()   # as in flash_forward
-    tc = tensor_core_reason(dtype, q.shape[3], dropout is not None, override, backward=True) is None
+    tc = tensor_core_reason(dtype, q.shape[3], override, backward=True) is None
     dkdv_kernel, dq_kernel = ("tc_backward_dkdv", "tc_backward_dq") if tc else ("backward_dkdv", "backward_dq")
     picked = configs_for(q.shape[3], dtype, override, (dkdv_kernel, dq_kernel))
     flags = _flags(window_left, window_right, softcap)

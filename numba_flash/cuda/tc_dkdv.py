@@ -24,14 +24,14 @@ import functools
 import math
 from typing import Any
 
-from numba import config, cuda, float32, int32, uint16, uint32
+from numba import config, cuda, float32, int32, uint16, uint32, uint64
 
 from . import warp
 from .config import FlashAttentionConfig
 from .dtypes import load_bf16, load_f16_bits
 from .masks import LOG2E, bias_head, make_score_mod_hides, make_visible
 from .tc_forward import EXPONENT_BITS, QUIET_NAN_BITS, tile_offset
-from .tc_scores import hidden_p, is_hidden, make_score
+from .tc_scores import hidden_p, is_hidden, make_keep_bits, make_kept_factor, make_score
 from .tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
 from .user_mods import NO_MODS, CudaMods
 
@@ -40,14 +40,16 @@ SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16
 
 @functools.lru_cache(maxsize=None)
 def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool,
-                        alibi: bool = False, has_bias: bool = False, async_copy: bool = True,
-                        mods: CudaMods = NO_MODS) -> Any:
+                        alibi: bool = False, has_bias: bool = False, dropout: bool = False,
+                        async_copy: bool = True, mods: CudaMods = NO_MODS) -> Any:
     """The tensor-core dK/dV kernel for one tile config, mask kind and element kind (a ``numba.cuda`` dispatcher).
     ``block_n`` keys (16 per warp) per block, ``block_m`` queries per step of its loop.
 
     Launch with grid ``(ceil(Sk / block_n), Hkv, B)`` and ``cfg.threads`` threads, arguments as the float32 dK/dV
     kernel's (backward.py) except that q, dout (B, Sq, Hq, D), k, v, dk, dv (B, Sk, Hkv, D) are uint16 bit patterns
-    of float16 (or, with ``bf16``, bfloat16) data; dropout's arguments are taken and not read."""
+    of float16 (or, with ``bf16``, bfloat16) data; dropout's arguments are read only with ``dropout``: the
+    forward's keep mask regenerated, dV takes the kept probabilities ``z P`` and dS^T is ``P (z dP - delta)``, ``z``
+    = 1 / (1 - p) where kept, 0 where dropped."""
     why = cfg.problems(1 << 62)
     if why or cfg.kernel != "tc_backward_dkdv":
         raise ValueError(f"{cfg}: " + ("; ".join(why) or "not a tc_backward_dkdv config"))
@@ -56,7 +58,7 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     X_WORDS, KV_WORDS = BLOCK_M * HEAD_DIM, BLOCK_N * HEAD_DIM
     X_PASSES, KV_PASSES = copy_passes(BLOCK_M, HEAD_DIM, NT), copy_passes(BLOCK_N, HEAD_DIM, NT)
     PER_ROW, ROW_STEP = HEAD_DIM // CHUNK, copy_row_step(HEAD_DIM, NT)
-    HAS_LEFT, HAS_RIGHT, ALIBI = has_left, has_right, alibi
+    HAS_LEFT, HAS_RIGHT, ALIBI, DROPOUT = has_left, has_right, alibi, dropout
     EXP, NAN_BITS = EXPONENT_BITS[bf16], QUIET_NAN_BITS[bf16]
     ALIGN = SMEM_ALIGN
     MMA = warp.mma_bf16 if bf16 else warp.mma_f16
@@ -66,6 +68,8 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     copy_kv = make_tile_copy(BLOCK_N, HEAD_DIM, NT, async_copy)
     smem_index = make_smem_index(HEAD_DIM)
     score = make_score(softcap, alibi, has_bias, mods)
+    kept_factor = make_kept_factor(dropout)
+    keep_bits = make_keep_bits(M_TILES, transposed=True)
     sees = make_visible(has_left, has_right, has_bias, mods)
     score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, load_bf16 if bf16 else load_f16_bits)
 
@@ -162,6 +166,9 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 probe_nan = ((probe & uint32(0x7FFF)) > uint32(EXP)) | (((probe >> uint32(16)) & uint32(0x7FFF))
                                                                         > uint32(EXP))
                 x_nonfinite = cuda.syncthreads_or(int32(probe_nan))
+                kept = uint64(0)
+                if DROPOUT:   # the forward's keep mask, transposed like the scores, ahead of the products
+                    kept = keep_bits(seed_lo, seed_hi, threshold, b + batch0, h, key_top, m0 + lane_col)
 
                 # S^T = K Q^T and dP^T = V dO^T: K's and V's rows are the A operands (read per step: keeping both in
                 # registers beside two accumulators would spill), Q's and dO's rows the B ones.
@@ -219,16 +226,20 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                                 col = 8 * j + c
                                 seen = (col >= first) & (col <= last)
                                 s[j, 2 * half + c] = s[j, 2 * half + c] if seen else float32(-0.0)
+                # dV takes the kept probabilities, scaled, as the forward's P V did. Register r of step kk's A
+                # fragment packs scores 8 kk + 2 r and the next: C registers 2 (r & 1) and the next of 8-query tile
+                # 2 kk + (r >> 1).
                 for kk in range(QUERY_STEPS):
-                    p_frag[kk, 0] = PACK(s[2 * kk, 0], s[2 * kk, 1])
-                    p_frag[kk, 1] = PACK(s[2 * kk, 2], s[2 * kk, 3])
-                    p_frag[kk, 2] = PACK(s[2 * kk + 1, 0], s[2 * kk + 1, 1])
-                    p_frag[kk, 3] = PACK(s[2 * kk + 1, 2], s[2 * kk + 1, 3])
+                    for r in range(4):
+                        j, c = 2 * kk + (r >> 1), 2 * (r & 1)
+                        p_frag[kk, r] = PACK(s[j, c] * kept_factor(kept, 8 * kk + 2 * r, dscale),
+                                             s[j, c + 1] * kept_factor(kept, 8 * kk + 2 * r + 1, dscale))
                 for j in range(M_TILES):
                     for r in range(4):
                         # A hidden pair's P is -0.0 (tc_scores.hidden_p): the select keeps a NaN of dP out of its
                         # dS, a product would not.
-                        ds = s[j, r] * (dp[j, r] - delta_s[lane_col + 8 * j + (r & 1)]) * dcap[j, r]
+                        dp_kept = dp[j, r] * kept_factor(kept, 4 * j + r, dscale)
+                        ds = s[j, r] * (dp_kept - delta_s[lane_col + 8 * j + (r & 1)]) * dcap[j, r]
                         s[j, r] = float32(0.0) if is_hidden(s[j, r]) else ds
                 for kk in range(QUERY_STEPS):
                     ds_frag[kk, 0] = PACK(s[2 * kk, 0], s[2 * kk, 1])

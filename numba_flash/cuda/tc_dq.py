@@ -4,8 +4,8 @@
 Each warp owns 16 query rows, as in the forward (tc_forward.py), whose fragment layouts and tiles it shares. Per
 key tile it recomputes ``S = Q K^T`` and ``P = exp2(s - lse)`` exactly as the forward computed them (tc_scores.py),
 then ``dP = dO V^T`` (dO's fragments are the A operand, V's rows the B operand, like K's), ``dS = P (dP - delta)``
-(times softcap's derivative), and ``dQ += dS K``: dS's C fragments become an A fragment in registers, packed to 16
-bits, and K is read transposed. No atomics: dK and dV come from their own kernel (tc_dkdv.py), so dQ is the same
+(times softcap's derivative; with dropout ``P (z dP - delta)``, ``z`` the forward's factor regenerated), and
+``dQ += dS K``: dS's C fragments become an A fragment in registers, packed to 16 bits, and K is read transposed. No atomics: dK and dV come from their own kernel (tc_dkdv.py), so dQ is the same
 bits run to run.
 
 The non-finite rule (masks.py): a masked pair's P and dS are 0 by a select, so a NaN in its S or dP stays there.
@@ -24,13 +24,13 @@ import functools
 import math
 from typing import Any
 
-from numba import config, cuda, float32, int32, uint16, uint32
+from numba import config, cuda, float32, int32, uint16, uint32, uint64
 
 from . import warp
 from .config import FlashAttentionConfig
 from .masks import LOG2E, bias_head
 from .tc_forward import EXPONENT_BITS, tile_offset
-from .tc_scores import hidden_p, is_hidden, make_score
+from .tc_scores import hidden_p, is_hidden, make_keep_bits, make_kept_factor, make_score
 from .tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
 from .user_mods import NO_MODS, CudaMods
 
@@ -39,13 +39,14 @@ SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16
 
 @functools.lru_cache(maxsize=None)
 def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool,
-                      alibi: bool = False, has_bias: bool = False, async_copy: bool = True,
-                      mods: CudaMods = NO_MODS) -> Any:
+                      alibi: bool = False, has_bias: bool = False, dropout: bool = False,
+                      async_copy: bool = True, mods: CudaMods = NO_MODS) -> Any:
     """The tensor-core dQ kernel for one tile config, mask kind and element kind (a ``numba.cuda`` dispatcher).
 
     Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments as the float32 dQ
     kernel's (backward.py) except that q, dout (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) and dq (B, Sq, Hq, D) are uint16
-    bit patterns of float16 (or, with ``bf16``, bfloat16) data; dropout's arguments are taken and not read."""
+    bit patterns of float16 (or, with ``bf16``, bfloat16) data; dropout's arguments are read only with ``dropout``
+    (the forward's keep mask regenerated: dS = P (z dP - delta), z = 1 / (1 - p) where kept, 0 where dropped)."""
     why = cfg.problems(1 << 62)
     if why or cfg.kernel != "tc_backward_dq":
         raise ValueError(f"{cfg}: " + ("; ".join(why) or "not a tc_backward_dq config"))
@@ -54,7 +55,7 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
     X_WORDS, KV_WORDS = BLOCK_M * HEAD_DIM, BLOCK_N * HEAD_DIM
     X_PASSES, KV_PASSES = copy_passes(BLOCK_M, HEAD_DIM, NT), copy_passes(BLOCK_N, HEAD_DIM, NT)
     PER_ROW, ROW_STEP = HEAD_DIM // CHUNK, copy_row_step(HEAD_DIM, NT)
-    HAS_LEFT, HAS_RIGHT, ALIBI, EXP = has_left, has_right, alibi, EXPONENT_BITS[bf16]
+    HAS_LEFT, HAS_RIGHT, ALIBI, DROPOUT, EXP = has_left, has_right, alibi, dropout, EXPONENT_BITS[bf16]
     ALIGN = SMEM_ALIGN
     MMA = warp.mma_bf16 if bf16 else warp.mma_f16
     PACK = warp.pack_bf16x2 if bf16 else warp.pack_f16x2
@@ -63,6 +64,8 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
     copy_kv = make_tile_copy(BLOCK_N, HEAD_DIM, NT, async_copy)
     smem_index = make_smem_index(HEAD_DIM)
     score = make_score(softcap, alibi, has_bias, mods)
+    kept_factor = make_kept_factor(dropout)
+    keep_bits = make_keep_bits(N_TILES)
 
     def flash_tc_dq_kernel(q, k, v, dout, lse, delta, dq, seqlen_q, seqlen_k, head_dim, group, window_left,
                            window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
@@ -175,6 +178,9 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
             probe_nan = ((probe & uint32(0x7FFF)) > uint32(EXP)) | (((probe >> uint32(16)) & uint32(0x7FFF))
                                                                     > uint32(EXP))
             k_nonfinite = cuda.syncthreads_or(int32(probe_nan))
+            kept = uint64(0)
+            if DROPOUT:   # the forward's keep mask, ahead of the products (tc_scores.make_keep_bits)
+                kept = keep_bits(seed_lo, seed_hi, threshold, b + batch0, h, row_top, n0 + lane_col)
 
             # S = Q K^T and dP = dO V^T, side by side: the same B-fragment pattern on two tiles.
             for j in range(N_TILES):
@@ -230,7 +236,8 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
                 for r in range(4):
                     # A hidden pair's P is -0.0 (tc_scores.hidden_p): the select keeps a NaN of dP out of its dS, a
                     # product would not.
-                    ds = s[j, r] * (dp[j, r] - delta_i[r >> 1]) * dcap[j, r]
+                    dp_kept = dp[j, r] * kept_factor(kept, 4 * j + r, dscale)
+                    ds = s[j, r] * (dp_kept - delta_i[r >> 1]) * dcap[j, r]
                     s[j, r] = float32(0.0) if is_hidden(s[j, r]) else ds
             for kk in range(KEY_STEPS):
                 ds_frag[kk, 0] = PACK(s[2 * kk, 0], s[2 * kk, 1])

@@ -13,10 +13,10 @@ fragments in registers for the whole loop and Q's tile shares V's buffer; at D =
 
 Semantics are the float32 kernels' (forward.py): scores in log2 units (``raw * scale * log2(e)``, after the
 product, so Q is multiplied exactly by the tensor cores), bottom-right causal/window masks, softcap, ALiBi,
-attn_bias, lse, and the contract's non-finite rule: a visible non-finite score poisons its row; an inf or NaN in
-V is found when its tile lands (each thread tests the 16-byte chunks it copied, one packed ``x * 0`` per word),
-zeroed there so that masked pairs' ``0 * inf`` cannot reach other rows, and after the loop the rows that see such a
-key get NaN in its columns.
+attn_bias, dropout (each lane's keep mask from tc_scores.make_keep_bits), lse, and the contract's non-finite rule:
+a visible non-finite score poisons its row; an inf or NaN in V is found when its tile lands (each thread tests the
+16-byte chunks it copied, one packed ``x * 0`` per word), zeroed there so that masked pairs' ``0 * inf`` cannot
+reach other rows, and after the loop the rows that see such a key get NaN in its columns.
 
 Arrays reach the kernel as (B, S, H, D) uint16 views of the float16 or bfloat16 data (any strides; the
 ``async_copy`` kernel needs unit stride along D and 16-byte aligned rows: launch.py checks); lse is (B, Hq, Sq)
@@ -29,13 +29,13 @@ import functools
 import math
 from typing import Any
 
-from numba import config, cuda, float32, int32, int64, uint16, uint32
+from numba import config, cuda, float32, int32, int64, uint16, uint32, uint64
 
 from . import warp
 from .config import FlashAttentionConfig
 from .dtypes import load_bf16, load_f16_bits
 from .masks import bias_head, make_score_mod_hides, make_visible
-from .tc_scores import make_mod_stage, make_score, staged_value, staged_words
+from .tc_scores import make_keep_bits, make_kept_factor, make_mod_stage, make_score, staged_value, staged_words
 from .tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
 from .user_mods import NO_MODS, CudaMods, make_score_mod
 
@@ -60,15 +60,16 @@ def tile_offset(x, b, row, h):
 
 @functools.lru_cache(maxsize=None)
 def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool,
-                           alibi: bool = False, has_bias: bool = False, async_copy: bool = True,
-                           mods: CudaMods = NO_MODS) -> Any:
+                           alibi: bool = False, has_bias: bool = False, dropout: bool = False,
+                           async_copy: bool = True, mods: CudaMods = NO_MODS) -> Any:
     """The tensor-core forward kernel for one tile config, mask kind and element kind (a ``numba.cuda``
     dispatcher, compiled lazily).
 
     Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments as the float32
     kernel's (forward.py) except that q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) and out (B, Sq, Hq, D) are uint16 bit
-    patterns of float16 (or, with ``bf16``, bfloat16) data. Dropout's arguments are taken and not read (the cuda
-    backend keeps dropout on the float32 kernels). ``async_copy``: copy tiles with ``cp.async``, which needs unit
+    patterns of float16 (or, with ``bf16``, bfloat16) data; dropout's arguments are read only with ``dropout``
+    (as the float32 kernel's: the row sums and lse are the softmax's, P V takes the kept probabilities times
+    1 / (1 - p)). ``async_copy``: copy tiles with ``cp.async``, which needs unit
     stride along D and rows that start 16-byte aligned (``launch.async_copy_ok``).
     """
     _checked(cfg)
@@ -83,12 +84,14 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
     Q_WORDS = CHUNK if Q_IN_REGS else BLOCK_M * HEAD_DIM   # Q's own tile only when it stays in shared memory
     Q_PASSES, KV_PASSES = copy_passes(BLOCK_M, HEAD_DIM, NT), copy_passes(BLOCK_N, HEAD_DIM, NT)
     PER_ROW, ROW_STEP = HEAD_DIM // CHUNK, copy_row_step(HEAD_DIM, NT)
-    HAS_LEFT, HAS_RIGHT, ALIBI = has_left, has_right, alibi
+    HAS_LEFT, HAS_RIGHT, ALIBI, DROPOUT = has_left, has_right, alibi, dropout
     EXP, NAN_BITS = EXPONENT_BITS[bf16], QUIET_NAN_BITS[bf16]
     ALIGN = SMEM_ALIGN
     MMA = warp.mma_bf16 if bf16 else warp.mma_f16
     PACK = warp.pack_bf16x2 if bf16 else warp.pack_f16x2
     PROBE = warp.probe_bf16x2 if bf16 else warp.probe_f16x2
+    kept_factor = make_kept_factor(dropout)
+    keep_bits = make_keep_bits(N_TILES)
     copy_q = make_tile_copy(BLOCK_M, HEAD_DIM, NT, async_copy)
     copy_kv = make_tile_copy(BLOCK_N, HEAD_DIM, NT, async_copy)
     smem_index = make_smem_index(HEAD_DIM)
@@ -198,6 +201,9 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
 
             if INDEX_MODS:
                 stage_mods(mod_slots, t, b, h, row_top, n0 + lane_col, seqlen_q, seqlen_k)
+            kept = uint64(0)
+            if DROPOUT:   # ahead of the products, while only the mask's register is live beside the accumulators
+                kept = keep_bits(seed_lo, seed_hi, threshold, b + batch0, h, row_top, n0 + lane_col)
             # S = Q K^T: per 16-wide step of the head dim, one ldmatrix gives two 8-key tiles' B fragments.
             for j in range(N_TILES):
                 for r in range(4):
@@ -276,7 +282,8 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                     for c in range(2):
                         p = warp.exp2_approx(s[j, 2 * half + c] - m_use)
                         total += p
-                        s[j, 2 * half + c] = p
+                        # The sum is the softmax's; P V takes the kept probabilities, scaled.
+                        s[j, 2 * half + c] = p * kept_factor(kept, 4 * j + 2 * half + c, dscale)
                 l_i[half] = l_i[half] * alpha[half] + total
                 m_i[half] = m_new
             for jd in range(D_TILES):

@@ -25,7 +25,9 @@ import functools
 import math
 from typing import Any
 
-from numba import cuda, float32
+from numba import cuda, float32, uint64
+
+from numba_flash.dropout import compile_with
 
 from . import warp
 from .masks import LOG2E, bias_at
@@ -135,3 +137,64 @@ def staged_value(x, value):
     """Score ``x`` with a staged mods value (``make_mod_stage``) applied: -inf hides the pair whatever ``x`` is."""
     return float32(-math.inf) if value == float32(-math.inf) else x + value
 
+
+_PHILOX, _WORD, _ = compile_with(cuda.jit(device=True, inline=True))
+
+
+@functools.lru_cache(maxsize=None)
+def make_keep_bits(n_tiles: int, transposed: bool = False) -> Any:
+    """``keep_bits(seed_lo, seed_hi, threshold, b, h, top, col0) -> uint64``: dropout's keep mask of the scores a
+    lane holds, ``n_tiles`` (at most 16) 8-wide C fragments: bit ``4 j + r`` set where score ``(j, r)`` is kept,
+    score ``(j, r)`` being fragment row ``top + 8 (r >> 1)`` and column ``col0 + 8 j + (r & 1)``. Those are (query
+    row, key) of batch ``b``, query head ``h``, or with ``transposed`` (the dK/dV kernel's S^T) (key, query row).
+    The words are ``numba_flash.dropout``'s, bit for bit (``numba_flash.dropout_mask``).
+
+    Why bits: Philox written into the kernels' unrolled score loops would make them too large to unroll and send
+    the score arrays to local memory (as masks.make_dropout_tile says of the SIMT kernels). Here it runs in a loop
+    of its own that writes one register, so the compiler may keep it rolled, and the score loops read a bit per
+    score (``make_kept_factor``). It does: the PTX holds one copy of Philox's rounds per call site (sm_80, D = 64).
+    Untransposed, one Philox call serves a lane's two neighbouring keys (an even column and the next: the same group
+    of four). The performance model has no dropout variant; one would need this loop on kernel lines (perf_model
+    refuses a loop the compiler keeps inside an inlined helper), as make_mod_stage's would."""
+    if n_tiles * 4 > 64:
+        raise ValueError(f"{n_tiles} 8-wide tiles: more scores than a 64-bit keep mask holds")
+    N_TILES, TRANSPOSED = n_tiles, transposed
+
+    @cuda.jit(device=True, inline="always")
+    def keep_bits(seed_lo, seed_hi, threshold, b, h, top, col0):
+        bits = uint64(0)
+        lo, hi, limit = uint64(seed_lo), uint64(seed_hi), uint64(threshold)
+        for e in range(0, 4 * N_TILES, 2):   # scores e and e + 1: one fragment row, columns col and col + 1
+            row = top + 8 * ((e & 3) >> 1)
+            col = col0 + 8 * (e >> 2)
+            if TRANSPOSED:   # row is a key, col and col + 1 two query rows: a Philox call each
+                first = _WORD(lo, hi, b, h, col, row)
+                second = _WORD(lo, hi, b, h, col + 1, row)
+            else:
+                w = _PHILOX(uint64(col) >> uint64(2), uint64(row), uint64(h), uint64(b), lo, hi)
+                even = (col & 3) == 0
+                first = w[0] if even else w[2]
+                second = w[1] if even else w[3]
+            if first < limit:
+                bits |= uint64(1) << uint64(e)
+            if second < limit:
+                bits |= uint64(2) << uint64(e)
+        return bits
+
+    return keep_bits
+
+
+@functools.lru_cache(maxsize=None)
+def make_kept_factor(dropout: bool) -> Any:
+    """``factor(bits, e, scale) -> float32``: what dropout multiplies score ``e`` of a ``make_keep_bits`` mask by,
+    ``scale`` (1 / (1 - p)) where kept, 0 where dropped; without ``dropout``, 1 (a product the compiler removes), so
+    that one loop serves both kernels. A product, not a select, so that a NaN probability stays NaN."""
+    DROPOUT = dropout
+
+    @cuda.jit(device=True, inline="always")
+    def factor(bits, e, scale):
+        if not DROPOUT:
+            return float32(1.0)
+        return scale if (bits >> uint64(e)) & uint64(1) else float32(0.0)
+
+    return factor

@@ -135,7 +135,8 @@ def test_explain_says_where_the_backward_runs(rng):
     op = backend_registry.get("flash", backend="cuda")
     (q, k, v), _ = inputs(rng, "float16", 1, 5, 7, 1, 1, 16)
     assert "tensor-core kernels (mma.sync, float16), forward and backward" in str(op.explain(q, k, v))
-    assert "SIMT kernels: dropout" in str(op.explain(q, k, v, dropout_p=0.2, dropout_seed=1))
+    assert "tensor-core kernels (mma.sync, float16), forward and backward" in str(
+        op.explain(q, k, v, dropout_p=0.2, dropout_seed=1))
     (q, k, v), _ = inputs(rng, "bfloat16", 1, 5, 7, 1, 1, 200)
     text = str(op.explain(q, k, v))
     assert "tensor-core kernels (mma.sync, bfloat16); the backward on the SIMT kernels: head dim 200" in text
