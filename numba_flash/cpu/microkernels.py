@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import Callable
 
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
-from numba import njit
 from numba.extending import intrinsic, overload
 
 from .simd import _LANES, _MR, _MR_TALL, _NR
