@@ -20,7 +20,8 @@ How the work is laid out:
   register-blocked outer-product micro-kernel written in LLVM IR (``_mm_block_codegen``): MR rows of C times two
   vectors of columns stay in registers for the whole reduction, each step broadcasting MR values of A, loading two
   vectors of B and issuing 2*MR fused multiply-adds. On CPUs with AVX-512 the block is 8 x 32 in 512-bit vectors,
-  elsewhere 4 x 16 in 256-bit vectors (LLVM splits those where vectors are narrower). Python loop nests for these
+  elsewhere 6 x 16 in 256-bit vectors, 4 x 16 for a tile's last 4 rows (LLVM splits those where vectors are
+  narrower; ``_MR_TALL`` in ``simd`` says why 6). Python loop nests for these
   shapes compile to dot products with a horizontal sum each, at about half the speed of the 256-bit block and a
   third of the 512-bit one.
 * ``exp`` is a polynomial on the bits of the float (``_fast_exp2``) because ``math.exp`` is a scalar libm call that

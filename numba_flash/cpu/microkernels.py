@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Callable
 
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .simd import _LANES, _MR, _NR
+from .simd import _LANES, _MR, _MR_TALL, _NR
 
 # ---------------------------------------------------------------------------------------------------------------
 # The micro-kernel
@@ -142,6 +142,37 @@ def _block1(typingctx, c, a, b, i, j, kdim, accumulate):
 
 
 @intrinsic
+def _block2_tall(typingctx, c, a, b, i, j, kdim, accumulate):
+    """``_block2`` on MR_TALL rows."""
+    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(False, 2, _MR_TALL))
+
+
+@intrinsic
+def _block2_tall_at(typingctx, c, at, b, i, j, kdim, accumulate):
+    """``_block2_at`` on MR_TALL rows."""
+    sig = _block_sig(c, at, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(True, 2, _MR_TALL))
+
+
+@intrinsic
+def _block2_tall_dot(typingctx, c, a, b, i, j, kdim, accumulate):
+    """``_block2_dot`` on MR_TALL rows."""
+    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
+    return None if sig is None else (sig, _mm_block_codegen(False, 2, _MR_TALL, chunk=_DOT_CHUNK))
+
+
+@njit(inline="always", cache=True)
+def _tall_rows(rows):
+    """How many of ``rows`` (a multiple of MR) the MR_TALL-row blocks take, leaving a multiple of MR to MR-row
+    blocks: all of them where MR_TALL is MR; 60 of 64 for 6 and 4."""
+    n = rows // _MR_TALL * _MR_TALL
+    while (rows - n) % _MR != 0:
+        n -= _MR_TALL
+    return n
+
+
+@intrinsic
 def _block2_at(typingctx, c, at, b, i, j, kdim, accumulate):
     """C[i:i+MR, j:j+NR] (+)= AT[:kdim, i:i+MR]^T @ B[:kdim, j:j+NR], float32."""
     sig = _block_sig(c, at, b, i, j, kdim, accumulate)
@@ -215,9 +246,12 @@ def _mm_impl(c, a, b, kdim, accumulate):
                 for i in range(0, c.shape[0], 4):
                     _block4(c, a, b, i, 0, kdim, accumulate)
                 return
+            tall = _tall_rows(c.shape[0])
             j = 0
             while j + _NR <= n:
-                for i in range(0, c.shape[0], _MR):
+                for i in range(0, tall, _MR_TALL):
+                    _block2_tall(c, a, b, i, j, kdim, accumulate)
+                for i in range(tall, c.shape[0], _MR):
                     _block2(c, a, b, i, j, kdim, accumulate)
                 j += _NR
             if j < n:  # a last 16 columns (512-bit vectors, D_pad % 32 == 16)
@@ -241,9 +275,12 @@ def _mm_at_impl(c, at, b, kdim, accumulate):
     if _rows_f32(c, at, b):
         def impl(c, at, b, kdim, accumulate):
             n = c.shape[1]
+            tall = _tall_rows(c.shape[0])
             j = 0
             while j + _NR <= n:
-                for i in range(0, c.shape[0], _MR):
+                for i in range(0, tall, _MR_TALL):
+                    _block2_tall_at(c, at, b, i, j, kdim, accumulate)
+                for i in range(tall, c.shape[0], _MR):
                     _block2_at(c, at, b, i, j, kdim, accumulate)
                 j += _NR
             if j < n:
@@ -278,9 +315,12 @@ def _mm_dot_impl(c, a, b, kdim):
                 for i in range(0, c.shape[0], 4):
                     _block4_dot(c, a, b, i, 0, kdim, False)
                 return
+            tall = _tall_rows(c.shape[0])
             j = 0
             while j + _NR <= n:
-                for i in range(0, c.shape[0], _MR):
+                for i in range(0, tall, _MR_TALL):
+                    _block2_tall_dot(c, a, b, i, j, kdim, False)
+                for i in range(tall, c.shape[0], _MR):
                     _block2_dot(c, a, b, i, j, kdim, False)
                 j += _NR
             if j < n:

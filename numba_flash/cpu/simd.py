@@ -48,6 +48,10 @@ def _simd_lanes() -> int:
 _LANES = _simd_lanes()
 _MR = 8 if _LANES == 16 else 4  # rows of C per register block: 2 * MR accumulators, 16 of the 32 zmm / 8 of 16 ymm
 _NR = 2 * _LANES  # columns of C per register block
+# Rows of the tall register block the products run on before a last MR-row one. With 256-bit vectors 4 x 16
+# keeps 8 FMA chains in flight, just the 2 ports x 4 cycles of FMA latency, and loads 6 values per 8 FMAs; 6 x 16
+# keeps 12 (2 loads per 3 FMAs) in 15 of Haswell's 16 ymm registers (8 rows would spill). 512-bit: MR itself.
+_MR_TALL = _MR if _LANES == 16 else 6
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
