@@ -35,12 +35,22 @@ warmup: $(STAMP)
 bench: warmup
 	$(PY) -m numba_flash.bench
 
-# Everything but the simulator suite, then the CUDA simulator suite in its own process (the simulator must be
-# switched on before numba.cuda is first imported), with the race, bounds and barrier checker on.
+# Everything but the simulator suite, and beside it the CUDA simulator suite in a process of its own (the simulator
+# must be switched on before numba.cuda is first imported), with the race, bounds and barrier checker on. The
+# simulator is one Python thread per CUDA thread under one GIL, so it keeps one core busy: run after the main suite,
+# it left the second core idle for 14 of CI's 32 minutes. Its log follows the main suite's; either failing fails.
 # --durations: CI's log then says where the suite's time goes (the suite is to stay well under 30 minutes).
+SIM_LOG := .test-cudasim.log
 test: warmup
-	$(PY) -m pytest -q --durations=15
-	NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 $(PY) -m pytest -q -m cudasim --durations=15
+	@NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 $(PY) -m pytest -q -m cudasim --durations=15 \
+	    >$(SIM_LOG) 2>&1 & sim=$$!; trap 'kill $$sim 2>/dev/null' INT TERM; \
+	echo "== main suite (the CUDA simulator suite runs beside it; its log follows) =="; \
+	$(PY) -m pytest -q --durations=15; main=$$?; \
+	wait $$sim; sim_rc=$$?; \
+	echo "== CUDA simulator suite: NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 pytest -m cudasim =="; \
+	cat $(SIM_LOG); \
+	echo "main suite exit $$main, simulator suite exit $$sim_rc"; \
+	test $$main = 0 && test $$sim_rc = 0
 
 test-cudasim: $(STAMP)
 	NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 $(PY) -m pytest -q -m cudasim
