@@ -33,7 +33,8 @@ from numba import cuda, float32
 
 from numba_flash.dropout import compile_with
 
-from .user_mods import LOG2E, NO_MODS, CudaMods, make_hidden_by_mods, make_index_terms, make_score_mod
+from .user_mods import (LOG2E, NO_MODS, CudaMods, make_hidden_by_mods, make_index_terms, make_score_mod,
+                        without_mask_mod)
 
 
 @cuda.jit(device=True, inline="always")
@@ -164,6 +165,27 @@ def make_bias_tile(block_m: int, block_n: int, threads: int, transposed: bool, l
             tile[c * LD + r if TRANSPOSED else r * LD + c] = x
 
     return load
+
+
+@functools.lru_cache(maxsize=None)
+def make_staged_tile(block_m: int, block_n: int, threads: int, transposed: bool, ld: int, has_bias: bool = True,
+                     mods: CudaMods = NO_MODS) -> Any:
+    """``load(tile, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t, full_tile)``: ``make_bias_tile``'s load, except
+    that on a tile the BlockMask's table calls FULL (``full_tile``, read only with ``mods.block_tiles``) mask_mod is
+    not evaluated: it shows every pair there."""
+    BLOCK_TILES = mods.block_tiles
+    load = make_bias_tile(block_m, block_n, threads, transposed, ld, has_bias, mods)
+    load_unmasked = make_bias_tile(block_m, block_n, threads, transposed, ld, has_bias, without_mask_mod(mods))
+
+    @cuda.jit(device=True, inline="always")
+    def load_tile(tile, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t, full_tile):
+        if BLOCK_TILES:
+            if full_tile:
+                load_unmasked(tile, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t)
+                return
+        load(tile, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t)
+
+    return load_tile
 
 
 @functools.lru_cache(maxsize=None)

@@ -31,7 +31,7 @@ from numba_flash.dropout import compile_with
 
 from . import warp
 from .masks import LOG2E, bias_at
-from .user_mods import NO_MODS, CudaMods, make_index_terms, make_score_mod
+from .user_mods import NO_MODS, CudaMods, make_index_terms, make_score_mod, without_mask_mod
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,6 +76,25 @@ def make_score(softcap: bool, alibi: bool, has_bias: bool, mods: CudaMods = NO_M
                 x, dmod = score_mod(x, inside, b, h, row, col, seqlen_q - 1, seqlen_k - 1)
                 chain *= dmod
         return x, chain
+
+    return score
+
+
+@functools.lru_cache(maxsize=None)
+def make_tile_score(softcap: bool, alibi: bool, has_bias: bool, mods: CudaMods = NO_MODS) -> Any:
+    """``score(raw, .., seqlen_q, seqlen_k, full_tile) -> (x, chain)``: ``make_score``'s, except that on a tile the
+    BlockMask's table calls FULL (``full_tile``, a uniform flag read only with ``mods.block_tiles``) mask_mod is not
+    evaluated: it shows every pair there."""
+    BLOCK_TILES = mods.block_tiles
+    masked = make_score(softcap, alibi, has_bias, mods)
+    unmasked = make_score(softcap, alibi, has_bias, without_mask_mod(mods))
+
+    @cuda.jit(device=True, inline="always")
+    def score(raw, qmult, capmult, slope, distance, bias_h, row, col, b, h, seqlen_q, seqlen_k, full_tile):
+        if BLOCK_TILES:
+            if full_tile:
+                return unmasked(raw, qmult, capmult, slope, distance, bias_h, row, col, b, h, seqlen_q, seqlen_k)
+        return masked(raw, qmult, capmult, slope, distance, bias_h, row, col, b, h, seqlen_q, seqlen_k)
 
     return score
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from numba import config, cuda, float32, int64
@@ -35,12 +35,15 @@ DEVICE_OPTIONS = {"forceinline": True, "fastmath": {"arcp", "contract", "afn"}}
 
 @dataclass(frozen=True)
 class CudaMods:
-    """A call's mods as CUDA device functions (``cuda_mods``), each None when absent."""
+    """A call's mods as CUDA device functions (``cuda_mods``), each None when absent. ``block_tiles``: the kernels
+    read a table of which tiles mask_mod hides entirely (skipped) or shows entirely (run without mask_mod), the
+    caller's BlockMask re-cut to their tiles (block_tiles.py); set by launch.py when the call has a BlockMask."""
 
     bias_mod: Any = None
     mask_mod: Any = None
     score_mod: Any = None
     score_mod_grad: Any = None
+    block_tiles: bool = False
 
     @property
     def any(self) -> bool:
@@ -54,6 +57,11 @@ class CudaMods:
 
 
 NO_MODS = CudaMods()
+
+
+def without_mask_mod(mods: CudaMods) -> CudaMods:
+    """``mods`` less mask_mod (and the table): what the kernels evaluate on a tile the table calls FULL."""
+    return replace(mods, mask_mod=None, block_tiles=False)
 _device_functions: dict[Any, Any] = {}
 _lock = threading.Lock()
 
