@@ -32,7 +32,7 @@ from .dtypes import load_bf16, load_f16_bits
 from .masks import LOG2E, bias_head, make_score_mod_hides, make_visible
 from .tc_forward import EXPONENT_BITS, QUIET_NAN_BITS, tile_offset
 from .block_tiles import EMPTY, FULL, tile_state
-from .tc_scores import hidden_p, is_hidden, make_keep_bits, make_kept_factor, make_tile_score
+from .tc_scores import hidden_p, is_hidden, make_keep_bits, make_kept_factor, make_score
 from .tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
 from .user_mods import NO_MODS, CudaMods
 
@@ -69,7 +69,7 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     copy_x = make_tile_copy(BLOCK_M, HEAD_DIM, NT, async_copy)
     copy_kv = make_tile_copy(BLOCK_N, HEAD_DIM, NT, async_copy)
     smem_index = make_smem_index(HEAD_DIM)
-    score = make_tile_score(softcap, alibi, has_bias, mods)
+    score = make_score(softcap, alibi, has_bias, mods)
     BLOCK_TILES = mods.block_tiles
     kept_factor = make_kept_factor(dropout)
     keep_bits = make_keep_bits(M_TILES, transposed=True)
@@ -214,7 +214,7 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                         for c in range(2):
                             col = 8 * j + c
                             x, dc = score(s[j, 2 * half + c], qmult, capmult, slope, distance0 + float32(col),
-                                          bias_h, m0 + lane_col + col, key, b, h, seqlen_q, seqlen_k, full_tile)
+                                          bias_h, m0 + lane_col + col, key, b, h, seqlen_q, seqlen_k, not full_tile)
                             s[j, 2 * half + c] = hidden_p(x, lse_s[lane_col + col])
                             dcap[j, 2 * half + c] = dc
                 # Every pair of the step is in the band unless a key of the warp is right of the first row's right

@@ -31,7 +31,7 @@ from .config import FlashAttentionConfig
 from .masks import LOG2E, bias_head
 from .tc_forward import EXPONENT_BITS, tile_offset
 from .block_tiles import EMPTY, FULL, next_key_tile, tile_state
-from .tc_scores import hidden_p, is_hidden, make_keep_bits, make_kept_factor, make_tile_score
+from .tc_scores import hidden_p, is_hidden, make_keep_bits, make_kept_factor, make_score
 from .tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
 from .user_mods import NO_MODS, CudaMods
 
@@ -66,7 +66,7 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
     copy_x = make_tile_copy(BLOCK_M, HEAD_DIM, NT, async_copy)
     copy_kv = make_tile_copy(BLOCK_N, HEAD_DIM, NT, async_copy)
     smem_index = make_smem_index(HEAD_DIM)
-    score = make_tile_score(softcap, alibi, has_bias, mods)
+    score = make_score(softcap, alibi, has_bias, mods)
     BLOCK_TILES = mods.block_tiles
     kept_factor = make_kept_factor(dropout)
     keep_bits = make_keep_bits(N_TILES)
@@ -229,7 +229,7 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
                     for c in range(2):
                         col = 8 * j + c
                         x, dc = score(s[j, 2 * half + c], qmult, capmult, slope, distance0 - float32(col), bias_h,
-                                      row, n0 + lane_col + col, b, h, seqlen_q, seqlen_k, full_tile)
+                                      row, n0 + lane_col + col, b, h, seqlen_q, seqlen_k, not full_tile)
                         s[j, 2 * half + c] = hidden_p(x, lse2[half])
                         dcap[j, 2 * half + c] = dc
             tile_edge = (n0 < full_lo) | (n0 + BLOCK_N > full_hi)

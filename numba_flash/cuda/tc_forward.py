@@ -251,7 +251,7 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                     for c in range(2):
                         col = 8 * j + c
                         x, _ = score(s[j, 2 * half + c], qmult, capmult, slope, distance0 - float32(col), bias_h,
-                                     row, n0 + lane_col + col, b, h, seqlen_q, seqlen_k)
+                                     row, n0 + lane_col + col, b, h, seqlen_q, seqlen_k, True)
                         if INDEX_MODS:
                             x = staged_value(x, mod_slots[(4 * j + 2 * half + c) * NT + t])
                         s[j, 2 * half + c] = x

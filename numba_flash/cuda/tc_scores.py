@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 from typing import Any
 
 from numba import cuda, float32, uint64
@@ -36,21 +37,27 @@ from .user_mods import NO_MODS, CudaMods, make_index_terms, make_score_mod, with
 
 @functools.lru_cache(maxsize=None)
 def make_score(softcap: bool, alibi: bool, has_bias: bool, mods: CudaMods = NO_MODS) -> Any:
-    """``score(raw, qmult, capmult, slope, distance, bias_h, row, col, b, h, seqlen_q, seqlen_k) -> (x, chain)``: the
+    """``score(raw, qmult, capmult, slope, distance, bias_h, row, col, b, h, seqlen_q, seqlen_k, check_mask) -> (x,
+    chain)``: the
     score ``x`` of the pair (query ``row``, key ``col``) of batch ``b``, query head ``h`` in log2 units, -inf for
     a pair that attn_bias or the mods hide, and ``chain``, d x / d (raw * scale) for the backward: softcap's
     derivative ``1 - tanh^2`` times score_mod_grad's (1 without either). ``distance``: the pair's ALiBi distance
     ``row + offset - col`` as a float32 (ignored without ALiBi); ``slope``: the head's ALiBi slope times log2(e);
     ``bias_h``: the attn_bias slab of the batch and head (``masks.bias_head``), read at (row, col) only with
     ``has_bias``. ``mods`` (user_mods.py) are called for pairs inside the sequences only (``seqlen_q``,
-    ``seqlen_k``; not read without mods): mask_mod and bias_mod, then score_mod on a finite score."""
+    ``seqlen_k``; not read without mods): mask_mod and bias_mod, then score_mod on a finite score. With
+    ``mods.block_tiles``, mask_mod runs only where ``check_mask`` (False on a tile the BlockMask's table calls FULL:
+    a uniform branch, mask_mod's code once); without, ``check_mask`` is not read."""
     SOFTCAP, ALIBI, HAS_BIAS = softcap, alibi, has_bias
     MODS, INDEX_MODS, SCORE_MOD = mods.any, mods.stages_tile, mods.score_mod is not None
+    BLOCK_TILES = mods.block_tiles
     index_terms = make_index_terms(mods)
+    bias_terms = make_index_terms(without_mask_mod(mods))                      # bias_mod only
+    mask_terms = make_index_terms(replace(mods, bias_mod=None, block_tiles=False))   # mask_mod only
     score_mod = make_score_mod(mods)
 
     @cuda.jit(device=True, inline="always")
-    def score(raw, qmult, capmult, slope, distance, bias_h, row, col, b, h, seqlen_q, seqlen_k):
+    def score(raw, qmult, capmult, slope, distance, bias_h, row, col, b, h, seqlen_q, seqlen_k, check_mask):
         neg_inf = float32(-math.inf)
         chain = float32(1.0)
         if SOFTCAP:
@@ -70,31 +77,17 @@ def make_score(softcap: bool, alibi: bool, has_bias: bool, mods: CudaMods = NO_M
             if INDEX_MODS:
                 extra, hidden = float32(0.0), False
                 if inside:
-                    extra, hidden = index_terms(b, h, row, col)
+                    if BLOCK_TILES:
+                        extra, _ = bias_terms(b, h, row, col)
+                        if check_mask:
+                            _, hidden = mask_terms(b, h, row, col)
+                    else:
+                        extra, hidden = index_terms(b, h, row, col)
                 x = neg_inf if hidden else x + extra * float32(LOG2E)
             if SCORE_MOD:
                 x, dmod = score_mod(x, inside, b, h, row, col, seqlen_q - 1, seqlen_k - 1)
                 chain *= dmod
         return x, chain
-
-    return score
-
-
-@functools.lru_cache(maxsize=None)
-def make_tile_score(softcap: bool, alibi: bool, has_bias: bool, mods: CudaMods = NO_MODS) -> Any:
-    """``score(raw, .., seqlen_q, seqlen_k, full_tile) -> (x, chain)``: ``make_score``'s, except that on a tile the
-    BlockMask's table calls FULL (``full_tile``, a uniform flag read only with ``mods.block_tiles``) mask_mod is not
-    evaluated: it shows every pair there."""
-    BLOCK_TILES = mods.block_tiles
-    masked = make_score(softcap, alibi, has_bias, mods)
-    unmasked = make_score(softcap, alibi, has_bias, without_mask_mod(mods))
-
-    @cuda.jit(device=True, inline="always")
-    def score(raw, qmult, capmult, slope, distance, bias_h, row, col, b, h, seqlen_q, seqlen_k, full_tile):
-        if BLOCK_TILES:
-            if full_tile:
-                return unmasked(raw, qmult, capmult, slope, distance, bias_h, row, col, b, h, seqlen_q, seqlen_k)
-        return masked(raw, qmult, capmult, slope, distance, bias_h, row, col, b, h, seqlen_q, seqlen_k)
 
     return score
 
