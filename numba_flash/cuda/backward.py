@@ -40,14 +40,14 @@ from typing import Any
 from numba import cuda, float32, int32, uint32, uint64
 
 from .backward_dq import make_dq_kernel
+from .block_tiles import EMPTY, FULL, tile_state
 from .config import FlashAttentionConfig, padded_stride
 from .dtypes import element_io
 from .forward import SMEM_ALIGN
-from .masks import (LOG2E, bias_head, make_dropout_tile, make_staged_tile, make_score_grads, make_score_mod_hides,
+from .masks import (LOG2E, bias_head, make_bias_tile, make_dropout_tile, make_score_grads, make_score_mod_hides,
                     make_visible, nan_if_not_finite)
 from .smem import carve
 from .tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
-from .block_tiles import EMPTY, FULL, tile_state
 from .user_mods import NO_MODS, CudaMods
 
 __all__ = ["make_delta_kernel", "make_dkdv_kernel", "make_dq_kernel", "DELTA_ROWS_PER_BLOCK"]
@@ -137,7 +137,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     sees = make_visible(has_left, has_right, has_bias, mods)   # also attn_bias and mods, for the rare path
     grads = make_score_grads(has_left, has_right, softcap, alibi, has_bias, dropout, mods)
     score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, LOAD)   # for the rare path
-    load_bias = make_staged_tile(BLOCK_M, BLOCK_N, NT, False, LP, has_bias, mods)
+    load_bias = make_bias_tile(BLOCK_M, BLOCK_N, NT, False, LP, has_bias, mods)
     BLOCK_TILES = mods.block_tiles
     dropout_factors = make_dropout_tile(BLOCK_M, BLOCK_N, NT, LP)
     X_PASSES, KV_PASSES = tile_passes(BLOCK_M, DB, NT), tile_passes(BLOCK_N, DB, NT)
@@ -262,7 +262,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                             do_s[at + uint64(e)] = fetched[e]
                             probe += fetched[e] * float32(0.0)
                 if STAGED:   # dS's buffer holds the bias tile until dS overwrites it in place
-                    load_bias(ds_s, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t, full_tile)
+                    load_bias(ds_s, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t, not full_tile)
                 if DROPOUT:    # P's buffer holds the factors until P times them overwrites them
                     dropout_factors(p_s, seed_lo, seed_hi, threshold, dscale, b + batch0, h, m0, n0, t)
                 for i in range(ROWS):

@@ -14,11 +14,11 @@ from typing import Any
 # numba.cuda at module level (not in the factories): see backward.py.
 from numba import cuda, float32, int32, uint64
 
+from .block_tiles import EMPTY, FULL, tile_state
 from .config import FlashAttentionConfig, padded_stride
 from .dtypes import element_io
 from .forward import SMEM_ALIGN
-from .block_tiles import EMPTY, FULL, tile_state
-from .masks import LOG2E, bias_head, make_dropout_tile, make_score_grads, make_staged_tile, nan_if_not_finite
+from .masks import LOG2E, bias_head, make_bias_tile, make_dropout_tile, make_score_grads, nan_if_not_finite
 from .smem import carve
 from .tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
 from .user_mods import NO_MODS, CudaMods
@@ -71,7 +71,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                                                                T_WORDS if dropout else 0, USED_PARTS, USED_PARTS)
     STORE = element_io(bf16)[1]
     grads = make_score_grads(has_left, has_right, softcap, alibi, has_bias, dropout, mods)
-    load_bias = make_staged_tile(BLOCK_M, BLOCK_N, NT, True, LM, has_bias, mods)
+    load_bias = make_bias_tile(BLOCK_M, BLOCK_N, NT, True, LM, has_bias, mods)
     BLOCK_TILES = mods.block_tiles
     dropout_factors = make_dropout_tile(BLOCK_M, BLOCK_N, NT, LM, True)
     X_PASSES, KV_PASSES = tile_passes(BLOCK_M, DB, NT), tile_passes(BLOCK_N, DB, NT)
@@ -199,7 +199,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                     for e in range(V4):
                         v_s[at + uint64(e)] = fetched[e]
             if STAGED:   # dS's buffer holds the bias tile until dS overwrites it in place
-                load_bias(ds_t, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t, full_tile)
+                load_bias(ds_t, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t, not full_tile)
             if DROPOUT:
                 dropout_factors(z_t, seed_lo, seed_hi, threshold, dscale, b + batch0, h, m0, n0, t)
             # A K tile with an inf or NaN goes through the product that skips masked pairs.

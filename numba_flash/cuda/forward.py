@@ -26,13 +26,13 @@ from typing import Any
 # fake module, which a closure variable would escape. Only launch.py and compile_check.py import this module.
 from numba import config, cuda, float32, int32, uint32, uint64
 
+from .block_tiles import EMPTY, FULL, tile_state
 from .config import FlashAttentionConfig, transposed_stride
 from .dtypes import element_io
-from .masks import (bias_head, dropout_factor, make_biases, make_score_mod_hides, make_staged_tile, make_visible,
+from .masks import (bias_head, dropout_factor, make_bias_tile, make_biases, make_score_mod_hides, make_visible,
                     nan_if_not_finite)
 from .smem import carve
 from .tiles import FETCH_VECTOR, make_tile_fetch, tile_passes
-from .block_tiles import EMPTY, FULL, tile_state
 from .user_mods import NO_MODS, CudaMods, make_score_mod
 
 LN2 = math.log(2.0)
@@ -109,7 +109,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     visible = make_visible(has_left, has_right)
     sees = make_visible(has_left, has_right, has_bias, mods)   # also reads attn_bias and the mods, for the rare path
     add_biases = make_biases(alibi, STAGED)
-    load_bias = make_staged_tile(BM, BN, NT, True, BM, has_bias, mods)
+    load_bias = make_bias_tile(BM, BN, NT, True, BM, has_bias, mods)
     BLOCK_TILES = mods.block_tiles
     score_mod = make_score_mod(mods)
     score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, LOAD)
@@ -212,7 +212,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                     for e in range(V4):
                         kv[at + uint64(e)] = fetched[e]
             if STAGED:   # P^T is free: its bias tile (mask_mod not evaluated on a FULL tile), overwritten in place
-                load_bias(p_t, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t, full_tile)
+                load_bias(p_t, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t, not full_tile)
             cuda.syncthreads()
 
             # Scores of this thread's (S_TM x S_TN) block: s = Q K^T over the padded head dim, one outer product of

@@ -27,11 +27,11 @@ from typing import Any
 from numba import config, cuda, float32, int32, uint16, uint32, uint64
 
 from . import warp
+from .block_tiles import EMPTY, FULL, tile_state
 from .config import FlashAttentionConfig
 from .dtypes import load_bf16, load_f16_bits
 from .masks import LOG2E, bias_head, make_score_mod_hides, make_visible
 from .tc_forward import EXPONENT_BITS, QUIET_NAN_BITS, tile_offset
-from .block_tiles import EMPTY, FULL, tile_state
 from .tc_scores import hidden_p, is_hidden, make_keep_bits, make_kept_factor, make_score
 from .tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
 from .user_mods import NO_MODS, CudaMods

@@ -27,10 +27,10 @@ from typing import Any
 from numba import config, cuda, float32, int32, uint16, uint32, uint64
 
 from . import warp
+from .block_tiles import EMPTY, FULL, next_key_tile, tile_state
 from .config import FlashAttentionConfig
 from .masks import LOG2E, bias_head
 from .tc_forward import EXPONENT_BITS, tile_offset
-from .block_tiles import EMPTY, FULL, next_key_tile, tile_state
 from .tc_scores import hidden_p, is_hidden, make_keep_bits, make_kept_factor, make_score
 from .tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
 from .user_mods import NO_MODS, CudaMods

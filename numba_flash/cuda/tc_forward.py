@@ -32,13 +32,13 @@ from typing import Any
 from numba import config, cuda, float32, int32, int64, uint16, uint32, uint64
 
 from . import warp
+from .block_tiles import EMPTY, FULL, next_key_tile, tile_state
 from .config import FlashAttentionConfig
 from .dtypes import load_bf16, load_f16_bits
 from .masks import bias_head, make_score_mod_hides, make_visible
 from .tc_scores import make_keep_bits, make_kept_factor, make_mod_stage, make_score, staged_value, staged_words
 from .tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
-from .block_tiles import EMPTY, FULL, next_key_tile, tile_state
-from .user_mods import NO_MODS, CudaMods, make_score_mod, without_mask_mod
+from .user_mods import NO_MODS, CudaMods, make_score_mod
 
 LN2 = math.log(2.0)
 SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16   # cp.async and ldmatrix move 16-byte aligned chunks
@@ -105,7 +105,6 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
     INDEX_MODS, SCORE_MOD, MOD_WORDS = mods.stages_tile, mods.score_mod is not None, staged_words(N_TILES, NT, mods)
     stage_mods = make_mod_stage(N_TILES, NT, mods)
     BLOCK_TILES = mods.block_tiles
-    stage_unmasked = make_mod_stage(N_TILES, NT, without_mask_mod(mods))   # a FULL tile's: bias_mod only
     score_mod = make_score_mod(mods)
     score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, load_bf16 if bf16 else load_f16_bits)
 
@@ -215,11 +214,8 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                         v.strides[1], b, hk)
             warp.cp_async_commit()
 
-            if INDEX_MODS:
-                if full_tile:   # mask_mod shows every key: not evaluated
-                    stage_unmasked(mod_slots, t, b, h, row_top, n0 + lane_col, seqlen_q, seqlen_k)
-                else:
-                    stage_mods(mod_slots, t, b, h, row_top, n0 + lane_col, seqlen_q, seqlen_k)
+            if INDEX_MODS:   # on a FULL tile mask_mod shows every key: not evaluated
+                stage_mods(mod_slots, t, b, h, row_top, n0 + lane_col, seqlen_q, seqlen_k, not full_tile)
             kept = uint64(0)
             if DROPOUT:   # ahead of the products, while only the mask's register is live beside the accumulators
                 kept = keep_bits(seed_lo, seed_hi, threshold, b + batch0, h, row_top, n0 + lane_col)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import replace
 from typing import Any
 
 from numba import cuda, float32, uint64
@@ -32,7 +31,7 @@ from numba_flash.dropout import compile_with
 
 from . import warp
 from .masks import LOG2E, bias_at
-from .user_mods import NO_MODS, CudaMods, make_index_terms, make_score_mod, without_mask_mod
+from .user_mods import NO_MODS, CudaMods, make_score_mod, make_tile_index_terms
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,10 +49,7 @@ def make_score(softcap: bool, alibi: bool, has_bias: bool, mods: CudaMods = NO_M
     a uniform branch, mask_mod's code once); without, ``check_mask`` is not read."""
     SOFTCAP, ALIBI, HAS_BIAS = softcap, alibi, has_bias
     MODS, INDEX_MODS, SCORE_MOD = mods.any, mods.stages_tile, mods.score_mod is not None
-    BLOCK_TILES = mods.block_tiles
-    index_terms = make_index_terms(mods)
-    bias_terms = make_index_terms(without_mask_mod(mods))                      # bias_mod only
-    mask_terms = make_index_terms(replace(mods, bias_mod=None, block_tiles=False))   # mask_mod only
+    index_terms = make_tile_index_terms(mods)
     score_mod = make_score_mod(mods)
 
     @cuda.jit(device=True, inline="always")
@@ -77,12 +73,7 @@ def make_score(softcap: bool, alibi: bool, has_bias: bool, mods: CudaMods = NO_M
             if INDEX_MODS:
                 extra, hidden = float32(0.0), False
                 if inside:
-                    if BLOCK_TILES:
-                        extra, _ = bias_terms(b, h, row, col)
-                        if check_mask:
-                            _, hidden = mask_terms(b, h, row, col)
-                    else:
-                        extra, hidden = index_terms(b, h, row, col)
+                    extra, hidden = index_terms(b, h, row, col, check_mask)
                 x = neg_inf if hidden else x + extra * float32(LOG2E)
             if SCORE_MOD:
                 x, dmod = score_mod(x, inside, b, h, row, col, seqlen_q - 1, seqlen_k - 1)
@@ -117,7 +108,8 @@ def staged_words(n_tiles: int, threads: int, mods: CudaMods) -> int:
 
 @functools.lru_cache(maxsize=None)
 def make_mod_stage(n_tiles: int, threads: int, mods: CudaMods) -> Any:
-    """``stage(slots, t, b, h, row_top, col0, seqlen_q, seqlen_k)``: mask_mod and bias_mod of the scores thread
+    """``stage(slots, t, b, h, row_top, col0, seqlen_q, seqlen_k, check_mask)``: mask_mod (with ``mods.block_tiles``
+    only where ``check_mask``: ``make_tile_index_terms``) and bias_mod of the scores thread
     ``t`` holds (rows ``row_top`` and ``row_top + 8``, columns ``col0 + 8 j + c``, the C-fragment layout) into its
     slots of the shared array ``slots`` (``staged_words``): bias_mod in log2 units, -inf where mask_mod hides the
     pair, 0 past the sequences; slot of score ``(j, r)`` at ``(4 j + r) * threads + t`` (consecutive threads,
@@ -128,16 +120,16 @@ def make_mod_stage(n_tiles: int, threads: int, mods: CudaMods) -> Any:
     and sm_90: 24-32 B); here it runs in a loop of its own, ahead of the products, and the score loop reads one word
     per score (none spills)."""
     N_SCORES, NT = n_tiles * 4, threads
-    index_terms = make_index_terms(mods)
+    index_terms = make_tile_index_terms(mods)
 
     @cuda.jit(device=True, inline="always")
-    def stage(slots, t, b, h, row_top, col0, seqlen_q, seqlen_k):
+    def stage(slots, t, b, h, row_top, col0, seqlen_q, seqlen_k, check_mask):
         for e in range(N_SCORES):
             row = row_top + 8 * ((e & 3) >> 1)
             col = col0 + 8 * (e >> 2) + (e & 1)
             value = float32(0.0)
             if (row < seqlen_q) & (col < seqlen_k):
-                extra, hidden = index_terms(b, h, row, col)
+                extra, hidden = index_terms(b, h, row, col, check_mask)
                 value = float32(-math.inf) if hidden else extra * float32(LOG2E)
             slots[e * NT + t] = value
 

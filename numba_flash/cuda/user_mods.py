@@ -109,6 +109,29 @@ def make_index_terms(mods: CudaMods) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
+def make_tile_index_terms(mods: CudaMods) -> Any:
+    """``index_terms(b, h, row, col, check_mask) -> (extra, hidden)``: ``make_index_terms``'s, except that with
+    ``mods.block_tiles`` mask_mod runs only where ``check_mask`` (False on a tile the BlockMask's table calls FULL,
+    where it shows every pair: a uniform branch, each mod's code once); without, ``check_mask`` is not read."""
+    BLOCK_TILES = mods.block_tiles
+    both = make_index_terms(mods)
+    bias_only = make_index_terms(without_mask_mod(mods))
+    mask_only = make_index_terms(replace(mods, bias_mod=None, block_tiles=False))
+
+    @cuda.jit(device=True, inline="always")
+    def index_terms(b, h, row, col, check_mask):
+        if not BLOCK_TILES:
+            return both(b, h, row, col)
+        extra, _ = bias_only(b, h, row, col)
+        hidden = False
+        if check_mask:
+            _, hidden = mask_only(b, h, row, col)
+        return extra, hidden
+
+    return index_terms
+
+
+@functools.lru_cache(maxsize=None)
 def make_hidden_by_mods(mods: CudaMods) -> Any:
     """``hidden_by_mods(b, h, row, col) -> bool``: whether mask_mod or bias_mod hide the pair (mask_mod False, or
     bias_mod -inf) of query ``row`` and key ``col`` of batch ``b``, query head ``h``, for indices inside the
