@@ -131,6 +131,31 @@ def test_simt_kernels_trust_a_block_mask_that_misstates_tiles(rng):
     assert np.abs(got[0] - attention_ref(q, k, v, mask_mod=mask)[0]).max() > 1e-2   # the lie shows
 
 
+def _same_nans_and_close(got, want, atol=None):
+    """(out, lse, dq, dk, dv) NaN exactly where the reference's are, and with ``atol`` within it elsewhere."""
+    for name, g, ref in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        g = g.double().numpy() if hasattr(g, "double") else np.asarray(g)
+        assert np.array_equal(np.isnan(g), np.isnan(ref)), name
+        if atol is not None:
+            fin = ~np.isnan(ref)
+            np.testing.assert_allclose(g[fin], ref[fin], atol=atol, rtol=0, err_msg=name)
+
+
+def test_simt_non_finite_keys_in_skipped_or_hidden_tiles_never_poison(rng):
+    """V NaN at key 3 (document 0): it poisons the rows that see it, not rows 6 and 7 of the same query tile (mask_mod
+    hides it there: the forward's rare path) nor the query tiles whose table entry skips its key tile; K inf at
+    batch 1's key 30 poisons document 2's rows, and only theirs."""
+    mask = _doc_mask(DOCS, SQ, SK)
+    bmask = block_mask(mask, 1, 1, SQ, SK, TILES["block_m"], TILES["block_n"])
+    q, k, v, dout = random_inputs(rng, B, SQ, SK, HQ, HKV, D)
+    v[:, 3] = np.nan
+    k[1, 30] = np.inf
+    got = forward_backward(q, k, v, dout, mask_mod=mask, block_mask=bmask)
+    want = attention_ref(q, k, v, mask_mod=mask) + attention_ref_backward(dout, q, k, v, mask_mod=mask)
+    assert np.isnan(want[0][:, :6]).all() and not np.isnan(want[0][0, 6:]).any()   # the cases are live
+    _same_nans_and_close(got, want, 5e-5)
+
+
 torch = pytest.importorskip("torch")
 
 from tc_sim_cases import BOUND, ONE_WARP, inputs, naive_same_dtype  # noqa: E402
@@ -191,3 +216,18 @@ def test_tensor_core_kernels_trust_a_block_mask_that_misstates_tiles(rng):
     want_out = _tc_judge(got, q, k, v, dout, attn_bias=table)
     honest_out = attention_ref(*(x.double().numpy() for x in (q, k, v)), mask_mod=mask)[0]
     assert np.abs(want_out - honest_out).max() > 1e-1   # the lie shows
+
+
+def test_tensor_core_non_finite_keys_in_skipped_or_hidden_tiles_never_poison(rng):
+    """As the SIMT test: V NaN at key 5 (document 0, seen by rows 0 and 1 only), K inf at key 40 (document 2)."""
+    mask = _doc_mask(TC_DOCS, TC_SQ, TC_SK)
+    bmask = block_mask(mask, 1, 1, TC_SQ, TC_SK, 16, 16)
+    (q, k, v), _ = inputs(rng, "float16", TC_B, TC_SQ, TC_SK, TC_HQ, TC_HKV, TC_D)
+    dout = torch.from_numpy(rng.standard_normal(q.shape).astype(np.float32)).half()
+    v[:, 5] = float("nan")
+    k[0, 40] = float("inf")
+    got = _tc_run(q, k, v, dout, mask_mod=mask, block_mask=bmask)
+    q64, k64, v64, do64 = (x.double().numpy() for x in (q, k, v, dout))
+    want = attention_ref(q64, k64, v64, mask_mod=mask) + attention_ref_backward(do64, q64, k64, v64, mask_mod=mask)
+    assert np.isnan(want[0][0, :2]).all() and not np.isnan(want[0][0, 2:5]).any()   # the cases are live
+    _same_nans_and_close(got, want)
