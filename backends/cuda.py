@@ -474,7 +474,8 @@ class CudaBackend(Backend):
                           window_right=c.window_right, softcap=c.softcap, dtype=c.dtype,
                           alibi=alibi_arg(c.alibi, io.stream), bias=io.bias(c),
                           dropout=dropout_arg(c.dropout_p, c.dropout_seed, c.dropout_batch0),
-                          mods=cuda_mods(c.mods), override=self.config, stream=io.stream)
+                          mods=cuda_mods(c.mods), block_mask=c.mods and c.mods.block_mask, override=self.config,
+                          stream=io.stream)
 
         return run
 
@@ -581,7 +582,8 @@ class CudaBackend(Backend):
                            window_left=c.window_left, window_right=c.window_right, softcap=c.softcap,
                            dtype=c.dtype, alibi=alibi_arg(c.alibi, io.stream), bias=io.bias(c),
                            dropout=dropout_arg(c.dropout_p, c.dropout_seed, c.dropout_batch0),
-                           mods=cuda_mods(c.mods), override=self.config, stream=io.stream)
+                           mods=cuda_mods(c.mods), block_mask=c.mods and c.mods.block_mask, override=self.config,
+                          stream=io.stream)
 
         if call.is_varlen:
             varlen.backward(call, run, dout, q, k, v, out, lse, dq, dk, dv, lead_axis=_lead_axis, fill=io.fill)

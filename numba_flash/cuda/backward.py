@@ -40,6 +40,7 @@ from typing import Any
 from numba import cuda, float32, int32, uint32, uint64
 
 from .backward_dq import make_dq_kernel
+from .block_tiles import EMPTY, FULL, tile_state
 from .config import FlashAttentionConfig, padded_stride
 from .dtypes import element_io
 from .forward import SMEM_ALIGN
@@ -101,7 +102,9 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
       lse, delta (B, Hq, Sq) float32; dk, dv (B, Sk, Hkv, D) like k;
       seqlen_q, seqlen_k, head_dim, group, window_left, window_right: ints;
       qmult (as the forward's), capmult (softcap * log2(e)), scale: float32;
-      slopes (B, Hq) float32, bias (4 dimensions) float32 and the five dropout scalars, as the forward's.
+      slopes (B, Hq) float32, bias (4 dimensions) float32, the five dropout scalars and tiles (int8, the
+      BlockMask's table re-cut to this config's tiles), as the forward's. With ``mods.block_tiles`` the query-tile
+      loop skips the tiles the table calls EMPTY and stages FULL ones without mask_mod.
     """
     BLOCK_M, BLOCK_N, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
     (S_TR, S_TC), (G_TR, G_TC) = checked_grids(cfg, cfg.kv_grid)
@@ -135,6 +138,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     grads = make_score_grads(has_left, has_right, softcap, alibi, has_bias, dropout, mods)
     score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, LOAD)   # for the rare path
     load_bias = make_bias_tile(BLOCK_M, BLOCK_N, NT, False, LP, has_bias, mods)
+    BLOCK_TILES = mods.block_tiles
     dropout_factors = make_dropout_tile(BLOCK_M, BLOCK_N, NT, LP)
     X_PASSES, KV_PASSES = tile_passes(BLOCK_M, DB, NT), tile_passes(BLOCK_N, DB, NT)
     fetch_x = make_tile_fetch(BLOCK_M, DB, NT, bf16, LD, False, True)    # query side: Q, dO
@@ -142,7 +146,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
 
     def flash_dkdv_kernel(q, k, v, dout, lse, delta, dk, dv, seqlen_q, seqlen_k, head_dim, group, window_left,
                           window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
-                          batch0):
+                          batch0, tiles):
         t = cuda.threadIdx.x
         n0 = cuda.blockIdx.x * BLOCK_N
         hk = cuda.blockIdx.y
@@ -233,6 +237,15 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                 slope = slopes[b, h]
             bias_h = bias_head(bias, b, h)
             for m0 in range(m_start, i_hi, BLOCK_M):
+                full_tile = False
+                if BLOCK_TILES:
+                    # One table entry for the whole block (the tile's transposed look-up: query tile m0, this
+                    # block's key tile), so every thread skips together; a skipped tile writes no shared memory,
+                    # so skipping this iteration's barrier is safe.
+                    state = tile_state(tiles, b, h, m0 // BLOCK_M, cuda.blockIdx.x)
+                    if state == EMPTY:   # mask_mod hides every pair: Q and dO never read
+                        continue
+                    full_tile = state == FULL
                 cuda.syncthreads()   # the previous tile's readers of q_s, do_s, p_s and ds_s are done
                 # Q is loaded unscaled, once: the scores are scaled instead, and dK takes the plain Q.
                 probe = float32(0.0)
@@ -249,7 +262,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                             do_s[at + uint64(e)] = fetched[e]
                             probe += fetched[e] * float32(0.0)
                 if STAGED:   # dS's buffer holds the bias tile until dS overwrites it in place
-                    load_bias(ds_s, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t)
+                    load_bias(ds_s, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t, not full_tile)
                 if DROPOUT:    # P's buffer holds the factors until P times them overwrites them
                     dropout_factors(p_s, seed_lo, seed_hi, threshold, dscale, b + batch0, h, m0, n0, t)
                 for i in range(ROWS):

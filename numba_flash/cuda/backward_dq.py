@@ -14,6 +14,7 @@ from typing import Any
 # numba.cuda at module level (not in the factories): see backward.py.
 from numba import cuda, float32, int32, uint64
 
+from .block_tiles import EMPTY, FULL, tile_state
 from .config import FlashAttentionConfig, padded_stride
 from .dtypes import element_io
 from .forward import SMEM_ALIGN
@@ -34,7 +35,9 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
       strides;
       lse, delta (B, Hq, Sq) float32; dq (B, Sq, Hq, D) like q;
       seqlen_q, seqlen_k, head_dim, group, window_left, window_right: ints;
-      qmult, capmult, scale: float32, slopes and bias float32, the dropout scalars (as for the dK/dV kernel).
+      qmult, capmult, scale: float32, slopes and bias float32, the dropout scalars and tiles (as for the dK/dV
+      kernel). With ``mods.block_tiles`` the key-tile loop skips the tiles the BlockMask's table calls EMPTY and
+      stages FULL ones without mask_mod.
     """
     BLOCK_M, BLOCK_N, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
     (S_TR, S_TC), (O_TR, O_TC) = checked_grids(cfg, cfg.out_grid)
@@ -69,6 +72,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
     STORE = element_io(bf16)[1]
     grads = make_score_grads(has_left, has_right, softcap, alibi, has_bias, dropout, mods)
     load_bias = make_bias_tile(BLOCK_M, BLOCK_N, NT, True, LM, has_bias, mods)
+    BLOCK_TILES = mods.block_tiles
     dropout_factors = make_dropout_tile(BLOCK_M, BLOCK_N, NT, LM, True)
     X_PASSES, KV_PASSES = tile_passes(BLOCK_M, DB, NT), tile_passes(BLOCK_N, DB, NT)
     fetch_x = make_tile_fetch(BLOCK_M, DB, NT, bf16, LD, False, True)    # query side: Q, dO
@@ -76,7 +80,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
 
     def flash_dq_kernel(q, k, v, dout, lse, delta, dq, seqlen_q, seqlen_k, head_dim, group, window_left,
                         window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
-                        batch0):
+                        batch0, tiles):
         t = cuda.threadIdx.x
         m0 = cuda.blockIdx.x * BLOCK_M
         h = cuda.blockIdx.y
@@ -173,6 +177,14 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
         n_start = (lo // BLOCK_N) * BLOCK_N
 
         for n0 in range(n_start, hi, BLOCK_N):
+            full_tile = False
+            if BLOCK_TILES:
+                # One table entry for the whole block, so every thread skips together; a skipped tile writes no
+                # shared memory, so skipping this iteration's barrier is safe.
+                state = tile_state(tiles, b, h, cuda.blockIdx.x, n0 // BLOCK_N)
+                if state == EMPTY:   # mask_mod hides every pair: K and V never read
+                    continue
+                full_tile = state == FULL
             cuda.syncthreads()   # the previous tile's readers of k_s, v_s, ds_t and z_t are done
             probe = float32(0.0)
             for k_pass in range(KV_PASSES):
@@ -187,7 +199,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                     for e in range(V4):
                         v_s[at + uint64(e)] = fetched[e]
             if STAGED:   # dS's buffer holds the bias tile until dS overwrites it in place
-                load_bias(ds_t, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t)
+                load_bias(ds_t, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t, not full_tile)
             if DROPOUT:
                 dropout_factors(z_t, seed_lo, seed_hi, threshold, dscale, b + batch0, h, m0, n0, t)
             # A K tile with an inf or NaN goes through the product that skips masked pairs.

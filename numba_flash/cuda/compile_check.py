@@ -40,9 +40,10 @@ TC_COPY_PATHS: dict[str, bool] = {"tc_forward": True, "tc_forward_loads": False,
                                   "tc_backward_dq": True, "tc_backward_dq_loads": False}
 #: Rows of kernels compiled with user mods (the SAMPLE_* functions below, through numba_flash/cuda/user_mods.py)
 #: carry this suffix: the forward and both backward kernels, SIMT in float32 and tensor-core in float16, at head
-#: dim MODS_HEAD_DIM. A mod compiles into every call site (the simulator types none of them). They are built with
-#: every option but attn_bias, which bias_mod subsumes: attn_bias and all three mods at once take the sm_90 dK/dV
-#: tensor-core kernel to 255 registers and an 8-byte spill (218 without attn_bias, 222 with ALiBi too).
+#: dim MODS_HEAD_DIM, reading a BlockMask's table (``CudaMods.block_tiles``). A mod compiles into every call site
+#: (the simulator types none of them). They are built with every option but attn_bias, which bias_mod subsumes:
+#: attn_bias and all three mods at once take the sm_90 dK/dV tensor-core kernel to 255 registers and an 8-byte
+#: spill (218 without attn_bias, 222 with ALiBi too; both measured before the table).
 MODS_SUFFIX = "+mods"
 MODS_KERNELS = {"forward": "float32", "backward_dkdv": "float32", "backward_dq": "float32",
                 "tc_forward": "float16", "tc_backward_dkdv": "float16", "tc_backward_dq": "float16"}
@@ -71,11 +72,15 @@ def sample_score_mod_grad(score, b, h, q_idx, kv_idx):
 
 
 def sample_mods() -> Any:
-    """The SAMPLE_* mods as the kernels take them (``user_mods.CudaMods``)."""
+    """The SAMPLE_* mods as the kernels take them (``user_mods.CudaMods``), with the BlockMask's table on
+    (``block_tiles``: a call with mask_mod and its BlockMask, the kernels' largest variant)."""
+    from dataclasses import replace
+
     from .user_mods import cuda_mods
 
-    return cuda_mods(SimpleNamespace(bias_mod=sample_bias_mod, mask_mod=sample_mask_mod, score_mod=sample_score_mod,
+    mods = cuda_mods(SimpleNamespace(bias_mod=sample_bias_mod, mask_mod=sample_mask_mod, score_mod=sample_score_mod,
                                      score_mod_grad=sample_score_mod_grad))
+    return replace(mods, block_tiles=True)
 
 
 @dataclass(frozen=True)
@@ -161,7 +166,8 @@ def kernel_signature(kernel: str, dtype: str) -> Any:
     bias = types.Array(types.float32, 4, "A")
     u64 = types.uint64
     i64, f32 = types.int64, types.float32
-    variants = (slopes, bias, u64, u64, u64, f32, i64)   # ALiBi, attn_bias, dropout's five scalars
+    tiles = types.Array(types.int8, 4, "C")                # the BlockMask's table (block_tiles.py)
+    variants = (slopes, bias, u64, u64, u64, f32, i64, tiles)   # ALiBi, attn_bias, dropout's five scalars, tiles
     if kernel in TC_COPY_PATHS:   # the SIMT kernel's arguments, with the data as uint16 bit patterns
         bits = types.Array(types.uint16, 4, "A")
         if kernel.startswith("tc_backward_dkdv"):

@@ -26,6 +26,7 @@ from typing import Any
 # fake module, which a closure variable would escape. Only launch.py and compile_check.py import this module.
 from numba import config, cuda, float32, int32, uint32, uint64
 
+from .block_tiles import EMPTY, FULL, tile_state
 from .config import FlashAttentionConfig, transposed_stride
 from .dtypes import element_io
 from .masks import (bias_head, dropout_factor, make_bias_tile, make_biases, make_score_mod_hides, make_visible,
@@ -77,10 +78,13 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
       bias: attn_bias, float32, 4 dimensions each of the full size or 1 (see masks.bias_head), read only with
       ``has_bias`` (any 4-dimensional float32 array otherwise);
       seed_lo, seed_hi, threshold: uint64, dropout's key words and keep threshold; dscale: float32, 1 / (1 - p);
-      batch0: int, the batch index of the call's first row in dropout's counter (all read only with ``dropout``).
+      batch0: int, the batch index of the call's first row in dropout's counter (all read only with ``dropout``);
+      tiles: int8 (B or 1, Hq or 1, ceil(Sq / block_m), ceil(Sk / block_n)), the BlockMask re-cut to this
+      config's tiles (block_tiles.py), read only with ``mods.block_tiles`` (any 4-dimensional int8 array otherwise).
     float32 and float16 share one dispatcher (numba specialises it on the array types it is called with); bfloat16
     bits need their own, since an int16 element must be widened, not converted. ``mods``: the user's mods
-    (user_mods.py): bias_mod and mask_mod go through the staged bias tile, score_mod applies per score.
+    (user_mods.py): bias_mod and mask_mod go through the staged bias tile, score_mod applies per score; with
+    ``mods.block_tiles`` the key-tile loop skips the tiles the table calls EMPTY and stages FULL ones without mask_mod.
     """
     BM, BN, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
     S_TR, S_TC, O_TR, O_TC = _grids(cfg)
@@ -106,6 +110,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     sees = make_visible(has_left, has_right, has_bias, mods)   # also reads attn_bias and the mods, for the rare path
     add_biases = make_biases(alibi, STAGED)
     load_bias = make_bias_tile(BM, BN, NT, True, BM, has_bias, mods)
+    BLOCK_TILES = mods.block_tiles
     score_mod = make_score_mod(mods)
     score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, LOAD)
     Q_PASSES, KV_PASSES, V4 = tile_passes(BM, DB, NT), tile_passes(BN, DB, NT), FETCH_VECTOR
@@ -114,7 +119,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     fetch_v = make_tile_fetch(BN, DB, NT, bf16, DB, False)
 
     def flash_forward_kernel(q, k, v, out, lse, seqlen_q, seqlen_k, head_dim, group, window_left, window_right,
-                             qmult, capmult, slopes, bias, seed_lo, seed_hi, threshold, dscale, batch0):
+                             qmult, capmult, slopes, bias, seed_lo, seed_hi, threshold, dscale, batch0, tiles):
         neg_inf = float32(-math.inf)
         nan = float32(math.nan)
         t = cuda.threadIdx.x
@@ -193,13 +198,21 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
         cuda.syncthreads()
 
         for n0 in range(n_start, hi, BN):
+            full_tile = False
+            if BLOCK_TILES:
+                # The state is the block's (one table entry), so every thread takes the same branch; the last
+                # iteration ended on a barrier, so skipping before this one's loads leaves nothing half done.
+                state = tile_state(tiles, b, h, cuda.blockIdx.x, n0 // BN)
+                if state == EMPTY:   # mask_mod hides every key: never read, so a NaN there cannot poison
+                    continue
+                full_tile = state == FULL
             for k_pass in range(KV_PASSES):
                 at, ok = fetch_k(fetched, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t, k_pass)
                 if ok:
                     for e in range(V4):
                         kv[at + uint64(e)] = fetched[e]
-            if STAGED:   # P^T is free: its bias tile, overwritten in place by the scores
-                load_bias(p_t, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t)
+            if STAGED:   # P^T is free: its bias tile (mask_mod not evaluated on a FULL tile), overwritten in place
+                load_bias(p_t, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t, not full_tile)
             cuda.syncthreads()
 
             # Scores of this thread's (S_TM x S_TN) block: s = Q K^T over the padded head dim, one outer product of

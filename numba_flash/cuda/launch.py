@@ -14,6 +14,7 @@ to the cache, so that a refusal leaves the cache untouched) and launches with it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from typing import Any, Iterator
@@ -24,6 +25,7 @@ from numba_flash.errors import AttentionInputError
 
 from . import selfcheck, smem
 from .backward import DELTA_ROWS_PER_BLOCK, make_delta_kernel, make_dkdv_kernel, make_dq_kernel
+from .block_tiles import tiles_arg
 from .config import (STATIC_SMEM_LIMIT, TC_BACKWARD_MAX_HEAD_DIM, TC_DTYPES, TC_MIN_COMPUTE_CAPABILITY,
                      FlashAttentionConfig, TileOverride, active_override, smem_limit_for, storage_dtype,
                      tile_config_for)
@@ -213,6 +215,16 @@ def _bias_arg(bias: Any) -> Any:
     return _no_bias(selfcheck.current_device()) if bias is None else bias
 
 
+def _block_tiles(mods: CudaMods, block_mask: Any, cfg: FlashAttentionConfig, stream: Any) -> tuple[CudaMods, Any]:
+    """The mods to build ``cfg``'s kernel with and its ``tiles`` argument: with a BlockMask (of the call's
+    mask_mod), the table re-cut to ``cfg``'s tiles and ``block_tiles`` on; else the placeholder, and the mods as
+    they are (so that a call without a BlockMask runs the kernel it always did)."""
+    if block_mask is None or mods.mask_mod is None:
+        return mods, tiles_arg(None, cfg.block_m, cfg.block_n, selfcheck.current_device())
+    return (dataclasses.replace(mods, block_tiles=True),
+            tiles_arg(block_mask, cfg.block_m, cfg.block_n, selfcheck.current_device(), stream))
+
+
 @contextlib.contextmanager
 def _compiling(mods: CudaMods) -> Iterator[None]:
     """Around a launch, which compiles the kernel on its first call: with mods, a failure to compile is the user's
@@ -243,9 +255,10 @@ def _compiling(mods: CudaMods) -> Iterator[None]:
 def launch_forward(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float,
                    window_left: int, window_right: int, softcap: float, bf16: bool, alibi: Any = None,
                    bias: Any = None, dropout: tuple | None = None, mods: CudaMods = NO_MODS,
-                   stream: Any = 0) -> None:
+                   block_mask: Any = None, stream: Any = 0) -> None:
     """Launch the forward kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_forward`` config) as
     it is, no self-check. Arrays as for ``flash_forward``."""
+    mods, tiles = _block_tiles(mods, block_mask, cfg, stream)
     if cfg.tensor_cores:
         kernel = make_tc_forward_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
                                         bias is not None, dropout is not None, async_copy_ok(q, k, v), mods)
@@ -258,13 +271,13 @@ def launch_forward(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, out: Any, 
     qmult, capmult = _multipliers(softmax_scale, softcap)
     grid = (math.ceil(sq / cfg.block_m), hq, batch)
     args = (q, k, v, out, lse, sq, sk, d, hq // hkv, window_left, window_right, qmult, capmult,
-            _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout))
+            _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout), tiles)
     with _compiling(mods):
         launched = _run(kernel, grid, cfg, stream, args)
     if not launched:
         launch_forward(static_fallback(cfg), q, k, v, out, lse, softmax_scale=softmax_scale,
                        window_left=window_left, window_right=window_right, softcap=softcap, bf16=bf16, alibi=alibi,
-                       bias=bias, dropout=dropout, mods=mods, stream=stream)
+                       bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, stream=stream)
 
 
 def launch_delta(dout: Any, out: Any, delta: Any, *, bf16: bool, stream: Any = 0) -> None:
@@ -278,9 +291,10 @@ def launch_delta(dout: Any, out: Any, delta: Any, *, bf16: bool, stream: Any = 0
 def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dk: Any,
                 dv: Any, *, softmax_scale: float, window_left: int, window_right: int, softcap: float, bf16: bool,
                 alibi: Any = None, bias: Any = None, dropout: tuple | None = None, mods: CudaMods = NO_MODS,
-                stream: Any = 0) -> None:
+                block_mask: Any = None, stream: Any = 0) -> None:
     """Launch the dK/dV kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_backward_dkdv``
     config) as it is, no self-check. Arrays as for ``flash_backward``."""
+    mods, tiles = _block_tiles(mods, block_mask, cfg, stream)
     if cfg.tensor_cores:
         kernel = make_tc_dkdv_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
                                      bias is not None, dropout is not None, async_copy_ok(q, k, v, dout), mods)
@@ -293,21 +307,22 @@ def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, ls
     qmult, capmult = _multipliers(softmax_scale, softcap)
     grid = (math.ceil(sk / cfg.block_n), hkv, batch)
     args = (q, k, v, dout, lse, delta, dk, dv, sq, sk, d, hq // hkv, window_left, window_right, qmult, capmult,
-            np.float32(softmax_scale), _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout))
+            np.float32(softmax_scale), _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout), tiles)
     with _compiling(mods):
         launched = _run(kernel, grid, cfg, stream, args)
     if not launched:
         launch_dkdv(static_fallback(cfg), q, k, v, dout, lse, delta, dk, dv, softmax_scale=softmax_scale,
                     window_left=window_left, window_right=window_right, softcap=softcap, bf16=bf16, alibi=alibi,
-                    bias=bias, dropout=dropout, mods=mods, stream=stream)
+                    bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, stream=stream)
 
 
 def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dq: Any, *,
               softmax_scale: float, window_left: int, window_right: int, softcap: float, bf16: bool,
               alibi: Any = None, bias: Any = None, dropout: tuple | None = None, mods: CudaMods = NO_MODS,
-              stream: Any = 0) -> None:
+              block_mask: Any = None, stream: Any = 0) -> None:
     """Launch the dQ kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_backward_dq`` config) as it
     is, no self-check. Arrays as for ``flash_backward``."""
+    mods, tiles = _block_tiles(mods, block_mask, cfg, stream)
     if cfg.tensor_cores:
         kernel = make_tc_dq_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
                                    bias is not None, dropout is not None, async_copy_ok(q, k, v, dout), mods)
@@ -320,26 +335,28 @@ def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse:
     qmult, capmult = _multipliers(softmax_scale, softcap)
     grid = (math.ceil(sq / cfg.block_m), hq, batch)
     args = (q, k, v, dout, lse, delta, dq, sq, sk, d, hq // hkv, window_left, window_right, qmult, capmult,
-            np.float32(softmax_scale), _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout))
+            np.float32(softmax_scale), _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout), tiles)
     with _compiling(mods):
         launched = _run(kernel, grid, cfg, stream, args)
     if not launched:
         launch_dq(static_fallback(cfg), q, k, v, dout, lse, delta, dq, softmax_scale=softmax_scale,
                   window_left=window_left, window_right=window_right, softcap=softcap, bf16=bf16, alibi=alibi,
-                  bias=bias, dropout=dropout, mods=mods, stream=stream)
+                  bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, stream=stream)
 
 
 def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float, window_left: int,
                   window_right: int, softcap: float, dtype: str, alibi: Any = None, bias: Any = None,
-                  dropout: tuple | None = None, mods: CudaMods = NO_MODS, override: TileOverride | None = None,
-                  stream: Any = 0) -> None:
+                  dropout: tuple | None = None, mods: CudaMods = NO_MODS, block_mask: Any = None,
+                  override: TileOverride | None = None, stream: Any = 0) -> None:
     """Launch the forward kernel.
 
     q, out: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D); device arrays of ``storage_dtype(dtype)`` (float32, float16,
     or int16 bfloat16 bits), any strides. lse: (B, Hq, Sq) float32 device array. alibi: None or the ALiBi slopes
     times log2(e), a (B, Hq) float32 device array (``alibi_arg``). bias: None or attn_bias, a float32 device array
     of 4 dimensions, each of the full size (B, Hq, Sq, Sk) or 1, any strides. dropout: None or ``dropout_arg``'s
-    tuple. mods: the user's mods as device functions (``user_mods.cuda_mods``). Writes out and lse. The self-check
+    tuple. mods: the user's mods as device functions (``user_mods.cuda_mods``); block_mask: None or the
+    ``numba_flash.BlockMask`` of mods' mask_mod, whose EMPTY tiles are skipped and FULL ones run without mask_mod
+    (block_tiles.py). Writes out and lse. The self-check
     vouches for the kernels without mods (the mods only change which scores go in); a mod that numba-cuda cannot
     compile raises AttentionInputError naming it.
     Raises ``selfcheck.SelfCheckFailed`` (a ``BackendDeclined``), having written nothing, when no forward config
@@ -355,18 +372,19 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
                            async_copy=not picked.tensor_cores or async_copy_ok(q, k, v))
     launch_forward(cfg, q, k, v, out, lse, softmax_scale=softmax_scale, window_left=window_left,
                    window_right=window_right, softcap=softcap, bf16=dtype == "bfloat16", alibi=alibi, bias=bias,
-                   dropout=dropout, mods=mods, stream=stream)
+                   dropout=dropout, mods=mods, block_mask=block_mask, stream=stream)
 
 
 def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: Any, dk: Any, dv: Any,
                    delta: Any, *, softmax_scale: float, window_left: int, window_right: int, softcap: float,
                    dtype: str, alibi: Any = None, bias: Any = None, dropout: tuple | None = None,
-                   mods: CudaMods = NO_MODS, override: TileOverride | None = None, stream: Any = 0) -> None:
+                   mods: CudaMods = NO_MODS, block_mask: Any = None, override: TileOverride | None = None,
+                   stream: Any = 0) -> None:
     """Launch the three backward kernels: delta pre-pass, dK/dV over key tiles, dQ over query tiles.
 
     dout, q, out, dq: (B, Sq, Hq, D); k, v, dk, dv: (B, Sk, Hkv, D); device arrays of ``storage_dtype(dtype)``
     (float32, float16, or int16 bfloat16 bits), any strides. lse: (B, Hq, Sq) float32 as the forward wrote it;
-    delta: (B, Hq, Sq) float32 scratch; alibi, bias, dropout and mods as for ``flash_forward``. Raises
+    delta: (B, Hq, Sq) float32 scratch; alibi, bias, dropout, mods and block_mask as for ``flash_forward``. Raises
     ``selfcheck.SelfCheckFailed``, having written nothing, when no config of one of the two tiled kernels passes its
     self-check on this GPU.
     """
@@ -384,7 +402,7 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
     dq_cfg = selfcheck.choose(picked[dq_kernel], *flags, dtype, like=like, **variant)
     bf16 = dtype == "bfloat16"
     kw = dict(softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap,
-              bf16=bf16, alibi=alibi, bias=bias, dropout=dropout, mods=mods, stream=stream)
+              bf16=bf16, alibi=alibi, bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, stream=stream)
     launch_delta(dout, out, delta, bf16=bf16, stream=stream)
     launch_dkdv(dkdv_cfg, q, k, v, dout, lse, delta, dk, dv, **kw)
     launch_dq(dq_cfg, q, k, v, dout, lse, delta, dq, **kw)

@@ -33,7 +33,8 @@ from numba import cuda, float32
 
 from numba_flash.dropout import compile_with
 
-from .user_mods import LOG2E, NO_MODS, CudaMods, make_hidden_by_mods, make_index_terms, make_score_mod
+from .user_mods import (LOG2E, NO_MODS, CudaMods, make_hidden_by_mods, make_index_terms, make_score_mod,
+                        make_tile_index_terms)
 
 
 @cuda.jit(device=True, inline="always")
@@ -132,7 +133,7 @@ def make_dropout_tile(block_m: int, block_n: int, threads: int, ld: int, transpo
 @functools.lru_cache(maxsize=None)
 def make_bias_tile(block_m: int, block_n: int, threads: int, transposed: bool, ld: int, has_bias: bool = True,
                    mods: CudaMods = NO_MODS) -> Any:
-    """``load(tile, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t)``: the score terms that do not depend on the score,
+    """``load(tile, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t, check_mask)``: the score terms that do not depend on the score,
     of query rows ``m0 ..`` and keys ``n0 ..`` of batch ``b``, query head ``h``, into a (block_m x block_n) shared
     tile, by the block's ``threads`` threads (``t``: this one): attn_bias (with ``has_bias``, from the
     ``bias_head`` slab ``bias_h``) plus the user's bias_mod, and -inf where the user's mask_mod hides the pair; 0
@@ -140,12 +141,13 @@ def make_bias_tile(block_m: int, block_n: int, threads: int, transposed: bool, l
     address there is a constant offset, where the bias's own is a product of four indices and strides, and a mod
     is a call). ``tile`` is flat: with ``transposed`` entry (r, c) is at ``c * ld + r``, consecutive threads on
     consecutive rows (no bank conflict); else at ``r * ld + c``, consecutive threads on consecutive keys (coalesced
-    reads of a row-major bias)."""
+    reads of a row-major bias). With ``mods.block_tiles`` mask_mod runs only where ``check_mask`` (False on a tile
+    the BlockMask's table calls FULL: ``user_mods.make_tile_index_terms``); without, it is not read."""
     BM, BN, NT, LD, TRANSPOSED, HAS_BIAS, MODS = block_m, block_n, threads, ld, transposed, has_bias, mods.any
-    index_terms = make_index_terms(mods)
+    index_terms = make_tile_index_terms(mods)
 
     @cuda.jit(device=True, inline="always")
-    def load(tile, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t):
+    def load(tile, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t, check_mask):
         for e in range(t, BM * BN, NT):
             if TRANSPOSED:
                 r = e % BM
@@ -159,7 +161,7 @@ def make_bias_tile(block_m: int, block_n: int, threads: int, transposed: bool, l
                 if HAS_BIAS:
                     x = bias_at(bias_h, row, col)
                 if MODS:
-                    extra, hidden = index_terms(b, h, row, col)
+                    extra, hidden = index_terms(b, h, row, col, check_mask)
                     x = float32(-math.inf) if hidden else x + extra
             tile[c * LD + r if TRANSPOSED else r * LD + c] = x
 

@@ -27,6 +27,7 @@ from typing import Any
 from numba import config, cuda, float32, int32, uint16, uint32, uint64
 
 from . import warp
+from .block_tiles import EMPTY, FULL, tile_state
 from .config import FlashAttentionConfig
 from .dtypes import load_bf16, load_f16_bits
 from .masks import LOG2E, bias_head, make_score_mod_hides, make_visible
@@ -49,7 +50,8 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     kernel's (backward.py) except that q, dout (B, Sq, Hq, D), k, v, dk, dv (B, Sk, Hkv, D) are uint16 bit patterns
     of float16 (or, with ``bf16``, bfloat16) data; dropout's arguments are read only with ``dropout``: the
     forward's keep mask regenerated, dV takes the kept probabilities ``z P`` and dS^T is ``P (z dP - delta)``, ``z``
-    = 1 / (1 - p) where kept, 0 where dropped."""
+    = 1 / (1 - p) where kept, 0 where dropped. With ``mods.block_tiles`` the query-tile loop skips the tiles the
+    BlockMask's table (``tiles``) calls EMPTY and scores FULL ones without mask_mod."""
     why = cfg.problems(1 << 62)
     if why or cfg.kernel != "tc_backward_dkdv":
         raise ValueError(f"{cfg}: " + ("; ".join(why) or "not a tc_backward_dkdv config"))
@@ -68,6 +70,7 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     copy_kv = make_tile_copy(BLOCK_N, HEAD_DIM, NT, async_copy)
     smem_index = make_smem_index(HEAD_DIM)
     score = make_score(softcap, alibi, has_bias, mods)
+    BLOCK_TILES = mods.block_tiles
     kept_factor = make_kept_factor(dropout)
     keep_bits = make_keep_bits(M_TILES, transposed=True)
     sees = make_visible(has_left, has_right, has_bias, mods)
@@ -75,7 +78,7 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
 
     def flash_tc_dkdv_kernel(q, k, v, dout, lse, delta, dk, dv, seqlen_q, seqlen_k, head_dim, group, window_left,
                              window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
-                             batch0):
+                             batch0, tiles):
         inf = float32(math.inf)
         t = cuda.threadIdx.x
         lane = uint32(t % 32)
@@ -141,6 +144,15 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 slope = slopes[b, h]
             bias_h = bias_head(bias, b, h)
             for m0 in range(m_start, i_hi, BLOCK_M):
+                full_tile = False
+                if BLOCK_TILES:
+                    # One table entry for the whole block (the transposed look-up: query tile m0, this block's key
+                    # tile), so every warp skips together; a skipped tile copies nothing, so skipping this
+                    # iteration's barriers is safe.
+                    state = tile_state(tiles, b, h, m0 // BLOCK_M, cuda.blockIdx.x)
+                    if state == EMPTY:   # mask_mod hides every pair: Q and dO never read
+                        continue
+                    full_tile = state == FULL
                 cuda.syncthreads()               # every warp is done with the last step's Q and dO tiles
                 for c_pass in range(X_PASSES):
                     copy_x(q_tile, q, c_pass, r0, c0, chunk_bytes, m0, seqlen_q, tile_offset(q, b, m0, h),
@@ -202,7 +214,7 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                         for c in range(2):
                             col = 8 * j + c
                             x, dc = score(s[j, 2 * half + c], qmult, capmult, slope, distance0 + float32(col),
-                                          bias_h, m0 + lane_col + col, key, b, h, seqlen_q, seqlen_k)
+                                          bias_h, m0 + lane_col + col, key, b, h, seqlen_q, seqlen_k, not full_tile)
                             s[j, 2 * half + c] = hidden_p(x, lse_s[lane_col + col])
                             dcap[j, 2 * half + c] = dc
                 # Every pair of the step is in the band unless a key of the warp is right of the first row's right

@@ -27,6 +27,7 @@ from typing import Any
 from numba import config, cuda, float32, int32, uint16, uint32, uint64
 
 from . import warp
+from .block_tiles import EMPTY, FULL, next_key_tile, tile_state
 from .config import FlashAttentionConfig
 from .masks import LOG2E, bias_head
 from .tc_forward import EXPONENT_BITS, tile_offset
@@ -46,7 +47,9 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
     Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments as the float32 dQ
     kernel's (backward.py) except that q, dout (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) and dq (B, Sq, Hq, D) are uint16
     bit patterns of float16 (or, with ``bf16``, bfloat16) data; dropout's arguments are read only with ``dropout``
-    (the forward's keep mask regenerated: dS = P (z dP - delta), z = 1 / (1 - p) where kept, 0 where dropped)."""
+    (the forward's keep mask regenerated: dS = P (z dP - delta), z = 1 / (1 - p) where kept, 0 where dropped).
+    With ``mods.block_tiles`` the key-tile loop skips the tiles the BlockMask's table (``tiles``) calls EMPTY,
+    never copying their keys, and scores FULL ones without mask_mod."""
     why = cfg.problems(1 << 62)
     if why or cfg.kernel != "tc_backward_dq":
         raise ValueError(f"{cfg}: " + ("; ".join(why) or "not a tc_backward_dq config"))
@@ -64,12 +67,13 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
     copy_kv = make_tile_copy(BLOCK_N, HEAD_DIM, NT, async_copy)
     smem_index = make_smem_index(HEAD_DIM)
     score = make_score(softcap, alibi, has_bias, mods)
+    BLOCK_TILES = mods.block_tiles
     kept_factor = make_kept_factor(dropout)
     keep_bits = make_keep_bits(N_TILES)
 
     def flash_tc_dq_kernel(q, k, v, dout, lse, delta, dq, seqlen_q, seqlen_k, head_dim, group, window_left,
                            window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
-                           batch0):
+                           batch0, tiles):
         inf = float32(math.inf)
         t = cuda.threadIdx.x
         lane = uint32(t % 32)
@@ -140,13 +144,16 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
             copy_x(x_tile, q, c_pass, r0, c0, chunk_bytes, m0, seqlen_q, tile_offset(q, b, m0, h), q.strides[1],
                    b, h)
         warp.cp_async_commit()
-        if n_start < hi:
+        n_first = n_start
+        if BLOCK_TILES:   # the first tile that runs: a skipped tile's keys are never copied
+            n_first = next_key_tile(tiles, b, h, cuda.blockIdx.x, n_start, hi, BLOCK_N)
+        if n_first < hi:
             for c_pass in range(KV_PASSES):
-                copy_kv(k_tile, k, c_pass, r0, c0, chunk_bytes, n_start, seqlen_k, tile_offset(k, b, n_start, hk),
+                copy_kv(k_tile, k, c_pass, r0, c0, chunk_bytes, n_first, seqlen_k, tile_offset(k, b, n_first, hk),
                         k.strides[1], b, hk)
             warp.cp_async_commit()
             for c_pass in range(KV_PASSES):
-                copy_kv(v_tile, v, c_pass, r0, c0, chunk_bytes, n_start, seqlen_k, tile_offset(v, b, n_start, hk),
+                copy_kv(v_tile, v, c_pass, r0, c0, chunk_bytes, n_first, seqlen_k, tile_offset(v, b, n_first, hk),
                         v.strides[1], b, hk)
             warp.cp_async_commit()
         warp.cp_async_wait_all()
@@ -166,6 +173,14 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
             do_frag[kk, 0], do_frag[kk, 1], do_frag[kk, 2], do_frag[kk, 3] = a0, a1, a2, a3
 
         for n0 in range(n_start, hi, BLOCK_N):
+            full_tile = False
+            if BLOCK_TILES:
+                # One table entry for the whole block, so every warp skips together, before any barrier of the
+                # iteration; no copy is in flight for a skipped tile (the prefetches go to the next tile that runs).
+                state = tile_state(tiles, b, h, cuda.blockIdx.x, n0 // BLOCK_N)
+                if state == EMPTY:   # mask_mod hides every key: K and V never read
+                    continue
+                full_tile = state == FULL
             # K and V of this tile are in (copied at the end of the last iteration, or before the loop); each thread
             # tests the K chunks it copied, and the barrier that publishes the tiles ORs the answer.
             warp.cp_async_wait_all()
@@ -214,7 +229,7 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
                     for c in range(2):
                         col = 8 * j + c
                         x, dc = score(s[j, 2 * half + c], qmult, capmult, slope, distance0 - float32(col), bias_h,
-                                      row, n0 + lane_col + col, b, h, seqlen_q, seqlen_k)
+                                      row, n0 + lane_col + col, b, h, seqlen_q, seqlen_k, not full_tile)
                         s[j, 2 * half + c] = hidden_p(x, lse2[half])
                         dcap[j, 2 * half + c] = dc
             tile_edge = (n0 < full_lo) | (n0 + BLOCK_N > full_hi)
@@ -272,12 +287,15 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
                         acc[jd + 1, 0], acc[jd + 1, 1], acc[jd + 1, 2], acc[jd + 1, 3])
 
             cuda.syncthreads()                   # every warp is done with both tiles: the next ones may land
-            if n0 + BLOCK_N < hi:
+            n_next = n0 + BLOCK_N
+            if BLOCK_TILES:
+                n_next = next_key_tile(tiles, b, h, cuda.blockIdx.x, n_next, hi, BLOCK_N)
+            if n_next < hi:
                 for c_pass in range(KV_PASSES):
-                    copy_kv(k_tile, k, c_pass, r0, c0, chunk_bytes, n0 + BLOCK_N, seqlen_k,
-                            tile_offset(k, b, n0 + BLOCK_N, hk), k.strides[1], b, hk)
-                    copy_kv(v_tile, v, c_pass, r0, c0, chunk_bytes, n0 + BLOCK_N, seqlen_k,
-                            tile_offset(v, b, n0 + BLOCK_N, hk), v.strides[1], b, hk)
+                    copy_kv(k_tile, k, c_pass, r0, c0, chunk_bytes, n_next, seqlen_k,
+                            tile_offset(k, b, n_next, hk), k.strides[1], b, hk)
+                    copy_kv(v_tile, v, c_pass, r0, c0, chunk_bytes, n_next, seqlen_k,
+                            tile_offset(v, b, n_next, hk), v.strides[1], b, hk)
                 warp.cp_async_commit()
 
         # dQ = scale * the sum, through shared memory (x_tile) as the forward's output.

@@ -32,6 +32,7 @@ from typing import Any
 from numba import config, cuda, float32, int32, int64, uint16, uint32, uint64
 
 from . import warp
+from .block_tiles import EMPTY, FULL, next_key_tile, tile_state
 from .config import FlashAttentionConfig
 from .dtypes import load_bf16, load_f16_bits
 from .masks import bias_head, make_score_mod_hides, make_visible
@@ -70,7 +71,9 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
     patterns of float16 (or, with ``bf16``, bfloat16) data; dropout's arguments are read only with ``dropout``
     (as the float32 kernel's: the row sums and lse are the softmax's, P V takes the kept probabilities times
     1 / (1 - p)). ``async_copy``: copy tiles with ``cp.async``, which needs unit
-    stride along D and rows that start 16-byte aligned (``launch.async_copy_ok``).
+    stride along D and rows that start 16-byte aligned (``launch.async_copy_ok``). With ``mods.block_tiles`` the
+    key-tile loop skips the tiles the BlockMask's table (``tiles``) calls EMPTY, never copying their keys, and
+    stages FULL ones without mask_mod.
     """
     _checked(cfg)
     BLOCK_M, BLOCK_N, HEAD_DIM, NT = cfg.block_m, cfg.block_n, cfg.head_dim_bucket, cfg.threads
@@ -101,12 +104,13 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
     score = make_score(softcap, alibi, has_bias)
     INDEX_MODS, SCORE_MOD, MOD_WORDS = mods.stages_tile, mods.score_mod is not None, staged_words(N_TILES, NT, mods)
     stage_mods = make_mod_stage(N_TILES, NT, mods)
+    BLOCK_TILES = mods.block_tiles
     score_mod = make_score_mod(mods)
     score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, load_bf16 if bf16 else load_f16_bits)
 
     def flash_tc_forward_kernel(q, k, v, out, lse, seqlen_q, seqlen_k, head_dim, group, window_left,
                                 window_right, qmult, capmult, slopes, bias, seed_lo, seed_hi, threshold, dscale,
-                                batch0):
+                                batch0, tiles):
         neg_inf, inf, nan = float32(-math.inf), float32(math.inf), float32(math.nan)
         t = cuda.threadIdx.x
         lane = uint32(t % 32)
@@ -176,9 +180,12 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
         for c_pass in range(Q_PASSES):
             copy_q(q_tile, q, c_pass, r0, c0, chunk_bytes, m0, seqlen_q, tile_offset(q, b, m0, h), q.strides[1],
                    b, h)
-        if n_start < hi:
+        n_first = n_start
+        if BLOCK_TILES:   # the first tile that runs: a skipped tile's keys are never copied
+            n_first = next_key_tile(tiles, b, h, cuda.blockIdx.x, n_start, hi, BLOCK_N)
+        if n_first < hi:
             for c_pass in range(KV_PASSES):
-                copy_kv(k_tile, k, c_pass, r0, c0, chunk_bytes, n_start, seqlen_k, tile_offset(k, b, n_start, hk),
+                copy_kv(k_tile, k, c_pass, r0, c0, chunk_bytes, n_first, seqlen_k, tile_offset(k, b, n_first, hk),
                         k.strides[1], b, hk)
         warp.cp_async_commit()
         warp.cp_async_wait_all()
@@ -192,6 +199,14 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
         v_nonfinite_seen = False
 
         for n0 in range(n_start, hi, BLOCK_N):
+            full_tile = False
+            if BLOCK_TILES:
+                # One table entry for the whole block, so every warp skips together, before any barrier of the
+                # iteration; no copy is in flight for a skipped tile (the prefetches go to the next tile that runs).
+                state = tile_state(tiles, b, h, cuda.blockIdx.x, n0 // BLOCK_N)
+                if state == EMPTY:   # mask_mod hides every key: K and V never read, so a NaN there cannot poison
+                    continue
+                full_tile = state == FULL
             warp.cp_async_wait_all()               # this K tile; and every warp is past the last tile's P V
             cuda.syncthreads()
             for c_pass in range(KV_PASSES):
@@ -199,8 +214,8 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                         v.strides[1], b, hk)
             warp.cp_async_commit()
 
-            if INDEX_MODS:
-                stage_mods(mod_slots, t, b, h, row_top, n0 + lane_col, seqlen_q, seqlen_k)
+            if INDEX_MODS:   # on a FULL tile mask_mod shows every key: not evaluated
+                stage_mods(mod_slots, t, b, h, row_top, n0 + lane_col, seqlen_q, seqlen_k, not full_tile)
             kept = uint64(0)
             if DROPOUT:   # ahead of the products, while only the mask's register is live beside the accumulators
                 kept = keep_bits(seed_lo, seed_hi, threshold, b + batch0, h, row_top, n0 + lane_col)
@@ -232,7 +247,7 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                     for c in range(2):
                         col = 8 * j + c
                         x, _ = score(s[j, 2 * half + c], qmult, capmult, slope, distance0 - float32(col), bias_h,
-                                     row, n0 + lane_col + col, b, h, seqlen_q, seqlen_k)
+                                     row, n0 + lane_col + col, b, h, seqlen_q, seqlen_k, True)
                         if INDEX_MODS:
                             x = staged_value(x, mod_slots[(4 * j + 2 * half + c) * NT + t])
                         s[j, 2 * half + c] = x
@@ -297,10 +312,13 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                 p_frag[kk, 3] = PACK(s[2 * kk + 1, 2], s[2 * kk + 1, 3])
 
             cuda.syncthreads()                     # every warp is done with this K tile: the next one may land
-            if n0 + BLOCK_N < hi:
+            n_next = n0 + BLOCK_N
+            if BLOCK_TILES:
+                n_next = next_key_tile(tiles, b, h, cuda.blockIdx.x, n_next, hi, BLOCK_N)
+            if n_next < hi:
                 for c_pass in range(KV_PASSES):
-                    copy_kv(k_tile, k, c_pass, r0, c0, chunk_bytes, n0 + BLOCK_N, seqlen_k,
-                            tile_offset(k, b, n0 + BLOCK_N, hk), k.strides[1], b, hk)
+                    copy_kv(k_tile, k, c_pass, r0, c0, chunk_bytes, n_next, seqlen_k,
+                            tile_offset(k, b, n_next, hk), k.strides[1], b, hk)
                 warp.cp_async_commit()
                 warp.cp_async_wait_one()           # V's group, the older one
             else:

@@ -31,26 +31,29 @@ from numba_flash.dropout import compile_with
 
 from . import warp
 from .masks import LOG2E, bias_at
-from .user_mods import NO_MODS, CudaMods, make_index_terms, make_score_mod
+from .user_mods import NO_MODS, CudaMods, make_score_mod, make_tile_index_terms
 
 
 @functools.lru_cache(maxsize=None)
 def make_score(softcap: bool, alibi: bool, has_bias: bool, mods: CudaMods = NO_MODS) -> Any:
-    """``score(raw, qmult, capmult, slope, distance, bias_h, row, col, b, h, seqlen_q, seqlen_k) -> (x, chain)``: the
+    """``score(raw, qmult, capmult, slope, distance, bias_h, row, col, b, h, seqlen_q, seqlen_k, check_mask) -> (x,
+    chain)``: the
     score ``x`` of the pair (query ``row``, key ``col``) of batch ``b``, query head ``h`` in log2 units, -inf for
     a pair that attn_bias or the mods hide, and ``chain``, d x / d (raw * scale) for the backward: softcap's
     derivative ``1 - tanh^2`` times score_mod_grad's (1 without either). ``distance``: the pair's ALiBi distance
     ``row + offset - col`` as a float32 (ignored without ALiBi); ``slope``: the head's ALiBi slope times log2(e);
     ``bias_h``: the attn_bias slab of the batch and head (``masks.bias_head``), read at (row, col) only with
     ``has_bias``. ``mods`` (user_mods.py) are called for pairs inside the sequences only (``seqlen_q``,
-    ``seqlen_k``; not read without mods): mask_mod and bias_mod, then score_mod on a finite score."""
+    ``seqlen_k``; not read without mods): mask_mod and bias_mod, then score_mod on a finite score. With
+    ``mods.block_tiles``, mask_mod runs only where ``check_mask`` (False on a tile the BlockMask's table calls FULL:
+    a uniform branch, mask_mod's code once); without, ``check_mask`` is not read."""
     SOFTCAP, ALIBI, HAS_BIAS = softcap, alibi, has_bias
     MODS, INDEX_MODS, SCORE_MOD = mods.any, mods.stages_tile, mods.score_mod is not None
-    index_terms = make_index_terms(mods)
+    index_terms = make_tile_index_terms(mods)
     score_mod = make_score_mod(mods)
 
     @cuda.jit(device=True, inline="always")
-    def score(raw, qmult, capmult, slope, distance, bias_h, row, col, b, h, seqlen_q, seqlen_k):
+    def score(raw, qmult, capmult, slope, distance, bias_h, row, col, b, h, seqlen_q, seqlen_k, check_mask):
         neg_inf = float32(-math.inf)
         chain = float32(1.0)
         if SOFTCAP:
@@ -70,7 +73,7 @@ def make_score(softcap: bool, alibi: bool, has_bias: bool, mods: CudaMods = NO_M
             if INDEX_MODS:
                 extra, hidden = float32(0.0), False
                 if inside:
-                    extra, hidden = index_terms(b, h, row, col)
+                    extra, hidden = index_terms(b, h, row, col, check_mask)
                 x = neg_inf if hidden else x + extra * float32(LOG2E)
             if SCORE_MOD:
                 x, dmod = score_mod(x, inside, b, h, row, col, seqlen_q - 1, seqlen_k - 1)
@@ -105,7 +108,8 @@ def staged_words(n_tiles: int, threads: int, mods: CudaMods) -> int:
 
 @functools.lru_cache(maxsize=None)
 def make_mod_stage(n_tiles: int, threads: int, mods: CudaMods) -> Any:
-    """``stage(slots, t, b, h, row_top, col0, seqlen_q, seqlen_k)``: mask_mod and bias_mod of the scores thread
+    """``stage(slots, t, b, h, row_top, col0, seqlen_q, seqlen_k, check_mask)``: mask_mod (with ``mods.block_tiles``
+    only where ``check_mask``: ``make_tile_index_terms``) and bias_mod of the scores thread
     ``t`` holds (rows ``row_top`` and ``row_top + 8``, columns ``col0 + 8 j + c``, the C-fragment layout) into its
     slots of the shared array ``slots`` (``staged_words``): bias_mod in log2 units, -inf where mask_mod hides the
     pair, 0 past the sequences; slot of score ``(j, r)`` at ``(4 j + r) * threads + t`` (consecutive threads,
@@ -116,16 +120,16 @@ def make_mod_stage(n_tiles: int, threads: int, mods: CudaMods) -> Any:
     and sm_90: 24-32 B); here it runs in a loop of its own, ahead of the products, and the score loop reads one word
     per score (none spills)."""
     N_SCORES, NT = n_tiles * 4, threads
-    index_terms = make_index_terms(mods)
+    index_terms = make_tile_index_terms(mods)
 
     @cuda.jit(device=True, inline="always")
-    def stage(slots, t, b, h, row_top, col0, seqlen_q, seqlen_k):
+    def stage(slots, t, b, h, row_top, col0, seqlen_q, seqlen_k, check_mask):
         for e in range(N_SCORES):
             row = row_top + 8 * ((e & 3) >> 1)
             col = col0 + 8 * (e >> 2) + (e & 1)
             value = float32(0.0)
             if (row < seqlen_q) & (col < seqlen_k):
-                extra, hidden = index_terms(b, h, row, col)
+                extra, hidden = index_terms(b, h, row, col, check_mask)
                 value = float32(-math.inf) if hidden else extra * float32(LOG2E)
             slots[e * NT + t] = value
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from numba import config, cuda, float32, int64
@@ -35,12 +35,15 @@ DEVICE_OPTIONS = {"forceinline": True, "fastmath": {"arcp", "contract", "afn"}}
 
 @dataclass(frozen=True)
 class CudaMods:
-    """A call's mods as CUDA device functions (``cuda_mods``), each None when absent."""
+    """A call's mods as CUDA device functions (``cuda_mods``), each None when absent. ``block_tiles``: the kernels
+    read a table of which tiles mask_mod hides entirely (skipped) or shows entirely (run without mask_mod), the
+    caller's BlockMask re-cut to their tiles (block_tiles.py); set by launch.py when the call has a BlockMask."""
 
     bias_mod: Any = None
     mask_mod: Any = None
     score_mod: Any = None
     score_mod_grad: Any = None
+    block_tiles: bool = False
 
     @property
     def any(self) -> bool:
@@ -54,6 +57,11 @@ class CudaMods:
 
 
 NO_MODS = CudaMods()
+
+
+def without_mask_mod(mods: CudaMods) -> CudaMods:
+    """``mods`` less mask_mod (and the table): what the kernels evaluate on a tile the table calls FULL."""
+    return replace(mods, mask_mod=None, block_tiles=False)
 _device_functions: dict[Any, Any] = {}
 _lock = threading.Lock()
 
@@ -95,6 +103,29 @@ def make_index_terms(mods: CudaMods) -> Any:
             extra = float32(BIAS_MOD(int64(b), int64(h), int64(row), int64(col)))
         if HAS_MASK:
             hidden = not MASK_MOD(int64(b), int64(h), int64(row), int64(col))
+        return extra, hidden
+
+    return index_terms
+
+
+@functools.lru_cache(maxsize=None)
+def make_tile_index_terms(mods: CudaMods) -> Any:
+    """``index_terms(b, h, row, col, check_mask) -> (extra, hidden)``: ``make_index_terms``'s, except that with
+    ``mods.block_tiles`` mask_mod runs only where ``check_mask`` (False on a tile the BlockMask's table calls FULL,
+    where it shows every pair: a uniform branch, each mod's code once); without, ``check_mask`` is not read."""
+    BLOCK_TILES = mods.block_tiles
+    both = make_index_terms(mods)
+    bias_only = make_index_terms(without_mask_mod(mods))
+    mask_only = make_index_terms(replace(mods, bias_mod=None, block_tiles=False))
+
+    @cuda.jit(device=True, inline="always")
+    def index_terms(b, h, row, col, check_mask):
+        if not BLOCK_TILES:
+            return both(b, h, row, col)
+        extra, _ = bias_only(b, h, row, col)
+        hidden = False
+        if check_mask:
+            _, hidden = mask_only(b, h, row, col)
         return extra, hidden
 
     return index_terms
