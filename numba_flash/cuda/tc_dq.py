@@ -5,8 +5,8 @@ Each warp owns 16 query rows, as in the forward (tc_forward.py), whose fragment 
 key tile it recomputes ``S = Q K^T`` and ``P = exp2(s - lse)`` exactly as the forward computed them (tc_scores.py),
 then ``dP = dO V^T`` (dO's fragments are the A operand, V's rows the B operand, like K's), ``dS = P (dP - delta)``
 (times softcap's derivative; with dropout ``P (z dP - delta)``, ``z`` the forward's factor regenerated), and
-``dQ += dS K``: dS's C fragments become an A fragment in registers, packed to 16 bits, and K is read transposed. No atomics: dK and dV come from their own kernel (tc_dkdv.py), so dQ is the same
-bits run to run.
+``dQ += dS K``: dS's C fragments become an A fragment in registers, packed to 16 bits, and K is read transposed.
+No atomics: dK and dV come from their own kernel (tc_dkdv.py), so dQ is the same bits run to run.
 
 The non-finite rule (masks.py): a masked pair's P and dS are 0 by a select, so a NaN in its S or dP stays there.
 What a select cannot reach is ``dQ += dS K`` multiplying a masked pair's dS = 0 by an inf or NaN of K: a K tile that

@@ -62,6 +62,8 @@ NO_MODS = CudaMods()
 def without_mask_mod(mods: CudaMods) -> CudaMods:
     """``mods`` less mask_mod (and the table): what the kernels evaluate on a tile the table calls FULL."""
     return replace(mods, mask_mod=None, block_tiles=False)
+
+
 _device_functions: dict[Any, Any] = {}
 _lock = threading.Lock()
 
