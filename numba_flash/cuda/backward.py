@@ -40,7 +40,7 @@ from typing import Any
 from numba import cuda, float32, int32, uint32, uint64
 
 from .backward_dq import make_dq_kernel
-from .block_tiles import EMPTY, FULL, tile_state
+from .block_tiles import make_tile_skip
 from .config import FlashAttentionConfig, padded_stride
 from .dtypes import element_io
 from .forward import SMEM_ALIGN
@@ -138,7 +138,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     grads = make_score_grads(has_left, has_right, softcap, alibi, has_bias, dropout, mods)
     score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, LOAD)   # for the rare path
     load_bias = make_bias_tile(BLOCK_M, BLOCK_N, NT, False, LP, has_bias, mods)
-    BLOCK_TILES = mods.block_tiles
+    tile_skip = make_tile_skip(mods.block_tiles)
     dropout_factors = make_dropout_tile(BLOCK_M, BLOCK_N, NT, LP)
     X_PASSES, KV_PASSES = tile_passes(BLOCK_M, DB, NT), tile_passes(BLOCK_N, DB, NT)
     fetch_x = make_tile_fetch(BLOCK_M, DB, NT, bf16, LD, False, True)    # query side: Q, dO
@@ -237,15 +237,12 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                 slope = slopes[b, h]
             bias_h = bias_head(bias, b, h)
             for m0 in range(m_start, i_hi, BLOCK_M):
-                full_tile = False
-                if BLOCK_TILES:
-                    # One table entry for the whole block (the tile's transposed look-up: query tile m0, this
-                    # block's key tile), so every thread skips together; a skipped tile writes no shared memory,
-                    # so skipping this iteration's barrier is safe.
-                    state = tile_state(tiles, b, h, m0 // BLOCK_M, cuda.blockIdx.x)
-                    if state == EMPTY:   # mask_mod hides every pair: Q and dO never read
-                        continue
-                    full_tile = state == FULL
+                # One table entry for the whole block (the tile's transposed look-up: query tile m0, this
+                # block's key tile), so every thread skips together; a skipped tile writes no shared memory,
+                # so skipping this iteration's barrier is safe.
+                skip, full_tile = tile_skip(tiles, b, h, m0 // BLOCK_M, cuda.blockIdx.x)
+                if skip:   # mask_mod hides every pair: Q and dO never read
+                    continue
                 cuda.syncthreads()   # the previous tile's readers of q_s, do_s, p_s and ds_s are done
                 # Q is loaded unscaled, once: the scores are scaled instead, and dK takes the plain Q.
                 probe = float32(0.0)

@@ -14,7 +14,7 @@ from typing import Any
 # numba.cuda at module level (not in the factories): see backward.py.
 from numba import cuda, float32, int32, uint64
 
-from .block_tiles import EMPTY, FULL, tile_state
+from .block_tiles import make_tile_skip
 from .config import FlashAttentionConfig, padded_stride
 from .dtypes import element_io
 from .forward import SMEM_ALIGN
@@ -72,7 +72,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
     STORE = element_io(bf16)[1]
     grads = make_score_grads(has_left, has_right, softcap, alibi, has_bias, dropout, mods)
     load_bias = make_bias_tile(BLOCK_M, BLOCK_N, NT, True, LM, has_bias, mods)
-    BLOCK_TILES = mods.block_tiles
+    tile_skip = make_tile_skip(mods.block_tiles)
     dropout_factors = make_dropout_tile(BLOCK_M, BLOCK_N, NT, LM, True)
     X_PASSES, KV_PASSES = tile_passes(BLOCK_M, DB, NT), tile_passes(BLOCK_N, DB, NT)
     fetch_x = make_tile_fetch(BLOCK_M, DB, NT, bf16, LD, False, True)    # query side: Q, dO
@@ -177,14 +177,11 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
         n_start = (lo // BLOCK_N) * BLOCK_N
 
         for n0 in range(n_start, hi, BLOCK_N):
-            full_tile = False
-            if BLOCK_TILES:
-                # One table entry for the whole block, so every thread skips together; a skipped tile writes no
-                # shared memory, so skipping this iteration's barrier is safe.
-                state = tile_state(tiles, b, h, cuda.blockIdx.x, n0 // BLOCK_N)
-                if state == EMPTY:   # mask_mod hides every pair: K and V never read
-                    continue
-                full_tile = state == FULL
+            # One table entry for the whole block, so every thread skips together; a skipped tile writes no
+            # shared memory, so skipping this iteration's barrier is safe.
+            skip, full_tile = tile_skip(tiles, b, h, cuda.blockIdx.x, n0 // BLOCK_N)
+            if skip:   # mask_mod hides every pair: K and V never read
+                continue
             cuda.syncthreads()   # the previous tile's readers of k_s, v_s, ds_t and z_t are done
             probe = float32(0.0)
             for k_pass in range(KV_PASSES):

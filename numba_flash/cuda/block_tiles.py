@@ -86,6 +86,24 @@ def tile_state(tiles, b, h, m_tile, n_tile):
     return tiles[b if tiles.shape[0] > 1 else 0, h if tiles.shape[1] > 1 else 0, m_tile, n_tile]
 
 
+@functools.lru_cache(maxsize=None)
+def make_tile_skip(block_tiles: bool) -> Any:
+    """``tile_skip(tiles, b, h, m_tile, n_tile) -> (skip, full)``: whether a kernel skips query tile ``m_tile`` x key
+    tile ``n_tile`` (the table calls it EMPTY) and whether it runs it without mask_mod (FULL); without
+    ``block_tiles`` (kernels built without a BlockMask) (False, False), the table not read. The branch on ``skip``
+    is uniform (``tile_state``), so a kernel may ``continue`` on it before any barrier of its iteration."""
+    BLOCK_TILES = block_tiles
+
+    @cuda.jit(device=True, inline="always")
+    def tile_skip(tiles, b, h, m_tile, n_tile):
+        if not BLOCK_TILES:
+            return False, False
+        state = tile_state(tiles, b, h, m_tile, n_tile)
+        return state == EMPTY, state == FULL
+
+    return tile_skip
+
+
 @cuda.jit(device=True, inline="always")
 def next_key_tile(tiles, b, h, m_tile, n0, hi, block_n):
     """The first key tile start of ``n0, n0 + block_n, ..`` below ``hi`` that the table does not call EMPTY for
@@ -96,4 +114,5 @@ def next_key_tile(tiles, b, h, m_tile, n0, hi, block_n):
     return n0
 
 
-__all__ = ["kernel_tile_states", "tiles_arg", "tile_state", "next_key_tile", "EMPTY", "PARTIAL", "FULL"]
+__all__ = ["kernel_tile_states", "tiles_arg", "tile_state", "make_tile_skip", "next_key_tile", "EMPTY", "PARTIAL",
+           "FULL"]

@@ -26,7 +26,7 @@ from typing import Any
 # fake module, which a closure variable would escape. Only launch.py and compile_check.py import this module.
 from numba import config, cuda, float32, int32, uint32, uint64
 
-from .block_tiles import EMPTY, FULL, tile_state
+from .block_tiles import make_tile_skip
 from .config import FlashAttentionConfig, transposed_stride
 from .dtypes import element_io
 from .masks import (bias_head, dropout_factor, make_bias_tile, make_biases, make_score_mod_hides, make_visible,
@@ -110,7 +110,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     sees = make_visible(has_left, has_right, has_bias, mods)   # also reads attn_bias and the mods, for the rare path
     add_biases = make_biases(alibi, STAGED)
     load_bias = make_bias_tile(BM, BN, NT, True, BM, has_bias, mods)
-    BLOCK_TILES = mods.block_tiles
+    tile_skip = make_tile_skip(mods.block_tiles)
     score_mod = make_score_mod(mods)
     score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, LOAD)
     Q_PASSES, KV_PASSES, V4 = tile_passes(BM, DB, NT), tile_passes(BN, DB, NT), FETCH_VECTOR
@@ -198,14 +198,11 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
         cuda.syncthreads()
 
         for n0 in range(n_start, hi, BN):
-            full_tile = False
-            if BLOCK_TILES:
-                # The state is the block's (one table entry), so every thread takes the same branch; the last
-                # iteration ended on a barrier, so skipping before this one's loads leaves nothing half done.
-                state = tile_state(tiles, b, h, cuda.blockIdx.x, n0 // BN)
-                if state == EMPTY:   # mask_mod hides every key: never read, so a NaN there cannot poison
-                    continue
-                full_tile = state == FULL
+            # The state is the block's (one table entry), so every thread takes the same branch; the last
+            # iteration ended on a barrier, so skipping before this one's loads leaves nothing half done.
+            skip, full_tile = tile_skip(tiles, b, h, cuda.blockIdx.x, n0 // BN)
+            if skip:   # mask_mod hides every key: never read, so a NaN there cannot poison
+                continue
             for k_pass in range(KV_PASSES):
                 at, ok = fetch_k(fetched, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t, k_pass)
                 if ok:

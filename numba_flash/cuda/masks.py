@@ -134,8 +134,8 @@ def make_dropout_tile(block_m: int, block_n: int, threads: int, ld: int, transpo
 def make_bias_tile(block_m: int, block_n: int, threads: int, transposed: bool, ld: int, has_bias: bool = True,
                    mods: CudaMods = NO_MODS) -> Any:
     """``load(tile, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t, check_mask)``: the score terms that do not depend on
-    the score, of query rows ``m0 ..`` and keys ``n0 ..`` of batch ``b``, query head ``h``, into a (block_m x block_n) shared
-    tile, by the block's ``threads`` threads (``t``: this one): attn_bias (with ``has_bias``, from the
+    the score, of query rows ``m0 ..`` and keys ``n0 ..`` of batch ``b``, query head ``h``, into a (block_m x
+    block_n) shared tile, by the block's ``threads`` threads (``t``: this one): attn_bias (with ``has_bias``, from the
     ``bias_head`` slab ``bias_h``) plus the user's bias_mod, and -inf where the user's mask_mod hides the pair; 0
     past the sequences (a mod is never called there). The kernels read it where they form the scores (an entry's
     address there is a constant offset, where the bias's own is a product of four indices and strides, and a mod

@@ -27,7 +27,7 @@ from typing import Any
 from numba import config, cuda, float32, int32, uint16, uint32, uint64
 
 from . import warp
-from .block_tiles import EMPTY, FULL, tile_state
+from .block_tiles import make_tile_skip
 from .config import FlashAttentionConfig
 from .dtypes import load_bf16, load_f16_bits
 from .masks import LOG2E, bias_head, make_score_mod_hides, make_visible
@@ -70,7 +70,7 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     copy_kv = make_tile_copy(BLOCK_N, HEAD_DIM, NT, async_copy)
     smem_index = make_smem_index(HEAD_DIM)
     score = make_score(softcap, alibi, has_bias, mods)
-    BLOCK_TILES = mods.block_tiles
+    tile_skip = make_tile_skip(mods.block_tiles)
     kept_factor = make_kept_factor(dropout)
     keep_bits = make_keep_bits(M_TILES, transposed=True)
     sees = make_visible(has_left, has_right, has_bias, mods)
@@ -144,15 +144,12 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 slope = slopes[b, h]
             bias_h = bias_head(bias, b, h)
             for m0 in range(m_start, i_hi, BLOCK_M):
-                full_tile = False
-                if BLOCK_TILES:
-                    # One table entry for the whole block (the transposed look-up: query tile m0, this block's key
-                    # tile), so every warp skips together; a skipped tile copies nothing, so skipping this
-                    # iteration's barriers is safe.
-                    state = tile_state(tiles, b, h, m0 // BLOCK_M, cuda.blockIdx.x)
-                    if state == EMPTY:   # mask_mod hides every pair: Q and dO never read
-                        continue
-                    full_tile = state == FULL
+                # One table entry for the whole block (the transposed look-up: query tile m0, this block's key
+                # tile), so every warp skips together; a skipped tile copies nothing, so skipping this
+                # iteration's barriers is safe.
+                skip, full_tile = tile_skip(tiles, b, h, m0 // BLOCK_M, cuda.blockIdx.x)
+                if skip:   # mask_mod hides every pair: Q and dO never read
+                    continue
                 cuda.syncthreads()               # every warp is done with the last step's Q and dO tiles
                 for c_pass in range(X_PASSES):
                     copy_x(q_tile, q, c_pass, r0, c0, chunk_bytes, m0, seqlen_q, tile_offset(q, b, m0, h),

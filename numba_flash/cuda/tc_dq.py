@@ -27,7 +27,7 @@ from typing import Any
 from numba import config, cuda, float32, int32, uint16, uint32, uint64
 
 from . import warp
-from .block_tiles import EMPTY, FULL, next_key_tile, tile_state
+from .block_tiles import make_tile_skip, next_key_tile
 from .config import FlashAttentionConfig
 from .masks import LOG2E, bias_head
 from .tc_forward import EXPONENT_BITS, tile_offset
@@ -68,6 +68,7 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
     smem_index = make_smem_index(HEAD_DIM)
     score = make_score(softcap, alibi, has_bias, mods)
     BLOCK_TILES = mods.block_tiles
+    tile_skip = make_tile_skip(BLOCK_TILES)
     kept_factor = make_kept_factor(dropout)
     keep_bits = make_keep_bits(N_TILES)
 
@@ -173,14 +174,11 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
             do_frag[kk, 0], do_frag[kk, 1], do_frag[kk, 2], do_frag[kk, 3] = a0, a1, a2, a3
 
         for n0 in range(n_start, hi, BLOCK_N):
-            full_tile = False
-            if BLOCK_TILES:
-                # One table entry for the whole block, so every warp skips together, before any barrier of the
-                # iteration; no copy is in flight for a skipped tile (the prefetches go to the next tile that runs).
-                state = tile_state(tiles, b, h, cuda.blockIdx.x, n0 // BLOCK_N)
-                if state == EMPTY:   # mask_mod hides every key: K and V never read
-                    continue
-                full_tile = state == FULL
+            # One table entry for the whole block, so every warp skips together, before any barrier of the
+            # iteration; no copy is in flight for a skipped tile (the prefetches go to the next tile that runs).
+            skip, full_tile = tile_skip(tiles, b, h, cuda.blockIdx.x, n0 // BLOCK_N)
+            if skip:   # mask_mod hides every key: K and V never read
+                continue
             # K and V of this tile are in (copied at the end of the last iteration, or before the loop); each thread
             # tests the K chunks it copied, and the barrier that publishes the tiles ORs the answer.
             warp.cp_async_wait_all()

@@ -32,7 +32,7 @@ from typing import Any
 from numba import config, cuda, float32, int32, int64, uint16, uint32, uint64
 
 from . import warp
-from .block_tiles import EMPTY, FULL, next_key_tile, tile_state
+from .block_tiles import make_tile_skip, next_key_tile
 from .config import FlashAttentionConfig
 from .dtypes import load_bf16, load_f16_bits
 from .masks import bias_head, make_score_mod_hides, make_visible
@@ -105,6 +105,7 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
     INDEX_MODS, SCORE_MOD, MOD_WORDS = mods.stages_tile, mods.score_mod is not None, staged_words(N_TILES, NT, mods)
     stage_mods = make_mod_stage(N_TILES, NT, mods)
     BLOCK_TILES = mods.block_tiles
+    tile_skip = make_tile_skip(BLOCK_TILES)
     score_mod = make_score_mod(mods)
     score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, load_bf16 if bf16 else load_f16_bits)
 
@@ -199,14 +200,11 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
         v_nonfinite_seen = False
 
         for n0 in range(n_start, hi, BLOCK_N):
-            full_tile = False
-            if BLOCK_TILES:
-                # One table entry for the whole block, so every warp skips together, before any barrier of the
-                # iteration; no copy is in flight for a skipped tile (the prefetches go to the next tile that runs).
-                state = tile_state(tiles, b, h, cuda.blockIdx.x, n0 // BLOCK_N)
-                if state == EMPTY:   # mask_mod hides every key: K and V never read, so a NaN there cannot poison
-                    continue
-                full_tile = state == FULL
+            # One table entry for the whole block, so every warp skips together, before any barrier of the
+            # iteration; no copy is in flight for a skipped tile (the prefetches go to the next tile that runs).
+            skip, full_tile = tile_skip(tiles, b, h, cuda.blockIdx.x, n0 // BLOCK_N)
+            if skip:   # mask_mod hides every key: K and V never read, so a NaN there cannot poison
+                continue
             warp.cp_async_wait_all()               # this K tile; and every warp is past the last tile's P V
             cuda.syncthreads()
             for c_pass in range(KV_PASSES):
