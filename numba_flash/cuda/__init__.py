@@ -17,11 +17,16 @@
     compile_check.py  PTX/SASS compile of every specialisation with register and spill report (no GPU needed)
     simcheck.py       race, bounds and barrier checker for the simulator (NUMBA_FLASH_SIMCHECK=1), with
                       simcheck_hooks.py and simcheck_arrays.py, which load only when it is switched on
+    compat.py         keeps numba-cuda compiling under numpy releases newer than it knows (np.row_stack)
 
 Importing this package does not import ``numba.cuda``; the kernel factories do, on first use.
 """
 
 from __future__ import annotations
+
+from .compat import restore_row_stack
+
+restore_row_stack()   # before numba-cuda compiles anything: see compat.py
 
 from .config import (
     HEAD_DIM_BUCKETS,
