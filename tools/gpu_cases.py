@@ -1,0 +1,274 @@
+"""Correctness cases for a real GPU (``tools/gpu_check.py`` runs them): the cuda backend on torch tensors on the
+device, judged against the float64 reference on fresh random inputs of odd sizes, with the contract's bounds.
+
+Each case returns a dict of measured errors, the bound each is held to, and ``ok``. With ``--device cpu`` the
+same cases run on the cpu backend with torch CPU tensors, which is how this file is tried without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+import numba_flash
+from numba_flash import attention_ref, attention_ref_backward
+from numba_flash.semantics import default_scale, effective_window, visible_mask
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+LOW_REL_L2 = {"float16": 2e-3, "bfloat16": 1.6e-2}
+#: lse after a rotary step done in the dtype (q rotated and rounded there, the reference rotates in float64)
+ROTARY_LSE = {"float32": 1e-4, "float16": 1e-3, "bfloat16": 8e-3}
+
+
+class Ctx:
+    """Where the cases run: the torch device, the backend forced, and a fresh generator (its seed is logged)."""
+
+    def __init__(self, device: str, backend: str, seed: int):
+        self.device, self.backend, self.seed = device, backend, seed
+        self.rng = np.random.default_rng(seed)
+        self.op = numba_flash.backend_registry.get("flash", backend=backend)
+
+    def tensor(self, shape: tuple[int, ...], dtype: str, scale: float = 1.0) -> torch.Tensor:
+        x = self.rng.standard_normal(shape).astype(np.float32) * scale
+        return torch.from_numpy(x).to(TORCH_DTYPES[dtype]).to(self.device)
+
+
+def f64(t: torch.Tensor) -> np.ndarray:
+    return t.detach().double().cpu().numpy()
+
+
+def max_abs(got: np.ndarray, ref: np.ndarray) -> float:
+    both = np.isfinite(ref)
+    if not np.array_equal(np.isfinite(got), both):
+        return math.inf
+    return float(np.max(np.abs(got[both] - ref[both]), initial=0.0))
+
+
+def rel_l2(got: np.ndarray, ref: np.ndarray) -> float:
+    if not np.all(np.isfinite(got)):
+        return math.inf
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor | None, causal: bool,
+          window: tuple[int, int], softcap: float, compute: torch.dtype) -> tuple[Any, ...]:
+    """Textbook attention in ``compute`` precision on the tensors' device (scores, softmax and P V each rounded
+    to it): flash-attn's yardstick. Returns out, lse (float64 numpy) and, with ``dout``, dq, dk, dv."""
+    b, sq, hq, d = q.shape
+    sk, group = k.shape[1], hq // k.shape[2]
+    left, right = effective_window(causal, window)
+    mask = torch.from_numpy(visible_mask(sq, sk, left, right)).to(q.device)
+    leaves = [x.detach().to(compute).requires_grad_(dout is not None) for x in (q, k, v)]
+    qt, kt, vt = (x.transpose(1, 2) for x in leaves)
+    kt, vt = kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1)
+    s = (qt @ kt.transpose(-1, -2)) * default_scale(d)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~mask, -math.inf)
+    lse = torch.logsumexp(s.float(), dim=-1)
+    out = (torch.softmax(s, dim=-1) @ vt).transpose(1, 2)
+    res = [f64(out), f64(lse)]
+    if dout is not None:
+        res += [f64(g) for g in torch.autograd.grad(out, leaves, dout.to(compute))]
+    return tuple(res)
+
+
+def _judge(measured: dict[str, float], bounds: dict[str, float]) -> dict[str, Any]:
+    fails = [n for n, e in measured.items() if not e <= bounds[n]]
+    return {"errors": measured, "bounds": bounds, "ok": not fails, "failed": fails}
+
+
+def dense(ctx: Ctx, dtype: str, d: int, b: int = 2, sq: int = 257, sk: int = 300, hq: int = 4, hkv: int = 2,
+          causal: bool = False, window: tuple[int, int] = (-1, -1), softcap: float = 0.0, backward: bool = True,
+          scale: float = 1.0) -> dict[str, Any]:
+    """One forward (and backward) through the forced backend against the float64 reference. Bounds: float32 out
+    and every dtype's lse within max(1e-5, 4x textbook float32 attention's error), float32 gradients relative L2
+    <= 1e-5; float16/bfloat16 out and gradients relative L2 <= 2e-3 / 1.6e-2 and <= 2x the same-dtype textbook
+    error plus a rounding slack."""
+    q, k, v = ctx.tensor((b, sq, hq, d), dtype, scale), ctx.tensor((b, sk, hkv, d), dtype, scale), \
+        ctx.tensor((b, sk, hkv, d), dtype)
+    dout = ctx.tensor((b, sq, hq, d), dtype)
+    saved = [x.clone() for x in (q, k, v, dout)]
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    out, lse = ctx.op.forward(q, k, v, return_lse=True, **kw)
+    ref_out, ref_lse = attention_ref(f64(q), f64(k), f64(v), **kw)
+    tb = naive(q, k, v, None, causal, window, softcap, torch.float32)
+    measured, bounds = {}, {}
+    lse_bound = max(1e-5, 4 * max_abs(tb[1], ref_lse))
+    if dtype == "float32":
+        measured["out"], bounds["out"] = max_abs(f64(out), ref_out), max(1e-5, 4 * max_abs(tb[0], ref_out))
+    else:
+        same = naive(q, k, v, None, causal, window, softcap, TORCH_DTYPES[dtype])
+        slack = 2 * rel_l2(ref_out + 0.3 - 0.3, ref_out)
+        measured["out"] = rel_l2(f64(out), ref_out)
+        bounds["out"] = min(LOW_REL_L2[dtype], 2 * rel_l2(same[0], ref_out) + slack)
+    measured["lse"], bounds["lse"] = max_abs(f64(lse), ref_lse), lse_bound
+    if backward:
+        grads = ctx.op.backward(dout, q, k, v, out, lse, **kw)
+        refs = attention_ref_backward(f64(dout), f64(q), f64(k), f64(v), **kw)
+        if dtype != "float32":
+            same = naive(q, k, v, dout, causal, window, softcap, TORCH_DTYPES[dtype])
+        for name, g, r, i in zip(("dq", "dk", "dv"), grads, refs, range(3)):
+            measured[name] = rel_l2(f64(g), r)
+            if dtype == "float32":
+                bounds[name] = 1e-5
+            else:
+                bounds[name] = min(LOW_REL_L2[dtype], 2 * rel_l2(same[2 + i], r) + 2 * rel_l2(r + 0.3 - 0.3, r))
+    res = _judge(measured, bounds)
+    res["inputs_untouched"] = all(torch.equal(a, b) for a, b in zip(saved, (q, k, v, dout)))
+    res["ok"] = res["ok"] and res["inputs_untouched"]
+    res["explain"] = str(ctx.op.explain(q, k, v, **kw)).splitlines()[-3:] if ctx.device != "cpu" else []
+    return res
+
+
+def varlen(ctx: Ctx, dtype: str, d: int = 64, causal: bool = True) -> dict[str, Any]:
+    """Packed sequences (layout thd) with an empty and a one-token sequence, forward and backward."""
+    lens_q, lens_k = [37, 1, 0, 130, 64], [50, 1, 3, 130, 70]
+    cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q, k, v = ctx.tensor((cq[-1], 4, d), dtype), ctx.tensor((ck[-1], 2, d), dtype), ctx.tensor((ck[-1], 2, d), dtype)
+    kw = dict(cu_seqlens_q=torch.from_numpy(cq).to(ctx.device), cu_seqlens_k=torch.from_numpy(ck).to(ctx.device),
+              max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), causal=causal)
+    out, lse = ctx.op.forward(q, k, v, return_lse=True, **kw)
+    ref_out, ref_lse = numba_flash.attention_ref_varlen(f64(q), f64(k), f64(v), cq, ck, causal=causal)
+    dout = ctx.tensor(tuple(out.shape), dtype)
+    grads = ctx.op.backward(dout, q, k, v, out, lse, **kw)
+    refs = numba_flash.attention_ref_varlen_backward(f64(dout), f64(q), f64(k), f64(v), cq, ck, causal=causal)
+    bound = 1e-5 if dtype == "float32" else LOW_REL_L2[dtype]
+    measured = {"out": rel_l2(f64(out), ref_out), "lse": max_abs(f64(lse), ref_lse)}
+    measured.update({n: rel_l2(f64(g), r) for n, g, r in zip(("dq", "dk", "dv"), grads, refs)})
+    return _judge(measured, {"out": bound, "lse": 1e-4, "dq": bound, "dk": bound, "dv": bound})
+
+
+def kvcache(ctx: Ctx, dtype: str, d: int = 128, paged: bool = True, num_splits: int = 0) -> dict[str, Any]:
+    """One decode step (Sq = 1) with two new keys appended at ragged cache lengths, rotary, a paged cache."""
+    b, hq, hkv, page, pages = 3, 8, 2, 16, 40
+    lens = np.array([5, 300, 611], np.int32)
+    q, k_new, v_new = ctx.tensor((b, 2, hq, d), dtype), ctx.tensor((b, 2, hkv, d), dtype), \
+        ctx.tensor((b, 2, hkv, d), dtype)
+    if paged:
+        k_cache, v_cache = ctx.tensor((pages * b, page, hkv, d), dtype), ctx.tensor((pages * b, page, hkv, d), dtype)
+        table = torch.from_numpy(ctx.rng.permutation(pages * b).reshape(b, pages).astype(np.int32)).to(ctx.device)
+    else:
+        k_cache, v_cache = ctx.tensor((b, page * pages, hkv, d), dtype), ctx.tensor((b, page * pages, hkv, d), dtype)
+        table = None
+    angles = ctx.rng.uniform(0, 2 * np.pi, (page * pages, d // 2))
+    cos, sin = (torch.from_numpy(f(angles).astype(np.float32)).to(ctx.device) for f in (np.cos, np.sin))
+    before = (f64(k_cache), f64(v_cache))
+    kw = dict(rotary_cos=cos, rotary_sin=sin, cache_seqlens=torch.from_numpy(lens).to(ctx.device),
+              block_table=table, causal=True)
+    ref = numba_flash.attention_ref_kvcache(f64(q), before[0], before[1], f64(k_new), f64(v_new),
+                                            f64(cos), f64(sin), lens, None, None,
+                                            None if table is None else table.cpu().numpy(), causal=True)
+    out, lse = ctx.op.with_kvcache(q, k_cache, v_cache, k_new, v_new, num_splits=num_splits, return_lse=True, **kw)
+    bound = 1e-5 if dtype == "float32" else LOW_REL_L2[dtype]
+    measured = {"out": rel_l2(f64(out), ref[0]), "lse": max_abs(f64(lse), ref[1]),
+                "k_cache": rel_l2(f64(k_cache), ref[2]), "v_cache": rel_l2(f64(v_cache), ref[3])}
+    # v is appended as given: exact
+    return _judge(measured, {"out": bound, "lse": ROTARY_LSE[dtype], "k_cache": bound, "v_cache": 0.0})
+
+
+def variants(ctx: Ctx, dtype: str, what: str, d: int = 64) -> dict[str, Any]:
+    """A forward and backward with one attention variant, against the float64 reference."""
+    b, sq, sk, hq, hkv = 2, 133, 201, 4, 2
+    q, k, v = ctx.tensor((b, sq, hq, d), dtype), ctx.tensor((b, sk, hkv, d), dtype), ctx.tensor((b, sk, hkv, d), dtype)
+    kw: dict[str, Any] = {"causal": True}
+    doc = np.repeat(np.arange(8), 40)[: max(sq, sk)]
+    if what == "attn_bias+alibi":
+        kw["attn_bias"] = ctx.tensor((hq, sq, sk), "float32")
+        kw["alibi_slopes"] = torch.from_numpy(ctx.rng.uniform(0.05, 0.5, hq).astype(np.float32)).to(ctx.device)
+    elif what == "dropout":
+        kw.update(dropout_p=0.17, dropout_seed=int(ctx.rng.integers(2 ** 62)))
+    elif what == "mods":
+        def mask_mod(b_, h_, i, j):
+            return doc[i] == doc[j]
+
+        def score_mod(s, b_, h_, i, j):
+            return s * np.float32(0.9) + np.float32(0.01) * h_
+
+        def score_mod_grad(s, b_, h_, i, j):
+            return np.float32(0.9)
+
+        kw.update(mask_mod=mask_mod, score_mod=score_mod,
+                  block_mask=numba_flash.block_mask(mask_mod, 1, 1, sq, sk, 32, 32))
+    out, lse = ctx.op.forward(q, k, v, return_lse=True, **kw)
+    ref_kw = {n: (f64(x) if isinstance(x, torch.Tensor) else x) for n, x in kw.items() if n != "block_mask"}
+    ref_out, ref_lse = attention_ref(f64(q), f64(k), f64(v), **ref_kw)
+    dout = ctx.tensor(tuple(out.shape), dtype)
+    if what == "mods":
+        kw["score_mod_grad"] = ref_kw["score_mod_grad"] = score_mod_grad
+    grads = ctx.op.backward(dout, q, k, v, out, lse, **kw)
+    refs = attention_ref_backward(f64(dout), f64(q), f64(k), f64(v), **ref_kw)
+    bound = 2e-5 if dtype == "float32" else LOW_REL_L2[dtype]
+    measured = {"out": rel_l2(f64(out), ref_out), "lse": max_abs(f64(lse), ref_lse)}
+    measured.update({n: rel_l2(f64(g), r) for n, g, r in zip(("dq", "dk", "dv"), grads, refs)})
+    return _judge(measured, {"out": bound, "lse": 1e-4, "dq": bound, "dk": bound, "dv": bound})
+
+
+def nonfinite(ctx: Ctx, dtype: str, d: int = 64) -> dict[str, Any]:
+    """A NaN in one key row poisons exactly the output rows that see it (causal: rows at or after it)."""
+    b, s, h = 1, 150, 2
+    q, k, v = ctx.tensor((b, s, h, d), dtype), ctx.tensor((b, s, h, d), dtype), ctx.tensor((b, s, h, d), dtype)
+    k[0, 97, 1, 5] = float("nan")
+    out = f64(ctx.op.forward(q, k, v, causal=True))
+    ref, _ = attention_ref(f64(q), f64(k), f64(v), causal=True)
+    same_nan = np.array_equal(np.isnan(out), np.isnan(ref))
+    measured = {"nan_pattern": 0.0 if same_nan else 1.0, "finite_rows": rel_l2(out[np.isfinite(ref)],
+                                                                                ref[np.isfinite(ref)])}
+    return _judge(measured, {"nan_pattern": 0.0, "finite_rows": 1e-5 if dtype == "float32" else LOW_REL_L2[dtype]})
+
+
+def threads(ctx: Ctx, dtype: str, d: int = 64) -> dict[str, Any]:
+    """Four Python threads calling the same forward at once get the single-threaded answer, bit for bit."""
+    import concurrent.futures as cf
+
+    q, k, v = ctx.tensor((2, 211, 4, d), dtype), ctx.tensor((2, 190, 4, d), dtype), ctx.tensor((2, 190, 4, d), dtype)
+    one = f64(ctx.op.forward(q, k, v, causal=True))
+    with cf.ThreadPoolExecutor(4) as pool:
+        many = list(pool.map(lambda _: f64(ctx.op.forward(q, k, v, causal=True)), range(8)))
+    same = all(np.array_equal(one, m) for m in many)
+    return _judge({"differs": 0.0 if same else 1.0}, {"differs": 0.0})
+
+
+def foreign_arrays(ctx: Ctx, dtype: str = "float32", d: int = 64) -> dict[str, Any]:
+    """numba device arrays and CuPy arrays (``__cuda_array_interface__``) in, the same array kind out."""
+    from numba import cuda
+
+    q, k, v = (ctx.rng.standard_normal(s).astype(np.float32) for s in ((1, 97, 2, d), (1, 131, 1, d), (1, 131, 1, d)))
+    ref, _ = attention_ref(q, k, v, causal=True)
+    measured = {}
+    got = ctx.op.forward(*(cuda.to_device(x) for x in (q, k, v)), causal=True)
+    measured["numba"] = max_abs(got.copy_to_host().astype(np.float64), ref)
+    try:
+        import cupy
+    except ImportError:
+        pass
+    else:
+        got = ctx.op.forward(*(cupy.asarray(x) for x in (q, k, v)), causal=True)
+        measured["cupy"] = max_abs(cupy.asnumpy(got).astype(np.float64), ref)
+    return _judge(measured, {n: 1e-5 for n in measured})
+
+
+def big_head_dims(ctx: Ctx, dtype: str) -> dict[str, Any]:
+    """MLA's head dims (D = 576, Dv = 512), forward only, on the forced backend."""
+    q, k, v = ctx.tensor((1, 67, 2, 576), dtype), ctx.tensor((1, 90, 1, 576), dtype), ctx.tensor((1, 90, 1, 512), dtype)
+    out, lse = ctx.op.forward(q, k, v, return_lse=True, causal=True)
+    ref_out, ref_lse = attention_ref(f64(q), f64(k), f64(v), causal=True)
+    bound = 1e-5 if dtype == "float32" else LOW_REL_L2[dtype]
+    return _judge({"out": rel_l2(f64(out), ref_out), "lse": max_abs(f64(lse), ref_lse)}, {"out": bound, "lse": 1e-4})
+
+
+def dense_cases(dtype: str, d: int) -> list[tuple[str, Callable[[Ctx], dict]]]:
+    """The dense cases of one (dtype, head dim): the same specialisations the timings at that head dim use
+    (plain and causal), then a window with softcap, and Sq = 1."""
+    return [
+        (f"dense {dtype} D={d}", lambda c: dense(c, dtype, d)),
+        (f"dense {dtype} D={d} causal", lambda c: dense(c, dtype, d, causal=True)),
+        (f"dense {dtype} D={d} causal Sq>Sk", lambda c: dense(c, dtype, d, sq=300, sk=257, causal=True)),
+        (f"dense {dtype} D={d} window(37,5)+softcap", lambda c: dense(c, dtype, d, window=(37, 5), softcap=2.5)),
+        (f"dense {dtype} D={d} Sq=1", lambda c: dense(c, dtype, d, sq=1, sk=515)),
+        (f"dense {dtype} D={d} causal x5 inputs", lambda c: dense(c, dtype, d, causal=True, scale=3.0)),
+    ]

@@ -1,0 +1,368 @@
+"""Native checks and timings of the cuda backend on a real NVIDIA GPU, in one call that fits a short lease.
+
+    python tools/gpu_check.py --out DIR [--budget SECONDS] [--device cuda|cpu] [--perf-only] [--only JOBS]
+
+(``tools/gpu_session.sh`` runs it with the machine's description first; ``docs/gpu-runs/`` keeps what it printed.)
+
+Worker processes (spawned, one per dtype x head dim, plus feature workers) each run their correctness cases
+(``tools/gpu_cases.py``) against the float64 reference; that also compiles the kernels their timings need (numba
+compiles per process, and a tensor-core kernel takes seconds to build). Then all wait at a barrier, and one at a
+time (a lock) time the cuda backend against torch SDPA (default choice, and FlashAttention-2 / memory-efficient
+forced) at S = 4096, B = 4, H = 2048 / D: forward, and backward alone, causal and not, min / median wall time of
+synchronised calls (host work included, as one call from a notebook sees it), then per-call time of 10 calls
+queued back to back (the host's work overlaps the GPU's, as in a training loop; 3 batches), TFLOP/s with FLOPs
+4 B H S^2 D (half with causal; backward 2.5x the forward), the error of the first two heads against float64 on the
+device, and the peak memory torch's allocator saw. Results go to DIR/results.jsonl line by line as they come
+(nothing is lost when the lease ends), a log to DIR/log.txt, a summary table to stdout at the end.
+``--device cpu`` runs the same code on the cpu backend (a dry run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BATCH, SEQLEN, MODEL_DIM = 4, 4096, 2048
+
+
+def jobs(device: str) -> list[dict[str, Any]]:
+    """Each worker's cases (by name, built inside the worker) and whether it times."""
+    dtypes = ("float32", "float16", "bfloat16")
+    out = [dict(name=f"{dt}-D{d}", dense=(dt, d), perf=(dt, d)) for dt in dtypes for d in (64, 128)]
+    out += [dict(name="headdims", extra=["d256-float32", "d256-float16", "d256-bfloat16", "d40-float32",
+                                          "d96-float16", "mla-float16"]),
+            dict(name="features-a", extra=["varlen-float32", "varlen-float16", "kvcache-float16",
+                                           "kvcache-float32", "kvcache-bfloat16-flat"]),
+            dict(name="features-b", extra=["bias-float32", "bias-float16", "dropout-float16", "dropout-float32",
+                                           "mods-float32", "mods-bfloat16", "nonfinite-float32",
+                                           "nonfinite-float16", "threads-float16"]
+                 + (["foreign-float32"] if device == "cuda" else []))]
+    return out
+
+
+def extra_case(name: str):
+    import gpu_cases as gc
+
+    what, dtype = name.split("-", 1)
+    if what.startswith("d") and what[1:].isdigit():
+        d = int(what[1:])
+        return lambda c: gc.dense(c, dtype, d, sq=131, sk=150, causal=True)
+    table = {"mla": lambda c: gc.big_head_dims(c, dtype),
+             "varlen": lambda c: gc.varlen(c, dtype),
+             "kvcache": lambda c: gc.kvcache(c, dtype.split("-")[0], paged="flat" not in dtype),
+             "bias": lambda c: gc.variants(c, dtype, "attn_bias+alibi"),
+             "dropout": lambda c: gc.variants(c, dtype, "dropout"),
+             "mods": lambda c: gc.variants(c, dtype, "mods"),
+             "nonfinite": lambda c: gc.nonfinite(c, dtype),
+             "threads": lambda c: gc.threads(c, dtype),
+             "foreign": lambda c: gc.foreign_arrays(c, dtype)}
+    return table[what]
+
+
+class Sink:
+    """Appends one JSON line per result and text lines to the log, flushed at once (the lease may end)."""
+
+    def __init__(self, out_dir: str, job: str):
+        self.job = job
+        self.results = open(os.path.join(out_dir, "results.jsonl"), "a", buffering=1)
+        self.log = open(os.path.join(out_dir, "log.txt"), "a", buffering=1)
+
+    def say(self, text: str) -> None:
+        self.log.write(f"[{time.strftime('%H:%M:%S')} {self.job}] {text}\n")
+
+    def put(self, record: dict[str, Any]) -> None:
+        record["job"] = self.job
+        self.results.write(json.dumps(record, default=str) + "\n")
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(fn, device: str, reps: int, prep=None) -> list[float]:
+    times = []
+    for _ in range(reps):
+        if prep is not None:
+            prep()
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _queued(fn, device: str, calls: int = 10, batches: int = 3) -> list[float]:
+    """Per-call time of ``calls`` back-to-back calls between two synchronisations, ``batches`` times: the host's
+    per-call work overlaps the GPU's (a training step's steady state), unlike ``_time``'s synchronised calls."""
+    out = []
+    for _ in range(batches):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        out.append((time.perf_counter() - t0) / calls)
+    return out
+
+
+def perf(sink: Sink, dtype: str, d: int, device: str, backend: str, seq: int) -> None:
+    """Times at S = seq for one (dtype, head dim): ours and torch's, causal and not, forward and backward."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import numba_flash
+
+    op = numba_flash.backend_registry.get("flash", backend=backend)
+    tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    h = MODEL_DIM // d
+    gen = torch.Generator(device=device).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    q, k, v, dout = (torch.randn(BATCH, seq, h, d, device=device, dtype=tdt, generator=gen) for _ in range(4))
+    forced = SDPBackend.FLASH_ATTENTION if dtype != "float32" else SDPBackend.EFFICIENT_ATTENTION
+    for causal in (False, True):
+        flops = 4 * BATCH * h * seq * seq * d / (2 if causal else 1)
+        rec: dict[str, Any] = dict(kind="perf", dtype=dtype, D=d, S=seq, B=BATCH, H=h, causal=causal,
+                                   fwd_tflop=flops / 1e12)
+        reps = 5 if dtype == "float32" else 10
+        try:
+            res: dict[str, Any] = {}
+
+            def ours_fwd():
+                res["o"] = op.forward(q, k, v, causal=causal, return_lse=True)
+
+            ours_fwd()                       # compiled already by the correctness cases; warm anyway
+            rec["ours_fwd_s"] = _time(ours_fwd, device, reps)
+            out, lse = res["o"]
+            rec["ours_bwd_s"] = _time(lambda: op.backward(dout, q, k, v, out, lse, causal=causal), device, reps)
+            grads = op.backward(dout, q, k, v, out, lse, causal=causal)
+            rec["ours_fwdq_s"] = _queued(lambda: op.forward(q, k, v, causal=causal, return_lse=True), device)
+
+            def ours_train():
+                o, l_ = op.forward(q, k, v, causal=causal, return_lse=True)
+                op.backward(dout, q, k, v, o, l_, causal=causal)
+            rec["ours_trainq_s"] = _queued(ours_train, device)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                op.forward(q, k, v, causal=causal)
+                rec["ours_fwd_peak_bytes"] = torch.cuda.max_memory_allocated() - base
+            # error of heads 0-1 of batch 0 against float64 on the device, with torch SDPA's for scale
+            sl = [x[:1, :, :2].transpose(1, 2).double().requires_grad_(True) for x in (q, k, v)]
+            ref = F.scaled_dot_product_attention(*sl, is_causal=causal)
+            ref_grads = torch.autograd.grad(ref, sl, dout[:1, :, :2].transpose(1, 2).double())
+            ref = ref.transpose(1, 2)
+            rec["ours_out_max_abs"] = float((out[:1, :, :2].double() - ref).abs().max())
+            rec["ours_grad_rel_l2"] = [float((g[:1, :, :2].double().transpose(1, 2) - r).norm() / r.norm())
+                                       for g, r in zip(grads, ref_grads)]
+            del res["o"], out, lse, grads
+            qt, kt, vt, dt_ = (x.transpose(1, 2) for x in (q, k, v, dout))
+            for label, forced_kernel in (("torch", None), ("torch_forced", forced)):
+                def run(args, kernel=forced_kernel):
+                    if kernel is None:
+                        return F.scaled_dot_product_attention(*args, is_causal=causal)
+                    with sdpa_kernel([kernel]):
+                        return F.scaled_dot_product_attention(*args, is_causal=causal)
+
+                def fwd():
+                    with torch.no_grad():
+                        run((qt, kt, vt))
+                try:
+                    fwd()
+                    rec[f"{label}_fwd_s"] = _time(fwd, device, reps)
+                    state: dict[str, Any] = {}
+
+                    def prep():
+                        leaves = [x.detach().requires_grad_(True) for x in (qt, kt, vt)]
+                        state["o"], state["l"] = run(leaves), leaves
+
+                    def bwd():
+                        torch.autograd.grad(state["o"], state["l"], dt_)
+                    rec[f"{label}_bwd_s"] = _time(bwd, device, reps, prep)
+                    rec[f"{label}_fwdq_s"] = _queued(fwd, device)
+
+                    def train():
+                        prep()
+                        bwd()
+                    rec[f"{label}_trainq_s"] = _queued(train, device)
+                    state.clear()
+                    with torch.no_grad():
+                        o = run([x[:1, :2] for x in (qt, kt, vt)]).transpose(1, 2)
+                    rec[f"{label}_out_max_abs"] = float((o.double() - ref).abs().max())
+                except Exception as exc:   # a forced torch kernel may not take this case
+                    rec[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            if device == "cuda" and not causal and d == 128:
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                with torch.no_grad():
+                    s = (qt @ kt.transpose(-1, -2)) * d ** -0.5
+                    (torch.softmax(s, -1) @ vt)
+                del s
+                rec["naive_fwd_peak_bytes"] = torch.cuda.max_memory_allocated() - base
+        except Exception as exc:
+            rec["error"] = traceback.format_exc()[-1500:]
+        for key in [k for k in rec if k.endswith("_s")]:
+            rec[key.replace("_s", "_med_s")] = float(np.median(rec[key]))
+            rec[key.replace("_s", "_min_s")] = float(np.min(rec[key]))
+        sink.put(rec)
+        sink.say(f"perf {dtype} D={d} causal={causal}: ours fwd {rec.get('ours_fwd_med_s')} bwd "
+                 f"{rec.get('ours_bwd_med_s')}; torch fwd {rec.get('torch_fwd_med_s')} {rec.get('error', '')}")
+
+
+def worker(spec: dict[str, Any], out_dir: str, device: str, barrier: Any, lock: Any, deadline: float,
+           seq: int, perf_only: bool = False) -> None:
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
+    sink = Sink(out_dir, spec["name"])
+    logging.basicConfig(stream=sink.log, level=logging.INFO, format=f"[{spec['name']}] %(name)s %(message)s")
+    import warnings
+
+    warnings.simplefilter("default")
+    logging.captureWarnings(True)
+    try:
+        import numpy as np
+
+        import gpu_cases as gc
+        seed = int.from_bytes(os.urandom(4), "little")
+        backend = "cuda" if device == "cuda" else "cpu"
+        ctx = gc.Ctx(device, backend, seed)
+        cases = gc.dense_cases(*spec["dense"]) if "dense" in spec else []
+        if perf_only:
+            cases = cases[:2]
+        cases += [(n, extra_case(n)) for n in spec.get("extra", [])]
+        sink.say(f"seed {seed}, {len(cases)} cases")
+        for name, fn in cases:
+            if time.time() > deadline:
+                sink.put(dict(kind="check", case=name, ok=None, skipped="correctness deadline passed"))
+                continue
+            t0 = time.time()
+            try:
+                rec = dict(kind="check", case=name, **fn(ctx))
+            except Exception:
+                rec = dict(kind="check", case=name, ok=False, error=traceback.format_exc()[-2000:])
+            rec["seconds"] = round(time.time() - t0, 2)
+            sink.put(rec)
+            sink.say(f"{'ok  ' if rec.get('ok') else 'FAIL'} {name} ({rec['seconds']} s) "
+                     f"{rec.get('errors', '')} {rec.get('failed', '')} {rec.get('error', '')[-300:]}")
+        if device == "cuda":
+            from numba_flash.cuda import selfcheck
+
+            bad = [v.reason for v in selfcheck.verdicts().values() if not v.passed]
+            sink.put(dict(kind="selfcheck", checked=len(selfcheck.verdicts()), failures=bad))
+    except Exception:
+        sink.put(dict(kind="worker_error", error=traceback.format_exc()[-2000:]))
+    try:
+        barrier.wait(timeout=max(1.0, deadline - time.time()))
+    except threading.BrokenBarrierError:
+        sink.say("barrier broken: timing anyway")
+    if "perf" in spec:
+        with lock:
+            sink.say("timing")
+            perf(sink, *spec["perf"], device, "cuda" if device == "cuda" else "cpu", seq)
+
+
+def summary(out_dir: str) -> str:
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "results.jsonl"))]
+    lines = ["== correctness (cuda backend vs float64 reference) =="]
+    checks = [r for r in rows if r.get("kind") == "check"]
+    for r in checks:
+        flag = "ok  " if r.get("ok") else ("skip" if r.get("ok") is None else "FAIL")
+        errs = " ".join(f"{k}={v:.2e}" for k, v in (r.get("errors") or {}).items())
+        lines.append(f"{flag} {r['case']:<42} {errs} {r.get('failed') or ''} {(r.get('error') or '')[-200:]}")
+    lines.append(f"{sum(1 for r in checks if r.get('ok'))} ok of {len(checks)}")
+    for r in rows:
+        if r.get("kind") in ("selfcheck", "worker_error") and (r.get("failures") or r.get("error")):
+            lines.append(f"{r['job']}: {r}")
+    lines.append("== timings: median s (TFLOP/s), S=%d B=%d H=2048/D ==" % (SEQLEN, BATCH))
+    for r in sorted((r for r in rows if r.get("kind") == "perf"), key=lambda r: (r["dtype"], r["D"], r["causal"])):
+        def cell(name: str, factor: float = 1.0) -> str:
+            t = r.get(f"{name}_med_s")
+            return "-" if t is None else f"{t * 1e3:8.2f}ms ({r['fwd_tflop'] * factor / t:6.1f})"
+        lines.append(f"{r['dtype']:<8} D={r['D']:<3} causal={int(r['causal'])} fwd ours {cell('ours_fwd')} torch "
+                     f"{cell('torch_fwd')} forced {cell('torch_forced_fwd')} | bwd ours {cell('ours_bwd', 2.5)} "
+                     f"torch {cell('torch_bwd', 2.5)} forced {cell('torch_forced_bwd', 2.5)} | err "
+                     f"{r.get('ours_out_max_abs', '-')} vs torch {r.get('torch_out_max_abs', '-')} "
+                     f"{(r.get('error') or '')[-200:]}")
+        if r.get("ours_fwdq_med_s"):
+            lines.append(f"{'':<8}   queued:         fwd ours {cell('ours_fwdq')} torch {cell('torch_fwdq')} forced "
+                         f"{cell('torch_forced_fwdq')} | fwd+bwd ours {cell('ours_trainq', 3.5)} torch "
+                         f"{cell('torch_trainq', 3.5)} forced {cell('torch_forced_trainq', 3.5)}")
+    return "\n".join(lines)
+
+
+def markdown(results: str) -> str:
+    """The timings of a results.jsonl as a Markdown table: per-call ms (min / median) of the queued calls and
+    TFLOP/s at the median, ours against torch SDPA's FlashAttention-2 (memory-efficient for float32) and torch's
+    default choice, with ours / FA2 as a ratio of TFLOP/s; then the synchronised single calls."""
+    rows = [json.loads(line) for line in open(results)]
+    rows = sorted((r for r in rows if r.get("kind") == "perf" and "ours_fwdq_s" in r),
+                  key=lambda r: (r["dtype"], r["D"], r["causal"]))
+    head = ("| dtype | D | causal | pass | ours ms (min / med) | TFLOP/s | FA2* ms | TFLOP/s | torch default ms | "
+            "TFLOP/s | ours / FA2* | ours synced ms | torch synced ms |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        for what, key, factor in (("fwd", "fwdq", 1.0), ("fwd+bwd", "trainq", 3.5)):
+            flop = r["fwd_tflop"] * factor
+
+            def med(name: str) -> float:
+                return float(sorted(r[f"{name}_{key}_s"])[len(r[f"{name}_{key}_s"]) // 2])
+
+            ours, fa2, torch_ = med("ours"), med("torch_forced"), med("torch")
+            synced = ("ours_fwd_s", "torch_fwd_s") if what == "fwd" else ("ours_bwd_s", "torch_bwd_s")
+            sync_ms = [sorted(r[k])[len(r[k]) // 2] * 1e3 for k in synced]
+            lines.append(f"| {r['dtype']} | {r['D']} | {'yes' if r['causal'] else 'no'} | {what} | "
+                         f"{min(r[f'ours_{key}_s']) * 1e3:.2f} / {ours * 1e3:.2f} | {flop / ours:.1f} | "
+                         f"{fa2 * 1e3:.2f} | {flop / fa2:.1f} | {torch_ * 1e3:.2f} | {flop / torch_:.1f} | "
+                         f"{fa2 / ours:.2f} | {sync_ms[0]:.2f} | {sync_ms[1]:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="directory for the results (required unless --markdown)")
+    p.add_argument("--markdown", metavar="RESULTS_JSONL", help="print the timings of a results.jsonl as a table")
+    p.add_argument("--budget", type=float, default=240.0, help="seconds for the correctness phase")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--only", help="comma-separated job names")
+    p.add_argument("--seqlen", type=int, default=SEQLEN)
+    p.add_argument("--perf-only", action="store_true",
+                   help="timings only (each worker first runs its plain and causal dense cases, which compile them)")
+    a = p.parse_args(argv)
+    if a.markdown:
+        print(markdown(a.markdown))
+        return 0
+    if not a.out:
+        p.error("--out is required")
+    os.makedirs(a.out, exist_ok=True)
+    specs = [s for s in jobs(a.device) if (not a.only or s["name"] in a.only.split(","))
+             and (not a.perf_only or "perf" in s)]
+    ctx = mp.get_context("spawn")
+    barrier, lock = ctx.Barrier(len(specs)), ctx.Lock()
+    deadline = time.time() + a.budget
+    procs = [ctx.Process(target=worker, args=(s, a.out, a.device, barrier, lock, deadline, a.seqlen, a.perf_only))
+             for s in specs]
+    for pr in procs:
+        pr.start()
+    for pr in procs:
+        pr.join()
+    text = summary(a.out)
+    with open(os.path.join(a.out, "summary.txt"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
