@@ -44,12 +44,13 @@ This module imports no ``numba.cuda`` at import time; the checks import it, and 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -264,10 +265,42 @@ def problems(cfgs: list[FlashAttentionConfig], has_left: bool, has_right: bool, 
 
 # ---- the checks ----
 
+_quiet_guard = threading.Lock()
+_quiet_depth = 0
+_quiet_saved: Any = None
+
+
+@contextlib.contextmanager
+def _small_grids_unannounced() -> Iterator[None]:
+    """numba-cuda warns about every launch of fewer than 128 blocks ("NumbaPerformanceWarning: Grid size 4 will likely
+    result in GPU under-utilization"). The check's launches are a few blocks on purpose, and on an H200 that warning
+    greeted a user's first call, about a grid that was never theirs. numba's own switch, read at each launch, is off
+    while any check runs (a count, so that checks on two threads do not restore each other's state)."""
+    global _quiet_depth, _quiet_saved
+    from numba.core import config as numba_config
+
+    with _quiet_guard:
+        if _quiet_depth == 0:
+            _quiet_saved = getattr(numba_config, "CUDA_LOW_OCCUPANCY_WARNINGS", None)
+            numba_config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
+        _quiet_depth += 1
+    try:
+        yield
+    finally:
+        with _quiet_guard:
+            _quiet_depth -= 1
+            if _quiet_depth == 0:
+                if _quiet_saved is None:
+                    del numba_config.CUDA_LOW_OCCUPANCY_WARNINGS
+                else:
+                    numba_config.CUDA_LOW_OCCUPANCY_WARNINGS = _quiet_saved
+
+
 def _run(spec: Specialisation, like: dict[str, Any]) -> Verdict:
     """Run the check of ``spec`` on the current GPU: a verdict, never an exception."""
     try:
-        failed, measured = _CHECKS[spec.cfg.kernel](spec, like)
+        with _small_grids_unannounced():
+            failed, measured = _CHECKS[spec.cfg.kernel](spec, like)
     except Exception as exc:  # any failure to compile or run is a failure of the specialisation
         text = " ".join(str(exc).split())
         return Verdict(spec, False, f"raised {type(exc).__name__}: {text[:300]}")

@@ -261,3 +261,63 @@ def test_problem_sizes_are_odd_and_span_tiles():
     assert p.stored["q"].dtype == np.float16 and np.array_equal(p.stored["q"].astype(np.float32), p.q)
     assert p.window_left == 35 and p.window_right == 0 and p.softcap > 0
     assert 0.5 < p.q.std() < 1.5                                            # random N(0, 1), not constants
+
+
+# ---- the check's own small grids do not warn the user ----
+
+def _occupancy_warnings():
+    from numba.core import config
+
+    return getattr(config, "CUDA_LOW_OCCUPANCY_WARNINGS", None)
+
+
+def test_low_occupancy_warning_is_off_while_a_check_runs_and_back_after(monkeypatch):
+    # Seen on an H200: the check's 4-block launch made numba-cuda print "Grid size 4 will likely result in GPU
+    # under-utilization" at a user's first call.
+    seen = []
+
+    def spy(spec, like):
+        seen.append(_occupancy_warnings())
+        return [], ["out: max abs error 1e-07 <= 1e-05"]
+
+    monkeypatch.setitem(selfcheck._CHECKS, "forward", spy)
+    before = _occupancy_warnings()
+    if before is None:
+        pytest.skip("numba-cuda is not installed: numba has no CUDA_LOW_OCCUPANCY_WARNINGS")
+    assert before    # numba-cuda's default: on
+    verdict = selfcheck._run(Specialisation(_cfg(), *FLAGS, "float32"), {})
+    assert verdict.passed and seen == [0]
+    assert _occupancy_warnings() == before
+
+
+def test_low_occupancy_warning_comes_back_when_checks_on_two_threads_overlap(monkeypatch):
+    inside, release = threading.Barrier(2), threading.Event()
+
+    def slow(spec, like):
+        inside.wait(timeout=10)        # both checks are running at once here
+        release.wait(timeout=10)
+        return [], ["ok"]
+
+    monkeypatch.setitem(selfcheck._CHECKS, "forward", slow)
+    before = _occupancy_warnings()
+    specs = [Specialisation(_cfg(bm=bm), *FLAGS, "float32") for bm in (64, 32)]
+    threads = [threading.Thread(target=selfcheck._run, args=(s, {})) for s in specs]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    assert _occupancy_warnings() == 0
+    release.set()
+    for t in threads:
+        t.join(timeout=10)
+    assert _occupancy_warnings() == before
+
+
+def test_low_occupancy_warning_comes_back_when_a_check_raises(monkeypatch):
+    def boom(spec, like):
+        raise RuntimeError("compile failed")
+
+    monkeypatch.setitem(selfcheck._CHECKS, "forward", boom)
+    before = _occupancy_warnings()
+    verdict = selfcheck._run(Specialisation(_cfg(), *FLAGS, "float32"), {})
+    assert not verdict.passed and "compile failed" in verdict.detail
+    assert _occupancy_warnings() == before
