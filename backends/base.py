@@ -86,6 +86,12 @@ class Backend:
             reasons.append("KV cache (with_kvcache) not supported")
         return reasons
 
+    def last_resort_reasons(self, call: AttentionCall) -> list[str] | None:
+        """Whether this backend serves ``call`` when no backend would otherwise (the dispatcher asks only then):
+        None if it never steps in for such a call, else why it cannot (empty: it can). No backend does by default;
+        the torch path steps in for torch tensors on a GPU that the GPU's own backend cannot serve."""
+        return None
+
     def notes(self, call: AttentionCall) -> list[str]:
         """What ``explain()`` should say about a call this backend can serve besides "can serve" (e.g. that a
         kernel failed its self-check and a fallback serves instead); empty by default. Must be cheap."""

@@ -509,8 +509,9 @@ def backward_blockwise(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
 class RocmBackend(Backend):
     """Torch attention for AMD GPUs: SDPA where it fits the contract exactly, a blockwise online softmax elsewhere.
 
-    Chosen automatically only for torch tensors on a HIP GPU; forced (``backend="rocm"``) it serves torch tensors
-    on any device and numpy arrays (run as CPU tensors, returned as numpy).
+    Chosen automatically for torch tensors on a HIP GPU, and as the last resort for torch tensors on any other GPU
+    that no backend serves (``last_resort_reasons``); forced (``backend="rocm"``) it serves torch tensors on any
+    device and numpy arrays (run as CPU tensors, returned as numpy).
     """
 
     name = "rocm"
@@ -549,6 +550,15 @@ class RocmBackend(Backend):
         if call.device != "cuda":
             return [f"{call.device} tensors not supported (runs on HIP GPUs unless forced with backend='rocm')"]
         return []
+
+    def last_resort_reasons(self, call: AttentionCall) -> list[str] | None:
+        """Torch tensors on a GPU that no backend serves (on an NVIDIA GPU: head dims past the cuda kernels' 256,
+        Dv != D, attn_bias's gradient, a kernel whose every tile config failed its self-check) run here, in torch
+        on their own device, rather than fail. Host arrays and CPU tensors keep the cpu backend's verdict (and
+        NoBackendError's hint to name this backend)."""
+        if call.kind != "torch" or call.device == "cpu":
+            return None
+        return self.not_supported_reasons(call, forced=True)
 
     def forward(self, call: AttentionCall) -> tuple[Any, Any]:
         """Return ``(out, lse)``: out like q (kind, device, dtype, layout), contiguous; lse (B, Hq, Sq) float32

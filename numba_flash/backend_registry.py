@@ -11,7 +11,9 @@ this module) never imports torch or numba.cuda. Third-party backends register th
 
 Choosing: a backend named by ``backend=`` on the call, else on ``get``, else by ``backend_registry.use(...)``,
 else by the environment variable ``NUMBA_FLASH_BACKEND``, is forced: it serves the call or ``NoBackendError`` says
-why not. Otherwise the first backend by priority with no reasons against the call is taken. A backend that finds
+why not. Otherwise the first backend by priority with no reasons against the call is taken; when there is none, a
+backend that steps in as the last resort (``Backend.last_resort_reasons``: the torch path, for torch tensors on a
+GPU that the GPU's own backend cannot serve) takes it, and explain() says so. A backend that finds
 out only while running that it cannot serve the call (the CUDA backend's first-use self-check) raises
 ``BackendDeclined``; the call then goes to the next backend, as if the reasons had been known up front. Each
 decision is logged at DEBUG on the ``numba_flash`` logger.
@@ -198,11 +200,15 @@ class Dispatcher:
             reasons = reasons_of(be, True)
             return (None if reasons else be), {forced: reasons}, forced
         chosen, table = None, {}
-        for be in backends(self.op):
+        ranked = backends(self.op)
+        for be in ranked:
             reasons = reasons_of(be, False)
             table[be.name] = reasons
             if chosen is None and not reasons:
                 chosen = be
+        if chosen is None:   # nobody serves it as asked: a backend that steps in as the last resort, if one does
+            chosen = next((be for be in ranked if be.name not in declined
+                           and be.last_resort_reasons(call) == []), None)
         return chosen, table, None
 
     def _served_if_named(self, call: AttentionCall, table: dict[str, list[str]],
@@ -225,9 +231,10 @@ class Dispatcher:
             raise NoBackendError(self.op, table, forced=forced,
                                  if_named=() if forced else self._served_if_named(call, table, declined))
         if logger.isEnabledFor(logging.DEBUG):
-            passed = "; ".join(f"{n}: {', '.join(r)}" for n, r in table.items() if r)
+            passed = "; ".join(f"{n}: {', '.join(r)}" for n, r in table.items() if r and n != chosen.name)
             logger.debug("%s: %s -> %s%s%s", self.op, call.describe(), chosen.name,
-                         " (forced)" if forced else "", f"; passed over {passed}" if passed else "")
+                         " (forced)" if forced else " (last resort)" if table.get(chosen.name) else "",
+                         f"; passed over {passed}" if passed else "")
         return chosen
 
     def _run(self, call: AttentionCall, backend: str | None, method: str) -> Any:
@@ -341,14 +348,20 @@ class Dispatcher:
                                 alibi_slopes=alibi_slopes, attn_bias=attn_bias, bias_mod=bias_mod, mask_mod=mask_mod,
                                 score_mod=score_mod, block_mask=block_mask, dropout_p=dropout_p,
                                 dropout_seed=dropout_seed)
+        return self._explanation(call, backend)
+
+    def _explanation(self, call: AttentionCall, backend: str | None = None) -> "Explanation":
         chosen, table, forced = self._rank(call, backend)
         candidates = []
         for name, reasons in table.items():
             be = _instance(self.op, name)
+            is_chosen = chosen is not None and name == chosen.name
+            notes = tuple(be.notes(call)) if be is not None and not reasons else ()
+            if is_chosen and reasons:
+                notes = (f"serves as the last resort: no backend serves this call otherwise, so {name} runs it on "
+                         f"{call.device}",)
             candidates.append(Candidate(name=name, priority=be.PRIORITY if be is not None else None,
-                                        reasons=tuple(reasons),
-                                        notes=tuple(be.notes(call)) if be is not None and not reasons else (),
-                                        chosen=chosen is not None and name == chosen.name))
+                                        reasons=tuple(reasons), notes=notes, chosen=is_chosen))
         return Explanation(self.op, call.describe(), chosen.name if chosen is not None else None, forced,
                            tuple(candidates))
 
