@@ -26,6 +26,8 @@ def _qkv(rng, sq=11, sk=13, hq=2, hkv=1, d=8, dtype=np.float32):
 
 def test_no_gpu_reasons_and_not_available(rng):
     be = CudaBackend()
+    if be._probe() == (False, None):
+        pytest.skip("a CUDA GPU is present: this is the no-GPU machine's test")
     reasons = be.unavailable_reasons(forced=False)
     assert reasons and ("no CUDA GPU" in reasons[0] or "cannot be imported" in reasons[0])
     assert be.unavailable_reasons(forced=True) == reasons     # forcing does not conjure a GPU
