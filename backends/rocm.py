@@ -555,8 +555,8 @@ class RocmBackend(Backend):
         """Torch tensors on a GPU that no backend serves (on an NVIDIA GPU: head dims past the cuda kernels' 256,
         Dv != D, attn_bias's gradient, a kernel whose every tile config failed its self-check) run here, in torch
         on their own device, rather than fail. Host arrays and CPU tensors keep the cpu backend's verdict (and
-        NoBackendError's hint to name this backend)."""
-        if call.kind != "torch" or call.device == "cpu":
+        NoBackendError's hint to name this backend), and so do meta tensors, which hold no data to attend over."""
+        if call.kind != "torch" or call.device in ("cpu", "meta"):
             return None
         return self.not_supported_reasons(call, forced=True)
 

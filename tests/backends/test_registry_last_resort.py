@@ -114,6 +114,13 @@ def test_host_arrays_and_cpu_tensors_get_no_last_resort(rng, op):
             op.select(call)
 
 
+def test_meta_tensors_get_no_last_resort(op):
+    # No data to attend over: a clear NoBackendError, not an error from deep inside torch.
+    q = torch.empty((1, 5, 2, 8), device="meta")
+    with pytest.raises(NoBackendError, match="meta tensors not supported"):
+        op.forward(q, q, q)
+
+
 def test_a_gpu_call_nobody_can_serve_still_says_why(rng, op, monkeypatch):
     _gpu_that_cuda_serves(monkeypatch)
     call = _on_gpu(validate_forward(*_tensors(rng)))
