@@ -232,8 +232,6 @@ def worker(spec: dict[str, Any], out_dir: str, device: str, barrier: Any, lock: 
     warnings.simplefilter("default")
     logging.captureWarnings(True)
     try:
-        import numpy as np
-
         import gpu_cases as gc
         seed = int.from_bytes(os.urandom(4), "little")
         backend = "cuda" if device == "cuda" else "cpu"
@@ -285,12 +283,12 @@ def summary(out_dir: str) -> str:
     for r in rows:
         if r.get("kind") in ("selfcheck", "worker_error") and (r.get("failures") or r.get("error")):
             lines.append(f"{r['job']}: {r}")
-    lines.append("== timings: median s (TFLOP/s), S=%d B=%d H=2048/D ==" % (SEQLEN, BATCH))
+    lines.append("== timings: median ms (TFLOP/s), B=%d H=2048/D ==" % BATCH)
     for r in sorted((r for r in rows if r.get("kind") == "perf"), key=lambda r: (r["dtype"], r["D"], r["causal"])):
         def cell(name: str, factor: float = 1.0) -> str:
             t = r.get(f"{name}_med_s")
             return "-" if t is None else f"{t * 1e3:8.2f}ms ({r['fwd_tflop'] * factor / t:6.1f})"
-        lines.append(f"{r['dtype']:<8} D={r['D']:<3} causal={int(r['causal'])} fwd ours {cell('ours_fwd')} torch "
+        lines.append(f"{r['dtype']:<8} S={r['S']} D={r['D']:<3} causal={int(r['causal'])} fwd ours {cell('ours_fwd')} torch "
                      f"{cell('torch_fwd')} forced {cell('torch_forced_fwd')} | bwd ours {cell('ours_bwd', 2.5)} "
                      f"torch {cell('torch_bwd', 2.5)} forced {cell('torch_forced_bwd', 2.5)} | err "
                      f"{r.get('ours_out_max_abs', '-')} vs torch {r.get('torch_out_max_abs', '-')} "
@@ -315,15 +313,11 @@ def markdown(results: str) -> str:
     for r in rows:
         for what, key, factor in (("fwd", "fwdq", 1.0), ("fwd+bwd", "trainq", 3.5)):
             flop = r["fwd_tflop"] * factor
-
-            def med(name: str) -> float:
-                return float(sorted(r[f"{name}_{key}_s"])[len(r[f"{name}_{key}_s"]) // 2])
-
-            ours, fa2, torch_ = med("ours"), med("torch_forced"), med("torch")
-            synced = ("ours_fwd_s", "torch_fwd_s") if what == "fwd" else ("ours_bwd_s", "torch_bwd_s")
-            sync_ms = [sorted(r[k])[len(r[k]) // 2] * 1e3 for k in synced]
+            ours, fa2, torch_ = (r[f"{name}_{key}_med_s"] for name in ("ours", "torch_forced", "torch"))
+            synced = ("fwd",) if what == "fwd" else ("bwd",)
+            sync_ms = [r[f"{name}_{synced[0]}_med_s"] * 1e3 for name in ("ours", "torch")]
             lines.append(f"| {r['dtype']} | {r['D']} | {'yes' if r['causal'] else 'no'} | {what} | "
-                         f"{min(r[f'ours_{key}_s']) * 1e3:.2f} / {ours * 1e3:.2f} | {flop / ours:.1f} | "
+                         f"{r[f'ours_{key}_min_s'] * 1e3:.2f} / {ours * 1e3:.2f} | {flop / ours:.1f} | "
                          f"{fa2 * 1e3:.2f} | {flop / fa2:.1f} | {torch_ * 1e3:.2f} | {flop / torch_:.1f} | "
                          f"{fa2 / ours:.2f} | {sync_ms[0]:.2f} | {sync_ms[1]:.2f} |")
     return "\n".join(lines)
