@@ -148,6 +148,11 @@ def _bshd(arr: Any, layout: str) -> Any:
     return DeviceNDArray(shape, strides, arr.dtype, stream=arr.stream, gpu_data=arr.gpu_data)
 
 
+def _packed(call: AttentionCall) -> tuple | None:
+    """The launch functions' ``packed``: a packed call's (cu_seqlens_q, cu_seqlens_k) host arrays, else None."""
+    return (call.packing.cu_seqlens_q, call.packing.cu_seqlens_k) if call.is_varlen else None
+
+
 def _lead_axis(arr: Any) -> Any:
     """A (1,) + shape view of a numba device array, sharing its memory (numba's indexing takes no None). The
     packed-sequence driver views each sequence as a batch of one this way."""
@@ -475,7 +480,7 @@ class CudaBackend(Backend):
                           alibi=alibi_arg(c.alibi, io.stream), bias=io.bias(c),
                           dropout=dropout_arg(c.dropout_p, c.dropout_seed, c.dropout_batch0),
                           mods=cuda_mods(c.mods), block_mask=c.mods and c.mods.block_mask, override=self.config,
-                          stream=io.stream)
+                          packed=_packed(c), stream=io.stream)
 
         return run
 
@@ -485,8 +490,8 @@ class CudaBackend(Backend):
         lse_user, lse = io.empty(call.lse_shape, "float32")
         run = self._forward_runner(io)
 
-        if call.is_varlen:
-            varlen.forward(call, run, q, k, v, out, lse, lead_axis=_lead_axis, fill=io.fill)
+        if call.is_varlen:   # one launch over every sequence's tiles
+            varlen.forward_once(call, run, q, k, v, out, lse, lead_axis=_lead_axis, fill=io.fill)
         else:
             lay = call.layout
             run(call, _bshd(q, lay), _bshd(k, lay), _bshd(v, lay), _bshd(out, lay), lse)
@@ -577,16 +582,17 @@ class CudaBackend(Backend):
 
         def run(c: AttentionCall, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: Any, dk: Any,
                 dv: Any) -> None:
-            _, delta = io.empty(c.lse_shape, "float32")   # scratch, (B, Hq, Sq) like the dense lse
+            _, delta = io.empty(c.lse_shape, "float32")   # scratch, like lse: (B, Hq, Sq), or (1, Hq, total_q) packed
+            delta = _lead_axis(delta) if c.is_varlen else delta
             flash_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, softmax_scale=c.softmax_scale,
                            window_left=c.window_left, window_right=c.window_right, softcap=c.softcap,
                            dtype=c.dtype, alibi=alibi_arg(c.alibi, io.stream), bias=io.bias(c),
                            dropout=dropout_arg(c.dropout_p, c.dropout_seed, c.dropout_batch0),
                            mods=cuda_mods(c.mods), block_mask=c.mods and c.mods.block_mask, override=self.config,
-                          stream=io.stream)
+                           packed=_packed(c), stream=io.stream)
 
-        if call.is_varlen:
-            varlen.backward(call, run, dout, q, k, v, out, lse, dq, dk, dv, lead_axis=_lead_axis, fill=io.fill)
+        if call.is_varlen:   # one launch of each backward kernel over every sequence's tiles
+            varlen.backward_once(call, run, dout, q, k, v, out, lse, dq, dk, dv, lead_axis=_lead_axis, fill=io.fill)
         else:
             lay = call.layout
             run(call, *(_bshd(x, lay) for x in (dout, q, k, v, out)), lse, *(_bshd(x, lay) for x in (dq, dk, dv)))

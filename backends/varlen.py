@@ -12,9 +12,12 @@ A sequence with no keys is never given to a kernel (a dense call needs Sk >= 1):
 contract says a row that sees nothing gets, out 0, lse +inf and dq 0. Keys of a sequence with no rows get dk = dv
 = 0.
 
-The cost of this first implementation is one kernel call per sequence: fine for a few long sequences, and
-dominated by per-call overhead for many short ones (a kernel that iterates over (sequence, tile) itself removes
-it). The views need only slicing, a leading axis of 1 and a fill, which numpy arrays and torch tensors have
+That costs one kernel call per sequence: fine for a few long sequences, and dominated by per-call overhead for
+many short ones. A backend whose kernels iterate over (sequence, tile) themselves uses ``forward_once`` and
+``backward_once`` instead: ``run`` is then called once, on the whole packed arrays viewed as a batch of one, with
+the packed call (``packed_call``: layout "thd", its ``packing`` saying where each sequence lies), and the
+sequences with no rows or no keys are filled here as above, so that the kernels only see sequences with both.
+The views need only slicing, a leading axis of 1 and a fill, which numpy arrays and torch tensors have
 (``x[None]``, ``x[...] = value``); a backend whose arrays lack them passes its own ``lead_axis`` and ``fill``.
 """
 
@@ -52,6 +55,49 @@ def sequence_call(call: AttentionCall, seq: SequenceSpan, **arrays: Any) -> Atte
     return dataclasses.replace(call, **fields, **arrays)
 
 
+def packed_call(call: AttentionCall) -> AttentionCall:
+    """The packed ``call`` as one launch over every sequence takes it: the window bounds capped for the longest
+    sequences (each sequence's own cap is at most that, so every sequence keeps its mask), dropout's first batch 0
+    (the sequence index is the batch)."""
+    p = call.packing
+    return dataclasses.replace(call, dropout_batch0=0,
+                               window_left=clamp_window_bound(call.window_left, p.max_seqlen_q, p.max_seqlen_k),
+                               window_right=clamp_window_bound(call.window_right, p.max_seqlen_q, p.max_seqlen_k))
+
+
+def _fill_keyless_rows(call: AttentionCall, out: Any, lse: Any, fill: Callable[[Any, float], None]) -> None:
+    """Rows of sequences with no keys see nothing: out 0, lse +inf."""
+    for seq in call.packing.sequences():
+        if seq.seqlen_q > 0 and seq.seqlen_k == 0:
+            fill(out[seq.q0:seq.q1], 0.0)
+            fill(lse[:, seq.q0:seq.q1], math.inf)
+
+
+def _fill_unattended(call: AttentionCall, dq: Any, dk: Any, dv: Any, fill: Callable[[Any, float], None]) -> None:
+    """Rows without keys and keys without rows get no gradient."""
+    for seq in call.packing.sequences():
+        if seq.seqlen_q == 0 or seq.seqlen_k == 0:
+            for grad, part in ((dq, slice(seq.q0, seq.q1)), (dk, slice(seq.k0, seq.k1)), (dv, slice(seq.k0, seq.k1))):
+                if part.stop > part.start:
+                    fill(grad[part], 0.0)
+
+
+def forward_once(call: AttentionCall, run: Callable[..., None], q: Any, k: Any, v: Any, out: Any, lse: Any, *,
+                 lead_axis: Callable[[Any], Any] = _lead_axis, fill: Callable[[Any, float], None] = _fill) -> None:
+    """``forward``'s work in one ``run(packed_call(call), q, k, v, out, lse)`` on the packed arrays as a batch of
+    one (lse (1, Hq, total_q)), for kernels that walk the sequences themselves."""
+    _fill_keyless_rows(call, out, lse, fill)
+    run(packed_call(call), *(lead_axis(x) for x in (q, k, v, out, lse)))
+
+
+def backward_once(call: AttentionCall, run: Callable[..., None], dout: Any, q: Any, k: Any, v: Any, out: Any,
+                  lse: Any, dq: Any, dk: Any, dv: Any, *, lead_axis: Callable[[Any], Any] = _lead_axis,
+                  fill: Callable[[Any, float], None] = _fill) -> None:
+    """``backward``'s work in one ``run`` on the packed arrays as a batch of one, as ``forward_once``."""
+    _fill_unattended(call, dq, dk, dv, fill)
+    run(packed_call(call), *(lead_axis(x) for x in (dout, q, k, v, out, lse, dq, dk, dv)))
+
+
 def forward(call: AttentionCall, run: Callable[..., None], q: Any, k: Any, v: Any, out: Any, lse: Any, *,
             lead_axis: Callable[[Any], Any] = _lead_axis, fill: Callable[[Any, float], None] = _fill) -> None:
     """Write the packed forward into ``out`` and ``lse``.
@@ -60,15 +106,11 @@ def forward(call: AttentionCall, run: Callable[..., None], q: Any, k: Any, v: An
     its kernels take. ``run(seq_call, q, k, v, out, lse)`` is the backend's dense forward on (1, S, H, D) views and a
     (1, Hq, Sq) lse view, writing into the last two.
     """
+    _fill_keyless_rows(call, out, lse, fill)
     for seq in call.packing.sequences():
-        if seq.seqlen_q == 0:
+        if seq.seqlen_q == 0 or seq.seqlen_k == 0:
             continue
-        rows = slice(seq.q0, seq.q1)
-        if seq.seqlen_k == 0:
-            fill(out[rows], 0.0)
-            fill(lse[:, rows], math.inf)
-            continue
-        keys = slice(seq.k0, seq.k1)
+        rows, keys = slice(seq.q0, seq.q1), slice(seq.k0, seq.k1)
         q_b, k_b, v_b = lead_axis(q[rows]), lead_axis(k[keys]), lead_axis(v[keys])
         run(sequence_call(call, seq, q=q_b, k=k_b, v=v_b), q_b, k_b, v_b, lead_axis(out[rows]),
             lead_axis(lse[:, rows]))
@@ -83,14 +125,11 @@ def backward(call: AttentionCall, run: Callable[..., None], dout: Any, q: Any, k
     it; the backend's own arrays. ``run(seq_call, dout, q, k, v, out, lse, dq, dk, dv)`` is the backend's dense
     backward on views of one sequence, writing into the last three.
     """
+    _fill_unattended(call, dq, dk, dv, fill)
     for seq in call.packing.sequences():
-        rows, keys = slice(seq.q0, seq.q1), slice(seq.k0, seq.k1)
         if seq.seqlen_q == 0 or seq.seqlen_k == 0:
-            # Nothing attends: rows without keys and keys without rows get no gradient.
-            for grad, part in ((dq, rows), (dk, keys), (dv, keys)):
-                if part.stop > part.start:
-                    fill(grad[part], 0.0)
             continue
+        rows, keys = slice(seq.q0, seq.q1), slice(seq.k0, seq.k1)
         views = dict(dout=dout[rows], q=q[rows], k=k[keys], v=v[keys], out=out[rows])
         views = {name: lead_axis(x) for name, x in views.items()}
         views["lse"] = lead_axis(lse[:, rows])

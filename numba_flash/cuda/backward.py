@@ -46,6 +46,7 @@ from .dtypes import element_io
 from .forward import SMEM_ALIGN
 from .masks import (LOG2E, bias_head, make_bias_tile, make_dropout_tile, make_score_grads, make_score_mod_hides,
                     make_visible, nan_if_not_finite)
+from .sequences import make_locate
 from .smem import carve
 from .tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
 from .user_mods import NO_MODS, CudaMods
@@ -92,7 +93,7 @@ def make_delta_kernel(bf16: bool) -> Any:
 @functools.lru_cache(maxsize=None)
 def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool,
                      bf16: bool, alibi: bool = False, has_bias: bool = False, dropout: bool = False,
-                     mods: CudaMods = NO_MODS) -> Any:
+                     mods: CudaMods = NO_MODS, varlen: bool = False) -> Any:
     """dK and dV: one block per (key tile, kv head, batch). The block loops over the query heads of its GQA group
     and over the query tiles that can see its keys, so dK and dV are summed over the group in registers, no atomics.
 
@@ -139,6 +140,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, LOAD)   # for the rare path
     load_bias = make_bias_tile(BLOCK_M, BLOCK_N, NT, False, LP, has_bias, mods)
     tile_skip = make_tile_skip(mods.block_tiles)
+    locate = make_locate(varlen)
     dropout_factors = make_dropout_tile(BLOCK_M, BLOCK_N, NT, LP)
     X_PASSES, KV_PASSES = tile_passes(BLOCK_M, DB, NT), tile_passes(BLOCK_N, DB, NT)
     fetch_x = make_tile_fetch(BLOCK_M, DB, NT, bf16, LD, False, True)    # query side: Q, dO
@@ -146,11 +148,12 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
 
     def flash_dkdv_kernel(q, k, v, dout, lse, delta, dk, dv, seqlen_q, seqlen_k, head_dim, group, window_left,
                           window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
-                          batch0, tiles):
+                          batch0, tiles, seqs):
         t = cuda.threadIdx.x
-        n0 = cuda.blockIdx.x * BLOCK_N
+        # b: the sequence (masks, ALiBi, dropout); the arrays' rows of it start at (ab, q0) and keys at (ab, k0).
+        b, ab, tile, q0, k0, seqlen_q, seqlen_k = locate(seqs, seqlen_q, seqlen_k)
+        n0 = tile * BLOCK_N
         hk = cuda.blockIdx.y
-        b = cuda.blockIdx.z
 
         if DYNAMIC:   # past 48 KiB: one dynamic buffer (smem.py), carved at compile-time offsets
             smem = cuda.shared.array(0, float32, alignment=ALIGN)
@@ -191,12 +194,12 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                 dv_acc[i, j] = float32(0.0)
 
         for k_pass in range(KV_PASSES):
-            at, ok = fetch_kv(fetched, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t, k_pass)
+            at, ok = fetch_kv(fetched, k, ab, k0 + n0, hk, k0 + seqlen_k, head_dim, float32(1.0), t, k_pass)
             if ok:
                 for e in range(V4):
                     k_s[at + uint64(e)] = fetched[e]
         for k_pass in range(KV_PASSES):
-            at, ok = fetch_kv(fetched, v, b, n0, hk, seqlen_k, head_dim, float32(1.0), t, k_pass)
+            at, ok = fetch_kv(fetched, v, ab, k0 + n0, hk, k0 + seqlen_k, head_dim, float32(1.0), t, k_pass)
             if ok:
                 for e in range(V4):
                     v_s[at + uint64(e)] = fetched[e]
@@ -240,20 +243,21 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                 # One table entry for the whole block (the tile's transposed look-up: query tile m0, this
                 # block's key tile), so every thread skips together; a skipped tile writes no shared memory,
                 # so skipping this iteration's barrier is safe.
-                skip, full_tile = tile_skip(tiles, b, h, m0 // BLOCK_M, cuda.blockIdx.x)
+                skip, full_tile = tile_skip(tiles, b, h, m0 // BLOCK_M, tile)
                 if skip:   # mask_mod hides every pair: Q and dO never read
                     continue
                 cuda.syncthreads()   # the previous tile's readers of q_s, do_s, p_s and ds_s are done
                 # Q is loaded unscaled, once: the scores are scaled instead, and dK takes the plain Q.
                 probe = float32(0.0)
                 for k_pass in range(X_PASSES):
-                    at, ok = fetch_x(fetched, q, b, m0, h, seqlen_q, head_dim, float32(1.0), t, k_pass)
+                    at, ok = fetch_x(fetched, q, ab, q0 + m0, h, q0 + seqlen_q, head_dim, float32(1.0), t, k_pass)
                     if ok:
                         for e in range(V4):
                             q_s[at + uint64(e)] = fetched[e]
                             probe += fetched[e] * float32(0.0)
                 for k_pass in range(X_PASSES):
-                    at, ok = fetch_x(fetched, dout, b, m0, h, seqlen_q, head_dim, float32(1.0), t, k_pass)
+                    at, ok = fetch_x(fetched, dout, ab, q0 + m0, h, q0 + seqlen_q, head_dim, float32(1.0), t,
+                                     k_pass)
                     if ok:
                         for e in range(V4):
                             do_s[at + uint64(e)] = fetched[e]
@@ -265,8 +269,8 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                 for i in range(ROWS):
                     row = m0 + ((t + NT * i) // RUNS_PER_ROW if SPLIT > 1 else s_tr + S_TR * i)
                     if row < seqlen_q:
-                        lse_i[i] = lse[b, h, row] * float32(LOG2E)
-                        delta_i[i] = delta[b, h, row]
+                        lse_i[i] = lse[ab, h, q0 + row] * float32(LOG2E)
+                        delta_i[i] = delta[ab, h, q0 + row]
                     else:   # P = 0 and dS = 0 past the sequence
                         lse_i[i] = float32(math.inf)
                         delta_i[i] = float32(0.0)
@@ -404,7 +408,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                 for j in range(G_TD):
                     d = g_tc * G_RD + (j // G_RD) * G_GAP_D + j % G_RD
                     if d < head_dim:
-                        dk[b, key, hk, d] = STORE(nan_if_not_finite(dk_acc[i, j] * scale))
-                        dv[b, key, hk, d] = STORE(nan_if_not_finite(dv_acc[i, j]))
+                        dk[ab, k0 + key, hk, d] = STORE(nan_if_not_finite(dk_acc[i, j] * scale))
+                        dv[ab, k0 + key, hk, d] = STORE(nan_if_not_finite(dv_acc[i, j]))
 
     return cuda.jit(flash_dkdv_kernel)

@@ -19,6 +19,7 @@ from .config import FlashAttentionConfig, padded_stride
 from .dtypes import element_io
 from .forward import SMEM_ALIGN
 from .masks import LOG2E, bias_head, make_bias_tile, make_dropout_tile, make_score_grads, nan_if_not_finite
+from .sequences import make_locate
 from .smem import carve
 from .tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
 from .user_mods import NO_MODS, CudaMods
@@ -27,7 +28,7 @@ from .user_mods import NO_MODS, CudaMods
 @functools.lru_cache(maxsize=None)
 def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool,
                    alibi: bool = False, has_bias: bool = False, dropout: bool = False,
-                   mods: CudaMods = NO_MODS) -> Any:
+                   mods: CudaMods = NO_MODS, varlen: bool = False) -> Any:
     """dQ: one block per (query tile, query head, batch), looping over the key tiles its rows can see.
 
     Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments:
@@ -73,6 +74,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
     grads = make_score_grads(has_left, has_right, softcap, alibi, has_bias, dropout, mods)
     load_bias = make_bias_tile(BLOCK_M, BLOCK_N, NT, True, LM, has_bias, mods)
     tile_skip = make_tile_skip(mods.block_tiles)
+    locate = make_locate(varlen)
     dropout_factors = make_dropout_tile(BLOCK_M, BLOCK_N, NT, LM, True)
     X_PASSES, KV_PASSES = tile_passes(BLOCK_M, DB, NT), tile_passes(BLOCK_N, DB, NT)
     fetch_x = make_tile_fetch(BLOCK_M, DB, NT, bf16, LD, False, True)    # query side: Q, dO
@@ -80,11 +82,12 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
 
     def flash_dq_kernel(q, k, v, dout, lse, delta, dq, seqlen_q, seqlen_k, head_dim, group, window_left,
                         window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
-                        batch0, tiles):
+                        batch0, tiles, seqs):
         t = cuda.threadIdx.x
-        m0 = cuda.blockIdx.x * BLOCK_M
+        # b: the sequence (masks, ALiBi, dropout); the arrays' rows of it start at (ab, q0) and keys at (ab, k0).
+        b, ab, tile, q0, k0, seqlen_q, seqlen_k = locate(seqs, seqlen_q, seqlen_k)
+        m0 = tile * BLOCK_M
         h = cuda.blockIdx.y
-        b = cuda.blockIdx.z
         hk = h // group
         slope = float32(0.0)
         if ALIBI:
@@ -129,12 +132,12 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
 
         # Q is loaded unscaled: the scores are scaled instead (as in the dK/dV kernel, so both see the same P).
         for k_pass in range(X_PASSES):
-            at, ok = fetch_x(fetched, q, b, m0, h, seqlen_q, head_dim, float32(1.0), t, k_pass)
+            at, ok = fetch_x(fetched, q, ab, q0 + m0, h, q0 + seqlen_q, head_dim, float32(1.0), t, k_pass)
             if ok:
                 for e in range(V4):
                     q_s[at + uint64(e)] = fetched[e]
         for k_pass in range(X_PASSES):
-            at, ok = fetch_x(fetched, dout, b, m0, h, seqlen_q, head_dim, float32(1.0), t, k_pass)
+            at, ok = fetch_x(fetched, dout, ab, q0 + m0, h, q0 + seqlen_q, head_dim, float32(1.0), t, k_pass)
             if ok:
                 for e in range(V4):
                     do_s[at + uint64(e)] = fetched[e]
@@ -160,8 +163,8 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
             else:
                 row = m0 + s_tr * S_RM + (i // S_RM) * S_GAP_M + i % S_RM
             if row < seqlen_q:
-                lse_i[i] = lse[b, h, row] * float32(LOG2E)
-                delta_i[i] = delta[b, h, row]
+                lse_i[i] = lse[ab, h, q0 + row] * float32(LOG2E)
+                delta_i[i] = delta[ab, h, q0 + row]
             else:   # P = 0 and dS = 0 past the sequence
                 lse_i[i] = float32(math.inf)
                 delta_i[i] = float32(0.0)
@@ -179,19 +182,19 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
         for n0 in range(n_start, hi, BLOCK_N):
             # One table entry for the whole block, so every thread skips together; a skipped tile writes no
             # shared memory, so skipping this iteration's barrier is safe.
-            skip, full_tile = tile_skip(tiles, b, h, cuda.blockIdx.x, n0 // BLOCK_N)
+            skip, full_tile = tile_skip(tiles, b, h, tile, n0 // BLOCK_N)
             if skip:   # mask_mod hides every pair: K and V never read
                 continue
             cuda.syncthreads()   # the previous tile's readers of k_s, v_s, ds_t and z_t are done
             probe = float32(0.0)
             for k_pass in range(KV_PASSES):
-                at, ok = fetch_kv(fetched, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t, k_pass)
+                at, ok = fetch_kv(fetched, k, ab, k0 + n0, hk, k0 + seqlen_k, head_dim, float32(1.0), t, k_pass)
                 if ok:
                     for e in range(V4):
                         k_s[at + uint64(e)] = fetched[e]
                         probe += fetched[e] * float32(0.0)
             for k_pass in range(KV_PASSES):
-                at, ok = fetch_kv(fetched, v, b, n0, hk, seqlen_k, head_dim, float32(1.0), t, k_pass)
+                at, ok = fetch_kv(fetched, v, ab, k0 + n0, hk, k0 + seqlen_k, head_dim, float32(1.0), t, k_pass)
                 if ok:
                     for e in range(V4):
                         v_s[at + uint64(e)] = fetched[e]
@@ -318,6 +321,6 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                 for j in range(O_TD):
                     d = o_tc * O_RD + (j // O_RD) * O_GAP_D + j % O_RD
                     if d < head_dim:
-                        dq[b, row, h, d] = STORE(nan_if_not_finite(acc[i, j] * scale))
+                        dq[ab, q0 + row, h, d] = STORE(nan_if_not_finite(acc[i, j] * scale))
 
     return cuda.jit(flash_dq_kernel)

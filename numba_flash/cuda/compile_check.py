@@ -48,6 +48,11 @@ MODS_SUFFIX = "+mods"
 MODS_KERNELS = {"forward": "float32", "backward_dkdv": "float32", "backward_dq": "float32",
                 "tc_forward": "float16", "tc_backward_dkdv": "float16", "tc_backward_dq": "float16"}
 MODS_HEAD_DIM = 64
+#: Rows of the same kernels built for packed sequences in one launch (``varlen``: the block table of
+#: numba_flash/cuda/sequences.py locates each block's sequence), at head dim VARLEN_HEAD_DIM, with every option a
+#: packed call can take (attn_bias and the mods it cannot).
+VARLEN_SUFFIX = "+varlen"
+VARLEN_HEAD_DIM = 128
 #: A document-id table as a mask_mod reads one (4096 int32 entries: 16 KiB of the GPU's 64 KiB of constant
 #: memory per read), a per-head table as a bias_mod reads one, and a score_mod written in float32.
 SAMPLE_DOCUMENTS = np.repeat(np.arange(16, dtype=np.int32), 256)
@@ -150,7 +155,7 @@ def kernel_signature(kernel: str, dtype: str) -> Any:
     C-contiguous)."""
     from numba import types
 
-    kernel = kernel.removesuffix(MODS_SUFFIX)
+    kernel = kernel.removesuffix(MODS_SUFFIX).removesuffix(VARLEN_SUFFIX)
     x = types.Array(getattr(types, storage_dtype(dtype)), 4, "A")
     rows = types.Array(types.float32, 3, "A")
     slopes = types.Array(types.float32, 2, "A")
@@ -167,7 +172,9 @@ def kernel_signature(kernel: str, dtype: str) -> Any:
     u64 = types.uint64
     i64, f32 = types.int64, types.float32
     tiles = types.Array(types.int8, 4, "C")                # the BlockMask's table (block_tiles.py)
-    variants = (slopes, bias, u64, u64, u64, f32, i64, tiles)   # ALiBi, attn_bias, dropout's five scalars, tiles
+    seqs = types.Array(types.int32, 2, "C")                # packed sequences' block table (sequences.py)
+    # ALiBi, attn_bias, dropout's five scalars, tiles, seqs
+    variants = (slopes, bias, u64, u64, u64, f32, i64, tiles, seqs)
     if kernel in TC_COPY_PATHS:   # the SIMT kernel's arguments, with the data as uint16 bit patterns
         bits = types.Array(types.uint16, 4, "A")
         if kernel.startswith("tc_backward_dkdv"):
@@ -193,7 +200,8 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
     """The Python function of one kernel specialisation; ``flags`` are (has_left, has_right, softcap[, alibi[,
     attn_bias[, dropout]]]), those left out off (the decode kernel has no attn_bias or dropout: it takes the first
     four). The compile check builds every flag on: the variant with the most live values, so the worst case for
-    registers. A ``MODS_SUFFIX`` kernel is built with ``sample_mods()`` as well, and without attn_bias (see there)."""
+    registers. A ``MODS_SUFFIX`` kernel is built with ``sample_mods()`` as well, and without attn_bias (see there);
+    a ``VARLEN_SUFFIX`` one for packed sequences, without attn_bias."""
     from .backward import make_delta_kernel, make_dkdv_kernel, make_dq_kernel
     from .decode import make_decode_kernel, make_split_merge_kernel
     from .forward import make_forward_kernel
@@ -204,6 +212,10 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
     if kernel.endswith(MODS_SUFFIX):
         mods, flags = sample_mods(), flags[:4] + (False,) + flags[5:]   # no attn_bias beside the mods (above)
     kernel = kernel.removesuffix(MODS_SUFFIX)
+    extra = {}
+    if kernel.endswith(VARLEN_SUFFIX):
+        extra, flags = {"varlen": True}, flags[:4] + (False,) + flags[5:]   # packed calls take no attn_bias
+    kernel = kernel.removesuffix(VARLEN_SUFFIX)
     if kernel in TC_COPY_PATHS:
         from .tc_dkdv import make_tc_dkdv_kernel
         from .tc_dq import make_tc_dq_kernel
@@ -211,7 +223,7 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
         factory = {"tc_forward": make_tc_forward_kernel, "tc_backward_dkdv": make_tc_dkdv_kernel,
                    "tc_backward_dq": make_tc_dq_kernel}[cfg.kernel]
         return factory(cfg, *flags[:3], dtype == "bfloat16", *flags[3:], async_copy=TC_COPY_PATHS[kernel],
-                       mods=mods).py_func
+                       mods=mods, **extra).py_func
     if kernel == "backward_delta":
         return make_delta_kernel(dtype == "bfloat16").py_func
     if kernel == "decode_merge":
@@ -219,7 +231,7 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
     if kernel == "decode":
         return make_decode_kernel(cfg, *flags[:3], dtype == "bfloat16", *flags[3:4]).py_func
     factory = {"forward": make_forward_kernel, "backward_dkdv": make_dkdv_kernel, "backward_dq": make_dq_kernel}
-    return factory[kernel](cfg, *flags[:3], dtype == "bfloat16", *flags[3:], mods=mods).py_func
+    return factory[kernel](cfg, *flags[:3], dtype == "bfloat16", *flags[3:], mods=mods, **extra).py_func
 
 
 def _int(pattern: str, log: str) -> int:
@@ -300,7 +312,8 @@ def toolchain_ccs() -> tuple[tuple[int, int], ...]:
 def check_all(progress: Any = None, ccs: tuple[tuple[int, int], ...] | None = None,
               workers: int | None = None) -> list[KernelResources]:
     """Every (compute capability, dtype, tile config) the picker produces, plus the kernels without a tile config
-    (the backward's delta pre-pass, decoding's split merge) and those built with user mods (``MODS_KERNELS``);
+    (the backward's delta pre-pass, decoding's split merge) and those built with user mods (``MODS_KERNELS``) or
+    for packed sequences (the same kernels, ``VARLEN_SUFFIX``);
     bfloat16 only
     for compute capabilities it is offered on (``config.MIN_COMPUTE_CAPABILITY``). ``ccs`` narrows the targets
     (default: ``config.COMPUTE_CAPABILITIES``); one the toolchain cannot build for raises ValueError saying why.
@@ -333,6 +346,8 @@ def check_all(progress: Any = None, ccs: tuple[tuple[int, int], ...] | None = No
             if not kernel.startswith("tc_") or tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY:
                 cfg = tile_config_for(MODS_HEAD_DIM, dtype, cc, kernel=kernel, override=TileOverride())
                 targets.setdefault((kernel + MODS_SUFFIX, dtype, cfg), []).append(cc)
+                cfg = tile_config_for(VARLEN_HEAD_DIM, dtype, cc, kernel=kernel, override=TileOverride())
+                targets.setdefault((kernel + VARLEN_SUFFIX, dtype, cfg), []).append(cc)
     jobs = [(kernel, cfg, dtype, tuple(sorted(target_ccs))) for (kernel, dtype, cfg), target_ccs in targets.items()]
     workers = min(len(jobs), workers or os.cpu_count() or 1)
     if workers <= 1:

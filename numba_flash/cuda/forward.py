@@ -31,6 +31,7 @@ from .config import FlashAttentionConfig, transposed_stride
 from .dtypes import element_io
 from .masks import (bias_head, dropout_factor, make_bias_tile, make_biases, make_score_mod_hides, make_visible,
                     nan_if_not_finite)
+from .sequences import make_locate
 from .smem import carve
 from .tiles import FETCH_VECTOR, make_tile_fetch, tile_passes
 from .user_mods import NO_MODS, CudaMods, make_score_mod
@@ -62,7 +63,7 @@ def _grids(cfg: FlashAttentionConfig) -> tuple[int, int, int, int]:
 @functools.lru_cache(maxsize=None)
 def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool,
                         bf16: bool, alibi: bool = False, has_bias: bool = False, dropout: bool = False,
-                        mods: CudaMods = NO_MODS) -> Any:
+                        mods: CudaMods = NO_MODS, varlen: bool = False) -> Any:
     """The forward kernel for one tile config, mask kind and element kind (a ``numba.cuda`` dispatcher, compiled
     lazily).
 
@@ -80,7 +81,10 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
       seed_lo, seed_hi, threshold: uint64, dropout's key words and keep threshold; dscale: float32, 1 / (1 - p);
       batch0: int, the batch index of the call's first row in dropout's counter (all read only with ``dropout``);
       tiles: int8 (B or 1, Hq or 1, ceil(Sq / block_m), ceil(Sk / block_n)), the BlockMask re-cut to this
-      config's tiles (block_tiles.py), read only with ``mods.block_tiles`` (any 4-dimensional int8 array otherwise).
+      config's tiles (block_tiles.py), read only with ``mods.block_tiles`` (any 4-dimensional int8 array otherwise);
+      seqs: int32 (n_blocks, 6), with ``varlen`` the packed sequences' block table (sequences.py; grid
+      ``(n_blocks, Hq, 1)``, q/k/v/out a batch of one, seqlen_q/seqlen_k unused), read only then (any (1, 6) int32
+      array otherwise).
     float32 and float16 share one dispatcher (numba specialises it on the array types it is called with); bfloat16
     bits need their own, since an int16 element must be widened, not converted. ``mods``: the user's mods
     (user_mods.py): bias_mod and mask_mod go through the staged bias tile, score_mod applies per score; with
@@ -111,6 +115,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     add_biases = make_biases(alibi, STAGED)
     load_bias = make_bias_tile(BM, BN, NT, True, BM, has_bias, mods)
     tile_skip = make_tile_skip(mods.block_tiles)
+    locate = make_locate(varlen)
     score_mod = make_score_mod(mods)
     score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, LOAD)
     Q_PASSES, KV_PASSES, V4 = tile_passes(BM, DB, NT), tile_passes(BN, DB, NT), FETCH_VECTOR
@@ -119,13 +124,15 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     fetch_v = make_tile_fetch(BN, DB, NT, bf16, DB, False)
 
     def flash_forward_kernel(q, k, v, out, lse, seqlen_q, seqlen_k, head_dim, group, window_left, window_right,
-                             qmult, capmult, slopes, bias, seed_lo, seed_hi, threshold, dscale, batch0, tiles):
+                             qmult, capmult, slopes, bias, seed_lo, seed_hi, threshold, dscale, batch0, tiles,
+                             seqs):
         neg_inf = float32(-math.inf)
         nan = float32(math.nan)
         t = cuda.threadIdx.x
-        m0 = cuda.blockIdx.x * BM
+        # b: the sequence (masks, ALiBi, dropout); the arrays' rows of it start at (ab, q0) and keys at (ab, k0).
+        b, ab, tile, q0, k0, seqlen_q, seqlen_k = locate(seqs, seqlen_q, seqlen_k)
+        m0 = tile * BM
         h = cuda.blockIdx.y
-        b = cuda.blockIdx.z
         hk = h // group
         slope = float32(0.0)
         if ALIBI:
@@ -161,7 +168,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
 
         # Tile loads (tiles.py): rows past the sequence and columns past head_dim become 0 and add nothing.
         for k_pass in range(Q_PASSES):
-            at, ok = fetch_q(fetched, q, b, m0, h, seqlen_q, head_dim, qmult, t, k_pass)
+            at, ok = fetch_q(fetched, q, ab, q0 + m0, h, q0 + seqlen_q, head_dim, qmult, t, k_pass)
             if ok:
                 for e in range(V4):
                     q_t[at + uint64(e)] = fetched[e]
@@ -200,11 +207,11 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
         for n0 in range(n_start, hi, BN):
             # The state is the block's (one table entry), so every thread takes the same branch; the last
             # iteration ended on a barrier, so skipping before this one's loads leaves nothing half done.
-            skip, full_tile = tile_skip(tiles, b, h, cuda.blockIdx.x, n0 // BN)
+            skip, full_tile = tile_skip(tiles, b, h, tile, n0 // BN)
             if skip:   # mask_mod hides every key: never read, so a NaN there cannot poison
                 continue
             for k_pass in range(KV_PASSES):
-                at, ok = fetch_k(fetched, k, b, n0, hk, seqlen_k, head_dim, float32(1.0), t, k_pass)
+                at, ok = fetch_k(fetched, k, ab, k0 + n0, hk, k0 + seqlen_k, head_dim, float32(1.0), t, k_pass)
                 if ok:
                     for e in range(V4):
                         kv[at + uint64(e)] = fetched[e]
@@ -262,7 +269,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
             # A non-finite value goes in as 0: P V also multiplies the masked pairs' P = 0, and 0 * inf would
             # carry it into rows that do not see its key. The rows that do are made NaN after the loop.
             for k_pass in range(KV_PASSES):
-                at, ok = fetch_v(fetched, v, b, n0, hk, seqlen_k, head_dim, float32(1.0), t, k_pass)
+                at, ok = fetch_v(fetched, v, ab, k0 + n0, hk, k0 + seqlen_k, head_dim, float32(1.0), t, k_pass)
                 if ok:
                     for e in range(V4):
                         x = fetched[e]
@@ -322,7 +329,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 for j in range(O_TD):
                     d = o_tc * O_RD + (j // O_RD) * O_GAP_D + j % O_RD
                     if d < head_dim:
-                        out[b, row, h, d] = STORE(nan_if_not_finite(acc[i, j] * inv))
+                        out[ab, q0 + row, h, d] = STORE(nan_if_not_finite(acc[i, j] * inv))
         if cuda.syncthreads_or(int32(v_nonfinite_seen)):
             # Rare: V held an inf or NaN, loaded as 0. Each row that sees such a key gets NaN in its column (p * inf
             # or p * NaN is not finite whatever p is), read again from global memory: this runs once per block.
@@ -337,17 +344,17 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                             seqlen_k):
                         for j in range(O_TD):
                             d = o_tc * O_RD + (j // O_RD) * O_GAP_D + j % O_RD
-                            if d < head_dim and not abs(LOAD(v[b, key, hk, d])) < float32(math.inf):
-                                out[b, row, h, d] = STORE(nan)
+                            if d < head_dim and not abs(LOAD(v[ab, k0 + key, hk, d])) < float32(math.inf):
+                                out[ab, q0 + row, h, d] = STORE(nan)
         for r in range(t, BM, NT):
             row = m0 + r
             if row < seqlen_q:
                 total = row_sum[r]
                 if total > float32(0.0):
-                    lse[b, h, row] = (row_max[r] + math.log2(total)) * float32(LN2)
+                    lse[ab, h, q0 + row] = (row_max[r] + math.log2(total)) * float32(LN2)
                 elif total != total:   # poisoned
-                    lse[b, h, row] = nan
+                    lse[ab, h, q0 + row] = nan
                 else:                  # sees no key
-                    lse[b, h, row] = float32(math.inf)
+                    lse[ab, h, q0 + row] = float32(math.inf)
 
     return cuda.jit(flash_forward_kernel)

@@ -32,6 +32,7 @@ from .config import (STATIC_SMEM_LIMIT, TC_BACKWARD_MAX_HEAD_DIM, TC_DTYPES, TC_
 from .decode import MERGE_THREADS, make_decode_kernel, make_split_merge_kernel
 from .forward import make_forward_kernel
 from .masks import LOG2E
+from .sequences import block_table, no_sequences
 from .simcheck import install_from_env
 from .smem import device_optin_limit
 from .tc_dkdv import make_tc_dkdv_kernel
@@ -225,6 +226,25 @@ def _block_tiles(mods: CudaMods, block_mask: Any, cfg: FlashAttentionConfig, str
             tiles_arg(block_mask, cfg.block_m, cfg.block_n, selfcheck.current_device(), stream))
 
 
+def _blocks(packed: tuple | None, block: int, along: str, seqlen: int, batch: int,
+            stream: Any) -> tuple[Any, int, int]:
+    """The kernels' ``seqs`` argument and the grid's x and z: dense, the placeholder, ``ceil(seqlen / block)`` tiles
+    and ``batch``; for packed sequences (``packed`` = (cu_seqlens_q, cu_seqlens_k) on the host), their block table
+    for this config's ``block`` along ``along`` (sequences.py), its length, and 1."""
+    from numba import cuda
+
+    if packed is None:
+        return no_sequences(selfcheck.current_device()), math.ceil(seqlen / block), batch
+    table = block_table(*packed, block, along)
+    return cuda.to_device(table, stream=stream), len(table), 1
+
+
+def _varlen_kw(packed: tuple | None) -> dict[str, bool]:
+    """The kernel factories' ``varlen`` switch, passed only when on: a dense call builds (and caches) the kernel it
+    always did, under the same factory arguments."""
+    return {} if packed is None else {"varlen": True}
+
+
 @contextlib.contextmanager
 def _compiling(mods: CudaMods) -> Iterator[None]:
     """Around a launch, which compiles the kernel on its first call: with mods, a failure to compile is the user's
@@ -255,29 +275,32 @@ def _compiling(mods: CudaMods) -> Iterator[None]:
 def launch_forward(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float,
                    window_left: int, window_right: int, softcap: float, bf16: bool, alibi: Any = None,
                    bias: Any = None, dropout: tuple | None = None, mods: CudaMods = NO_MODS,
-                   block_mask: Any = None, stream: Any = 0) -> None:
+                   block_mask: Any = None, packed: tuple | None = None, stream: Any = 0) -> None:
     """Launch the forward kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_forward`` config) as
     it is, no self-check. Arrays as for ``flash_forward``."""
     mods, tiles = _block_tiles(mods, block_mask, cfg, stream)
+    varlen = _varlen_kw(packed)
     if cfg.tensor_cores:
         kernel = make_tc_forward_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                        bias is not None, dropout is not None, async_copy_ok(q, k, v), mods)
+                                        bias is not None, dropout is not None, async_copy_ok(q, k, v), mods, **varlen)
         q, k, v, out = (_bits(x) for x in (q, k, v, out))
     else:
         kernel = make_forward_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                     bias is not None, dropout is not None, mods)
+                                     bias is not None, dropout is not None, mods, **varlen)
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     qmult, capmult = _multipliers(softmax_scale, softcap)
-    grid = (math.ceil(sq / cfg.block_m), hq, batch)
+    seqs, blocks, grid_z = _blocks(packed, cfg.block_m, "q", sq, batch, stream)
+    if blocks == 0:
+        return
     args = (q, k, v, out, lse, sq, sk, d, hq // hkv, window_left, window_right, qmult, capmult,
-            _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout), tiles)
+            _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout), tiles, seqs)
     with _compiling(mods):
-        launched = _run(kernel, grid, cfg, stream, args)
+        launched = _run(kernel, (blocks, hq, grid_z), cfg, stream, args)
     if not launched:
         launch_forward(static_fallback(cfg), q, k, v, out, lse, softmax_scale=softmax_scale,
                        window_left=window_left, window_right=window_right, softcap=softcap, bf16=bf16, alibi=alibi,
-                       bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, stream=stream)
+                       bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, packed=packed, stream=stream)
 
 
 def launch_delta(dout: Any, out: Any, delta: Any, *, bf16: bool, stream: Any = 0) -> None:
@@ -291,63 +314,72 @@ def launch_delta(dout: Any, out: Any, delta: Any, *, bf16: bool, stream: Any = 0
 def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dk: Any,
                 dv: Any, *, softmax_scale: float, window_left: int, window_right: int, softcap: float, bf16: bool,
                 alibi: Any = None, bias: Any = None, dropout: tuple | None = None, mods: CudaMods = NO_MODS,
-                block_mask: Any = None, stream: Any = 0) -> None:
+                block_mask: Any = None, packed: tuple | None = None, stream: Any = 0) -> None:
     """Launch the dK/dV kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_backward_dkdv``
     config) as it is, no self-check. Arrays as for ``flash_backward``."""
     mods, tiles = _block_tiles(mods, block_mask, cfg, stream)
+    varlen = _varlen_kw(packed)
     if cfg.tensor_cores:
         kernel = make_tc_dkdv_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                     bias is not None, dropout is not None, async_copy_ok(q, k, v, dout), mods)
+                                     bias is not None, dropout is not None, async_copy_ok(q, k, v, dout), mods,
+                                     **varlen)
         q, k, v, dout, dk, dv = (_bits(x) for x in (q, k, v, dout, dk, dv))
     else:
         kernel = make_dkdv_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                  bias is not None, dropout is not None, mods)
+                                  bias is not None, dropout is not None, mods, **varlen)
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     qmult, capmult = _multipliers(softmax_scale, softcap)
-    grid = (math.ceil(sk / cfg.block_n), hkv, batch)
+    seqs, blocks, grid_z = _blocks(packed, cfg.block_n, "k", sk, batch, stream)
+    if blocks == 0:
+        return
     args = (q, k, v, dout, lse, delta, dk, dv, sq, sk, d, hq // hkv, window_left, window_right, qmult, capmult,
-            np.float32(softmax_scale), _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout), tiles)
+            np.float32(softmax_scale), _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout), tiles,
+            seqs)
     with _compiling(mods):
-        launched = _run(kernel, grid, cfg, stream, args)
+        launched = _run(kernel, (blocks, hkv, grid_z), cfg, stream, args)
     if not launched:
         launch_dkdv(static_fallback(cfg), q, k, v, dout, lse, delta, dk, dv, softmax_scale=softmax_scale,
                     window_left=window_left, window_right=window_right, softcap=softcap, bf16=bf16, alibi=alibi,
-                    bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, stream=stream)
+                    bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, packed=packed, stream=stream)
 
 
 def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dq: Any, *,
               softmax_scale: float, window_left: int, window_right: int, softcap: float, bf16: bool,
               alibi: Any = None, bias: Any = None, dropout: tuple | None = None, mods: CudaMods = NO_MODS,
-              block_mask: Any = None, stream: Any = 0) -> None:
+              block_mask: Any = None, packed: tuple | None = None, stream: Any = 0) -> None:
     """Launch the dQ kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_backward_dq`` config) as it
     is, no self-check. Arrays as for ``flash_backward``."""
     mods, tiles = _block_tiles(mods, block_mask, cfg, stream)
+    varlen = _varlen_kw(packed)
     if cfg.tensor_cores:
         kernel = make_tc_dq_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                   bias is not None, dropout is not None, async_copy_ok(q, k, v, dout), mods)
+                                   bias is not None, dropout is not None, async_copy_ok(q, k, v, dout), mods, **varlen)
         q, k, v, dout, dq = (_bits(x) for x in (q, k, v, dout, dq))
     else:
         kernel = make_dq_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                bias is not None, dropout is not None, mods)
+                                bias is not None, dropout is not None, mods, **varlen)
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     qmult, capmult = _multipliers(softmax_scale, softcap)
-    grid = (math.ceil(sq / cfg.block_m), hq, batch)
+    seqs, blocks, grid_z = _blocks(packed, cfg.block_m, "q", sq, batch, stream)
+    if blocks == 0:
+        return
     args = (q, k, v, dout, lse, delta, dq, sq, sk, d, hq // hkv, window_left, window_right, qmult, capmult,
-            np.float32(softmax_scale), _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout), tiles)
+            np.float32(softmax_scale), _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout), tiles,
+            seqs)
     with _compiling(mods):
-        launched = _run(kernel, grid, cfg, stream, args)
+        launched = _run(kernel, (blocks, hq, grid_z), cfg, stream, args)
     if not launched:
         launch_dq(static_fallback(cfg), q, k, v, dout, lse, delta, dq, softmax_scale=softmax_scale,
                   window_left=window_left, window_right=window_right, softcap=softcap, bf16=bf16, alibi=alibi,
-                  bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, stream=stream)
+                  bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, packed=packed, stream=stream)
 
 
 def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float, window_left: int,
                   window_right: int, softcap: float, dtype: str, alibi: Any = None, bias: Any = None,
                   dropout: tuple | None = None, mods: CudaMods = NO_MODS, block_mask: Any = None,
-                  override: TileOverride | None = None, stream: Any = 0) -> None:
+                  override: TileOverride | None = None, packed: tuple | None = None, stream: Any = 0) -> None:
     """Launch the forward kernel.
 
     q, out: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D); device arrays of ``storage_dtype(dtype)`` (float32, float16,
@@ -356,7 +388,9 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
     of 4 dimensions, each of the full size (B, Hq, Sq, Sk) or 1, any strides. dropout: None or ``dropout_arg``'s
     tuple. mods: the user's mods as device functions (``user_mods.cuda_mods``); block_mask: None or the
     ``numba_flash.BlockMask`` of mods' mask_mod, whose EMPTY tiles are skipped and FULL ones run without mask_mod
-    (block_tiles.py). Writes out and lse. The self-check
+    (block_tiles.py). packed: None, or packed sequences' (cu_seqlens_q, cu_seqlens_k) int host arrays (B + 1,),
+    with q, k, v, out their packed arrays as a batch of one ((1, total, H, D), lse (1, Hq, total_q)): one launch
+    over every sequence's tiles (sequences.py). Writes out and lse. The self-check
     vouches for the kernels without mods (the mods only change which scores go in); a mod that numba-cuda cannot
     compile raises AttentionInputError naming it.
     Raises ``selfcheck.SelfCheckFailed`` (a ``BackendDeclined``), having written nothing, when no forward config
@@ -372,19 +406,20 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
                            async_copy=not picked.tensor_cores or async_copy_ok(q, k, v))
     launch_forward(cfg, q, k, v, out, lse, softmax_scale=softmax_scale, window_left=window_left,
                    window_right=window_right, softcap=softcap, bf16=dtype == "bfloat16", alibi=alibi, bias=bias,
-                   dropout=dropout, mods=mods, block_mask=block_mask, stream=stream)
+                   dropout=dropout, mods=mods, block_mask=block_mask, packed=packed, stream=stream)
 
 
 def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: Any, dk: Any, dv: Any,
                    delta: Any, *, softmax_scale: float, window_left: int, window_right: int, softcap: float,
                    dtype: str, alibi: Any = None, bias: Any = None, dropout: tuple | None = None,
                    mods: CudaMods = NO_MODS, block_mask: Any = None, override: TileOverride | None = None,
-                   stream: Any = 0) -> None:
+                   packed: tuple | None = None, stream: Any = 0) -> None:
     """Launch the three backward kernels: delta pre-pass, dK/dV over key tiles, dQ over query tiles.
 
     dout, q, out, dq: (B, Sq, Hq, D); k, v, dk, dv: (B, Sk, Hkv, D); device arrays of ``storage_dtype(dtype)``
     (float32, float16, or int16 bfloat16 bits), any strides. lse: (B, Hq, Sq) float32 as the forward wrote it;
-    delta: (B, Hq, Sq) float32 scratch; alibi, bias, dropout, mods and block_mask as for ``flash_forward``. Raises
+    delta: (B, Hq, Sq) float32 scratch; alibi, bias, dropout, mods, block_mask and packed as for ``flash_forward``
+    (packed: each of the three kernels launches once for every sequence). Raises
     ``selfcheck.SelfCheckFailed``, having written nothing, when no config of one of the two tiled kernels passes its
     self-check on this GPU.
     """
@@ -404,8 +439,8 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
     kw = dict(softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap,
               bf16=bf16, alibi=alibi, bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, stream=stream)
     launch_delta(dout, out, delta, bf16=bf16, stream=stream)
-    launch_dkdv(dkdv_cfg, q, k, v, dout, lse, delta, dk, dv, **kw)
-    launch_dq(dq_cfg, q, k, v, dout, lse, delta, dq, **kw)
+    launch_dkdv(dkdv_cfg, q, k, v, dout, lse, delta, dk, dv, packed=packed, **kw)
+    launch_dq(dq_cfg, q, k, v, dout, lse, delta, dq, packed=packed, **kw)
 
 
 def launch_decode(cfg: FlashAttentionConfig, q: Any, k_cache: Any, v_cache: Any, seqinfo: Any, block_table: Any,

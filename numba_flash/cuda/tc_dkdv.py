@@ -31,6 +31,7 @@ from .block_tiles import make_tile_skip
 from .config import FlashAttentionConfig
 from .dtypes import load_bf16, load_f16_bits
 from .masks import LOG2E, bias_head, make_score_mod_hides, make_visible
+from .sequences import make_locate
 from .tc_forward import EXPONENT_BITS, QUIET_NAN_BITS, tile_offset
 from .tc_scores import hidden_p, is_hidden, make_keep_bits, make_kept_factor, make_score
 from .tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
@@ -42,7 +43,7 @@ SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16
 @functools.lru_cache(maxsize=None)
 def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool,
                         alibi: bool = False, has_bias: bool = False, dropout: bool = False,
-                        async_copy: bool = True, mods: CudaMods = NO_MODS) -> Any:
+                        async_copy: bool = True, mods: CudaMods = NO_MODS, varlen: bool = False) -> Any:
     """The tensor-core dK/dV kernel for one tile config, mask kind and element kind (a ``numba.cuda`` dispatcher).
     ``block_n`` keys (16 per warp) per block, ``block_m`` queries per step of its loop.
 
@@ -71,6 +72,7 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     smem_index = make_smem_index(HEAD_DIM)
     score = make_score(softcap, alibi, has_bias, mods)
     tile_skip = make_tile_skip(mods.block_tiles)
+    locate = make_locate(varlen)
     kept_factor = make_kept_factor(dropout)
     keep_bits = make_keep_bits(M_TILES, transposed=True)
     sees = make_visible(has_left, has_right, has_bias, mods)
@@ -78,16 +80,17 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
 
     def flash_tc_dkdv_kernel(q, k, v, dout, lse, delta, dk, dv, seqlen_q, seqlen_k, head_dim, group, window_left,
                              window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
-                             batch0, tiles):
+                             batch0, tiles, seqs):
         inf = float32(math.inf)
         t = cuda.threadIdx.x
         lane = uint32(t % 32)
         warp_key0 = 16 * (t // 32)                 # this warp's first key in the tile
         g, tq = lane >> uint32(2), lane & uint32(3)
         lm, lr = lane >> uint32(3), lane & uint32(7)
-        n0 = cuda.blockIdx.x * BLOCK_N
+        # b: the sequence (masks, ALiBi, dropout); the arrays' rows of it start at (ab, q0) and keys at (ab, k0).
+        b, ab, tile, q0, k0, seqlen_q, seqlen_k = locate(seqs, seqlen_q, seqlen_k)
+        n0 = tile * BLOCK_N
         hk = cuda.blockIdx.y
-        b = cuda.blockIdx.z
         key_top = n0 + warp_key0 + int32(g)        # the keys of registers 0, 1; registers 2, 3 hold key_top + 8
         lane_col = 2 * int32(tq)                   # this lane's first query in every 8-query tile
 
@@ -130,10 +133,10 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
         if d0 < head_dim:
             chunk_bytes = uint32(2 * min(head_dim - d0, CHUNK))
         for c_pass in range(KV_PASSES):
-            copy_kv(k_tile, k, c_pass, r0, c0, chunk_bytes, n0, seqlen_k, tile_offset(k, b, n0, hk), k.strides[1],
-                    b, hk)
-            copy_kv(v_tile, v, c_pass, r0, c0, chunk_bytes, n0, seqlen_k, tile_offset(v, b, n0, hk), v.strides[1],
-                    b, hk)
+            copy_kv(k_tile, k, c_pass, r0, c0, chunk_bytes, k0 + n0, k0 + seqlen_k, tile_offset(k, ab, k0 + n0, hk),
+                    k.strides[1], ab, hk)
+            copy_kv(v_tile, v, c_pass, r0, c0, chunk_bytes, k0 + n0, k0 + seqlen_k, tile_offset(v, ab, k0 + n0, hk),
+                    v.strides[1], ab, hk)
         warp.cp_async_commit()
         do_nonfinite_seen = False
 
@@ -147,20 +150,20 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 # One table entry for the whole block (the transposed look-up: query tile m0, this block's key
                 # tile), so every warp skips together; a skipped tile copies nothing, so skipping this
                 # iteration's barriers is safe.
-                skip, full_tile = tile_skip(tiles, b, h, m0 // BLOCK_M, cuda.blockIdx.x)
+                skip, full_tile = tile_skip(tiles, b, h, m0 // BLOCK_M, tile)
                 if skip:   # mask_mod hides every pair: Q and dO never read
                     continue
                 cuda.syncthreads()               # every warp is done with the last step's Q and dO tiles
                 for c_pass in range(X_PASSES):
-                    copy_x(q_tile, q, c_pass, r0, c0, chunk_bytes, m0, seqlen_q, tile_offset(q, b, m0, h),
-                           q.strides[1], b, h)
-                    copy_x(do_tile, dout, c_pass, r0, c0, chunk_bytes, m0, seqlen_q, tile_offset(dout, b, m0, h),
-                           dout.strides[1], b, h)
+                    copy_x(q_tile, q, c_pass, r0, c0, chunk_bytes, q0 + m0, q0 + seqlen_q,
+                           tile_offset(q, ab, q0 + m0, h), q.strides[1], ab, h)
+                    copy_x(do_tile, dout, c_pass, r0, c0, chunk_bytes, q0 + m0, q0 + seqlen_q,
+                           tile_offset(dout, ab, q0 + m0, h), dout.strides[1], ab, h)
                 warp.cp_async_commit()
                 for r in range(t, BLOCK_M, NT):
                     row = m0 + r
-                    lse_s[r] = lse[b, h, row] * float32(LOG2E) if row < seqlen_q else inf
-                    delta_s[r] = delta[b, h, row] if row < seqlen_q else float32(0.0)
+                    lse_s[r] = lse[ab, h, q0 + row] * float32(LOG2E) if row < seqlen_q else inf
+                    delta_s[r] = delta[ab, h, q0 + row] if row < seqlen_q else float32(0.0)
                 warp.cp_async_wait_all()
                 # Each thread tests the Q and dO chunks it copied; the barrier that publishes the tiles ORs it.
                 probe = uint32(0)
@@ -321,7 +324,7 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                                 h) and not score_mod_hides(q, k, b, h, hk, row, n0 + key_row, head_dim, qmult, capmult,
                                                            slope, offset, bias_h, seqlen_q, seqlen_k):
                             for d in range(lane_col, head_dim):
-                                if (d - lane_col) % 8 < 2 and (dout[b, row, h, d] & uint16(EXP)) == uint16(EXP):
+                                if (d - lane_col) % 8 < 2 and (dout[ab, q0 + row, h, d] & uint16(EXP)) == uint16(EXP):
                                     v_tile[smem_index(key_row, d // 8) + uint32(d % 8)] = uint16(NAN_BITS)
         cuda.syncthreads()
         for c_pass in range(KV_PASSES):
@@ -331,7 +334,7 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 at = smem_index(r, c0)
                 for e in range(CHUNK):
                     if d0 + e < head_dim:
-                        dk[b, key, hk, d0 + e] = k_tile[at + uint32(e)]
-                        dv[b, key, hk, d0 + e] = v_tile[at + uint32(e)]
+                        dk[ab, k0 + key, hk, d0 + e] = k_tile[at + uint32(e)]
+                        dv[ab, k0 + key, hk, d0 + e] = v_tile[at + uint32(e)]
 
     return cuda.jit(flash_tc_dkdv_kernel)

@@ -30,6 +30,7 @@ from . import warp
 from .block_tiles import make_tile_skip, next_key_tile
 from .config import FlashAttentionConfig
 from .masks import LOG2E, bias_head
+from .sequences import make_locate
 from .tc_forward import EXPONENT_BITS, tile_offset
 from .tc_scores import hidden_p, is_hidden, make_keep_bits, make_kept_factor, make_score
 from .tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
@@ -41,7 +42,7 @@ SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16
 @functools.lru_cache(maxsize=None)
 def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool,
                       alibi: bool = False, has_bias: bool = False, dropout: bool = False,
-                      async_copy: bool = True, mods: CudaMods = NO_MODS) -> Any:
+                      async_copy: bool = True, mods: CudaMods = NO_MODS, varlen: bool = False) -> Any:
     """The tensor-core dQ kernel for one tile config, mask kind and element kind (a ``numba.cuda`` dispatcher).
 
     Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments as the float32 dQ
@@ -69,21 +70,23 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
     score = make_score(softcap, alibi, has_bias, mods)
     BLOCK_TILES = mods.block_tiles
     tile_skip = make_tile_skip(BLOCK_TILES)
+    locate = make_locate(varlen)
     kept_factor = make_kept_factor(dropout)
     keep_bits = make_keep_bits(N_TILES)
 
     def flash_tc_dq_kernel(q, k, v, dout, lse, delta, dq, seqlen_q, seqlen_k, head_dim, group, window_left,
                            window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
-                           batch0, tiles):
+                           batch0, tiles, seqs):
         inf = float32(math.inf)
         t = cuda.threadIdx.x
         lane = uint32(t % 32)
         warp_row0 = 16 * (t // 32)
         g, tq = lane >> uint32(2), lane & uint32(3)
         lm, lr = lane >> uint32(3), lane & uint32(7)
-        m0 = cuda.blockIdx.x * BLOCK_M
+        # b: the sequence (masks, ALiBi, dropout); the arrays' rows of it start at (ab, q0) and keys at (ab, k0).
+        b, ab, tile, q0, k0, seqlen_q, seqlen_k = locate(seqs, seqlen_q, seqlen_k)
+        m0 = tile * BLOCK_M
         h = cuda.blockIdx.y
-        b = cuda.blockIdx.z
         hk = int32(uint32(h) // uint32(group))
         slope = float32(0.0)
         if ALIBI:
@@ -113,8 +116,8 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
             lse2[half] = inf
             delta_i[half] = float32(0.0)
             if row < seqlen_q:
-                lse2[half] = lse[b, h, row] * float32(LOG2E)
-                delta_i[half] = delta[b, h, row]
+                lse2[half] = lse[ab, h, q0 + row] * float32(LOG2E)
+                delta_i[half] = delta[ab, h, q0 + row]
 
         offset = seqlen_k - seqlen_q
         last_row = min(m0 + BLOCK_M, seqlen_q) - 1
@@ -142,20 +145,20 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
 
         # Q's and then dO's fragments into registers through x_tile; the first K and V tiles meanwhile.
         for c_pass in range(X_PASSES):
-            copy_x(x_tile, q, c_pass, r0, c0, chunk_bytes, m0, seqlen_q, tile_offset(q, b, m0, h), q.strides[1],
-                   b, h)
+            copy_x(x_tile, q, c_pass, r0, c0, chunk_bytes, q0 + m0, q0 + seqlen_q, tile_offset(q, ab, q0 + m0, h),
+                   q.strides[1], ab, h)
         warp.cp_async_commit()
         n_first = n_start
         if BLOCK_TILES:   # the first tile that runs: a skipped tile's keys are never copied
-            n_first = next_key_tile(tiles, b, h, cuda.blockIdx.x, n_start, hi, BLOCK_N)
+            n_first = next_key_tile(tiles, b, h, tile, n_start, hi, BLOCK_N)
         if n_first < hi:
             for c_pass in range(KV_PASSES):
-                copy_kv(k_tile, k, c_pass, r0, c0, chunk_bytes, n_first, seqlen_k, tile_offset(k, b, n_first, hk),
-                        k.strides[1], b, hk)
+                copy_kv(k_tile, k, c_pass, r0, c0, chunk_bytes, k0 + n_first, k0 + seqlen_k,
+                        tile_offset(k, ab, k0 + n_first, hk), k.strides[1], ab, hk)
             warp.cp_async_commit()
             for c_pass in range(KV_PASSES):
-                copy_kv(v_tile, v, c_pass, r0, c0, chunk_bytes, n_first, seqlen_k, tile_offset(v, b, n_first, hk),
-                        v.strides[1], b, hk)
+                copy_kv(v_tile, v, c_pass, r0, c0, chunk_bytes, k0 + n_first, k0 + seqlen_k,
+                        tile_offset(v, ab, k0 + n_first, hk), v.strides[1], ab, hk)
             warp.cp_async_commit()
         warp.cp_async_wait_all()
         cuda.syncthreads()
@@ -164,8 +167,8 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
             q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3] = a0, a1, a2, a3
         cuda.syncthreads()
         for c_pass in range(X_PASSES):
-            copy_x(x_tile, dout, c_pass, r0, c0, chunk_bytes, m0, seqlen_q, tile_offset(dout, b, m0, h),
-                   dout.strides[1], b, h)
+            copy_x(x_tile, dout, c_pass, r0, c0, chunk_bytes, q0 + m0, q0 + seqlen_q,
+                   tile_offset(dout, ab, q0 + m0, h), dout.strides[1], ab, h)
         warp.cp_async_commit()
         warp.cp_async_wait_all()
         cuda.syncthreads()
@@ -176,7 +179,7 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
         for n0 in range(n_start, hi, BLOCK_N):
             # One table entry for the whole block, so every warp skips together, before any barrier of the
             # iteration; no copy is in flight for a skipped tile (the prefetches go to the next tile that runs).
-            skip, full_tile = tile_skip(tiles, b, h, cuda.blockIdx.x, n0 // BLOCK_N)
+            skip, full_tile = tile_skip(tiles, b, h, tile, n0 // BLOCK_N)
             if skip:   # mask_mod hides every key: K and V never read
                 continue
             # K and V of this tile are in (copied at the end of the last iteration, or before the loop); each thread
@@ -287,13 +290,13 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
             cuda.syncthreads()                   # every warp is done with both tiles: the next ones may land
             n_next = n0 + BLOCK_N
             if BLOCK_TILES:
-                n_next = next_key_tile(tiles, b, h, cuda.blockIdx.x, n_next, hi, BLOCK_N)
+                n_next = next_key_tile(tiles, b, h, tile, n_next, hi, BLOCK_N)
             if n_next < hi:
                 for c_pass in range(KV_PASSES):
-                    copy_kv(k_tile, k, c_pass, r0, c0, chunk_bytes, n_next, seqlen_k,
-                            tile_offset(k, b, n_next, hk), k.strides[1], b, hk)
-                    copy_kv(v_tile, v, c_pass, r0, c0, chunk_bytes, n_next, seqlen_k,
-                            tile_offset(v, b, n_next, hk), v.strides[1], b, hk)
+                    copy_kv(k_tile, k, c_pass, r0, c0, chunk_bytes, k0 + n_next, k0 + seqlen_k,
+                            tile_offset(k, ab, k0 + n_next, hk), k.strides[1], ab, hk)
+                    copy_kv(v_tile, v, c_pass, r0, c0, chunk_bytes, k0 + n_next, k0 + seqlen_k,
+                            tile_offset(v, ab, k0 + n_next, hk), v.strides[1], ab, hk)
                 warp.cp_async_commit()
 
         # dQ = scale * the sum, through shared memory (x_tile) as the forward's output.
@@ -312,6 +315,6 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
                 at = smem_index(r, c0)
                 for e in range(CHUNK):
                     if d0 + e < head_dim:
-                        dq[b, row, h, d0 + e] = x_tile[at + uint32(e)]
+                        dq[ab, q0 + row, h, d0 + e] = x_tile[at + uint32(e)]
 
     return cuda.jit(flash_tc_dq_kernel)

@@ -36,6 +36,7 @@ from .block_tiles import make_tile_skip, next_key_tile
 from .config import FlashAttentionConfig
 from .dtypes import load_bf16, load_f16_bits
 from .masks import bias_head, make_score_mod_hides, make_visible
+from .sequences import make_locate
 from .tc_scores import make_keep_bits, make_kept_factor, make_mod_stage, make_score, staged_value, staged_words
 from .tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
 from .user_mods import NO_MODS, CudaMods, make_score_mod
@@ -62,7 +63,7 @@ def tile_offset(x, b, row, h):
 @functools.lru_cache(maxsize=None)
 def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool,
                            alibi: bool = False, has_bias: bool = False, dropout: bool = False,
-                           async_copy: bool = True, mods: CudaMods = NO_MODS) -> Any:
+                           async_copy: bool = True, mods: CudaMods = NO_MODS, varlen: bool = False) -> Any:
     """The tensor-core forward kernel for one tile config, mask kind and element kind (a ``numba.cuda``
     dispatcher, compiled lazily).
 
@@ -73,7 +74,8 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
     1 / (1 - p)). ``async_copy``: copy tiles with ``cp.async``, which needs unit
     stride along D and rows that start 16-byte aligned (``launch.async_copy_ok``). With ``mods.block_tiles`` the
     key-tile loop skips the tiles the BlockMask's table (``tiles``) calls EMPTY, never copying their keys, and
-    stages FULL ones without mask_mod.
+    stages FULL ones without mask_mod. With ``varlen`` the grid is ``(n_blocks, Hq, 1)`` over the packed
+    sequences' block table ``seqs`` (sequences.py), as for the float32 kernel.
     """
     _checked(cfg)
     BLOCK_M, BLOCK_N, HEAD_DIM, NT = cfg.block_m, cfg.block_n, cfg.head_dim_bucket, cfg.threads
@@ -106,21 +108,23 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
     stage_mods = make_mod_stage(N_TILES, NT, mods)
     BLOCK_TILES = mods.block_tiles
     tile_skip = make_tile_skip(BLOCK_TILES)
+    locate = make_locate(varlen)
     score_mod = make_score_mod(mods)
     score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, load_bf16 if bf16 else load_f16_bits)
 
     def flash_tc_forward_kernel(q, k, v, out, lse, seqlen_q, seqlen_k, head_dim, group, window_left,
                                 window_right, qmult, capmult, slopes, bias, seed_lo, seed_hi, threshold, dscale,
-                                batch0, tiles):
+                                batch0, tiles, seqs):
         neg_inf, inf, nan = float32(-math.inf), float32(math.inf), float32(math.nan)
         t = cuda.threadIdx.x
         lane = uint32(t % 32)
         warp_row0 = 16 * (t // 32)                 # this warp's first row in the tile
         g, tq = lane >> uint32(2), lane & uint32(3)
         lm, lr = lane >> uint32(3), lane & uint32(7)   # which 8x8 matrix and row this lane addresses for ldmatrix
-        m0 = cuda.blockIdx.x * BLOCK_M
+        # b: the sequence (masks, ALiBi, dropout); the arrays' rows of it start at (ab, q0) and keys at (ab, k0).
+        b, ab, tile, q0, k0, seqlen_q, seqlen_k = locate(seqs, seqlen_q, seqlen_k)
+        m0 = tile * BLOCK_M
         h = cuda.blockIdx.y
-        b = cuda.blockIdx.z
         hk = int32(uint32(h) // uint32(group))     # 32 bits: a 64-bit division is a subroutine call
         slope = float32(0.0)
         if ALIBI:
@@ -179,15 +183,15 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
             chunk_bytes = uint32(2 * min(head_dim - d0, CHUNK))
 
         for c_pass in range(Q_PASSES):
-            copy_q(q_tile, q, c_pass, r0, c0, chunk_bytes, m0, seqlen_q, tile_offset(q, b, m0, h), q.strides[1],
-                   b, h)
+            copy_q(q_tile, q, c_pass, r0, c0, chunk_bytes, q0 + m0, q0 + seqlen_q, tile_offset(q, ab, q0 + m0, h),
+                   q.strides[1], ab, h)
         n_first = n_start
         if BLOCK_TILES:   # the first tile that runs: a skipped tile's keys are never copied
-            n_first = next_key_tile(tiles, b, h, cuda.blockIdx.x, n_start, hi, BLOCK_N)
+            n_first = next_key_tile(tiles, b, h, tile, n_start, hi, BLOCK_N)
         if n_first < hi:
             for c_pass in range(KV_PASSES):
-                copy_kv(k_tile, k, c_pass, r0, c0, chunk_bytes, n_first, seqlen_k, tile_offset(k, b, n_first, hk),
-                        k.strides[1], b, hk)
+                copy_kv(k_tile, k, c_pass, r0, c0, chunk_bytes, k0 + n_first, k0 + seqlen_k,
+                        tile_offset(k, ab, k0 + n_first, hk), k.strides[1], ab, hk)
         warp.cp_async_commit()
         warp.cp_async_wait_all()
         cuda.syncthreads()
@@ -202,14 +206,14 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
         for n0 in range(n_start, hi, BLOCK_N):
             # One table entry for the whole block, so every warp skips together, before any barrier of the
             # iteration; no copy is in flight for a skipped tile (the prefetches go to the next tile that runs).
-            skip, full_tile = tile_skip(tiles, b, h, cuda.blockIdx.x, n0 // BLOCK_N)
+            skip, full_tile = tile_skip(tiles, b, h, tile, n0 // BLOCK_N)
             if skip:   # mask_mod hides every key: K and V never read, so a NaN there cannot poison
                 continue
             warp.cp_async_wait_all()               # this K tile; and every warp is past the last tile's P V
             cuda.syncthreads()
             for c_pass in range(KV_PASSES):
-                copy_kv(v_tile, v, c_pass, r0, c0, chunk_bytes, n0, seqlen_k, tile_offset(v, b, n0, hk),
-                        v.strides[1], b, hk)
+                copy_kv(v_tile, v, c_pass, r0, c0, chunk_bytes, k0 + n0, k0 + seqlen_k,
+                        tile_offset(v, ab, k0 + n0, hk), v.strides[1], ab, hk)
             warp.cp_async_commit()
 
             if INDEX_MODS:   # on a FULL tile mask_mod shows every key: not evaluated
@@ -312,11 +316,11 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
             cuda.syncthreads()                     # every warp is done with this K tile: the next one may land
             n_next = n0 + BLOCK_N
             if BLOCK_TILES:
-                n_next = next_key_tile(tiles, b, h, cuda.blockIdx.x, n_next, hi, BLOCK_N)
+                n_next = next_key_tile(tiles, b, h, tile, n_next, hi, BLOCK_N)
             if n_next < hi:
                 for c_pass in range(KV_PASSES):
-                    copy_kv(k_tile, k, c_pass, r0, c0, chunk_bytes, n_next, seqlen_k,
-                            tile_offset(k, b, n_next, hk), k.strides[1], b, hk)
+                    copy_kv(k_tile, k, c_pass, r0, c0, chunk_bytes, k0 + n_next, k0 + seqlen_k,
+                            tile_offset(k, ab, k0 + n_next, hk), k.strides[1], ab, hk)
                 warp.cp_async_commit()
                 warp.cp_async_wait_one()           # V's group, the older one
             else:
@@ -369,11 +373,11 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
             row = row_top + 8 * half
             if tq == 0 and row < seqlen_q:
                 if total > float32(0.0):
-                    lse[b, h, row] = (m_i[half] + math.log2(total)) * float32(LN2)
+                    lse[ab, h, q0 + row] = (m_i[half] + math.log2(total)) * float32(LN2)
                 elif total != total:   # poisoned
-                    lse[b, h, row] = nan
+                    lse[ab, h, q0 + row] = nan
                 else:                  # sees no key
-                    lse[b, h, row] = inf
+                    lse[ab, h, q0 + row] = inf
         cuda.syncthreads()                         # every warp is done reading V's tile, which Q's may share
         for jd in range(D_TILES):
             for half in range(2):
@@ -393,7 +397,7 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                             not score_mod_hides(q, k, b, h, hk, m0 + row, key, head_dim, qmult, capmult, slope,
                                                 offset, bias_h, seqlen_q, seqlen_k):
                         for d in range(lane_col, head_dim):
-                            if (d - lane_col) % 8 < 2 and (v[b, key, hk, d] & uint16(EXP)) == uint16(EXP):
+                            if (d - lane_col) % 8 < 2 and (v[ab, k0 + key, hk, d] & uint16(EXP)) == uint16(EXP):
                                 q_tile[smem_index(row, d // 8) + uint32(d % 8)] = uint16(NAN_BITS)
         cuda.syncthreads()
         for c_pass in range(Q_PASSES):
@@ -403,6 +407,6 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                 at = smem_index(r, c0)
                 for e in range(CHUNK):
                     if d0 + e < head_dim:
-                        out[b, row, h, d0 + e] = q_tile[at + uint32(e)]
+                        out[ab, q0 + row, h, d0 + e] = q_tile[at + uint32(e)]
 
     return cuda.jit(flash_tc_forward_kernel)

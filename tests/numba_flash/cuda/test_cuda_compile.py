@@ -19,7 +19,8 @@ def _needs_toolchain():
 
 def test_every_specialisation_compiles_without_spills():
     _needs_toolchain()
-    from numba_flash.cuda.compile_check import MODS_HEAD_DIM, MODS_KERNELS, MODS_SUFFIX, check_all, format_table
+    from numba_flash.cuda.compile_check import (MODS_HEAD_DIM, MODS_KERNELS, MODS_SUFFIX, VARLEN_HEAD_DIM,
+                                                VARLEN_SUFFIX, check_all, format_table)
     from numba_flash.cuda.config import (COMPUTE_CAPABILITIES, HEAD_DIM_BUCKETS, KERNEL_DTYPES, KERNELS,
                                          dtype_supported_on)
 
@@ -45,6 +46,9 @@ def test_every_specialisation_compiles_without_spills():
              for b in HEAD_DIM_BUCKETS if b <= 128}
     # The forward and both backward kernels again with user mods (compile_check.sample_mods), at head dim 64.
     want |= {(cc, dt, kern + MODS_SUFFIX, MODS_HEAD_DIM) for cc in COMPUTE_CAPABILITIES
+             for kern, dt in MODS_KERNELS.items() if cc >= (8, 0) or not kern.startswith("tc_")}
+    # And for packed sequences in one launch, at head dim 128.
+    want |= {(cc, dt, kern + VARLEN_SUFFIX, VARLEN_HEAD_DIM) for cc in COMPUTE_CAPABILITIES
              for kern, dt in MODS_KERNELS.items() if cc >= (8, 0) or not kern.startswith("tc_")}
     assert covered == want, want ^ covered
     # The T4 (7.5) through H100 (9.0), every one; bfloat16 from 8.0 on only.
