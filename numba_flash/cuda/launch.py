@@ -403,7 +403,7 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
     flags = _flags(window_left, window_right, softcap)
     cfg = selfcheck.choose(picked, *flags, dtype, like=dict(q=q, k=k, v=v, out=out, lse=lse, bias=bias),
                            alibi=alibi is not None, bias=bias is not None, dropout=dropout is not None,
-                           async_copy=not picked.tensor_cores or async_copy_ok(q, k, v))
+                           async_copy=not picked.tensor_cores or async_copy_ok(q, k, v), varlen=packed is not None)
     launch_forward(cfg, q, k, v, out, lse, softmax_scale=softmax_scale, window_left=window_left,
                    window_right=window_right, softcap=softcap, bf16=dtype == "bfloat16", alibi=alibi, bias=bias,
                    dropout=dropout, mods=mods, block_mask=block_mask, packed=packed, stream=stream)
@@ -432,7 +432,7 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
     like = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv, delta=delta, bias=bias)
     # Both kernels are vouched for before either runs, so that a refusal leaves every output untouched.
     variant = dict(alibi=alibi is not None, bias=bias is not None, dropout=dropout is not None,
-                   async_copy=not tc or async_copy_ok(q, k, v, dout))
+                   async_copy=not tc or async_copy_ok(q, k, v, dout), varlen=packed is not None)
     dkdv_cfg = selfcheck.choose(picked[dkdv_kernel], *flags, dtype, like=like, **variant)
     dq_cfg = selfcheck.choose(picked[dq_kernel], *flags, dtype, like=like, **variant)
     bf16 = dtype == "bfloat16"

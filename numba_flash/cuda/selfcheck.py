@@ -7,13 +7,14 @@ expose would otherwise give wrong numbers silently; the contract wants a refusal
 
 What is checked: a specialisation is what the kernel factories are keyed on, the kernel (``forward``,
 ``backward_dkdv``, ``backward_dq``; ``decode`` has a problem of its own, decode_check.py's) x tile config x mask,
-softcap, ALiBi and attn_bias flags x dtype, and it is checked once per GPU (one that passes on one architecture may
-fail on another). The input is random N(0, 1) data from a fixed seed (so that a verdict never depends on luck), with
+softcap, ALiBi and attn_bias flags x dtype x whether it is built for packed sequences in one launch, and it is
+checked once per GPU (one that passes on one architecture may fail on another). The input is random N(0, 1) data from a fixed seed (so that a verdict never depends on luck), with
 odd sizes that make every tile edge ragged: B = 1, Hq = 2, Hkv = 1 (GQA), D = head-dim bucket - 1, Sq = block_m + 3
 (two query tiles), Sk = 2 * block_n + 5 (three key tiles); causal when the specialisation has a right bound, a left
 window that crosses a key-tile edge when it has a left bound, softcap 1.5 when it has softcap, slopes drawn from
-U(0.05, 0.5) when it has ALiBi, an N(0, 1) bias with one entry in 8 -inf when it has attn_bias. Outputs start as
-NaN, so an element the kernel never writes shows up. The backward kernels get ``out`` and ``lse`` from the
+U(0.05, 0.5) when it has ALiBi, an N(0, 1) bias with one entry in 8 -inf when it has attn_bias; a packed
+specialisation gets the same problem as the last of three packed sequences, behind rows and keys of NaN
+(selfcheck_problem.py). Outputs start as NaN, so an element the kernel never writes shows up. The backward kernels get ``out`` and ``lse`` from the
 reference, so each kernel is judged on its own. Bounds (the contract's): forward float32 out and every dtype's lse,
 max abs error <= max(1e-5, 4x the error of textbook float32 attention on the same input); float16 / bfloat16 out and
 gradients, relative L2 <= 2e-3 / 1.6e-2; float32 gradients, relative L2 <= 1e-5. An exception while compiling or
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import threading
 from dataclasses import dataclass
@@ -57,6 +57,9 @@ import numpy as np
 from numba_flash.errors import BackendDeclined
 
 from .config import STATIC_SMEM_LIMIT, FlashAttentionConfig
+from .selfcheck_problem import (_PACKED_INDEX, _PACKED_KEYS, _PACKED_ROWS, _SEED, _SOFTCAP, _STRIDED,  # noqa: F401
+                                _ahead, _device, _judge, _max_abs, _nan_device, _placed, _Problem, _problem,
+                                _rel_l2, _textbook_float32, _to_storage, _widen)
 
 ENV_VAR = "NUMBA_FLASH_SELFCHECK"
 
@@ -73,9 +76,6 @@ TEXTBOOK_FACTOR = 4.0
 LOW_PRECISION_REL_L2 = {"float16": 2e-3, "bfloat16": 1.6e-2}
 FLOAT32_BACKWARD_REL_L2 = 1e-5
 
-_SEED = 20_240_611
-_SOFTCAP = 1.5
-_DROPOUT_P = 0.3
 
 logger = logging.getLogger("numba_flash")
 
@@ -93,6 +93,7 @@ class Specialisation:
     bias: bool = False
     dropout: bool = False
     async_copy: bool = True   # tensor-core kernels: tiles copied with cp.async (else plain loads)
+    varlen: bool = False      # built for packed sequences in one launch (sequences.py)
 
     def tiles(self) -> str:
         """'64x32/128': block_m x block_n / threads."""
@@ -105,7 +106,8 @@ class Specialisation:
         return (f"{self.cfg.kernel} {self.tiles()} D={self.cfg.head_dim_bucket} {self.dtype}{masks}"
                 + (" softcap" if self.softcap else "") + (" alibi" if self.alibi else "")
                 + (" attn_bias" if self.bias else "") + (" dropout" if self.dropout else "")
-                + (" plain loads" if self.cfg.tensor_cores and not self.async_copy else ""))
+                + (" plain loads" if self.cfg.tensor_cores and not self.async_copy else "")
+                + (" packed" if self.varlen else ""))
 
 
 @dataclass(frozen=True)
@@ -215,16 +217,17 @@ def check(spec: Specialisation, like: dict[str, Any] | None = None, device: int 
 
 def choose(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, dtype: str,
            like: dict[str, Any] | None = None, alibi: bool = False, bias: bool = False,
-           dropout: bool = False, async_copy: bool = True) -> FlashAttentionConfig:
+           dropout: bool = False, async_copy: bool = True, varlen: bool = False) -> FlashAttentionConfig:
     """The config to launch: ``cfg`` if it passes its check (or the check is off), else the first fallback that
     passes; ``SelfCheckFailed`` with every failure when none does. ``async_copy``: the tensor-core kernels' copy
-    path the call takes (``launch.async_copy_ok`` of its arrays)."""
+    path the call takes (``launch.async_copy_ok`` of its arrays); ``varlen``: the call is packed sequences (the
+    check then runs its problem as the last of three packed sequences, ``_PACKED_ROWS``)."""
     if not enabled():
         return cfg
     failures = []
     for cand in candidates(cfg):
         verdict = check(Specialisation(cand, has_left, has_right, softcap, dtype, alibi, bias, dropout,
-                                       async_copy), like)
+                                       async_copy, varlen), like)
         if verdict.passed:
             return cand
         failures.append(verdict.reason)
@@ -307,176 +310,21 @@ def _run(spec: Specialisation, like: dict[str, Any]) -> Verdict:
     return Verdict(spec, not failed, "; ".join(failed or measured))
 
 
-@dataclass(frozen=True)
-class _Problem:
-    """The check's input for one specialisation: host arrays in float32 (the values the kernel sees) and in the
-    kernel's storage dtype, the launch scalars, and the float64 reference."""
-
-    q: np.ndarray
-    k: np.ndarray
-    v: np.ndarray
-    dout: np.ndarray
-    stored: dict[str, np.ndarray]
-    scale: float
-    window_left: int
-    window_right: int
-    softcap: float
-    slopes: np.ndarray | None    # ALiBi slopes (B, Hq) float64, or None
-    bias: np.ndarray | None      # attn_bias (B, Hq, Sq, Sk) float32, about one entry in 8 -inf, or None
-    dropout_p: float             # 0, or _DROPOUT_P with seed _SEED
-
-    @property
-    def window_size(self) -> tuple[int, int]:
-        return (self.window_left, self.window_right)
-
-
-def _to_storage(x: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 values as the kernels' storage dtype: bfloat16 as int16 bits, rounded to nearest even."""
-    if dtype == "bfloat16":
-        bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        return bits.astype(np.uint16).view(np.int16)
-    return np.asarray(x, dtype=dtype)
-
-
-def _widen(x: np.ndarray, dtype: str) -> np.ndarray:
-    """The float32 values of storage-dtype data."""
-    if dtype == "bfloat16":
-        return (np.ascontiguousarray(x).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return np.asarray(x, dtype=np.float32)
-
-
-def _problem(spec: Specialisation) -> _Problem:
-    cfg = spec.cfg
-    # A head dim short of the bucket, so that the padding is exercised; the tensor-core kernels' cp.async path
-    # needs rows that start 16-byte aligned, so it gets a multiple of 8 (the plain-load path an odd one).
-    d = max(1, cfg.head_dim_bucket - (8 if cfg.tensor_cores and spec.async_copy else 1))
-    sq, sk = cfg.block_m + 3, 2 * cfg.block_n + 5
-    rng = np.random.default_rng(_SEED)
-
-    def draw(*shape: int) -> tuple[np.ndarray, np.ndarray]:
-        stored = _to_storage(rng.standard_normal(shape).astype(np.float32), spec.dtype)
-        return stored, _widen(stored, spec.dtype)
-
-    (q_s, q), (k_s, k), (v_s, v), (do_s, dout) = (draw(1, sq, 2, d), draw(1, sk, 1, d), draw(1, sk, 1, d),
-                                                  draw(1, sq, 2, d))
-    return _Problem(q=q, k=k, v=v, dout=dout, stored=dict(q=q_s, k=k_s, v=v_s, dout=do_s),
-                    scale=1.0 / math.sqrt(d), window_left=cfg.block_n + 3 if spec.has_left else -1,
-                    window_right=0 if spec.has_right else -1, softcap=_SOFTCAP if spec.softcap else 0.0,
-                    slopes=rng.uniform(0.05, 0.5, (1, 2)) if spec.alibi else None, bias=_bias(rng, sq, sk, spec),
-                    dropout_p=_DROPOUT_P if spec.dropout else 0.0)
-
-
-def _bias(rng: np.random.Generator, sq: int, sk: int, spec: Specialisation) -> np.ndarray | None:
-    if not spec.bias:
-        return None
-    bias = rng.standard_normal((1, 2, sq, sk)).astype(np.float32)
-    return np.where(rng.random(bias.shape) < 0.125, np.float32(-np.inf), bias)
-
-
-class _Strided:
-    """Stands for a call's array that is not contiguous (``_device`` then makes a strided view)."""
-
-    @staticmethod
-    def is_c_contiguous() -> bool:
-        return False
-
-
-_STRIDED = _Strided()
-
-
-def _device(host: np.ndarray, like: Any) -> Any:
-    """``host`` on the GPU, as a non-contiguous view when ``like`` is one (numba compiles per contiguity)."""
-    from numba import cuda
-
-    if like is None or like.is_c_contiguous():
-        return cuda.to_device(np.ascontiguousarray(host))
-    padded = np.zeros(host.shape[:-1] + (host.shape[-1] + 1,), host.dtype)
-    padded[..., :-1] = host
-    return cuda.to_device(padded)[(slice(None),) * (host.ndim - 1) + (slice(0, host.shape[-1]),)]
-
-
-def _nan_device(shape: tuple[int, ...], dtype: str, like: Any) -> Any:
-    """A device array of ``shape`` full of NaN in storage dtype ``dtype`` ('int16': bfloat16 NaN bits)."""
-    if dtype == "int16":
-        return _device(np.full(shape, 0x7FC0, np.int16), like)
-    return _device(np.full(shape, np.nan, dtype), like)
-
-
-def _max_abs(got: np.ndarray, ref: np.ndarray) -> float:
-    """Max abs error; inf when the non-finite entries (NaN for an element never written) differ."""
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    fin = np.isfinite(ref)
-    if not np.array_equal(np.isfinite(got), fin) or not np.array_equal(got[~fin], ref[~fin]):
-        return math.inf
-    return float(np.max(np.abs(got[fin] - ref[fin]), initial=0.0))
-
-
-def _rel_l2(got: np.ndarray, ref: np.ndarray) -> float:
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    if not np.all(np.isfinite(got)):
-        return math.inf
-    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-def _textbook_float32(p: _Problem) -> tuple[np.ndarray, np.ndarray]:
-    """Attention computed plainly in float32 (whole score matrix, one softmax): the error the contract measures a
-    float32 kernel against. Returns out like q and lse (B, Hq, Sq)."""
-    from numba_flash.dropout import dropout_mask, dropout_scale
-    from numba_flash.semantics import visible_mask
-
-    batch, sq, hq, _ = p.q.shape
-    sk, group = p.k.shape[1], hq // p.k.shape[2]
-    mask = visible_mask(sq, sk, p.window_left, p.window_right)
-    out = np.zeros(p.q.shape, np.float32)
-    lse = np.full((batch, hq, sq), np.inf, np.float32)
-    scale, cap = np.float32(p.scale), np.float32(p.softcap)
-    keep = dropout_mask(_SEED, batch, hq, sq, sk, p.dropout_p) if p.dropout_p else None
-    for b in range(batch):
-        for h in range(hq):
-            s = (p.q[b, :, h] @ p.k[b, :, h // group].T) * scale
-            if p.softcap > 0:
-                s = cap * np.tanh(s / cap)
-            if p.slopes is not None:
-                distance = np.abs(np.arange(sq)[:, None] + (sk - sq) - np.arange(sk)[None, :])
-                s = s - (np.float32(p.slopes[b, h]) * distance).astype(np.float32)
-            seen_pairs = mask
-            if p.bias is not None:
-                seen_pairs = mask & (p.bias[b, h] != -np.inf)
-                s = s + np.where(seen_pairs, p.bias[b, h], np.float32(0))
-            s = np.where(seen_pairs, s, np.float32(-np.inf))
-            m = s.max(axis=1, keepdims=True)
-            seen = np.isfinite(m[:, 0])
-            m = np.where(seen[:, None], m, np.float32(0))
-            e = np.exp(s - m)
-            total = e.sum(axis=1, keepdims=True)
-            if keep is not None:
-                e = np.where(keep[b, h], e * np.float32(dropout_scale(p.dropout_p)), np.float32(0))
-            out[b, :, h] = np.where(seen[:, None], (e @ p.v[b, :, h // group]) / np.where(seen[:, None], total, 1),
-                                    0)
-            lse[b, h] = np.where(seen, m[:, 0] + np.log(np.where(seen, total[:, 0], 1)), np.inf)
-    return out, lse
-
-
-def _judge(measured: list[tuple[str, str, float, float]]) -> tuple[list[str], list[str]]:
-    """(failures, all measurements) as text, from (name, metric, error, bound) tuples."""
-    text, failed = [], []
-    for name, metric, err, bound in measured:
-        ok = err <= bound
-        line = f"{name}: {metric} {err:.3g} {'<=' if ok else '>'} {bound:.3g}"
-        if not math.isfinite(err):
-            line += " (non-finite or unwritten elements)"
-        text.append(line)
-        if not ok:
-            failed.append(line)
-    return failed, text
-
 
 def _launch_kw(spec: Specialisation, p: _Problem, like: dict[str, Any]) -> dict[str, Any]:
     from .launch import alibi_arg, dropout_arg
 
+    slopes, batch0, packed = p.slopes, 0, None
+    if spec.varlen:
+        sq, sk = p.q.shape[1], p.k.shape[1]
+        packed = (np.array([0, _PACKED_ROWS, _PACKED_ROWS, _PACKED_ROWS + sq]),
+                  np.array([0, 0, _PACKED_KEYS, _PACKED_KEYS + sk]))
+        if slopes is not None:   # the checked sequence's row of slopes is its index's
+            slopes = np.concatenate([np.full((_PACKED_INDEX, slopes.shape[1]), np.nan), slopes])
+        batch0 = -_PACKED_INDEX   # dropout keyed as the reference's batch 0
     return dict(softmax_scale=p.scale, window_left=p.window_left, window_right=p.window_right, softcap=p.softcap,
-                bf16=spec.dtype == "bfloat16", alibi=alibi_arg(p.slopes), dropout=dropout_arg(p.dropout_p, _SEED),
+                bf16=spec.dtype == "bfloat16", alibi=alibi_arg(slopes),
+                dropout=dropout_arg(p.dropout_p, _SEED, batch0), packed=packed,
                 bias=None if p.bias is None else _device(p.bias, like.get("bias")))
 
 
@@ -490,11 +338,14 @@ def _check_forward(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str
     store = storage_dtype(spec.dtype)
     if spec.cfg.tensor_cores:   # contiguous rows of a multiple of 8 elements for cp.async, strided ones for loads
         like = {} if spec.async_copy else {n: _STRIDED for n in ("q", "k", "v")}
-    q, k, v = (_device(p.stored[n], like.get(n)) for n in ("q", "k", "v"))
-    out = _nan_device(p.q.shape, store, like.get("out"))
-    lse = _nan_device((p.q.shape[0], p.q.shape[2], p.q.shape[1]), "float32", like.get("lse"))
+    q = _device(_placed(spec, p.stored["q"], "rows"), like.get("q"))
+    k, v = (_device(_placed(spec, p.stored[n], "keys"), like.get(n)) for n in ("k", "v"))
+    rows = _ahead(spec, "rows")
+    batch, sq, hq, d = p.q.shape
+    out = _nan_device((batch, rows + sq, hq, d), store, like.get("out"))
+    lse = _nan_device((batch, hq, rows + sq), "float32", like.get("lse"))
     launch_forward(spec.cfg, q, k, v, out, lse, **_launch_kw(spec, p, like))
-    got_out, got_lse = _widen(out.copy_to_host(), spec.dtype), lse.copy_to_host()
+    got_out, got_lse = _widen(out.copy_to_host()[:, rows:], spec.dtype), lse.copy_to_host()[:, :, rows:]
 
     ref_out, ref_lse = attention_ref(p.q, p.k, p.v, softmax_scale=p.scale, window_size=p.window_size,
                                      softcap=p.softcap, alibi_slopes=p.slopes, attn_bias=p.bias,
@@ -523,10 +374,11 @@ def _backward_inputs(spec: Specialisation, like: dict[str, Any]) -> tuple[_Probl
               attn_bias=p.bias, dropout_p=p.dropout_p, dropout_seed=_SEED)
     ref_out, ref_lse = attention_ref(p.q, p.k, p.v, **kw)
     grads = attention_ref_backward(p.dout, p.q, p.k, p.v, **kw)
-    dev = {n: _device(p.stored[n], like.get(n)) for n in ("q", "k", "v", "dout")}
-    dev["out"] = _device(_to_storage(ref_out.astype(np.float32), spec.dtype), like.get("out"))
-    dev["lse"] = _device(ref_lse.astype(np.float32), like.get("lse"))
-    dev["delta"] = _nan_device(ref_lse.shape, "float32", like.get("delta"))
+    side = dict(q="rows", dout="rows", k="keys", v="keys")
+    dev = {n: _device(_placed(spec, p.stored[n], side[n]), like.get(n)) for n in side}
+    dev["out"] = _device(_placed(spec, _to_storage(ref_out.astype(np.float32), spec.dtype), "rows"), like.get("out"))
+    dev["lse"] = _device(_placed(spec, ref_lse.astype(np.float32), "rows", 2), like.get("lse"))
+    dev["delta"] = _device(_placed(spec, np.full(ref_lse.shape, np.nan, np.float32), "rows", 2), like.get("delta"))
     launch_delta(dev["dout"], dev["out"], dev["delta"], bf16=spec.dtype == "bfloat16")
     return p, dev, grads
 
@@ -540,13 +392,15 @@ def _check_dkdv(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str], 
     from .launch import launch_dkdv
 
     p, dev, (_, ref_dk, ref_dv) = _backward_inputs(spec, like)
-    dk = _nan_device(p.k.shape, storage_dtype(spec.dtype), like.get("dk"))
-    dv = _nan_device(p.v.shape, storage_dtype(spec.dtype), like.get("dv"))
+    keys = _ahead(spec, "keys")
+    shape = (p.k.shape[0], keys + p.k.shape[1]) + p.k.shape[2:]
+    dk = _nan_device(shape, storage_dtype(spec.dtype), like.get("dk"))
+    dv = _nan_device(shape, storage_dtype(spec.dtype), like.get("dv"))
     launch_dkdv(spec.cfg, dev["q"], dev["k"], dev["v"], dev["dout"], dev["lse"], dev["delta"], dk, dv,
                 **_launch_kw(spec, p, like))
     bound = _grad_bound(spec.dtype)
-    return _judge([(name, "relative L2 error", _rel_l2(_widen(got.copy_to_host(), spec.dtype), ref), bound)
-                   for name, got, ref in (("dk", dk, ref_dk), ("dv", dv, ref_dv))])
+    return _judge([(name, "relative L2 error", _rel_l2(_widen(got.copy_to_host()[:, keys:], spec.dtype), ref),
+                    bound) for name, got, ref in (("dk", dk, ref_dk), ("dv", dv, ref_dv))])
 
 
 def _check_dq(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -554,10 +408,11 @@ def _check_dq(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str], li
     from .launch import launch_dq
 
     p, dev, (ref_dq, _, _) = _backward_inputs(spec, like)
-    dq = _nan_device(p.q.shape, storage_dtype(spec.dtype), like.get("dq"))
+    rows = _ahead(spec, "rows")
+    dq = _nan_device((p.q.shape[0], rows + p.q.shape[1]) + p.q.shape[2:], storage_dtype(spec.dtype), like.get("dq"))
     launch_dq(spec.cfg, dev["q"], dev["k"], dev["v"], dev["dout"], dev["lse"], dev["delta"], dq,
               **_launch_kw(spec, p, like))
-    got = _widen(dq.copy_to_host(), spec.dtype)
+    got = _widen(dq.copy_to_host()[:, rows:], spec.dtype)
     return _judge([("dq", "relative L2 error", _rel_l2(got, ref_dq), _grad_bound(spec.dtype))])
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from varlen_cases import NAMES, f64, packed_inputs, reference, rel_l2
+from varlen_cases import NAMES, packed_inputs, reference, rel_l2
 
 from backends import backend_registry
 from numba_flash.cuda import tile_config_override
