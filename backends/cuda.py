@@ -148,6 +148,25 @@ def _bshd(arr: Any, layout: str) -> Any:
     return DeviceNDArray(shape, strides, arr.dtype, stream=arr.stream, gpu_data=arr.gpu_data)
 
 
+def _dbias_like(bias: Any, dbias: Any, stream: Any) -> Any:
+    """The float32 device gradient ``dbias`` (the bias's 4-dimensional shape) as the caller's bias is: same kind,
+    device, dtype and shape."""
+    shape = tuple(int(n) for n in bias.shape)
+    if _is_torch(bias):
+        import torch
+
+        if bias.device.type == "cpu":
+            return torch.from_numpy(dbias.copy_to_host(stream=stream)).reshape(shape).to(bias.dtype)
+        # On the GPU: a copy of its own (numba owns dbias's memory), ordered after the kernels on torch's stream.
+        return torch.as_tensor(dbias, device=bias.device).reshape(shape).to(bias.dtype, copy=True)
+    host = np.asarray(dbias.copy_to_host(stream=stream)).reshape(shape)
+    if isinstance(bias, np.ndarray):
+        return host.astype(bias.dtype, copy=False)
+    from numba import cuda
+
+    return cuda.to_device(host.astype(np.dtype(str(bias.dtype)), copy=False), stream=stream)
+
+
 def _packed(call: AttentionCall) -> tuple | None:
     """The launch functions' ``packed``: a packed call's (cu_seqlens_q, cu_seqlens_k) host arrays, else None."""
     return (call.packing.cu_seqlens_q, call.packing.cu_seqlens_k) if call.is_varlen else None
@@ -327,7 +346,8 @@ class CudaBackend(Backend):
     IS_DETERMINISTIC = True
     SUPPORTS_KVCACHE = True
     SUPPORTS_ALIBI = True
-    SUPPORTS_BIAS = True   # not its gradient: return_dbias goes to another backend
+    SUPPORTS_BIAS = True
+    SUPPORTS_DBIAS = True  # a bias with every query head, row and key (see feature_reasons), no mods
     SUPPORTS_DROPOUT = True
     SUPPORTS_MODS = True   # compiled into the kernels as device functions (numba_flash/cuda/user_mods.py)
 
@@ -401,6 +421,20 @@ class CudaBackend(Backend):
                 reasons.append(BF16_CC_REASON.format(need=f"{need[0]}.{need[1]}", have=f"{have[0]}.{have[1]}"))
         return reasons
 
+    def feature_reasons(self, call: AttentionCall) -> list[str]:
+        reasons = super().feature_reasons(call)
+        if call.return_dbias and call.bias is not None:
+            _, hq, sq, sk = call.bias.shape
+            if (hq, sq, sk) != (call.nheads_q, call.seqlen_q, call.seqlen_k):
+                # The dQ kernel adds each pair's gradient once per launch; a sum over heads, rows or keys would
+                # need atomics (a different sum each run) or another pass.
+                reasons.append(f"attn_bias's gradient (return_dbias) for a bias broadcast over heads, rows or keys "
+                               f"(shape {call.bias.shape}) not supported (the batch may be broadcast)")
+            if call.mods is not None:
+                reasons.append("attn_bias's gradient (return_dbias) together with bias_mod, mask_mod or score_mod "
+                               "not supported")
+        return reasons
+
     def _selfcheck_problems(self, call: AttentionCall) -> tuple[list[str], list[str]]:
         """(notes, reasons) from the self-checks already run for the kernels this call would use; runs none. The
         notes cover the backward kernels of a forward call too, since explain() shows them ahead of a backward."""
@@ -453,7 +487,7 @@ class CudaBackend(Backend):
         args = (call.dtype, call.head_dim, self.config)
         cc = _gpu_compute_capability(call.q)
         try:
-            why = tensor_core_reason(*args, cc=cc, backward=call.is_backward)
+            why = tensor_core_reason(*args, cc=cc, backward=call.is_backward, dbias=call.return_dbias)
             why_backward = why if call.is_backward else tensor_core_reason(*args, cc=cc, backward=True)
         except AttentionInputError as exc:
             return [str(exc)]
@@ -564,8 +598,10 @@ class CudaBackend(Backend):
 
         return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
-    def backward(self, call: AttentionCall) -> tuple[Any, Any, Any]:
-        """dq, dk, dv shaped like q, k, v (same kind and dtype as q); dk, dv summed over each GQA group."""
+    def backward(self, call: AttentionCall) -> tuple[Any, ...]:
+        """dq, dk, dv shaped like q, k, v (same kind and dtype as q); dk, dv summed over each GQA group; with
+        ``call.return_dbias`` also dbias, shaped like attn_bias, of its kind and dtype (summed over the batch when
+        the bias is shared by it)."""
         io = _Session(call)
         with io.on_device():
             return self._backward(call, io)
@@ -579,6 +615,8 @@ class CudaBackend(Backend):
         lse = io.lse_in(call.lse)
         grads = [io.empty(tuple(int(s) for s in x.shape), call.dtype) for x in (call.q, call.k, call.v)]
         (dq_user, dq), (dk_user, dk), (dv_user, dv) = grads
+        # Summed in float32 whatever the bias's dtype; zeros first: the kernel adds into it.
+        dbias = self.cuda_zeros(io, call.bias.shape) if call.return_dbias else None
 
         def run(c: AttentionCall, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: Any, dk: Any,
                 dv: Any) -> None:
@@ -589,7 +627,7 @@ class CudaBackend(Backend):
                            dtype=c.dtype, alibi=alibi_arg(c.alibi, io.stream), bias=io.bias(c),
                            dropout=dropout_arg(c.dropout_p, c.dropout_seed, c.dropout_batch0),
                            mods=cuda_mods(c.mods), block_mask=c.mods and c.mods.block_mask, override=self.config,
-                           packed=_packed(c), stream=io.stream)
+                           packed=_packed(c), dbias=dbias, stream=io.stream)
 
         if call.is_varlen:   # one launch of each backward kernel over every sequence's tiles
             varlen.backward_once(call, run, dout, q, k, v, out, lse, dq, dk, dv, lead_axis=_lead_axis, fill=io.fill)
@@ -597,5 +635,12 @@ class CudaBackend(Backend):
             lay = call.layout
             run(call, *(_bshd(x, lay) for x in (dout, q, k, v, out)), lse, *(_bshd(x, lay) for x in (dq, dk, dv)))
         result = tuple(io.result(u, d) for u, d in grads)
+        if dbias is not None:
+            result += (_dbias_like(call.bias.array, dbias, io.stream),)
         io.finish()
         return result
+
+    @staticmethod
+    def cuda_zeros(io: Any, shape: tuple[int, ...]) -> Any:
+        """A float32 device array of zeros on io's stream."""
+        return io.cuda.to_device(np.zeros(tuple(int(n) for n in shape), np.float32), stream=io.stream)

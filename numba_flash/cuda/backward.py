@@ -105,7 +105,8 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
       qmult (as the forward's), capmult (softcap * log2(e)), scale: float32;
       slopes (B, Hq) float32, bias (4 dimensions) float32, the five dropout scalars and tiles (int8, the
       BlockMask's table re-cut to this config's tiles), as the forward's. With ``mods.block_tiles`` the query-tile
-      loop skips the tiles the table calls EMPTY and stages FULL ones without mask_mod.
+      loop skips the tiles the table calls EMPTY and stages FULL ones without mask_mod;
+      seqs: int32 (n_blocks, 6), packed sequences' block table, read only with ``varlen`` (as the forward's).
     """
     BLOCK_M, BLOCK_N, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
     (S_TR, S_TC), (G_TR, G_TC) = checked_grids(cfg, cfg.kv_grid)
@@ -331,9 +332,9 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                         for e in range(R):
                             z = p_s[at + uint64(e)] if DROPOUT else float32(1.0)
                             bias_value = ds_s[at + uint64(e)] if STAGED else float32(0.0)
-                            s_run[e], dp_run[e] = grads(s_run[e], dp_run[e], m0 + m, n0 + n + e, lse_i[u], delta_i[u],
-                                                        z, bias_value, slope, qmult, capmult, offset, seqlen_q,
-                                                        seqlen_k, window_left, window_right, b, h)
+                            s_run[e], dp_run[e], _ = grads(s_run[e], dp_run[e], m0 + m, n0 + n + e, lse_i[u],
+                                                           delta_i[u], z, bias_value, slope, qmult, capmult, offset,
+                                                           seqlen_q, seqlen_k, window_left, window_right, b, h)
                         for e in range(R):   # a run is one 128-bit store
                             p_s[at + uint64(e)] = s_run[e]
                             ds_s[at + uint64(e)] = dp_run[e]
@@ -344,9 +345,9 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                             at = p_at0 + uint64(i * S_TR * LP + (j // S_RN) * S_GAP_N + j % S_RN)
                             z = p_s[at] if DROPOUT else float32(1.0)
                             bias_value = ds_s[at] if STAGED else float32(0.0)
-                            s[i, j], dp[i, j] = grads(s[i, j], dp[i, j], m0 + s_tr + S_TR * i, n0 + c, lse_i[i],
-                                                      delta_i[i], z, bias_value, slope, qmult, capmult, offset,
-                                                      seqlen_q, seqlen_k, window_left, window_right, b, h)
+                            s[i, j], dp[i, j], _ = grads(s[i, j], dp[i, j], m0 + s_tr + S_TR * i, n0 + c, lse_i[i],
+                                                         delta_i[i], z, bias_value, slope, qmult, capmult, offset,
+                                                         seqlen_q, seqlen_k, window_left, window_right, b, h)
                     for i in range(S_TM):   # a run of columns is one 128-bit store
                         for j in range(S_TN):
                             at = p_at0 + uint64(i * S_TR * LP + (j // S_RN) * S_GAP_N + j % S_RN)

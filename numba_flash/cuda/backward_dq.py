@@ -18,7 +18,8 @@ from .block_tiles import make_tile_skip
 from .config import FlashAttentionConfig, padded_stride
 from .dtypes import element_io
 from .forward import SMEM_ALIGN
-from .masks import LOG2E, bias_head, make_bias_tile, make_dropout_tile, make_score_grads, nan_if_not_finite
+from .masks import (LOG2E, bias_head, make_bias_tile, make_dbias_add, make_dropout_tile, make_score_grads,
+                    nan_if_not_finite)
 from .sequences import make_locate
 from .smem import carve
 from .tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
@@ -28,7 +29,7 @@ from .user_mods import NO_MODS, CudaMods
 @functools.lru_cache(maxsize=None)
 def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool,
                    alibi: bool = False, has_bias: bool = False, dropout: bool = False,
-                   mods: CudaMods = NO_MODS, varlen: bool = False) -> Any:
+                   mods: CudaMods = NO_MODS, varlen: bool = False, dbias: bool = False) -> Any:
     """dQ: one block per (query tile, query head, batch), looping over the key tiles its rows can see.
 
     Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments:
@@ -38,7 +39,11 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
       seqlen_q, seqlen_k, head_dim, group, window_left, window_right: ints;
       qmult, capmult, scale: float32, slopes and bias float32, the dropout scalars and tiles (as for the dK/dV
       kernel). With ``mods.block_tiles`` the key-tile loop skips the tiles the BlockMask's table calls EMPTY and
-      stages FULL ones without mask_mod.
+      stages FULL ones without mask_mod;
+      seqs: int32 (n_blocks, 6), packed sequences' block table, read only with ``varlen`` (as the forward's);
+      dbias: float32 like bias but with every query head, row and key (B or 1, Hq, Sq, Sk), read only with
+      ``dbias``: attn_bias's gradient is added into it, each element by one thread of one block per launch
+      (launch.flash_backward launches once per batch entry, in order, when the bias is shared by the batch).
     """
     BLOCK_M, BLOCK_N, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
     (S_TR, S_TC), (O_TR, O_TC) = checked_grids(cfg, cfg.out_grid)
@@ -75,6 +80,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
     load_bias = make_bias_tile(BLOCK_M, BLOCK_N, NT, True, LM, has_bias, mods)
     tile_skip = make_tile_skip(mods.block_tiles)
     locate = make_locate(varlen)
+    add_dbias = make_dbias_add(dbias)
     dropout_factors = make_dropout_tile(BLOCK_M, BLOCK_N, NT, LM, True)
     X_PASSES, KV_PASSES = tile_passes(BLOCK_M, DB, NT), tile_passes(BLOCK_N, DB, NT)
     fetch_x = make_tile_fetch(BLOCK_M, DB, NT, bf16, LD, False, True)    # query side: Q, dO
@@ -82,7 +88,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
 
     def flash_dq_kernel(q, k, v, dout, lse, delta, dq, seqlen_q, seqlen_k, head_dim, group, window_left,
                         window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
-                        batch0, tiles, seqs):
+                        batch0, tiles, seqs, dbias):
         t = cuda.threadIdx.x
         # b: the sequence (masks, ALiBi, dropout); the arrays' rows of it start at (ab, q0) and keys at (ab, k0).
         b, ab, tile, q0, k0, seqlen_q, seqlen_k = locate(seqs, seqlen_q, seqlen_k)
@@ -93,6 +99,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
         if ALIBI:
             slope = slopes[b, h]
         bias_h = bias_head(bias, b, h)
+        dbias_h = bias_head(dbias, b, h)
 
         if DYNAMIC:   # past 48 KiB: one dynamic buffer (smem.py), carved at compile-time offsets
             smem = cuda.shared.array(0, float32, alignment=ALIGN)
@@ -259,9 +266,10 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                     for e in range(R):
                         z = z_t[at + uint64(e)] if DROPOUT else float32(1.0)
                         bias_value = ds_t[at + uint64(e)] if STAGED else float32(0.0)
-                        dp_run[e] = grads(s_run[e], dp_run[e], m0 + m + e, n0 + n, lse_i[u * R + e],
-                                          delta_i[u * R + e], z, bias_value, slope, qmult, capmult, offset,
-                                          seqlen_q, seqlen_k, window_left, window_right, b, h)[1]
+                        _, dp_run[e], dx = grads(s_run[e], dp_run[e], m0 + m + e, n0 + n, lse_i[u * R + e],
+                                                 delta_i[u * R + e], z, bias_value, slope, qmult, capmult, offset,
+                                                 seqlen_q, seqlen_k, window_left, window_right, b, h)
+                        add_dbias(dbias_h, m0 + m + e, n0 + n, dx, seqlen_q, seqlen_k)
                     for e in range(R):   # a run is one 128-bit store
                         ds_t[at + uint64(e)] = dp_run[e]
             else:
@@ -271,9 +279,10 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                         at = t_at0 + uint64(j * S_TC * LM + (i // S_RM) * S_GAP_M + i % S_RM)
                         z = z_t[at] if DROPOUT else float32(1.0)
                         bias_value = ds_t[at] if STAGED else float32(0.0)
-                        dp[i, j] = grads(s[i, j], dp[i, j], row, n0 + s_tc + S_TC * j, lse_i[i], delta_i[i], z,
-                                         bias_value, slope, qmult, capmult, offset, seqlen_q, seqlen_k, window_left,
-                                         window_right, b, h)[1]
+                        _, dp[i, j], dx = grads(s[i, j], dp[i, j], row, n0 + s_tc + S_TC * j, lse_i[i], delta_i[i],
+                                                z, bias_value, slope, qmult, capmult, offset, seqlen_q, seqlen_k,
+                                                window_left, window_right, b, h)
+                        add_dbias(dbias_h, row, n0 + s_tc + S_TC * j, dx, seqlen_q, seqlen_k)
                 for j in range(S_TN):   # into dS^T key by key: a run of rows is one 128-bit store
                     for i in range(S_TM):
                         ds_t[t_at0 + uint64(j * S_TC * LM + (i // S_RM) * S_GAP_M + i % S_RM)] = dp[i, j]

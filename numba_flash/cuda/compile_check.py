@@ -188,8 +188,9 @@ def kernel_signature(kernel: str, dtype: str) -> Any:
         return types.void(x, x, x, x, rows, i64, i64, i64, i64, i64, i64, f32, f32, *variants)
     if kernel == "backward_dkdv":
         return types.void(x, x, x, x, rows, rows, x, x, i64, i64, i64, i64, i64, i64, f32, f32, f32, *variants)
-    if kernel == "backward_dq":
-        return types.void(x, x, x, x, rows, rows, x, i64, i64, i64, i64, i64, i64, f32, f32, f32, *variants)
+    if kernel == "backward_dq":   # and last attn_bias's gradient, allocated C-contiguous by the backend
+        return types.void(x, x, x, x, rows, rows, x, i64, i64, i64, i64, i64, i64, f32, f32, f32, *variants,
+                          types.Array(types.float32, 4, "C"))
     if kernel == "backward_delta":
         return types.void(x, x, rows, i64, i64, i64, i64)
     raise ValueError(kernel)
@@ -231,6 +232,8 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
     if kernel == "decode":
         return make_decode_kernel(cfg, *flags[:3], dtype == "bfloat16", *flags[3:4]).py_func
     factory = {"forward": make_forward_kernel, "backward_dkdv": make_dkdv_kernel, "backward_dq": make_dq_kernel}
+    if kernel == "backward_dq" and len(flags) > 4 and flags[4] and mods is NO_MODS and not extra:
+        extra = {"dbias": True}   # with attn_bias, its gradient too: the worst case for registers
     return factory[kernel](cfg, *flags[:3], dtype == "bfloat16", *flags[3:], mods=mods, **extra).py_func
 
 

@@ -92,10 +92,10 @@ def static_fallback(cfg: FlashAttentionConfig) -> FlashAttentionConfig:
 
 
 def tensor_core_reason(dtype: str, head_dim: int, override: TileOverride | None = None,
-                       cc: tuple[int, int] | None = None, backward: bool = False) -> str | None:
-    """Why a forward (or, with ``backward``, a backward) call runs on the float32 SIMT kernels rather than the
-    tensor-core ones; None when it runs on tensor cores. With ``override.tensor_cores`` True a reason is an
-    ``AttentionInputError`` instead."""
+                       cc: tuple[int, int] | None = None, backward: bool = False, dbias: bool = False) -> str | None:
+    """Why a forward (or, with ``backward``, a backward; with ``dbias``, one that returns attn_bias's gradient)
+    call runs on the float32 SIMT kernels rather than the tensor-core ones; None when it runs on tensor cores. With
+    ``override.tensor_cores`` True a reason is an ``AttentionInputError`` instead."""
     override = override if override is not None else active_override()
     if override is not None and override.tensor_cores is False:
         return "tensor cores switched off by tile_config_override(tensor_cores=False)"
@@ -106,6 +106,8 @@ def tensor_core_reason(dtype: str, head_dim: int, override: TileOverride | None 
     elif tuple(cc) < TC_MIN_COMPUTE_CAPABILITY:
         need = TC_MIN_COMPUTE_CAPABILITY
         reason = f"the tensor-core kernels need compute capability >= {need[0]}.{need[1]}, this GPU is {cc[0]}.{cc[1]}"
+    elif backward and dbias:
+        reason = "attn_bias's gradient (return_dbias) is computed by the SIMT dQ kernel only"
     elif backward and head_dim > TC_BACKWARD_MAX_HEAD_DIM:
         reason = (f"head dim {head_dim} > {TC_BACKWARD_MAX_HEAD_DIM}: the tensor-core backward would hold more "
                   "accumulators than a thread has registers")
@@ -318,15 +320,15 @@ def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, ls
     """Launch the dK/dV kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_backward_dkdv``
     config) as it is, no self-check. Arrays as for ``flash_backward``."""
     mods, tiles = _block_tiles(mods, block_mask, cfg, stream)
-    varlen = _varlen_kw(packed)
+    switches = _varlen_kw(packed)   # the factory's keyword switches
     if cfg.tensor_cores:
         kernel = make_tc_dkdv_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
                                      bias is not None, dropout is not None, async_copy_ok(q, k, v, dout), mods,
-                                     **varlen)
+                                     **switches)
         q, k, v, dout, dk, dv = (_bits(x) for x in (q, k, v, dout, dk, dv))
     else:
         kernel = make_dkdv_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                  bias is not None, dropout is not None, mods, **varlen)
+                                  bias is not None, dropout is not None, mods, **switches)
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     qmult, capmult = _multipliers(softmax_scale, softcap)
@@ -347,11 +349,16 @@ def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, ls
 def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dq: Any, *,
               softmax_scale: float, window_left: int, window_right: int, softcap: float, bf16: bool,
               alibi: Any = None, bias: Any = None, dropout: tuple | None = None, mods: CudaMods = NO_MODS,
-              block_mask: Any = None, packed: tuple | None = None, stream: Any = 0) -> None:
+              block_mask: Any = None, packed: tuple | None = None, dbias: Any = None, stream: Any = 0) -> None:
     """Launch the dQ kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_backward_dq`` config) as it
-    is, no self-check. Arrays as for ``flash_backward``."""
+    is, no self-check. Arrays as for ``flash_backward``; attn_bias's gradient is added into ``dbias`` (SIMT only)."""
     mods, tiles = _block_tiles(mods, block_mask, cfg, stream)
-    varlen = _varlen_kw(packed)
+    varlen = _varlen_kw(packed)   # the factory's keyword switches
+    extra = () if cfg.tensor_cores else (_bias_arg(dbias),)   # the SIMT kernel's dbias (placeholder: not read)
+    if dbias is not None:
+        if cfg.tensor_cores:
+            raise ValueError("dbias: the tensor-core dQ kernel does not compute attn_bias's gradient")
+        varlen = dict(varlen, dbias=True)
     if cfg.tensor_cores:
         kernel = make_tc_dq_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
                                    bias is not None, dropout is not None, async_copy_ok(q, k, v, dout), mods, **varlen)
@@ -367,13 +374,14 @@ def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse:
         return
     args = (q, k, v, dout, lse, delta, dq, sq, sk, d, hq // hkv, window_left, window_right, qmult, capmult,
             np.float32(softmax_scale), _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout), tiles,
-            seqs)
+            seqs, *extra)
     with _compiling(mods):
         launched = _run(kernel, (blocks, hq, grid_z), cfg, stream, args)
     if not launched:
         launch_dq(static_fallback(cfg), q, k, v, dout, lse, delta, dq, softmax_scale=softmax_scale,
                   window_left=window_left, window_right=window_right, softcap=softcap, bf16=bf16, alibi=alibi,
-                  bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, packed=packed, stream=stream)
+                  bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, packed=packed, dbias=dbias,
+                  stream=stream)
 
 
 def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float, window_left: int,
@@ -413,19 +421,22 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
                    delta: Any, *, softmax_scale: float, window_left: int, window_right: int, softcap: float,
                    dtype: str, alibi: Any = None, bias: Any = None, dropout: tuple | None = None,
                    mods: CudaMods = NO_MODS, block_mask: Any = None, override: TileOverride | None = None,
-                   packed: tuple | None = None, stream: Any = 0) -> None:
+                   packed: tuple | None = None, dbias: Any = None, stream: Any = 0) -> None:
     """Launch the three backward kernels: delta pre-pass, dK/dV over key tiles, dQ over query tiles.
 
     dout, q, out, dq: (B, Sq, Hq, D); k, v, dk, dv: (B, Sk, Hkv, D); device arrays of ``storage_dtype(dtype)``
     (float32, float16, or int16 bfloat16 bits), any strides. lse: (B, Hq, Sq) float32 as the forward wrote it;
     delta: (B, Hq, Sq) float32 scratch; alibi, bias, dropout, mods, block_mask and packed as for ``flash_forward``
-    (packed: each of the three kernels launches once for every sequence). Raises
+    (packed: each of the three kernels launches once for every sequence). dbias: None, or a float32 device array
+    of zeros shaped like bias but with every query head, (B or 1, Hq, Sq, Sk), into which attn_bias's gradient is
+    summed (on the SIMT kernels; a bias shared by the batch takes one dQ launch per batch entry, in order, so
+    that the sum is the same on every run). Raises
     ``selfcheck.SelfCheckFailed``, having written nothing, when no config of one of the two tiled kernels passes its
     self-check on this GPU.
     """
     _check_storage(dtype, dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
     install_from_env()   # as in flash_forward
-    tc = tensor_core_reason(dtype, q.shape[3], override, backward=True) is None
+    tc = tensor_core_reason(dtype, q.shape[3], override, backward=True, dbias=dbias is not None) is None
     dkdv_kernel, dq_kernel = ("tc_backward_dkdv", "tc_backward_dq") if tc else ("backward_dkdv", "backward_dq")
     picked = configs_for(q.shape[3], dtype, override, (dkdv_kernel, dq_kernel))
     flags = _flags(window_left, window_right, softcap)
@@ -434,13 +445,21 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
     variant = dict(alibi=alibi is not None, bias=bias is not None, dropout=dropout is not None,
                    async_copy=not tc or async_copy_ok(q, k, v, dout), varlen=packed is not None)
     dkdv_cfg = selfcheck.choose(picked[dkdv_kernel], *flags, dtype, like=like, **variant)
-    dq_cfg = selfcheck.choose(picked[dq_kernel], *flags, dtype, like=like, **variant)
+    dq_cfg = selfcheck.choose(picked[dq_kernel], *flags, dtype, like=like, dbias=dbias is not None, **variant)
     bf16 = dtype == "bfloat16"
     kw = dict(softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap,
               bf16=bf16, alibi=alibi, bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, stream=stream)
     launch_delta(dout, out, delta, bf16=bf16, stream=stream)
     launch_dkdv(dkdv_cfg, q, k, v, dout, lse, delta, dk, dv, packed=packed, **kw)
-    launch_dq(dq_cfg, q, k, v, dout, lse, delta, dq, packed=packed, **kw)
+    if dbias is not None and dbias.shape[0] == 1 and q.shape[0] > 1:
+        # Every batch entry adds into the same gradient: one launch each, in order (no atomics, same sum every run).
+        for b in range(q.shape[0]):
+            one = dict(kw, alibi=None if alibi is None else alibi[b:b + 1],
+                       bias=bias if bias is None or bias.shape[0] == 1 else bias[b:b + 1],
+                       dropout=None if dropout is None else dropout[:4] + (dropout[4] + b,))
+            launch_dq(dq_cfg, *(x[b:b + 1] for x in (q, k, v, dout, lse, delta, dq)), dbias=dbias, **one)
+    else:
+        launch_dq(dq_cfg, q, k, v, dout, lse, delta, dq, packed=packed, dbias=dbias, **kw)
 
 
 def launch_decode(cfg: FlashAttentionConfig, q: Any, k_cache: Any, v_cache: Any, seqinfo: Any, block_table: Any,

@@ -57,6 +57,22 @@ def bias_head(bias, b, h):
     return bias[b if bias.shape[0] > 1 else 0, h if bias.shape[1] > 1 else 0]
 
 
+@functools.lru_cache(maxsize=None)
+def make_dbias_add(dbias: bool) -> Any:
+    """``add(dbias_h, row, col, value, seqlen_q, seqlen_k)``: with ``dbias``, ``value`` (the pair's gradient of
+    attn_bias) added into the ``bias_head`` slab of the gradient at (``row``, ``col``) when the pair is inside the
+    sequences; without, nothing. A plain read-modify-write: the launches give every element to one thread at a
+    time (launch.flash_backward), so the sum is the same on every run."""
+    DBIAS = dbias
+
+    @cuda.jit(device=True, inline="always")
+    def add(dbias_h, row, col, value, seqlen_q, seqlen_k):
+        if DBIAS and row < seqlen_q and col < seqlen_k:
+            dbias_h[row, col] += value
+
+    return add
+
+
 @cuda.jit(device=True, inline="always")
 def bias_at(bias_h, row, col):
     """The bias of (``row``, ``col``) in a ``bias_head`` slab. The clamp reads a broadcast dimension's only entry,
@@ -231,13 +247,15 @@ def make_score_mod_hides(softcap: bool, alibi: bool, has_bias: bool, mods: CudaM
 def make_score_grads(has_left: bool, has_right: bool, softcap: bool, alibi: bool, has_bias: bool,
                      dropout: bool, mods: CudaMods = NO_MODS) -> Any:
     """``grads(raw, dp, row, col, lse2, delta, z, bias_value, slope, qmult, capmult, offset, seqlen_q, seqlen_k,
-    window_left, window_right, b, h) -> (p, ds)``: the backward's pipeline for one score of query ``row`` and key
+    window_left, window_right, b, h) -> (p, ds, dbias)``: the backward's pipeline for one score of query ``row`` and key
     ``col`` of batch ``b``, query head ``h``, as both backward kernels run it. ``raw`` is the unscaled Q K^T, ``dp``
     the dO V^T, ``lse2`` the row's lse in log2 units, ``z`` dropout's factor (read only with ``dropout``) and
     ``bias_value`` the pair's entry of the staged tile (``make_bias_tile``: attn_bias, bias_mod and mask_mod; read
     only with ``has_bias`` or such mods). ``p`` is the probability dV takes (times ``z`` with dropout); ``ds`` is
     ``P (z dP - delta)`` times softcap's derivative and score_mod_grad's, 0 for a masked pair by a select (its dP
-    may be NaN: a non-finite V or dO). A poisoned row has ``lse2`` NaN, so its visible P and dS are NaN."""
+    may be NaN: a non-finite V or dO). ``dbias`` is the same before softcap's derivative, the gradient of a bias
+    added after the cap (attn_bias's); the kernels that do not need it leave it to dead-code elimination. A poisoned
+    row has ``lse2`` NaN, so its visible P and dS are NaN."""
     SOFTCAP, STAGED, DROPOUT, SCORE_MOD = softcap, has_bias or mods.stages_tile, dropout, mods.score_mod is not None
     visible = make_visible(has_left, has_right)
     add_biases = make_biases(alibi, STAGED)
@@ -263,10 +281,11 @@ def make_score_grads(has_left: bool, has_right: bool, softcap: bool, alibi: bool
         p = math.exp2(x - lse2) if ok else float32(0.0)
         if DROPOUT:
             kept = p * z
-            ds = (kept * dp - p * delta) * dcap
+            dx = kept * dp - p * delta
             p = kept
         else:
-            ds = p * (dp - delta) * dcap
-        return p, ds if ok else float32(0.0)
+            dx = p * (dp - delta)
+        ds = dx * dcap
+        return p, ds if ok else float32(0.0), dx if ok else float32(0.0)
 
     return grads

@@ -94,6 +94,7 @@ class Specialisation:
     dropout: bool = False
     async_copy: bool = True   # tensor-core kernels: tiles copied with cp.async (else plain loads)
     varlen: bool = False      # built for packed sequences in one launch (sequences.py)
+    dbias: bool = False       # dQ: also sums attn_bias's gradient
 
     def tiles(self) -> str:
         """'64x32/128': block_m x block_n / threads."""
@@ -107,7 +108,7 @@ class Specialisation:
                 + (" softcap" if self.softcap else "") + (" alibi" if self.alibi else "")
                 + (" attn_bias" if self.bias else "") + (" dropout" if self.dropout else "")
                 + (" plain loads" if self.cfg.tensor_cores and not self.async_copy else "")
-                + (" packed" if self.varlen else ""))
+                + (" packed" if self.varlen else "") + (" dbias" if self.dbias else ""))
 
 
 @dataclass(frozen=True)
@@ -217,17 +218,19 @@ def check(spec: Specialisation, like: dict[str, Any] | None = None, device: int 
 
 def choose(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, dtype: str,
            like: dict[str, Any] | None = None, alibi: bool = False, bias: bool = False,
-           dropout: bool = False, async_copy: bool = True, varlen: bool = False) -> FlashAttentionConfig:
+           dropout: bool = False, async_copy: bool = True, varlen: bool = False,
+           dbias: bool = False) -> FlashAttentionConfig:
     """The config to launch: ``cfg`` if it passes its check (or the check is off), else the first fallback that
     passes; ``SelfCheckFailed`` with every failure when none does. ``async_copy``: the tensor-core kernels' copy
     path the call takes (``launch.async_copy_ok`` of its arrays); ``varlen``: the call is packed sequences (the
-    check then runs its problem as the last of three packed sequences, ``_PACKED_ROWS``)."""
+    check then runs its problem as the last of three packed sequences, ``_PACKED_ROWS``); ``dbias``: the dQ
+    kernel also sums attn_bias's gradient (checked against the reference's)."""
     if not enabled():
         return cfg
     failures = []
     for cand in candidates(cfg):
         verdict = check(Specialisation(cand, has_left, has_right, softcap, dtype, alibi, bias, dropout,
-                                       async_copy, varlen), like)
+                                       async_copy, varlen, dbias), like)
         if verdict.passed:
             return cand
         failures.append(verdict.reason)
@@ -373,7 +376,7 @@ def _backward_inputs(spec: Specialisation, like: dict[str, Any]) -> tuple[_Probl
     kw = dict(softmax_scale=p.scale, window_size=p.window_size, softcap=p.softcap, alibi_slopes=p.slopes,
               attn_bias=p.bias, dropout_p=p.dropout_p, dropout_seed=_SEED)
     ref_out, ref_lse = attention_ref(p.q, p.k, p.v, **kw)
-    grads = attention_ref_backward(p.dout, p.q, p.k, p.v, **kw)
+    grads = attention_ref_backward(p.dout, p.q, p.k, p.v, return_dbias=spec.dbias, **kw)
     side = dict(q="rows", dout="rows", k="keys", v="keys")
     dev = {n: _device(_placed(spec, p.stored[n], side[n]), like.get(n)) for n in side}
     dev["out"] = _device(_placed(spec, _to_storage(ref_out.astype(np.float32), spec.dtype), "rows"), like.get("out"))
@@ -407,13 +410,18 @@ def _check_dq(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str], li
     from .config import storage_dtype
     from .launch import launch_dq
 
-    p, dev, (ref_dq, _, _) = _backward_inputs(spec, like)
+    p, dev, (ref_dq, _, _, *ref_dbias) = _backward_inputs(spec, like)
     rows = _ahead(spec, "rows")
     dq = _nan_device((p.q.shape[0], rows + p.q.shape[1]) + p.q.shape[2:], storage_dtype(spec.dtype), like.get("dq"))
-    launch_dq(spec.cfg, dev["q"], dev["k"], dev["v"], dev["dout"], dev["lse"], dev["delta"], dq,
+    dbias = _device(np.zeros(p.bias.shape, np.float32), None) if spec.dbias else None
+    launch_dq(spec.cfg, dev["q"], dev["k"], dev["v"], dev["dout"], dev["lse"], dev["delta"], dq, dbias=dbias,
               **_launch_kw(spec, p, like))
     got = _widen(dq.copy_to_host()[:, rows:], spec.dtype)
-    return _judge([("dq", "relative L2 error", _rel_l2(got, ref_dq), _grad_bound(spec.dtype))])
+    bound = _grad_bound(spec.dtype)
+    measured = [("dq", "relative L2 error", _rel_l2(got, ref_dq), bound)]
+    if spec.dbias:   # float32 whatever the inputs' dtype, judged as their gradients are
+        measured.append(("dbias", "relative L2 error", _rel_l2(dbias.copy_to_host(), ref_dbias[0]), bound))
+    return _judge(measured)
 
 
 def _check_decode(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str], list[str]]:

@@ -57,16 +57,22 @@ def test_head_dims_past_the_cuda_kernels_go_to_the_torch_path(rng, op, monkeypat
     assert line.chosen and line.reasons    # its ordinary reason (no HIP device) is still shown
 
 
-def test_a_learned_bias_gradient_on_an_nvidia_gpu_goes_to_the_torch_path(rng, op, monkeypatch):
+def test_a_bias_gradient_the_kernels_cannot_sum_goes_to_the_torch_path(rng, op, monkeypatch):
+    """The cuda kernels sum dbias for a bias with every head, row and key (the batch may be shared); one shared by
+    the heads needs a sum across blocks they do not do, so on an NVIDIA GPU the torch path takes it."""
     _gpu_that_cuda_serves(monkeypatch)
     q, k, v = _tensors(rng)
-    bias = torch.from_numpy(rng.standard_normal((2, 7, 9)).astype(np.float32))
-    forward = _on_gpu(validate_forward(q, k, v, attn_bias=bias))
-    assert op.select(forward).name == "cuda"              # the forward alone: the cuda kernels run attn_bias
     out = torch.zeros_like(q)
     lse = torch.zeros((1, 2, 7))
-    backward = _on_gpu(validate_backward(torch.ones_like(q), q, k, v, out, lse, attn_bias=bias, return_dbias=True))
-    assert "attn_bias's gradient (return_dbias) not supported" in CudaBackend().not_supported_reasons(backward)
+    per_head = torch.from_numpy(rng.standard_normal((2, 7, 9)).astype(np.float32))
+    backward = _on_gpu(validate_backward(torch.ones_like(q), q, k, v, out, lse, attn_bias=per_head,
+                                         return_dbias=True))
+    assert op.select(backward).name == "cuda"
+    shared = torch.from_numpy(rng.standard_normal((7, 9)).astype(np.float32))
+    forward = _on_gpu(validate_forward(q, k, v, attn_bias=shared))
+    assert op.select(forward).name == "cuda"              # the forward alone: the cuda kernels run attn_bias
+    backward = _on_gpu(validate_backward(torch.ones_like(q), q, k, v, out, lse, attn_bias=shared, return_dbias=True))
+    assert "bias broadcast over heads, rows or keys" in " ".join(CudaBackend().not_supported_reasons(backward))
     assert op.select(backward).name == "rocm"
 
 

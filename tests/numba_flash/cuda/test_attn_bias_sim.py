@@ -1,7 +1,7 @@
 """attn_bias in the CUDA kernels, under the Numba CUDA simulator with toy tiles (8 x 8, 16 threads): forward and
 backward against the float64 reference for every way a bias broadcasts, -inf entries that hide keys (also from the
-non-finite values behind them) and NaN ones that poison, low precision, and dbias handed to another backend. The
-same semantics run on the cpu and torch backends in tests/numba_flash/test_attn_bias.py.
+non-finite values behind them) and NaN ones that poison, low precision, and the dbias the kernels leave to another
+backend. The same semantics run on the cpu and torch backends in tests/numba_flash/test_attn_bias.py.
 
 Run: NUMBA_ENABLE_CUDASIM=1 .venv/bin/python -m pytest -q -m cudasim tests/numba_flash/cuda/test_attn_bias_sim.py
 """
@@ -88,12 +88,14 @@ def test_float16_with_a_float16_bias():
         assert _rel(g, ref) <= 2e-3, name
 
 
-def test_dbias_is_left_to_another_backend_with_the_reason():
+def test_dbias_of_a_bias_shared_by_the_heads_is_left_to_another_backend_with_the_reason():
+    """dbias itself is tested in test_dbias_sim.py; a bias broadcast over heads would need a sum across blocks."""
     rng = np.random.default_rng(33)
     q, k, v, dout = _inputs(rng)
     bias = rng.standard_normal((SQ, SK)).astype(np.float32)
     out, lse = attention_ref(q, k, v, attn_bias=bias)
-    with pytest.raises(numba_flash.NoBackendError, match=r"attn_bias's gradient \(return_dbias\) not supported"):
+    with pytest.raises(numba_flash.NoBackendError,
+                       match=r"attn_bias's gradient \(return_dbias\) for a bias broadcast over heads, rows or keys"):
         backend_registry.get("flash", backend="cuda").backward(dout, q, k, v, out.astype(np.float32),
                                                                lse.astype(np.float32), attn_bias=bias,
                                                                return_dbias=True)

@@ -1,0 +1,125 @@
+"""attn_bias's gradient (``return_dbias``) from the CUDA kernels, under the Numba CUDA simulator with toy tiles:
+against the float64 reference for a bias with every batch entry and for one shared by the batch (one dQ launch
+per batch entry, summed in order), with causal, window, softcap, ALiBi, dropout, GQA and -inf entries; float16 on
+the SIMT kernels (the tensor-core ones compute no dbias); the same bits on every run; and dbias in the bias's kind
+and dtype. Bias shapes the kernels cannot sum are refused in test_attn_bias_sim.py.
+
+Run: NUMBA_ENABLE_CUDASIM=1 .venv/bin/python -m pytest -q -m cudasim tests/numba_flash/cuda/test_dbias_sim.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from cuda_sim_cases import BACKWARD_TILES, random_inputs, rel_l2
+
+from backends import backend_registry
+from numba_flash import attention_ref, attention_ref_backward
+from numba_flash.cuda import tile_config_override
+
+pytestmark = [pytest.mark.cudasim, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
+
+B, SQ, SK, HQ, HKV, D = 3, 11, 19, 4, 2, 8
+
+
+def _backward(q, k, v, dout, bias, tiles, **kw):
+    """dq, dk, dv, dbias of the cuda backend, given the reference's out and lse."""
+    out, lse = attention_ref(q, k, v, attn_bias=bias, **kw)
+    with tile_config_override(**tiles):
+        op = backend_registry.get("flash", backend="cuda")
+        return op.backward(dout, q, k, v, out.astype(q.dtype), lse.astype(np.float32), attn_bias=bias,
+                           return_dbias=True, **kw)
+
+
+def _bias(rng, shape, dtype=np.float32):
+    bias = (2 * rng.standard_normal(shape)).astype(dtype)
+    bias[rng.random(shape) < 0.1] = -np.inf   # hidden pairs: no gradient
+    return bias
+
+
+@pytest.mark.parametrize("shape,kw", [
+    ((B, HQ, SQ, SK), dict(causal=True, softcap=2.5)),
+    ((1, HQ, SQ, SK), dict(window_size=(6, 2), alibi_slopes=np.array([0.3, 0.1, 0.6, 0.9], np.float32))),
+    ((HQ, SQ, SK), dict(dropout_p=0.3, dropout_seed=7, causal=True)),
+], ids=["per-batch-causal-softcap", "shared-window-alibi", "shared-3d-dropout"])
+@pytest.mark.parametrize("tiles", list(BACKWARD_TILES))
+def test_dbias_matches_the_reference(rng, shape, kw, tiles):
+    q, k, v, dout = random_inputs(rng, B, SQ, SK, HQ, HKV, D)
+    bias = _bias(rng, shape)
+    before = bias.copy()
+    dq, dk, dv, dbias = _backward(q, k, v, dout, bias, BACKWARD_TILES[tiles], **kw)
+    np.testing.assert_array_equal(bias, before)
+    want = attention_ref_backward(dout, q, k, v, attn_bias=bias, return_dbias=True, **kw)
+    assert dbias.shape == bias.shape and dbias.dtype == np.float32
+    assert np.all(dbias[np.isneginf(bias)] == 0)
+    for name, got, ref in zip(("dq", "dk", "dv", "dbias"), (dq, dk, dv, dbias), want):
+        assert rel_l2(got, ref) <= 1e-5, name
+
+
+def test_float16_runs_on_the_simt_kernels_and_returns_the_bias_dtype(rng):
+    q, k, v, dout = random_inputs(rng, 2, SQ, SK, HQ, HKV, 16, np.float16)
+    bias = _bias(rng, (1, HQ, SQ, SK), np.float16)
+    tiles = dict(block_m=16, block_n=16, threads=32)   # tensor-core-sized tiles: dbias still takes the SIMT kernels
+    *grads, dbias = _backward(q, k, v, dout, bias, tiles, causal=True)
+    assert dbias.dtype == np.float16 and dbias.shape == bias.shape
+    want = attention_ref_backward(dout, q, k, v, attn_bias=bias, return_dbias=True, causal=True)
+    for name, got, ref in zip(("dq", "dk", "dv", "dbias"), (*grads, dbias), want):
+        assert rel_l2(got, ref) <= 2e-3, name
+    explain = backend_registry.get("flash").explain(q, k, v, attn_bias=bias, backend="cuda")
+    assert "tensor-core" in explain   # the forward: tensor cores; only the dbias backward leaves them
+
+
+def test_the_same_bits_every_run_and_torch_in_torch_out(rng):
+    torch = pytest.importorskip("torch")
+    q, k, v, dout = random_inputs(rng, B, SQ, SK, HQ, HKV, D)
+    bias = _bias(rng, (1, HQ, SQ, SK))
+    runs = [_backward(q, k, v, dout, bias, BACKWARD_TILES["split"], causal=True)[3] for _ in range(2)]
+    np.testing.assert_array_equal(runs[0], runs[1])
+    tbias = torch.from_numpy(bias)
+    out, lse = attention_ref(q, k, v, attn_bias=bias, causal=True)
+    with tile_config_override(**BACKWARD_TILES["split"]):
+        got = backend_registry.get("flash", backend="cuda").backward(
+            *(torch.from_numpy(np.asarray(x, np.float32)) for x in (dout, q, k, v, out, lse)), attn_bias=tbias,
+            return_dbias=True, causal=True)[3]
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.float32 and tuple(got.shape) == bias.shape
+    want = attention_ref_backward(dout, q, k, v, attn_bias=bias, return_dbias=True, causal=True)[3]
+    assert rel_l2(got.numpy(), want) <= 1e-5
+
+
+def test_the_self_check_judges_dbias_and_a_wrong_one_falls_back(rng, monkeypatch):
+    """The dQ specialisation that sums dbias is checked on its own (dbias against the reference's); one whose
+    dbias is off by 0.1% fails it, and the call runs on the fallback config."""
+    from numba_flash.cuda import launch, selfcheck
+
+    monkeypatch.setenv(selfcheck.ENV_VAR, "1")
+    monkeypatch.setattr(selfcheck, "FALLBACK_TILES", ((8, 8, 32),))
+    selfcheck.reset()
+    real = launch.make_dq_kernel
+
+    class Spoiled:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, launch_config):
+            def run(*args):
+                self.kernel[launch_config](*args)
+                args[-1][...] = args[-1].copy_to_host() * np.float32(1.001)   # dbias, the last argument
+            return run
+
+    def factory(cfg, *flags, **kw):
+        kernel = real(cfg, *flags, **kw)
+        return Spoiled(kernel) if kw.get("dbias") and cfg.threads == 16 else kernel
+
+    monkeypatch.setattr(launch, "make_dq_kernel", factory)
+    try:
+        q, k, v, dout = random_inputs(rng, 2, SQ, SK, HQ, HKV, D)
+        bias = _bias(rng, (2, HQ, SQ, SK))
+        *_, dbias = _backward(q, k, v, dout, bias, BACKWARD_TILES["split"], causal=True)
+        want = attention_ref_backward(dout, q, k, v, attn_bias=bias, return_dbias=True, causal=True)[3]
+        assert rel_l2(dbias, want) <= 1e-5
+        verdicts = {(s.cfg.kernel, s.cfg.threads, s.dbias): v.passed for (_, s), v in selfcheck.verdicts().items()}
+        assert verdicts[("backward_dq", 16, True)] is False and verdicts[("backward_dq", 32, True)] is True
+        failed = [v.reason for v in selfcheck.verdicts().values() if not v.passed]
+        assert len(failed) == 1 and "dbias: relative L2 error" in failed[0] and "attn_bias dbias" in failed[0]
+    finally:
+        selfcheck.reset()
