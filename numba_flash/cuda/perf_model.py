@@ -55,10 +55,12 @@ from .config import (HEAD_DIM_BUCKETS, KERNEL_DTYPES, FlashAttentionConfig, Tile
 from .gpus import GPUS, GpuSpec, gpu_spec, occupancy
 from .sass import FP32_PIPE, Function, disassemble, kernel_function, link, parse
 
-#: Mask variants: (has_left, has_right, softcap) flags of the kernel factories.
-VARIANTS: dict[str, tuple[bool, bool, bool]] = {
+#: Variants: (has_left, has_right, softcap[, alibi, attn_bias, dropout]) flags of the kernel factories. "dropout" is
+#: causal with dropout on: the Philox words of every score (numba_flash.dropout) priced beside the products.
+VARIANTS: dict[str, tuple[bool, ...]] = {
     "plain": (False, False, False), "causal": (False, True, False),
     "window": (True, True, False), "softcap": (False, False, True),
+    "dropout": (False, True, False, False, False, True),
 }
 MODEL_KERNELS: tuple[str, ...] = ("forward", "backward_dkdv", "backward_dq", "tc_forward", "tc_backward_dkdv",
                                   "tc_backward_dq")
@@ -121,6 +123,49 @@ class LoopCounts:
     main_lines: tuple[int, int]            # first and last line of the main loop's statement
     per_warp: list[dict[int, int]]         # warp -> {line: executions}
     rare_lines: frozenset[int] = frozenset()   # lines of branches counted as not taken (``_is_rare_branch``)
+    # Loops of the kernel's helpers (device functions it closes over) with compile-time trip counts: (file, line)
+    # of each line of such a loop -> (trips per call for each warp, the kernel lines that call the helper).
+    helper_loops: dict[tuple[str, int], tuple[list[int], tuple[int, ...]]] = field(default_factory=dict)
+
+
+def _helper_loops(py_func: Callable, tree: ast.AST, first: int,
+                  threads: int) -> dict[tuple[str, int], tuple[list[int], tuple[int, ...]]]:
+    """The range loops of the device functions ``py_func`` closes over whose trip counts follow from the helper's
+    own compile-time constants and the thread index ``t`` it is passed (make_keep_bits' loop over a lane's scores,
+    make_dropout_tile's cooperative pass), per warp (its busiest lane), with the kernel lines that call each
+    helper, so that a SASS loop made of a helper's lines alone gets a trip count."""
+    code = py_func.__code__
+    cells = py_func.__closure__ or ()
+    found: dict[tuple[str, int], tuple[list[int], tuple[int, ...]]] = {}
+    for name, cell in zip(code.co_freevars, cells):
+        helper = getattr(cell.cell_contents, "py_func", None)
+        if helper is None:
+            continue
+        calls = tuple(first + node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+                      and isinstance(node.func, ast.Name) and node.func.id == name)
+        if not calls:
+            continue
+        try:
+            helper_tree = ast.parse(textwrap.dedent(inspect.getsource(helper)))
+        except (OSError, TypeError):
+            continue
+        env, start = _constants(helper), helper.__code__.co_firstlineno - 1
+        loops = [node for node in ast.walk(helper_tree) if isinstance(node, ast.For)]
+        for node in loops:
+            # Only a loop with no loop inside or around it: each line of its body runs once per trip.
+            nested = any(other is not node and (other.lineno <= node.lineno <= other.end_lineno
+                                                or node.lineno <= other.lineno <= node.end_lineno)
+                         for other in loops)
+            if not nested and _range_args(node) is not None:
+                loop_args = _compiled(node)
+                per_warp = []
+                for w in range(-(-threads // 32)):
+                    lanes = [_trips(loop_args, dict(env, t=lane)) for lane in range(32 * w, min(32 * w + 32, threads))]
+                    per_warp.append(None if None in lanes else max(lanes))
+                if None not in per_warp:
+                    for line in range(node.lineno, node.end_lineno + 1):
+                        found[(helper.__code__.co_filename, start + line)] = (per_warp, calls)
+    return found
 
 
 def loop_counts(py_func: Callable, threads: int) -> LoopCounts:
@@ -189,7 +234,7 @@ def loop_counts(py_func: Callable, threads: int) -> LoopCounts:
                 counts[lineno] = max(counts.get(lineno, 0), n)
         per_warp.append({first + k: v for k, v in counts.items()})
     return LoopCounts(py_func.__code__.co_filename, (first + main.lineno, first + main.end_lineno), per_warp,
-                      frozenset(first + line for line in rare))
+                      frozenset(first + line for line in rare), _helper_loops(py_func, tree, first, threads))
 
 
 # ---- what the SASS issues per main-loop iteration ----
@@ -248,7 +293,7 @@ def dynamic_counts(fn: Function, counts: LoopCounts) -> list[dict[str, float]]:
     steady = set().union(*counts.per_warp)
     rare_loops = {ab for ab, lines in kernel_lines.items() if lines & counts.rare_lines and not lines & steady}
     results = []
-    for per_line in counts.per_warp:
+    for warp, per_line in enumerate(counts.per_warp):
         # Anchor instructions of each line in each inner loop, in executions of the line per loop iteration.
         anchors: dict[tuple[int, int] | None, dict[tuple[int, str], int]] = {}
         plain: dict[tuple[int, int] | None, dict[int, int]] = {}
@@ -281,6 +326,18 @@ def dynamic_counts(fn: Function, counts: LoopCounts) -> list[dict[str, float]]:
                     remaining_anchor[k] = max(0.0, remaining_anchor[k] - trip * n)
             elif plain.get(ab):
                 trip = max(remaining_line[line] / n for line, n in plain[ab].items())
+            elif (helper := _helper_loop_of(ins, ab, counts)) is not None:
+                # A helper's own loop: its trips per call times the calls this iteration makes, divided by the
+                # copies of the body an unrolled SASS loop holds (from its anchors; none: kept rolled).
+                trips_per_call, calls = helper
+                runs = float(trips_per_call[warp] * sum(per_line.get(line, 0) for line in calls))
+                copies: dict[tuple[int, str], int] = {}
+                for i in range(ab[0], ab[1] + 1):
+                    src = ins[i].source
+                    if src is not None and (src[0], src[1]) in counts.helper_loops and _is_anchor(ins[i]):
+                        key = (src[1], ins[i].base if ins[i].base in _ANCHOR_OPS else ins[i].cls)
+                        copies[key] = copies.get(key, 0) + _weight(ins[i])
+                trip = _trip(copies, {k: runs for k in copies}) if copies else runs
             else:
                 raise ValueError(_unanchored_message(fn.name, ins, ab, home))
             for line, n in plain.get(ab, {}).items():
@@ -314,6 +371,16 @@ def dynamic_counts(fn: Function, counts: LoopCounts) -> list[dict[str, float]]:
                 out["smem_wavefronts"] += m * max(1, ins[i].bits // 32)
         results.append(out)
     return results
+
+
+def _helper_loop_of(ins: Any, loop: tuple[int, int],
+                    counts: LoopCounts) -> tuple[list[int], tuple[int, ...]] | None:
+    """The helper loop (``LoopCounts.helper_loops``) whose lines the SASS loop holds, or None."""
+    for i in range(loop[0], loop[1] + 1):
+        src = ins[i].source
+        if src is not None and (src[0], src[1]) in counts.helper_loops:
+            return counts.helper_loops[(src[0], src[1])]
+    return None
 
 
 def _unanchored_message(name: str, ins: Any, loop: tuple[int, int], home: list) -> str:

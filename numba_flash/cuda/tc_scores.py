@@ -158,8 +158,9 @@ def make_keep_bits(n_tiles: int, transposed: bool = False) -> Any:
     of its own that writes one register, so the compiler may keep it rolled, and the score loops read a bit per
     score (``make_kept_factor``). It does: the PTX holds one copy of Philox's rounds per call site (sm_80, D = 64).
     Untransposed, one Philox call serves a lane's two neighbouring keys (an even column and the next: the same group
-    of four). The performance model has no dropout variant; one would need this loop on kernel lines (perf_model
-    refuses a loop the compiler keeps inside an inlined helper), as make_mod_stage's would."""
+    of four), and the lane beside it makes the same call for the other two: half of these calls are redundant (a
+    call per lane pair and a shuffle would halve them; not done: unmeasured without a GPU). The performance model's
+    "dropout" variant prices this loop from its trip count (perf_model._helper_loops)."""
     if n_tiles * 4 > 64:
         raise ValueError(f"{n_tiles} 8-wide tiles: more scores than a 64-bit keep mask holds")
     N_TILES, TRANSPOSED = n_tiles, transposed

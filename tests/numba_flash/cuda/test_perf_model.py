@@ -87,11 +87,13 @@ def _product_kernel_factory(rows_per_tile, cols, block_rows, threads, load_total
 def _counts(py_func, threads, cc=(8, 0)):
     from numba import cuda, types
 
+    from numba_flash.cuda.lineinfo import helper_lines_in_their_files
     from numba_flash.cuda.perf_model import dynamic_counts, loop_counts
     from numba_flash.cuda.sass import disassemble, kernel_function, link, parse
 
     sig = types.void(types.float32[:, :], types.float32[:, :], types.int64)
-    ptx, _ = cuda.compile_ptx(py_func, sig, cc=cc, lineinfo=True)
+    with helper_lines_in_their_files():   # as the model compiles (compile_check.kernel_ptx)
+        ptx, _ = cuda.compile_ptx(py_func, sig, cc=cc, lineinfo=True)
     cubin, _ = link(ptx, cc, lineinfo=True)
     fn = kernel_function(parse(disassemble(cubin), keep_file=py_func.__code__.co_filename), py_func.__name__)
     return loop_counts(py_func, threads), dynamic_counts(fn, loop_counts(py_func, threads))
@@ -246,13 +248,8 @@ def test_model_of_the_backward_kernels(tmp_path, monkeypatch):
 
 def _helper_loop_kernel_factory():
     """The predictable kernel's shape, its tile load written as a helper whose 64-pass loop the compiler keeps as a
-    loop (the old backward loader's shape): the model cannot count it and must say so."""
+    loop (the old backward loader's shape)."""
     from numba import cuda, float32
-
-    @cuda.jit(device=True, inline="always")
-    def load(xs, x, n0, t):
-        for idx in range(t, 4096, 64):
-            xs[idx // 64, idx % 64] = x[n0 + idx // 64, idx % 64] * float32(2.0) + float32(1.0)
 
     def helper_loop_kernel(x, out, n_rows):
         t = cuda.threadIdx.x
@@ -270,13 +267,72 @@ def _helper_loop_kernel_factory():
         for i in range(4):
             out[t, i] = acc[i]
 
+    # After the kernel: numba files an inlined helper's lines that come before the kernel's 'def' under the 'def'
+    # line (lineinfo.py); the package's helpers live in other files.
+    @cuda.jit(device=True, inline="always")
+    def load(xs, x, n0, t):
+        for idx in range(t, 4096, 64):
+            xs[idx // 64, idx % 64] = x[n0 + idx // 64, idx % 64] * float32(2.0) + float32(1.0)
+
     return helper_loop_kernel
 
 
-def test_a_loop_inside_a_helper_is_refused():
+def test_a_helper_loop_counts_as_the_same_loop_written_in_the_kernel():
+    """The helper's loop over range(t, 4096, 64) has a compile-time trip count for each lane (64) and one call per
+    iteration: the model counts its 64 stores per warp, as for the loop inlined by hand (ptxas unrolls it; the
+    stores say by how much). Copies of a helper line that ptxas peels off the loop count once more each (the
+    kernel lines' remainder bookkeeping does not cover helper lines): a few stores over, not a multiple."""
     _needs_toolchain()
+    _, helper = _counts(_helper_loop_kernel_factory(), threads=64)
+    _, inline = _counts(_product_kernel_factory(rows_per_tile=64, cols=64, block_rows=4, threads=64,
+                                                load_total=4096), threads=64)
+    for h, i in zip(helper, inline):
+        assert i["sts"] == 64 and 64 <= h["sts"] <= 64 + 4, (h, i)
+        assert 64 <= h["ldg"] <= 1.1 * i["ldg"] + 4, (h, i)
+
+
+def test_a_helper_loop_over_runtime_bounds_is_refused():
+    _needs_toolchain()
+    from numba import cuda, float32
+
+    @cuda.jit(device=True, inline="always")
+    def load(xs, x, n0, count):
+        for idx in range(count):
+            xs[idx % 64, 0] = x[n0 + idx % 64, 0] * float32(2.0)
+
+    def runtime_loop_kernel(x, out, n_rows):
+        t = cuda.threadIdx.x
+        xs = cuda.shared.array((64, 65), float32)
+        acc = float32(0.0)
+        for n0 in range(0, n_rows, 64):
+            cuda.syncthreads()
+            load(xs, x, n0, n_rows - n0)
+            cuda.syncthreads()
+            for d in range(64):
+                acc += xs[t % 64, d]
+        out[t, 0] = acc
+
     with pytest.raises(ValueError, match="inlined helper"):
-        _counts(_helper_loop_kernel_factory(), threads=64)
+        _counts(runtime_loop_kernel, threads=64)
+
+
+def test_the_dropout_variant_prices_philox_in_its_helper_loop(tmp_path, monkeypatch):
+    """The tensor-core forward's keep mask comes from a loop inside a helper (tc_scores.make_keep_bits) that the
+    compiler keeps rolled: the model takes its trip count from the helper's constants (2 * N_TILES trips, one
+    Philox-4x32-10 call each: 10 rounds of 2 multiplies) times the calls per iteration, so the variant is priced
+    instead of refused: the same products, at least those multiplies more, a lower ceiling."""
+    _needs_toolchain()
+    from numba_flash.cuda.config import tile_config_for
+    from numba_flash.cuda.perf_model import run_model
+
+    monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(tmp_path))
+    causal, dropout = run_model(["tc_forward"], ["float16"], [64], ["causal", "dropout"], [(8, 0)])
+    cfg = tile_config_for(64, "float16", (8, 0), kernel="tc_forward")
+    warps, n_tiles = cfg.threads // 32, cfg.block_n // 8
+    assert dropout.per_iteration["hmma"] == causal.per_iteration["hmma"]
+    philox_multiplies = warps * (4 * n_tiles // 2) * 10 * 2
+    assert dropout.per_iteration["imad"] - causal.per_iteration["imad"] >= philox_multiplies
+    assert dropout.ceiling < causal.ceiling
 
 
 def test_helper_lines_keep_their_file():
