@@ -1,7 +1,9 @@
-"""Packed sequences (layout "thd") on any backend: the backend's dense kernels run once per sequence, on views of
-the packed arrays.
+"""Packed sequences (layout "thd") on a backend without a packed kernel: the backend's dense kernels run once per
+sequence, on views of the packed arrays.
 
-Every built-in backend serves a packed call the same way, through ``forward`` and ``backward`` here: it converts
+The CUDA and ROCm backends serve a packed call this way, through ``forward`` and ``backward`` here (the CPU
+backend's kernels take the sequences themselves and serve every sequence in one call per pass, see
+``numba_flash.cpu.schedule``; its tests still run this path as the per-sequence yardstick). A backend converts
 the packed inputs to its own arrays once, allocates the packed outputs once, and passes a ``run`` function with
 the signature of its dense path. This module walks the sequences and calls ``run`` on ``(1, S_b, H, D)`` views of
 sequence b's rows and keys (and ``(1, Hq, S_b)`` views of the lse) with a dense ``AttentionCall`` describing that
@@ -12,9 +14,8 @@ A sequence with no keys is never given to a kernel (a dense call needs Sk >= 1):
 contract says a row that sees nothing gets, out 0, lse +inf and dq 0. Keys of a sequence with no rows get dk = dv
 = 0.
 
-The cost of this first implementation is one kernel call per sequence: fine for a few long sequences, and
-dominated by per-call overhead for many short ones (a kernel that iterates over (sequence, tile) itself removes
-it). The views need only slicing, a leading axis of 1 and a fill, which numpy arrays and torch tensors have
+The cost is one kernel call per sequence: fine for a few long sequences, and dominated by per-call overhead for
+many short ones (a kernel that iterates over (sequence, tile) itself removes it, as the CPU one does). The views need only slicing, a leading axis of 1 and a fill, which numpy arrays and torch tensors have
 (``x[None]``, ``x[...] = value``); a backend whose arrays lack them passes its own ``lead_axis`` and ``fill``.
 """
 
