@@ -18,8 +18,9 @@ A kernel's work is a list of units (flat ids the kernel decodes, e.g. (sequence,
 runs one iteration per thread, and each takes the next unit from a shared atomic counter (``_claim``) until none
 is left: numba's OpenMP layer splits a prange into equal contiguous runs of iterations, whatever
 ``numba.set_parallel_chunksize`` says (measured), which leaves units of very different cost (a packed batch of 8- and
-2048-token sequences) unbalanced. Packed units go longest first, so the long ones start early and the short ones
-fill in at the end; dense ones keep their natural order (units of one head in a row share K and V in cache).
+2048-token sequences) unbalanced. Packed units go longest first, by (sequence, head) so that units reading the same
+K and V stay together, so the long ones start early and the short ones fill in at the end; dense ones keep their
+natural order (units of one head in a row share K and V in cache).
 """
 
 from __future__ import annotations
@@ -150,8 +151,13 @@ def _query_tile_costs(seqs: Sequences, left: int, right: int) -> tuple[np.ndarra
 NATURAL = np.zeros(0, np.int64)   # units: every unit the kernel's decoding covers, in order (a dense call)
 
 
-def _longest_first(units: np.ndarray, cost: np.ndarray) -> np.ndarray:
-    return units[np.argsort(-cost, kind="stable")]   # ties keep their order: neighbours share K and V
+def _longest_first(units: np.ndarray, cost: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """``units`` by group (the units of one sequence and head, which read the same K and V), the costliest groups
+    first, and within a group the costliest units first. Sorting the units alone would interleave heads: each
+    unit of a long sequence would then bring its own head's K and V into cache, where the units of one group in a
+    row find them there."""
+    group_cost = np.bincount(group, weights=cost)
+    return units[np.lexsort((-cost, group, -group_cost[group]))]
 
 
 def query_tile_units(seqs: Sequences, nheads_q: int, left: int, right: int) -> np.ndarray:
@@ -161,8 +167,9 @@ def query_tile_units(seqs: Sequences, nheads_q: int, left: int, right: int) -> n
     if not seqs.packed:
         return NATURAL
     seq, qt, visits = _query_tile_costs(seqs, left, right)
-    units = (seq[:, None] * nheads_q + np.arange(nheads_q)) * seqs.max_q_tiles + qt[:, None]
-    return _longest_first(units.ravel(), np.repeat(visits + 1, nheads_q))
+    group = seq[:, None] * nheads_q + np.arange(nheads_q)
+    units = group * seqs.max_q_tiles + qt[:, None]
+    return _longest_first(units.ravel(), np.repeat(visits + 1, nheads_q), group.ravel())
 
 
 def _pairs_per_sequence(seqs: Sequences, left: int, right: int) -> np.ndarray:
@@ -185,8 +192,9 @@ def key_tile_units(seqs: Sequences, nheads_kv: int, left: int, right: int, kt_pe
     # a run's share of its sequence's tile pairs, by its share of the keys (exact enough to order by)
     share = np.minimum(t[s, SK], (run + 1) * BLOCK_N * kt_per_unit) - run * BLOCK_N * kt_per_unit
     cost = _pairs_per_sequence(seqs, left, right)[s] * share / np.maximum(t[s, SK], 1) + 1
-    units = (s[:, None] * nheads_kv + np.arange(nheads_kv)) * runs + run[:, None]
-    return _longest_first(units.ravel(), np.repeat(cost, nheads_kv))
+    group = s[:, None] * nheads_kv + np.arange(nheads_kv)
+    units = group * runs + run[:, None]
+    return _longest_first(units.ravel(), np.repeat(cost, nheads_kv), group.ravel())
 
 
 def fuse_dq(seqs: Sequences, nheads_kv: int, left: int, right: int, threads: int) -> bool:

@@ -17,11 +17,11 @@ import pytest
 
 from varlen_cases import check_empty_sequences, check_float32, packed_inputs, reference, rel_l2
 
-import numba
 from backends import backend_registry, varlen
 from backends.cpu import _run_backward, _run_forward
 from numba_flash import attention_ref, attention_ref_backward, validate_backward, validate_forward
 from numba_flash.cpu import BLOCK_M, backward, forward, schedule, stash
+from numba_flash.semantics import key_range
 
 # (query lengths, key lengths): odd sizes; sequences without rows, without keys, without either; Sq != Sk in both
 # directions (causal rows that see nothing); lengths across a CPU tile (64) and its partial last tile.
@@ -232,13 +232,25 @@ def test_units_cover_every_tile_once_longest_first():
     decoded = sorted((u // (3 * n_qt), (u // n_qt) % 3, u % n_qt) for u in units)
     want = sorted((s, h, t) for s, n in enumerate(np.diff(cu_q)) for h in range(3) for t in range(-(-n // BLOCK_M)))
     assert decoded == want   # the keyless sequence 0 keeps its units: they write its zeros
-    first_seq = units[0] // (3 * n_qt)
-    assert first_seq == 3   # its 250-key causal rows see the most tiles
+    # the units of one (sequence, head) in one run, the runs by their key tiles visited, most first
+    groups = units // n_qt
+    starts = np.flatnonzero(np.diff(groups)) + 1
+    assert len(set(groups.tolist())) == len(starts) + 1
+    visited = [_key_tiles_visited(u // (3 * n_qt), u % n_qt, cu_q, cu_k) + 1 for u in units]
+    run_costs = [sum(c) for c in np.split(np.array(visited), starts)]
+    assert run_costs == sorted(run_costs, reverse=True) and run_costs[0] > run_costs[-1]
     k_units = schedule.key_tile_units(seqs, 2, -1, 0, 1)
     runs = -(-seqs.max_k_tiles // 1)
     decoded = sorted((u // (2 * runs), (u // runs) % 2, u % runs) for u in k_units)
     want = sorted((s, h, t) for s, n in enumerate(np.diff(cu_k)) for h in range(2) for t in range(-(-n // 64)))
     assert decoded == want   # the rowless sequence 1 keeps its units: they write its zero dk, dv
+
+
+def _key_tiles_visited(seq, qt, cu_q, cu_k, left=-1, right=0):
+    """Key tiles a query tile's rows see some key of (causal by default), from ``semantics.key_range``."""
+    sq, sk = cu_q[seq + 1] - cu_q[seq], cu_k[seq + 1] - cu_k[seq]
+    ranges = [key_range(i, sq, sk, left, right) for i in range(qt * BLOCK_M, min(sq, (qt + 1) * BLOCK_M))]
+    return len({j // 64 for lo, hi in ranges for j in range(lo, hi)})
 
 
 def test_fuse_rule():
@@ -249,6 +261,5 @@ def test_fuse_rule():
     one_long = schedule.packed_sequences(np.array([0, 1000, 1010, 1020, 1030, 1040]),
                                          np.array([0, 1000, 1010, 1020, 1030, 1040]))
     assert not schedule.fuse_dq(one_long, 2, -1, 0, threads)
-    dense = schedule.dense_sequences(2, 100, 100)
-    assert schedule.fuse_dq(dense, 2, -1, -1, threads) == (2 * 2 >= 2 * threads)
-    assert numba.get_num_threads() >= 1
+    dense = schedule.dense_sequences(2, 100, 100)   # the dense rule: (batch, kv head) units >= 2 per thread
+    assert schedule.fuse_dq(dense, 2, -1, -1, threads) and not schedule.fuse_dq(dense, 1, -1, -1, threads)
