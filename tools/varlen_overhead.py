@@ -9,6 +9,7 @@ and median of REPEATS runs; "per token" divides by the visible (query, key) pair
 comparable though its work differs by rounding. Run with 2 threads and with 1 (numba.set_num_threads):
 
     PYTHONPATH=. python tools/varlen_overhead.py [--repeats 7] [--threads 2 1]
+    PYTHONPATH=. python tools/varlen_overhead.py --threads 1 --cpu-time   # on a machine busy with other work
 """
 
 from __future__ import annotations
@@ -85,16 +86,16 @@ def runners(lengths, rng):
         visible_pairs(lengths), visible_pairs([s_eq] * len(lengths))
 
 
-def measure(fns, repeats):
+def measure(fns, repeats, clock):
     """name -> times, the calls interleaved (one of each per round) after one warm-up call each."""
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t = time.perf_counter()
+            t = clock()
             fn()
-            times[name].append(time.perf_counter() - t)
+            times[name].append(clock() - t)
     return times
 
 
@@ -102,16 +103,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, nargs="+", default=[2, 1])
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="with --threads 1 only: time with this thread's CPU clock (time.thread_time), leaving out "
+                             "the time the OS gave other processes on a shared machine")
     args = parser.parse_args()
-    print(f"Hq = Hkv = {HQ}, D = {D}, causal, float32; ms as min / median of {args.repeats}; "
-          "ns/pair: median per visible (query, key) pair and head")
+    if args.cpu_time and args.threads != [1]:
+        parser.error("--cpu-time needs --threads 1 (the kernels then run on the calling thread)")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    print(f"Hq = Hkv = {HQ}, D = {D}, causal, float32; ms as min / median of {args.repeats} "
+          f"({'thread CPU time' if args.cpu_time else 'wall time'}); ns/pair: median per visible (query, key) pair "
+          "and head")
     for threads in args.threads:
         numba.set_num_threads(threads)
         rng = np.random.default_rng(0)
         for name, lengths in cases(rng).items():
             fns, pairs, dense_pairs = runners(lengths, rng)
             for stage, index in (("fwd", 0), ("fwd+bwd", 1)):
-                times = measure({n: f[index] for n, f in fns.items()}, args.repeats)
+                times = measure({n: f[index] for n, f in fns.items()}, args.repeats, clock)
                 med = {n: float(np.median(t)) for n, t in times.items()}
                 per_pair = {n: med[n] / (dense_pairs if n == "dense" else pairs) / HQ * 1e9 for n in med}
                 cells = "  ".join(f"{n} {min(t) * 1e3:7.2f} / {med[n] * 1e3:7.2f} ms ({per_pair[n]:.3f} ns/pair)"
