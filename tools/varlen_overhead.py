@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--cpu-time", action="store_true",
                         help="with --threads 1 only: time with this thread's CPU clock (time.thread_time), leaving out "
                              "the time the OS gave other processes on a shared machine")
+    parser.add_argument("--only", default="", help="run only the cases whose name contains this, e.g. '8 x'")
     args = parser.parse_args()
     if args.cpu_time and args.threads != [1]:
         parser.error("--cpu-time needs --threads 1 (the kernels then run on the calling thread)")
@@ -117,6 +118,8 @@ def main() -> None:
         numba.set_num_threads(threads)
         rng = np.random.default_rng(0)
         for name, lengths in cases(rng).items():
+            if args.only not in name:
+                continue
             fns, pairs, dense_pairs = runners(lengths, rng)
             for stage, index in (("fwd", 0), ("fwd+bwd", 1)):
                 times = measure({n: f[index] for n, f in fns.items()}, args.repeats, clock)
@@ -124,8 +127,10 @@ def main() -> None:
                 per_pair = {n: med[n] / (dense_pairs if n == "dense" else pairs) / HQ * 1e9 for n in med}
                 cells = "  ".join(f"{n} {min(t) * 1e3:7.2f} / {med[n] * 1e3:7.2f} ms ({per_pair[n]:.3f} ns/pair)"
                                   for n, t in times.items())
+                # the median of each round's ratio too: a round's calls ran back to back, under the same load
+                paired = float(np.median(np.array(times["single"]) / np.array(times["per-seq"])))
                 print(f"threads={threads} {name:28s} {stage:7s} {cells}  single/per-seq "
-                      f"{med['single'] / med['per-seq']:.2f}  single/dense per pair "
+                      f"{med['single'] / med['per-seq']:.2f} (per round {paired:.2f})  single/dense per pair "
                       f"{per_pair['single'] / per_pair['dense']:.2f}")
 
 
