@@ -15,8 +15,9 @@ contract says a row that sees nothing gets, out 0, lse +inf and dq 0. Keys of a 
 = 0.
 
 The cost is one kernel call per sequence: fine for a few long sequences, and dominated by per-call overhead for
-many short ones (a kernel that iterates over (sequence, tile) itself removes it, as the CPU one does). The views need only slicing, a leading axis of 1 and a fill, which numpy arrays and torch tensors have
-(``x[None]``, ``x[...] = value``); a backend whose arrays lack them passes its own ``lead_axis`` and ``fill``.
+many short ones (a kernel that iterates over (sequence, tile) itself removes it, as the CPU one does). The views
+need only slicing, a leading axis of 1 and a fill, which numpy arrays and torch tensors have (``x[None]``,
+``x[...] = value``); a backend whose arrays lack them passes its own ``lead_axis`` and ``fill``.
 """
 
 from __future__ import annotations

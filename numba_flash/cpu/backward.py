@@ -18,7 +18,7 @@ from .tiles import _dropout_block, _load_rows, _query_tiles_seeing, _tile_key_sp
 from .backward_blocks import (_add_dbias, _block_scores, _chain_factor, _dropout_factors,
                               _probs_and_dscores_cols, _probs_and_dscores_rows, _scale_block, _tile_product_add)
 from .workspace import (_bias_view, _dropout_args, _slopes, _check_dtypes, _entry, _head_major,
-                        _kernel_options, _pack_scaled_kernel, _padded, _row_dot_kernel, _score_scale, _scratch,
+                        _kernel_options, _pack_scaled_kernel, _row_dot_kernel, _score_scale, _scratch,
                         _store_dq_kernel)
 from . import stash
 from .stash import _defer_to_caller_lse, _stashed_stats

@@ -51,7 +51,7 @@ from .microkernels import _mm_at, _mm_dot
 from .passes import _column_exp2_sum, _column_max, _rows_finite
 from .tiles import (_add_alibi, _bias_scores, _dropout_block, _load_rows, _mask_scores, _tile_key_span,
                     _visible_product)
-from .workspace import _bias_view, _dropout_args, _slopes, _check_dtypes, _head_major, _kernel_options, _padded
+from .workspace import _bias_view, _dropout_args, _slopes, _check_dtypes, _head_major, _kernel_options
 from .stash import _stash_stats
 from .schedule import (BATCH, K0, P0, Q0, SK, SQ, _claim, _max_tiles, call_sequences, query_tile_units,
                         work_counter)

@@ -99,6 +99,7 @@ class Sequences:
 
 
 def dense_sequences(batch: int, seqlen_q: int, seqlen_k: int) -> Sequences:
+    """A dense (B, S, H, D) call: sequence b is batch entry b, with the statistics rows it always had."""
     table = np.zeros((batch, 6), np.int64)
     table[:, BATCH] = np.arange(batch)
     table[:, SQ], table[:, SK] = seqlen_q, seqlen_k
@@ -117,6 +118,7 @@ def call_sequences(q: np.ndarray, k: np.ndarray, cu_seqlens_q: np.ndarray | None
 
 
 def packed_sequences(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray) -> Sequences:
+    """Packed sequences at the prefix sums' offsets in a batch of 1, each given whole query tiles of statistics."""
     cq, ck = np.asarray(cu_seqlens_q, np.int64), np.asarray(cu_seqlens_k, np.int64)
     table = np.zeros((len(cq) - 1, 6), np.int64)
     table[:, Q0], table[:, K0] = cq[:-1], ck[:-1]
@@ -127,8 +129,9 @@ def packed_sequences(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray) -> Sequ
 
 
 def _band(rows_lo, rows_hi, seqlen_q, seqlen_k, left, right):
-    """Keys [lo, hi) seen by some query row in [rows_lo, rows_hi) (arrays, one per tile); empty where lo >= hi.
-    Rows outside the band see keys only within it: the geometry of ``tiles._tile_key_span``."""
+    """Keys [lo, hi) that query rows [rows_lo, rows_hi) may see (arrays, one entry per tile; empty where lo >= hi):
+    from the first row's lowest key to the last row's highest, the band's key ranges growing with the row. A cost
+    estimate for ordering units: where the first rows see nothing (causal, Sq > Sk), it counts from key 0."""
     centre_lo = rows_lo + seqlen_k - seqlen_q
     centre_hi = rows_hi - 1 + seqlen_k - seqlen_q
     lo = np.zeros_like(rows_lo) if left < 0 else np.maximum(0, centre_lo - left)
@@ -136,8 +139,8 @@ def _band(rows_lo, rows_hi, seqlen_q, seqlen_k, left, right):
     return lo, np.maximum(lo, hi) * (rows_hi > rows_lo)
 
 
-def _query_tile_costs(seqs: Sequences, left: int, right: int) -> tuple[np.ndarray, np.ndarray]:
-    """(sequence of each query tile, key tiles it visits), over every query tile of every sequence in order."""
+def _query_tile_costs(seqs: Sequences, left: int, right: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sequence, query tile, key tiles it visits) of every query tile of every sequence, in order."""
     t = seqs.table
     n_qt = _tiles(t[:, SQ], BLOCK_M)
     seq = np.repeat(np.arange(len(t)), n_qt)
