@@ -17,7 +17,7 @@ import numpy as np
 from numba_flash.arrays import as_result_kind, dtype_name, is_torch_tensor, to_numpy
 from numba_flash.validation import AttentionCall
 
-from . import kvcache, varlen
+from . import kvcache
 from .base import Backend
 
 
@@ -78,8 +78,8 @@ class CpuBackend(Backend):
         q, k, v = (_host(x, compute) for x in (call.q, call.k, call.v))
         out = np.empty(q.shape[:-1] + (v.shape[-1],), dtype=compute)   # Dv, v's head dim
         lse = np.empty(call.lse_shape, dtype=compute)
-        if call.is_varlen:
-            varlen.forward(call, _run_forward, q, k, v, out, lse)
+        if call.is_varlen:   # one kernel call for every sequence (no attn_bias or mods: validation)
+            _run_forward(call, q, k, v, out, lse, packing=call.packing)
         else:
             _run_forward(call, *(_bshd(x, call.layout) for x in (q, k, v, out)), lse)
         lse_dtype = "float64" if call.dtype == "float64" else "float32"
@@ -91,8 +91,8 @@ class CpuBackend(Backend):
         dout, q, k, v, out, lse = (_host(x, compute) for x in (call.dout, call.q, call.k, call.v, call.out, call.lse))
         dq, dk, dv = np.empty(q.shape, compute), np.empty(k.shape, compute), np.empty(v.shape, compute)
         dbias = None
-        if call.is_varlen:  # no attn_bias with packed sequences (validation)
-            varlen.backward(call, _run_backward, dout, q, k, v, out, lse, dq, dk, dv)
+        if call.is_varlen:  # one call of each pass for every sequence (no attn_bias with packed sequences)
+            _run_backward(call, dout, q, k, v, out, lse, dq, dk, dv, packing=call.packing)
         else:
             lay = call.layout
             dbias = _run_backward(call, *(_bshd(x, lay) for x in (dout, q, k, v, out)), lse,
@@ -129,22 +129,31 @@ def _bias(call: AttentionCall, compute: np.dtype) -> np.ndarray | None:
     return None if call.bias is None else _host(call.bias.array, compute.type)
 
 
+def _sequence_args(packing: Any) -> dict[str, Any]:
+    return {} if packing is None else dict(cu_seqlens_q=packing.cu_seqlens_q, cu_seqlens_k=packing.cu_seqlens_k)
+
+
 def _run_forward(call: AttentionCall, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
-                 lse: np.ndarray) -> None:
-    """The kernel on (B, S, H, D) views and a (B, Hq, Sq) lse, all of the compute dtype; writes out and lse."""
+                 lse: np.ndarray, packing: Any = None) -> None:
+    """The kernel on (B, S, H, D) views and a (B, Hq, Sq) lse, all of the compute dtype; writes out and lse.
+    With ``packing`` (a "thd" call's ``numba_flash.varlen.Packing``), the packed (total, H, D) arrays and the
+    (Hq, total_q) lse."""
     from numba_flash.cpu import flash_forward
 
     flash_forward(q, k, v, out, lse, call.softmax_scale, call.window_left, call.window_right, call.softcap,
-                  call.alibi, call.dropout_p, call.dropout_seed, call.dropout_batch0, _bias(call, q.dtype), call.mods)
+                  call.alibi, call.dropout_p, call.dropout_seed, call.dropout_batch0, _bias(call, q.dtype), call.mods,
+                  **_sequence_args(packing))
 
 
 def _run_backward(call: AttentionCall, dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                  out: np.ndarray, lse: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray
-                  ) -> np.ndarray | None:
-    """The backward kernels on (B, S, H, D) views, as ``_run_forward``; writes dq, dk and dv, and returns dbias
-    (the bias's shape padded to 4 dimensions, compute dtype) when ``call.return_dbias``, else None."""
+                  out: np.ndarray, lse: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray,
+                  packing: Any = None) -> np.ndarray | None:
+    """The backward kernels on (B, S, H, D) views (or packed arrays, as ``_run_forward``); writes dq, dk and dv,
+    and returns dbias (the bias's shape padded to 4 dimensions, compute dtype) when ``call.return_dbias``, else
+    None."""
     from numba_flash.cpu import flash_backward
 
     return flash_backward(dout, q, k, v, out, lse, dq, dk, dv, call.softmax_scale, call.window_left,
                           call.window_right, call.softcap, call.alibi, call.dropout_p, call.dropout_seed,
-                          call.dropout_batch0, _bias(call, q.dtype), call.mods, call.return_dbias)
+                          call.dropout_batch0, _bias(call, q.dtype), call.mods, call.return_dbias,
+                          **_sequence_args(packing))

@@ -1,24 +1,24 @@
-"""Packed sequences (layout "thd") on any backend: the backend's dense kernels run once per sequence, on views of
-the packed arrays.
+"""Packed sequences (layout "thd") on any backend: the per-sequence driver, and the single-call one.
 
-Every built-in backend serves a packed call the same way, through ``forward`` and ``backward`` here: it converts
-the packed inputs to its own arrays once, allocates the packed outputs once, and passes a ``run`` function with
-the signature of its dense path. This module walks the sequences and calls ``run`` on ``(1, S_b, H, D)`` views of
-sequence b's rows and keys (and ``(1, Hq, S_b)`` views of the lse) with a dense ``AttentionCall`` describing that
-sequence alone. Nothing is padded to the longest sequence and nothing is copied per sequence: the work is the sum
-of the sequences' own areas.
+Per sequence (``forward``, ``backward``): the ROCm backend serves a packed call this way (and the CPU backend's
+tests use it as the per-sequence yardstick). A backend converts the packed inputs to its own arrays once,
+allocates the packed outputs once, and passes a ``run`` function with the signature of its dense path. This module
+walks the sequences and calls ``run`` on ``(1, S_b, H, D)`` views of sequence b's rows and keys (and ``(1, Hq,
+S_b)`` views of the lse) with a dense ``AttentionCall`` describing that sequence alone. Nothing is padded to the
+longest sequence and nothing is copied per sequence: the work is the sum of the sequences' own areas.
 
 A sequence with no keys is never given to a kernel (a dense call needs Sk >= 1): its rows are set here to what the
 contract says a row that sees nothing gets, out 0, lse +inf and dq 0. Keys of a sequence with no rows get dk = dv
 = 0.
 
 That costs one kernel call per sequence: fine for a few long sequences, and dominated by per-call overhead for
-many short ones. A backend whose kernels iterate over (sequence, tile) themselves uses ``forward_once`` and
-``backward_once`` instead: ``run`` is then called once, on the whole packed arrays viewed as a batch of one, with
-the packed call (``packed_call``: layout "thd", its ``packing`` saying where each sequence lies), and the
-sequences with no rows or no keys are filled here as above, so that the kernels only see sequences with both.
-The views need only slicing, a leading axis of 1 and a fill, which numpy arrays and torch tensors have
-(``x[None]``, ``x[...] = value``); a backend whose arrays lack them passes its own ``lead_axis`` and ``fill``.
+many short ones. Kernels that iterate over (sequence, tile) themselves remove it. The CPU backend's take the
+sequences themselves (``numba_flash.cpu.schedule``). The CUDA backend uses ``forward_once`` and ``backward_once``:
+``run`` is then called once, on the whole packed arrays viewed as a batch of one, with the packed call
+(``packed_call``: layout "thd", its ``packing`` saying where each sequence lies), and the sequences with no rows or
+no keys are filled here as above, so that the kernels only see sequences with both. The views need only slicing,
+a leading axis of 1 and a fill, which numpy arrays and torch tensors have (``x[None]``, ``x[...] = value``); a
+backend whose arrays lack them passes its own ``lead_axis`` and ``fill``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Shared by the packed-sequence tests of every backend (``tests/numba_flash/test_varlen.py``,
-``tests/numba_flash/cuda/test_varlen_sim.py``): packed random inputs, the reference's results, and the contract's
-float32 bounds and empty-sequence rules. Imported by the test files (pytest puts ``tests/`` on sys.path).
+``tests/numba_flash/cuda/test_varlen_sim.py``, ``tests/backends/test_cpu_varlen_single_call.py``): packed random
+inputs, the reference's results, and the contract's float32 bounds and empty-sequence rules. Imported by the test files (pytest puts ``tests/`` on sys.path).
 """
 
 from __future__ import annotations

@@ -54,7 +54,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("rev", help="git revision whose kernels are the base")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time with this thread's CPU clock (time.thread_time), which leaves out the time the OS gave "
+                         "other processes: only meaningful with NUMBA_NUM_THREADS=1 (the kernels then run on this "
+                         "thread) and torch on one thread, on a machine shared with other work")
     args = ap.parse_args()
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     import numba
     import torch
     import torch.nn.functional as F
@@ -91,9 +96,9 @@ def main() -> None:
             times = {name: [] for name in calls}
             for _ in range(args.repeats):
                 for name, fn in calls.items():
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     fn()
-                    times[name].append((time.perf_counter() - t0) * 1e3)
+                    times[name].append((clock() - t0) * 1e3)
             print(f"(B,H,S,D)=({batch},{heads},{seqlen},{dim}) causal={causal}")
             for p in ("fwd", "bwd"):
                 b, n, t = times[f"base {p}"], times[f"new {p}"], times[f"torch {p}"]

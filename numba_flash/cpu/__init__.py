@@ -1,7 +1,8 @@
 """CPU kernels: tiled FlashAttention-2 forward and backward as ``numba.njit(parallel=True)`` functions.
 
-``flash_forward`` and ``flash_backward`` take (B, S, H, D) numpy views with any strides and write their results
-into arrays the caller allocated; ``backends.cpu`` is the host side that converts user inputs.
+``flash_forward`` and ``flash_backward`` take (B, S, H, D) numpy views with any strides, or packed sequences
+((total, H, D) arrays with ``cu_seqlens_q`` / ``cu_seqlens_k``, every sequence in one kernel call per pass), and
+write their results into arrays the caller allocated; ``backends.cpu`` is the host side that converts user inputs.
 
 Scratch memory: each thread that calls the kernels keeps its scratch buffers (packed K/V/Q/dO, dQ accumulators)
 between calls, until it exits or calls ``clear_workspace()``, because fresh multi-MiB buffers cost page faults on
@@ -15,8 +16,9 @@ so that the backward given that lse skips a pass over the scores; the most recen
 
 Modules: ``simd`` (tile sizes, vector width, inlined arithmetic), ``microkernels`` (the register-blocked
 products), ``passes`` (softmax column passes, row copies), ``tiles`` (the causal/window band), ``workspace``
-(compiled entries, scratch, packing), ``forward``, ``backward`` (the kernels and the host side) with
-``backward_blocks`` (their block steps), ``stash``, and ``decode`` (KV-cache decoding).
+(compiled entries, scratch, packing), ``schedule`` (the sequences a call covers, dense or packed, and the order
+its threads take the work in), ``forward``, ``backward`` (the kernels and the host side) with ``backward_blocks``
+(their block steps), ``stash``, and ``decode`` (KV-cache decoding).
 """
 
 from .. import compile_notice

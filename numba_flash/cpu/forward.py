@@ -51,8 +51,10 @@ from .microkernels import _mm_at, _mm_dot
 from .passes import _column_exp2_sum, _column_max, _rows_finite
 from .tiles import (_add_alibi, _bias_scores, _dropout_block, _load_rows, _mask_scores, _tile_key_span,
                     _visible_product)
-from .workspace import _bias_view, _dropout_args, _slopes, _check_dtypes, _head_major, _kernel_options, _padded
+from .workspace import _bias_view, _dropout_args, _slopes, _check_dtypes, _head_major, _kernel_options
 from .stash import _stash_stats
+from .schedule import (BATCH, K0, P0, Q0, SK, SQ, _claim, _max_tiles, call_sequences, query_tile_units,
+                        work_counter)
 from .modhooks import _MODS, _mod_scores, _tile_state, kernel_with_mods, mod_errors, states_for_call
 from ..mods import EMPTY
 
@@ -62,31 +64,36 @@ from ..mods import EMPTY
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, row_max, row_inv, stats_only, alibi,
-                    bias, drop, tile_states):
-    """Online-softmax forward. One prange iteration per (batch, query head, query tile); each writes only its own
-    rows of out and lse.
+                    bias, drop, tile_states, seqs, units, counter):
+    """Online-softmax forward. A unit is a (sequence, query head, query tile); each writes only its own rows of
+    out and lse. The prange runs one iteration per thread, each claiming units until none is left (``schedule``).
 
     q: (B, Sq, Hq, D), out: (B, Sq, Hq, Dv), any strides; lse: (B, Hq, Sq), any strides; head_dim: D;
     k, v: (B, Sk, Hkv, D_pad) and (B, Sk, Hkv, Dv_pad), views of head-major buffers (``_head_major``), each head dim
     rounded up to 16, zero past it.
     All one float dtype.
+    seqs: the sequences (``schedule.Sequences.table``): B dense ones, or packed ones at their offsets in a batch of
+    1; units: flat (sequence, head, query tile) ids in the order to take them, or empty for all in order; counter:
+    (next unit, threads) = (0, numba's thread count) (``schedule.work_counter``; numba.get_num_threads() here
+    would keep numba from caching the kernel).
     With ``stats_only`` (the backward's first pass) it skips P V and writes neither out nor lse, but each row's
-    final max and 1 / sum of exp(score - max) into row_max and row_inv, (B, Hq, n_qt * BLOCK_M) (+inf and 0 for
-    padding rows and rows that see no key): the backward then recomputes P = exp(score - max) / sum from the very
-    scores of the forward (P = 1 exactly for the max of a row with one key), where exp(score - lse) carried the
-    rounding of lse, as large as lse itself.
-    alibi: (B, Hq) float64 ALiBi slopes, added after softcap (``_add_alibi``); (0, 0) for none.
+    final max and 1 / sum of exp(score - max) into row_max and row_inv, (B, Hq, stat rows) at the sequence's
+    statistics rows (+inf and 0 for padding rows and rows that see no key): the backward then recomputes
+    P = exp(score - max) / sum from the very scores of the forward (P = 1 exactly for the max of a row with one
+    key), where exp(score - lse) carried the rounding of lse, as large as lse itself.
+    alibi: (sequences, Hq) float64 ALiBi slopes, added after softcap (``_add_alibi``); (0, 0) for none.
     bias: attn_bias broadcast to (B, Hq, Sq, Sk), read in place (``_bias_scores``), or a (0, 0, 0, 0) array.
-    drop: dropout (``_dropout_block``), applied to P after its row sums (lse is the softmax's before dropout), or an
-    empty array for none; the stats-only pass ignores it.
+    drop: dropout (``_dropout_block``), keyed by sequence, applied to P after its row sums (lse is the softmax's
+    before dropout), or an empty array for none; the stats-only pass ignores it.
     tile_states: the user's mods' tiles (``modhooks``), which also runs the mods where it swaps in its hooks; this
     cached kernel ignores both.
     """
-    batch, seqlen_q, nheads_q = q.shape[0], q.shape[1], q.shape[2]
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    nheads_q = q.shape[2]
+    nheads_kv = k.shape[2]
     group = nheads_q // nheads_kv
     dp = v.shape[3]
-    n_qt = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+    n_qt = _max_tiles(seqs, SQ, BLOCK_M)
+    n_units = units.shape[0] if units.shape[0] > 0 else seqs.shape[0] * nheads_q * n_qt
     # Scores in natural-log units, as torch's: Q carries the scale, and exp(score - max) converts the difference
     # to base 2 (_fast_exp). With softcap, the raw score is divided by the softcap after the product: that keeps
     # an inf in q or k, which tanh would turn into a finite +-1, visible as a non-finite raw score.
@@ -95,133 +102,150 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
     inf = _as_dtype_of(q, np.inf)
     nan = _as_dtype_of(q, np.nan)
     zero = _as_dtype_of(q, 0.0)
-    for u in prange(batch * nheads_q * n_qt):
-        b = u // (nheads_q * n_qt)
-        # Query tiles innermost, with or without a bias: a thread's consecutive units share K and V (in L2).
-        # Heads innermost (so that heads sharing a bias read its rows from cache) measured 1.29x the plain
-        # forward against 1.24x this way, once the bias tile was transposed in registers.
-        h = (u // n_qt) % nheads_q
-        qt = u % n_qt
-        hk = h // group
-        i0 = qt * BLOCK_M
-        nq = min(BLOCK_M, seqlen_q - i0)
-        slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
-        bias_bh = bias[b, h] if bias.shape[0] > 0 else bias[0:0, 0:0, 0, 0]
+    for _ in prange(min(counter[1], n_units)):
+        # a thread's scratch, reused by its units (a packed batch of short sequences has thousands of units)
         bias_tile = np.empty((BLOCK_N, BLOCK_M) if bias.shape[0] > 0 else (0, 0), q.dtype)
         row_lo = np.empty(BLOCK_M, np.int64)
         row_hi = np.empty(BLOCK_M, np.int64)
-        span_lo, span_hi, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
-        q_t = np.zeros((head_dim, BLOCK_M), q.dtype)  # scaled Q^T; padding rows stay 0
-        for r in range(nq):
-            for d in range(head_dim):
-                q_t[d, r] = q[b, i0 + r, h, d] * qscale
+        q_t = np.empty((head_dim, BLOCK_M), q.dtype)  # scaled Q^T
         vis = np.empty((BLOCK_N, BLOCK_M) if _MODS else (0, 0), np.bool_)
         no_grad = np.empty((0, 0), q.dtype)
         k_tail = np.empty((BLOCK_N, head_dim), q.dtype)  # a last, partial key tile, zero-padded
         st = np.empty((BLOCK_N, BLOCK_M), q.dtype)
-        acc = np.zeros((BLOCK_M, dp), q.dtype)
-        m_run = np.full(BLOCK_M, neg_inf, q.dtype)
+        acc = np.empty((BLOCK_M, dp), q.dtype)
+        m_run = np.empty(BLOCK_M, q.dtype)
         m_use = np.empty(BLOCK_M, q.dtype)
         # Sums across key tiles: each tile's P V and row sums go to a tile buffer first and are then added in, one
         # rounding per tile instead of one per key (the sums in float64): at Sk = 131072 a running sum over every
         # key erred 10x torch's.
         pv = np.empty((BLOCK_M, dp), q.dtype)
-        l_run = np.zeros(BLOCK_M, np.float64)
+        l_run = np.empty(BLOCK_M, np.float64)
         l_tile = np.empty(BLOCK_M, q.dtype)
         alpha = np.empty(BLOCK_M, q.dtype)
-        kt_first = span_lo // BLOCK_N
-        kt_end = (span_hi + BLOCK_N - 1) // BLOCK_N if span_lo < span_hi else kt_first
-        for kt in range(kt_first, kt_end):
-            j0 = kt * BLOCK_N
-            nk = min(BLOCK_N, seqlen_k - j0)
-            state = _tile_state(tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, True)
-            if state == EMPTY:
-                continue
-            if nk == BLOCK_N:
-                _mm_dot(st, k[b, j0:j0 + BLOCK_N, hk], q_t, head_dim)
-            else:
-                _load_rows(k_tail, k[b, j0:j0 + nk, hk], nk, head_dim)
-                _mm_dot(st, k_tail, q_t, head_dim)
-            if softcap > 0:
-                for c in range(nk):
-                    for r in range(BLOCK_M):
-                        x = st[c, r]
-                        capped = _capped(x, softcap)[0]
-                        st[c, r] = capped if abs(x) < inf else nan
-            _add_alibi(st, slope, i0, j0, seqlen_k - seqlen_q, True)
-            # Every block that no mask touches is all visible: there any non-finite score poisons its query. A bias
-            # may hide any pair (-inf), so with one every block is masked.
-            band_masked = not (full_lo <= j0 and j0 + nk <= full_hi)
-            masked = _MODS or bias_bh.shape[0] > 0 or band_masked
-            bias_hides = False
-            if bias_bh.shape[0] > 0:
-                bias_hides = _bias_scores(st, bias_bh, i0, j0, nk, True, row_lo, row_hi, True, bias_tile)
-            elif masked:
-                _mask_scores(st, j0, nk, row_lo, row_hi)
-            _mod_scores(st, vis, no_grad, state, b, h, i0, j0, nq, nk, True)
-            for r in range(BLOCK_M):
-                m_use[r] = m_run[r]
-            _column_max(st, nk, m_use, not masked)
-            for r in range(BLOCK_M):
-                m_new = m_use[r]
-                # A query that has seen no key yet keeps max -inf; shifting by 0 makes its exp2 0, never NaN.
-                # A poisoned query has max NaN: its alpha, sum and accumulator become NaN and stay so.
-                if m_new == neg_inf:
-                    m_use[r] = zero
-                alpha[r] = _fast_exp(m_run[r] - m_use[r])
-                m_run[r] = m_new
-                l_tile[r] = zero
-            _column_exp2_sum(st, nk, l_tile, m_use)
-            for r in range(BLOCK_M):
-                l_run[r] = l_run[r] * alpha[r] + l_tile[r]
-            if not stats_only:
-                _dropout_block(st, drop, b, h, i0, j0, nk, True)
-                v_rows = v[b, j0:j0 + nk, hk]
-                # a non-finite v row must reach only the queries that see it: where nothing hides a pair of the
-                # block, that is every query, and the plain product does it
-                if (_MODS or band_masked or bias_hides) and not _rows_finite(v_rows, nk):
-                    pv[:] = zero
-                    _visible_product(pv, st, v_rows, nk, True, True, j0, row_lo, row_hi, bias_bh, i0, vis)
-                else:
-                    _mm_at(pv, st, v_rows, nk, False)
-                for r in range(BLOCK_M):
-                    a = alpha[r]
-                    for d in range(dp):
-                        acc[r, d] = acc[r, d] * a + pv[r, d]
-        if stats_only or row_max.shape[2] > 1:
-            # the row max and 1 / sum, with +inf and 0 for a row that sees no key (P = 0 there); a forward keeps
-            # them too when given arrays for them (the backward reuses them, see _stash_stats)
-            for r in range(BLOCK_M):
-                seen = l_run[r] != 0
-                row_max[b, h, i0 + r] = m_run[r] if seen else inf
-                row_inv[b, h, i0 + r] = 1.0 / l_run[r] if seen else 0.0
-        if not stats_only:
+        while True:
+            u = _claim(counter)
+            if u >= n_units:
+                break
+            w = units[u] if units.shape[0] > 0 else u
+            b = w // (nheads_q * n_qt)   # the sequence: ALiBi's, dropout's and the mods' batch index
+            # Query tiles innermost, with or without a bias: a thread's consecutive units share K and V (in L2).
+            # Heads innermost (so that heads sharing a bias read its rows from cache) measured 1.29x the plain
+            # forward against 1.24x this way, once the bias tile was transposed in registers.
+            h = (w // n_qt) % nheads_q
+            qt = w % n_qt
+            hk = h // group
+            bi, q0, k0, p0 = seqs[b, BATCH], seqs[b, Q0], seqs[b, K0], seqs[b, P0]
+            seqlen_q, seqlen_k = seqs[b, SQ], seqs[b, SK]
+            i0 = qt * BLOCK_M
+            nq = min(BLOCK_M, seqlen_q - i0)
+            slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
+            bias_bh = bias[b, h] if bias.shape[0] > 0 else bias[0:0, 0:0, 0, 0]
+            span_lo, span_hi, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo,
+                                                                row_hi)
+            q_t[:] = zero   # padding rows stay 0
             for r in range(nq):
-                if row_lo[r] >= row_hi[r]:
-                    # Sees no key: 0 and lse = +inf, whatever its q holds (it reads nothing).
-                    for d in range(out.shape[3]):
-                        out[b, i0 + r, h, d] = zero
-                    lse[b, h, i0 + r] = inf
-                elif l_run[r] > 0 and m_run[r] == m_run[r]:
-                    inv = _as_dtype_of(acc, 1.0 / l_run[r])
-                    for d in range(out.shape[3]):
-                        o = acc[r, d] * inv
-                        out[b, i0 + r, h, d] = o if abs(o) < inf else nan
-                    lse[b, h, i0 + r] = np.float64(m_run[r]) + math.log(l_run[r])  # in float64, rounded once
-                elif m_run[r] == neg_inf:   # every key it could see is hidden by the bias: as if it saw none
-                    for d in range(out.shape[3]):
-                        out[b, i0 + r, h, d] = zero
-                    lse[b, h, i0 + r] = inf
-                else:  # poisoned by a score that is not finite
-                    for d in range(out.shape[3]):
-                        out[b, i0 + r, h, d] = nan
-                    lse[b, h, i0 + r] = nan
+                for d in range(head_dim):
+                    q_t[d, r] = q[bi, q0 + i0 + r, h, d] * qscale
+            acc[:] = zero
+            m_run[:] = neg_inf
+            l_run[:] = 0.0
+            k_seq = k[bi, k0:k0 + seqlen_k]
+            v_seq = v[bi, k0:k0 + seqlen_k]
+            kt_first = span_lo // BLOCK_N
+            kt_end = (span_hi + BLOCK_N - 1) // BLOCK_N if span_lo < span_hi else kt_first
+            for kt in range(kt_first, kt_end):
+                j0 = kt * BLOCK_N
+                nk = min(BLOCK_N, seqlen_k - j0)
+                state = _tile_state(tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, True)
+                if state == EMPTY:
+                    continue
+                if nk == BLOCK_N:
+                    _mm_dot(st, k_seq[j0:j0 + BLOCK_N, hk], q_t, head_dim)
+                else:
+                    _load_rows(k_tail, k_seq[j0:j0 + nk, hk], nk, head_dim)
+                    _mm_dot(st, k_tail, q_t, head_dim)
+                if softcap > 0:
+                    for c in range(nk):
+                        for r in range(BLOCK_M):
+                            x = st[c, r]
+                            capped = _capped(x, softcap)[0]
+                            st[c, r] = capped if abs(x) < inf else nan
+                _add_alibi(st, slope, i0, j0, seqlen_k - seqlen_q, True)
+                # Every block that no mask touches is all visible: there any non-finite score poisons its query. A bias
+                # may hide any pair (-inf), so with one every block is masked.
+                band_masked = not (full_lo <= j0 and j0 + nk <= full_hi)
+                masked = _MODS or bias_bh.shape[0] > 0 or band_masked
+                bias_hides = False
+                if bias_bh.shape[0] > 0:
+                    bias_hides = _bias_scores(st, bias_bh, i0, j0, nk, True, row_lo, row_hi, True, bias_tile)
+                elif masked:
+                    _mask_scores(st, j0, nk, row_lo, row_hi)
+                _mod_scores(st, vis, no_grad, state, b, h, i0, j0, nq, nk, True)
+                for r in range(BLOCK_M):
+                    m_use[r] = m_run[r]
+                _column_max(st, nk, m_use, not masked)
+                for r in range(BLOCK_M):
+                    m_new = m_use[r]
+                    # A query that has seen no key yet keeps max -inf; shifting by 0 makes its exp2 0, never NaN.
+                    # A poisoned query has max NaN: its alpha, sum and accumulator become NaN and stay so.
+                    if m_new == neg_inf:
+                        m_use[r] = zero
+                    alpha[r] = _fast_exp(m_run[r] - m_use[r])
+                    m_run[r] = m_new
+                    l_tile[r] = zero
+                _column_exp2_sum(st, nk, l_tile, m_use)
+                for r in range(BLOCK_M):
+                    l_run[r] = l_run[r] * alpha[r] + l_tile[r]
+                if not stats_only:
+                    _dropout_block(st, drop, b, h, i0, j0, nk, True)
+                    v_rows = v_seq[j0:j0 + nk, hk]
+                    # a non-finite v row must reach only the queries that see it: where nothing hides a pair of the
+                    # block, that is every query, and the plain product does it
+                    if (_MODS or band_masked or bias_hides) and not _rows_finite(v_rows, nk):
+                        pv[:] = zero
+                        _visible_product(pv, st, v_rows, nk, True, True, j0, row_lo, row_hi, bias_bh, i0, vis)
+                    else:
+                        _mm_at(pv, st, v_rows, nk, False)
+                    for r in range(BLOCK_M):
+                        a = alpha[r]
+                        for d in range(dp):
+                            acc[r, d] = acc[r, d] * a + pv[r, d]
+            if stats_only or row_max.shape[2] > 1:
+                # the row max and 1 / sum, with +inf and 0 for a row that sees no key (P = 0 there); a forward keeps
+                # them too when given arrays for them (the backward reuses them, see _stash_stats)
+                for r in range(BLOCK_M):
+                    seen = l_run[r] != 0
+                    row_max[bi, h, p0 + i0 + r] = m_run[r] if seen else inf
+                    row_inv[bi, h, p0 + i0 + r] = 1.0 / l_run[r] if seen else 0.0
+            if not stats_only:
+                for r in range(nq):
+                    if row_lo[r] >= row_hi[r]:
+                        # Sees no key: 0 and lse = +inf, whatever its q holds (it reads nothing).
+                        for d in range(out.shape[3]):
+                            out[bi, q0 + i0 + r, h, d] = zero
+                        lse[bi, h, q0 + i0 + r] = inf
+                    elif l_run[r] > 0 and m_run[r] == m_run[r]:
+                        inv = _as_dtype_of(acc, 1.0 / l_run[r])
+                        for d in range(out.shape[3]):
+                            o = acc[r, d] * inv
+                            out[bi, q0 + i0 + r, h, d] = o if abs(o) < inf else nan
+                        # in float64, rounded once
+                        lse[bi, h, q0 + i0 + r] = np.float64(m_run[r]) + math.log(l_run[r])
+                    elif m_run[r] == neg_inf:   # every key it could see is hidden by the bias: as if it saw none
+                        for d in range(out.shape[3]):
+                            out[bi, q0 + i0 + r, h, d] = zero
+                        lse[bi, h, q0 + i0 + r] = inf
+                    else:  # poisoned by a score that is not finite
+                        for d in range(out.shape[3]):
+                            out[bi, q0 + i0 + r, h, d] = nan
+                        lse[bi, h, q0 + i0 + r] = nan
 
 
 def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: np.ndarray, scale: float,
                   window_left: int, window_right: int, softcap: float, alibi: np.ndarray | None = None,
                   dropout_p: float = 0.0, dropout_seed: int = 0, dropout_batch0: int = 0,
-                  attn_bias: np.ndarray | None = None, mods: Any = None) -> None:
+                  attn_bias: np.ndarray | None = None, mods: Any = None, cu_seqlens_q: np.ndarray | None = None,
+                  cu_seqlens_k: np.ndarray | None = None) -> None:
     """Exact attention forward, written into ``out`` and ``lse``.
 
     Arguments:
@@ -240,19 +264,27 @@ def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
         mods: None, or the call's ``numba_flash.mods.Mods`` (bias_mod, mask_mod, score_mod, block_mask), compiled
             into a kernel of their own (``modhooks``; 20-60 s the first time per mod in a process). Tiles the
             mask_mod hides entirely are skipped.
+        cu_seqlens_q, cu_seqlens_k: packed sequences (layout "thd"), (B + 1,) prefix sums of validated lengths,
+            both or neither. q, out: (total_q, Hq, D / Dv); k, v: (total_k, Hkv, D / Dv); lse: (Hq, total_q);
+            alibi (B, Hq) and the dropout's batch count sequences; masks are aligned per sequence (bottom-right
+            of its own block); no attn_bias or mods. One kernel call serves every sequence.
     """
+    seqs = call_sequences(q, k, cu_seqlens_q, cu_seqlens_k)
+    if seqs.packed:
+        q, k, v, out, lse = (x[None] for x in (q, k, v, out, lse))
     dtype = _check_dtypes(q, k, v, out, lse)
     head_dim = q.shape[3]
     left, right, softcap = _kernel_options(q.shape[1], k.shape[1], window_left, window_right, softcap, dtype)
-    stats_shape = (q.shape[0], q.shape[2], _padded(q.shape[1], BLOCK_M))
+    stats_shape = (q.shape[0], q.shape[2], seqs.stat_len)
     row_max, row_inv = np.empty(stats_shape, dtype), np.empty(stats_shape, dtype)
     kernel = kernel_with_mods(_forward_kernel, dtype, mods)
     with mod_errors(mods):
         kernel(q, _head_major(k, head_dim, "k"), _head_major(v, v.shape[3], "v"), out, lse, head_dim, float(scale),
                left, right, softcap, row_max, row_inv, False, _slopes(alibi), _bias_view(attn_bias, q, k),
                _dropout_args(dropout_p, dropout_seed, dropout_batch0),
-               states_for_call(mods, q.shape[0], q.shape[2], q.shape[1], k.shape[1]))
-    _stash_stats(lse, row_max, row_inv)
+               states_for_call(mods, q.shape[0], q.shape[2], q.shape[1], k.shape[1]), seqs.table,
+               query_tile_units(seqs, q.shape[2], left, right), work_counter())
+    _stash_stats(lse, row_max, row_inv, seqs.stash_tag)
 
 
 # Recompile when any file the kernels inline from changes, not only this one (see cache_stamp).

@@ -16,31 +16,33 @@ _stash_lock = threading.Lock()
 stats_passes = 0  # backward calls that had to recompute the statistics (for tests)
 
 
-def _stash_key(lse: np.ndarray) -> tuple:
-    return (lse.__array_interface__["data"][0], lse.shape, lse.strides, lse.dtype.str)
+def _stash_key(lse: np.ndarray, tag: bytes | None) -> tuple:
+    return (lse.__array_interface__["data"][0], lse.shape, lse.strides, lse.dtype.str, tag)
 
 
-def _stash_stats(lse: np.ndarray, row_max: np.ndarray, row_inv: np.ndarray) -> None:
-    """Keep a forward's row max and 1 / sum (B, Hq, Sq_pad) with a copy of the lse (B, Hq, Sq) they gave, the most
-    recent first, within ``STASH_MAX_BYTES``."""
+def _stash_stats(lse: np.ndarray, row_max: np.ndarray, row_inv: np.ndarray, tag: bytes | None = None) -> None:
+    """Keep a forward's row max and 1 / sum (B, Hq, statistics rows) with a copy of the lse (B, Hq, Sq) they gave,
+    the most recent first, within ``STASH_MAX_BYTES``. ``tag``: where the statistics rows of packed sequences lie
+    (``schedule.Sequences.stash_tag``), None for a dense call; only a backward with the same tag finds them."""
     entry = (np.array(lse, copy=True), row_max, row_inv)
     size = sum(a.nbytes for a in entry)
     if size > STASH_MAX_BYTES:
         return
+    key = _stash_key(lse, tag)
     with _stash_lock:
-        _stash[_stash_key(lse)] = entry
-        _stash.move_to_end(_stash_key(lse), last=False)
+        _stash[key] = entry
+        _stash.move_to_end(key, last=False)
         while sum(a.nbytes for e in _stash.values() for a in e) > STASH_MAX_BYTES:
             _stash.popitem(last=True)
 
 
-def _stashed_stats(lse: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+def _stashed_stats(lse: np.ndarray, tag: bytes | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """Copies of the row statistics of the forward that wrote ``lse``, if it is bit for bit what that forward
     wrote; else None. Safe whatever the caller did in between: statistics whose lse equals the given one bit for bit
     give P = exp(score - max) / sum = exp(score - lse) up to lse's own rounding, so at worst they are what
     recomputing P from lse would give, never another call's softmax."""
     with _stash_lock:
-        entry = _stash.get(_stash_key(lse))
+        entry = _stash.get(_stash_key(lse, tag))
     if entry is None:
         return None
     kept, row_max, row_inv = entry
@@ -50,7 +52,7 @@ def _stashed_stats(lse: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     return row_max.copy(), row_inv.copy()
 
 
-def _defer_to_caller_lse(lse: np.ndarray, row_max: np.ndarray, row_inv: np.ndarray) -> None:
+def _defer_to_caller_lse(lse: np.ndarray, row_max: np.ndarray, row_inv: np.ndarray) -> bool:
     """Where the caller's lse (B, Hq, Sq) is not these keys' own, make P = exp(score - lse) instead of the
     recomputed statistics, in place on row_max and row_inv (B, Hq, Sq).
 
@@ -58,12 +60,14 @@ def _defer_to_caller_lse(lse: np.ndarray, row_max: np.ndarray, row_inv: np.ndarr
     the recomputed max and sum give that P with one rounding. Ring attention and split-KV training pass the lse of a
     softmax over more keys than this call holds (one block's share of the gradient); its P is exp(score - lse).
     A row takes the caller's lse when it differs from the local one by more than rounding (8 ulp), is NaN (a row
-    poisoned elsewhere), or is +inf while the row sees keys here."""
+    poisoned elsewhere), or is +inf while the row sees keys here. Returns whether any row took it."""
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         given = lse.astype(np.float64)
         local = row_max.astype(np.float64) - np.log(row_inv.astype(np.float64))
         tolerance = 8 * np.finfo(lse.dtype).eps * np.maximum(1.0, np.abs(given))
         other = ~(np.abs(local - given) <= tolerance) & ~(np.isposinf(given) & np.isposinf(local))
-    if other.any():
-        row_max[other] = given[other]
-        row_inv[other] = 1.0
+    if not other.any():
+        return False
+    row_max[other] = given[other]
+    row_inv[other] = 1.0
+    return True

@@ -16,9 +16,10 @@ from numba import njit, prange, types
 
 from numba_flash.semantics import clamp_window_bound, effective_softcap
 from .cache_stamp import stamp_kernels
-from .simd import _D_ALIGN, _as_dtype_of, _fma
+from .simd import BLOCK_M, _D_ALIGN, _as_dtype_of, _fma
 from .microkernels import _DOT_CHUNK
 from .passes import _copy_rows, _store_rows
+from .schedule import BATCH, P0, Q0, SQ
 
 @njit(parallel=True, cache=True)
 def _pack_kernel(src, dst, head_dim, unit_stride):
@@ -66,34 +67,41 @@ def _pack_scaled_kernel(src, dst, head_dim, factor):
 
 
 @njit(parallel=True, cache=True)
-def _row_dot_kernel(a, b, res):
-    """res[b, h, s] = a[b, s, h, :] . b[b, s, h, :] summed as ``_mm_dot`` sums (chains of fused multiply-adds from
-    0, in order of d, in chunks of ``_DOT_CHUNK`` added in order): delta = dO . O then cancels dP = dO . v exactly
-    where a row sees one key (O = v), so dS = P (dP - delta) is exactly 0 there, as torch's is.
-    a, b (B, S, H, D) any strides; res (B, H, >= S)."""
-    batch, seqlen, nheads, width = a.shape
-    for u in prange(batch * nheads):
-        bi = u // nheads
+def _row_dot_kernel(a, b, res, seqs):
+    """res[b, h, p] = a[b, s, h, :] . b[b, s, h, :] at each row's statistics row p (``schedule``; 0 in the padding
+    up to whole query tiles), summed as ``_mm_dot`` sums (chains of fused multiply-adds from 0, in order of d, in
+    chunks of ``_DOT_CHUNK`` added in order): delta = dO . O then cancels dP = dO . v exactly where a row sees one
+    key (O = v), so dS = P (dP - delta) is exactly 0 there, as torch's is.
+    a, b (B, S, H, D) any strides; res (B, H, statistics rows); seqs: ``schedule.Sequences.table``."""
+    nheads, width = a.shape[2], a.shape[3]
+    zero = _as_dtype_of(res, 0.0)
+    for u in prange(seqs.shape[0] * nheads):
+        seq = seqs[u // nheads]
+        bi, q0, p0, seqlen = seq[BATCH], seq[Q0], seq[P0], seq[SQ]
         h = u % nheads
         for s in range(seqlen):
-            total = _as_dtype_of(res, 0.0)
+            total = zero
             for k0 in range(0, width, _DOT_CHUNK):
-                acc = _as_dtype_of(res, 0.0)
+                acc = zero
                 for d in range(k0, min(width, k0 + _DOT_CHUNK)):
-                    acc = _fma(a[bi, s, h, d], b[bi, s, h, d], acc)
+                    acc = _fma(a[bi, q0 + s, h, d], b[bi, q0 + s, h, d], acc)
                 total = acc if k0 == 0 else total + acc
-            res[bi, h, s] = total
+            res[bi, h, p0 + s] = total
+        for s in range(seqlen, (seqlen + BLOCK_M - 1) // BLOCK_M * BLOCK_M):
+            res[bi, h, p0 + s] = zero
 
 
 @njit(parallel=True, cache=True)
-def _store_dq_kernel(dq_acc, dq, head_dim):
-    """dq[b, s, h, :D] = dq_acc[b, h, s, :D] for the fused backward, NaN where not finite (the contract reports
-    every non-finite result as NaN). dq_acc (B, H, >= S, D_pad) C-contiguous; dq (B, S, H, >= D) any strides."""
-    batch, seqlen, nheads = dq.shape[0], dq.shape[1], dq.shape[2]
-    for u in prange(batch * nheads):
-        b = u // nheads
+def _store_dq_kernel(dq_acc, dq, head_dim, seqs):
+    """dq[b, s, h, :D] = dq_acc[b, h, p, :D] (p: row s's statistics row) for the fused backward, NaN where not
+    finite (the contract reports every non-finite result as NaN). dq_acc (B, H, statistics rows, D_pad)
+    C-contiguous; dq (B, S, H, >= D) any strides; seqs: ``schedule.Sequences.table``."""
+    nheads = dq.shape[2]
+    for u in prange(seqs.shape[0] * nheads):
+        seq = seqs[u // nheads]
+        bi, q0, p0, seqlen = seq[BATCH], seq[Q0], seq[P0], seq[SQ]
         h = u % nheads
-        _store_rows(dq[b, :, h], dq_acc[b, h], seqlen, head_dim)
+        _store_rows(dq[bi, q0:q0 + seqlen, h], dq_acc[bi, h, p0:p0 + seqlen], seqlen, head_dim)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -120,18 +128,19 @@ def _signature(name: str, dtype: np.dtype) -> tuple[Any, ...]:
     slopes = types.Array(f64, 2, "A")
     drop = types.Array(f64, 1, "A")
     tiles = types.Array(types.int8, 4, "A")   # modhooks.states_for_call
+    seqs, units, counter = types.Array(i64, 2, "C"), types.Array(i64, 1, "C"), types.Array(i64, 1, "C")
     sigs = {
         "_forward_kernel": (user[4], user[4], user[4], user[4], user[3], i64, f64, i64, i64, f64, own[3], own[3],
-                            boolean, slopes, user[4], drop, tiles),
+                            boolean, slopes, user[4], drop, tiles, seqs, units, counter),
         "_backward_kv_kernel": (user[4], user[4], user[4], user[4], user[4], own[3], own[3], own[3], own[4],
                                 user[4], user[4], i64, f64, i64, i64, f64, i64, boolean, slopes, user[4], drop,
-                                tiles, boolean, own[5]),
+                                tiles, boolean, own[5], seqs, units, counter),
         "_backward_dq_kernel": (user[4], user[4], user[4], user[4], own[3], own[3], own[3], user[4], i64, i64, f64,
-                                i64, i64, f64, slopes, user[4], drop, tiles, boolean, own[5]),
+                                i64, i64, f64, slopes, user[4], drop, tiles, boolean, own[5], seqs, units, counter),
         "_pack_kernel": (user[4], own[4], i64, boolean),
         "_pack_scaled_kernel": (user[4], own[4], i64, f64),
-        "_row_dot_kernel": (user[4], user[4], own[3]),
-        "_store_dq_kernel": (own[4], user[4], i64),
+        "_row_dot_kernel": (user[4], user[4], own[3], seqs),
+        "_store_dq_kernel": (own[4], user[4], i64, seqs),
     }
     return sigs[name]
 

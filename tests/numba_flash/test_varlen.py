@@ -256,24 +256,26 @@ def test_nan_in_one_sequence_stays_there(rng, backend, where):
         np.testing.assert_array_equal(bad[name][other_keys], clean[name][other_keys])
 
 
-def test_each_sequence_runs_at_its_own_size(rng, monkeypatch):
-    """No padding to the longest sequence: the CPU kernels get one (1, S_b, H, D) view per sequence that has rows
-    and keys, and nothing for the others."""
+def test_cpu_serves_every_sequence_in_one_call(rng, monkeypatch):
+    """No padding to the longest sequence and no call per sequence: the CPU kernels get the packed arrays
+    themselves, once, with the prefix sums (``numba_flash.cpu.schedule``)."""
     import numba_flash.cpu as cpu
 
-    shapes = []
+    calls = []
     real = cpu.flash_forward
 
-    def spy(q, k, v, out, lse, *args):
-        shapes.append((q.shape, k.shape, out.shape, lse.shape))
-        real(q, k, v, out, lse, *args)
+    def spy(q, k, v, out, lse, *args, **kwargs):
+        calls.append((q.shape, k.shape, out.shape, lse.shape, kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"]))
+        real(q, k, v, out, lse, *args, **kwargs)
 
     monkeypatch.setattr(cpu, "flash_forward", spy)
     lens_q, lens_k = LENGTHS["mixed"]
     q, k, v, _, cu_q, cu_k = packed_inputs(rng, lens_q, lens_k)
     backend_registry.get("flash", backend="cpu").forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    want = [((1, sq, 4, 7), (1, sk, 2, 7), (1, sq, 4, 7), (1, 4, sq)) for sq, sk in zip(lens_q, lens_k) if sq and sk]
-    assert shapes == want
+    assert len(calls) == 1
+    assert calls[0][:4] == (q.shape, k.shape, q.shape, (4, q.shape[0]))
+    np.testing.assert_array_equal(calls[0][4], cu_q)
+    np.testing.assert_array_equal(calls[0][5], cu_k)
 
 
 def test_torch_tensors_in_and_out(rng):
