@@ -255,7 +255,7 @@ def test_dbias_keeps_a_nan_key_out_of_the_queries_that_do_not_see_it(nheads_kv):
     assert _rel(grads[3][~bad], want[~bad]) <= 2e-5
 
 
-def test_every_backend_takes_a_bias_and_cuda_leaves_dbias_to_others_with_the_reason():
+def test_every_backend_takes_a_bias_and_cuda_says_which_dbias_it_leaves_to_others():
     from backends.base import Backend
     from numba_flash.validation import validate_backward, validate_forward
 
@@ -270,8 +270,14 @@ def test_every_backend_takes_a_bias_and_cuda_leaves_dbias_to_others_with_the_rea
     grad_call = validate_backward(dout, q, k, v, out.astype(np.float32), lse.astype(np.float32), attn_bias=bias,
                                   return_dbias=True)
     cuda = next(be for be in backend_registry.backends("flash") if be.name == "cuda")
-    reasons = cuda.feature_reasons(grad_call)
-    assert reasons == ["attn_bias's gradient (return_dbias) not supported"]
+    # The cuda kernels sum dbias over the batch but not over heads, rows or keys (test_dbias_sim.py runs them).
+    assert cuda.feature_reasons(grad_call) == [
+        f"attn_bias's gradient (return_dbias) for a bias broadcast over heads, rows or keys (shape (1, 1, {SQ}, "
+        f"{SK})) not supported (the batch may be broadcast)"]
+    per_head = rng.standard_normal((HQ, SQ, SK)).astype(np.float32)
+    out, lse = attention_ref(q, k, v, attn_bias=per_head)
+    assert cuda.feature_reasons(validate_backward(dout, q, k, v, out.astype(np.float32), lse.astype(np.float32),
+                                                  attn_bias=per_head, return_dbias=True)) == []
     assert f"attn_bias(1, 1, {SQ}, {SK})" in backend_registry.get("flash").explain(q, k, v, attn_bias=bias)
 
 

@@ -37,12 +37,15 @@ def _bias(rng, shape, dtype=np.float32):
     return bias
 
 
-@pytest.mark.parametrize("shape,kw", [
-    ((B, HQ, SQ, SK), dict(causal=True, softcap=2.5)),
-    ((1, HQ, SQ, SK), dict(window_size=(6, 2), alibi_slopes=np.array([0.3, 0.1, 0.6, 0.9], np.float32))),
-    ((HQ, SQ, SK), dict(dropout_p=0.3, dropout_seed=7, causal=True)),
-], ids=["per-batch-causal-softcap", "shared-window-alibi", "shared-3d-dropout"])
-@pytest.mark.parametrize("tiles", list(BACKWARD_TILES))
+# Both dQ code paths add dbias (tiles "split": the score sums in parts; "whole": in one): each meets a per-batch bias
+# and one shared by the batch.
+@pytest.mark.parametrize("tiles,shape,kw", [
+    ("split", (B, HQ, SQ, SK), dict(causal=True, softcap=2.5)),
+    ("whole", (B, HQ, SQ, SK), dict(causal=True, softcap=2.5)),
+    ("whole", (1, HQ, SQ, SK), dict(window_size=(6, 2), alibi_slopes=np.array([0.3, 0.1, 0.6, 0.9], np.float32))),
+    ("split", (HQ, SQ, SK), dict(dropout_p=0.3, dropout_seed=7, causal=True)),
+], ids=["split-per-batch-causal-softcap", "whole-per-batch-causal-softcap", "whole-shared-window-alibi",
+        "split-shared-3d-dropout"])
 def test_dbias_matches_the_reference(rng, shape, kw, tiles):
     q, k, v, dout = random_inputs(rng, B, SQ, SK, HQ, HKV, D)
     bias = _bias(rng, shape)
