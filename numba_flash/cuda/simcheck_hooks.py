@@ -122,14 +122,14 @@ class CheckedCUDAModule(kernelapi.FakeCUDAModule):
 
 
 class _Block:
-    """One block's run: its barrier, barrier epoch, record lock and first failure."""
+    """One block's run: its barrier, barrier epoch and first failure. The shared-array records take no lock
+    (simcheck_arrays.SharedArray); they are reset only while no thread of the block runs kernel code."""
 
     def __init__(self, kernel: str, block_idx: tuple[int, ...], nthreads: int, shared: CheckedShared):
         self.kernel = kernel
         self.block_idx = block_idx
         self.nthreads = nthreads
         self.shared = shared
-        self.lock = threading.Lock()          # shared-array records
         self.cond = threading.Condition()     # barrier state below
         self.epoch = 0
         self.waiting: dict[int, tuple[str, int]] = {}   # thread -> barrier site it waits at
@@ -180,8 +180,7 @@ class _Block:
                     self._fail(self._divergence(s1, f"thread {self.thread_idx(t1)} waits there while thread "
                                                     f"{self.thread_idx(t2)} waits at {format_site(s2)}"))
                     raise _Aborted
-                with self.lock:
-                    self.shared.reset()
+                self.shared.reset()
                 self.epoch += 1
                 self.waiting = {}
                 self.cond.notify_all()
@@ -270,8 +269,7 @@ class CheckedBlockManager(sim_kernel.BlockManager):
         block_dim = tuple(self._block_dim)
         block = _Block(getattr(self._f, "__name__", "kernel"), tuple(int(i) for i in grid_point),
                        int(np.prod(block_dim)), module._shared)
-        with block.lock:
-            module._shared.reset()
+        module._shared.reset()
         threads = [_Thread(self._f, args, block, grid_point, point, block_dim, self._debug)
                    for point in np.ndindex(*block_dim)]
         block.threads = sorted(threads, key=lambda t: t.tid)

@@ -327,3 +327,45 @@ def test_first_launch_installs_the_checker_when_the_environment_asks(rng, monkey
     with tile_config_override(block_m=8, block_n=8, threads=16):
         backend_registry.get("flash", backend="cuda").forward(q, q, q)
     assert simcheck.is_installed()
+
+
+# ---- the shared-memory records on their own ----
+
+@pytest.mark.parametrize("seed", range(4))
+def test_records_flag_the_first_access_that_makes_a_race(seed, monkeypatch):
+    """Sequences of reads and writes by three threads on a few elements of one epoch, against a brute-force rule:
+    the first access after which some element was written by one thread and touched by another is the one that
+    raises, naming the other thread (the records keep only the first reader and the first other reader)."""
+    from numba_flash.cuda import simcheck_arrays
+
+    class Raced(Exception):
+        pass
+
+    def race(self, key, first, did, second, does):
+        raise Raced(key, first, second)
+
+    monkeypatch.setattr(simcheck_arrays.SharedArray, "_race", race)
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        tile = simcheck_arrays.SharedArray(np.zeros(3, np.float32), "tile")
+        accesses = [(int(rng.integers(3)), int(rng.integers(3)), bool(rng.random() < 0.3))
+                    for _ in range(int(rng.integers(1, 9)))]
+        expected, seen = None, {}
+        for n, (key, tid, write) in enumerate(accesses):
+            writers, touched = seen.setdefault(key, (set(), set()))
+            (writers if write else touched).add(tid)
+            touched.add(tid)
+            if any(touched - {w} for w in writers):
+                expected = n
+                break
+        got = None
+        for n, (key, tid, write) in enumerate(accesses):
+            th = type("T", (), {"tid": tid})
+            try:
+                (tile._record_write if write else tile._record_read)(key, th)
+            except Raced as exc:
+                _, first, second = exc.args
+                assert second == tid and first != tid
+                got = n
+                break
+        assert got == expected, accesses
