@@ -312,20 +312,28 @@ def toolchain_ccs() -> tuple[tuple[int, int], ...]:
     return COMPUTE_CAPABILITIES if major >= 13 else ((7, 0),) + COMPUTE_CAPABILITIES
 
 
+#: One specialisation to lower: (kernel, tile config or None, dtype, the compute capabilities to assemble it for).
+Job = tuple[str, FlashAttentionConfig | None, str, tuple[tuple[int, int], ...]]
+
+
 def check_all(progress: Any = None, ccs: tuple[tuple[int, int], ...] | None = None,
               workers: int | None = None) -> list[KernelResources]:
     """Every (compute capability, dtype, tile config) the picker produces, plus the kernels without a tile config
     (the backward's delta pre-pass, decoding's split merge) and those built with user mods (``MODS_KERNELS``) or
-    for packed sequences (the same kernels, ``VARLEN_SUFFIX``);
-    bfloat16 only
-    for compute capabilities it is offered on (``config.MIN_COMPUTE_CAPABILITY``). ``ccs`` narrows the targets
-    (default: ``config.COMPUTE_CAPABILITIES``); one the toolchain cannot build for raises ValueError saying why.
+    for packed sequences (the same kernels, ``VARLEN_SUFFIX``); bfloat16 only for compute capabilities it is
+    offered on (``config.MIN_COMPUTE_CAPABILITY``). ``ccs`` narrows the targets (default:
+    ``config.COMPUTE_CAPABILITIES``); one the toolchain cannot build for raises ValueError saying why.
 
     numba lowers each specialisation to PTX once, for the lowest compute capability that has that config (that
     is most of the time: numba's front end is the slow part); nvJitLink then assembles that PTX for every target
     that uses the config, which is how a driver runs sm_75 PTX on an sm_90 GPU. ``workers`` processes share the
     specialisations (default: one per CPU core; 1 compiles in this process).
     """
+    return run_jobs(compile_jobs(ccs), progress, workers)
+
+
+def compile_jobs(ccs: tuple[tuple[int, int], ...] | None = None) -> list[Job]:
+    """The specialisations ``check_all`` compiles, each with the targets it is assembled for."""
     ccs = tuple(ccs) if ccs else COMPUTE_CAPABILITIES
     missing = [cc for cc in ccs if cc not in toolchain_ccs()]
     if missing:
@@ -351,7 +359,11 @@ def check_all(progress: Any = None, ccs: tuple[tuple[int, int], ...] | None = No
                 targets.setdefault((kernel + MODS_SUFFIX, dtype, cfg), []).append(cc)
                 cfg = tile_config_for(VARLEN_HEAD_DIM, dtype, cc, kernel=kernel, override=TileOverride())
                 targets.setdefault((kernel + VARLEN_SUFFIX, dtype, cfg), []).append(cc)
-    jobs = [(kernel, cfg, dtype, tuple(sorted(target_ccs))) for (kernel, dtype, cfg), target_ccs in targets.items()]
+    return [(kernel, cfg, dtype, tuple(sorted(target_ccs))) for (kernel, dtype, cfg), target_ccs in targets.items()]
+
+
+def run_jobs(jobs: list[Job], progress: Any = None, workers: int | None = None) -> list[KernelResources]:
+    """Lower and assemble ``jobs`` (``compile_jobs``), in ``workers`` processes; rows in the jobs' order."""
     workers = min(len(jobs), workers or os.cpu_count() or 1)
     if workers <= 1:
         done = map(_compile_for_targets, jobs)
@@ -415,7 +427,12 @@ def main(argv: list[str] | None = None) -> int:
                                                  "and report registers, spills, shared memory and occupancy.")
     parser.add_argument("--cc", nargs="+", default=None, help="compute capabilities, e.g. 7.5 9.0 (default: "
                         + " ".join(f"{a}.{b}" for a, b in COMPUTE_CAPABILITIES) + ")")
+    parser.add_argument("--write-table", action="store_true",
+                        help="record the results in numba_flash/cuda/compile_table.json (every target; the test "
+                             "suite then compiles only a sample of it while the kernels' code is unchanged)")
     args = parser.parse_args(argv)
+    if args.write_table and args.cc:
+        parser.error("--write-table records every target: leave out --cc")
     ccs = None
     if args.cc:
         try:
@@ -428,7 +445,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compile_check: {exc}", file=sys.stderr)
         return 2
     print(format_table(results))
-    return 1 if any(r.problems() for r in results) else 0
+    if any(r.problems() for r in results):
+        return 1
+    if args.write_table:
+        from .compile_table import TABLE_PATH, save
+
+        save(results)
+        print(f"recorded {len(results)} rows in {TABLE_PATH}")
+    return 0
 
 
 if __name__ == "__main__":

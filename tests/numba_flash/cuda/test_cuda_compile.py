@@ -5,7 +5,17 @@ backward's three and decoding's two (the split-KV decode kernel and the merge of
 bucketed (16/32/64/128/256), so the table covers every D from 1 to 256; each kernel is compiled with both window
 bounds and softcap on, its most register-hungry variant, for float32, float16 and bfloat16 (int16 bit arrays). PTX
 does not depend on the target, so each specialisation is lowered once and assembled for each target.
+
+While the kernels' code and the toolchain are those numba_flash/cuda/compile_table.json was recorded with, the
+matrix is read from it and a random sample of it (SPOT_CHECK specialisations, seed printed) is compiled again and
+must match it row for row; otherwise every specialisation is compiled (a quarter of an hour on two cores). Refresh
+the table after changing a kernel: .venv/bin/python -m numba_flash.cuda.compile_check --write-table
 Run: .venv/bin/python -m pytest -q -s -m ptx tests/numba_flash/cuda/test_cuda_compile.py"""
+
+import functools
+import os
+import random
+import warnings
 
 import pytest
 
@@ -17,14 +27,46 @@ def _needs_toolchain():
     pytest.importorskip("cuda.bindings.nvjitlink")
 
 
+#: Specialisations of the recorded table compiled again on each run (about 10 s each on one core).
+SPOT_CHECK = 6
+
+
+@functools.lru_cache(maxsize=None)
+def _all_rows() -> tuple:
+    """Every specialisation's resources, in compile_jobs' order: the recorded table while it is current, after
+    compiling SPOT_CHECK of its specialisations again (NUMBA_FLASH_SPOT_CHECK_SEED repeats a draw); otherwise a
+    fresh compile of them all."""
+    from numba_flash.cuda import compile_table
+    from numba_flash.cuda.compile_check import check_all, compile_jobs, run_jobs
+
+    table = compile_table.load()
+    if table is None or not table.current():
+        warnings.warn("numba_flash/cuda/compile_table.json does not match the kernels' code or the toolchain: "
+                      "compiling every specialisation (refresh it: python -m numba_flash.cuda.compile_check "
+                      "--write-table)")
+        return tuple(check_all())
+    jobs = compile_jobs()
+    by_key = {(r.kernel, r.dtype, r.config, r.cc): r for r in table.rows}
+    # The table holds exactly the jobs' rows: nothing missing, nothing left over from a removed kernel.
+    assert sorted(by_key, key=repr) == sorted(((k, dt, cfg, cc) for k, cfg, dt, ccs in jobs for cc in ccs), key=repr)
+    seed = int(os.environ.get("NUMBA_FLASH_SPOT_CHECK_SEED") or random.SystemRandom().randrange(2**32))
+    sample = random.Random(seed).sample(jobs, SPOT_CHECK)
+    print(f"\ncompile table current; compiling again {SPOT_CHECK} of its {len(jobs)} specialisations "
+          f"(NUMBA_FLASH_SPOT_CHECK_SEED={seed})")
+    for fresh in run_jobs(sample):
+        recorded = by_key[(fresh.kernel, fresh.dtype, fresh.config, fresh.cc)]
+        assert fresh == recorded, f"seed {seed}: the compiler says {fresh}, the table says {recorded}"
+    return tuple(by_key[(k, dt, cfg, cc)] for k, cfg, dt, ccs in jobs for cc in ccs)
+
+
 def test_every_specialisation_compiles_without_spills():
     _needs_toolchain()
     from numba_flash.cuda.compile_check import (MODS_HEAD_DIM, MODS_KERNELS, MODS_SUFFIX, VARLEN_HEAD_DIM,
-                                                VARLEN_SUFFIX, check_all, format_table)
+                                                VARLEN_SUFFIX, format_table)
     from numba_flash.cuda.config import (COMPUTE_CAPABILITIES, HEAD_DIM_BUCKETS, KERNEL_DTYPES, KERNELS,
                                          dtype_supported_on)
 
-    results = check_all()
+    results = list(_all_rows())
     print()
     print(format_table(results))
     bad = [(r.kernel, r.cc, r.dtype, r.config, r.problems()) for r in results if r.problems()]
@@ -169,7 +211,7 @@ def test_dynamic_shared_memory_configs_compile_and_fit():
     spills, no static shared array left beside the dynamic buffer, and a block of static plus dynamic shared memory
     that fits an SM (the compile check's rows for them; its full matrix test covers every dtype)."""
     _needs_toolchain()
-    from numba_flash.cuda.compile_check import _compile_for_targets, format_table, kernel_ptx
+    from numba_flash.cuda.compile_check import format_table, kernel_ptx
     from numba_flash.cuda.config import STATIC_SMEM_LIMIT, all_tile_configs
 
     targets = {}
@@ -178,9 +220,10 @@ def test_dynamic_shared_memory_configs_compile_and_fit():
             targets.setdefault(cfg, []).append(cc)
     assert {cc for ccs in targets.values() for cc in ccs} == {(8, 0), (8, 6), (9, 0)}   # sm_75 stays static
     assert {cfg.kernel for cfg in targets} == {"forward", "backward_dkdv", "backward_dq"}
-    rows = []
-    for cfg, ccs in targets.items():
-        rows += _compile_for_targets((cfg.kernel, cfg, "float32", tuple(sorted(ccs))))
+    rows = [r for r in _all_rows() if r.dtype == "float32" and r.config in targets and r.kernel == r.config.kernel
+            and r.cc in targets[r.config]]
+    assert sorted(repr((r.config, r.cc)) for r in rows) == sorted(repr((cfg, cc)) for cfg, ccs in targets.items()
+                                                                  for cc in ccs)
     print()
     print(format_table(rows))
     for r in rows:
