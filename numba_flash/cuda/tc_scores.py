@@ -160,7 +160,7 @@ def make_keep_bits(n_tiles: int, transposed: bool = False) -> Any:
     Untransposed, one Philox call serves a lane's two neighbouring keys (an even column and the next: the same group
     of four), and the lane beside it makes the same call for the other two: half of these calls are redundant (a
     call per lane pair and a shuffle would halve them; not done: unmeasured without a GPU). The performance model's
-    "dropout" variant prices this loop from its trip count (perf_model._helper_loops)."""
+    "dropout" variant prices this loop from its trip count (perf_counts._helper_loops)."""
     if n_tiles * 4 > 64:
         raise ValueError(f"{n_tiles} 8-wide tiles: more scores than a 64-bit keep mask holds")
     N_TILES, TRANSPOSED = n_tiles, transposed

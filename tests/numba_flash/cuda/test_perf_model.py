@@ -88,7 +88,7 @@ def _counts(py_func, threads, cc=(8, 0)):
     from numba import cuda, types
 
     from numba_flash.cuda.lineinfo import helper_lines_in_their_files
-    from numba_flash.cuda.perf_model import dynamic_counts, loop_counts
+    from numba_flash.cuda.perf_counts import dynamic_counts, loop_counts
     from numba_flash.cuda.sass import disassemble, kernel_function, link, parse
 
     sig = types.void(types.float32[:, :], types.float32[:, :], types.int64)
