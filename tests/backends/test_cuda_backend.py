@@ -8,8 +8,8 @@ import pytest
 
 import backends.cuda as cuda_backend
 from backends import backend_registry
-from backends.cuda import (BF16_CAI_REASON, BF16_CC_REASON, BF16_HOST_REASON, HOST_REASON, SIM_REASON, CudaBackend,
-                           _torch_bits)
+from backends.cuda import BF16_CAI_REASON, BF16_CC_REASON, BF16_HOST_REASON, HOST_REASON, SIM_REASON, CudaBackend
+from backends.cuda_io import _torch_bits
 from numba_flash import AttentionInputError, attention_ref, attention_ref_backward
 from numba_flash.cuda import TileOverride, tile_config_override
 from numba_flash.validation import validate_forward

@@ -3,7 +3,7 @@ refuses inputs spread over two GPUs.
 
 There is no GPU here, let alone two, so the GPU side is faked, in the normal process:
 - the arrays are numpy-backed objects exporting ``__cuda_array_interface__`` with made-up data pointers, and the
-  driver's pointer-to-device query (``backends.cuda._pointer_device``) answers from a table of those pointers;
+  driver's pointer-to-device query (``backends.cuda_io._pointer_device``) answers from a table of those pointers;
 - ``numba.cuda.gpus`` is a fake whose ``gpus[i]`` context manager records which device is current;
   ``numba.cuda.as_cuda_array`` and ``numba.cuda.device_array`` are fakes that record the device current when
   they are called (device_array allocates a numpy-backed fake on it);
@@ -21,8 +21,9 @@ import types
 import numpy as np
 import pytest
 
-import backends.cuda as cuda_backend
-from backends.cuda import CudaBackend, _device_index, _Session
+import backends.cuda_io as cuda_io
+from backends.cuda import CudaBackend
+from backends.cuda_io import _device_index, _Session
 from numba_flash import AttentionInputError, attention_ref, attention_ref_backward
 from numba_flash.validation import validate_backward, validate_forward
 
@@ -88,7 +89,7 @@ def gpus(monkeypatch):
 
     fake = FakeGpus(current=0)
     fake.log = []
-    monkeypatch.setattr(cuda_backend, "_pointer_device", lambda ptr: _pointers[ptr])
+    monkeypatch.setattr(cuda_io, "_pointer_device", lambda ptr: _pointers[ptr])
     monkeypatch.setattr(cuda, "gpus", fake)
 
     def as_cuda_array(x, sync=True):
@@ -126,10 +127,10 @@ def _inputs(rng, devices=(1, 1, 1), sq=7, sk=9, d=5):
 
 
 def test_device_index_of_every_kind(monkeypatch):
-    monkeypatch.setattr(cuda_backend, "_pointer_device", lambda ptr: _pointers[ptr])
+    monkeypatch.setattr(cuda_io, "_pointer_device", lambda ptr: _pointers[ptr])
     torch_like = type("Tensor", (), {"__module__": "torch.fake_for_test"})()
     # The backend knows tensors by type (isinstance torch.Tensor); a real one cannot claim a GPU here.
-    monkeypatch.setattr(cuda_backend, "_is_torch", lambda x: x is torch_like)
+    monkeypatch.setattr(cuda_io, "_is_torch", lambda x: x is torch_like)
     torch_like.device = types.SimpleNamespace(type="cuda", index=1)
     cupy_like = type("ndarray", (), {"__module__": "cupy.fake_for_test"})()
     cupy_like.device = types.SimpleNamespace(id=1)
