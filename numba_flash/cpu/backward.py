@@ -23,7 +23,7 @@ from .workspace import (_bias_view, _dropout_args, _slopes, _check_dtypes, _entr
 from . import stash
 from .stash import _defer_to_caller_lse, _stashed_stats
 from . import schedule
-from .schedule import (BATCH, K0, P0, Q0, SK, SQ, Sequences, _claim, _max_tiles, call_sequences,
+from .schedule import (BATCH, K0, P0, Q0, SK, SQ, Sequences, _max_tiles, call_sequences, next_unit,
                         query_tile_units, work_counter)
 from .forward import _forward_kernel
 from .modhooks import (_MODS, _mod_scores, _mod_zero_hidden, _tile_state, kernel_with_mods, states_for_call,
@@ -100,10 +100,9 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
         v_tile = np.empty((BLOCK_N, dpv), q.dtype)
         q_tile = np.empty((BLOCK_M, dp), q.dtype)
         while True:
-            u = _claim(counter)
-            if u >= n_units:
+            w = next_unit(counter, units, n_units)
+            if w < 0:
                 break
-            w = units[u] if units.shape[0] > 0 else u
             run = w // n_parts
             part = w % n_parts
             chunk = run % n_chunks
@@ -224,10 +223,9 @@ def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, h
         acc = np.empty((BLOCK_M, dp), qs.dtype)
         tile = np.empty((BLOCK_M, dp), qs.dtype)
         while True:
-            u = _claim(counter)
-            if u >= n_units:
+            w = next_unit(counter, units, n_units)
+            if w < 0:
                 break
-            w = units[u] if units.shape[0] > 0 else u
             run = w // n_parts
             part = w % n_parts
             for m in range(in_run * part // n_parts, in_run * (part + 1) // n_parts):

@@ -53,7 +53,7 @@ from .tiles import (_add_alibi, _bias_scores, _dropout_block, _load_rows, _mask_
                     _visible_product)
 from .workspace import _bias_view, _dropout_args, _slopes, _check_dtypes, _head_major, _kernel_options
 from .stash import _stash_stats
-from .schedule import (BATCH, K0, P0, Q0, SK, SQ, _claim, _max_tiles, call_sequences, query_tile_units,
+from .schedule import (BATCH, K0, P0, Q0, SK, SQ, _max_tiles, call_sequences, next_unit, query_tile_units,
                         work_counter)
 from .modhooks import _MODS, _mod_scores, _tile_state, kernel_with_mods, mod_errors, states_for_call
 from ..mods import EMPTY
@@ -123,10 +123,9 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
         l_tile = np.empty(BLOCK_M, q.dtype)
         alpha = np.empty(BLOCK_M, q.dtype)
         while True:
-            u = _claim(counter)
-            if u >= n_units:
+            w = next_unit(counter, units, n_units)
+            if w < 0:
                 break
-            w = units[u] if units.shape[0] > 0 else u
             b = w // (nheads_q * n_qt)   # the sequence: ALiBi's, dropout's and the mods' batch index
             # Query tiles innermost, with or without a bias: a thread's consecutive units share K and V (in L2).
             # Heads innermost (so that heads sharing a bias read its rows from cache) measured 1.29x the plain

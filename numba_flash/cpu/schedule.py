@@ -15,7 +15,7 @@ read and write a tile's BLOCK_M rows there, padding included: packed back to bac
 would be the next sequence's rows, owned by another thread.
 
 A kernel's work is a list of units (flat ids the kernel decodes, e.g. (sequence, head, query tile)). Its prange
-runs one iteration per thread, and each takes the next unit from a shared atomic counter (``_claim``) until none
+runs one iteration per thread, and each takes the next unit from a shared atomic counter (``next_unit``) until none
 is left: numba's OpenMP layer splits a prange into equal contiguous runs of iterations, whatever
 ``numba.set_parallel_chunksize`` says (measured), which leaves units of very different cost (a packed batch of 8- and
 2048-token sequences) unbalanced. Packed units go longest first, by (sequence, head) so that units reading the same
@@ -54,6 +54,16 @@ def _claim(typingctx, counter):
         return builder.atomic_rmw("add", arr.data, ir.Constant(ir.IntType(64), 1), "monotonic")
 
     return types.int64(counter), codegen
+
+
+@njit(inline="always", cache=True)
+def next_unit(counter, units, n_units):
+    """The id of the next unit a thread takes (``units[i]`` where the call orders them, else ``i``); -1 once all
+    ``n_units`` are taken."""
+    u = _claim(counter)
+    if u >= n_units:
+        return -1
+    return units[u] if units.shape[0] > 0 else u
 
 
 @njit(inline="always", cache=True)
