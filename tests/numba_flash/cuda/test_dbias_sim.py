@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from cuda_sim_cases import BACKWARD_TILES, random_inputs, rel_l2
+from selfcheck_cases import spoil
 
 from backends import backend_registry
 from numba_flash import attention_ref, attention_ref_backward
@@ -92,28 +93,13 @@ def test_the_same_bits_every_run_and_torch_in_torch_out(rng):
 def test_the_self_check_judges_dbias_and_a_wrong_one_falls_back(rng, monkeypatch):
     """The dQ specialisation that sums dbias is checked on its own (dbias against the reference's); one whose
     dbias is off by 0.1% fails it, and the call runs on the fallback config."""
-    from numba_flash.cuda import launch, selfcheck
+    from numba_flash.cuda import selfcheck
 
     monkeypatch.setenv(selfcheck.ENV_VAR, "1")
     monkeypatch.setattr(selfcheck, "FALLBACK_TILES", ((8, 8, 32),))
     selfcheck.reset()
-    real = launch.make_dq_kernel
-
-    class Spoiled:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, launch_config):
-            def run(*args):
-                self.kernel[launch_config](*args)
-                args[-1][...] = args[-1].copy_to_host() * np.float32(1.001)   # dbias, the last argument
-            return run
-
-    def factory(cfg, *flags, **kw):
-        kernel = real(cfg, *flags, **kw)
-        return Spoiled(kernel) if kw.get("dbias") and cfg.threads == 16 else kernel
-
-    monkeypatch.setattr(launch, "make_dq_kernel", factory)
+    # dbias is the last argument
+    spoil(monkeypatch, "make_dq_kernel", -1, lambda cfg, kw: kw.get("dbias") and cfg.threads == 16)
     try:
         q, k, v, dout = random_inputs(rng, 2, SQ, SK, HQ, HKV, D)
         bias = _bias(rng, (2, HQ, SQ, SK))

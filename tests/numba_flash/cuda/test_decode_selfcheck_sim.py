@@ -11,10 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kvcache_cases import copy_args, random_case
+from selfcheck_cases import checked_runs, spoil
+from selfcheck_cases import tiles as _tiles
 
 from backends import backend_registry
 from numba_flash import NoBackendError, attention_ref_kvcache
-from numba_flash.cuda import TileOverride, launch, selfcheck, tile_config_for, tile_config_override
+from numba_flash.cuda import TileOverride, selfcheck, tile_config_for, tile_config_override
 from numba_flash.cuda.selfcheck import Specialisation
 
 pytestmark = [pytest.mark.cudasim, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
@@ -27,45 +29,13 @@ FALLBACK = (8, 8, 32)
 @pytest.fixture
 def runs(monkeypatch):
     """Check on, verdicts fresh, one toy fallback; ``runs`` lists the specialisations actually checked."""
-    monkeypatch.setenv(selfcheck.ENV_VAR, "1")
-    monkeypatch.setattr(selfcheck, "FALLBACK_TILES", (FALLBACK,))
-    selfcheck.reset()
-    seen = []
-    real = selfcheck._run
-
-    def counted(spec, like):
-        seen.append(spec)
-        return real(spec, like)
-
-    monkeypatch.setattr(selfcheck, "_run", counted)
-    yield seen
-    selfcheck.reset()
-
-
-def _tiles(cfg):
-    return (cfg.block_m, cfg.block_n, cfg.threads)
+    yield from checked_runs(monkeypatch, FALLBACK)
 
 
 def _break(monkeypatch, broken):
     """``launch.make_decode_kernel`` returns, for configs whose tiles are in ``broken``, the real kernel followed by
     its part_out (argument 5) scaled by 1.001."""
-    real_factory = launch.make_decode_kernel
-
-    class Broken:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, launch_config):
-            def run(*args):
-                self.kernel[launch_config](*args)
-                args[5][...] = args[5].copy_to_host() * np.float32(1.001)
-            return run
-
-    def factory(cfg, *flags):
-        kernel = real_factory(cfg, *flags)
-        return Broken(kernel) if _tiles(cfg) in broken else kernel
-
-    monkeypatch.setattr(launch, "make_decode_kernel", factory)
+    spoil(monkeypatch, "make_decode_kernel", 5, lambda cfg, kw: _tiles(cfg) in broken)
 
 
 @pytest.mark.parametrize("dtype,flags", [("float32", (False, False, False, False)),

@@ -10,6 +10,8 @@ Run: NUMBA_ENABLE_CUDASIM=1 .venv/bin/python -m pytest -q -m cudasim tests/numba
 
 import numpy as np
 import pytest
+from selfcheck_cases import checked_runs, spoil
+from selfcheck_cases import tiles as _tiles
 
 from backends import backend_registry
 from numba_flash import NoBackendError, attention_ref, attention_ref_backward
@@ -26,48 +28,13 @@ FALLBACK = (8, 8, 32)
 @pytest.fixture
 def runs(monkeypatch):
     """Check on, verdicts fresh, one toy fallback; ``runs`` lists the specialisations actually checked."""
-    monkeypatch.setenv(selfcheck.ENV_VAR, "1")
-    monkeypatch.setattr(selfcheck, "FALLBACK_TILES", (FALLBACK,))
-    selfcheck.reset()
-    seen = []
-    real = selfcheck._run
-
-    def counted(spec, like):
-        seen.append(spec)
-        return real(spec, like)
-
-    monkeypatch.setattr(selfcheck, "_run", counted)
-    yield seen
-    selfcheck.reset()
-
-
-def _tiles(cfg):
-    return (cfg.block_m, cfg.block_n, cfg.threads)
+    yield from checked_runs(monkeypatch, FALLBACK)
 
 
 def _break(monkeypatch, factory_name, out_arg, broken=(BROKEN,), how="scale"):
     """Make ``launch.<factory_name>`` return, for configs whose tiles are in ``broken``, a kernel that runs the
     real one and then multiplies argument ``out_arg`` by 1.001 (``how="scale"``) or raises (``how="raise"``)."""
-    real_factory = getattr(launch, factory_name)
-
-    class Broken:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, launch_config):
-            def run(*args):
-                if how == "raise":
-                    raise RuntimeError("CUDA_ERROR_LAUNCH_FAILED (pretend)")
-                self.kernel[launch_config](*args)
-                out = args[out_arg]
-                out[...] = out.copy_to_host() * np.float32(1.001)
-            return run
-
-    def factory(cfg, *flags):
-        kernel = real_factory(cfg, *flags)
-        return Broken(kernel) if _tiles(cfg) in broken else kernel
-
-    monkeypatch.setattr(launch, factory_name, factory)
+    spoil(monkeypatch, factory_name, out_arg, lambda cfg, kw: _tiles(cfg) in broken, how)
 
 
 def _qkv(rng, sq=19, sk=23, hq=2, hkv=1, d=13):

@@ -8,11 +8,13 @@ Run: NUMBA_ENABLE_CUDASIM=1 .venv/bin/python -m pytest -q -m cudasim <this file>
 
 import numpy as np
 import pytest
+from selfcheck_cases import checked_runs, spoil
+from selfcheck_cases import tiles as _tiles
 from varlen_cases import packed_inputs, reference, rel_l2
 
 from backends import backend_registry
 from numba_flash import NoBackendError
-from numba_flash.cuda import launch, selfcheck, tile_config_override
+from numba_flash.cuda import selfcheck, tile_config_override
 
 pytestmark = pytest.mark.cudasim
 
@@ -24,19 +26,7 @@ LENS_Q, LENS_K = [7, 0, 12], [9, 3, 10]
 @pytest.fixture
 def runs(monkeypatch):
     """Check on, verdicts fresh, one toy fallback; ``runs`` lists the specialisations checked."""
-    monkeypatch.setenv(selfcheck.ENV_VAR, "1")
-    monkeypatch.setattr(selfcheck, "FALLBACK_TILES", (FALLBACK,))
-    selfcheck.reset()
-    seen = []
-    real = selfcheck._run
-
-    def counted(spec, like):
-        seen.append(spec)
-        return real(spec, like)
-
-    monkeypatch.setattr(selfcheck, "_run", counted)
-    yield seen
-    selfcheck.reset()
+    yield from checked_runs(monkeypatch, FALLBACK)
 
 
 def _packed_call(rng, backward=False):
@@ -50,10 +40,6 @@ def _packed_call(rng, backward=False):
                                                                                        causal=True)
 
 
-def _tiles(cfg):
-    return (cfg.block_m, cfg.block_n, cfg.threads)
-
-
 def test_a_packed_call_checks_its_own_specialisations(rng, runs):
     got, ref = _packed_call(rng, backward=True)
     assert [(s.cfg.kernel, s.varlen) for s in runs] == [("forward", True), ("backward_dkdv", True),
@@ -65,24 +51,7 @@ def test_a_packed_call_checks_its_own_specialisations(rng, runs):
 
 
 def test_a_kernel_broken_only_when_packed_falls_back(rng, runs, monkeypatch):
-    real = launch.make_forward_kernel
-
-    class Spoiled:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, launch_config):
-            def run(*args):
-                self.kernel[launch_config](*args)
-                out = args[3]
-                out[...] = out.copy_to_host() * np.float32(1.001)
-            return run
-
-    def factory(cfg, *flags, **kw):
-        kernel = real(cfg, *flags, **kw)
-        return Spoiled(kernel) if kw.get("varlen") and _tiles(cfg) == (8, 8, 16) else kernel
-
-    monkeypatch.setattr(launch, "make_forward_kernel", factory)
+    spoil(monkeypatch, "make_forward_kernel", 3, lambda cfg, kw: kw.get("varlen") and _tiles(cfg) == (8, 8, 16))
     got, ref = _packed_call(rng)
     assert np.abs(got["out"] - ref["out"]).max() <= 1e-5
     assert [(_tiles(s.cfg), s.varlen) for s in runs] == [((8, 8, 16), True), (FALLBACK, True)]
