@@ -25,7 +25,7 @@ import functools
 import math
 from typing import Any
 
-from numba import cuda, float32, uint64
+from numba import cuda, float32, int32, uint32, uint64
 
 from numba_flash.dropout import compile_with
 
@@ -142,7 +142,15 @@ def staged_value(x, value):
     return float32(-math.inf) if value == float32(-math.inf) else x + value
 
 
-_PHILOX, _WORD, _ = compile_with(cuda.jit(device=True, inline=True))
+_PHILOX = compile_with(cuda.jit(device=True, inline=True))[0]
+
+
+@cuda.jit(device=True, inline="always")
+def _shfl_u64(x, lane_mask):
+    """A uint64 of lane ``laneid ^ lane_mask``, as two 32-bit shuffles."""
+    lo = warp.shfl_xor(int32(x & uint64(0xFFFFFFFF)), lane_mask)
+    hi = warp.shfl_xor(int32(x >> uint64(32)), lane_mask)
+    return (uint64(uint32(hi)) << uint64(32)) | uint64(uint32(lo))
 
 
 @functools.lru_cache(maxsize=None)
@@ -151,39 +159,63 @@ def make_keep_bits(n_tiles: int, transposed: bool = False) -> Any:
     lane holds, ``n_tiles`` (at most 16) 8-wide C fragments: bit ``4 j + r`` set where score ``(j, r)`` is kept,
     score ``(j, r)`` being fragment row ``top + 8 (r >> 1)`` and column ``col0 + 8 j + (r & 1)``. Those are (query
     row, key) of batch ``b``, query head ``h``, or with ``transposed`` (the dK/dV kernel's S^T) (key, query row).
-    The words are ``numba_flash.dropout``'s, bit for bit (``numba_flash.dropout_mask``).
+    The words are ``numba_flash.dropout``'s, bit for bit (``numba_flash.dropout_mask``). Every lane of the warp
+    must call it together (it shuffles).
 
     Why bits: Philox written into the kernels' unrolled score loops would make them too large to unroll and send
     the score arrays to local memory (as masks.make_dropout_tile says of the SIMT kernels). Here it runs in a loop
     of its own that writes one register, so the compiler may keep it rolled, and the score loops read a bit per
-    score (``make_kept_factor``). It does: the PTX holds one copy of Philox's rounds per call site (sm_80, D = 64).
-    Untransposed, one Philox call serves a lane's two neighbouring keys (an even column and the next: the same group
-    of four), and the lane beside it makes the same call for the other two: half of these calls are redundant (a
-    call per lane pair and a shuffle would halve them; not done: unmeasured without a GPU). The performance model's
-    "dropout" variant prices this loop from its trip count (perf_counts._helper_loops)."""
+    score (``make_kept_factor``). The performance model's "dropout" variant prices this loop from its trip count
+    (perf_counts._helper_loops).
+
+    One Philox call gives the words of four neighbouring keys of one query row, and a warp's fragment of an 8-wide
+    tile holds 32 such groups of four: so each lane makes one call per tile, for a group its neighbours need too,
+    and takes the bits it holds from them by shuffle. Untransposed, lanes ``l`` and ``l ^ 1`` hold the two halves
+    of the same groups (an even column and the next): one calls for row ``top``, the other for ``top + 8``, one
+    shuffle swaps the keep bits (two calls per lane and tile before, half of them repeated by the neighbour).
+    Transposed, a group of four keys is four lanes' rows (``g = lane // 4``, keys ``g`` and ``g + 8``): the four
+    lanes of one ``g // 4`` and one query pair each call for one (key half, query) and two shuffles gather all
+    four calls' bits (four calls per lane and tile before, each for one word)."""
     if n_tiles * 4 > 64:
         raise ValueError(f"{n_tiles} 8-wide tiles: more scores than a 64-bit keep mask holds")
     N_TILES, TRANSPOSED = n_tiles, transposed
 
     @cuda.jit(device=True, inline="always")
     def keep_bits(seed_lo, seed_hi, threshold, b, h, top, col0):
-        bits = uint64(0)
         lo, hi, limit = uint64(seed_lo), uint64(seed_hi), uint64(threshold)
-        for e in range(0, 4 * N_TILES, 2):   # scores e and e + 1: one fragment row, columns col and col + 1
-            row = top + 8 * ((e & 3) >> 1)
-            col = col0 + 8 * (e >> 2)
-            if TRANSPOSED:   # row is a key, col and col + 1 two query rows: a Philox call each
-                first = _WORD(lo, hi, b, h, col, row)
-                second = _WORD(lo, hi, b, h, col + 1, row)
-            else:
-                w = _PHILOX(uint64(col) >> uint64(2), uint64(row), uint64(h), uint64(b), lo, hi)
-                even = (col & 3) == 0
-                first = w[0] if even else w[2]
-                second = w[1] if even else w[3]
-            if first < limit:
-                bits |= uint64(1) << uint64(e)
-            if second < limit:
-                bits |= uint64(2) << uint64(e)
+        # The call this lane makes, as its slot among the lanes that share the keep bits: transposed, slot =
+        # (key half, query) = g % 4 of the four lanes with this g // 4 and this query pair; else the row half, the
+        # even/odd half of the columns' group of four (lanes l and l ^ 1).
+        slot = (top & 3) if TRANSPOSED else ((col0 >> 1) & 1)
+        # Pass 1, one Philox call per tile (a loop the compiler keeps rolled): nibble j of `own` holds the keep
+        # bits of the call's four keys.
+        own = uint64(0)
+        for j in range(N_TILES):
+            if TRANSPOSED:   # keys top + 8 (slot >> 1) and the three beside it, query col0 + 8 j + (slot & 1)
+                w0, w1, w2, w3 = _PHILOX(uint64((top >> 2) + 2 * (slot >> 1)), uint64(col0 + 8 * j + (slot & 1)),
+                                         uint64(h), uint64(b), lo, hi)
+            else:            # row top + 8 slot, the group of four keys holding columns col0 + 8 j and the next
+                w0, w1, w2, w3 = _PHILOX(uint64((col0 >> 2) + 2 * j), uint64(top + 8 * slot), uint64(h),
+                                         uint64(b), lo, hi)
+            nibble = (uint64(w0 < limit) | (uint64(w1 < limit) << uint64(1)) | (uint64(w2 < limit) << uint64(2))
+                      | (uint64(w3 < limit) << uint64(3)))
+            own |= nibble << uint64(4 * j)
+        # Pass 2: the other slots' nibbles by shuffle (lanes l ^ 4, l ^ 8, l ^ 12 differ in g % 4; l ^ 1 in the
+        # column half), then each score's bit from the slot that holds it.
+        x1 = _shfl_u64(own, 4 if TRANSPOSED else 1)
+        x2 = _shfl_u64(own, 8) if TRANSPOSED else own
+        x3 = _shfl_u64(own, 12) if TRANSPOSED else own
+        bits = uint64(0)
+        for j in range(N_TILES):
+            for r in range(4):
+                if TRANSPOSED:   # score r is slot r's call: lane slot ^ r away; the word of key top (or top + 8)
+                    d = r ^ slot
+                    at = 4 * j + (top & 3)
+                else:            # score r's row half r >> 1 is this lane's call or its neighbour's
+                    d = (r >> 1) ^ slot
+                    at = 4 * j + 2 * slot + (r & 1)
+                held = own if d == 0 else (x1 if d == 1 else (x2 if d == 2 else x3))
+                bits |= ((held >> uint64(at)) & uint64(1)) << uint64(4 * j + r)
         return bits
 
     return keep_bits
