@@ -27,8 +27,9 @@ $(STAMP): setup.cfg pyproject.toml
 
 install: $(STAMP)
 
-# Compile (or load from numba's on-disk cache) every CPU kernel and check it against the reference: 20-40 s per
-# dtype the first time on a machine, under a second afterwards, said up front instead of inside the first call.
+# Compile (or load from numba's on-disk cache) every CPU kernel and check it against the reference: about 3 min
+# per dtype on 2 cores the first time on a machine, under a second afterwards, said up front instead of inside the
+# first call.
 warmup: $(STAMP)
 	$(PY) -m numba_flash warmup
 

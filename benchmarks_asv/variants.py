@@ -6,7 +6,7 @@ a score_mod or dropout, and each one's time over the plain forward of the same b
                                        one process (issue 14's goals: <= 1.3 with a bias or dropout, <= 0.25 for the document
                                        mask, which hides 7/8 of the scores)
 
-The cpu backend compiles a kernel per mod in each process (20-60 s each, in ``setup``, outside the timings).
+The cpu backend compiles a kernel per mod in each process (minutes each, in ``setup``, outside the timings).
 A modest size (B=1, H=4, S=1024, D=64) so that ``asv run --quick`` stays fast; ``numba-flash bench --variants``
 runs the issue's 4096. Every call is built by ``numba_flash.bench.variants``, so asv and the bench time the same
 thing. A backend that does not run a variant skips it in ``setup``; the torch path ("rocm") runs on the CPU here.

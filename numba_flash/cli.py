@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     warm = sub.add_parser("warmup", help="compile every CPU kernel ahead of first use",
                           description="Compile (or load from numba's on-disk cache) every CPU kernel "
                                       "specialisation, and check each against the float64 reference. The first "
-                                      "run on a machine takes 20-40 s per dtype; later ones well under a second. "
+                                      "run on a machine takes about 3 minutes per dtype on 2 cores; later ones well under a "
+                                      "second. "
                                       "Exit status 1 when a kernel disagrees with the reference.")
     warm.add_argument("--dtype", default="float32,float64",
                       help="comma-separated compute dtypes: float32 (also serves float16 and bfloat16 inputs), "

@@ -1,7 +1,9 @@
 """Say so when numba-flash's kernels compile, instead of sitting silent for half a minute.
 
-With a cold cache the CPU kernels take 20-40 s per dtype to compile on first use (measured on a 2-core Xeon:
-float32 forward 11 s and backward 25 s, float64 22 s for both); numba then caches them on disk (``__pycache__`` beside the sources, or ``NUMBA_CACHE_DIR``) and
+With a cold cache the CPU kernels take about 3 minutes per dtype to compile on first use (measured in ``make
+test``'s warmup on a 2-vCPU Intel VM, 2026-11-27: float32 188 s, float64 210 s, 7 kernels each; the kernels have
+grown since the 20-40 s first measured); numba then caches them on disk (``__pycache__`` beside the sources, or
+``NUMBA_CACHE_DIR``) and
 later processes load them in a fraction of a second. The first compilation of a process logs one INFO line on
 the ``numba_flash`` logger and prints one note on stderr; every compiled kernel then logs its time at INFO.
 
@@ -22,8 +24,8 @@ import time
 from typing import Any
 
 QUIET_ENV = "NUMBA_FLASH_QUIET"
-NOTE = ("numba-flash: compiling the {what} for this machine (first use with a cold cache: 20-40 s per dtype on "
-        "2 cores, once; numba caches them on disk). `numba-flash warmup` compiles everything ahead of time; "
+NOTE = ("numba-flash: compiling the {what} for this machine (first use with a cold cache: about 3 min per dtype "
+        "on 2 cores, once; numba caches them on disk). `numba-flash warmup` compiles everything ahead of time; "
         "{quiet}=1 silences this note.")
 
 logger = logging.getLogger("numba_flash")

@@ -261,7 +261,7 @@ def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
         attn_bias: None, or an array broadcastable to (B, Hq, Sq, Sk) of the compute dtype, added after softcap and
             ALiBi; -inf hides a pair (a row whose every pair is hidden gets 0 and lse +inf). Read in place.
         mods: None, or the call's ``numba_flash.mods.Mods`` (bias_mod, mask_mod, score_mod, block_mask), compiled
-            into a kernel of their own (``modhooks``; 20-60 s the first time per mod in a process). Tiles the
+            into a kernel of their own (``modhooks``; minutes the first time per mod in a process). Tiles the
             mask_mod hides entirely are skipped.
         cu_seqlens_q, cu_seqlens_k: packed sequences (layout "thd"), (B + 1,) prefix sums of validated lengths,
             both or neither. q, out: (total_q, Hq, D / Dv); k, v: (total_k, Hkv, D / Dv); lse: (Hq, total_q);

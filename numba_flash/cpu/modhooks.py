@@ -14,7 +14,8 @@ The versions here do nothing and are what the cached kernels compile with, so a 
 ``kernel_with_mods`` compiles the same kernel source again with these globals replaced by hooks built around the
 call's compiled mods (``_make_hooks``), which numba inlines: a mod costs what its body costs. Those kernels are
 kept per (kernel, mods, dtype) for the life of the process; numba cannot cache them on disk (a user function is
-part of the code), so the first call with a new mod compiles for 20-60 s.
+part of the code), so the first call with a new mod compiles for minutes (about 1.5 per kernel on 2 cores,
+2026-11-27; it was 20-60 s before the kernels took packed sequences and dropout).
 
 Blocks are (keys x queries) when ``keys_are_rows`` (the forward and the dQ pass) and (queries x keys) otherwise;
 ``vis`` has the block's layout and says which pairs the mods leave visible; the loops cover the nq real queries
@@ -188,8 +189,8 @@ def kernel_with_mods(kernel: Any, dtype: np.dtype, mods: Any) -> Any:
             variant = pytypes.FunctionType(py.__code__, scope, py.__name__, py.__defaults__, py.__closure__)
             variant.__qualname__ = f"{py.__qualname__}[mods]"
             compile_notice.announce(f"numba-flash: compiling {py.__name__} for {mods.describe()} ({dtype.name}): "
-                                    "20-60 s on 2 cores, once per mod in a process (numba cannot cache kernels "
-                                    "built around user functions on disk)")
+                                    "about 1.5 min on 2 cores, once per mod in a process (numba cannot cache "
+                                    "kernels built around user functions on disk)")
             options = {n: v for n, v in kernel.targetoptions.items() if n not in ("cache", "nopython")}
             fn = _kernels[key] = njit(**options)(variant).compile(_signature(py.__name__, dtype))
     return fn

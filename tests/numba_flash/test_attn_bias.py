@@ -156,7 +156,7 @@ def test_dbias_with_a_score_mod_goes_to_the_torch_path():
     q, k, v, dout = _inputs(rng)
     bias = rng.standard_normal((SQ, SK)).astype(np.float32)
     mods = dict(score_mod=_doubled, score_mod_grad=_two)
-    # the forward's out and lse from the reference: a cpu forward would compile a kernel for the mod (20-60 s)
+    # the forward's out and lse from the reference: a cpu forward would compile a kernel for the mod (minutes)
     out, lse = (x.astype(np.float32) for x in attention_ref(q, k, v, attn_bias=bias, score_mod=_doubled))
     with pytest.raises(numba_flash.NoBackendError, match=r"return_dbias\) together with a score_mod"):
         backend_registry.get("flash", backend="cpu").backward(dout, q, k, v, out, lse, attn_bias=bias,

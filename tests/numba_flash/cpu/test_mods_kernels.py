@@ -2,7 +2,7 @@
 reference, tiles a BlockMask calls empty really skipped and full ones really unmasked, a mod that fails inside the
 kernel reported by name, and BlockMasks of any tile size mapped onto the kernels' tiles.
 
-Each new set of mods compiles kernels of its own (20-60 s on 2 cores), so the tests share a few mods."""
+Each new set of mods compiles kernels of its own (minutes on 2 cores), so the tests share a few mods."""
 
 from __future__ import annotations
 
