@@ -39,13 +39,17 @@ bench: warmup
 # Everything but the simulator suite, and beside it the CUDA simulator suite in a process of its own (the simulator
 # must be switched on before numba.cuda is first imported), with the race, bounds and barrier checker on. The
 # simulator is one Python thread per CUDA thread under one GIL, so it keeps one core busy: run after the main suite,
-# it left the second core idle for 14 of CI's 32 minutes. Its log follows the main suite's; either failing fails.
+# it left the second core idle for 14 of CI's 32 minutes. It starts before the warmup, which compiles on one core
+# for about 7 minutes (the simulator suite needs no CPU kernel; it was CI's longest part, 30 of 38 minutes, started
+# after the warmup). Its log follows the main suite's; either failing, or the warmup, fails.
 # --durations: CI's log then says where the suite's time goes (the suite is to stay well under 30 minutes).
 SIM_LOG := .test-cudasim.log
-test: warmup
+test: $(STAMP)
 	@NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 $(PY) -m pytest -q -m cudasim --durations=15 \
 	    >$(SIM_LOG) 2>&1 & sim=$$!; trap 'kill $$sim 2>/dev/null' INT TERM; \
-	echo "== main suite (the CUDA simulator suite runs beside it; its log follows) =="; \
+	echo "== warmup (the CUDA simulator suite runs beside it and the main suite; its log follows) =="; \
+	$(PY) -m numba_flash warmup || { kill $$sim 2>/dev/null; exit 1; }; \
+	echo "== main suite =="; \
 	$(PY) -m pytest -q --durations=15; main=$$?; \
 	wait $$sim; sim_rc=$$?; \
 	echo "== CUDA simulator suite: NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 pytest -m cudasim =="; \
