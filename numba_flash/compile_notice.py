@@ -1,10 +1,9 @@
-"""Say so when numba-flash's kernels compile, instead of sitting silent for half a minute.
+"""Say so when numba-flash's kernels compile, instead of sitting silent for minutes.
 
-With a cold cache the CPU kernels take about 3 minutes per dtype to compile on first use (measured in ``make
-test``'s warmup on a 2-vCPU Intel VM, 2026-11-27: float32 188 s, float64 210 s, 7 kernels each; the kernels have
-grown since the 20-40 s first measured); numba then caches them on disk (``__pycache__`` beside the sources, or
-``NUMBA_CACHE_DIR``) and
-later processes load them in a fraction of a second. The first compilation of a process logs one INFO line on
+With a cold cache the CPU kernels take about 3 minutes per dtype to compile on first use (measured by the warmup
+before ``make test``'s suites, on a 2-vCPU Intel VM, 2026-11-27: float32 188 s, float64 210 s, 7 kernels each; the
+kernels have grown since the 20-40 s first measured); numba then caches them on disk (``__pycache__`` beside the
+sources, or ``NUMBA_CACHE_DIR``) and later processes load them in a fraction of a second. The first compilation of a process logs one INFO line on
 the ``numba_flash`` logger and prints one note on stderr; every compiled kernel then logs its time at INFO.
 
 The trigger is numba's own ``numba:compile`` event, which numba fires only for a real compilation, never for a
