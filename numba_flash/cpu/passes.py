@@ -204,15 +204,18 @@ def _rows_finite(rows, n):  # pragma: no cover - typed by the overload below
 def _rows_finite_impl(rows, n):
     if _rows_f32(rows):
         return lambda rows, n: _rows_finite_f32(rows, n)
+    return lambda rows, n: _rows_finite_any(rows, n)
 
-    def impl(rows, n):
-        zero = _as_dtype_of(rows, 0.0)
-        acc = zero
-        for c in range(n):
-            for d in range(rows.shape[1]):
-                acc += rows[c, d] * zero
-        return acc == zero
-    return impl
+
+@njit(cache=True)  # a call, not inlined: inlined, its loops tripped numba's SSA check (4 warnings per float64 build)
+def _rows_finite_any(rows, n):
+    """``_rows_finite`` for any dtype: x * 0 summed over rows[:n], 0 unless some x is inf or NaN."""
+    zero = _as_dtype_of(rows, 0.0)
+    acc = zero
+    for c in range(n):
+        for d in range(rows.shape[1]):
+            acc += rows[c, d] * zero
+    return acc == zero
 
 
 @intrinsic
