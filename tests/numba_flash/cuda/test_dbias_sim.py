@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from cuda_sim_cases import BACKWARD_TILES, random_inputs, rel_l2
-from selfcheck_cases import spoil
+from selfcheck_cases import checked_runs, spoil
 
 from backends import backend_registry
 from numba_flash import attention_ref, attention_ref_backward
@@ -90,25 +90,25 @@ def test_the_same_bits_every_run_and_torch_in_torch_out(rng):
     assert rel_l2(got.numpy(), want) <= 1e-5
 
 
-def test_the_self_check_judges_dbias_and_a_wrong_one_falls_back(rng, monkeypatch):
+@pytest.fixture
+def runs(monkeypatch):
+    """The self-check on, one toy fallback (8x8/32); the specialisations it checks."""
+    yield from checked_runs(monkeypatch, (8, 8, 32))
+
+
+def test_the_self_check_judges_dbias_and_a_wrong_one_falls_back(rng, monkeypatch, runs):
     """The dQ specialisation that sums dbias is checked on its own (dbias against the reference's); one whose
     dbias is off by 0.1% fails it, and the call runs on the fallback config."""
     from numba_flash.cuda import selfcheck
 
-    monkeypatch.setenv(selfcheck.ENV_VAR, "1")
-    monkeypatch.setattr(selfcheck, "FALLBACK_TILES", ((8, 8, 32),))
-    selfcheck.reset()
     # dbias is the last argument
     spoil(monkeypatch, "make_dq_kernel", -1, lambda cfg, kw: kw.get("dbias") and cfg.threads == 16)
-    try:
-        q, k, v, dout = random_inputs(rng, 2, SQ, SK, HQ, HKV, D)
-        bias = _bias(rng, (2, HQ, SQ, SK))
-        *_, dbias = _backward(q, k, v, dout, bias, BACKWARD_TILES["split"], causal=True)
-        want = attention_ref_backward(dout, q, k, v, attn_bias=bias, return_dbias=True, causal=True)[3]
-        assert rel_l2(dbias, want) <= 1e-5
-        verdicts = {(s.cfg.kernel, s.cfg.threads, s.dbias): v.passed for (_, s), v in selfcheck.verdicts().items()}
-        assert verdicts[("backward_dq", 16, True)] is False and verdicts[("backward_dq", 32, True)] is True
-        failed = [v.reason for v in selfcheck.verdicts().values() if not v.passed]
-        assert len(failed) == 1 and "dbias: relative L2 error" in failed[0] and "attn_bias dbias" in failed[0]
-    finally:
-        selfcheck.reset()
+    q, k, v, dout = random_inputs(rng, 2, SQ, SK, HQ, HKV, D)
+    bias = _bias(rng, (2, HQ, SQ, SK))
+    *_, dbias = _backward(q, k, v, dout, bias, BACKWARD_TILES["split"], causal=True)
+    want = attention_ref_backward(dout, q, k, v, attn_bias=bias, return_dbias=True, causal=True)[3]
+    assert rel_l2(dbias, want) <= 1e-5
+    verdicts = {(s.cfg.kernel, s.cfg.threads, s.dbias): v.passed for (_, s), v in selfcheck.verdicts().items()}
+    assert verdicts[("backward_dq", 16, True)] is False and verdicts[("backward_dq", 32, True)] is True
+    failed = [v.reason for v in selfcheck.verdicts().values() if not v.passed]
+    assert len(failed) == 1 and "dbias: relative L2 error" in failed[0] and "attn_bias dbias" in failed[0]
