@@ -56,11 +56,15 @@ def _code(path: Path) -> str:
     return ast.dump(tree)
 
 
-def _version(distribution: str) -> str | None:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
+def toolchain_versions(distributions: tuple[str, ...] = TOOLCHAIN) -> dict[str, str | None]:
+    """The installed version of each distribution (None where it is missing)."""
+    found: dict[str, str | None] = {}
+    for name in distributions:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 def fingerprint(package: Path = _PACKAGE) -> dict[str, Any]:
@@ -69,7 +73,7 @@ def fingerprint(package: Path = _PACKAGE) -> dict[str, Any]:
     for path in kernel_sources(package):
         digest.update(path.relative_to(package).as_posix().encode() + b"\0" + _code(path).encode() + b"\0")
     return {"python": f"{sys.version_info[0]}.{sys.version_info[1]}",
-            "toolchain": {name: _version(name) for name in TOOLCHAIN},
+            "toolchain": toolchain_versions(),
             "kernel_code_sha256": digest.hexdigest()}
 
 

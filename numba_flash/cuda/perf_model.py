@@ -190,8 +190,10 @@ def combine_backward(dkdv: ModelRecord, dq: ModelRecord) -> ModelRecord:
 
 @functools.lru_cache(maxsize=None)
 def _source_key() -> str:
-    """Once per process: changes whenever anything that shapes the SASS changes: the kernels' sources and the compiler versions."""
-    import numba
+    """Once per process: changes whenever anything that shapes the SASS or the model changes: every source of this
+    package (line numbers included: the model reads SASS by line) and the compiler versions (the compile table's,
+    and the disassembler)."""
+    from .compile_table import TOOLCHAIN, toolchain_versions
 
     h = hashlib.sha256()
     here = os.path.dirname(os.path.abspath(__file__))
@@ -199,17 +201,7 @@ def _source_key() -> str:
         if name.endswith(".py"):
             with open(os.path.join(here, name), "rb") as f:
                 h.update(name.encode() + f.read())
-    h.update(numba.__version__.encode())
-    try:
-        from importlib.metadata import version
-
-        for dist in ("numba-cuda", "cuda-bindings", "nvidia-nvjitlink", "nvidia-cuda-nvdisasm"):
-            try:
-                h.update(f"{dist}={version(dist)}".encode())
-            except Exception:
-                pass
-    except ImportError:
-        pass
+    h.update(json.dumps(toolchain_versions(TOOLCHAIN + ("nvidia-cuda-nvdisasm",))).encode())
     return h.hexdigest()[:20]
 
 
