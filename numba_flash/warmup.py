@@ -40,8 +40,8 @@ class WarmupStep:
 
     @property
     def compiled_kernels(self) -> tuple[str, ...]:
-        """The parallel kernels among ``compiled`` (the rest are helpers numba compiled into them)."""
-        return tuple(n for n in self.compiled if "<locals>" not in n)
+        """The parallel kernels among ``compiled`` (the rest are helpers and workers numba compiled into them)."""
+        return tuple(n for n in self.compiled if "<locals>" not in n and not n.endswith("_worker"))
 
     def describe(self) -> str:
         """One line for the command's output."""

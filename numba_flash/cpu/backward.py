@@ -40,6 +40,125 @@ from ..mods import EMPTY
 # is made once per call, in parallel, and no O(S^2) array exists.
 
 
+@njit(fastmath=_FASTMATH, cache=True)
+def _backward_kv_worker(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, dv, head_dim, scale, left, right,
+                        softcap, kt_per_unit, fuse_dq, alibi, bias, drop, tile_states, want_dbias, dbias, seqs,
+                        units, counter):
+    """One thread's share of ``_backward_kv_kernel`` (arguments and units as there): claims units until none is left.
+    A function of its own for numba's compile time (``forward._forward_worker`` says why)."""
+    batch, nheads_q, nheads_kv = seqs.shape[0], q.shape[2], k.shape[2]   # batch: the sequences
+    group = nheads_q // nheads_kv
+    dp = q.shape[3]
+    dpv = v.shape[3]
+    head_dim_v = dv.shape[3]
+    n_chunks = (_max_tiles(seqs, SK, BLOCK_N) + kt_per_unit - 1) // kt_per_unit
+    # dbias: as in _backward_dq_kernel, the units that add into the same elements (those that differ in batch or
+    # kv head where the bias is broadcast along it) run in order in one unit, in parts.
+    n_parts = dbias.shape[0] if want_dbias else 1
+    sum_b = want_dbias and dbias.shape[1] == 1
+    sum_h = want_dbias and dbias.shape[2] == 1
+    runs_b, runs_h = (1 if sum_b else batch), (1 if sum_h else nheads_kv)
+    in_b, in_h = (batch if sum_b else 1), (nheads_kv if sum_h else 1)
+    in_run = in_b * in_h
+    n_units = units.shape[0] if units.shape[0] > 0 else runs_b * runs_h * n_chunks * n_parts
+    per_pair = softcap > 0 or _MODS   # d score / d q.k varies per pair (else it is the scale)
+    # a thread's scratch, reused by its units
+    row_lo = np.empty(BLOCK_M, np.int64)
+    row_hi = np.empty(BLOCK_M, np.int64)
+    k_t = np.empty((head_dim, BLOCK_N), q.dtype)
+    v_t = np.empty((head_dim_v, BLOCK_N), q.dtype)
+    q_tail = np.empty((BLOCK_M, dp), q.dtype)   # a last, partial query tile, zero-padded
+    do_tail = np.empty((BLOCK_M, dpv), q.dtype)
+    s = np.empty((BLOCK_M, BLOCK_N), q.dtype)
+    dps = np.empty((BLOCK_M, BLOCK_N), q.dtype)
+    dcap = np.empty((BLOCK_M, BLOCK_N) if per_pair else (1, 1), q.dtype)
+    vis = np.empty((BLOCK_M, BLOCK_N) if _MODS else (0, 0), np.bool_)
+    factors = np.empty((BLOCK_M, BLOCK_N) if drop.shape[0] > 0 else (1, 1), q.dtype)
+    dk_acc = np.empty((BLOCK_N, dp), q.dtype)
+    dv_acc = np.empty((BLOCK_N, dpv), q.dtype)
+    kv_tile = np.empty((BLOCK_N, dp), q.dtype)
+    v_tile = np.empty((BLOCK_N, dpv), q.dtype)
+    q_tile = np.empty((BLOCK_M, dp), q.dtype)
+    while True:
+        w = next_unit(counter, units, n_units)
+        if w < 0:
+            break
+        run = w // n_parts
+        part = w % n_parts
+        chunk = run % n_chunks
+        for m in range(in_run * part // n_parts, in_run * (part + 1) // n_parts):
+            b = m // in_h if sum_b else run // (runs_h * n_chunks)
+            hk = m % in_h if sum_h else (run // n_chunks) % runs_h
+            bi, q0, k0, p0 = seqs[b, BATCH], seqs[b, Q0], seqs[b, K0], seqs[b, P0]
+            seqlen_q, seqlen_k = seqs[b, SQ], seqs[b, SK]
+            q_seq, qs_seq = q[bi, q0:q0 + seqlen_q], qs[bi, q0:q0 + seqlen_q]
+            do_seq = dout[bi, q0:q0 + seqlen_q]
+            k_seq, v_seq = k[bi, k0:k0 + seqlen_k], v[bi, k0:k0 + seqlen_k]
+            dk_seq, dv_seq = dk[bi, k0:k0 + seqlen_k], dv[bi, k0:k0 + seqlen_k]
+            n_kt = (seqlen_k + BLOCK_N - 1) // BLOCK_N
+            for kt in range(chunk * kt_per_unit, min(n_kt, (chunk + 1) * kt_per_unit)):
+                j0 = kt * BLOCK_N
+                nk = min(BLOCK_N, seqlen_k - j0)
+                k_rows = k_seq[j0:j0 + nk, hk]
+                _load_transposed(k_t, k_rows, nk, head_dim)
+                _load_transposed(v_t, v_seq[j0:j0 + nk, hk], nk, head_dim_v)
+                dk_acc[:] = 0
+                dv_acc[:] = 0
+                qt_first, qt_end = _query_tiles_seeing(j0, j0 + nk, seqlen_q, seqlen_k, left, right)
+                for h in range(hk * group, (hk + 1) * group):
+                    slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
+                    bias_bh = bias[b, h] if bias.shape[0] > 0 else bias[0:0, 0:0, 0, 0]
+                    dbias_bh = dbias[part, 0 if sum_b else b, 0 if dbias.shape[2] == 1 else h]
+                    for qt in range(qt_first, qt_end):
+                        i0 = qt * BLOCK_M
+                        nq = min(BLOCK_M, seqlen_q - i0)
+                        state = _tile_state(tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, False)
+                        if state == EMPTY:
+                            continue
+                        _, _, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
+                        q_rows = q_seq[i0:i0 + nq, h]
+                        qs_rows = qs_seq[i0:i0 + nq, h]
+                        do_rows = do_seq[i0:i0 + nq, h]
+                        if nq == BLOCK_M:
+                            _mm_dot(s, qs_rows, k_t, head_dim)
+                            _mm_dot(dps, do_rows, v_t, head_dim_v)
+                        else:  # the products read whole tiles of their A operand: pad the partial one
+                            _load_rows(q_tail, qs_rows, nq, dp)
+                            _load_rows(do_tail, do_rows, nq, dpv)
+                            _mm_dot(s, q_tail, k_t, head_dim)
+                            _mm_dot(dps, do_tail, v_t, head_dim_v)
+                        if drop.shape[0] > 0:
+                            _dropout_factors(factors, drop, b, h, i0, j0, nk)
+                            _scale_block(dps, factors)
+                        _block_scores(s, dcap, i0, j0, nk, False, scale, softcap, per_pair, slope,
+                                      seqlen_k - seqlen_q, bias_bh, s, row_lo, row_hi)
+                        _mod_scores(s, vis, dcap, state, b, h, i0, j0, nq, nk, False)
+                        # dbias first, before the chain factor (see _backward_dq_kernel)
+                        _probs_and_dscores_rows(s, dps, dcap, row_max[bi, h, p0:], row_inv[bi, h, p0:],
+                                                delta[bi, h, p0:], i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
+                                                1.0 if want_dbias else scale, per_pair and not want_dbias,
+                                                bias_bh)
+                        _mod_zero_hidden(s, dps, vis, nq, nk, False)
+                        if want_dbias:
+                            _add_dbias(dbias_bh, dps, i0, j0, nq, nk, False)
+                            _chain_factor(dps, dcap, scale, per_pair)
+                        if drop.shape[0] > 0:
+                            _scale_block(s, factors)
+                        # P and dS are 0 where a query does not see a key; a non-finite row of Q, dO or K must
+                        # not reach those pairs through 0 * nan (see _visible_product). Only masked blocks have
+                        # such pairs.
+                        masked = _MODS or bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
+                        _tile_product_add(dv_acc, v_tile, s, do_rows, nq, True, False, masked, j0, row_lo, row_hi,
+                                          bias_bh, i0, vis)
+                        _tile_product_add(dk_acc, kv_tile, dps, q_rows, nq, True, False, masked, j0, row_lo, row_hi,
+                                          bias_bh, i0, vis)
+                        if fuse_dq:
+                            _tile_product_add(dq_acc[bi, h, p0 + i0:p0 + i0 + BLOCK_M], q_tile, dps, k_rows,
+                                              nk, False, True, masked, j0, row_lo, row_hi, bias_bh, i0, vis)
+                _store_rows(dk_seq[j0:j0 + nk, hk], dk_acc, nk, head_dim)
+                _store_rows(dv_seq[j0:j0 + nk, hk], dv_acc, nk, head_dim_v)
+
+
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, dv, head_dim, scale, left, right,
                         softcap, kt_per_unit, fuse_dq, alibi, bias, drop, tile_states, want_dbias, dbias, seqs,
@@ -65,133 +184,17 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
     all key tiles of its (sequence, kv head): then it is the only writer of its group's dQ, and the scores need
     not be recomputed in a second pass.
     """
-    batch, nheads_q, nheads_kv = seqs.shape[0], q.shape[2], k.shape[2]   # batch: the sequences
-    group = nheads_q // nheads_kv
-    dp = q.shape[3]
-    dpv = v.shape[3]
-    head_dim_v = dv.shape[3]
-    n_chunks = (_max_tiles(seqs, SK, BLOCK_N) + kt_per_unit - 1) // kt_per_unit
-    # dbias: as in _backward_dq_kernel, the units that add into the same elements (those that differ in batch or
-    # kv head where the bias is broadcast along it) run in order in one unit, in parts.
-    n_parts = dbias.shape[0] if want_dbias else 1
-    sum_b = want_dbias and dbias.shape[1] == 1
-    sum_h = want_dbias and dbias.shape[2] == 1
-    runs_b, runs_h = (1 if sum_b else batch), (1 if sum_h else nheads_kv)
-    in_b, in_h = (batch if sum_b else 1), (nheads_kv if sum_h else 1)
-    in_run = in_b * in_h
-    n_units = units.shape[0] if units.shape[0] > 0 else runs_b * runs_h * n_chunks * n_parts
-    per_pair = softcap > 0 or _MODS   # d score / d q.k varies per pair (else it is the scale)
-    for _ in prange(min(counter[1], n_units)):
-        # a thread's scratch, reused by its units
-        row_lo = np.empty(BLOCK_M, np.int64)
-        row_hi = np.empty(BLOCK_M, np.int64)
-        k_t = np.empty((head_dim, BLOCK_N), q.dtype)
-        v_t = np.empty((head_dim_v, BLOCK_N), q.dtype)
-        q_tail = np.empty((BLOCK_M, dp), q.dtype)   # a last, partial query tile, zero-padded
-        do_tail = np.empty((BLOCK_M, dpv), q.dtype)
-        s = np.empty((BLOCK_M, BLOCK_N), q.dtype)
-        dps = np.empty((BLOCK_M, BLOCK_N), q.dtype)
-        dcap = np.empty((BLOCK_M, BLOCK_N) if per_pair else (1, 1), q.dtype)
-        vis = np.empty((BLOCK_M, BLOCK_N) if _MODS else (0, 0), np.bool_)
-        factors = np.empty((BLOCK_M, BLOCK_N) if drop.shape[0] > 0 else (1, 1), q.dtype)
-        dk_acc = np.empty((BLOCK_N, dp), q.dtype)
-        dv_acc = np.empty((BLOCK_N, dpv), q.dtype)
-        kv_tile = np.empty((BLOCK_N, dp), q.dtype)
-        v_tile = np.empty((BLOCK_N, dpv), q.dtype)
-        q_tile = np.empty((BLOCK_M, dp), q.dtype)
-        while True:
-            w = next_unit(counter, units, n_units)
-            if w < 0:
-                break
-            run = w // n_parts
-            part = w % n_parts
-            chunk = run % n_chunks
-            for m in range(in_run * part // n_parts, in_run * (part + 1) // n_parts):
-                b = m // in_h if sum_b else run // (runs_h * n_chunks)
-                hk = m % in_h if sum_h else (run // n_chunks) % runs_h
-                bi, q0, k0, p0 = seqs[b, BATCH], seqs[b, Q0], seqs[b, K0], seqs[b, P0]
-                seqlen_q, seqlen_k = seqs[b, SQ], seqs[b, SK]
-                q_seq, qs_seq = q[bi, q0:q0 + seqlen_q], qs[bi, q0:q0 + seqlen_q]
-                do_seq = dout[bi, q0:q0 + seqlen_q]
-                k_seq, v_seq = k[bi, k0:k0 + seqlen_k], v[bi, k0:k0 + seqlen_k]
-                dk_seq, dv_seq = dk[bi, k0:k0 + seqlen_k], dv[bi, k0:k0 + seqlen_k]
-                n_kt = (seqlen_k + BLOCK_N - 1) // BLOCK_N
-                for kt in range(chunk * kt_per_unit, min(n_kt, (chunk + 1) * kt_per_unit)):
-                    j0 = kt * BLOCK_N
-                    nk = min(BLOCK_N, seqlen_k - j0)
-                    k_rows = k_seq[j0:j0 + nk, hk]
-                    _load_transposed(k_t, k_rows, nk, head_dim)
-                    _load_transposed(v_t, v_seq[j0:j0 + nk, hk], nk, head_dim_v)
-                    dk_acc[:] = 0
-                    dv_acc[:] = 0
-                    qt_first, qt_end = _query_tiles_seeing(j0, j0 + nk, seqlen_q, seqlen_k, left, right)
-                    for h in range(hk * group, (hk + 1) * group):
-                        slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
-                        bias_bh = bias[b, h] if bias.shape[0] > 0 else bias[0:0, 0:0, 0, 0]
-                        dbias_bh = dbias[part, 0 if sum_b else b, 0 if dbias.shape[2] == 1 else h]
-                        for qt in range(qt_first, qt_end):
-                            i0 = qt * BLOCK_M
-                            nq = min(BLOCK_M, seqlen_q - i0)
-                            state = _tile_state(tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, False)
-                            if state == EMPTY:
-                                continue
-                            _, _, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
-                            q_rows = q_seq[i0:i0 + nq, h]
-                            qs_rows = qs_seq[i0:i0 + nq, h]
-                            do_rows = do_seq[i0:i0 + nq, h]
-                            if nq == BLOCK_M:
-                                _mm_dot(s, qs_rows, k_t, head_dim)
-                                _mm_dot(dps, do_rows, v_t, head_dim_v)
-                            else:  # the products read whole tiles of their A operand: pad the partial one
-                                _load_rows(q_tail, qs_rows, nq, dp)
-                                _load_rows(do_tail, do_rows, nq, dpv)
-                                _mm_dot(s, q_tail, k_t, head_dim)
-                                _mm_dot(dps, do_tail, v_t, head_dim_v)
-                            if drop.shape[0] > 0:
-                                _dropout_factors(factors, drop, b, h, i0, j0, nk)
-                                _scale_block(dps, factors)
-                            _block_scores(s, dcap, i0, j0, nk, False, scale, softcap, per_pair, slope,
-                                          seqlen_k - seqlen_q, bias_bh, s, row_lo, row_hi)
-                            _mod_scores(s, vis, dcap, state, b, h, i0, j0, nq, nk, False)
-                            # dbias first, before the chain factor (see _backward_dq_kernel)
-                            _probs_and_dscores_rows(s, dps, dcap, row_max[bi, h, p0:], row_inv[bi, h, p0:],
-                                                    delta[bi, h, p0:], i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
-                                                    1.0 if want_dbias else scale, per_pair and not want_dbias,
-                                                    bias_bh)
-                            _mod_zero_hidden(s, dps, vis, nq, nk, False)
-                            if want_dbias:
-                                _add_dbias(dbias_bh, dps, i0, j0, nq, nk, False)
-                                _chain_factor(dps, dcap, scale, per_pair)
-                            if drop.shape[0] > 0:
-                                _scale_block(s, factors)
-                            # P and dS are 0 where a query does not see a key; a non-finite row of Q, dO or K must
-                            # not reach those pairs through 0 * nan (see _visible_product). Only masked blocks have
-                            # such pairs.
-                            masked = _MODS or bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
-                            _tile_product_add(dv_acc, v_tile, s, do_rows, nq, True, False, masked, j0, row_lo, row_hi,
-                                              bias_bh, i0, vis)
-                            _tile_product_add(dk_acc, kv_tile, dps, q_rows, nq, True, False, masked, j0, row_lo, row_hi,
-                                              bias_bh, i0, vis)
-                            if fuse_dq:
-                                _tile_product_add(dq_acc[bi, h, p0 + i0:p0 + i0 + BLOCK_M], q_tile, dps, k_rows,
-                                                  nk, False, True, masked, j0, row_lo, row_hi, bias_bh, i0, vis)
-                    _store_rows(dk_seq[j0:j0 + nk, hk], dk_acc, nk, head_dim)
-                    _store_rows(dv_seq[j0:j0 + nk, hk], dv_acc, nk, head_dim_v)
+    for _ in prange(counter[1]):
+        _backward_kv_worker(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, dv, head_dim, scale, left, right,
+                            softcap, kt_per_unit, fuse_dq, alibi, bias, drop, tile_states, want_dbias, dbias, seqs,
+                            units, counter)
 
 
-@njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, head_dim_v, scale, left, right,
+@njit(fastmath=_FASTMATH, cache=True)
+def _backward_dq_worker(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, head_dim_v, scale, left, right,
                         softcap, alibi, bias, drop, tile_states, want_dbias, dbias, seqs, units, counter):
-    """dQ, and dbias when ``dbias`` has parts. A unit is a (sequence, query head, query tile); it recomputes P and
-    dS for the key tiles its rows see and is the only writer of its dq rows. qs, k, v, dout, row_max, row_inv,
-    delta as in ``_backward_kv_kernel``, and alibi, bias, drop, tile_states, seqs, units, counter; head_dim,
-    head_dim_v: D and Dv;
-    dq: (B, Sq, Hq, >= D), any strides, written.
-    dbias: with ``want_dbias``, (parts, B', H', Sq', Sk') zeros in the bias's own shape (each of B', H', Sq', Sk'
-    the full size or 1); else any (1, sequences, Hq, 1, 1) array, untouched. Units whose bias elements coincide
-    (those that differ only along an axis the bias is broadcast along) run one after another as one unit, split
-    into ``parts`` runs with a slice of dbias each, so no two units add into the same element; the caller sums the
-    parts (``_dbias_parts``)."""
+    """One thread's share of ``_backward_dq_kernel`` (arguments and units as there): claims units until none is left.
+    A function of its own for numba's compile time (``forward._forward_worker`` says why)."""
     batch, nheads_q, nheads_kv = seqs.shape[0], qs.shape[2], k.shape[2]   # batch: the sequences
     group = nheads_q // nheads_kv
     dp = qs.shape[3]
@@ -207,79 +210,96 @@ def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, h
     in_run = in_b * in_h * in_q
     n_units = units.shape[0] if units.shape[0] > 0 else runs_b * runs_h * runs_q * n_parts
     per_pair = softcap > 0 or _MODS
-    for _ in prange(min(counter[1], n_units)):
-        # a thread's scratch, reused by its units
-        bias_tile = np.empty((BLOCK_N, BLOCK_M) if bias.shape[0] > 0 else (0, 0), qs.dtype)
-        row_lo = np.empty(BLOCK_M, np.int64)
-        row_hi = np.empty(BLOCK_M, np.int64)
-        q_t = np.empty((head_dim, BLOCK_M), qs.dtype)
-        do_t = np.empty((head_dim_v, BLOCK_M), qs.dtype)
-        k_tail = np.zeros((BLOCK_N, dp), qs.dtype)
-        v_tail = np.zeros((BLOCK_N, dpv), qs.dtype)
-        st = np.empty((BLOCK_N, BLOCK_M), qs.dtype)
-        dpt = np.empty((BLOCK_N, BLOCK_M), qs.dtype)
-        dcap = np.empty((BLOCK_N, BLOCK_M) if per_pair else (1, 1), qs.dtype)
-        vis = np.empty((BLOCK_N, BLOCK_M) if _MODS else (0, 0), np.bool_)
-        acc = np.empty((BLOCK_M, dp), qs.dtype)
-        tile = np.empty((BLOCK_M, dp), qs.dtype)
-        while True:
-            w = next_unit(counter, units, n_units)
-            if w < 0:
-                break
-            run = w // n_parts
-            part = w % n_parts
-            for m in range(in_run * part // n_parts, in_run * (part + 1) // n_parts):
-                b = m // (in_h * in_q) if sum_b else run // (runs_h * runs_q)
-                h = (m // in_q) % in_h if sum_h else (run // runs_q) % runs_h
-                qt = m % in_q if sum_q else run % runs_q
-                hk = h // group
-                bi, q0, k0, p0 = seqs[b, BATCH], seqs[b, Q0], seqs[b, K0], seqs[b, P0]
-                seqlen_q, seqlen_k = seqs[b, SQ], seqs[b, SK]
-                i0 = qt * BLOCK_M
-                nq = min(BLOCK_M, seqlen_q - i0)
-                k_seq, v_seq = k[bi, k0:k0 + seqlen_k], v[bi, k0:k0 + seqlen_k]
-                slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
-                bias_bh = bias[b, h] if bias.shape[0] > 0 else bias[0:0, 0:0, 0, 0]
-                dbias_bh = dbias[part, 0 if sum_b else b, 0 if sum_h else h]
-                span_lo, span_hi, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo,
-                                                                    row_hi)
-                _load_transposed(q_t, qs[bi, q0 + i0:q0 + i0 + nq, h], nq, head_dim)
-                _load_transposed(do_t, dout[bi, q0 + i0:q0 + i0 + nq, h], nq, head_dim_v)
-                acc[:] = 0
-                kt_first = span_lo // BLOCK_N
-                kt_end = (span_hi + BLOCK_N - 1) // BLOCK_N if span_lo < span_hi else kt_first
-                for kt in range(kt_first, kt_end):
-                    j0 = kt * BLOCK_N
-                    nk = min(BLOCK_N, seqlen_k - j0)
-                    state = _tile_state(tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, True)
-                    if state == EMPTY:
-                        continue
-                    if nk == BLOCK_N:
-                        kr = k_seq[j0:j0 + BLOCK_N, hk]
-                        vr = v_seq[j0:j0 + BLOCK_N, hk]
-                    else:  # a last, partial key tile: the products read whole tiles, so pad it with zero rows
-                        _load_rows(k_tail, k_seq[j0:j0 + nk, hk], nk, head_dim)
-                        _load_rows(v_tail, v_seq[j0:j0 + nk, hk], nk, head_dim_v)
-                        kr = k_tail[:, :]
-                        vr = v_tail[:, :]
-                    _mm_dot(st, kr, q_t, head_dim)
-                    _mm_dot(dpt, vr, do_t, head_dim_v)
-                    _dropout_block(dpt, drop, b, h, i0, j0, nk, True)   # dS needs F dP; dQ = dS K needs no P
-                    _block_scores(st, dcap, i0, j0, nk, True, scale, softcap, per_pair, slope, seqlen_k - seqlen_q,
-                                  bias_bh, bias_tile, row_lo, row_hi)
-                    _mod_scores(st, vis, dcap, state, b, h, i0, j0, nq, nk, True)
-                    # With dbias, dS is first formed without the chain factor (scale, softcap's): the bias enters the
-                    # score after both, so dbias is P (dP - delta) itself.
-                    _probs_and_dscores_cols(st, dpt, dcap, row_max[bi, h, p0:], row_inv[bi, h, p0:],
-                                            delta[bi, h, p0:], i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
-                                            1.0 if want_dbias else scale, per_pair and not want_dbias, bias_bh)
-                    _mod_zero_hidden(st, dpt, vis, nq, nk, True)
-                    if want_dbias:
-                        _add_dbias(dbias_bh, dpt, i0, j0, nq, nk, True)
-                        _chain_factor(dpt, dcap, scale, per_pair)
-                    masked = _MODS or bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
-                    _tile_product_add(acc, tile, dpt, kr, nk, True, True, masked, j0, row_lo, row_hi, bias_bh, i0, vis)
-                _store_rows(dq[bi, q0 + i0:q0 + i0 + nq, h], acc, nq, head_dim)
+    # a thread's scratch, reused by its units
+    bias_tile = np.empty((BLOCK_N, BLOCK_M) if bias.shape[0] > 0 else (0, 0), qs.dtype)
+    row_lo = np.empty(BLOCK_M, np.int64)
+    row_hi = np.empty(BLOCK_M, np.int64)
+    q_t = np.empty((head_dim, BLOCK_M), qs.dtype)
+    do_t = np.empty((head_dim_v, BLOCK_M), qs.dtype)
+    k_tail = np.zeros((BLOCK_N, dp), qs.dtype)
+    v_tail = np.zeros((BLOCK_N, dpv), qs.dtype)
+    st = np.empty((BLOCK_N, BLOCK_M), qs.dtype)
+    dpt = np.empty((BLOCK_N, BLOCK_M), qs.dtype)
+    dcap = np.empty((BLOCK_N, BLOCK_M) if per_pair else (1, 1), qs.dtype)
+    vis = np.empty((BLOCK_N, BLOCK_M) if _MODS else (0, 0), np.bool_)
+    acc = np.empty((BLOCK_M, dp), qs.dtype)
+    tile = np.empty((BLOCK_M, dp), qs.dtype)
+    while True:
+        w = next_unit(counter, units, n_units)
+        if w < 0:
+            break
+        run = w // n_parts
+        part = w % n_parts
+        for m in range(in_run * part // n_parts, in_run * (part + 1) // n_parts):
+            b = m // (in_h * in_q) if sum_b else run // (runs_h * runs_q)
+            h = (m // in_q) % in_h if sum_h else (run // runs_q) % runs_h
+            qt = m % in_q if sum_q else run % runs_q
+            hk = h // group
+            bi, q0, k0, p0 = seqs[b, BATCH], seqs[b, Q0], seqs[b, K0], seqs[b, P0]
+            seqlen_q, seqlen_k = seqs[b, SQ], seqs[b, SK]
+            i0 = qt * BLOCK_M
+            nq = min(BLOCK_M, seqlen_q - i0)
+            k_seq, v_seq = k[bi, k0:k0 + seqlen_k], v[bi, k0:k0 + seqlen_k]
+            slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
+            bias_bh = bias[b, h] if bias.shape[0] > 0 else bias[0:0, 0:0, 0, 0]
+            dbias_bh = dbias[part, 0 if sum_b else b, 0 if sum_h else h]
+            span_lo, span_hi, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo,
+                                                                row_hi)
+            _load_transposed(q_t, qs[bi, q0 + i0:q0 + i0 + nq, h], nq, head_dim)
+            _load_transposed(do_t, dout[bi, q0 + i0:q0 + i0 + nq, h], nq, head_dim_v)
+            acc[:] = 0
+            kt_first = span_lo // BLOCK_N
+            kt_end = (span_hi + BLOCK_N - 1) // BLOCK_N if span_lo < span_hi else kt_first
+            for kt in range(kt_first, kt_end):
+                j0 = kt * BLOCK_N
+                nk = min(BLOCK_N, seqlen_k - j0)
+                state = _tile_state(tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, True)
+                if state == EMPTY:
+                    continue
+                if nk == BLOCK_N:
+                    kr = k_seq[j0:j0 + BLOCK_N, hk]
+                    vr = v_seq[j0:j0 + BLOCK_N, hk]
+                else:  # a last, partial key tile: the products read whole tiles, so pad it with zero rows
+                    _load_rows(k_tail, k_seq[j0:j0 + nk, hk], nk, head_dim)
+                    _load_rows(v_tail, v_seq[j0:j0 + nk, hk], nk, head_dim_v)
+                    kr = k_tail[:, :]
+                    vr = v_tail[:, :]
+                _mm_dot(st, kr, q_t, head_dim)
+                _mm_dot(dpt, vr, do_t, head_dim_v)
+                _dropout_block(dpt, drop, b, h, i0, j0, nk, True)   # dS needs F dP; dQ = dS K needs no P
+                _block_scores(st, dcap, i0, j0, nk, True, scale, softcap, per_pair, slope, seqlen_k - seqlen_q,
+                              bias_bh, bias_tile, row_lo, row_hi)
+                _mod_scores(st, vis, dcap, state, b, h, i0, j0, nq, nk, True)
+                # With dbias, dS is first formed without the chain factor (scale, softcap's): the bias enters the
+                # score after both, so dbias is P (dP - delta) itself.
+                _probs_and_dscores_cols(st, dpt, dcap, row_max[bi, h, p0:], row_inv[bi, h, p0:],
+                                        delta[bi, h, p0:], i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
+                                        1.0 if want_dbias else scale, per_pair and not want_dbias, bias_bh)
+                _mod_zero_hidden(st, dpt, vis, nq, nk, True)
+                if want_dbias:
+                    _add_dbias(dbias_bh, dpt, i0, j0, nq, nk, True)
+                    _chain_factor(dpt, dcap, scale, per_pair)
+                masked = _MODS or bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
+                _tile_product_add(acc, tile, dpt, kr, nk, True, True, masked, j0, row_lo, row_hi, bias_bh, i0, vis)
+            _store_rows(dq[bi, q0 + i0:q0 + i0 + nq, h], acc, nq, head_dim)
+
+
+@njit(parallel=True, fastmath=_FASTMATH, cache=True)
+def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, head_dim_v, scale, left, right,
+                        softcap, alibi, bias, drop, tile_states, want_dbias, dbias, seqs, units, counter):
+    """dQ, and dbias when ``dbias`` has parts. A unit is a (sequence, query head, query tile); it recomputes P and
+    dS for the key tiles its rows see and is the only writer of its dq rows. qs, k, v, dout, row_max, row_inv,
+    delta as in ``_backward_kv_kernel``, and alibi, bias, drop, tile_states, seqs, units, counter; head_dim,
+    head_dim_v: D and Dv;
+    dq: (B, Sq, Hq, >= D), any strides, written.
+    dbias: with ``want_dbias``, (parts, B', H', Sq', Sk') zeros in the bias's own shape (each of B', H', Sq', Sk'
+    the full size or 1); else any (1, sequences, Hq, 1, 1) array, untouched. Units whose bias elements coincide
+    (those that differ only along an axis the bias is broadcast along) run one after another as one unit, split
+    into ``parts`` runs with a slice of dbias each, so no two units add into the same element; the caller sums the
+    parts (``_dbias_parts``)."""
+    for _ in prange(counter[1]):
+        _backward_dq_worker(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, head_dim_v, scale, left, right,
+                            softcap, alibi, bias, drop, tile_states, want_dbias, dbias, seqs, units, counter)
 
 
 def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,

@@ -62,6 +62,167 @@ from ..mods import EMPTY
 # Forward
 
 
+@njit(fastmath=_FASTMATH, cache=True)
+def _forward_worker(q, k, v, out, lse, head_dim, scale, left, right, softcap, row_max, row_inv, stats_only, alibi,
+                    bias, drop, tile_states, seqs, units, counter):
+    """One thread's share of ``_forward_kernel`` (arguments and units as there): claims units until none is left.
+
+    The kernels' parallel loops call a worker like this one instead of holding its code: numba's parfor passes
+    (fusion, lowering, a gufunc compiled around the body) then see a loop of one call, where they took over half of
+    a kernel's compile time with the body inside. The compiled code is the same (forward and backward within noise
+    of the inlined body, BENCHMARKS.md); float32 with a cold cache, one kernel at a time on the 2-vCPU VM beside
+    other work: _forward_kernel 64 -> 40 s, _backward_kv_kernel 128 -> 88 s, _backward_dq_kernel 87 -> 62 s."""
+    nheads_q = q.shape[2]
+    nheads_kv = k.shape[2]
+    group = nheads_q // nheads_kv
+    dp = v.shape[3]
+    n_qt = _max_tiles(seqs, SQ, BLOCK_M)
+    n_units = units.shape[0] if units.shape[0] > 0 else seqs.shape[0] * nheads_q * n_qt
+    # Scores in natural-log units, as torch's: Q carries the scale, and exp(score - max) converts the difference
+    # to base 2 (_fast_exp). With softcap, the raw score is divided by the softcap after the product: that keeps
+    # an inf in q or k, which tanh would turn into a finite +-1, visible as a non-finite raw score.
+    qscale = _as_dtype_of(q, scale)
+    neg_inf = _as_dtype_of(q, -np.inf)
+    inf = _as_dtype_of(q, np.inf)
+    nan = _as_dtype_of(q, np.nan)
+    zero = _as_dtype_of(q, 0.0)
+    # a thread's scratch, reused by its units (a packed batch of short sequences has thousands of units)
+    bias_tile = np.empty((BLOCK_N, BLOCK_M) if bias.shape[0] > 0 else (0, 0), q.dtype)
+    row_lo = np.empty(BLOCK_M, np.int64)
+    row_hi = np.empty(BLOCK_M, np.int64)
+    q_t = np.empty((head_dim, BLOCK_M), q.dtype)  # scaled Q^T
+    vis = np.empty((BLOCK_N, BLOCK_M) if _MODS else (0, 0), np.bool_)
+    no_grad = np.empty((0, 0), q.dtype)
+    k_tail = np.empty((BLOCK_N, head_dim), q.dtype)  # a last, partial key tile, zero-padded
+    st = np.empty((BLOCK_N, BLOCK_M), q.dtype)
+    acc = np.empty((BLOCK_M, dp), q.dtype)
+    m_run = np.empty(BLOCK_M, q.dtype)
+    m_use = np.empty(BLOCK_M, q.dtype)
+    # Sums across key tiles: each tile's P V and row sums go to a tile buffer first and are then added in, one
+    # rounding per tile instead of one per key (the sums in float64): at Sk = 131072 a running sum over every
+    # key erred 10x torch's.
+    pv = np.empty((BLOCK_M, dp), q.dtype)
+    l_run = np.empty(BLOCK_M, np.float64)
+    l_tile = np.empty(BLOCK_M, q.dtype)
+    alpha = np.empty(BLOCK_M, q.dtype)
+    while True:
+        w = next_unit(counter, units, n_units)
+        if w < 0:
+            break
+        b = w // (nheads_q * n_qt)   # the sequence: ALiBi's, dropout's and the mods' batch index
+        # Query tiles innermost, with or without a bias: a thread's consecutive units share K and V (in L2).
+        # Heads innermost (so that heads sharing a bias read its rows from cache) measured 1.29x the plain
+        # forward against 1.24x this way, once the bias tile was transposed in registers.
+        h = (w // n_qt) % nheads_q
+        qt = w % n_qt
+        hk = h // group
+        bi, q0, k0, p0 = seqs[b, BATCH], seqs[b, Q0], seqs[b, K0], seqs[b, P0]
+        seqlen_q, seqlen_k = seqs[b, SQ], seqs[b, SK]
+        i0 = qt * BLOCK_M
+        nq = min(BLOCK_M, seqlen_q - i0)
+        slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
+        bias_bh = bias[b, h] if bias.shape[0] > 0 else bias[0:0, 0:0, 0, 0]
+        span_lo, span_hi, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo,
+                                                            row_hi)
+        q_t[:] = zero   # padding rows stay 0
+        for r in range(nq):
+            for d in range(head_dim):
+                q_t[d, r] = q[bi, q0 + i0 + r, h, d] * qscale
+        acc[:] = zero
+        m_run[:] = neg_inf
+        l_run[:] = 0.0
+        k_seq = k[bi, k0:k0 + seqlen_k]
+        v_seq = v[bi, k0:k0 + seqlen_k]
+        kt_first = span_lo // BLOCK_N
+        kt_end = (span_hi + BLOCK_N - 1) // BLOCK_N if span_lo < span_hi else kt_first
+        for kt in range(kt_first, kt_end):
+            j0 = kt * BLOCK_N
+            nk = min(BLOCK_N, seqlen_k - j0)
+            state = _tile_state(tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, True)
+            if state == EMPTY:
+                continue
+            if nk == BLOCK_N:
+                _mm_dot(st, k_seq[j0:j0 + BLOCK_N, hk], q_t, head_dim)
+            else:
+                _load_rows(k_tail, k_seq[j0:j0 + nk, hk], nk, head_dim)
+                _mm_dot(st, k_tail, q_t, head_dim)
+            if softcap > 0:
+                for c in range(nk):
+                    for r in range(BLOCK_M):
+                        x = st[c, r]
+                        capped = _capped(x, softcap)[0]
+                        st[c, r] = capped if abs(x) < inf else nan
+            _add_alibi(st, slope, i0, j0, seqlen_k - seqlen_q, True)
+            # Every block that no mask touches is all visible: there any non-finite score poisons its query. A bias
+            # may hide any pair (-inf), so with one every block is masked.
+            band_masked = not (full_lo <= j0 and j0 + nk <= full_hi)
+            masked = _MODS or bias_bh.shape[0] > 0 or band_masked
+            bias_hides = False
+            if bias_bh.shape[0] > 0:
+                bias_hides = _bias_scores(st, bias_bh, i0, j0, nk, True, row_lo, row_hi, True, bias_tile)
+            elif masked:
+                _mask_scores(st, j0, nk, row_lo, row_hi)
+            _mod_scores(st, vis, no_grad, state, b, h, i0, j0, nq, nk, True)
+            for r in range(BLOCK_M):
+                m_use[r] = m_run[r]
+            _column_max(st, nk, m_use, not masked)
+            for r in range(BLOCK_M):
+                m_new = m_use[r]
+                # A query that has seen no key yet keeps max -inf; shifting by 0 makes its exp2 0, never NaN.
+                # A poisoned query has max NaN: its alpha, sum and accumulator become NaN and stay so.
+                if m_new == neg_inf:
+                    m_use[r] = zero
+                alpha[r] = _fast_exp(m_run[r] - m_use[r])
+                m_run[r] = m_new
+                l_tile[r] = zero
+            _column_exp2_sum(st, nk, l_tile, m_use)
+            for r in range(BLOCK_M):
+                l_run[r] = l_run[r] * alpha[r] + l_tile[r]
+            if not stats_only:
+                _dropout_block(st, drop, b, h, i0, j0, nk, True)
+                v_rows = v_seq[j0:j0 + nk, hk]
+                # a non-finite v row must reach only the queries that see it: where nothing hides a pair of the
+                # block, that is every query, and the plain product does it
+                if (_MODS or band_masked or bias_hides) and not _rows_finite(v_rows, nk):
+                    pv[:] = zero
+                    _visible_product(pv, st, v_rows, nk, True, True, j0, row_lo, row_hi, bias_bh, i0, vis)
+                else:
+                    _mm_at(pv, st, v_rows, nk, False)
+                for r in range(BLOCK_M):
+                    a = alpha[r]
+                    for d in range(dp):
+                        acc[r, d] = acc[r, d] * a + pv[r, d]
+        if stats_only or row_max.shape[2] > 1:
+            # the row max and 1 / sum, with +inf and 0 for a row that sees no key (P = 0 there); a forward keeps
+            # them too when given arrays for them (the backward reuses them, see _stash_stats)
+            for r in range(BLOCK_M):
+                seen = l_run[r] != 0
+                row_max[bi, h, p0 + i0 + r] = m_run[r] if seen else inf
+                row_inv[bi, h, p0 + i0 + r] = 1.0 / l_run[r] if seen else 0.0
+        if not stats_only:
+            for r in range(nq):
+                if row_lo[r] >= row_hi[r]:
+                    # Sees no key: 0 and lse = +inf, whatever its q holds (it reads nothing).
+                    for d in range(out.shape[3]):
+                        out[bi, q0 + i0 + r, h, d] = zero
+                    lse[bi, h, q0 + i0 + r] = inf
+                elif l_run[r] > 0 and m_run[r] == m_run[r]:
+                    inv = _as_dtype_of(acc, 1.0 / l_run[r])
+                    for d in range(out.shape[3]):
+                        o = acc[r, d] * inv
+                        out[bi, q0 + i0 + r, h, d] = o if abs(o) < inf else nan
+                    # in float64, rounded once
+                    lse[bi, h, q0 + i0 + r] = np.float64(m_run[r]) + math.log(l_run[r])
+                elif m_run[r] == neg_inf:   # every key it could see is hidden by the bias: as if it saw none
+                    for d in range(out.shape[3]):
+                        out[bi, q0 + i0 + r, h, d] = zero
+                    lse[bi, h, q0 + i0 + r] = inf
+                else:  # poisoned by a score that is not finite
+                    for d in range(out.shape[3]):
+                        out[bi, q0 + i0 + r, h, d] = nan
+                    lse[bi, h, q0 + i0 + r] = nan
+
+
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, row_max, row_inv, stats_only, alibi,
                     bias, drop, tile_states, seqs, units, counter):
@@ -88,156 +249,9 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
     tile_states: the user's mods' tiles (``modhooks``), which also runs the mods where it swaps in its hooks; this
     cached kernel ignores both.
     """
-    nheads_q = q.shape[2]
-    nheads_kv = k.shape[2]
-    group = nheads_q // nheads_kv
-    dp = v.shape[3]
-    n_qt = _max_tiles(seqs, SQ, BLOCK_M)
-    n_units = units.shape[0] if units.shape[0] > 0 else seqs.shape[0] * nheads_q * n_qt
-    # Scores in natural-log units, as torch's: Q carries the scale, and exp(score - max) converts the difference
-    # to base 2 (_fast_exp). With softcap, the raw score is divided by the softcap after the product: that keeps
-    # an inf in q or k, which tanh would turn into a finite +-1, visible as a non-finite raw score.
-    qscale = _as_dtype_of(q, scale)
-    neg_inf = _as_dtype_of(q, -np.inf)
-    inf = _as_dtype_of(q, np.inf)
-    nan = _as_dtype_of(q, np.nan)
-    zero = _as_dtype_of(q, 0.0)
-    for _ in prange(min(counter[1], n_units)):
-        # a thread's scratch, reused by its units (a packed batch of short sequences has thousands of units)
-        bias_tile = np.empty((BLOCK_N, BLOCK_M) if bias.shape[0] > 0 else (0, 0), q.dtype)
-        row_lo = np.empty(BLOCK_M, np.int64)
-        row_hi = np.empty(BLOCK_M, np.int64)
-        q_t = np.empty((head_dim, BLOCK_M), q.dtype)  # scaled Q^T
-        vis = np.empty((BLOCK_N, BLOCK_M) if _MODS else (0, 0), np.bool_)
-        no_grad = np.empty((0, 0), q.dtype)
-        k_tail = np.empty((BLOCK_N, head_dim), q.dtype)  # a last, partial key tile, zero-padded
-        st = np.empty((BLOCK_N, BLOCK_M), q.dtype)
-        acc = np.empty((BLOCK_M, dp), q.dtype)
-        m_run = np.empty(BLOCK_M, q.dtype)
-        m_use = np.empty(BLOCK_M, q.dtype)
-        # Sums across key tiles: each tile's P V and row sums go to a tile buffer first and are then added in, one
-        # rounding per tile instead of one per key (the sums in float64): at Sk = 131072 a running sum over every
-        # key erred 10x torch's.
-        pv = np.empty((BLOCK_M, dp), q.dtype)
-        l_run = np.empty(BLOCK_M, np.float64)
-        l_tile = np.empty(BLOCK_M, q.dtype)
-        alpha = np.empty(BLOCK_M, q.dtype)
-        while True:
-            w = next_unit(counter, units, n_units)
-            if w < 0:
-                break
-            b = w // (nheads_q * n_qt)   # the sequence: ALiBi's, dropout's and the mods' batch index
-            # Query tiles innermost, with or without a bias: a thread's consecutive units share K and V (in L2).
-            # Heads innermost (so that heads sharing a bias read its rows from cache) measured 1.29x the plain
-            # forward against 1.24x this way, once the bias tile was transposed in registers.
-            h = (w // n_qt) % nheads_q
-            qt = w % n_qt
-            hk = h // group
-            bi, q0, k0, p0 = seqs[b, BATCH], seqs[b, Q0], seqs[b, K0], seqs[b, P0]
-            seqlen_q, seqlen_k = seqs[b, SQ], seqs[b, SK]
-            i0 = qt * BLOCK_M
-            nq = min(BLOCK_M, seqlen_q - i0)
-            slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
-            bias_bh = bias[b, h] if bias.shape[0] > 0 else bias[0:0, 0:0, 0, 0]
-            span_lo, span_hi, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo,
-                                                                row_hi)
-            q_t[:] = zero   # padding rows stay 0
-            for r in range(nq):
-                for d in range(head_dim):
-                    q_t[d, r] = q[bi, q0 + i0 + r, h, d] * qscale
-            acc[:] = zero
-            m_run[:] = neg_inf
-            l_run[:] = 0.0
-            k_seq = k[bi, k0:k0 + seqlen_k]
-            v_seq = v[bi, k0:k0 + seqlen_k]
-            kt_first = span_lo // BLOCK_N
-            kt_end = (span_hi + BLOCK_N - 1) // BLOCK_N if span_lo < span_hi else kt_first
-            for kt in range(kt_first, kt_end):
-                j0 = kt * BLOCK_N
-                nk = min(BLOCK_N, seqlen_k - j0)
-                state = _tile_state(tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, True)
-                if state == EMPTY:
-                    continue
-                if nk == BLOCK_N:
-                    _mm_dot(st, k_seq[j0:j0 + BLOCK_N, hk], q_t, head_dim)
-                else:
-                    _load_rows(k_tail, k_seq[j0:j0 + nk, hk], nk, head_dim)
-                    _mm_dot(st, k_tail, q_t, head_dim)
-                if softcap > 0:
-                    for c in range(nk):
-                        for r in range(BLOCK_M):
-                            x = st[c, r]
-                            capped = _capped(x, softcap)[0]
-                            st[c, r] = capped if abs(x) < inf else nan
-                _add_alibi(st, slope, i0, j0, seqlen_k - seqlen_q, True)
-                # Every block that no mask touches is all visible: there any non-finite score poisons its query. A bias
-                # may hide any pair (-inf), so with one every block is masked.
-                band_masked = not (full_lo <= j0 and j0 + nk <= full_hi)
-                masked = _MODS or bias_bh.shape[0] > 0 or band_masked
-                bias_hides = False
-                if bias_bh.shape[0] > 0:
-                    bias_hides = _bias_scores(st, bias_bh, i0, j0, nk, True, row_lo, row_hi, True, bias_tile)
-                elif masked:
-                    _mask_scores(st, j0, nk, row_lo, row_hi)
-                _mod_scores(st, vis, no_grad, state, b, h, i0, j0, nq, nk, True)
-                for r in range(BLOCK_M):
-                    m_use[r] = m_run[r]
-                _column_max(st, nk, m_use, not masked)
-                for r in range(BLOCK_M):
-                    m_new = m_use[r]
-                    # A query that has seen no key yet keeps max -inf; shifting by 0 makes its exp2 0, never NaN.
-                    # A poisoned query has max NaN: its alpha, sum and accumulator become NaN and stay so.
-                    if m_new == neg_inf:
-                        m_use[r] = zero
-                    alpha[r] = _fast_exp(m_run[r] - m_use[r])
-                    m_run[r] = m_new
-                    l_tile[r] = zero
-                _column_exp2_sum(st, nk, l_tile, m_use)
-                for r in range(BLOCK_M):
-                    l_run[r] = l_run[r] * alpha[r] + l_tile[r]
-                if not stats_only:
-                    _dropout_block(st, drop, b, h, i0, j0, nk, True)
-                    v_rows = v_seq[j0:j0 + nk, hk]
-                    # a non-finite v row must reach only the queries that see it: where nothing hides a pair of the
-                    # block, that is every query, and the plain product does it
-                    if (_MODS or band_masked or bias_hides) and not _rows_finite(v_rows, nk):
-                        pv[:] = zero
-                        _visible_product(pv, st, v_rows, nk, True, True, j0, row_lo, row_hi, bias_bh, i0, vis)
-                    else:
-                        _mm_at(pv, st, v_rows, nk, False)
-                    for r in range(BLOCK_M):
-                        a = alpha[r]
-                        for d in range(dp):
-                            acc[r, d] = acc[r, d] * a + pv[r, d]
-            if stats_only or row_max.shape[2] > 1:
-                # the row max and 1 / sum, with +inf and 0 for a row that sees no key (P = 0 there); a forward keeps
-                # them too when given arrays for them (the backward reuses them, see _stash_stats)
-                for r in range(BLOCK_M):
-                    seen = l_run[r] != 0
-                    row_max[bi, h, p0 + i0 + r] = m_run[r] if seen else inf
-                    row_inv[bi, h, p0 + i0 + r] = 1.0 / l_run[r] if seen else 0.0
-            if not stats_only:
-                for r in range(nq):
-                    if row_lo[r] >= row_hi[r]:
-                        # Sees no key: 0 and lse = +inf, whatever its q holds (it reads nothing).
-                        for d in range(out.shape[3]):
-                            out[bi, q0 + i0 + r, h, d] = zero
-                        lse[bi, h, q0 + i0 + r] = inf
-                    elif l_run[r] > 0 and m_run[r] == m_run[r]:
-                        inv = _as_dtype_of(acc, 1.0 / l_run[r])
-                        for d in range(out.shape[3]):
-                            o = acc[r, d] * inv
-                            out[bi, q0 + i0 + r, h, d] = o if abs(o) < inf else nan
-                        # in float64, rounded once
-                        lse[bi, h, q0 + i0 + r] = np.float64(m_run[r]) + math.log(l_run[r])
-                    elif m_run[r] == neg_inf:   # every key it could see is hidden by the bias: as if it saw none
-                        for d in range(out.shape[3]):
-                            out[bi, q0 + i0 + r, h, d] = zero
-                        lse[bi, h, q0 + i0 + r] = inf
-                    else:  # poisoned by a score that is not finite
-                        for d in range(out.shape[3]):
-                            out[bi, q0 + i0 + r, h, d] = nan
-                        lse[bi, h, q0 + i0 + r] = nan
+    for _ in prange(counter[1]):
+        _forward_worker(q, k, v, out, lse, head_dim, scale, left, right, softcap, row_max, row_inv, stats_only, alibi,
+                        bias, drop, tile_states, seqs, units, counter)
 
 
 def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: np.ndarray, scale: float,

@@ -11,11 +11,11 @@ The forward and backward kernels call three hooks, and test one flag, that are m
     _MODS: whether any of this is on (every block then counts as masked)
 
 The versions here do nothing and are what the cached kernels compile with, so a call without mods pays nothing.
-``kernel_with_mods`` compiles the same kernel source again with these globals replaced by hooks built around the
-call's compiled mods (``_make_hooks``), which numba inlines: a mod costs what its body costs. Those kernels are
-kept per (kernel, mods, dtype) for the life of the process; numba cannot cache them on disk (a user function is
-part of the code), so the first call with a new mod compiles for minutes (about 1.5 per kernel on 2 cores,
-2026-11-27; it was 20-60 s before the kernels took packed sequences and dropout).
+``kernel_with_mods`` compiles the same kernel source again, and the worker its parallel loop calls, with these
+globals replaced by hooks built around the call's compiled mods (``_make_hooks``), which numba inlines: a mod costs
+what its body costs. Those kernels are kept per (kernel, mods, dtype) for the life of the process; numba cannot
+cache them on disk (a user function is part of the code), so the first call with a new mod compiles for about a
+minute per kernel on 2 cores (``_forward_worker`` says where the time goes).
 
 Blocks are (keys x queries) when ``keys_are_rows`` (the forward and the dQ pass) and (queries x keys) otherwise;
 ``vis`` has the block's layout and says which pairs the mods leave visible; the loops cover the nq real queries
@@ -166,6 +166,15 @@ _kernels: dict[tuple[Any, ...], Any] = {}
 _kernels_lock = threading.Lock()
 
 
+def _variant(dispatcher: Any, scope: dict[str, Any]) -> Any:
+    """A new numba dispatcher for ``dispatcher``'s Python source with ``scope`` as its globals and its options,
+    less numba's disk cache."""
+    py = dispatcher.py_func
+    fn = pytypes.FunctionType(py.__code__, scope, py.__name__, py.__defaults__, py.__closure__)
+    fn.__qualname__ = f"{py.__qualname__}[mods]"
+    return njit(**{n: v for n, v in dispatcher.targetoptions.items() if n not in ("cache", "nopython")})(fn)
+
+
 def kernel_with_mods(kernel: Any, dtype: np.dtype, mods: Any) -> Any:
     """``kernel`` (a cached CPU kernel) compiled for ``dtype`` with the hooks of ``mods``
     (``numba_flash.mods.Mods``); the plain compiled kernel (``workspace._entry``) when mods is None. Compiled once
@@ -186,13 +195,13 @@ def kernel_with_mods(kernel: Any, dtype: np.dtype, mods: Any) -> Any:
             py = kernel.py_func
             scope = dict(py.__globals__)
             scope.update(_make_hooks(*fns))
-            variant = pytypes.FunctionType(py.__code__, scope, py.__name__, py.__defaults__, py.__closure__)
-            variant.__qualname__ = f"{py.__qualname__}[mods]"
+            # the kernel's prange calls its worker (``_forward_kernel`` -> ``_forward_worker``), where the hooks are
+            worker = py.__name__.replace("_kernel", "_worker")
+            scope[worker] = _variant(scope[worker], scope)
             compile_notice.announce(f"numba-flash: compiling {py.__name__} for {mods.describe()} ({dtype.name}): "
-                                    "about 1.5 min on 2 cores, once per mod in a process (numba cannot cache "
+                                    "about 1 min on 2 cores, once per mod in a process (numba cannot cache "
                                     "kernels built around user functions on disk)")
-            options = {n: v for n, v in kernel.targetoptions.items() if n not in ("cache", "nopython")}
-            fn = _kernels[key] = njit(**options)(variant).compile(_signature(py.__name__, dtype))
+            fn = _kernels[key] = _variant(kernel, scope).compile(_signature(py.__name__, dtype))
     return fn
 
 
