@@ -177,8 +177,9 @@ def test_flash_attn_func_with_mods_and_autograd(backend):
     leaves = (tq, tk, tv, tb) if tb.requires_grad else (tq, tk, tv)
     for got, ref in zip((t.grad for t in leaves), want):
         assert np.linalg.norm(got.numpy() - ref) <= 2e-5 * np.linalg.norm(ref)
-    # score_mod without its gradient: the forward runs, the backward says what is missing
-    out = numba_flash.flash_attn_func(tq, tk, tv, backend=backend, score_mod=soft_clip)
+    # score_mod without its gradient: the forward runs, the backward says what is missing (the same mods: on the cpu
+    # backend, a new set would compile kernels of its own)
+    out = numba_flash.flash_attn_func(tq, tk, tv, backend=backend, **kw)
     with pytest.raises(AttentionInputError, match="^score_mod_grad: expected"):
         out.sum().backward()
 
@@ -187,9 +188,10 @@ def test_no_backend_error_names_the_backend_that_serves_the_call_when_named():
     rng = np.random.default_rng(56)
     q, k, v, dout = _inputs(rng)
     bias = rng.standard_normal((1, 1, SQ, SK)).astype(np.float32)
-    out, lse = backend_registry.get("flash").forward(q, k, v, score_mod=soft_clip, attn_bias=bias, return_lse=True)
+    mods = CASES["all+window"]   # the cpu backend's compiled set
+    out, lse = backend_registry.get("flash").forward(q, k, v, attn_bias=bias, return_lse=True, **mods)
     # the cpu backend has no dbias with a score_mod
-    kw = dict(score_mod=soft_clip, score_mod_grad=soft_clip_grad, attn_bias=bias, return_dbias=True)
+    kw = dict(mods, score_mod_grad=soft_clip_grad, attn_bias=bias, return_dbias=True)
     with pytest.raises(numba_flash.NoBackendError, match="backend='rocm' serves it when named$") as exc:
         backend_registry.get("flash").backward(dout, q, k, v, out, lse, **kw)
     assert exc.value.if_named == ("rocm",)

@@ -2,7 +2,8 @@
 reference, tiles a BlockMask calls empty really skipped and full ones really unmasked, a mod that fails inside the
 kernel reported by name, and BlockMasks of any tile size mapped onto the kernels' tiles.
 
-Each new set of mods compiles kernels of its own (minutes on 2 cores), so the tests share a few mods."""
+Each new set of mods compiles kernels of its own (a minute or more per kernel on 2 cores), so every test here runs
+the one set (same_document, wavy, wavy_grad)."""
 
 from __future__ import annotations
 
@@ -68,8 +69,9 @@ def test_many_tiles_match_reference_with_and_without_a_block_mask(given):
 
 def test_tiles_the_block_mask_calls_empty_are_skipped_and_full_ones_unmasked():
     """A BlockMask that misstates two tiles changes the answer exactly as skipping or not masking them would: the
-    kernels trust it and do no per-element work there."""
+    kernels trust it and do no per-element work there (score_mod still runs on what they keep)."""
     q, k, v, _ = _inputs(2)
+    kw = dict(mask_mod=same_document, score_mod=wavy)
     honest = block_mask(same_document, 1, 1, SQ, SK, BLOCK_M, BLOCK_N)
     states = honest.states.copy()
     full_tile = tuple(np.argwhere(states[0, 0] == FULL)[0])
@@ -78,29 +80,29 @@ def test_tiles_the_block_mask_calls_empty_are_skipped_and_full_ones_unmasked():
     states[0, 0][partial_tile] = FULL    # unmasked: its hidden keys appear
     lying = BlockMask(same_document, states, SQ, SK, BLOCK_M, BLOCK_N)
     op = backend_registry.get("flash", backend="cpu")
-    out = op.forward(q, k, v, mask_mod=same_document, block_mask=lying)
+    out = op.forward(q, k, v, block_mask=lying, **kw)
     grid = np.array([[same_document(0, 0, i, j) for j in range(SK)] for i in range(SQ)])
     for (qt, kt), value in ((full_tile, False), (partial_tile, True)):
         grid[qt * BLOCK_M:(qt + 1) * BLOCK_M, kt * BLOCK_N:(kt + 1) * BLOCK_N] = value
     table = np.where(grid, 0.0, -np.inf).astype(np.float32)
-    np.testing.assert_allclose(out, attention_ref(q, k, v, attn_bias=table)[0], atol=2e-5, rtol=0)
-    assert np.abs(out - attention_ref(q, k, v, mask_mod=same_document)[0]).max() > 1e-2
+    np.testing.assert_allclose(out, attention_ref(q, k, v, attn_bias=table, score_mod=wavy)[0], atol=2e-5, rtol=0)
+    assert np.abs(out - attention_ref(q, k, v, **kw)[0]).max() > 1e-2
 
 
 def test_a_mod_that_fails_inside_the_kernel_is_named():
-    q, k, v, _ = _inputs(3)
-    short = DOC_OF_KEY[:300]
-
-    def truncated_documents(b, h, q_idx, kv_idx):
-        return short[q_idx + SK - SQ] == short[kv_idx]     # kv_idx up to 330: past the end
-
+    """same_document reads a table of SK keys: called with more keys, it raises IndexError inside the kernel."""
+    q, _, _, _ = _inputs(3)
+    rng = np.random.default_rng(3)
+    k, v = (rng.standard_normal((1, SK + 29, 1, D)).astype(np.float32) for _ in range(2))
+    kw = dict(mask_mod=same_document, score_mod=wavy)
     q0, k0, v0 = q.copy(), k.copy(), v.copy()
-    with pytest.raises(AttentionInputError, match=r"^mask_mod: expected a function that runs on every .*"
-                                                  r"truncated_documents raised IndexError"):
-        backend_registry.get("flash", backend="cpu").forward(q, k, v, mask_mod=truncated_documents)
+    with pytest.raises(AttentionInputError, match=r"^mask_mod, score_mod: expected functions that run on every .*"
+                                                  r"mask_mod=same_document score_mod=wavy raised IndexError"):
+        backend_registry.get("flash", backend="cpu").forward(q, k, v, **kw)
     assert all(np.array_equal(a, b) for a, b in ((q, q0), (k, k0), (v, v0)))
-    out = backend_registry.get("flash", backend="cpu").forward(q, k, v, mask_mod=same_document)  # still works
-    np.testing.assert_allclose(out, attention_ref(q, k, v, mask_mod=same_document)[0], atol=2e-5, rtol=0)
+    k, v = k[:, :SK].copy(), v[:, :SK].copy()
+    out = backend_registry.get("flash", backend="cpu").forward(q, k, v, **kw)  # still works
+    np.testing.assert_allclose(out, attention_ref(q, k, v, **kw)[0], atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("size", [(16, 16), (64, 64), (24, 40), (100, 7), (512, 512)])
@@ -123,9 +125,9 @@ def test_tile_states_found_without_a_block_mask_are_kept_for_later_passes_and_ca
     from numba_flash.mods import check_mods
 
     q, k, v, _ = _inputs(4, batch=2, hq=2)
-    kw = dict(mask_mod=same_document, window_size=(40, 0))
+    kw = dict(mask_mod=same_document, score_mod=wavy, window_size=(40, 0))
     op = backend_registry.get("flash", backend="cpu")
-    mods = check_mods(None, same_document, None, None, None, (2, 2, SQ, SK), "bshd", False)
+    mods = check_mods(None, same_document, wavy, None, None, (2, 2, SQ, SK), "bshd", False)
     fresh = states_for_call(mods, 2, 2, SQ, SK)
     assert (fresh == UNKNOWN).all() and fresh.shape == (2, 2, -(-SQ // BLOCK_M), -(-SK // BLOCK_N))
     first, lse = op.forward(q, k, v, return_lse=True, **kw)
