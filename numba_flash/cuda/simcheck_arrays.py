@@ -5,8 +5,7 @@ and raise on a conflict; local and global arrays only check their indices, which
 kernels spend most accesses (register-blocked accumulators are local arrays). Every proxy checks each integer of an
 index against its axis before numpy sees it, so a negative index fails instead of wrapping.
 
-The records are kept under one lock per block: a check and its record must not interleave with another thread's,
-or two racing accesses could both pass unseen.
+The records take no lock (``SharedArray`` says why a racing pair is still seen).
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from .simcheck import SimulatorCheckError
 
 _current_thread = threading.current_thread
 _INTEGERS = (int, np.integer)
+_NUMPY_INTEGERS = frozenset(np.dtype(c).type for c in "bBhHiIlLqQ")
 #: Files whose frames are the checker's or the simulator's own, never the kernel's (simcheck_hooks adds its own).
 SKIP_FILES = {__file__, sys.modules[FakeCUDAArray.__module__].__file__}
 
@@ -32,15 +32,21 @@ def element(idx: Any, shape: tuple[int, ...]) -> int | None:
     of bounds (negative included); None when ``idx`` is not one integer per axis (a slice, a row, an ellipsis, an
     index array), which the callers' general path handles."""
     # Plain ints into 1-D and 2-D arrays (every shared and local array of the kernels) skip the general loop: it
-    # would cost more than the numpy access it guards.
-    if idx.__class__ is tuple:
+    # would cost more than the numpy access it guards. The kernels index their flat shared buffers with numba's
+    # uint32/uint64, numpy scalars under the simulator: those take a short path too.
+    cls = idx.__class__
+    if cls is tuple:
         if len(idx) == 2 and len(shape) == 2:
             i, j = idx
             if i.__class__ is int and j.__class__ is int:
                 n0, n1 = shape
                 return i * n1 + j if 0 <= i < n0 and 0 <= j < n1 else -1
-    elif idx.__class__ is int and len(shape) == 1:
-        return idx if 0 <= idx < shape[0] else -1
+    elif len(shape) == 1:
+        if cls is int:
+            return idx if 0 <= idx < shape[0] else -1
+        if cls in _NUMPY_INTEGERS:
+            i = int(idx)
+            return i if 0 <= i < shape[0] else -1
     return _element(idx, shape)
 
 
@@ -119,21 +125,41 @@ class LocalArray:
     def __init__(self, data: np.ndarray, name: str):
         self._a, self._shape, self.name = data, data.shape, name
 
+    # The register-blocked accumulators take most of a kernel's accesses: a plain int pair or int inside the
+    # bounds goes straight to numpy (``element``'s test, written out: the call cost a sixth of a checked run).
     def __getitem__(self, idx: Any) -> Any:
-        key = element(idx, self._shape)
+        shape = self._shape
+        if idx.__class__ is tuple:
+            if len(idx) == 2 and len(shape) == 2:
+                i, j = idx
+                if i.__class__ is int and j.__class__ is int and 0 <= i < shape[0] and 0 <= j < shape[1]:
+                    return self._a[idx]
+        elif idx.__class__ is int and len(shape) == 1 and 0 <= idx < shape[0]:
+            return self._a[idx]
+        key = element(idx, shape)
         if key is None:
             return self._general(idx)
         if key < 0:
-            raise_out_of_bounds(self.kind, self.name, idx, self._shape)
+            raise_out_of_bounds(self.kind, self.name, idx, shape)
         return self._a[idx]
 
     def __setitem__(self, idx: Any, value: Any) -> None:
-        key = element(idx, self._shape)
+        shape = self._shape
+        if idx.__class__ is tuple:
+            if len(idx) == 2 and len(shape) == 2:
+                i, j = idx
+                if i.__class__ is int and j.__class__ is int and 0 <= i < shape[0] and 0 <= j < shape[1]:
+                    self._a[idx] = value
+                    return
+        elif idx.__class__ is int and len(shape) == 1 and 0 <= idx < shape[0]:
+            self._a[idx] = value
+            return
+        key = element(idx, shape)
         if key is None:
-            if bad_integer(idx, self._shape):
-                raise_out_of_bounds(self.kind, self.name, idx, self._shape)
+            if bad_integer(idx, shape):
+                raise_out_of_bounds(self.kind, self.name, idx, shape)
         elif key < 0:
-            raise_out_of_bounds(self.kind, self.name, idx, self._shape)
+            raise_out_of_bounds(self.kind, self.name, idx, shape)
         self._a[idx] = value
 
     def _general(self, idx: Any) -> Any:

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import numpy as np
+from numba.core import types as numba_types
 from numba.cuda.simulator import kernel as sim_kernel
 from numba.cuda.simulator import kernelapi
 
@@ -309,8 +310,27 @@ _HOOKS = {"BlockManager": CheckedBlockManager, "FakeCUDAModule": CheckedCUDAModu
           "FakeWithinKernelCUDAArray": DeviceArray}
 
 
+_numba_type_call = numba_types.Type.__call__
+# numba's scalar types (uint32, float32...) called on a value cast it with numpy: ``cast_python_value`` is
+# ``getattr(np, name)(value)`` for every integer and float type. The kernels make such casts in their inner loops
+# (index arithmetic in uint32/uint64), and numba's generic ``Type.__call__`` (an import, an ABC isinstance, a
+# getattr) cost about a tenth of a checked simulator run (py-spy). Same casts, looked up by the type's identity.
+_CASTS = {id(t): getattr(np, t.name)
+          for t in (*numba_types.integer_domain, *numba_types.real_domain, numba_types.float16)}
+_PLAIN = frozenset((int, float, *(np.dtype(c).type for c in "bBhHiIlLqQefd")))
+
+
+def _cast_call(self: Any, *args: Any) -> Any:
+    if len(args) == 1 and args[0].__class__ in _PLAIN:
+        cast = _CASTS.get(id(self))
+        if cast is not None:
+            return cast(args[0])
+    return _numba_type_call(self, *args)
+
+
 def patch_simulator() -> dict[str, Any]:
-    """Replace the simulator's block runner, fake ``cuda`` module and argument wrapper; returns what was there."""
+    """Replace the simulator's block runner, fake ``cuda`` module and argument wrapper, and take numba's scalar
+    casts on a short path (``_cast_call``); returns what was there."""
     missing = [name for name in _HOOKS if not hasattr(sim_kernel, name)]
     if missing:
         raise RuntimeError(f"this numba-cuda simulator has no {missing} in {sim_kernel.__name__}; the checker "
@@ -318,6 +338,7 @@ def patch_simulator() -> dict[str, Any]:
     saved = {name: getattr(sim_kernel, name) for name in _HOOKS}
     for name, hook in _HOOKS.items():
         setattr(sim_kernel, name, hook)
+    numba_types.Type.__call__ = _cast_call
     return saved
 
 
@@ -325,3 +346,4 @@ def unpatch_simulator(saved: dict[str, Any]) -> None:
     """Put back what ``patch_simulator`` replaced."""
     for name, value in saved.items():
         setattr(sim_kernel, name, value)
+    numba_types.Type.__call__ = _numba_type_call

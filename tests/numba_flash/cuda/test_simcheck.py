@@ -369,3 +369,70 @@ def test_records_flag_the_first_access_that_makes_a_race(seed, monkeypatch):
                 got = n
                 break
         assert got == expected, accesses
+
+
+# ---- the short paths: same answers as the general ones ----
+
+@pytest.mark.parametrize("shape", [(5,), (3, 4)])
+def test_local_arrays_check_every_index_on_their_short_path_too(shape, rng):
+    """Plain ints inside the bounds go straight to numpy; any other index (negative, past the end, a numpy integer,
+    a slice, the wrong number of axes) must still be checked: an element is read or written exactly where numpy
+    would without wrapping, and everything else raises."""
+    from numba_flash.cuda.simcheck_arrays import LocalArray
+
+    data = rng.standard_normal(shape).astype(np.float32)
+    arr = LocalArray(data.copy(), "acc")
+    axes = [list(range(-2, n + 2)) for n in shape]
+    indices = [i for i in axes[0]] if len(shape) == 1 else [(i, j) for i in axes[0] for j in axes[1]]
+    indices += [np.int64(1), np.uint32(shape[0])] if len(shape) == 1 else [(np.int32(1), 2), (1, np.uint64(9))]
+    for idx in indices:
+        items = idx if isinstance(idx, tuple) else (idx,)
+        inside = all(0 <= int(i) < n for i, n in zip(items, shape))
+        if inside:
+            assert arr[idx] == data[idx]
+            arr[idx] = 7.0
+            assert arr[idx] == 7.0
+            arr[idx] = data[idx]
+        else:
+            with pytest.raises(SimulatorCheckError, match=r"out-of-bounds index .*into local array 'acc'"):
+                arr[idx]
+            with pytest.raises(SimulatorCheckError, match=r"out-of-bounds index .*into local array 'acc'"):
+                arr[idx] = 1.0
+    np.testing.assert_array_equal(arr._a, data)   # no failed write landed anywhere
+    if len(shape) == 2:   # a row: a checked view of its own
+        row = arr[1]
+        assert isinstance(row, LocalArray) and row[shape[1] - 1] == data[1, -1]
+        with pytest.raises(SimulatorCheckError, match=r"local array 'acc\[1\]'"):
+            row[shape[1]]
+
+
+def test_numba_scalar_casts_under_the_checker_equal_numba_s_own():
+    """The checker takes numba's integer and float casts (``uint32(x)`` in a kernel) on a short path: the same
+    numpy type and value as numba's ``cast_python_value``, the same error for a value numpy refuses, signatures
+    still built from types, and numba's own ``__call__`` back once the checker is off."""
+    import numba
+    from numba.core import types
+
+    values = [0, 5, -3, 2**31 - 1, 1.5, -0.0, np.float32(2.5), np.int64(-7), np.uint32(9), np.float16(3.0)]
+    for t in (numba.uint32, numba.uint64, numba.int32, numba.int64, numba.int8, types.float16, numba.float32,
+              numba.float64):
+        for x in values:
+            try:
+                with np.errstate(over="ignore"):
+                    want = t.cast_python_value(x)
+            except (OverflowError, ValueError) as exc:
+                with pytest.raises(type(exc)):
+                    t(x)
+                continue
+            with np.errstate(over="ignore"):   # float16(2**31 - 1): inf, as numba's
+                got = t(x)
+            assert type(got) is type(want) and (got == want or (got != got and want != want)), (t, x)
+    assert numba.float32(numba.int32) == types.float32(types.int32) and str(numba.float32(numba.int32)) == \
+        "(int32,) -> float32"
+    assert numba.boolean(2) is True
+    simcheck.uninstall()
+    try:
+        assert types.Type.__call__.__module__.startswith("numba.")
+    finally:
+        simcheck.install()
+    assert not types.Type.__call__.__module__.startswith("numba.")
