@@ -36,29 +36,30 @@ warmup: $(STAMP)
 bench: warmup
 	$(PY) -m numba_flash.bench
 
-# Everything but the simulator suite, and beside it the CUDA simulator suite in a process of its own (the simulator
-# must be switched on before numba.cuda is first imported), with the race, bounds and barrier checker on. The
-# simulator is one Python thread per CUDA thread under one GIL, so it keeps one core busy: run after the main suite,
-# it left the second core idle for 14 of CI's 32 minutes. It starts before the warmup, which compiles on one core
-# for about 7 minutes (the simulator suite needs no CPU kernel; it was CI's longest part, 30 of 38 minutes, started
-# after the warmup). Its log follows the main suite's; either failing, or the warmup, fails.
+# Everything but the simulator suite, and beside it the CUDA simulator suite in processes of their own (the
+# simulator must be switched on before numba.cuda is first imported), with the race, bounds and barrier checker on.
+# The simulator is one Python thread per CUDA thread under one GIL: one process keeps one core busy. So the
+# simulator suite runs in SIM_WORKERS processes (pytest-xdist), started before the warmup (it needs no CPU kernel)
+# and niced: the warmup and the main suite, one chain, keep a core, the simulator takes the rest and, when the
+# main suite is done, both cores. Its log follows the main suite's; either failing, or the warmup, fails.
 # --durations: CI's log then says where the suite's time goes (the suite is to stay well under 30 minutes).
 SIM_LOG := .test-cudasim.log
+SIM_WORKERS ?= 2
 test: $(STAMP)
-	@NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 $(PY) -m pytest -q -m cudasim --durations=15 \
-	    >$(SIM_LOG) 2>&1 & sim=$$!; trap 'kill $$sim 2>/dev/null' INT TERM; \
+	@NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 nice -n 10 $(PY) -m pytest -q -m cudasim -n $(SIM_WORKERS) \
+	    --durations=15 >$(SIM_LOG) 2>&1 & sim=$$!; trap 'kill $$sim 2>/dev/null' INT TERM; \
 	echo "== warmup (the CUDA simulator suite runs beside it and the main suite; its log follows) =="; \
 	$(PY) -m numba_flash warmup || { kill $$sim 2>/dev/null; exit 1; }; \
 	echo "== main suite =="; \
 	$(PY) -m pytest -q --durations=15; main=$$?; \
 	wait $$sim; sim_rc=$$?; \
-	echo "== CUDA simulator suite: NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 pytest -m cudasim =="; \
+	echo "== CUDA simulator suite: NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 pytest -m cudasim -n $(SIM_WORKERS) =="; \
 	cat $(SIM_LOG); \
 	echo "main suite exit $$main, simulator suite exit $$sim_rc"; \
 	test $$main = 0 && test $$sim_rc = 0
 
 test-cudasim: $(STAMP)
-	NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 $(PY) -m pytest -q -m cudasim
+	NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 $(PY) -m pytest -q -m cudasim -n $(SIM_WORKERS)
 
 # The asv dashboard (.asv/html) after `asv run`, made to work without a network: asv's page loads jQuery, flot and
 # Bootstrap from CDNs, so tools/asv_offline.py vendors them from their npm packages next to the HTML. The
