@@ -27,7 +27,7 @@ $(STAMP): setup.cfg pyproject.toml
 
 install: $(STAMP)
 
-# Compile (or load from numba's on-disk cache) every CPU kernel and check it against the reference: about 3 min
+# Compile (or load from numba's on-disk cache) every CPU kernel and check it against the reference: about 2 min
 # per dtype on 2 cores the first time on a machine, under a second afterwards, said up front instead of inside the
 # first call.
 warmup: $(STAMP)

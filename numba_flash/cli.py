@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     warm = sub.add_parser("warmup", help="compile every CPU kernel ahead of first use",
                           description="Compile (or load from numba's on-disk cache) every CPU kernel "
                                       "specialisation, and check each against the float64 reference. The first "
-                                      "run on a machine takes about 3 minutes per dtype on 2 cores; later ones well under a "
+                                      "run on a machine takes about 2 minutes per dtype on 2 cores; later ones well under a "
                                       "second. "
                                       "Exit status 1 when a kernel disagrees with the reference.")
     warm.add_argument("--dtype", default="float32,float64",

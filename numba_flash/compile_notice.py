@@ -1,10 +1,11 @@
 """Say so when numba-flash's kernels compile, instead of sitting silent for minutes.
 
-With a cold cache the CPU kernels take about 3 minutes per dtype to compile on first use (measured by the warmup
-before ``make test``'s suites, on a 2-vCPU Intel VM, 2026-11-27: float32 188 s, float64 210 s, 7 kernels each; the
-kernels have grown since the 20-40 s first measured); numba then caches them on disk (``__pycache__`` beside the
-sources, or ``NUMBA_CACHE_DIR``) and later processes load them in a fraction of a second. The first compilation of a process logs one INFO line on
-the ``numba_flash`` logger and prints one note on stderr; every compiled kernel then logs its time at INFO.
+With a cold cache the CPU kernels take about 2 minutes per dtype to compile on first use (``numba-flash warmup``
+with the 2-vCPU Intel VM to itself, 2026-11-28: float32 119 s, float64 102 s; 188 s and 210 s before the kernels'
+parallel loops called their workers, ``cpu.forward._forward_worker``); numba then caches them on disk
+(``__pycache__`` beside the sources, or ``NUMBA_CACHE_DIR``) and later processes load them in a fraction of a
+second. The first compilation of a process logs one INFO line on the ``numba_flash`` logger and prints one note on
+stderr; every compiled kernel then logs its time at INFO.
 
 The trigger is numba's own ``numba:compile`` event, which numba fires only for a real compilation, never for a
 load from its cache, so a warm cache prints nothing. ``NUMBA_FLASH_QUIET=1`` (or ``quiet()``) drops the stderr
@@ -23,7 +24,7 @@ import time
 from typing import Any
 
 QUIET_ENV = "NUMBA_FLASH_QUIET"
-NOTE = ("numba-flash: compiling the {what} for this machine (first use with a cold cache: about 3 min per dtype "
+NOTE = ("numba-flash: compiling the {what} for this machine (first use with a cold cache: about 2 min per dtype "
         "on 2 cores, once; numba caches them on disk). `numba-flash warmup` compiles everything ahead of time; "
         "{quiet}=1 silences this note.")
 
