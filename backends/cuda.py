@@ -276,7 +276,8 @@ class CudaBackend(Backend):
         launch of the decode kernel over (sequence, kv head, split), reading the cache in place (paged or not; a
         host cache is copied to the GPU whole, once), and one launch of the merge of the splits
         (``numba_flash.cuda.decode``). Splits are float32 partials, so every dtype splits."""
-        from numba_flash.cuda.launch import alibi_arg, decode_config, flash_decode
+        from numba_flash.cuda.launch import alibi_arg
+        from numba_flash.cuda.launch_decode import decode_config, flash_decode
 
         kv = call.kvcache
         left, right = kv.window_for(max(1, int(kv.seqlens_k.max())))   # capped: the same mask for every sequence

@@ -55,14 +55,16 @@ class _Spoiled:
 
 def spoil(monkeypatch: Any, factory_name: str, out_arg: int, which: Callable[[Any, dict], bool],
           how: str = "scale") -> None:
-    """Make ``launch.<factory_name>`` hand out, for the builds ``which(cfg, factory keywords)`` picks, a kernel
-    that spoils argument ``out_arg`` after running (or raises, ``how="raise"``); every other build is real."""
-    from numba_flash.cuda import launch
+    """Make ``launch.<factory_name>`` (``launch_decode``'s for the decode kernels) hand out, for the builds
+    ``which(cfg, factory keywords)`` picks, a kernel that spoils argument ``out_arg`` after running (or raises,
+    ``how="raise"``); every other build is real."""
+    from numba_flash.cuda import launch, launch_decode
 
-    real = getattr(launch, factory_name)
+    module = launch_decode if factory_name in ("make_decode_kernel", "make_split_merge_kernel") else launch
+    real = getattr(module, factory_name)
 
     def factory(cfg, *flags, **kw):
         kernel = real(cfg, *flags, **kw)
         return _Spoiled(kernel, out_arg, how) if which(cfg, kw) else kernel
 
-    monkeypatch.setattr(launch, factory_name, factory)
+    monkeypatch.setattr(module, factory_name, factory)

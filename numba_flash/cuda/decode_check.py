@@ -32,7 +32,8 @@ def check_decode(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str],
     from numba_flash.reference import attention_ref_kvcache
 
     from .config import storage_dtype
-    from .launch import alibi_arg, launch_decode, launch_split_merge
+    from .launch import alibi_arg
+    from .launch_decode import launch_decode, launch_split_merge
 
     cfg = spec.cfg
     rng = np.random.default_rng(selfcheck._SEED)

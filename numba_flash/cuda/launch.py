@@ -7,8 +7,7 @@ as int16 device arrays of its bit patterns (``config.storage_dtype``), with ``dt
 ``flash_forward`` and ``flash_backward`` pick a config and have ``selfcheck`` vouch for it (on a real GPU the first
 launch of each specialisation checks it against the reference, and a config that fails is replaced by one that
 passes); the ``launch_*`` functions launch one kernel with a given config, for them and for the self-check.
-Decoding with a KV cache picks its config first (``decode_config``: the self-check runs before the caller appends
-to the cache, so that a refusal leaves the cache untouched) and launches with it (``flash_decode``).
+Decoding with a KV cache: ``launch_decode.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from .block_tiles import tiles_arg
 from .config import (STATIC_SMEM_LIMIT, TC_BACKWARD_MAX_HEAD_DIM, TC_DTYPES, TC_MIN_COMPUTE_CAPABILITY,
                      FlashAttentionConfig, TileOverride, active_override, smem_limit_for, storage_dtype,
                      tile_config_for)
-from .decode import MERGE_THREADS, make_decode_kernel, make_split_merge_kernel
 from .forward import make_forward_kernel
 from .masks import LOG2E
 from .sequences import block_table, no_sequences
@@ -460,58 +458,3 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
             launch_dq(dq_cfg, *(x[b:b + 1] for x in (q, k, v, dout, lse, delta, dq)), dbias=dbias, **one)
     else:
         launch_dq(dq_cfg, q, k, v, dout, lse, delta, dq, packed=packed, dbias=dbias, **kw)
-
-
-def launch_decode(cfg: FlashAttentionConfig, q: Any, k_cache: Any, v_cache: Any, seqinfo: Any, block_table: Any,
-                  part_out: Any, part_lse: Any, *, page_size: int, softmax_scale: float, window_left: int,
-                  window_right: int, softcap: float, bf16: bool, alibi: Any = None, stream: Any = 0) -> None:
-    """Launch the decode kernel of ``cfg`` as it is, no self-check: every split's partial output. Arrays as for
-    ``flash_decode``; part_out (num_splits, B, Hq, Sq, D) and part_lse (num_splits, B, Hq, Sq) float32."""
-    kernel = make_decode_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None)
-    num_splits, batch, hq, sq, d = part_out.shape
-    hkv = k_cache.shape[2]
-    group = hq // hkv
-    qmult, capmult = _multipliers(softmax_scale, softcap)
-    grid = (num_splits * math.ceil(group * sq / cfg.block_m), hkv, batch)
-    kernel[grid, cfg.threads, stream](q, k_cache, v_cache, seqinfo, block_table, part_out, part_lse, sq, group, d,
-                                      page_size, num_splits, window_left, window_right, qmult, capmult,
-                                      _slopes_arg(alibi, part_lse[0]))
-
-
-def launch_split_merge(part_out: Any, part_lse: Any, out: Any, lse: Any, *, bf16: bool, stream: Any = 0) -> None:
-    """Launch the merge of the decode kernel's splits into out (B, Sq, Hq, D) and lse (B, Hq, Sq)."""
-    _, batch, hq, sq, _ = part_out.shape
-    make_split_merge_kernel(bf16)[batch * hq * sq, MERGE_THREADS, stream](part_out, part_lse, out, lse)
-
-
-def decode_config(head_dim: int, dtype: str, *, window_left: int, window_right: int, softcap: float,
-                  alibi: bool, override: TileOverride | None = None,
-                  like: dict[str, Any] | None = None) -> FlashAttentionConfig:
-    """The decode kernel's tile config for this device, vouched for by ``selfcheck`` (run here, on its first use,
-    with arrays laid out like ``like``'s). Raises ``selfcheck.SelfCheckFailed`` when no config passes, and
-    AttentionInputError for a bad tile override."""
-    install_from_env()   # under the simulator with NUMBA_FLASH_SIMCHECK=1, check this and every later launch
-    picked = configs_for(head_dim, dtype, override, ("decode",))["decode"]
-    return selfcheck.choose(picked, *_flags(window_left, window_right, softcap), dtype, like=like, alibi=alibi)
-
-
-def flash_decode(cfg: FlashAttentionConfig, q: Any, k_cache: Any, v_cache: Any, seqinfo: Any, block_table: Any,
-                 out: Any, lse: Any, part_out: Any, part_lse: Any, *, page_size: int, softmax_scale: float,
-                 window_left: int, window_right: int, softcap: float, dtype: str, alibi: Any = None,
-                 stream: Any = 0) -> None:
-    """Attention of a decoding step over a KV cache: the decode kernel over (batch, kv head, split), then the
-    merge of the splits. Two launches whatever the batch, the page layout or the number of splits.
-
-    q, out: (B, Sq, Hq, D); k_cache, v_cache: (B_cache, S_cache, Hkv, D), or paged (num_blocks, page_size, Hkv,
-    D); device arrays of ``storage_dtype(dtype)``, any strides. seqinfo (B, 3) int32: cache row, first and
-    one-past-last key position of each sequence; block_table (B, max_blocks) int32, or any (1, 1) int32 array when
-    ``page_size`` is 0. lse (B, Hq, Sq) float32. part_out (num_splits, B, Hq, Sq, D) and part_lse (num_splits, B,
-    Hq, Sq) float32 scratch; their first dimension is the number of splits. window_left/right: -1 or a bound at
-    most Sq + Sk; alibi: None or ``alibi_arg``'s (B, Hq) array. ``cfg``: from ``decode_config``.
-    """
-    _check_storage(dtype, q=q, k_cache=k_cache, v_cache=v_cache, out=out)
-    bf16 = dtype == "bfloat16"
-    launch_decode(cfg, q, k_cache, v_cache, seqinfo, block_table, part_out, part_lse, page_size=page_size,
-                  softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap,
-                  bf16=bf16, alibi=alibi, stream=stream)
-    launch_split_merge(part_out, part_lse, out, lse, bf16=bf16, stream=stream)

@@ -153,7 +153,7 @@ def test_memory_outside_the_attended_keys_is_never_read(rng):
 @pytest.fixture
 def kernel_launches(monkeypatch):
     """The grid of every decode-kernel and merge launch, and the dense forward's launches (there should be none)."""
-    from numba_flash.cuda import launch
+    from numba_flash.cuda import launch, launch_decode
 
     seen = {"decode": [], "merge": [], "forward": []}
 
@@ -168,8 +168,9 @@ def kernel_launches(monkeypatch):
             return Recorder()
         return make
 
-    monkeypatch.setattr(launch, "make_decode_kernel", recording(launch.make_decode_kernel, "decode"))
-    monkeypatch.setattr(launch, "make_split_merge_kernel", recording(launch.make_split_merge_kernel, "merge"))
+    monkeypatch.setattr(launch_decode, "make_decode_kernel", recording(launch_decode.make_decode_kernel, "decode"))
+    monkeypatch.setattr(launch_decode, "make_split_merge_kernel",
+                        recording(launch_decode.make_split_merge_kernel, "merge"))
     monkeypatch.setattr(launch, "make_forward_kernel", recording(launch.make_forward_kernel, "forward"))
     return seen
 
