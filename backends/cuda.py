@@ -88,6 +88,8 @@ class CudaBackend(Backend):
     SUPPORTS_DBIAS = True  # a bias with every query head, row and key (see feature_reasons), no mods
     SUPPORTS_DROPOUT = True
     SUPPORTS_MODS = True   # compiled into the kernels as device functions (numba_flash/cuda/user_mods.py)
+    SUPPORTS_HEAD_DIM_V = True   # on the SIMT kernels, compiled for the bucket of max(D, Dv)
+    SUPPORTED_MAX_HEAD_DIM = 576   # past 256 on the SIMT kernels, from sm_80 on (config.WIDE_HEAD_DIM_BUCKETS)
 
     def __init__(self, config: Any = None):
         self.config = config
@@ -157,6 +159,13 @@ class CudaBackend(Backend):
             if not dtype_supported_on(call.dtype, have):
                 need = MIN_COMPUTE_CAPABILITY[call.dtype]
                 reasons.append(BF16_CC_REASON.format(need=f"{need[0]}.{need[1]}", have=f"{have[0]}.{have[1]}"))
+        if not reasons and call.kvcache is None and max(call.head_dim, call.head_dim_v) > 256:
+            from numba_flash.cuda.config import head_dim_reason, smem_limit_for
+
+            limit = smem_limit_for(_gpu_compute_capability(call.q))
+            kernels = ("backward_dkdv", "backward_dq") if call.is_backward else ("forward",)
+            why = (head_dim_reason(max(call.head_dim, call.head_dim_v), kern, limit) for kern in kernels)
+            reasons.extend(dict.fromkeys(w for w in why if w))
         return reasons
 
     def feature_reasons(self, call: AttentionCall) -> list[str]:
@@ -189,11 +198,12 @@ class CudaBackend(Backend):
                 kernels = ("decode",)
             else:
                 cc = _gpu_compute_capability(call.q)
-                if not tensor_core_reason(call.dtype, call.head_dim, self.config, cc=cc):
+                dims = dict(head_dim_v=call.head_dim_v)
+                if not tensor_core_reason(call.dtype, call.head_dim, self.config, cc=cc, **dims):
                     kernels = ("tc_forward",) + kernels[1:]
-                if not tensor_core_reason(call.dtype, call.head_dim, self.config, cc=cc, backward=True):
+                if not tensor_core_reason(call.dtype, call.head_dim, self.config, cc=cc, backward=True, **dims):
                     kernels = kernels[:1] + ("tc_backward_dkdv", "tc_backward_dq")
-            cfgs = configs_for(call.head_dim, call.dtype, self.config, kernels)
+            cfgs = configs_for(max(call.head_dim, call.head_dim_v), call.dtype, self.config, kernels)
         except AttentionInputError:       # a bad tile override: the call itself will say so
             return [], []
         used = kernels[1:] if call.is_backward else kernels[:1]
@@ -225,8 +235,9 @@ class CudaBackend(Backend):
         args = (call.dtype, call.head_dim, self.config)
         cc = _gpu_compute_capability(call.q)
         try:
-            why = tensor_core_reason(*args, cc=cc, backward=call.is_backward, dbias=call.return_dbias)
-            why_backward = why if call.is_backward else tensor_core_reason(*args, cc=cc, backward=True)
+            dims = dict(head_dim_v=call.head_dim_v)
+            why = tensor_core_reason(*args, cc=cc, backward=call.is_backward, dbias=call.return_dbias, **dims)
+            why_backward = why if call.is_backward else tensor_core_reason(*args, cc=cc, backward=True, **dims)
         except AttentionInputError as exc:
             return [str(exc)]
         if why is not None:
@@ -258,7 +269,8 @@ class CudaBackend(Backend):
 
     def _forward(self, call: AttentionCall, io: _Session) -> tuple[Any, Any]:
         q, k, v = (io.device(x, n) for x, n in ((call.q, "q"), (call.k, "k"), (call.v, "v")))
-        out_user, out = io.empty(tuple(int(s) for s in call.q.shape), call.dtype)
+        out_shape = tuple(int(s) for s in call.q.shape[:-1]) + (call.head_dim_v,)
+        out_user, out = io.empty(out_shape, call.dtype)
         lse_user, lse = io.empty(call.lse_shape, "float32")
         run = self._forward_runner(io)
 

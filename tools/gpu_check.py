@@ -39,7 +39,8 @@ def jobs(device: str) -> list[dict[str, Any]]:
     dtypes = ("float32", "float16", "bfloat16")
     out = [dict(name=f"{dt}-D{d}", dense=(dt, d), perf=(dt, d)) for dt in dtypes for d in (64, 128)]
     out += [dict(name="headdims", extra=["d256-float32", "d256-float16", "d256-bfloat16", "d40-float32",
-                                          "d96-float16", "mla-float16"]),
+                                          "d96-float16", "mla-float16", "mla-float32", "d512-float32",
+                                          "d300-bfloat16"]),
             dict(name="features-a", extra=["varlen-float32", "varlen-float16", "kvcache-float16",
                                            "kvcache-float32", "kvcache-bfloat16-flat"]),
             dict(name="features-b", extra=["bias-float32", "bias-float16", "dropout-float16", "dropout-float32",

@@ -98,10 +98,10 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     and over the query tiles that can see its keys, so dK and dV are summed over the group in registers, no atomics.
 
     Launch with grid ``(ceil(Sk / block_n), Hkv, B)`` and ``cfg.threads`` threads, arguments:
-      q, dout (B, Sq, Hq, D), k, v (B, Sk, Hkv, D): float32 or float16 (int16 bfloat16 bits with ``bf16``), any
-      strides;
-      lse, delta (B, Hq, Sq) float32; dk, dv (B, Sk, Hkv, D) like k;
-      seqlen_q, seqlen_k, head_dim, group, window_left, window_right: ints;
+      q (B, Sq, Hq, D), dout (B, Sq, Hq, Dv), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv): float32 or float16 (int16
+      bfloat16 bits with ``bf16``), any strides; D and Dv at most the bucket (Dv is read from v's shape);
+      lse, delta (B, Hq, Sq) float32; dk like k, dv like v;
+      seqlen_q, seqlen_k, head_dim (D), group, window_left, window_right: ints;
       qmult (as the forward's), capmult (softcap * log2(e)), scale: float32;
       slopes (B, Hq) float32, bias (4 dimensions) float32, the five dropout scalars and tiles (int8, the
       BlockMask's table re-cut to this config's tiles), as the forward's. With ``mods.block_tiles`` the query-tile
@@ -155,6 +155,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
         b, ab, tile, q0, k0, seqlen_q, seqlen_k = locate(seqs, seqlen_q, seqlen_k)
         n0 = tile * BLOCK_N
         hk = cuda.blockIdx.y
+        head_dim_v = v.shape[3]   # Dv, V's and dO's head dim; Q and K have head_dim (both <= DB)
 
         if DYNAMIC:   # past 48 KiB: one dynamic buffer (smem.py), carved at compile-time offsets
             smem = cuda.shared.array(0, float32, alignment=ALIGN)
@@ -200,7 +201,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                 for e in range(V4):
                     k_s[at + uint64(e)] = fetched[e]
         for k_pass in range(KV_PASSES):
-            at, ok = fetch_kv(fetched, v, ab, k0 + n0, hk, k0 + seqlen_k, head_dim, float32(1.0), t, k_pass)
+            at, ok = fetch_kv(fetched, v, ab, k0 + n0, hk, k0 + seqlen_k, head_dim_v, float32(1.0), t, k_pass)
             if ok:
                 for e in range(V4):
                     v_s[at + uint64(e)] = fetched[e]
@@ -257,7 +258,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                             q_s[at + uint64(e)] = fetched[e]
                             probe += fetched[e] * float32(0.0)
                 for k_pass in range(X_PASSES):
-                    at, ok = fetch_x(fetched, dout, ab, q0 + m0, h, q0 + seqlen_q, head_dim, float32(1.0), t,
+                    at, ok = fetch_x(fetched, dout, ab, q0 + m0, h, q0 + seqlen_q, head_dim_v, float32(1.0), t,
                                      k_pass)
                     if ok:
                         for e in range(V4):
@@ -410,6 +411,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                     d = g_tc * G_RD + (j // G_RD) * G_GAP_D + j % G_RD
                     if d < head_dim:
                         dk[ab, k0 + key, hk, d] = STORE(nan_if_not_finite(dk_acc[i, j] * scale))
+                    if d < head_dim_v:
                         dv[ab, k0 + key, hk, d] = STORE(nan_if_not_finite(dv_acc[i, j]))
 
     return cuda.jit(flash_dkdv_kernel)

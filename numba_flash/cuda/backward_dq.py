@@ -33,10 +33,10 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
     """dQ: one block per (query tile, query head, batch), looping over the key tiles its rows can see.
 
     Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments:
-      q, dout (B, Sq, Hq, D), k, v (B, Sk, Hkv, D): float32 or float16 (int16 bfloat16 bits with ``bf16``), any
-      strides;
+      q (B, Sq, Hq, D), dout (B, Sq, Hq, Dv), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv): float32 or float16 (int16
+      bfloat16 bits with ``bf16``), any strides; D and Dv at most the bucket (Dv is read from v's shape);
       lse, delta (B, Hq, Sq) float32; dq (B, Sq, Hq, D) like q;
-      seqlen_q, seqlen_k, head_dim, group, window_left, window_right: ints;
+      seqlen_q, seqlen_k, head_dim (D), group, window_left, window_right: ints;
       qmult, capmult, scale: float32, slopes and bias float32, the dropout scalars and tiles (as for the dK/dV
       kernel). With ``mods.block_tiles`` the key-tile loop skips the tiles the BlockMask's table calls EMPTY and
       stages FULL ones without mask_mod;
@@ -95,6 +95,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
         m0 = tile * BLOCK_M
         h = cuda.blockIdx.y
         hk = h // group
+        head_dim_v = v.shape[3]   # Dv, V's and dO's head dim; Q and K have head_dim (both <= DB)
         slope = float32(0.0)
         if ALIBI:
             slope = slopes[b, h]
@@ -144,7 +145,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                 for e in range(V4):
                     q_s[at + uint64(e)] = fetched[e]
         for k_pass in range(X_PASSES):
-            at, ok = fetch_x(fetched, dout, ab, q0 + m0, h, q0 + seqlen_q, head_dim, float32(1.0), t, k_pass)
+            at, ok = fetch_x(fetched, dout, ab, q0 + m0, h, q0 + seqlen_q, head_dim_v, float32(1.0), t, k_pass)
             if ok:
                 for e in range(V4):
                     do_s[at + uint64(e)] = fetched[e]
@@ -201,7 +202,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                         k_s[at + uint64(e)] = fetched[e]
                         probe += fetched[e] * float32(0.0)
             for k_pass in range(KV_PASSES):
-                at, ok = fetch_kv(fetched, v, ab, k0 + n0, hk, k0 + seqlen_k, head_dim, float32(1.0), t, k_pass)
+                at, ok = fetch_kv(fetched, v, ab, k0 + n0, hk, k0 + seqlen_k, head_dim_v, float32(1.0), t, k_pass)
                 if ok:
                     for e in range(V4):
                         v_s[at + uint64(e)] = fetched[e]

@@ -397,12 +397,13 @@ def tensor_core_configs(ccs: tuple[tuple[int, int], ...] = COMPUTE_CAPABILITIES,
     """Every (compute capability, dtype, config) of the tensor-core kernels the picker makes: float16 and bfloat16
     from compute capability 8.0 on, one config per head-dim bucket (the backward's up to
     ``TC_BACKWARD_MAX_HEAD_DIM``)."""
-    from .config import HEAD_DIM_BUCKETS, TC_BACKWARD_MAX_HEAD_DIM, TC_KERNELS
+    from .config import HEAD_DIM_BUCKETS, TC_BACKWARD_MAX_HEAD_DIM, TC_KERNELS, TC_MAX_HEAD_DIM
 
     return [(cc, dtype, tile_config_for(bucket, dtype, cc, kernel=kernel, override=TileOverride()))
             for cc in ccs if tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY for dtype in TC_DTYPES for kernel in TC_KERNELS
             for bucket in HEAD_DIM_BUCKETS
-            if head_dim_bucket(bucket) == bucket and (kernel == "tc_forward" or bucket <= TC_BACKWARD_MAX_HEAD_DIM)]
+            if head_dim_bucket(bucket) == bucket
+            and bucket <= (TC_MAX_HEAD_DIM if kernel == "tc_forward" else TC_BACKWARD_MAX_HEAD_DIM)]
 
 
 def format_table(results: list[KernelResources]) -> str:

@@ -7,7 +7,7 @@ every tile row-major and read along the head dim (see backward.py). Static
 shared memory is limited to 48 KiB per block on every NVIDIA GPU numba-cuda targets; past it the SIMT kernels take
 one dynamic buffer, which needs a per-kernel attribute numba does not set (smem.py sets it), up to the device's
 opt-in limit (``smem_limit_for``). The picker uses that only where the performance model says a bigger tile pays
-(``_PREFERRED_DYNAMIC``: D = 256, sm_80 on).
+(``_PREFERRED_DYNAMIC``: D = 256, sm_80 on), and head dims past 256 need it (``WIDE_HEAD_DIM_BUCKETS``).
 
 Users can override tile sizes for a block of code::
 
@@ -27,8 +27,21 @@ from typing import Iterator
 
 from numba_flash.errors import AttentionInputError
 
-#: Head dims are padded up to one of these (a compile-time constant of each kernel).
-HEAD_DIM_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256)
+#: Head dims are padded up to one of these (a compile-time constant of each kernel): D of q and k, and Dv of v
+#: (a kernel is built for the bucket of max(D, Dv)). 512 is Gemma's, 576 MLA's (with Dv = 512).
+HEAD_DIM_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 576)
+#: Buckets whose SIMT forward and backward tiles fit only past 48 KiB of shared memory: even 8 x 8 tiles of Q, K, V
+#: and dO rows take 64 KiB at D = 512, so those kernels run there from compute capability 8.0 on (dynamic shared
+#: memory, smem.py); the decode kernel, whose query tile is a few rows, fits 48 KiB everywhere.
+WIDE_HEAD_DIM_BUCKETS: tuple[int, ...] = (512, 576)
+WIDE_HEAD_DIM_MIN_COMPUTE_CAPABILITY = (8, 0)
+#: The SIMT backward stops at 512: at 576 a dK/dV thread owns 36 head-dim columns (576 splits over 16 threads into
+#: whole 4-column runs, not 32), and NVVM leaves their loops partly rolled, so the accumulators go to local memory
+#: (a 288-576 byte stack frame in the compile check, bfloat16 on sm_90). The forward serves 576.
+WIDE_BACKWARD_MAX_HEAD_DIM = 512
+#: Accumulators a thread may keep at the wide buckets, checked free of spills by the compile check (the forward at
+#: 576 keeps 2 x 36).
+WIDE_MAX_ACCUMULATORS_PER_THREAD = 72
 #: Kernels with a tile config. The delta pre-pass of the backward and the split merge of decoding have none (a
 #: fixed number of threads per row).
 KERNELS: tuple[str, ...] = ("forward", "backward_dkdv", "backward_dq", "decode")
@@ -38,6 +51,8 @@ TC_KERNELS: tuple[str, ...] = ("tc_forward", "tc_backward_dkdv", "tc_backward_dq
 #: The tensor-core backward holds dK's and dV's accumulators for 16 keys in one warp's registers, D per thread:
 #: past D = 128 that cannot fit, and the SIMT backward serves.
 TC_BACKWARD_MAX_HEAD_DIM = 128
+#: The tensor-core forward's largest bucket; past it float16 and bfloat16 run on the SIMT kernels.
+TC_MAX_HEAD_DIM = 256
 #: Dtypes and the lowest compute capability the tensor-core kernels are built for.
 TC_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
 TC_MIN_COMPUTE_CAPABILITY = (8, 0)
@@ -83,7 +98,8 @@ _PREFERRED: dict[str, dict[int, tuple[int, int, int]]] = {
     # Decoding (decode.py): block_m is query rows of one kv head's group (Hq / Hkv heads x Sq rows, 1 to 8 in a
     # typical decoding step), so it stays small; block_n keys of K or V in one shared buffer, as long as 48 KiB
     # allows, so that each barrier-separated step of the tile loop moves a good piece of the cache.
-    "decode": {16: (16, 64, 128), 32: (16, 64, 128), 64: (16, 64, 128), 128: (16, 32, 128), 256: (8, 16, 128)},
+    "decode": {16: (16, 64, 128), 32: (16, 64, 128), 64: (16, 64, 128), 128: (16, 32, 128), 256: (8, 16, 128),
+               512: (8, 4, 128), 576: (8, 4, 128)},
     # Tensor cores: 4 warps of 16 query rows, 16-bit tiles, Q sharing V's buffer until its fragments are in
     # registers (D <= 128). Key tiles of 64, of 32 at D = 128 (64 left the warp 16 registers short: spills). At
     # D = 256, Q's fragments would take 64 registers next to 128 accumulators, so Q stays in shared memory beside
@@ -109,10 +125,18 @@ _PREFERRED: dict[str, dict[int, tuple[int, int, int]]] = {
 # 87.4% on sm_80; 16 x 16 / 128, 87.5 KiB, within 99 KiB: 44.8% on sm_86 (8 x 8: 39.3%; 16 x 16 / 64 would be
 # 23.2%, one block of 2 warps per SM). On sm_86 and sm_89 the forward models 46.4% (was 27.1%) and dK/dV 46.0%
 # (was 42.1%). Every one keeps 64 accumulators a thread.
+# D = 512 and 576 (WIDE_HEAD_DIM_BUCKETS) have only these: the first for sm_80 and sm_90, the last within the
+# 99 KiB of sm_86 and sm_89. Chosen with the performance model (float32, plain; ceilings sm_80 / sm_86 / sm_90,
+# bounds, not measurements) among the tiles that compile without spills or stack in every dtype: forward 512
+# 32 x 32 / 256 (148 KiB) 75.6% / - / 37.8%, 16 x 16 / 128 (81 KiB) 52.8% / 26.4% / 26.4%; forward 576 32 x 32 /
+# 256 (166 KiB, sm_90) 31.3%, 16 x 16 / 128 (91 KiB) 46.2% / 23.1% / 23.1%; dK/dV 512 16 x 8 / 128 (114 KiB)
+# 73.7% / - / 37.6%, 16 x 4 / 64 (89 KiB) - / 14.3% / -; dQ 512 16 x 8 / 128 (118 KiB) 79.0% / - / 43.5%, 8 x 8 /
+# 64 (73 KiB) 68.4% / 17.9% / 34.5%. Q, K, V and dO rows of 516 words stay resident, so the backward's tiles are
+# narrow and its score products split in 16 parts over the head dim (config.score_split).
 _PREFERRED_DYNAMIC: dict[str, dict[int, tuple[tuple[int, int, int], ...]]] = {
-    "forward": {256: ((32, 32, 128),)},
-    "backward_dkdv": {256: ((16, 32, 256), (16, 16, 128))},
-    "backward_dq": {256: ((32, 32, 256), (32, 16, 128), (16, 16, 128))},
+    "forward": {256: ((32, 32, 128),), 512: ((32, 32, 256), (16, 16, 128)), 576: ((32, 32, 256), (16, 16, 128))},
+    "backward_dkdv": {256: ((16, 32, 256), (16, 16, 128)), 512: ((16, 8, 128), (16, 4, 64))},
+    "backward_dq": {256: ((32, 32, 256), (32, 16, 128), (16, 16, 128)), 512: ((16, 8, 128), (8, 8, 64))},
 }
 
 # Fallbacks, best first, for devices with less shared memory than 48 KiB (or callers that ask for a lower limit).
@@ -153,11 +177,27 @@ def dtype_supported_on(dtype: str, compute_capability: tuple[int, int]) -> bool:
 
 
 def head_dim_bucket(head_dim: int) -> int:
-    """The smallest bucket >= ``head_dim`` (1 <= head_dim <= 256)."""
+    """The smallest bucket >= ``head_dim`` (1 <= head_dim <= 576)."""
     for b in HEAD_DIM_BUCKETS:
         if head_dim <= b:
             return b
     raise AttentionInputError(f"q: expected head dim D between 1 and {HEAD_DIM_BUCKETS[-1]}, got D={head_dim}")
+
+
+def head_dim_reason(head_dim: int, kernel: str, smem_limit: int) -> str | None:
+    """Why the SIMT ``kernel`` is not offered for ``head_dim`` (1 to 576) on a device that allows ``smem_limit``
+    bytes of shared memory a block; None when it is."""
+    bucket = head_dim_bucket(head_dim)
+    if bucket not in WIDE_HEAD_DIM_BUCKETS or kernel not in DYNAMIC_SMEM_KERNELS:
+        return None
+    if kernel != "forward" and bucket > WIDE_BACKWARD_MAX_HEAD_DIM:
+        return (f"head dim {head_dim} > {WIDE_BACKWARD_MAX_HEAD_DIM}: no backward kernels past it yet (the dK/dV "
+                "accumulators would not stay in registers)")
+    if smem_limit <= STATIC_SMEM_LIMIT:
+        need = WIDE_HEAD_DIM_MIN_COMPUTE_CAPABILITY
+        return (f"head dim {head_dim} > 256: its tiles need more than 48 KiB of shared memory per block (compute "
+                f"capability >= {need[0]}.{need[1]})")
+    return None
 
 
 def padded_stride(words: int) -> int:
@@ -178,16 +218,22 @@ def transposed_stride(rows: int) -> int:
     return padded_stride(rows)
 
 
+def _whole_runs(share: int) -> bool:
+    return share <= 4 or share % 4 == 0
+
+
 def thread_grid(rows: int, cols: int, threads: int) -> tuple[int, int] | None:
     """Split a ``rows x cols`` product tile over ``threads`` threads as a ``(tr, tc)`` grid, each thread owning
     ``rows // tr`` rows and ``cols // tc`` columns (strided or contiguous, as the kernel lays them out). The most
     square per-thread block wins: it needs the fewest shared-memory loads per multiply-add. None when no split
-    divides evenly."""
+    divides evenly. A thread's rows and columns come in runs of up to 4 (one 128-bit load), so a share of more
+    than 4 is a whole number of runs: 576 columns split 16 ways (36 each), not 64 ways (9)."""
     best, best_cost = None, None
     tc = 1
     while tc <= threads:
         tr = threads // tc
-        if tr * tc == threads and rows % tr == 0 and cols % tc == 0:
+        if (tr * tc == threads and rows % tr == 0 and cols % tc == 0
+                and _whole_runs(rows // tr) and _whole_runs(cols // tc)):
             cost = rows // tr + cols // tc
             if best_cost is None or cost < best_cost or (cost == best_cost and tc > best[1]):
                 best, best_cost = (tr, tc), cost
@@ -219,10 +265,12 @@ class FlashAttentionConfig:
         share of a tile too small for 4 x 4 blocks reads 4 words per 4 multiply-adds or worse (2 x 2 blocks at
         D = 128, 1 x 1 at D = 256); split in ``s`` parts it owns an ``s`` times bigger block over ``D / s`` columns,
         at the price of writing and re-reading the tile ``s`` times."""
-        share = self.block_m * self.block_n // self.threads
+        scores, nt, db = self.block_m * self.block_n, self.threads, self.head_dim_bucket
         split = 1
-        if self.kernel in ("backward_dkdv", "backward_dq") and share:
-            while share * split < 16 and self.head_dim_bucket // (2 * split) >= 8 and 2 * split <= self.threads:
+        if self.kernel in ("backward_dkdv", "backward_dq"):
+            # Parts stay a multiple of 4 columns (one 128-bit load): 576 = 16 x 36 splits in at most 16.
+            while (scores * split < 16 * nt and db // (2 * split) >= 8 and (db // (2 * split)) % 4 == 0
+                   and 2 * split <= nt):
                 split *= 2
         return split
 
@@ -344,6 +392,10 @@ class FlashAttentionConfig:
             if self.block_n < 4:   # its products run in steps of 4 keys
                 why.append(f"block_n must be at least 4 for the decode kernel, got {self.block_n}")
             return why
+        if self.kernel in ("backward_dkdv", "backward_dq") and self.block_m * self.block_n < self.threads:
+            # Each thread sums the score parts of at least one (query, key) pair.
+            why.append(f"block_m x block_n ({self.block_m} x {self.block_n}) must be at least threads "
+                       f"({self.threads}) in the {self.kernel} kernel")
         grids = [("block_m x block_n", self.score_grid)]
         if self.kernel == "backward_dkdv":
             grids.append(("block_n x D", self.kv_grid))
@@ -413,7 +465,15 @@ def tile_config_for(head_dim: int, dtype: str = "float32", compute_capability: t
     if kernel not in KERNELS + TC_KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS + TC_KERNELS}, got {kernel!r}")
     bucket = head_dim_bucket(head_dim)
-    bm, bn, nt = _PREFERRED[kernel][bucket]
+    if kernel in TC_KERNELS and bucket > TC_MAX_HEAD_DIM:
+        raise AttentionInputError(f"head dim {head_dim}: the tensor-core kernels take D <= {TC_MAX_HEAD_DIM}")
+    if bucket in WIDE_HEAD_DIM_BUCKETS and kernel in DYNAMIC_SMEM_KERNELS:
+        why = head_dim_reason(head_dim, kernel, smem_limit)
+        if why:
+            raise AttentionInputError(why)
+        bm, bn, nt = _PREFERRED_DYNAMIC[kernel][bucket][-1]   # the smallest; the loop below takes the first fit
+    else:
+        bm, bn, nt = _PREFERRED[kernel][bucket]
     cfg = FlashAttentionConfig(kernel, bm, bn, nt, bucket)
     override = override if override is not None else active_override()
     # An override that names no tile size (``TileOverride()``, or only ``tensor_cores``) leaves the choice to the
@@ -425,9 +485,11 @@ def tile_config_for(head_dim: int, dtype: str = "float32", compute_capability: t
             raise AttentionInputError(f"tile override {override}: {kernel} kernel, head dim {head_dim}: "
                                       + "; ".join(why))
         return cfg
+    max_accumulators = (WIDE_MAX_ACCUMULATORS_PER_THREAD if bucket in WIDE_HEAD_DIM_BUCKETS
+                        else MAX_ACCUMULATORS_PER_THREAD)
     for bm, bn, nt in _PREFERRED_DYNAMIC.get(kernel, {}).get(bucket, ()) if smem_limit > STATIC_SMEM_LIMIT else ():
         big = FlashAttentionConfig(kernel, bm, bn, nt, bucket)
-        if not big.problems(smem_limit) and big.accumulators_per_thread() <= MAX_ACCUMULATORS_PER_THREAD:
+        if not big.problems(smem_limit) and big.accumulators_per_thread() <= max_accumulators:
             return big
     if not cfg.problems(smem_limit):
         return cfg
@@ -443,7 +505,7 @@ def tile_config_for(head_dim: int, dtype: str = "float32", compute_capability: t
 def all_tile_configs(ccs: tuple[tuple[int, int], ...] = COMPUTE_CAPABILITIES,
                      ) -> list[tuple[tuple[int, int], str, FlashAttentionConfig]]:
     """Every (compute capability, dtype, config) the picker produces with no override, for the compile check.
-    Head dims are bucketed, so one representative per bucket covers every head dim from 1 to 256; dtypes a
+    Head dims are bucketed, so one representative per bucket covers every head dim from 1 to 576; dtypes a
     compute capability is not offered (``MIN_COMPUTE_CAPABILITY``) are left out for it."""
     seen = []
     for cc in ccs:
@@ -452,6 +514,8 @@ def all_tile_configs(ccs: tuple[tuple[int, int], ...] = COMPUTE_CAPABILITIES,
                 continue
             for kernel in KERNELS:
                 for bucket in HEAD_DIM_BUCKETS:
+                    if head_dim_reason(bucket, kernel, smem_limit_for(cc)):
+                        continue   # not offered there
                     cfg = tile_config_for(bucket, dtype, cc, smem_limit_for(cc), kernel, override=TileOverride())
                     entry = (cc, dtype, cfg)
                     if entry not in seen:

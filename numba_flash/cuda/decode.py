@@ -68,9 +68,11 @@ def trips(start, stop, step):
     """Iterations of ``range(start, stop, step)`` for ``step > 0``. A loop ``for k in range(trips(...))`` with
     ``start + k * step`` inside costs a compare per iteration; numba's own ``range`` with a step works its trip
     count out in signed 64-bit arithmetic with the sign cases, dozens of instructions per loop, which the compiler
-    hoists out of the tile loop and keeps in registers."""
-    n = stop - start
-    return (n + (step - 1)) // step if n > 0 else 0
+    hoists out of the tile loop and keeps in registers. Compared before subtracting: with an unsigned ``start``
+    (a thread's index) past ``stop``, the simulator's numpy scalars would wrap where the GPU's signed sum does not."""
+    if stop <= start:
+        return 0
+    return (stop - start + (step - 1)) // step
 
 
 @functools.lru_cache(maxsize=None)

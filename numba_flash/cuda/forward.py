@@ -68,10 +68,10 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     lazily).
 
     Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments:
-      q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D): float32 or float16, or with ``bf16`` int16 arrays holding
-      bfloat16 bit patterns; any strides;
-      out (B, Sq, Hq, D) like q; lse (B, Hq, Sq) float32;
-      seqlen_q, seqlen_k, head_dim, group (= Hq // Hkv), window_left, window_right: ints;
+      q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv): float32 or float16, or with ``bf16`` int16 arrays
+      holding bfloat16 bit patterns; any strides; D and Dv at most the config's bucket (Dv is read from v's shape);
+      out (B, Sq, Hq, Dv) like q; lse (B, Hq, Sq) float32;
+      seqlen_q, seqlen_k, head_dim (D), group (= Hq // Hkv), window_left, window_right: ints;
       qmult: float32, scale * log2(e), or scale / softcap when softcap is on;
       capmult: float32, softcap * log2(e) (unused without softcap);
       slopes (B, Hq) float32: ALiBi slopes times log2(e), read only with ``alibi`` (any (B, Hq) float32 array
@@ -134,6 +134,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
         m0 = tile * BM
         h = cuda.blockIdx.y
         hk = h // group
+        head_dim_v = v.shape[3]   # Dv, V's and the output's head dim; Q and K have head_dim (both <= DB)
         slope = float32(0.0)
         if ALIBI:
             slope = slopes[b, h]
@@ -269,7 +270,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
             # A non-finite value goes in as 0: P V also multiplies the masked pairs' P = 0, and 0 * inf would
             # carry it into rows that do not see its key. The rows that do are made NaN after the loop.
             for k_pass in range(KV_PASSES):
-                at, ok = fetch_v(fetched, v, ab, k0 + n0, hk, k0 + seqlen_k, head_dim, float32(1.0), t, k_pass)
+                at, ok = fetch_v(fetched, v, ab, k0 + n0, hk, k0 + seqlen_k, head_dim_v, float32(1.0), t, k_pass)
                 if ok:
                     for e in range(V4):
                         x = fetched[e]
@@ -328,7 +329,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                 inv = float32(1.0) / total if total > float32(0.0) else float32(0.0)
                 for j in range(O_TD):
                     d = o_tc * O_RD + (j // O_RD) * O_GAP_D + j % O_RD
-                    if d < head_dim:
+                    if d < head_dim_v:
                         out[ab, q0 + row, h, d] = STORE(nan_if_not_finite(acc[i, j] * inv))
         if cuda.syncthreads_or(int32(v_nonfinite_seen)):
             # Rare: V held an inf or NaN, loaded as 0. Each row that sees such a key gets NaN in its column (p * inf
@@ -344,7 +345,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                             seqlen_k):
                         for j in range(O_TD):
                             d = o_tc * O_RD + (j // O_RD) * O_GAP_D + j % O_RD
-                            if d < head_dim and not abs(LOAD(v[ab, k0 + key, hk, d])) < float32(math.inf):
+                            if d < head_dim_v and not abs(LOAD(v[ab, k0 + key, hk, d])) < float32(math.inf):
                                 out[ab, q0 + row, h, d] = STORE(nan)
         for r in range(t, BM, NT):
             row = m0 + r

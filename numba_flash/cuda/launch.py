@@ -25,9 +25,9 @@ from numba_flash.errors import AttentionInputError
 from . import selfcheck, smem
 from .backward import DELTA_ROWS_PER_BLOCK, make_delta_kernel, make_dkdv_kernel, make_dq_kernel
 from .block_tiles import tiles_arg
-from .config import (STATIC_SMEM_LIMIT, TC_BACKWARD_MAX_HEAD_DIM, TC_DTYPES, TC_MIN_COMPUTE_CAPABILITY,
-                     FlashAttentionConfig, TileOverride, active_override, smem_limit_for, storage_dtype,
-                     tile_config_for)
+from .config import (STATIC_SMEM_LIMIT, TC_BACKWARD_MAX_HEAD_DIM, TC_DTYPES, TC_MAX_HEAD_DIM,
+                     TC_MIN_COMPUTE_CAPABILITY, FlashAttentionConfig, TileOverride, active_override, smem_limit_for,
+                     storage_dtype, tile_config_for)
 from .forward import make_forward_kernel
 from .masks import LOG2E
 from .sequences import block_table, no_sequences
@@ -90,10 +90,12 @@ def static_fallback(cfg: FlashAttentionConfig) -> FlashAttentionConfig:
 
 
 def tensor_core_reason(dtype: str, head_dim: int, override: TileOverride | None = None,
-                       cc: tuple[int, int] | None = None, backward: bool = False, dbias: bool = False) -> str | None:
+                       cc: tuple[int, int] | None = None, backward: bool = False, dbias: bool = False,
+                       head_dim_v: int | None = None) -> str | None:
     """Why a forward (or, with ``backward``, a backward; with ``dbias``, one that returns attn_bias's gradient)
-    call runs on the float32 SIMT kernels rather than the tensor-core ones; None when it runs on tensor cores. With
-    ``override.tensor_cores`` True a reason is an ``AttentionInputError`` instead."""
+    call runs on the float32 SIMT kernels rather than the tensor-core ones; None when it runs on tensor cores.
+    ``head_dim_v``: v's head dim Dv when it differs from ``head_dim``. With ``override.tensor_cores`` True a reason
+    is an ``AttentionInputError`` instead."""
     override = override if override is not None else active_override()
     if override is not None and override.tensor_cores is False:
         return "tensor cores switched off by tile_config_override(tensor_cores=False)"
@@ -104,6 +106,11 @@ def tensor_core_reason(dtype: str, head_dim: int, override: TileOverride | None 
     elif tuple(cc) < TC_MIN_COMPUTE_CAPABILITY:
         need = TC_MIN_COMPUTE_CAPABILITY
         reason = f"the tensor-core kernels need compute capability >= {need[0]}.{need[1]}, this GPU is {cc[0]}.{cc[1]}"
+    elif max(head_dim, head_dim_v or 0) > TC_MAX_HEAD_DIM:
+        reason = f"head dim {max(head_dim, head_dim_v or 0)} > {TC_MAX_HEAD_DIM} (the tensor-core kernels' largest)"
+    elif head_dim_v is not None and head_dim_v != head_dim:
+        # The tensor-core tiles share one 16-bit layout (and one cp.async chunking) for Q, K and V.
+        reason = f"v's head dim Dv={head_dim_v} differs from D={head_dim} (the tensor-core kernels need Dv = D)"
     elif backward and dbias:
         reason = "attn_bias's gradient (return_dbias) is computed by the SIMT dQ kernel only"
     elif backward and head_dim > TC_BACKWARD_MAX_HEAD_DIM:
@@ -304,7 +311,7 @@ def launch_forward(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, out: Any, 
 
 
 def launch_delta(dout: Any, out: Any, delta: Any, *, bf16: bool, stream: Any = 0) -> None:
-    """Launch the backward's delta pre-pass: delta (B, Hq, Sq) = rowsum(dout * out), dout and out (B, Sq, Hq, D)."""
+    """Launch the backward's delta pre-pass: delta (B, Hq, Sq) = rowsum(dout * out), dout and out (B, Sq, Hq, Dv)."""
     batch, sq, hq, d = dout.shape
     rows = batch * hq * sq
     blocks = math.ceil(rows / DELTA_ROWS_PER_BLOCK)   # a warp per row
@@ -388,7 +395,8 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
                   override: TileOverride | None = None, packed: tuple | None = None, stream: Any = 0) -> None:
     """Launch the forward kernel.
 
-    q, out: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D); device arrays of ``storage_dtype(dtype)`` (float32, float16,
+    q: (B, Sq, Hq, D); k: (B, Sk, Hkv, D); v: (B, Sk, Hkv, Dv); out: (B, Sq, Hq, Dv) (D, Dv <= 256; Dv != D on the
+    SIMT kernels); device arrays of ``storage_dtype(dtype)`` (float32, float16,
     or int16 bfloat16 bits), any strides. lse: (B, Hq, Sq) float32 device array. alibi: None or the ALiBi slopes
     times log2(e), a (B, Hq) float32 device array (``alibi_arg``). bias: None or attn_bias, a float32 device array
     of 4 dimensions, each of the full size (B, Hq, Sq, Sk) or 1, any strides. dropout: None or ``dropout_arg``'s
@@ -404,8 +412,9 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
     """
     _check_storage(dtype, q=q, k=k, v=v, out=out)
     install_from_env()   # under the simulator with NUMBA_FLASH_SIMCHECK=1, check this and every later launch
-    kernel = "forward" if tensor_core_reason(dtype, q.shape[3], override) else "tc_forward"
-    picked = configs_for(q.shape[3], dtype, override, (kernel,))[kernel]
+    d, dv = q.shape[3], v.shape[3]
+    kernel = "forward" if tensor_core_reason(dtype, d, override, head_dim_v=dv) else "tc_forward"
+    picked = configs_for(max(d, dv), dtype, override, (kernel,))[kernel]
     flags = _flags(window_left, window_right, softcap)
     cfg = selfcheck.choose(picked, *flags, dtype, like=dict(q=q, k=k, v=v, out=out, lse=lse, bias=bias),
                            alibi=alibi is not None, bias=bias is not None, dropout=dropout is not None,
@@ -422,7 +431,8 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
                    packed: tuple | None = None, dbias: Any = None, stream: Any = 0) -> None:
     """Launch the three backward kernels: delta pre-pass, dK/dV over key tiles, dQ over query tiles.
 
-    dout, q, out, dq: (B, Sq, Hq, D); k, v, dk, dv: (B, Sk, Hkv, D); device arrays of ``storage_dtype(dtype)``
+    q, dq: (B, Sq, Hq, D); dout, out: (B, Sq, Hq, Dv); k, dk: (B, Sk, Hkv, D); v, dv: (B, Sk, Hkv, Dv); device
+    arrays of ``storage_dtype(dtype)``
     (float32, float16, or int16 bfloat16 bits), any strides. lse: (B, Hq, Sq) float32 as the forward wrote it;
     delta: (B, Hq, Sq) float32 scratch; alibi, bias, dropout, mods, block_mask and packed as for ``flash_forward``
     (packed: each of the three kernels launches once for every sequence). dbias: None, or a float32 device array
@@ -434,9 +444,10 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
     """
     _check_storage(dtype, dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
     install_from_env()   # as in flash_forward
-    tc = tensor_core_reason(dtype, q.shape[3], override, backward=True, dbias=dbias is not None) is None
+    d, d_v = q.shape[3], v.shape[3]
+    tc = tensor_core_reason(dtype, d, override, backward=True, dbias=dbias is not None, head_dim_v=d_v) is None
     dkdv_kernel, dq_kernel = ("tc_backward_dkdv", "tc_backward_dq") if tc else ("backward_dkdv", "backward_dq")
-    picked = configs_for(q.shape[3], dtype, override, (dkdv_kernel, dq_kernel))
+    picked = configs_for(max(d, d_v), dtype, override, (dkdv_kernel, dq_kernel))
     flags = _flags(window_left, window_right, softcap)
     like = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv, delta=delta, bias=bias)
     # Both kernels are vouched for before either runs, so that a refusal leaves every output untouched.

@@ -1,8 +1,9 @@
 """The last resort: torch tensors on a GPU that no backend serves as asked go to the torch path on that device.
 
-On an NVIDIA GPU the cuda kernels stop at head dim 256 and leave attn_bias's gradient to others, and the torch path
-(backend 'rocm') steps in for a HIP GPU only: before this, Gemma's D = 512, MLA's 576 / 512, and a learned bias
-through ``flash_attn_func`` raised NoBackendError on NVIDIA tensors. There is no GPU here, so the calls are
+On an NVIDIA GPU the cuda kernels take head dims past 256 from compute capability 8.0 on only (the backward to 512)
+and leave the gradient of a shared attn_bias to others, and the torch path (backend 'rocm') steps in for a HIP GPU
+only: before this, Gemma's D = 512, MLA's 576 / 512, and a learned bias through ``flash_attn_func`` raised
+NoBackendError on NVIDIA tensors the kernels did not serve. There is no GPU here, so the calls are
 validated on CPU tensors and then moved onto device 'cuda' in their description (``dataclasses.replace``), as the
 cuda backend's own tests do; the real backends answer them.
 """
@@ -48,13 +49,28 @@ def _gpu_that_cuda_serves(monkeypatch):
 def test_head_dims_past_the_cuda_kernels_go_to_the_torch_path(rng, op, monkeypatch, d, dv):
     _gpu_that_cuda_serves(monkeypatch)
     call = _on_gpu(validate_forward(*_tensors(rng, d, dv), causal=True))
-    assert CudaBackend().not_supported_reasons(call)       # the cuda kernels do not take it
+    assert op.select(call).name == "cuda"                  # sm_90: the SIMT kernels' wide buckets
+    monkeypatch.setattr(cuda_backend, "_gpu_compute_capability", lambda x: (7, 5))
+    why = " ".join(CudaBackend().not_supported_reasons(call))
+    assert f"head dim {d} > 256" in why and "compute capability >= 8.0" in why   # a T4 has 48 KiB a block
     assert op.select(call).name == "rocm"
     text = op._explanation(call)
     assert text.chosen == "rocm"
     assert "serves as the last resort" in text and "rocm runs it on cuda" in text
     line = next(c for c in text.candidates if c.name == "rocm")
     assert line.chosen and line.reasons    # its ordinary reason (no HIP device) is still shown
+
+
+def test_a_backward_past_512_goes_to_the_torch_path(rng, op, monkeypatch):
+    _gpu_that_cuda_serves(monkeypatch)
+    q, k, v = _tensors(rng, 576, 512)
+    out, lse = torch.zeros((1, 7, 2, 512)), torch.zeros((1, 2, 7))
+    backward = _on_gpu(validate_backward(torch.ones_like(out), q, k, v, out, lse, causal=True))
+    assert "head dim 576 > 512: no backward kernels" in " ".join(CudaBackend().not_supported_reasons(backward))
+    assert op.select(backward).name == "rocm"
+    q, k, v = _tensors(rng, 300, 512)                      # bucket 512: served
+    backward = _on_gpu(validate_backward(torch.ones_like(out), q, k, v, out, lse, causal=True))
+    assert op.select(backward).name == "cuda"
 
 
 def test_a_bias_gradient_the_kernels_cannot_sum_goes_to_the_torch_path(rng, op, monkeypatch):

@@ -112,10 +112,10 @@ def test_backends_without_them_say_so():
     q, k, v, _ = _inputs(rng, 24, 7)
     text = str(backend_registry.get("flash").explain(q, k, v))
     assert "Dv=7" in text and "chosen: cpu" in text
-    assert "v's head dim Dv=7 different from D=24 not supported" in text.split("cuda [priority 30]:")[1]
+    assert "Dv=7" not in text.split("cuda [priority 30]:")[1].split("\n")[0]   # cuda serves Dv != D (no GPU here)
     q, k, v, _ = _inputs(rng, 320, 320, sq=3, sk=4)
     text = str(backend_registry.get("flash").explain(q, k, v))
-    assert "head dim 320 > 256" in text.split("cuda [priority 30]:")[1] and "chosen: cpu" in text
+    assert "head dim" not in text.split("cuda [priority 30]:")[1].split("\n")[0] and "chosen: cpu" in text
 
 
 @pytest.mark.parametrize("d,dv,batch,hkv", [(40, 24, 1, 1), (24, 40, 2, 2), (576, 512, 1, 1)])

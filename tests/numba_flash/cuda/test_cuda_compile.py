@@ -2,7 +2,7 @@
 sm_80, sm_86, sm_89 and sm_90, print the resource table, and fail on spills, local memory, > 48 KiB static shared
 memory, float64 arithmetic, or a block that does not fit an SM of that GPU. The kernels are the forward, the
 backward's three and decoding's two (the split-KV decode kernel and the merge of its splits). Head dims are
-bucketed (16/32/64/128/256), so the table covers every D from 1 to 256; each kernel is compiled with both window
+bucketed (16/32/64/128/256/512/576), so the table covers every D from 1 to 576; each kernel is compiled with both window
 bounds and softcap on, its most register-hungry variant, for float32, float16 and bfloat16 (int16 bit arrays). PTX
 does not depend on the target, so each specialisation is lowered once and assembled for each target.
 
@@ -64,7 +64,7 @@ def test_every_specialisation_compiles_without_spills():
     from numba_flash.cuda.compile_check import (MODS_HEAD_DIM, MODS_KERNELS, MODS_SUFFIX, VARLEN_HEAD_DIM,
                                                 VARLEN_SUFFIX, format_table)
     from numba_flash.cuda.config import (COMPUTE_CAPABILITIES, HEAD_DIM_BUCKETS, KERNEL_DTYPES, KERNELS,
-                                         dtype_supported_on)
+                                         TC_MAX_HEAD_DIM, dtype_supported_on, head_dim_reason, smem_limit_for)
 
     results = list(_all_rows())
     print()
@@ -79,10 +79,16 @@ def test_every_specialisation_compiles_without_spills():
     want = {(cc, dt, kern, b) for cc in COMPUTE_CAPABILITIES for dt in KERNEL_DTYPES
             for kern, buckets in [("backward_delta", [None]), ("decode_merge", [None])]
             + [(k, HEAD_DIM_BUCKETS) for k in KERNELS]
-            for b in buckets if dtype_supported_on(dt, cc)}
+            for b in buckets if dtype_supported_on(dt, cc)
+            and not (b and head_dim_reason(b, kern, smem_limit_for(cc)))}
+    # Head dims past 256: the decode kernel everywhere, the tiled ones from sm_80 on (the backward up to 512).
+    assert {(r.kernel, r.config.head_dim_bucket) for r in results if r.config and r.cc == (7, 5)
+            and r.config.head_dim_bucket > 256} == {("decode", 512), ("decode", 576)}
+    assert {(r.kernel, r.config.head_dim_bucket) for r in results if r.config and r.cc == (9, 0)
+            and r.config.head_dim_bucket == 576 and not r.config.tensor_cores} == {("decode", 576), ("forward", 576)}
     # The tensor-core forward, both copy paths, float16 and bfloat16, from sm_80 on.
     want |= {(cc, dt, kern, b) for cc in COMPUTE_CAPABILITIES if cc >= (8, 0) for dt in ("float16", "bfloat16")
-             for kern in ("tc_forward", "tc_forward_loads") for b in HEAD_DIM_BUCKETS}
+             for kern in ("tc_forward", "tc_forward_loads") for b in HEAD_DIM_BUCKETS if b <= TC_MAX_HEAD_DIM}
     want |= {(cc, dt, kern, b) for cc in COMPUTE_CAPABILITIES if cc >= (8, 0) for dt in ("float16", "bfloat16")
              for kern in ("tc_backward_dkdv", "tc_backward_dkdv_loads", "tc_backward_dq", "tc_backward_dq_loads")
              for b in HEAD_DIM_BUCKETS if b <= 128}

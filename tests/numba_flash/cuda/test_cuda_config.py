@@ -6,7 +6,9 @@ from numba_flash import AttentionInputError
 from numba_flash.cuda import (HEAD_DIM_BUCKETS, TileOverride, all_tile_configs, head_dim_bucket, tile_config_for,
                               tile_config_override)
 from numba_flash.cuda.config import (DYNAMIC_SMEM_KERNELS, KERNELS, MAX_ACCUMULATORS_PER_THREAD, STATIC_SMEM_LIMIT,
-                                     dtype_supported_on, smem_limit_for, storage_dtype)
+                                     WIDE_HEAD_DIM_BUCKETS, WIDE_MAX_ACCUMULATORS_PER_THREAD, FlashAttentionConfig,
+                                     dtype_supported_on, head_dim_reason, smem_limit_for, storage_dtype,
+                                     thread_grid)
 
 
 def test_every_config_fits_and_splits():
@@ -19,7 +21,56 @@ def test_every_config_fits_and_splits():
         # Only the kernels that take a dynamic buffer go past 48 KiB, and only from sm_80 on.
         assert cfg.dynamic_smem == (cfg.smem_bytes() > STATIC_SMEM_LIMIT)
         assert not cfg.dynamic_smem or (cc >= (8, 0) and cfg.kernel in DYNAMIC_SMEM_KERNELS), (cc, cfg)
-        assert cfg.accumulators_per_thread() <= MAX_ACCUMULATORS_PER_THREAD
+        wide = cfg.head_dim_bucket in WIDE_HEAD_DIM_BUCKETS
+        assert cfg.accumulators_per_thread() <= (WIDE_MAX_ACCUMULATORS_PER_THREAD if wide
+                                                 else MAX_ACCUMULATORS_PER_THREAD)
+        # Head dims past 256: decode everywhere; the tiled kernels from sm_80 on, the backward to 512.
+        assert not wide or cfg.kernel == "decode" or (cc >= (8, 0) and (cfg.kernel == "forward"
+                                                                       or cfg.head_dim_bucket <= 512)), (cc, cfg)
+
+
+@pytest.mark.parametrize("cc,tiles", [
+    ((8, 0), {"forward": [(32, 32, 256), (16, 16, 128)], "backward_dkdv": [(16, 8, 128)],
+              "backward_dq": [(16, 8, 128)]}),
+    ((8, 6), {"forward": [(16, 16, 128), (16, 16, 128)], "backward_dkdv": [(16, 4, 64)], "backward_dq": [(8, 8, 64)]}),
+    ((9, 0), {"forward": [(32, 32, 256), (32, 32, 256)], "backward_dkdv": [(16, 8, 128)],
+              "backward_dq": [(16, 8, 128)]}),
+])
+def test_wide_head_dims_take_the_tiles_the_device_allows(cc, tiles):
+    for kernel, want in tiles.items():
+        for head_dim, (bm, bn, nt) in zip((300, 576), want):
+            cfg = tile_config_for(head_dim, "float32", cc, smem_limit_for(cc), kernel)
+            assert (cfg.block_m, cfg.block_n, cfg.threads) == (bm, bn, nt), (cc, kernel, head_dim)
+            assert cfg.dynamic_smem and not cfg.problems(smem_limit_for(cc))
+    assert tile_config_for(576, "float32", cc, smem_limit_for(cc), "decode").smem_bytes() <= STATIC_SMEM_LIMIT
+
+
+def test_wide_head_dims_say_where_they_do_not_run():
+    assert head_dim_reason(256, "forward", STATIC_SMEM_LIMIT) is None
+    assert head_dim_reason(576, "decode", STATIC_SMEM_LIMIT) is None
+    for kernel in DYNAMIC_SMEM_KERNELS:
+        why = head_dim_reason(257, kernel, STATIC_SMEM_LIMIT)
+        assert "48 KiB" in why and "compute capability >= 8.0" in why
+        with pytest.raises(AttentionInputError, match="head dim 257 > 256"):
+            tile_config_for(257, kernel=kernel)
+    assert head_dim_reason(576, "forward", smem_limit_for((9, 0))) is None
+    for kernel in ("backward_dkdv", "backward_dq"):
+        assert head_dim_reason(512, kernel, smem_limit_for((8, 6))) is None
+        assert "no backward kernels" in head_dim_reason(513, kernel, smem_limit_for((9, 0)))
+    with pytest.raises(AttentionInputError, match="tensor-core kernels take D <= 256"):
+        tile_config_for(300, "float16", kernel="tc_forward")
+
+
+def test_thread_shares_are_whole_runs_of_four():
+    # 576 columns: 16 threads of 36 (9 runs of 4), never 64 of 9 or 32 of 18.
+    assert thread_grid(16, 576, 256) == (16, 16)
+    assert thread_grid(4, 576, 256) is None
+    for cfg in (FlashAttentionConfig("backward_dkdv", 16, 8, 128, 576),
+                FlashAttentionConfig("backward_dq", 8, 8, 64, 512)):
+        assert (cfg.head_dim_bucket // cfg.score_split) % 4 == 0
+    assert FlashAttentionConfig("backward_dkdv", 16, 8, 128, 576).score_split == 16
+    # A backward tile with fewer (query, key) pairs than threads leaves threads nothing to sum.
+    assert any("at least threads" in w for w in FlashAttentionConfig("backward_dq", 8, 8, 128, 512).problems(1 << 30))
 
 
 def test_smem_limit_per_compute_capability():
@@ -58,14 +109,17 @@ def test_an_override_past_48_kib_fits_only_the_kernels_with_a_dynamic_buffer():
                         override=TileOverride(block_m=64, block_n=64, threads=128))
 
 
-@pytest.mark.parametrize("d", [1, 7, 16, 17, 33, 64, 65, 100, 128, 129, 200, 255, 256])
+@pytest.mark.parametrize("d", [1, 7, 16, 17, 33, 64, 65, 100, 128, 129, 200, 255, 256, 257, 400, 512, 513, 576])
 def test_bucket_covers_head_dim(d):
     b = head_dim_bucket(d)
     assert b >= d and b in HEAD_DIM_BUCKETS
     smaller = [x for x in HEAD_DIM_BUCKETS if x < b]
     assert not smaller or max(smaller) < d
     for kernel in KERNELS:
-        assert tile_config_for(d, "float32", kernel=kernel).head_dim_bucket == b
+        if not head_dim_reason(d, kernel, smem_limit_for((9, 0))):
+            assert tile_config_for(d, "float32", (9, 0), smem_limit_for((9, 0)), kernel).head_dim_bucket == b
+    with pytest.raises(AttentionInputError, match="between 1 and 576"):
+        head_dim_bucket(577)
 
 
 def test_smaller_smem_limit_falls_back():
