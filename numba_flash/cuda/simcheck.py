@@ -5,13 +5,16 @@ or any other ``@cuda.jit`` kernel in the process) raises :class:`SimulatorCheckE
 
 * a shared-memory race: two threads of a block touch one shared element between two barriers and one of them
   writes (broadcast reads, a thread re-writing its own element, and accesses in different barrier epochs are fine);
+* a global-memory race: two blocks of one launch storing to one element of a global array (a sum kept with
+  ``+=`` across blocks loses terms on a GPU, whatever order the simulator ran them in; atomics are fine);
 * an out-of-bounds or negative index into a shared, local or global array (numpy, and numba, would wrap a negative
   index to the end of the axis, which on a GPU is always an indexing bug);
 * a barrier that not every thread of the block reaches: threads waiting at ``syncthreads()`` while others have
   finished the kernel, or threads of one block waiting at different ``syncthreads()`` calls.
 
 The checker wraps the arrays kernel code sees in thin proxies (shared arrays record who read and wrote each element
-in the current barrier epoch; local and global arrays only check indices) and replaces the simulator's block
+in the current barrier epoch; global arrays record which block stored to each element in the launch; local arrays
+only check indices) and replaces the simulator's block
 runner with one whose barrier advances the epoch and notices divergence. It is switched on by :func:`install` (or
 the :func:`checking` context manager), by the test suite's conftest when the variable is set, and by
 ``numba_flash.cuda.launch`` on the first launch of a kernel when the variable is set. Atomics are not modelled.

@@ -1,8 +1,9 @@
 """The checked arrays kernel code sees under the simulator checker (see simcheck.py).
 
 Shared arrays record, per element, which thread wrote it and which threads read it since the block's last barrier,
-and raise on a conflict; local and global arrays only check their indices, which keeps the checker cheap where
-kernels spend most accesses (register-blocked accumulators are local arrays). Every proxy checks each integer of an
+and raise on a conflict; global arrays record which block stored to each element in the launch (stores are few);
+local arrays only check their indices, which keeps the checker cheap where kernels spend most accesses
+(register-blocked accumulators are local arrays). Every proxy checks each integer of an
 index against its axis before numpy sees it, so a negative index fails instead of wrapping.
 
 The records take no lock (``SharedArray`` says why a racing pair is still seen).
@@ -291,12 +292,18 @@ class SharedArray(LocalArray):
 
 
 class DeviceArray(FakeWithinKernelCUDAArray):
-    """A global (device) array argument, as the simulator hands it to kernel code, with its indices checked."""
+    """A global (device) array argument, as the simulator hands it to kernel code, with its indices checked and
+    its stores recorded per launch (``_record_write``)."""
 
     def __init__(self, item: FakeCUDAArray, name: str | None = None):
         super().__init__(item)
-        self.__dict__["_simcheck_shape"] = item._ary.shape
+        ary = item._ary
+        self.__dict__["_simcheck_shape"] = ary.shape
         self.__dict__["_simcheck_name"] = name
+        # Where each element lives: two views of one buffer (a head sliced out by the host, a row by the kernel)
+        # name an element by its address.
+        self.__dict__["_simcheck_base"] = ary.__array_interface__["data"][0]
+        self.__dict__["_simcheck_strides"] = ary.strides
 
     def _simcheck_fail(self, idx: Any) -> None:
         raise_out_of_bounds("global", self._simcheck_name or "argument", idx, self._simcheck_shape)
@@ -314,7 +321,27 @@ class DeviceArray(FakeWithinKernelCUDAArray):
         key = element(idx, self._simcheck_shape)
         if key == -1 or (key is None and bad_integer(idx, self._simcheck_shape)):
             self._simcheck_fail(idx)
+        if key is not None:
+            self._record_write(idx)
         self._item.__setitem__(idx, value)
+
+    def _record_write(self, idx: Any) -> None:
+        """Two blocks of one launch storing to one element race (the order of blocks decides what stays; a sum
+        kept with ``+=`` loses one of the terms): raise on the second. Atomics (``check``) are not stores."""
+        th = _current_thread()
+        writes = getattr(getattr(th, "block", None), "global_writes", None)
+        if writes is None:   # not a checked block's thread
+            return
+        at = self._simcheck_base
+        for i, stride in zip(idx if isinstance(idx, tuple) else (idx,), self._simcheck_strides):
+            at += int(i) * stride
+        block = th.block
+        first = writes.setdefault(at, block.block_idx)
+        if first != block.block_idx:
+            raise SimulatorCheckError(
+                f"global-memory race on {self._simcheck_name or 'argument'!r}[{idx}] in kernel {block.kernel!r}: "
+                f"blocks {first} and {block.block_idx} both store to it in one launch (at "
+                f"{format_site(caller_site())}); only atomics may share an element across blocks")
 
     def check(self, idx: Any) -> np.ndarray:
         """The raw array, after checking ``idx`` (for atomics)."""

@@ -120,17 +120,20 @@ class CheckedCUDAModule(kernelapi.FakeCUDAModule):
         self._shared = CheckedShared(dynshared_size)
         self._local = CheckedLocal()
         self._atomic = CheckedAtomic()
+        self._global_writes: dict[int, tuple[int, ...]] = {}   # element address -> the block that stored to it
 
 
 class _Block:
     """One block's run: its barrier, barrier epoch and first failure. The shared-array records take no lock
     (simcheck_arrays.SharedArray); they are reset only while no thread of the block runs kernel code."""
 
-    def __init__(self, kernel: str, block_idx: tuple[int, ...], nthreads: int, shared: CheckedShared):
+    def __init__(self, kernel: str, block_idx: tuple[int, ...], nthreads: int, shared: CheckedShared,
+                 global_writes: dict[int, tuple[int, ...]] | None = None):
         self.kernel = kernel
         self.block_idx = block_idx
         self.nthreads = nthreads
         self.shared = shared
+        self.global_writes = {} if global_writes is None else global_writes   # the launch's, shared by its blocks
         self.cond = threading.Condition()     # barrier state below
         self.epoch = 0
         self.waiting: dict[int, tuple[str, int]] = {}   # thread -> barrier site it waits at
@@ -269,7 +272,7 @@ class CheckedBlockManager(sim_kernel.BlockManager):
         _name_arguments(self._f, args)
         block_dim = tuple(self._block_dim)
         block = _Block(getattr(self._f, "__name__", "kernel"), tuple(int(i) for i in grid_point),
-                       int(np.prod(block_dim)), module._shared)
+                       int(np.prod(block_dim)), module._shared, module._global_writes)
         module._shared.reset()
         threads = [_Thread(self._f, args, block, grid_point, point, block_dim, self._debug)
                    for point in np.ndindex(*block_dim)]

@@ -271,6 +271,55 @@ def test_device_array_arguments_are_checked_too(rng):
         _launch(global_past_end, 1, N, x, cuda.device_array(N, np.float32))
 
 
+# ---- global memory across blocks ----
+
+@cuda.jit
+def every_block_adds_into_one_row(x, out):
+    t = cuda.threadIdx.x
+    out[0, t] += x[cuda.blockIdx.x, t]          # a sum over blocks with plain stores: blocks race
+
+
+@cuda.jit
+def each_block_its_own_row(x, out):
+    t = cuda.threadIdx.x
+    out[cuda.blockIdx.x, t] += x[cuda.blockIdx.x, t]
+
+
+@cuda.jit
+def every_block_adds_atomically(x, out):
+    t = cuda.threadIdx.x
+    cuda.atomic.add(out, (0, t), x[cuda.blockIdx.x, t])
+
+
+def test_two_blocks_storing_to_one_global_element_is_a_race(rng):
+    x = rng.standard_normal((3, N)).astype(np.float32)
+    with pytest.raises(SimulatorCheckError, match=r"global-memory race on 'out'\[\(0, 0\)\] in kernel "
+                                                  r"'every_block_adds_into_one_row': blocks \(0, 0, 0\) and "
+                                                  r"\(1, 0, 0\) both store"):
+        _launch(every_block_adds_into_one_row, 3, N, x, np.zeros((3, N), np.float32))
+
+
+def test_a_store_through_a_sliced_device_array_is_seen(rng):
+    # Elements are told apart by address (views of one buffer name one element alike), here through a slice.
+    x = rng.standard_normal((2, N)).astype(np.float32)
+    out = cuda.to_device(np.zeros((2, N), np.float32))
+    with pytest.raises(SimulatorCheckError, match="global-memory race on 'out'"):
+        _launch(every_block_adds_into_one_row, 2, N, x, out[1:])
+
+
+def test_blocks_owning_their_elements_and_atomics_pass(rng):
+    x = rng.standard_normal((3, N)).astype(np.float32)
+    out = np.zeros((3, N), np.float32)
+    _launch(each_block_its_own_row, 3, N, x, out)
+    assert np.array_equal(out, x)
+    summed = np.zeros((1, N), np.float32)
+    _launch(every_block_adds_atomically, 3, N, x, summed)
+    np.testing.assert_allclose(summed[0], x.sum(axis=0), rtol=1e-6)
+    # Launches are apart: the second launch may store where the first did.
+    _launch(each_block_its_own_row, 3, N, x, out)
+    assert np.array_equal(out, 2 * x)
+
+
 # ---- barriers ----
 
 def test_barrier_inside_a_divergent_branch_is_an_error_not_a_hang(rng):
