@@ -460,12 +460,33 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
               bf16=bf16, alibi=alibi, bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, stream=stream)
     launch_delta(dout, out, delta, bf16=bf16, stream=stream)
     launch_dkdv(dkdv_cfg, q, k, v, dout, lse, delta, dk, dv, packed=packed, **kw)
-    if dbias is not None and dbias.shape[0] == 1 and q.shape[0] > 1:
-        # Every batch entry adds into the same gradient: one launch each, in order (no atomics, same sum every run).
-        for b in range(q.shape[0]):
-            one = dict(kw, alibi=None if alibi is None else alibi[b:b + 1],
-                       bias=bias if bias is None or bias.shape[0] == 1 else bias[b:b + 1],
-                       dropout=None if dropout is None else dropout[:4] + (dropout[4] + b,))
-            launch_dq(dq_cfg, *(x[b:b + 1] for x in (q, k, v, dout, lse, delta, dq)), dbias=dbias, **one)
+    shared_batch = dbias is not None and dbias.shape[0] == 1 and q.shape[0] > 1
+    shared_head = dbias is not None and dbias.shape[1] == 1 and q.shape[2] > 1
+    if shared_batch or shared_head:
+        _dq_per_shared_slice(dq_cfg, q, k, v, dout, lse, delta, dq, dbias, shared_batch, shared_head, kw)
     else:
         launch_dq(dq_cfg, q, k, v, dout, lse, delta, dq, packed=packed, dbias=dbias, **kw)
+
+
+def _dq_per_shared_slice(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dq: Any,
+                         dbias: Any, shared_batch: bool, shared_head: bool, kw: dict[str, Any]) -> None:
+    """The dQ kernel once per batch entry (a bias shared by the batch) and per query head (shared by the heads),
+    in order: every launch adds into the same gradient, so the sum needs no atomics and is the same on every run.
+    A launch sees its head as head 0 of a one-head call (its kv head sliced out, group 1), so dropout, whose mask
+    is keyed by the head, is not taken here (the backend declines that call)."""
+    if shared_head and kw["dropout"] is not None:
+        raise ValueError("dbias: a bias shared by the heads takes no dropout on the CUDA kernels")
+    batch, _, hq, _ = q.shape
+    group = hq // k.shape[2]
+    alibi, bias, dropout = kw["alibi"], kw["bias"], kw["dropout"]
+    for b in range(batch) if shared_batch else (None,):
+        bs = slice(None) if b is None else slice(b, b + 1)
+        for h in range(hq) if shared_head else (None,):
+            hs = slice(None) if h is None else slice(h, h + 1)
+            ks = slice(None) if h is None else slice(h // group, h // group + 1)
+            one = dict(kw, alibi=None if alibi is None else alibi[bs, hs],
+                       bias=bias if bias is None else bias[bs if bias.shape[0] > 1 else slice(None),
+                                                           hs if bias.shape[1] > 1 else slice(None)],
+                       dropout=None if dropout is None or b is None else dropout[:4] + (dropout[4] + b,))
+            launch_dq(cfg, q[bs, :, hs], k[bs, :, ks], v[bs, :, ks], dout[bs, :, hs], lse[bs, hs], delta[bs, hs],
+                      dq[bs, :, hs], dbias=dbias, **one)

@@ -270,10 +270,14 @@ def test_every_backend_takes_a_bias_and_cuda_says_which_dbias_it_leaves_to_other
     grad_call = validate_backward(dout, q, k, v, out.astype(np.float32), lse.astype(np.float32), attn_bias=bias,
                                   return_dbias=True)
     cuda = next(be for be in backend_registry.backends("flash") if be.name == "cuda")
-    # The cuda kernels sum dbias over the batch but not over heads, rows or keys (test_dbias_sim.py runs them).
-    assert cuda.feature_reasons(grad_call) == [
-        f"attn_bias's gradient (return_dbias) for a bias broadcast over heads, rows or keys (shape (1, 1, {SQ}, "
-        f"{SK})) not supported (the batch may be broadcast)"]
+    # The cuda kernels sum dbias over the batch and the heads but not over rows or keys (test_dbias_sim.py runs them).
+    assert cuda.feature_reasons(grad_call) == []
+    keys_only = rng.standard_normal((1, SK)).astype(np.float32)
+    out_k, lse_k = attention_ref(q, k, v, attn_bias=keys_only)
+    assert cuda.feature_reasons(validate_backward(dout, q, k, v, out_k.astype(np.float32), lse_k.astype(np.float32),
+                                                  attn_bias=keys_only, return_dbias=True)) == [
+        f"attn_bias's gradient (return_dbias) for a bias broadcast over rows or keys (shape (1, 1, 1, {SK})) not "
+        "supported (the batch and heads may be broadcast)"]
     per_head = rng.standard_normal((HQ, SQ, SK)).astype(np.float32)
     out, lse = attention_ref(q, k, v, attn_bias=per_head)
     assert cuda.feature_reasons(validate_backward(dout, q, k, v, out.astype(np.float32), lse.astype(np.float32),

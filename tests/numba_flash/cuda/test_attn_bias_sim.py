@@ -88,14 +88,19 @@ def test_float16_with_a_float16_bias():
         assert _rel(g, ref) <= 2e-3, name
 
 
-def test_dbias_of_a_bias_shared_by_the_heads_is_left_to_another_backend_with_the_reason():
-    """dbias itself is tested in test_dbias_sim.py; a bias broadcast over heads would need a sum across blocks."""
+@pytest.mark.parametrize("shape,kw,match", [
+    ((1, SK), {}, r"for a bias broadcast over rows or keys"),
+    ((SQ, 1), {}, r"for a bias broadcast over rows or keys"),
+    ((SQ, SK), dict(dropout_p=0.2, dropout_seed=3), r"for a bias shared by the heads together with dropout"),
+])
+def test_dbias_the_kernels_cannot_sum_is_left_to_another_backend_with_the_reason(shape, kw, match):
+    """dbias itself is tested in test_dbias_sim.py; a bias broadcast over rows or keys would need a sum across
+    blocks, and one shared by the heads runs one dQ launch per head, which sees it as head 0 (dropout's key)."""
     rng = np.random.default_rng(33)
     q, k, v, dout = _inputs(rng)
-    bias = rng.standard_normal((SQ, SK)).astype(np.float32)
+    bias = rng.standard_normal(shape).astype(np.float32)
     out, lse = attention_ref(q, k, v, attn_bias=bias)
-    with pytest.raises(numba_flash.NoBackendError,
-                       match=r"attn_bias's gradient \(return_dbias\) for a bias broadcast over heads, rows or keys"):
+    with pytest.raises(numba_flash.NoBackendError, match=r"attn_bias's gradient \(return_dbias\) " + match):
         backend_registry.get("flash", backend="cuda").backward(dout, q, k, v, out.astype(np.float32),
                                                                lse.astype(np.float32), attn_bias=bias,
-                                                               return_dbias=True)
+                                                               return_dbias=True, **kw)

@@ -1,6 +1,6 @@
 """attn_bias's gradient (``return_dbias``) from the CUDA kernels, under the Numba CUDA simulator with toy tiles:
-against the float64 reference for a bias with every batch entry and for one shared by the batch (one dQ launch
-per batch entry, summed in order), with causal, window, softcap, ALiBi, dropout, GQA and -inf entries; float16 on
+against the float64 reference for a bias with every batch entry and for one shared by the batch, the heads or both
+(one dQ launch per batch entry and per head, summed in order), with causal, window, softcap, ALiBi, dropout, GQA and -inf entries; float16 on
 the SIMT kernels (the tensor-core ones compute no dbias); the same bits on every run; and dbias in the bias's kind
 and dtype. Bias shapes the kernels cannot sum are refused in test_attn_bias_sim.py.
 
@@ -45,8 +45,11 @@ def _bias(rng, shape, dtype=np.float32):
     ("whole", (B, HQ, SQ, SK), dict(causal=True, softcap=2.5)),
     ("whole", (1, HQ, SQ, SK), dict(window_size=(6, 2), alibi_slopes=np.array([0.3, 0.1, 0.6, 0.9], np.float32))),
     ("split", (HQ, SQ, SK), dict(dropout_p=0.3, dropout_seed=7, causal=True)),
+    # Shared by the heads: one dQ launch per head (and per batch entry when the batch shares it too), in order.
+    ("whole", (B, 1, SQ, SK), dict(causal=True, alibi_slopes=np.array([0.3, 0.1, 0.6, 0.9], np.float32))),
+    ("split", (SQ, SK), dict(window_size=(6, 2), softcap=2.5)),
 ], ids=["split-per-batch-causal-softcap", "whole-per-batch-causal-softcap", "whole-shared-window-alibi",
-        "split-shared-3d-dropout"])
+        "split-shared-3d-dropout", "whole-head-shared-causal-alibi-gqa", "split-batch-and-head-shared"])
 def test_dbias_matches_the_reference(rng, shape, kw, tiles):
     q, k, v, dout = random_inputs(rng, B, SQ, SK, HQ, HKV, D)
     bias = _bias(rng, shape)
