@@ -297,17 +297,15 @@ def run_model(kernels: Iterable[str] = ("forward", "backward"), dtypes: Iterable
 def _model_or_none(kernel: str, dtype: str, head_dim: int, variant: str, cc_ok: list, cc_tc: list,
                    use_cache: bool) -> list[ModelRecord]:
     """``model_specialisation`` for the compute capabilities the kernel exists on; [] where it does not (a
-    tensor-core kernel for float32 or before sm_80, the tensor-core kernels past their head dims, head dims past
-    256 before sm_80)."""
-    from .config import (TC_BACKWARD_MAX_HEAD_DIM, TC_MAX_HEAD_DIM, WIDE_HEAD_DIM_MIN_COMPUTE_CAPABILITY,
-                         head_dim_bucket)
+    tensor-core kernel for float32 or before sm_80, the tensor-core kernels past their head dims, the SIMT ones
+    where ``config.head_dim_reason`` says they are not offered)."""
+    from .config import TC_BACKWARD_MAX_HEAD_DIM, TC_MAX_HEAD_DIM, head_dim_reason
 
     if kernel.startswith("tc_"):
         if head_dim > (TC_MAX_HEAD_DIM if kernel == "tc_forward" else TC_BACKWARD_MAX_HEAD_DIM):
             return []
         return model_specialisation(kernel, dtype, head_dim, variant, cc_tc, use_cache) if cc_tc else []
-    if head_dim_bucket(head_dim) > 256:
-        cc_ok = [cc for cc in cc_ok if tuple(cc) >= WIDE_HEAD_DIM_MIN_COMPUTE_CAPABILITY]
+    cc_ok = [cc for cc in cc_ok if not head_dim_reason(head_dim, kernel, smem_limit_for(cc))]
     return model_specialisation(kernel, dtype, head_dim, variant, cc_ok, use_cache) if cc_ok else []
 
 
