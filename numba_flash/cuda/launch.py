@@ -108,9 +108,10 @@ def tensor_core_reason(dtype: str, head_dim: int, override: TileOverride | None 
         reason = f"the tensor-core kernels need compute capability >= {need[0]}.{need[1]}, this GPU is {cc[0]}.{cc[1]}"
     elif max(head_dim, head_dim_v or 0) > TC_MAX_HEAD_DIM:
         reason = f"head dim {max(head_dim, head_dim_v or 0)} > {TC_MAX_HEAD_DIM} (the tensor-core kernels' largest)"
-    elif head_dim_v is not None and head_dim_v != head_dim:
-        # The tensor-core tiles share one 16-bit layout (and one cp.async chunking) for Q, K and V.
-        reason = f"v's head dim Dv={head_dim_v} differs from D={head_dim} (the tensor-core kernels need Dv = D)"
+    elif backward and head_dim_v is not None and head_dim_v != head_dim:
+        # The forward reads Dv from v's shape; the backward kernels' copies and stores take one head dim.
+        reason = (f"v's head dim Dv={head_dim_v} differs from D={head_dim} (the tensor-core backward needs "
+                  "Dv = D)")
     elif backward and dbias:
         reason = "attn_bias's gradient (return_dbias) is computed by the SIMT dQ kernel only"
     elif backward and head_dim > TC_BACKWARD_MAX_HEAD_DIM:
@@ -395,8 +396,8 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
                   override: TileOverride | None = None, packed: tuple | None = None, stream: Any = 0) -> None:
     """Launch the forward kernel.
 
-    q: (B, Sq, Hq, D); k: (B, Sk, Hkv, D); v: (B, Sk, Hkv, Dv); out: (B, Sq, Hq, Dv) (D, Dv <= 256; Dv != D on the
-    SIMT kernels); device arrays of ``storage_dtype(dtype)`` (float32, float16,
+    q: (B, Sq, Hq, D); k: (B, Sk, Hkv, D); v: (B, Sk, Hkv, Dv); out: (B, Sq, Hq, Dv) (D up to 576, Dv up to 512;
+    past 256 on the SIMT kernels); device arrays of ``storage_dtype(dtype)`` (float32, float16,
     or int16 bfloat16 bits), any strides. lse: (B, Hq, Sq) float32 device array. alibi: None or the ALiBi slopes
     times log2(e), a (B, Hq) float32 device array (``alibi_arg``). bias: None or attn_bias, a float32 device array
     of 4 dimensions, each of the full size (B, Hq, Sq, Sk) or 1, any strides. dropout: None or ``dropout_arg``'s

@@ -68,8 +68,8 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
     dispatcher, compiled lazily).
 
     Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments as the float32
-    kernel's (forward.py) except that q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) and out (B, Sq, Hq, D) are uint16 bit
-    patterns of float16 (or, with ``bf16``, bfloat16) data; dropout's arguments are read only with ``dropout``
+    kernel's (forward.py) except that q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) and out (B, Sq, Hq,
+    Dv) are uint16 bit patterns of float16 (or, with ``bf16``, bfloat16) data; dropout's arguments are read only with ``dropout``
     (as the float32 kernel's: the row sums and lse are the softmax's, P V takes the kept probabilities times
     1 / (1 - p)). ``async_copy``: copy tiles with ``cp.async``, which needs unit
     stride along D and rows that start 16-byte aligned (``launch.async_copy_ok``). With ``mods.block_tiles`` the
@@ -181,6 +181,10 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
         chunk_bytes = uint32(0)
         if d0 < head_dim:
             chunk_bytes = uint32(2 * min(head_dim - d0, CHUNK))
+        head_dim_v = v.shape[3]   # Dv, V's and the output's (both D and Dv within the bucket)
+        v_chunk_bytes = uint32(0)
+        if d0 < head_dim_v:
+            v_chunk_bytes = uint32(2 * min(head_dim_v - d0, CHUNK))
 
         for c_pass in range(Q_PASSES):
             copy_q(q_tile, q, c_pass, r0, c0, chunk_bytes, q0 + m0, q0 + seqlen_q, tile_offset(q, ab, q0 + m0, h),
@@ -212,7 +216,7 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
             warp.cp_async_wait_all()               # this K tile; and every warp is past the last tile's P V
             cuda.syncthreads()
             for c_pass in range(KV_PASSES):
-                copy_kv(v_tile, v, c_pass, r0, c0, chunk_bytes, k0 + n0, k0 + seqlen_k,
+                copy_kv(v_tile, v, c_pass, r0, c0, v_chunk_bytes, k0 + n0, k0 + seqlen_k,
                         tile_offset(v, ab, k0 + n0, hk), v.strides[1], ab, hk)
             warp.cp_async_commit()
 
@@ -396,7 +400,7 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                     if sees(m0 + row, key, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h, b, h) and \
                             not score_mod_hides(q, k, b, h, hk, m0 + row, key, head_dim, qmult, capmult, slope,
                                                 offset, bias_h, seqlen_q, seqlen_k):
-                        for d in range(lane_col, head_dim):
+                        for d in range(lane_col, head_dim_v):
                             if (d - lane_col) % 8 < 2 and (v[ab, k0 + key, hk, d] & uint16(EXP)) == uint16(EXP):
                                 q_tile[smem_index(row, d // 8) + uint32(d % 8)] = uint16(NAN_BITS)
         cuda.syncthreads()
@@ -406,7 +410,7 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
             if r < uint32(BLOCK_M) and row < seqlen_q:
                 at = smem_index(r, c0)
                 for e in range(CHUNK):
-                    if d0 + e < head_dim:
+                    if d0 + e < head_dim_v:
                         out[ab, q0 + row, h, d0 + e] = q_tile[at + uint32(e)]
 
     return cuda.jit(flash_tc_forward_kernel)

@@ -1,7 +1,7 @@
 """Head dims past 256 and a value head dim Dv different from D on the CUDA SIMT kernels, under the simulator,
 against the float64 reference. The kernels are built for the bucket of max(D, Dv) and read Dv from v's shape
 (zeros past D in Q and K, past Dv in V and dO), so both orders and buckets are covered, with masks, GQA, packed
-sequences and float16 (which leaves the tensor cores: they need Dv = D <= 256); the wide buckets (512, 576) once
+sequences and float16 (whose tensor-core forward takes Dv != D, its backward not); the wide buckets (512, 576) once
 with the tiles a GPU would run (sm_90's: the simulator's) and with the small test tiles, and the decode kernel at
 576. The backward past 512 is declined with its reason."""
 
@@ -78,22 +78,31 @@ def test_packed_sequences():
         assert got.shape == ref.shape and _rel_l2(got, ref) <= 1e-5, name
 
 
-def test_float16_runs_on_the_simt_kernels_and_says_why():
-    rng = np.random.default_rng(48)
-    q, k, v, dout = _inputs(rng, 1, 10, 13, 2, 1, 16, 8, np.float16)
+@pytest.mark.parametrize("d,dv", [(16, 8), (12, 40)], ids=["dv<d-cp.async", "dv>d-plain-loads"])
+def test_float16_forward_on_tensor_cores_backward_on_simt_and_says_why(d, dv):
+    """The tensor-core forward reads Dv from v's shape too (its V copies and output stores; rows of 24 bytes, D =
+    12, are not 16-byte aligned and take the plain-load copies); the tensor-core backward needs Dv = D."""
+    from tc_sim_cases import ONE_WARP
+
+    rng = np.random.default_rng(48 + d)
+    q, k, v, dout = _inputs(rng, 1, 21, 26, 2, 1, d, dv, np.float16)
     op = backend_registry.get("flash", backend="cuda")
     text = str(backend_registry.get("flash").explain(q, k, v, backend="cuda"))
-    assert "SIMT kernels: v's head dim Dv=8 differs from D=16" in text
-    with tile_config_override(**TILES):
+    assert (f"tensor-core kernels (mma.sync, float16); the backward on the SIMT kernels: v's head dim Dv={dv} "
+            f"differs from D={d}") in text
+    with tile_config_override(**ONE_WARP):
         out, lse = op.forward(q, k, v, causal=True, return_lse=True)
+    with tile_config_override(**TILES):
         grads = op.backward(dout, q, k, v, out, lse, causal=True)
     q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k, v, dout))
-    want_out, _ = attention_ref(q64, k64, v64, causal=True)
-    assert out.dtype == np.float16 and _rel_l2(out, want_out) <= 2e-3
+    want_out, want_lse = attention_ref(q64, k64, v64, causal=True)
+    assert out.dtype == np.float16 and out.shape == want_out.shape and _rel_l2(out, want_out) <= 2e-3
+    np.testing.assert_allclose(lse, want_lse, atol=1e-3, rtol=0)
     for got, ref in zip(grads, attention_ref_backward(do64, q64, k64, v64, causal=True)):
         assert got.dtype == np.float16 and _rel_l2(got, ref) <= 2e-3
-    with tile_config_override(tensor_cores=True), pytest.raises(AttentionInputError, match="tensor_cores=True: v's"):
-        op.forward(q, k, v)
+    with tile_config_override(**ONE_WARP), pytest.raises(AttentionInputError,
+                                                         match="tensor_cores=True: v's head dim"):
+        op.backward(dout, q, k, v, out, lse, causal=True)
 
 
 def _check_forward_backward(q, k, v, dout, kw, tiles):
@@ -129,6 +138,11 @@ def test_mla_dims_forward_with_a_gpus_tiles_and_backward_declined():
     out, lse = _check_forward_backward(q, k, v, None, kw, contextlib.nullcontext())
     with pytest.raises(NoBackendError, match="head dim 576 > 512: no backward kernels"):
         backend_registry.get("flash", backend="cuda").backward(dout, q, k, v, out, lse, **kw)
+    # explain() of the forward says where its backward will go
+    text = str(backend_registry.get("flash").explain(q, k, v, backend="cuda", **kw))
+    assert "can serve (the backward runs on another backend: head dim 576 > 512" in text
+    text = str(backend_registry.get("flash").explain(q[..., :512], k[..., :512], v, backend="cuda", **kw))
+    assert "another backend" not in text
 
 
 @pytest.mark.parametrize("d,dv", [(576, 512), (512, 200)])
