@@ -2,8 +2,8 @@
 sm_80, sm_86, sm_89 and sm_90, print the resource table, and fail on spills, local memory, > 48 KiB static shared
 memory, float64 arithmetic, or a block that does not fit an SM of that GPU. The kernels are the forward, the
 backward's three and decoding's two (the split-KV decode kernel and the merge of its splits). Head dims are
-bucketed (16/32/64/128/256/512/576), so the table covers every D from 1 to 576; each kernel is compiled with both window
-bounds and softcap on, its most register-hungry variant, for float32, float16 and bfloat16 (int16 bit arrays). PTX
+bucketed (16/32/64/128/256/512/576), so the table covers every D from 1 to 576; each kernel is compiled with both
+window bounds and softcap on, its most register-hungry variant, for float32, float16 and bfloat16 (int16 bit arrays). PTX
 does not depend on the target, so each specialisation is lowered once and assembled for each target.
 
 While the kernels' code and the toolchain are those numba_flash/cuda/compile_table.json was recorded with, the

@@ -1,7 +1,7 @@
 """attn_bias's gradient (``return_dbias``) from the CUDA kernels, under the Numba CUDA simulator with toy tiles:
 against the float64 reference for a bias with every batch entry and for one shared by the batch, the heads or both
-(one dQ launch per batch entry and per head, summed in order), with causal, window, softcap, ALiBi, dropout, GQA and -inf entries; float16 on
-the SIMT kernels (the tensor-core ones compute no dbias); the same bits on every run; and dbias in the bias's kind
+(one dQ launch per batch entry and per head, summed in order), with causal, window, softcap, ALiBi, dropout, GQA
+and -inf entries; float16 on the SIMT kernels (the tensor-core ones compute no dbias); the same bits on every run; and dbias in the bias's kind
 and dtype. Bias shapes the kernels cannot sum are refused in test_attn_bias_sim.py.
 
 Run: NUMBA_ENABLE_CUDASIM=1 .venv/bin/python -m pytest -q -m cudasim tests/numba_flash/cuda/test_dbias_sim.py
