@@ -85,7 +85,7 @@ class CudaBackend(Backend):
     SUPPORTS_KVCACHE = True
     SUPPORTS_ALIBI = True
     SUPPORTS_BIAS = True
-    SUPPORTS_DBIAS = True  # a bias with every row and key (see feature_reasons), no mods
+    SUPPORTS_DBIAS = True  # any broadcast (numba_flash/cuda/launch_dbias.py), no mods (feature_reasons)
     SUPPORTS_DROPOUT = True
     SUPPORTS_MODS = True   # compiled into the kernels as device functions (numba_flash/cuda/user_mods.py)
     SUPPORTS_HEAD_DIM_V = True   # kernels built for the bucket of max(D, Dv); the tensor-core backward needs Dv = D
@@ -170,20 +170,9 @@ class CudaBackend(Backend):
 
     def feature_reasons(self, call: AttentionCall) -> list[str]:
         reasons = super().feature_reasons(call)
-        if call.return_dbias and call.bias is not None:
-            _, hq, sq, sk = call.bias.shape
-            if (sq, sk) != (call.seqlen_q, call.seqlen_k):
-                # The dQ kernel adds each pair's gradient once per launch; a sum over rows or keys would need
-                # atomics (a different sum each run) or another pass. Batch and heads: one launch per slice.
-                reasons.append(f"attn_bias's gradient (return_dbias) for a bias broadcast over rows or keys "
-                               f"(shape {call.bias.shape}) not supported (the batch and heads may be broadcast)")
-            elif hq == 1 < call.nheads_q and call.dropout_p:
-                # One dQ launch per head sees its head as head 0, and dropout's mask is keyed by the head.
-                reasons.append("attn_bias's gradient (return_dbias) for a bias shared by the heads together with "
-                               "dropout not supported")
-            if call.mods is not None:
-                reasons.append("attn_bias's gradient (return_dbias) together with bias_mod, mask_mod or score_mod "
-                               "not supported")
+        if call.return_dbias and call.bias is not None and call.mods is not None:
+            reasons.append("attn_bias's gradient (return_dbias) together with bias_mod, mask_mod or score_mod "
+                           "not supported")
         return reasons
 
     def _selfcheck_problems(self, call: AttentionCall) -> tuple[list[str], list[str]]:

@@ -37,8 +37,9 @@ def tiles(cfg: Any) -> tuple[int, int, int]:
 
 
 class _Spoiled:
-    """Launches like a kernel: runs the real one, then scales argument ``out_arg`` by 1.001, or raises instead of
-    running (``how="raise"``)."""
+    """Launches like a kernel: runs the real one, then scales argument ``out_arg`` by 1.001 (or adds 0.001 to it,
+    ``how="shift"``: a sum that should be about 0 barely moves when scaled), or raises instead of running
+    (``how="raise"``)."""
 
     def __init__(self, kernel: Any, out_arg: int, how: str):
         self.kernel, self.out_arg, self.how = kernel, out_arg, how
@@ -49,7 +50,8 @@ class _Spoiled:
                 raise RuntimeError("CUDA_ERROR_LAUNCH_FAILED (pretend)")
             self.kernel[launch_config](*args)
             out = args[self.out_arg]
-            out[...] = out.copy_to_host() * np.float32(1.001)
+            host = out.copy_to_host()
+            out[...] = host + np.float32(0.001) if self.how == "shift" else host * np.float32(1.001)
         return run
 
 

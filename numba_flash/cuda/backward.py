@@ -51,10 +51,46 @@ from .smem import carve
 from .tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
 from .user_mods import NO_MODS, CudaMods
 
-__all__ = ["make_delta_kernel", "make_dkdv_kernel", "make_dq_kernel", "DELTA_ROWS_PER_BLOCK"]
+__all__ = ["make_delta_kernel", "make_dkdv_kernel", "make_dq_kernel", "make_dbias_sum_kernel", "DELTA_ROWS_PER_BLOCK",
+           "DBIAS_SUM_THREADS"]
 
 #: Rows of the delta pre-pass per block of 128 threads: one warp per row.
 DELTA_ROWS_PER_BLOCK = 4
+#: Threads per block of the dbias sum (one per element of attn_bias's gradient).
+DBIAS_SUM_THREADS = 128
+
+
+@functools.lru_cache(maxsize=None)
+def make_dbias_sum_kernel() -> Any:
+    """The gradient of a bias broadcast over some of (B, Hq, Sq, Sk) from the per-row or per-key sums the backward
+    kernels write (``dbias="per_row"``: (B, Hq, Sq, 1); ``"per_key"``: (B, Hq, 1, Sk)): ``dst`` (4 dimensions,
+    each src's size or 1) gets added, at each element, the sum of ``src`` (float32, 4 dimensions) over every axis
+    where dst has size 1 and src not, in a fixed order, so the same bits every run, with a compensated (Kahan) sum
+    in float32: a sum over all rows of a long sequence stays within a few roundings (no float64, which consumer
+    GPUs run at 1/64 of the float32 rate; numba compiles without fast-math, so the compensation stays). One thread per
+    element of dst: launch with ``ceil(dst.size / DBIAS_SUM_THREADS)`` blocks of DBIAS_SUM_THREADS threads."""
+
+    def flash_dbias_sum_kernel(src, dst):
+        idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        nb, nh, ni, nj = dst.shape
+        if idx < nb * nh * ni * nj:
+            j = idx % nj
+            i = idx // nj % ni
+            h = idx // (nj * ni) % nh
+            b = idx // (nj * ni * nh)
+            total = float32(0.0)
+            lost = float32(0.0)   # what the running total rounded away, added back with the next term
+            for bb in range(src.shape[0] if nb == 1 else 1):
+                for hh in range(src.shape[1] if nh == 1 else 1):
+                    for ii in range(src.shape[2] if ni == 1 else 1):
+                        for jj in range(src.shape[3] if nj == 1 else 1):
+                            term = src[b + bb, h + hh, i + ii, j + jj] - lost
+                            after = total + term
+                            lost = (after - total) - term
+                            total = after
+            dst[b, h, i, j] += total
+
+    return cuda.jit(flash_dbias_sum_kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,7 +129,7 @@ def make_delta_kernel(bf16: bool) -> Any:
 @functools.lru_cache(maxsize=None)
 def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool,
                      bf16: bool, alibi: bool = False, has_bias: bool = False, dropout: bool = False,
-                     mods: CudaMods = NO_MODS, varlen: bool = False) -> Any:
+                     mods: CudaMods = NO_MODS, varlen: bool = False, dbias: str = "") -> Any:
     """dK and dV: one block per (key tile, kv head, batch). The block loops over the query heads of its GQA group
     and over the query tiles that can see its keys, so dK and dV are summed over the group in registers, no atomics.
 
@@ -106,9 +142,15 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
       slopes (B, Hq) float32, bias (4 dimensions) float32, the five dropout scalars and tiles (int8, the
       BlockMask's table re-cut to this config's tiles), as the forward's. With ``mods.block_tiles`` the query-tile
       loop skips the tiles the table calls EMPTY and stages FULL ones without mask_mod;
-      seqs: int32 (n_blocks, 6), packed sequences' block table, read only with ``varlen`` (as the forward's).
+      seqs: int32 (n_blocks, 6), packed sequences' block table, read only with ``varlen`` (as the forward's);
+      dbias: float32 (B, Hq, 1, Sk), C-contiguous, read only with ``dbias="per_key"``: each key's gradient of a bias
+      broadcast over the query rows (the sum over the rows of the pairs' gradients) is added into it. A thread
+      sums its own scores of a key across the query tiles of a head; after each head the block adds its threads'
+      partial sums of each key in a fixed order, so no atomics and the same bits every run.
     """
     BLOCK_M, BLOCK_N, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
+    assert dbias in ("", "per_key"), dbias
+    DBIAS_PER_KEY = dbias == "per_key"
     (S_TR, S_TC), (G_TR, G_TC) = checked_grids(cfg, cfg.kv_grid)
     # The score products run in SPLIT parts of DK head-dim columns, a group of GT threads each (config.score_split).
     SPLIT = cfg.score_split
@@ -123,6 +165,9 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     R = min(E, 4, BLOCK_N)
     RUNS, RUNS_PER_ROW = E // R, BLOCK_N // R
     ROWS = RUNS if SPLIT > 1 else S_TM                # query rows whose lse and delta a thread needs
+    # dbias="per_key": the keys a thread holds scores of, and the threads that hold scores of one key (the slots
+    # of the sum, rows of dS's buffer)
+    KEYS, KEY_SLOTS = (RUNS * R, BLOCK_M) if SPLIT > 1 else (S_TN, S_TR)
     # Flat shared arrays, row-major: Q, dO (BLOCK_M x LD), K, V (BLOCK_N x LD), P, dS and each part of S and dP
     # (BLOCK_M x LP).
     LD, LP = padded_stride(DB), padded_stride(BLOCK_N)
@@ -149,7 +194,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
 
     def flash_dkdv_kernel(q, k, v, dout, lse, delta, dk, dv, seqlen_q, seqlen_k, head_dim, group, window_left,
                           window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
-                          batch0, tiles, seqs):
+                          batch0, tiles, seqs, dbias):
         t = cuda.threadIdx.x
         # b: the sequence (masks, ALiBi, dropout); the arrays' rows of it start at (ab, q0) and keys at (ab, k0).
         b, ab, tile, q0, k0, seqlen_q, seqlen_k = locate(seqs, seqlen_q, seqlen_k)
@@ -190,6 +235,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
         ga = cuda.local.array(G_TN, float32)
         gb = cuda.local.array(G_TD, float32)
         fetched = cuda.local.array(V4, float32)
+        key_part = cuda.local.array(KEYS, float32)        # dbias="per_key": this thread's part of each key's sum
         for i in range(G_TN):
             for j in range(G_TD):
                 dk_acc[i, j] = float32(0.0)
@@ -241,6 +287,8 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
             if ALIBI:
                 slope = slopes[b, h]
             bias_h = bias_head(bias, b, h)
+            for j in range(KEYS):
+                key_part[j] = float32(0.0)
             for m0 in range(m_start, i_hi, BLOCK_M):
                 # One table entry for the whole block (the tile's transposed look-up: query tile m0, this
                 # block's key tile), so every thread skips together; a skipped tile writes no shared memory,
@@ -333,9 +381,11 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                         for e in range(R):
                             z = p_s[at + uint64(e)] if DROPOUT else float32(1.0)
                             bias_value = ds_s[at + uint64(e)] if STAGED else float32(0.0)
-                            s_run[e], dp_run[e], _ = grads(s_run[e], dp_run[e], m0 + m, n0 + n + e, lse_i[u],
-                                                           delta_i[u], z, bias_value, slope, qmult, capmult, offset,
-                                                           seqlen_q, seqlen_k, window_left, window_right, b, h)
+                            s_run[e], dp_run[e], dx = grads(s_run[e], dp_run[e], m0 + m, n0 + n + e, lse_i[u],
+                                                            delta_i[u], z, bias_value, slope, qmult, capmult, offset,
+                                                            seqlen_q, seqlen_k, window_left, window_right, b, h)
+                            if DBIAS_PER_KEY:
+                                key_part[u * R + e] += dx
                         for e in range(R):   # a run is one 128-bit store
                             p_s[at + uint64(e)] = s_run[e]
                             ds_s[at + uint64(e)] = dp_run[e]
@@ -346,9 +396,11 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                             at = p_at0 + uint64(i * S_TR * LP + (j // S_RN) * S_GAP_N + j % S_RN)
                             z = p_s[at] if DROPOUT else float32(1.0)
                             bias_value = ds_s[at] if STAGED else float32(0.0)
-                            s[i, j], dp[i, j], _ = grads(s[i, j], dp[i, j], m0 + s_tr + S_TR * i, n0 + c, lse_i[i],
-                                                         delta_i[i], z, bias_value, slope, qmult, capmult, offset,
-                                                         seqlen_q, seqlen_k, window_left, window_right, b, h)
+                            s[i, j], dp[i, j], dx = grads(s[i, j], dp[i, j], m0 + s_tr + S_TR * i, n0 + c, lse_i[i],
+                                                          delta_i[i], z, bias_value, slope, qmult, capmult, offset,
+                                                          seqlen_q, seqlen_k, window_left, window_right, b, h)
+                            if DBIAS_PER_KEY:
+                                key_part[j] += dx
                     for i in range(S_TM):   # a run of columns is one 128-bit store
                         for j in range(S_TN):
                             at = p_at0 + uint64(i * S_TR * LP + (j // S_RN) * S_GAP_N + j % S_RN)
@@ -403,6 +455,26 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                             for i in range(G_TN):
                                 for j in range(G_TD):
                                     dk_acc[i, j] += ga[i] * gb[j]
+
+            if DBIAS_PER_KEY:   # each thread's partial sums into dS's buffer, row slot by key, then a key's in order
+                cuda.syncthreads()   # the last tile's readers of ds_s are done
+                if SPLIT > 1:
+                    for u in range(RUNS):
+                        m = (t + NT * u) // RUNS_PER_ROW
+                        n = (t + NT * u) % RUNS_PER_ROW * R
+                        for e in range(R):
+                            ds_s[uint64(m * LP + n + e)] = key_part[u * R + e]
+                else:
+                    for j in range(S_TN):
+                        ds_s[p_at0 + uint64((j // S_RN) * S_GAP_N + j % S_RN)] = key_part[j]
+                cuda.syncthreads()
+                dbias_h = bias_head(dbias, b, h)
+                for n in range(t, BLOCK_N, NT):
+                    if n0 + n < seqlen_k:
+                        total = float32(0.0)
+                        for m in range(KEY_SLOTS):
+                            total += ds_s[uint64(m * LP + n)]
+                        dbias_h[0, n0 + n] += total
 
         for i in range(G_TN):
             key = n0 + g_tr * G_RN + (i // G_RN) * G_GAP_N + i % G_RN

@@ -29,7 +29,7 @@ from .user_mods import NO_MODS, CudaMods
 @functools.lru_cache(maxsize=None)
 def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool,
                    alibi: bool = False, has_bias: bool = False, dropout: bool = False,
-                   mods: CudaMods = NO_MODS, varlen: bool = False, dbias: bool = False) -> Any:
+                   mods: CudaMods = NO_MODS, varlen: bool = False, dbias: str = "") -> Any:
     """dQ: one block per (query tile, query head, batch), looping over the key tiles its rows can see.
 
     Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments:
@@ -41,9 +41,14 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
       kernel). With ``mods.block_tiles`` the key-tile loop skips the tiles the BlockMask's table calls EMPTY and
       stages FULL ones without mask_mod;
       seqs: int32 (n_blocks, 6), packed sequences' block table, read only with ``varlen`` (as the forward's);
-      dbias: float32 like bias but with every query head, row and key (B or 1, Hq, Sq, Sk), read only with
-      ``dbias``: attn_bias's gradient is added into it, each element by one thread of one block per launch
-      (launch.flash_backward launches once per batch entry, in order, when the bias is shared by the batch).
+      dbias: float32, C-contiguous, read only with ``dbias``, into which attn_bias's gradient is added:
+        ``dbias="pairs"``: each pair's, (B or 1, Hq, Sq, Sk), each element by one thread of one block per launch
+        (launch.flash_backward launches once per batch entry, in order, when the bias is shared by the batch);
+        ``dbias="per_row"``: each row's sum over its keys, (B, Hq, Sq, 1), the gradient of a bias broadcast over
+        the keys: a thread sums its own scores of a row across the key tiles, and at the end the block adds its
+        threads' partial sums of each row in a fixed order, so no atomics and the same bits every run;
+      head0: int, the query head dropout's mask keys this launch's first head by (a launch of one head of a
+        larger call, launch_dbias.dq_per_shared_slice; else 0).
     """
     BLOCK_M, BLOCK_N, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
     (S_TR, S_TC), (O_TR, O_TC) = checked_grids(cfg, cfg.out_grid)
@@ -62,6 +67,8 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
     R = min(E, 4, BLOCK_M)
     RUNS, RUNS_PER_KEY = E // R, BLOCK_M // R
     ROWS = R * RUNS if SPLIT > 1 else S_TM            # query rows whose lse and delta a thread needs
+    # dbias="per_row": the threads that hold scores of one row, one partial sum each (a slot of dS^T's buffer)
+    ROW_SLOTS = BLOCK_N if SPLIT > 1 else S_TC
     # Flat shared arrays, row-major: Q, dO (BLOCK_M x LD), K, V (BLOCK_N x LD); dS^T, dropout's factors and each
     # part of S^T and dP^T (BLOCK_N x LM).
     LD, LM = padded_stride(DB), padded_stride(BLOCK_M)
@@ -80,7 +87,8 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
     load_bias = make_bias_tile(BLOCK_M, BLOCK_N, NT, True, LM, has_bias, mods)
     tile_skip = make_tile_skip(mods.block_tiles)
     locate = make_locate(varlen)
-    add_dbias = make_dbias_add(dbias)
+    assert dbias in ("", "pairs", "per_row"), dbias
+    add_dbias, DBIAS_PER_ROW = make_dbias_add(dbias == "pairs"), dbias == "per_row"
     dropout_factors = make_dropout_tile(BLOCK_M, BLOCK_N, NT, LM, True)
     X_PASSES, KV_PASSES = tile_passes(BLOCK_M, DB, NT), tile_passes(BLOCK_N, DB, NT)
     fetch_x = make_tile_fetch(BLOCK_M, DB, NT, bf16, LD, False, True)    # query side: Q, dO
@@ -88,7 +96,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
 
     def flash_dq_kernel(q, k, v, dout, lse, delta, dq, seqlen_q, seqlen_k, head_dim, group, window_left,
                         window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
-                        batch0, tiles, seqs, dbias):
+                        batch0, tiles, seqs, dbias, head0):
         t = cuda.threadIdx.x
         # b: the sequence (masks, ALiBi, dropout); the arrays' rows of it start at (ab, q0) and keys at (ab, k0).
         b, ab, tile, q0, k0, seqlen_q, seqlen_k = locate(seqs, seqlen_q, seqlen_k)
@@ -134,9 +142,12 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
         a_reg = cuda.local.array(O_TM, float32)
         b_reg = cuda.local.array(O_TD, float32)
         fetched = cuda.local.array(V4, float32)
+        row_part = cuda.local.array(ROWS, float32)        # dbias="per_row": this thread's part of each row's sum
         for i in range(O_TM):
             for j in range(O_TD):
                 acc[i, j] = float32(0.0)
+        for i in range(ROWS):
+            row_part[i] = float32(0.0)
 
         # Q is loaded unscaled: the scores are scaled instead (as in the dK/dV kernel, so both see the same P).
         for k_pass in range(X_PASSES):
@@ -209,7 +220,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
             if STAGED:   # dS's buffer holds the bias tile until dS overwrites it in place
                 load_bias(ds_t, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t, not full_tile)
             if DROPOUT:
-                dropout_factors(z_t, seed_lo, seed_hi, threshold, dscale, b + batch0, h, m0, n0, t)
+                dropout_factors(z_t, seed_lo, seed_hi, threshold, dscale, b + batch0, h + head0, m0, n0, t)
             # A K tile with an inf or NaN goes through the product that skips masked pairs.
             k_nonfinite = cuda.syncthreads_or(int32(probe != probe))
 
@@ -271,6 +282,8 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                                                  delta_i[u * R + e], z, bias_value, slope, qmult, capmult, offset,
                                                  seqlen_q, seqlen_k, window_left, window_right, b, h)
                         add_dbias(dbias_h, m0 + m + e, n0 + n, dx, seqlen_q, seqlen_k)
+                        if DBIAS_PER_ROW:
+                            row_part[u * R + e] += dx
                     for e in range(R):   # a run is one 128-bit store
                         ds_t[at + uint64(e)] = dp_run[e]
             else:
@@ -284,6 +297,8 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                                                 z, bias_value, slope, qmult, capmult, offset, seqlen_q, seqlen_k,
                                                 window_left, window_right, b, h)
                         add_dbias(dbias_h, row, n0 + s_tc + S_TC * j, dx, seqlen_q, seqlen_k)
+                        if DBIAS_PER_ROW:
+                            row_part[i] += dx
                 for j in range(S_TN):   # into dS^T key by key: a run of rows is one 128-bit store
                     for i in range(S_TM):
                         ds_t[t_at0 + uint64(j * S_TC * LM + (i // S_RM) * S_GAP_M + i % S_RM)] = dp[i, j]
@@ -312,6 +327,24 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                             for j in range(O_TD):
                                 acc[i, j] += a_reg[i] * b_reg[j]
 
+        if DBIAS_PER_ROW:   # each thread's partial sums into dS^T's buffer, key slot by row, then a row's in order
+            cuda.syncthreads()   # the last tile's readers of ds_t are done
+            if SPLIT > 1:
+                for u in range(RUNS):
+                    n = (t + NT * u) // RUNS_PER_KEY
+                    m = (t + NT * u) % RUNS_PER_KEY * R
+                    for e in range(R):
+                        ds_t[uint64(n * LM + m + e)] = row_part[u * R + e]
+            else:
+                for i in range(S_TM):
+                    ds_t[t_at0 + uint64((i // S_RM) * S_GAP_M + i % S_RM)] = row_part[i]
+            cuda.syncthreads()
+            for m in range(t, BLOCK_M, NT):
+                if m0 + m < seqlen_q:
+                    total = float32(0.0)
+                    for n in range(ROW_SLOTS):
+                        total += ds_t[uint64(n * LM + m)]
+                    dbias_h[m0 + m, 0] += total
         if A_SPLIT > 1:   # the second group's partial, through the K buffer (BLOCK_M x DB, row-major), to the first
             cuda.syncthreads()
             if ag == 1:

@@ -30,9 +30,9 @@ from .gpus import Occupancy, gpu_spec, occupancy
 #: Threads per block of the delta pre-pass (launch.py launches it with this many).
 DELTA_THREADS = 128
 #: Kernels without a tile config, one specialisation per dtype, and their threads per block: the delta pre-pass of
-#: the backward and the merge of decoding's splits (``decode.MERGE_THREADS``, repeated here so that importing this
-#: module imports no numba.cuda).
-UNTILED_THREADS = {"backward_delta": DELTA_THREADS, "decode_merge": 64}
+#: the backward, the merge of decoding's splits (``decode.MERGE_THREADS``) and the sum of a broadcast bias's
+#: gradient (``backward.DBIAS_SUM_THREADS``), repeated here so that importing this module imports no numba.cuda.
+UNTILED_THREADS = {"backward_delta": DELTA_THREADS, "decode_merge": 64, "dbias_sum": 128}
 #: The tensor-core forward kernel's two tile-copy paths, compiled as separate rows: cp.async, and plain loads for
 #: inputs cp.async cannot read (launch.async_copy_ok).
 TC_COPY_PATHS: dict[str, bool] = {"tc_forward": True, "tc_forward_loads": False,
@@ -52,6 +52,11 @@ MODS_HEAD_DIM = 64
 #: numba_flash/cuda/sequences.py locates each block's sequence), at head dim VARLEN_HEAD_DIM, with every option a
 #: packed call can take (attn_bias and the mods it cannot).
 VARLEN_SUFFIX = "+varlen"
+#: Rows of the SIMT backward kernels built to sum attn_bias's gradient over the keys (dQ, ``dbias="per_row"``) or
+#: the rows (dK/dV, ``"per_key"``), for a bias broadcast over them: every tile config, every option on. Their
+#: partial sums live in registers across the tile loop, so they are compiled apart from the plain rows.
+DBIAS_SUMS_SUFFIX = "+dbias-sums"
+DBIAS_SUMS = {"backward_dkdv": "per_key", "backward_dq": "per_row"}
 VARLEN_HEAD_DIM = 128
 #: A document-id table as a mask_mod reads one (4096 int32 entries: 16 KiB of the GPU's 64 KiB of constant
 #: memory per read), a per-head table as a bias_mod reads one, and a score_mod written in float32.
@@ -155,7 +160,7 @@ def kernel_signature(kernel: str, dtype: str) -> Any:
     C-contiguous)."""
     from numba import types
 
-    kernel = kernel.removesuffix(MODS_SUFFIX).removesuffix(VARLEN_SUFFIX)
+    kernel = kernel.removesuffix(MODS_SUFFIX).removesuffix(VARLEN_SUFFIX).removesuffix(DBIAS_SUMS_SUFFIX)
     x = types.Array(getattr(types, storage_dtype(dtype)), 4, "A")
     rows = types.Array(types.float32, 3, "A")
     slopes = types.Array(types.float32, 2, "A")
@@ -186,11 +191,15 @@ def kernel_signature(kernel: str, dtype: str) -> Any:
         return types.void(bits, bits, bits, bits, rows, i64, i64, i64, i64, i64, i64, f32, f32, *variants)
     if kernel == "forward":
         return types.void(x, x, x, x, rows, i64, i64, i64, i64, i64, i64, f32, f32, *variants)
+    dbias = types.Array(types.float32, 4, "C")   # attn_bias's gradient or its sums, allocated C-contiguous
     if kernel == "backward_dkdv":
-        return types.void(x, x, x, x, rows, rows, x, x, i64, i64, i64, i64, i64, i64, f32, f32, f32, *variants)
-    if kernel == "backward_dq":   # and last attn_bias's gradient, allocated C-contiguous by the backend
-        return types.void(x, x, x, x, rows, rows, x, i64, i64, i64, i64, i64, i64, f32, f32, f32, *variants,
-                          types.Array(types.float32, 4, "C"))
+        return types.void(x, x, x, x, rows, rows, x, x, i64, i64, i64, i64, i64, i64, f32, f32, f32, *variants,
+                          dbias)
+    if kernel == "backward_dq":
+        return types.void(x, x, x, x, rows, rows, x, i64, i64, i64, i64, i64, i64, f32, f32, f32, *variants, dbias,
+                          i64)   # and dropout's first head
+    if kernel == "dbias_sum":   # the sums, then the caller's gradient (any strides)
+        return types.void(dbias, types.Array(types.float32, 4, "A"))
     if kernel == "backward_delta":
         return types.void(x, x, rows, i64, i64, i64, i64)
     raise ValueError(kernel)
@@ -203,7 +212,7 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
     four). The compile check builds every flag on: the variant with the most live values, so the worst case for
     registers. A ``MODS_SUFFIX`` kernel is built with ``sample_mods()`` as well, and without attn_bias (see there);
     a ``VARLEN_SUFFIX`` one for packed sequences, without attn_bias."""
-    from .backward import make_delta_kernel, make_dkdv_kernel, make_dq_kernel
+    from .backward import make_dbias_sum_kernel, make_delta_kernel, make_dkdv_kernel, make_dq_kernel
     from .decode import make_decode_kernel, make_split_merge_kernel
     from .forward import make_forward_kernel
     from .tc_forward import make_tc_forward_kernel
@@ -217,6 +226,9 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
     if kernel.endswith(VARLEN_SUFFIX):
         extra, flags = {"varlen": True}, flags[:4] + (False,) + flags[5:]   # packed calls take no attn_bias
     kernel = kernel.removesuffix(VARLEN_SUFFIX)
+    if kernel.endswith(DBIAS_SUMS_SUFFIX):
+        kernel = kernel.removesuffix(DBIAS_SUMS_SUFFIX)
+        extra = {"dbias": DBIAS_SUMS[kernel]}
     if kernel in TC_COPY_PATHS:
         from .tc_dkdv import make_tc_dkdv_kernel
         from .tc_dq import make_tc_dq_kernel
@@ -229,11 +241,13 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
         return make_delta_kernel(dtype == "bfloat16").py_func
     if kernel == "decode_merge":
         return make_split_merge_kernel(dtype == "bfloat16").py_func
+    if kernel == "dbias_sum":
+        return make_dbias_sum_kernel().py_func
     if kernel == "decode":
         return make_decode_kernel(cfg, *flags[:3], dtype == "bfloat16", *flags[3:4]).py_func
     factory = {"forward": make_forward_kernel, "backward_dkdv": make_dkdv_kernel, "backward_dq": make_dq_kernel}
     if kernel == "backward_dq" and len(flags) > 4 and flags[4] and mods is NO_MODS and not extra:
-        extra = {"dbias": True}   # with attn_bias, its gradient too: the worst case for registers
+        extra = {"dbias": "pairs"}   # with attn_bias, its gradient too: the worst case for registers
     return factory[kernel](cfg, *flags[:3], dtype == "bfloat16", *flags[3:], mods=mods, **extra).py_func
 
 
@@ -344,6 +358,8 @@ def compile_jobs(ccs: tuple[tuple[int, int], ...] | None = None) -> list[Job]:
     targets: dict[tuple[str, str, FlashAttentionConfig | None], list[tuple[int, int]]] = {}
     for cc, dtype, cfg in configs:
         targets.setdefault((cfg.kernel, dtype, cfg), []).append(cc)
+        if cfg.kernel in DBIAS_SUMS:
+            targets.setdefault((cfg.kernel + DBIAS_SUMS_SUFFIX, dtype, cfg), []).append(cc)
     for cc in sorted({cc for cc, _, _ in configs}):
         for dtype in sorted({dt for c, dt, _ in configs if c == cc}):
             for kernel in UNTILED_THREADS:

@@ -29,6 +29,7 @@ from .config import (STATIC_SMEM_LIMIT, TC_BACKWARD_MAX_HEAD_DIM, TC_DTYPES, TC_
                      TC_MIN_COMPUTE_CAPABILITY, FlashAttentionConfig, TileOverride, active_override, smem_limit_for,
                      storage_dtype, tile_config_for)
 from .forward import make_forward_kernel
+from .launch_dbias import dbias_targets, dq_dbias_mode, dq_per_shared_slice, launch_dbias_sum
 from .masks import LOG2E
 from .sequences import block_table, no_sequences
 from .simcheck import install_from_env
@@ -322,11 +323,17 @@ def launch_delta(dout: Any, out: Any, delta: Any, *, bf16: bool, stream: Any = 0
 def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dk: Any,
                 dv: Any, *, softmax_scale: float, window_left: int, window_right: int, softcap: float, bf16: bool,
                 alibi: Any = None, bias: Any = None, dropout: tuple | None = None, mods: CudaMods = NO_MODS,
-                block_mask: Any = None, packed: tuple | None = None, stream: Any = 0) -> None:
+                block_mask: Any = None, packed: tuple | None = None, dbias: Any = None, stream: Any = 0) -> None:
     """Launch the dK/dV kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_backward_dkdv``
-    config) as it is, no self-check. Arrays as for ``flash_backward``."""
+    config) as it is, no self-check. Arrays as for ``flash_backward``; ``dbias``: None, or (B, Hq, 1, Sk) float32
+    zeros into which the SIMT kernel adds each key's gradient of a bias broadcast over the rows."""
     mods, tiles = _block_tiles(mods, block_mask, cfg, stream)
     switches = _varlen_kw(packed)   # the factory's keyword switches
+    extra = () if cfg.tensor_cores else (_bias_arg(dbias),)   # the SIMT kernel's dbias (placeholder: not read)
+    if dbias is not None:
+        if cfg.tensor_cores:
+            raise ValueError("dbias: the tensor-core dK/dV kernel does not compute attn_bias's gradient")
+        switches = dict(switches, dbias="per_key")
     if cfg.tensor_cores:
         kernel = make_tc_dkdv_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
                                      bias is not None, dropout is not None, async_copy_ok(q, k, v, dout), mods,
@@ -343,28 +350,34 @@ def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, ls
         return
     args = (q, k, v, dout, lse, delta, dk, dv, sq, sk, d, hq // hkv, window_left, window_right, qmult, capmult,
             np.float32(softmax_scale), _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout), tiles,
-            seqs)
+            seqs, *extra)
     with _compiling(mods):
         launched = _run(kernel, (blocks, hkv, grid_z), cfg, stream, args)
     if not launched:
         launch_dkdv(static_fallback(cfg), q, k, v, dout, lse, delta, dk, dv, softmax_scale=softmax_scale,
                     window_left=window_left, window_right=window_right, softcap=softcap, bf16=bf16, alibi=alibi,
-                    bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, packed=packed, stream=stream)
+                    bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, packed=packed, dbias=dbias,
+                    stream=stream)
 
 
 def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dq: Any, *,
               softmax_scale: float, window_left: int, window_right: int, softcap: float, bf16: bool,
               alibi: Any = None, bias: Any = None, dropout: tuple | None = None, mods: CudaMods = NO_MODS,
-              block_mask: Any = None, packed: tuple | None = None, dbias: Any = None, stream: Any = 0) -> None:
+              block_mask: Any = None, packed: tuple | None = None, dbias: Any = None, head0: int = 0,
+              stream: Any = 0) -> None:
     """Launch the dQ kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_backward_dq`` config) as it
-    is, no self-check. Arrays as for ``flash_backward``; attn_bias's gradient is added into ``dbias`` (SIMT only)."""
+    is, no self-check. Arrays as for ``flash_backward``; attn_bias's gradient is added into ``dbias`` (SIMT only):
+    each pair's when it has every key, (B or 1, Hq, Sq, Sk), or each row's sum over the keys into (B, Hq, Sq, 1).
+    ``head0``: the head dropout's mask takes for the arrays' first query head (a launch of one head of a call)."""
     mods, tiles = _block_tiles(mods, block_mask, cfg, stream)
     varlen = _varlen_kw(packed)   # the factory's keyword switches
-    extra = () if cfg.tensor_cores else (_bias_arg(dbias),)   # the SIMT kernel's dbias (placeholder: not read)
+    extra = () if cfg.tensor_cores else (_bias_arg(dbias), int(head0))   # the SIMT kernel's dbias and dropout head
+    if head0 and cfg.tensor_cores:
+        raise ValueError("head0: the tensor-core dQ kernel keys dropout by its own heads")
     if dbias is not None:
         if cfg.tensor_cores:
             raise ValueError("dbias: the tensor-core dQ kernel does not compute attn_bias's gradient")
-        varlen = dict(varlen, dbias=True)
+        varlen = dict(varlen, dbias=dq_dbias_mode(dbias, k.shape[1]))
     if cfg.tensor_cores:
         kernel = make_tc_dq_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
                                    bias is not None, dropout is not None, async_copy_ok(q, k, v, dout), mods, **varlen)
@@ -387,7 +400,11 @@ def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse:
         launch_dq(static_fallback(cfg), q, k, v, dout, lse, delta, dq, softmax_scale=softmax_scale,
                   window_left=window_left, window_right=window_right, softcap=softcap, bf16=bf16, alibi=alibi,
                   bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, packed=packed, dbias=dbias,
-                  stream=stream)
+                  head0=head0, stream=stream)
+
+
+
+
 
 
 def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float, window_left: int,
@@ -437,9 +454,11 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
     (float32, float16, or int16 bfloat16 bits), any strides. lse: (B, Hq, Sq) float32 as the forward wrote it;
     delta: (B, Hq, Sq) float32 scratch; alibi, bias, dropout, mods, block_mask and packed as for ``flash_forward``
     (packed: each of the three kernels launches once for every sequence). dbias: None, or a float32 device array
-    of zeros shaped like bias but with every query head, (B or 1, Hq, Sq, Sk), into which attn_bias's gradient is
-    summed (on the SIMT kernels; a bias shared by the batch takes one dQ launch per batch entry, in order, so
-    that the sum is the same on every run). Raises
+    of zeros shaped like bias, (B or 1, Hq or 1, Sq or 1, Sk or 1), into which attn_bias's gradient is summed, on
+    the SIMT kernels and the same on every run: a bias with every row and key takes each pair's from the dQ
+    kernel (once per batch entry, in order, when the batch shares it; once per query head when the heads do); one
+    broadcast over the rows takes each key's sum from the dK/dV kernel, one broadcast over the keys each row's
+    from the dQ kernel, both into (B, Hq, ...) scratch that ``launch_dbias_sum`` then sums into dbias. Raises
     ``selfcheck.SelfCheckFailed``, having written nothing, when no config of one of the two tiled kernels passes its
     self-check on this GPU.
     """
@@ -447,6 +466,7 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
     install_from_env()   # as in flash_forward
     d, d_v = q.shape[3], v.shape[3]
     tc = tensor_core_reason(dtype, d, override, backward=True, dbias=dbias is not None, head_dim_v=d_v) is None
+    sums, dkdv_dbias, dq_dbias = dbias_targets(dbias, q, k, stream)
     dkdv_kernel, dq_kernel = ("tc_backward_dkdv", "tc_backward_dq") if tc else ("backward_dkdv", "backward_dq")
     picked = configs_for(max(d, d_v), dtype, override, (dkdv_kernel, dq_kernel))
     flags = _flags(window_left, window_right, softcap)
@@ -454,40 +474,20 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
     # Both kernels are vouched for before either runs, so that a refusal leaves every output untouched.
     variant = dict(alibi=alibi is not None, bias=bias is not None, dropout=dropout is not None,
                    async_copy=not tc or async_copy_ok(q, k, v, dout), varlen=packed is not None)
-    dkdv_cfg = selfcheck.choose(picked[dkdv_kernel], *flags, dtype, like=like, **variant)
-    dq_cfg = selfcheck.choose(picked[dq_kernel], *flags, dtype, like=like, dbias=dbias is not None, **variant)
+    dkdv_cfg = selfcheck.choose(picked[dkdv_kernel], *flags, dtype, like=like,
+                                dbias="" if dkdv_dbias is None else "per_key", **variant)
+    dq_cfg = selfcheck.choose(picked[dq_kernel], *flags, dtype, like=like,
+                              dbias="" if dq_dbias is None else dq_dbias_mode(dq_dbias, k.shape[1]), **variant)
     bf16 = dtype == "bfloat16"
     kw = dict(softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap,
               bf16=bf16, alibi=alibi, bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, stream=stream)
     launch_delta(dout, out, delta, bf16=bf16, stream=stream)
-    launch_dkdv(dkdv_cfg, q, k, v, dout, lse, delta, dk, dv, packed=packed, **kw)
-    shared_batch = dbias is not None and dbias.shape[0] == 1 and q.shape[0] > 1
-    shared_head = dbias is not None and dbias.shape[1] == 1 and q.shape[2] > 1
+    launch_dkdv(dkdv_cfg, q, k, v, dout, lse, delta, dk, dv, packed=packed, dbias=dkdv_dbias, **kw)
+    shared_batch = dq_dbias is not None and dq_dbias.shape[0] == 1 and q.shape[0] > 1
+    shared_head = dq_dbias is not None and dq_dbias.shape[1] == 1 and q.shape[2] > 1
     if shared_batch or shared_head:
-        _dq_per_shared_slice(dq_cfg, q, k, v, dout, lse, delta, dq, dbias, shared_batch, shared_head, kw)
+        dq_per_shared_slice(dq_cfg, q, k, v, dout, lse, delta, dq, dq_dbias, shared_batch, shared_head, kw)
     else:
-        launch_dq(dq_cfg, q, k, v, dout, lse, delta, dq, packed=packed, dbias=dbias, **kw)
-
-
-def _dq_per_shared_slice(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dq: Any,
-                         dbias: Any, shared_batch: bool, shared_head: bool, kw: dict[str, Any]) -> None:
-    """The dQ kernel once per batch entry (a bias shared by the batch) and per query head (shared by the heads),
-    in order: every launch adds into the same gradient, so the sum needs no atomics and is the same on every run.
-    A launch sees its head as head 0 of a one-head call (its kv head sliced out, group 1), so dropout, whose mask
-    is keyed by the head, is not taken here (the backend declines that call)."""
-    if shared_head and kw["dropout"] is not None:
-        raise ValueError("dbias: a bias shared by the heads takes no dropout on the CUDA kernels")
-    batch, _, hq, _ = q.shape
-    group = hq // k.shape[2]
-    alibi, bias, dropout = kw["alibi"], kw["bias"], kw["dropout"]
-    for b in range(batch) if shared_batch else (None,):
-        bs = slice(None) if b is None else slice(b, b + 1)
-        for h in range(hq) if shared_head else (None,):
-            hs = slice(None) if h is None else slice(h, h + 1)
-            ks = slice(None) if h is None else slice(h // group, h // group + 1)
-            one = dict(kw, alibi=None if alibi is None else alibi[bs, hs],
-                       bias=bias if bias is None else bias[bs if bias.shape[0] > 1 else slice(None),
-                                                           hs if bias.shape[1] > 1 else slice(None)],
-                       dropout=None if dropout is None or b is None else dropout[:4] + (dropout[4] + b,))
-            launch_dq(cfg, q[bs, :, hs], k[bs, :, ks], v[bs, :, ks], dout[bs, :, hs], lse[bs, hs], delta[bs, hs],
-                      dq[bs, :, hs], dbias=dbias, **one)
+        launch_dq(dq_cfg, q, k, v, dout, lse, delta, dq, packed=packed, dbias=dq_dbias, **kw)
+    if sums is not None:
+        launch_dbias_sum(sums, dbias, stream)

@@ -94,7 +94,7 @@ class Specialisation:
     dropout: bool = False
     async_copy: bool = True   # tensor-core kernels: tiles copied with cp.async (else plain loads)
     varlen: bool = False      # built for packed sequences in one launch (sequences.py)
-    dbias: bool = False       # dQ: also sums attn_bias's gradient
+    dbias: str = ""           # also attn_bias's gradient: dQ "pairs" or "per_row" sums, dK/dV "per_key" sums
 
     def tiles(self) -> str:
         """'64x32/128': block_m x block_n / threads."""
@@ -108,7 +108,7 @@ class Specialisation:
                 + (" softcap" if self.softcap else "") + (" alibi" if self.alibi else "")
                 + (" attn_bias" if self.bias else "") + (" dropout" if self.dropout else "")
                 + (" plain loads" if self.cfg.tensor_cores and not self.async_copy else "")
-                + (" packed" if self.varlen else "") + (" dbias" if self.dbias else ""))
+                + (" packed" if self.varlen else "") + (f" dbias {self.dbias}" if self.dbias else ""))
 
 
 @dataclass(frozen=True)
@@ -219,12 +219,13 @@ def check(spec: Specialisation, like: dict[str, Any] | None = None, device: int 
 def choose(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, dtype: str,
            like: dict[str, Any] | None = None, alibi: bool = False, bias: bool = False,
            dropout: bool = False, async_copy: bool = True, varlen: bool = False,
-           dbias: bool = False) -> FlashAttentionConfig:
+           dbias: str = "") -> FlashAttentionConfig:
     """The config to launch: ``cfg`` if it passes its check (or the check is off), else the first fallback that
     passes; ``SelfCheckFailed`` with every failure when none does. ``async_copy``: the tensor-core kernels' copy
     path the call takes (``launch.async_copy_ok`` of its arrays); ``varlen``: the call is packed sequences (the
-    check then runs its problem as the last of three packed sequences, ``_PACKED_ROWS``); ``dbias``: the dQ
-    kernel also sums attn_bias's gradient (checked against the reference's)."""
+    check then runs its problem as the last of three packed sequences, ``_PACKED_ROWS``); ``dbias``: the kernel
+    also sums attn_bias's gradient, each pair's or its sums over keys (dQ: "pairs", "per_row") or over rows (dK/dV:
+    "per_key"), checked against the reference's summed likewise."""
     if not enabled():
         return cfg
     failures = []
@@ -376,7 +377,7 @@ def _backward_inputs(spec: Specialisation, like: dict[str, Any]) -> tuple[_Probl
     kw = dict(softmax_scale=p.scale, window_size=p.window_size, softcap=p.softcap, alibi_slopes=p.slopes,
               attn_bias=p.bias, dropout_p=p.dropout_p, dropout_seed=_SEED)
     ref_out, ref_lse = attention_ref(p.q, p.k, p.v, **kw)
-    grads = attention_ref_backward(p.dout, p.q, p.k, p.v, return_dbias=spec.dbias, **kw)
+    grads = attention_ref_backward(p.dout, p.q, p.k, p.v, return_dbias=bool(spec.dbias), **kw)
     side = dict(q="rows", dout="rows", k="keys", v="keys")
     dev = {n: _device(_placed(spec, p.stored[n], side[n]), like.get(n)) for n in side}
     dev["out"] = _device(_placed(spec, _to_storage(ref_out.astype(np.float32), spec.dtype), "rows"), like.get("out"))
@@ -394,16 +395,21 @@ def _check_dkdv(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str], 
     from .config import storage_dtype
     from .launch import launch_dkdv
 
-    p, dev, (_, ref_dk, ref_dv) = _backward_inputs(spec, like)
+    p, dev, (_, ref_dk, ref_dv, *ref_dbias) = _backward_inputs(spec, like)
     keys = _ahead(spec, "keys")
     shape = (p.k.shape[0], keys + p.k.shape[1]) + p.k.shape[2:]
     dk = _nan_device(shape, storage_dtype(spec.dtype), like.get("dk"))
     dv = _nan_device(shape, storage_dtype(spec.dtype), like.get("dv"))
-    launch_dkdv(spec.cfg, dev["q"], dev["k"], dev["v"], dev["dout"], dev["lse"], dev["delta"], dk, dv,
+    dbias = _device(np.zeros(ref_dbias[0].sum(2, keepdims=True).shape, np.float32), None) if spec.dbias else None
+    launch_dkdv(spec.cfg, dev["q"], dev["k"], dev["v"], dev["dout"], dev["lse"], dev["delta"], dk, dv, dbias=dbias,
                 **_launch_kw(spec, p, like))
     bound = _grad_bound(spec.dtype)
-    return _judge([(name, "relative L2 error", _rel_l2(_widen(got.copy_to_host()[:, keys:], spec.dtype), ref),
-                    bound) for name, got, ref in (("dk", dk, ref_dk), ("dv", dv, ref_dv))])
+    measured = [(name, "relative L2 error", _rel_l2(_widen(got.copy_to_host()[:, keys:], spec.dtype), ref), bound)
+                for name, got, ref in (("dk", dk, ref_dk), ("dv", dv, ref_dv))]
+    if spec.dbias:   # "per_key": each key's sum over the rows, judged as the gradients are
+        measured.append(("dbias", "relative L2 error",
+                         _rel_l2(dbias.copy_to_host(), ref_dbias[0].sum(2, keepdims=True)), bound))
+    return _judge(measured)
 
 
 def _check_dq(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -413,14 +419,20 @@ def _check_dq(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str], li
     p, dev, (ref_dq, _, _, *ref_dbias) = _backward_inputs(spec, like)
     rows = _ahead(spec, "rows")
     dq = _nan_device((p.q.shape[0], rows + p.q.shape[1]) + p.q.shape[2:], storage_dtype(spec.dtype), like.get("dq"))
-    dbias = _device(np.zeros(p.bias.shape, np.float32), None) if spec.dbias else None
+    want_dbias = None
+    if spec.dbias:   # "per_row": each row's sum over the keys
+        want_dbias = ref_dbias[0].sum(3, keepdims=True) if spec.dbias == "per_row" else ref_dbias[0]
+    dbias = _device(np.zeros(want_dbias.shape, np.float32), None) if spec.dbias else None
     launch_dq(spec.cfg, dev["q"], dev["k"], dev["v"], dev["dout"], dev["lse"], dev["delta"], dq, dbias=dbias,
               **_launch_kw(spec, p, like))
     got = _widen(dq.copy_to_host()[:, rows:], spec.dtype)
     bound = _grad_bound(spec.dtype)
     measured = [("dq", "relative L2 error", _rel_l2(got, ref_dq), bound)]
     if spec.dbias:   # float32 whatever the inputs' dtype, judged as their gradients are
-        measured.append(("dbias", "relative L2 error", _rel_l2(dbias.copy_to_host(), ref_dbias[0]), bound))
+        # A row's sum is of terms that cancel (softmax ignores a shift of a row), so its error is judged against
+        # the pairs' gradient it sums.
+        scale = ref_dbias[0] if spec.dbias == "per_row" else None
+        measured.append(("dbias", "relative L2 error", _rel_l2(dbias.copy_to_host(), want_dbias, scale), bound))
     return _judge(measured)
 
 

@@ -126,11 +126,12 @@ def _max_abs(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(got[fin] - ref[fin]), initial=0.0))
 
 
-def _rel_l2(got: np.ndarray, ref: np.ndarray) -> float:
+def _rel_l2(got: np.ndarray, ref: np.ndarray, scale: np.ndarray | None = None) -> float:
+    """||got - ref|| / ||ref||, or over ||scale|| where ref is a sum of terms that cancel (scale: the terms)."""
     got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     if not np.all(np.isfinite(got)):
         return math.inf
-    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref if scale is None else scale), 1e-30))
 
 
 def _textbook_float32(p: _Problem) -> tuple[np.ndarray, np.ndarray]:

@@ -73,23 +73,33 @@ def test_a_backward_past_512_goes_to_the_torch_path(rng, op, monkeypatch):
     assert op.select(backward).name == "cuda"
 
 
-def test_a_bias_gradient_the_kernels_cannot_sum_goes_to_the_torch_path(rng, op, monkeypatch):
-    """The cuda kernels sum dbias for a bias with every row and key (the batch and heads may be shared); one shared
-    by the queries needs a sum across blocks they do not do, so on an NVIDIA GPU the torch path takes it."""
+def test_a_bias_gradient_the_kernels_do_not_compute_goes_to_the_torch_path(rng, op, monkeypatch):
+    """The cuda kernels sum dbias for a bias broadcast any way, with dropout too, but not together with user mods,
+    so on an NVIDIA GPU the torch path takes that one."""
     _gpu_that_cuda_serves(monkeypatch)
     q, k, v = _tensors(rng)
     out = torch.zeros_like(q)
     lse = torch.zeros((1, 2, 7))
-    per_head = torch.from_numpy(rng.standard_normal((2, 7, 9)).astype(np.float32))
-    backward = _on_gpu(validate_backward(torch.ones_like(q), q, k, v, out, lse, attn_bias=per_head,
-                                         return_dbias=True))
-    assert op.select(backward).name == "cuda"
-    shared = torch.from_numpy(rng.standard_normal((1, 9)).astype(np.float32))   # one row, shared by the queries
-    forward = _on_gpu(validate_forward(q, k, v, attn_bias=shared))
-    assert op.select(forward).name == "cuda"              # the forward alone: the cuda kernels run attn_bias
-    backward = _on_gpu(validate_backward(torch.ones_like(q), q, k, v, out, lse, attn_bias=shared, return_dbias=True))
-    assert "bias broadcast over rows or keys" in " ".join(CudaBackend().not_supported_reasons(backward))
+    for shape in [(2, 7, 9), (1, 9), (7, 1), (7, 9)]:
+        bias = torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+        backward = _on_gpu(validate_backward(torch.ones_like(q), q, k, v, out, lse, attn_bias=bias,
+                                             return_dbias=True, dropout_p=0.1, dropout_seed=3))
+        assert op.select(backward).name == "cuda", shape
+    bias = torch.from_numpy(rng.standard_normal((7, 9)).astype(np.float32))
+    forward = _on_gpu(validate_forward(q, k, v, attn_bias=bias, score_mod=_doubled))
+    assert op.select(forward).name == "cuda"              # the forward alone: the cuda kernels run it
+    backward = _on_gpu(validate_backward(torch.ones_like(q), q, k, v, out, lse, attn_bias=bias, return_dbias=True,
+                                         score_mod=_doubled, score_mod_grad=_two))
+    assert "together with bias_mod, mask_mod or score_mod" in " ".join(CudaBackend().not_supported_reasons(backward))
     assert op.select(backward).name == "rocm"
+
+
+def _doubled(score, b, h, q_idx, kv_idx):
+    return 2.0 * score
+
+
+def _two(score, b, h, q_idx, kv_idx):
+    return 2.0
 
 
 def test_what_the_cuda_kernels_serve_stays_on_them(rng, op, monkeypatch):

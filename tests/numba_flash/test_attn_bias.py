@@ -255,7 +255,7 @@ def test_dbias_keeps_a_nan_key_out_of_the_queries_that_do_not_see_it(nheads_kv):
     assert _rel(grads[3][~bad], want[~bad]) <= 2e-5
 
 
-def test_every_backend_takes_a_bias_and_cuda_says_which_dbias_it_leaves_to_others():
+def test_every_backend_takes_a_bias_and_cuda_sums_dbias_of_every_broadcast():
     from backends.base import Backend
     from numba_flash.validation import validate_backward, validate_forward
 
@@ -270,14 +270,14 @@ def test_every_backend_takes_a_bias_and_cuda_says_which_dbias_it_leaves_to_other
     grad_call = validate_backward(dout, q, k, v, out.astype(np.float32), lse.astype(np.float32), attn_bias=bias,
                                   return_dbias=True)
     cuda = next(be for be in backend_registry.backends("flash") if be.name == "cuda")
-    # The cuda kernels sum dbias over the batch and the heads but not over rows or keys (test_dbias_sim.py runs them).
+    # The cuda kernels sum dbias over any broadcast axes, with dropout too (test_dbias_sim.py runs them).
     assert cuda.feature_reasons(grad_call) == []
-    keys_only = rng.standard_normal((1, SK)).astype(np.float32)
-    out_k, lse_k = attention_ref(q, k, v, attn_bias=keys_only)
-    assert cuda.feature_reasons(validate_backward(dout, q, k, v, out_k.astype(np.float32), lse_k.astype(np.float32),
-                                                  attn_bias=keys_only, return_dbias=True)) == [
-        f"attn_bias's gradient (return_dbias) for a bias broadcast over rows or keys (shape (1, 1, 1, {SK})) not "
-        "supported (the batch and heads may be broadcast)"]
+    for shape in [(1, SK), (SQ, 1), (1, 1), (SQ, SK)]:
+        broadcast = rng.standard_normal(shape).astype(np.float32)
+        out_k, lse_k = attention_ref(q, k, v, attn_bias=broadcast, dropout_p=0.2, dropout_seed=5)
+        assert cuda.feature_reasons(validate_backward(dout, q, k, v, out_k.astype(np.float32),
+                                                      lse_k.astype(np.float32), attn_bias=broadcast,
+                                                      return_dbias=True, dropout_p=0.2, dropout_seed=5)) == []
     per_head = rng.standard_normal((HQ, SQ, SK)).astype(np.float32)
     out, lse = attention_ref(q, k, v, attn_bias=per_head)
     assert cuda.feature_reasons(validate_backward(dout, q, k, v, out.astype(np.float32), lse.astype(np.float32),

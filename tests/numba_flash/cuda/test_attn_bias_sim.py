@@ -88,19 +88,24 @@ def test_float16_with_a_float16_bias():
         assert _rel(g, ref) <= 2e-3, name
 
 
-@pytest.mark.parametrize("shape,kw,match", [
-    ((1, SK), {}, r"for a bias broadcast over rows or keys"),
-    ((SQ, 1), {}, r"for a bias broadcast over rows or keys"),
-    ((SQ, SK), dict(dropout_p=0.2, dropout_seed=3), r"for a bias shared by the heads together with dropout"),
-])
-def test_dbias_the_kernels_cannot_sum_is_left_to_another_backend_with_the_reason(shape, kw, match):
-    """dbias itself is tested in test_dbias_sim.py; a bias broadcast over rows or keys would need a sum across
-    blocks, and one shared by the heads runs one dQ launch per head, which sees it as head 0 (dropout's key)."""
+def test_dbias_with_a_mod_is_left_to_another_backend_with_the_reason():
+    """dbias itself is tested in test_dbias_sim.py, for every broadcast of the bias; together with user mods the
+    cuda kernels do not compute it (score_mod_grad's factor is folded in with softcap's, as on the CPU)."""
     rng = np.random.default_rng(33)
     q, k, v, dout = _inputs(rng)
-    bias = rng.standard_normal(shape).astype(np.float32)
-    out, lse = attention_ref(q, k, v, attn_bias=bias)
-    with pytest.raises(numba_flash.NoBackendError, match=r"attn_bias's gradient \(return_dbias\) " + match):
+    bias = rng.standard_normal((SQ, SK)).astype(np.float32)
+    out, lse = attention_ref(q, k, v, attn_bias=bias, score_mod=_doubled)
+    with pytest.raises(numba_flash.NoBackendError, match=r"attn_bias's gradient \(return_dbias\) together with "
+                                                         r"bias_mod, mask_mod or score_mod not supported"):
         backend_registry.get("flash", backend="cuda").backward(dout, q, k, v, out.astype(np.float32),
                                                                lse.astype(np.float32), attn_bias=bias,
-                                                               return_dbias=True, **kw)
+                                                               return_dbias=True, score_mod=_doubled,
+                                                               score_mod_grad=_two)
+
+
+def _doubled(score, b, h, q_idx, kv_idx):
+    return 2.0 * score
+
+
+def _two(score, b, h, q_idx, kv_idx):
+    return 2.0

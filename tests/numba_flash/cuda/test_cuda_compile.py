@@ -61,8 +61,8 @@ def _all_rows() -> tuple:
 
 def test_every_specialisation_compiles_without_spills():
     _needs_toolchain()
-    from numba_flash.cuda.compile_check import (MODS_HEAD_DIM, MODS_KERNELS, MODS_SUFFIX, VARLEN_HEAD_DIM,
-                                                VARLEN_SUFFIX, format_table)
+    from numba_flash.cuda.compile_check import (DBIAS_SUMS, DBIAS_SUMS_SUFFIX, MODS_HEAD_DIM, MODS_KERNELS,
+                                                MODS_SUFFIX, VARLEN_HEAD_DIM, VARLEN_SUFFIX, format_table)
     from numba_flash.cuda.config import (COMPUTE_CAPABILITIES, HEAD_DIM_BUCKETS, KERNEL_DTYPES, KERNELS,
                                          TC_MAX_HEAD_DIM, dtype_supported_on, head_dim_reason, smem_limit_for)
 
@@ -77,10 +77,11 @@ def test_every_specialisation_compiles_without_spills():
     assert {"decode", "decode_merge"} <= {r.kernel for r in results}
     covered = {(r.cc, r.dtype, r.kernel, r.config.head_dim_bucket if r.config else None) for r in results}
     want = {(cc, dt, kern, b) for cc in COMPUTE_CAPABILITIES for dt in KERNEL_DTYPES
-            for kern, buckets in [("backward_delta", [None]), ("decode_merge", [None])]
+            for kern, buckets in [("backward_delta", [None]), ("decode_merge", [None]), ("dbias_sum", [None])]
             + [(k, HEAD_DIM_BUCKETS) for k in KERNELS]
+            + [(k + DBIAS_SUMS_SUFFIX, HEAD_DIM_BUCKETS) for k in DBIAS_SUMS]   # a broadcast bias's gradient
             for b in buckets if dtype_supported_on(dt, cc)
-            and not (b and head_dim_reason(b, kern, smem_limit_for(cc)))}
+            and not (b and head_dim_reason(b, kern.removesuffix(DBIAS_SUMS_SUFFIX), smem_limit_for(cc)))}
     # Head dims past 256: the decode kernel everywhere, the tiled ones from sm_80 on (the backward up to 512).
     assert {(r.kernel, r.config.head_dim_bucket) for r in results if r.config and r.cc == (7, 5)
             and r.config.head_dim_bucket > 256} == {("decode", 512), ("decode", 576)}

@@ -1,8 +1,9 @@
 """attn_bias's gradient (``return_dbias``) from the CUDA kernels, under the Numba CUDA simulator with toy tiles:
 against the float64 reference for a bias with every batch entry and for one shared by the batch, the heads or both
-(one dQ launch per batch entry and per head, summed in order), with causal, window, softcap, ALiBi, dropout, GQA
-and -inf entries; float16 on the SIMT kernels (the tensor-core ones compute no dbias); the same bits on every run; and dbias in the bias's kind
-and dtype. Bias shapes the kernels cannot sum are refused in test_attn_bias_sim.py.
+(one dQ launch per batch entry and per head, summed in order), for one broadcast over the rows, the keys or both
+(per-key and per-row sums, then summed over the rest), with causal, window, softcap, ALiBi, dropout, GQA and -inf
+entries; float16 on the SIMT kernels (the tensor-core ones compute no dbias); the same bits on every run; and dbias
+in the bias's kind and dtype. What the kernels leave to others is refused in test_attn_bias_sim.py.
 
 Run: NUMBA_ENABLE_CUDASIM=1 .venv/bin/python -m pytest -q -m cudasim tests/numba_flash/cuda/test_dbias_sim.py
 """
@@ -48,8 +49,11 @@ def _bias(rng, shape, dtype=np.float32):
     # Shared by the heads: one dQ launch per head (and per batch entry when the batch shares it too), in order.
     ("whole", (B, 1, SQ, SK), dict(causal=True, alibi_slopes=np.array([0.3, 0.1, 0.6, 0.9], np.float32))),
     ("split", (SQ, SK), dict(window_size=(6, 2), softcap=2.5)),
+    # With dropout: each per-head launch keys dropout's mask by its real head (and batch entry).
+    ("whole", (SQ, SK), dict(dropout_p=0.3, dropout_seed=9, softcap=2.5)),
 ], ids=["split-per-batch-causal-softcap", "whole-per-batch-causal-softcap", "whole-shared-window-alibi",
-        "split-shared-3d-dropout", "whole-head-shared-causal-alibi-gqa", "split-batch-and-head-shared"])
+        "split-shared-3d-dropout", "whole-head-shared-causal-alibi-gqa", "split-batch-and-head-shared",
+        "whole-batch-and-head-shared-dropout-softcap"])
 def test_dbias_matches_the_reference(rng, shape, kw, tiles):
     q, k, v, dout = random_inputs(rng, B, SQ, SK, HQ, HKV, D)
     bias = _bias(rng, shape)
@@ -61,6 +65,60 @@ def test_dbias_matches_the_reference(rng, shape, kw, tiles):
     assert np.all(dbias[np.isneginf(bias)] == 0)
     for name, got, ref in zip(("dq", "dk", "dv", "dbias"), (dq, dk, dv, dbias), want):
         assert rel_l2(got, ref) <= 1e-5, name
+
+
+# A bias broadcast over the query rows: each key's sum over the rows, from the dK/dV kernel (both its code paths),
+# then over the batch and heads where the bias shares them; over the keys: each row's sum from the dQ kernel; over
+# both: the rows' sums summed again. GQA (two query heads per kv head) in all.
+@pytest.mark.parametrize("tiles,shape,kw", [
+    ("split", (B, HQ, 1, SK), dict(causal=True, softcap=2.5)),
+    ("split", (1, SK), dict(dropout_p=0.3, dropout_seed=7, causal=True)),
+    ("whole", (B, 1, 1, SK), dict(causal=True, softcap=2.5, dropout_p=0.2, dropout_seed=3)),
+    ("split", (B, HQ, SQ, 1), dict(causal=True, softcap=2.5)),
+    ("whole", (HQ, SQ, 1), dict(window_size=(6, 2), dropout_p=0.3, dropout_seed=7)),
+    ("split", (1,), dict(causal=True, alibi_slopes=np.array([0.3, 0.1, 0.6, 0.9], np.float32))),
+    ("whole", (B, 1, 1, 1), dict(window_size=(3, 4), alibi_slopes=np.array([0.3, 0.1, 0.6, 0.9], np.float32))),
+], ids=["split-keys-per-head-causal-softcap", "split-keys-shared-dropout",
+        "whole-keys-head-shared-causal-softcap-dropout", "split-rows-per-head-causal-softcap",
+        "whole-rows-batch-shared-window-dropout", "split-one-number-causal-alibi", "whole-per-batch-number-window-alibi"])
+def test_dbias_of_a_bias_broadcast_over_rows_or_keys_matches_the_reference(rng, shape, kw, tiles):
+    q, k, v, dout = random_inputs(rng, B, SQ, SK, HQ, HKV, D)
+    bias = _bias(rng, shape)
+    if bias.size == 1 or shape[-1] == 1:   # a hidden entry would hide whole rows (or everything)
+        bias[np.isneginf(bias)] = 0.5
+    before = bias.copy()
+    dq, dk, dv, dbias = _backward(q, k, v, dout, bias, BACKWARD_TILES[tiles], **kw)
+    np.testing.assert_array_equal(bias, before)
+    want = attention_ref_backward(dout, q, k, v, attn_bias=bias, return_dbias=True, **kw)
+    assert dbias.shape == bias.shape and dbias.dtype == np.float32
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        assert rel_l2(got, ref) <= 1e-5, name
+    if shape[-1] == 1:
+        # Softmax ignores a shift of a row, so a row's gradient is a sum of terms that cancel (zero but for
+        # rounding): its error is measured against the size of the terms, the pairs' gradient of a full bias.
+        pairs = attention_ref_backward(dout, q, k, v, attn_bias=np.broadcast_to(bias, (B, HQ, SQ, SK)).copy(),
+                                       return_dbias=True, **kw)[3]
+        assert np.linalg.norm(dbias - want[3]) <= 1e-5 * np.linalg.norm(pairs)
+    else:
+        assert np.all(dbias[np.isneginf(bias)] == 0)
+        assert rel_l2(dbias, want[3]) <= 1e-5
+
+
+def test_a_broadcast_bias_gradient_has_the_same_bits_every_run_and_reaches_nan(rng):
+    """The sums run in a fixed order; a NaN in dO poisons the sums of the rows (keys) it reaches, as the reference's
+    gradient is NaN there, and no other."""
+    q, k, v, dout = random_inputs(rng, B, SQ, SK, HQ, HKV, D)
+    for shape in [(B, HQ, 1, SK), (B, HQ, SQ, 1)]:
+        bias = _bias(rng, shape)
+        bias[np.isneginf(bias)] = 0.5
+        runs = [_backward(q, k, v, dout, bias, BACKWARD_TILES["split"], causal=True)[3] for _ in range(2)]
+        np.testing.assert_array_equal(runs[0], runs[1])
+        poisoned = dout.copy()
+        poisoned[1, 4, 2, 3] = np.nan
+        got = _backward(q, k, v, poisoned, bias, BACKWARD_TILES["whole"], causal=True)[3]
+        want = attention_ref_backward(poisoned, q, k, v, attn_bias=bias, return_dbias=True, causal=True)[3]
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        assert np.isnan(got).any() and not np.isnan(got).all()
 
 
 def test_float16_runs_on_the_simt_kernels_and_returns_the_bias_dtype(rng):
@@ -104,14 +162,36 @@ def test_the_self_check_judges_dbias_and_a_wrong_one_falls_back(rng, monkeypatch
     dbias is off by 0.1% fails it, and the call runs on the fallback config."""
     from numba_flash.cuda import selfcheck
 
-    # dbias is the last argument
-    spoil(monkeypatch, "make_dq_kernel", -1, lambda cfg, kw: kw.get("dbias") and cfg.threads == 16)
+    # dbias is the last argument but one (dropout's first head is last)
+    spoil(monkeypatch, "make_dq_kernel", -2, lambda cfg, kw: kw.get("dbias") and cfg.threads == 16)
     q, k, v, dout = random_inputs(rng, 2, SQ, SK, HQ, HKV, D)
     bias = _bias(rng, (2, HQ, SQ, SK))
     *_, dbias = _backward(q, k, v, dout, bias, BACKWARD_TILES["split"], causal=True)
     want = attention_ref_backward(dout, q, k, v, attn_bias=bias, return_dbias=True, causal=True)[3]
     assert rel_l2(dbias, want) <= 1e-5
     verdicts = {(s.cfg.kernel, s.cfg.threads, s.dbias): v.passed for (_, s), v in selfcheck.verdicts().items()}
-    assert verdicts[("backward_dq", 16, True)] is False and verdicts[("backward_dq", 32, True)] is True
+    assert verdicts[("backward_dq", 16, "pairs")] is False and verdicts[("backward_dq", 32, "pairs")] is True
     failed = [v.reason for v in selfcheck.verdicts().values() if not v.passed]
-    assert len(failed) == 1 and "dbias: relative L2 error" in failed[0] and "attn_bias dbias" in failed[0]
+    assert len(failed) == 1 and "dbias: relative L2 error" in failed[0] and "attn_bias dbias pairs" in failed[0]
+
+
+@pytest.mark.parametrize("kernel,shape,mode,dbias_arg", [("make_dkdv_kernel", (1, SK), "per_key", -1),
+                                                         ("make_dq_kernel", (SQ, 1), "per_row", -2)])
+def test_the_self_check_judges_the_broadcast_sums_and_a_wrong_one_falls_back(rng, monkeypatch, runs, kernel, shape,
+                                                                                mode, dbias_arg):
+    """The kernels that sum a broadcast bias's gradient are checked on their own (against the reference's pairs'
+    gradient summed likewise); one whose sums are off by 0.001 fails it, and the call runs on the fallback."""
+    from numba_flash.cuda import selfcheck
+
+    spoil(monkeypatch, kernel, dbias_arg, lambda cfg, kw: kw.get("dbias") == mode and cfg.threads == 16, how="shift")
+    q, k, v, dout = random_inputs(rng, 2, SQ, SK, HQ, HKV, D)
+    bias = _bias(rng, shape)
+    bias[np.isneginf(bias)] = 0.5
+    *_, dbias = _backward(q, k, v, dout, bias, BACKWARD_TILES["split"], causal=True)
+    want = attention_ref_backward(dout, q, k, v, attn_bias=bias, return_dbias=True, causal=True)[3]
+    assert np.abs(dbias - want).max() <= 1e-4
+    name = kernel.removeprefix("make_").removesuffix("_kernel")
+    verdicts = {(s.cfg.kernel, s.cfg.threads, s.dbias): v.passed for (_, s), v in selfcheck.verdicts().items()}
+    assert verdicts[(f"backward_{name}", 16, mode)] is False and verdicts[(f"backward_{name}", 32, mode)] is True
+    failed = [v.reason for v in selfcheck.verdicts().values() if not v.passed]
+    assert len(failed) == 1 and "dbias: relative L2 error" in failed[0] and f"dbias {mode}" in failed[0]
