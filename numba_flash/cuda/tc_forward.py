@@ -69,10 +69,10 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
 
     Launch with grid ``(ceil(Sq / block_m), Hq, B)`` and ``cfg.threads`` threads, arguments as the float32
     kernel's (forward.py) except that q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) and out (B, Sq, Hq,
-    Dv) are uint16 bit patterns of float16 (or, with ``bf16``, bfloat16) data; dropout's arguments are read only with ``dropout``
-    (as the float32 kernel's: the row sums and lse are the softmax's, P V takes the kept probabilities times
-    1 / (1 - p)). ``async_copy``: copy tiles with ``cp.async``, which needs unit
-    stride along D and rows that start 16-byte aligned (``launch.async_copy_ok``). With ``mods.block_tiles`` the
+    Dv) are uint16 bit patterns of float16 (or, with ``bf16``, bfloat16) data; dropout's arguments are read only
+    with ``dropout`` (as the float32 kernel's: the row sums and lse are the softmax's, P V takes the kept
+    probabilities times 1 / (1 - p)). ``async_copy``: copy tiles with ``cp.async``, which needs unit stride along D
+    and rows that start 16-byte aligned (``launch.async_copy_ok``). With ``mods.block_tiles`` the
     key-tile loop skips the tiles the BlockMask's table (``tiles``) calls EMPTY, never copying their keys, and
     stages FULL ones without mask_mod. With ``varlen`` the grid is ``(n_blocks, Hq, 1)`` over the packed
     sequences' block table ``seqs`` (sequences.py), as for the float32 kernel.
