@@ -215,18 +215,7 @@ class CudaBackend(Backend):
         self-check failures that it works around (a fallback tile config serves instead)."""
         if self._probe()[1]:    # no GPU, nothing was checked
             return []
-        return self._kernels_note(call) + self._backward_note(call) + self._selfcheck_problems(call)[0]
-
-    def _backward_note(self, call: AttentionCall) -> list[str]:
-        """For a forward call whose backward the kernels will not take (D past 512), why: explain() describes the
-        forward, and a training step's backward then goes elsewhere."""
-        from numba_flash.cuda.config import head_dim_reason, smem_limit_for
-
-        if call.is_backward or call.kvcache is not None or max(call.head_dim, call.head_dim_v) <= 256:
-            return []
-        why = head_dim_reason(max(call.head_dim, call.head_dim_v), "backward_dkdv",
-                              smem_limit_for(_gpu_compute_capability(call.q)))
-        return [f"the backward runs on another backend: {why}"] if why else []
+        return self._kernels_note(call) + self._selfcheck_problems(call)[0]
 
     def _kernels_note(self, call: AttentionCall) -> list[str]:
         """For float16 and bfloat16, which kernels run the call, and its backward (explain() describes forward

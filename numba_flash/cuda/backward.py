@@ -483,6 +483,8 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                     d = g_tc * G_RD + (j // G_RD) * G_GAP_D + j % G_RD
                     if d < head_dim:
                         dk[ab, k0 + key, hk, d] = STORE(nan_if_not_finite(dk_acc[i, j] * scale))
+                for j in range(G_TD):
+                    d = g_tc * G_RD + (j // G_RD) * G_GAP_D + j % G_RD
                     if d < head_dim_v:
                         dv[ab, k0 + key, hk, d] = STORE(nan_if_not_finite(dv_acc[i, j]))
 

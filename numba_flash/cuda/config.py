@@ -35,12 +35,8 @@ HEAD_DIM_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 576)
 #: memory, smem.py); the decode kernel, whose query tile is a few rows, fits 48 KiB everywhere.
 WIDE_HEAD_DIM_BUCKETS: tuple[int, ...] = (512, 576)
 WIDE_HEAD_DIM_MIN_COMPUTE_CAPABILITY = (8, 0)
-#: The SIMT backward stops at 512: at 576 a dK/dV thread owns 36 head-dim columns (576 splits over 16 threads into
-#: whole 4-column runs, not 32), and NVVM leaves their loops partly rolled, so the accumulators go to local memory
-#: (a 288-576 byte stack frame in the compile check, bfloat16 on sm_90). The forward serves 576.
-WIDE_BACKWARD_MAX_HEAD_DIM = 512
-#: Accumulators a thread may keep at the wide buckets, checked free of spills by the compile check (the forward at
-#: 576 keeps 2 x 36).
+#: Accumulators a thread may keep at the wide buckets, checked free of spills by the compile check (the forward and
+#: the dK/dV kernel at 576 keep 2 x 36: 576 splits over 16 threads into whole 4-column runs of 36 columns, not 32).
 WIDE_MAX_ACCUMULATORS_PER_THREAD = 72
 #: Kernels with a tile config. The delta pre-pass of the backward and the split merge of decoding have none (a
 #: fixed number of threads per row).
@@ -131,12 +127,16 @@ _PREFERRED: dict[str, dict[int, tuple[int, int, int]]] = {
 # 32 x 32 / 256 (148 KiB) 75.6% / - / 37.8%, 16 x 16 / 128 (81 KiB) 52.8% / 26.4% / 26.4%; forward 576 32 x 32 /
 # 256 (166 KiB, sm_90) 31.3%, 16 x 16 / 128 (91 KiB) 46.2% / 23.1% / 23.1%; dK/dV 512 16 x 8 / 128 (114 KiB)
 # 73.7% / - / 37.6%, 16 x 4 / 64 (89 KiB) - / 14.3% / -; dQ 512 16 x 8 / 128 (118 KiB) 79.0% / - / 43.5%, 8 x 8 /
-# 64 (73 KiB) 68.4% / 17.9% / 34.5%. Q, K, V and dO rows of 516 words stay resident, so the backward's tiles are
-# narrow and its score products split in 16 parts over the head dim (config.score_split).
+# 64 (73 KiB) 68.4% / 17.9% / 34.5%; dK/dV 576 16 x 8 / 128 (126 KiB) 58.5% / - / 29.2%, 16 x 2 / 32 (86 KiB, the
+# only one within 99 KiB: 16 x 4 / 64 is 128 bytes over) - / 4.2% / -; dQ 576 16 x 8 / 128 (130 KiB) 77.1% / - / 41.2%,
+# 8 x 8 / 64 (81 KiB) - / 17.4% / -. Q, K, V and dO rows of 516 (580) words stay resident, so the backward's tiles
+# are narrow and its score products split in 16 parts over the head dim (config.score_split).
 _PREFERRED_DYNAMIC: dict[str, dict[int, tuple[tuple[int, int, int], ...]]] = {
     "forward": {256: ((32, 32, 128),), 512: ((32, 32, 256), (16, 16, 128)), 576: ((32, 32, 256), (16, 16, 128))},
-    "backward_dkdv": {256: ((16, 32, 256), (16, 16, 128)), 512: ((16, 8, 128), (16, 4, 64))},
-    "backward_dq": {256: ((32, 32, 256), (32, 16, 128), (16, 16, 128)), 512: ((16, 8, 128), (8, 8, 64))},
+    "backward_dkdv": {256: ((16, 32, 256), (16, 16, 128)), 512: ((16, 8, 128), (16, 4, 64)),
+                      576: ((16, 8, 128), (16, 2, 32))},
+    "backward_dq": {256: ((32, 32, 256), (32, 16, 128), (16, 16, 128)), 512: ((16, 8, 128), (8, 8, 64)),
+                    576: ((16, 8, 128), (8, 8, 64))},
 }
 
 # Fallbacks, best first, for devices with less shared memory than 48 KiB (or callers that ask for a lower limit).
@@ -190,9 +190,6 @@ def head_dim_reason(head_dim: int, kernel: str, smem_limit: int) -> str | None:
     bucket = head_dim_bucket(head_dim)
     if bucket not in WIDE_HEAD_DIM_BUCKETS or kernel not in DYNAMIC_SMEM_KERNELS:
         return None
-    if kernel != "forward" and bucket > WIDE_BACKWARD_MAX_HEAD_DIM:
-        return (f"head dim {head_dim} > {WIDE_BACKWARD_MAX_HEAD_DIM}: no backward kernels past it yet (the dK/dV "
-                "accumulators would not stay in registers)")
     if smem_limit <= STATIC_SMEM_LIMIT:
         need = WIDE_HEAD_DIM_MIN_COMPUTE_CAPABILITY
         return (f"head dim {head_dim} > 256: its tiles need more than 48 KiB of shared memory per block (compute "

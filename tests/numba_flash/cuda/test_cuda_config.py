@@ -5,10 +5,10 @@ import pytest
 from numba_flash import AttentionInputError
 from numba_flash.cuda import (HEAD_DIM_BUCKETS, TileOverride, all_tile_configs, head_dim_bucket, tile_config_for,
                               tile_config_override)
-from numba_flash.cuda.config import (DYNAMIC_SMEM_KERNELS, KERNELS, MAX_ACCUMULATORS_PER_THREAD, STATIC_SMEM_LIMIT,
-                                     WIDE_HEAD_DIM_BUCKETS, WIDE_MAX_ACCUMULATORS_PER_THREAD, FlashAttentionConfig,
-                                     dtype_supported_on, head_dim_reason, smem_limit_for, storage_dtype,
-                                     thread_grid)
+from numba_flash.cuda.config import (COMPUTE_CAPABILITIES, DYNAMIC_SMEM_KERNELS, KERNELS, MAX_ACCUMULATORS_PER_THREAD,
+                                     STATIC_SMEM_LIMIT, WIDE_HEAD_DIM_BUCKETS, WIDE_MAX_ACCUMULATORS_PER_THREAD,
+                                     FlashAttentionConfig, dtype_supported_on, head_dim_reason, smem_limit_for,
+                                     storage_dtype, thread_grid)
 
 
 def test_every_config_fits_and_splits():
@@ -24,17 +24,19 @@ def test_every_config_fits_and_splits():
         wide = cfg.head_dim_bucket in WIDE_HEAD_DIM_BUCKETS
         assert cfg.accumulators_per_thread() <= (WIDE_MAX_ACCUMULATORS_PER_THREAD if wide
                                                  else MAX_ACCUMULATORS_PER_THREAD)
-        # Head dims past 256: decode everywhere; the tiled kernels from sm_80 on, the backward to 512.
-        assert not wide or cfg.kernel == "decode" or (cc >= (8, 0) and (cfg.kernel == "forward"
-                                                                       or cfg.head_dim_bucket <= 512)), (cc, cfg)
+        # Head dims past 256: decode everywhere; the tiled kernels, the backward's too, from sm_80 on.
+        assert not wide or cfg.kernel == "decode" or cc >= (8, 0), (cc, cfg)
+    assert {(cc, cfg.kernel) for cc, _, cfg in configs if cfg.head_dim_bucket == 576} == {
+        (cc, kernel) for cc in COMPUTE_CAPABILITIES for kernel in KERNELS if cc >= (8, 0) or kernel == "decode"}
 
 
 @pytest.mark.parametrize("cc,tiles", [
-    ((8, 0), {"forward": [(32, 32, 256), (16, 16, 128)], "backward_dkdv": [(16, 8, 128)],
-              "backward_dq": [(16, 8, 128)]}),
-    ((8, 6), {"forward": [(16, 16, 128), (16, 16, 128)], "backward_dkdv": [(16, 4, 64)], "backward_dq": [(8, 8, 64)]}),
-    ((9, 0), {"forward": [(32, 32, 256), (32, 32, 256)], "backward_dkdv": [(16, 8, 128)],
-              "backward_dq": [(16, 8, 128)]}),
+    ((8, 0), {"forward": [(32, 32, 256), (16, 16, 128)], "backward_dkdv": [(16, 8, 128), (16, 8, 128)],
+              "backward_dq": [(16, 8, 128), (16, 8, 128)]}),
+    ((8, 6), {"forward": [(16, 16, 128), (16, 16, 128)], "backward_dkdv": [(16, 4, 64), (16, 2, 32)],
+              "backward_dq": [(8, 8, 64), (8, 8, 64)]}),
+    ((9, 0), {"forward": [(32, 32, 256), (32, 32, 256)], "backward_dkdv": [(16, 8, 128), (16, 8, 128)],
+              "backward_dq": [(16, 8, 128), (16, 8, 128)]}),
 ])
 def test_wide_head_dims_take_the_tiles_the_device_allows(cc, tiles):
     for kernel, want in tiles.items():
@@ -55,8 +57,8 @@ def test_wide_head_dims_say_where_they_do_not_run():
             tile_config_for(257, kernel=kernel)
     assert head_dim_reason(576, "forward", smem_limit_for((9, 0))) is None
     for kernel in ("backward_dkdv", "backward_dq"):
-        assert head_dim_reason(512, kernel, smem_limit_for((8, 6))) is None
-        assert "no backward kernels" in head_dim_reason(513, kernel, smem_limit_for((9, 0)))
+        for head_dim in (512, 513, 576):   # MLA's 576 too, within sm_86's 99 KiB
+            assert head_dim_reason(head_dim, kernel, smem_limit_for((8, 6))) is None
     with pytest.raises(AttentionInputError, match="tensor-core kernels take D <= 256"):
         tile_config_for(300, "float16", kernel="tc_forward")
 

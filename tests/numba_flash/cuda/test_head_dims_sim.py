@@ -2,8 +2,8 @@
 against the float64 reference. The kernels are built for the bucket of max(D, Dv) and read Dv from v's shape
 (zeros past D in Q and K, past Dv in V and dO), so both orders and buckets are covered, with masks, GQA, packed
 sequences and float16 (whose tensor-core forward takes Dv != D, its backward not); the wide buckets (512, 576) once
-with the tiles a GPU would run (sm_90's: the simulator's) and with the small test tiles, and the decode kernel at
-576. The backward past 512 is declined with its reason."""
+with the tiles a GPU would run (sm_90's: the simulator's) and with the small test tiles, forward and backward, and
+the decode kernel at 576."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 import numba_flash
 from backends import backend_registry
-from numba_flash import NoBackendError, attention_ref, attention_ref_backward, attention_ref_kvcache
+from numba_flash import attention_ref, attention_ref_backward, attention_ref_kvcache
 from numba_flash.cuda import tile_config_override
 from numba_flash.errors import AttentionInputError
 
@@ -129,28 +129,39 @@ def test_bucket_512_with_a_gpus_tiles():
     _check_forward_backward(q, k, v, dout, dict(causal=True, softcap=3.0), contextlib.nullcontext())
 
 
-def test_mla_dims_forward_with_a_gpus_tiles_and_backward_declined():
+def test_mla_dims_forward_and_backward_with_a_gpus_tiles():
+    """D = 576, Dv = 512 (MLA): bucket 576, the forward's 32 x 32 / 256 tiles, the dK/dV kernel's 16 x 8 / 128 with
+    36 columns of dK and of dV a thread, the dQ kernel's 16 x 8 / 128."""
     import contextlib
 
     rng = np.random.default_rng(52)
     q, k, v, dout = _inputs(rng, 1, 4, 7, 2, 1, 576, 512)
-    kw = dict(window_size=(3, 1))
-    out, lse = _check_forward_backward(q, k, v, None, kw, contextlib.nullcontext())
-    with pytest.raises(NoBackendError, match="head dim 576 > 512: no backward kernels"):
-        backend_registry.get("flash", backend="cuda").backward(dout, q, k, v, out, lse, **kw)
-    # explain() of the forward says where its backward will go
-    text = str(backend_registry.get("flash").explain(q, k, v, backend="cuda", **kw))
-    assert "can serve (the backward runs on another backend: head dim 576 > 512" in text
-    text = str(backend_registry.get("flash").explain(q[..., :512], k[..., :512], v, backend="cuda", **kw))
+    _check_forward_backward(q, k, v, dout, dict(window_size=(3, 1)), contextlib.nullcontext())
+    text = str(backend_registry.get("flash").explain(q, k, v, backend="cuda", window_size=(3, 1)))
     assert "another backend" not in text
+
+
+def test_mla_dims_backward_with_sm86_tiles():
+    """The dK/dV tiles sm_86 and sm_89 take at 576 (16 x 2 / 32 within their 99 KiB: one warp, 36 columns of dK and
+    of dV a thread), from the reference's out and lse."""
+    from numba_flash.cuda.config import smem_limit_for, tile_config_for
+
+    assert tile_config_for(576, "float32", (8, 6), smem_limit_for((8, 6)), "backward_dkdv").threads == 32
+    rng = np.random.default_rng(54)
+    q, k, v, dout = _inputs(rng, 1, 5, 6, 2, 1, 576, 512)
+    kw = dict(causal=True, softcap=4.0)
+    out, lse = (x.astype(np.float32) for x in attention_ref(q, k, v, **kw))
+    with tile_config_override(block_m=16, block_n=2, threads=32):
+        grads = backend_registry.get("flash", backend="cuda").backward(dout, q, k, v, out, lse, **kw)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, attention_ref_backward(dout, q, k, v, **kw)):
+        assert got.shape == ref.shape and _rel_l2(got, ref) <= 1e-5, name
 
 
 @pytest.mark.parametrize("d,dv", [(576, 512), (512, 200)])
 def test_wide_buckets_with_small_tiles(d, dv):
     rng = np.random.default_rng(d + dv)
     q, k, v, dout = _inputs(rng, 1, 11, 14, 2, 1, d, dv)
-    backward = dout if d <= 512 else None
-    _check_forward_backward(q, k, v, backward, dict(causal=True, alibi_slopes=np.array([0.2, 0.5], np.float32)),
+    _check_forward_backward(q, k, v, dout, dict(causal=True, alibi_slopes=np.array([0.2, 0.5], np.float32)),
                             tile_config_override(**TILES))
 
 
