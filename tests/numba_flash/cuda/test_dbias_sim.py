@@ -108,13 +108,15 @@ def test_a_broadcast_bias_gradient_has_the_same_bits_every_run_and_reaches_nan(r
     """The sums run in a fixed order; a NaN in dO poisons the sums of the rows (keys) it reaches, as the reference's
     gradient is NaN there, and no other."""
     q, k, v, dout = random_inputs(rng, B, SQ, SK, HQ, HKV, D)
-    for shape in [(B, HQ, 1, SK), (B, HQ, SQ, 1)]:
+    bias = _bias(rng, (B, HQ, 1, SK))
+    bias[np.isneginf(bias)] = 0.5
+    runs = [_backward(q, k, v, dout, bias, BACKWARD_TILES["split"], causal=True)[3] for _ in range(2)]
+    np.testing.assert_array_equal(runs[0], runs[1])
+    poisoned = dout.copy()
+    poisoned[1, 4, 2, 3] = np.nan
+    for shape in [(B, HQ, 1, SK), (B, HQ, SQ, 1)]:   # the per-key sums, then the per-row ones
         bias = _bias(rng, shape)
         bias[np.isneginf(bias)] = 0.5
-        runs = [_backward(q, k, v, dout, bias, BACKWARD_TILES["split"], causal=True)[3] for _ in range(2)]
-        np.testing.assert_array_equal(runs[0], runs[1])
-        poisoned = dout.copy()
-        poisoned[1, 4, 2, 3] = np.nan
         got = _backward(q, k, v, poisoned, bias, BACKWARD_TILES["whole"], causal=True)[3]
         want = attention_ref_backward(poisoned, q, k, v, attn_bias=bias, return_dbias=True, causal=True)[3]
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
