@@ -403,10 +403,6 @@ def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse:
                   head0=head0, stream=stream)
 
 
-
-
-
-
 def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float, window_left: int,
                   window_right: int, softcap: float, dtype: str, alibi: Any = None, bias: Any = None,
                   dropout: tuple | None = None, mods: CudaMods = NO_MODS, block_mask: Any = None,
