@@ -85,7 +85,7 @@ class CudaBackend(Backend):
     SUPPORTS_KVCACHE = True
     SUPPORTS_ALIBI = True
     SUPPORTS_BIAS = True
-    SUPPORTS_DBIAS = True  # any broadcast (numba_flash/cuda/launch_dbias.py), no mods (feature_reasons)
+    SUPPORTS_DBIAS = True  # any broadcast (numba_flash/cuda/launch_dbias.py), user mods too
     SUPPORTS_DROPOUT = True
     SUPPORTS_MODS = True   # compiled into the kernels as device functions (numba_flash/cuda/user_mods.py)
     SUPPORTS_HEAD_DIM_V = True   # kernels built for the bucket of max(D, Dv); the tensor-core backward needs Dv = D
@@ -166,13 +166,6 @@ class CudaBackend(Backend):
             kernels = ("backward_dkdv", "backward_dq") if call.is_backward else ("forward",)
             why = (head_dim_reason(max(call.head_dim, call.head_dim_v), kern, limit) for kern in kernels)
             reasons.extend(dict.fromkeys(w for w in why if w))
-        return reasons
-
-    def feature_reasons(self, call: AttentionCall) -> list[str]:
-        reasons = super().feature_reasons(call)
-        if call.return_dbias and call.bias is not None and call.mods is not None:
-            reasons.append("attn_bias's gradient (return_dbias) together with bias_mod, mask_mod or score_mod "
-                           "not supported")
         return reasons
 
     def _selfcheck_problems(self, call: AttentionCall) -> tuple[list[str], list[str]]:

@@ -45,7 +45,7 @@ from .config import FlashAttentionConfig, padded_stride
 from .dtypes import element_io
 from .forward import SMEM_ALIGN
 from .masks import (LOG2E, bias_head, make_bias_tile, make_dropout_tile, make_score_grads, make_score_mod_hides,
-                    make_visible, nan_if_not_finite)
+                    make_slot_sums, make_visible, nan_if_not_finite)
 from .sequences import make_locate
 from .smem import carve
 from .tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
@@ -188,6 +188,8 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     tile_skip = make_tile_skip(mods.block_tiles)
     locate = make_locate(varlen)
     dropout_factors = make_dropout_tile(BLOCK_M, BLOCK_N, NT, LP)
+    sum_key_slots = make_slot_sums(False, SPLIT, NT, RUNS, RUNS_PER_ROW, R, LP, S_TN, S_RN, S_GAP_N, KEY_SLOTS,
+                                   BLOCK_N)
     X_PASSES, KV_PASSES = tile_passes(BLOCK_M, DB, NT), tile_passes(BLOCK_N, DB, NT)
     fetch_x = make_tile_fetch(BLOCK_M, DB, NT, bf16, LD, False, True)    # query side: Q, dO
     fetch_kv = make_tile_fetch(BLOCK_N, DB, NT, bf16, LD, False, True)   # key side: K, V
@@ -456,25 +458,8 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                                 for j in range(G_TD):
                                     dk_acc[i, j] += ga[i] * gb[j]
 
-            if DBIAS_PER_KEY:   # each thread's partial sums into dS's buffer, row slot by key, then a key's in order
-                cuda.syncthreads()   # the last tile's readers of ds_s are done
-                if SPLIT > 1:
-                    for u in range(RUNS):
-                        m = (t + NT * u) // RUNS_PER_ROW
-                        n = (t + NT * u) % RUNS_PER_ROW * R
-                        for e in range(R):
-                            ds_s[uint64(m * LP + n + e)] = key_part[u * R + e]
-                else:
-                    for j in range(S_TN):
-                        ds_s[p_at0 + uint64((j // S_RN) * S_GAP_N + j % S_RN)] = key_part[j]
-                cuda.syncthreads()
-                dbias_h = bias_head(dbias, b, h)
-                for n in range(t, BLOCK_N, NT):
-                    if n0 + n < seqlen_k:
-                        total = float32(0.0)
-                        for m in range(KEY_SLOTS):
-                            total += ds_s[uint64(m * LP + n)]
-                        dbias_h[0, n0 + n] += total
+            if DBIAS_PER_KEY:   # each thread's partial sums of its keys into dS's buffer, then a key's in order
+                sum_key_slots(ds_s, key_part, p_at0, t, bias_head(dbias, b, h), n0, seqlen_k)
 
         for i in range(G_TN):
             key = n0 + g_tr * G_RN + (i // G_RN) * G_GAP_N + i % G_RN

@@ -19,7 +19,7 @@ from .config import FlashAttentionConfig, padded_stride
 from .dtypes import element_io
 from .forward import SMEM_ALIGN
 from .masks import (LOG2E, bias_head, make_bias_tile, make_dbias_add, make_dropout_tile, make_score_grads,
-                    nan_if_not_finite)
+                    make_slot_sums, nan_if_not_finite)
 from .sequences import make_locate
 from .smem import carve
 from .tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
@@ -89,6 +89,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
     locate = make_locate(varlen)
     assert dbias in ("", "pairs", "per_row"), dbias
     add_dbias, DBIAS_PER_ROW = make_dbias_add(dbias == "pairs"), dbias == "per_row"
+    sum_row_slots = make_slot_sums(True, SPLIT, NT, RUNS, RUNS_PER_KEY, R, LM, S_TM, S_RM, S_GAP_M, ROW_SLOTS, BLOCK_M)
     dropout_factors = make_dropout_tile(BLOCK_M, BLOCK_N, NT, LM, True)
     X_PASSES, KV_PASSES = tile_passes(BLOCK_M, DB, NT), tile_passes(BLOCK_N, DB, NT)
     fetch_x = make_tile_fetch(BLOCK_M, DB, NT, bf16, LD, False, True)    # query side: Q, dO
@@ -327,24 +328,8 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                             for j in range(O_TD):
                                 acc[i, j] += a_reg[i] * b_reg[j]
 
-        if DBIAS_PER_ROW:   # each thread's partial sums into dS^T's buffer, key slot by row, then a row's in order
-            cuda.syncthreads()   # the last tile's readers of ds_t are done
-            if SPLIT > 1:
-                for u in range(RUNS):
-                    n = (t + NT * u) // RUNS_PER_KEY
-                    m = (t + NT * u) % RUNS_PER_KEY * R
-                    for e in range(R):
-                        ds_t[uint64(n * LM + m + e)] = row_part[u * R + e]
-            else:
-                for i in range(S_TM):
-                    ds_t[t_at0 + uint64((i // S_RM) * S_GAP_M + i % S_RM)] = row_part[i]
-            cuda.syncthreads()
-            for m in range(t, BLOCK_M, NT):
-                if m0 + m < seqlen_q:
-                    total = float32(0.0)
-                    for n in range(ROW_SLOTS):
-                        total += ds_t[uint64(n * LM + m)]
-                    dbias_h[m0 + m, 0] += total
+        if DBIAS_PER_ROW:   # each thread's partial sums of its rows into dS^T's buffer, then a row's in order
+            sum_row_slots(ds_t, row_part, t_at0, t, dbias_h, m0, seqlen_q)
         if A_SPLIT > 1:   # the second group's partial, through the K buffer (BLOCK_M x DB, row-major), to the first
             cuda.syncthreads()
             if ag == 1:

@@ -41,9 +41,10 @@ TC_COPY_PATHS: dict[str, bool] = {"tc_forward": True, "tc_forward_loads": False,
 #: Rows of kernels compiled with user mods (the SAMPLE_* functions below, through numba_flash/cuda/user_mods.py)
 #: carry this suffix: the forward and both backward kernels, SIMT in float32 and tensor-core in float16, at head
 #: dim MODS_HEAD_DIM, reading a BlockMask's table (``CudaMods.block_tiles``). A mod compiles into every call site
-#: (the simulator types none of them). They are built with every option but attn_bias, which bias_mod subsumes:
-#: attn_bias and all three mods at once take the sm_90 dK/dV tensor-core kernel to 255 registers and an 8-byte
-#: spill (218 without attn_bias, 222 with ALiBi too; both measured before the table).
+#: (the simulator types none of them). The SIMT ones are built with every option, attn_bias and (dQ) its gradient
+#: too; the tensor-core ones, which take no dbias, without attn_bias, which bias_mod subsumes: attn_bias and all
+#: three mods at once take the sm_90 dK/dV tensor-core kernel to 255 registers and an 8-byte spill (218 without
+#: attn_bias, 222 with ALiBi too; both measured before the table).
 MODS_SUFFIX = "+mods"
 MODS_KERNELS = {"forward": "float32", "backward_dkdv": "float32", "backward_dq": "float32",
                 "tc_forward": "float16", "tc_backward_dkdv": "float16", "tc_backward_dq": "float16"}
@@ -210,8 +211,8 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
     """The Python function of one kernel specialisation; ``flags`` are (has_left, has_right, softcap[, alibi[,
     attn_bias[, dropout]]]), those left out off (the decode kernel has no attn_bias or dropout: it takes the first
     four). The compile check builds every flag on: the variant with the most live values, so the worst case for
-    registers. A ``MODS_SUFFIX`` kernel is built with ``sample_mods()`` as well, and without attn_bias (see there);
-    a ``VARLEN_SUFFIX`` one for packed sequences, without attn_bias."""
+    registers. A ``MODS_SUFFIX`` kernel is built with ``sample_mods()`` as well, a tensor-core one without attn_bias
+    (see there); a ``VARLEN_SUFFIX`` one for packed sequences, without attn_bias."""
     from .backward import make_dbias_sum_kernel, make_delta_kernel, make_dkdv_kernel, make_dq_kernel
     from .decode import make_decode_kernel, make_split_merge_kernel
     from .forward import make_forward_kernel
@@ -220,7 +221,9 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
 
     mods = NO_MODS
     if kernel.endswith(MODS_SUFFIX):
-        mods, flags = sample_mods(), flags[:4] + (False,) + flags[5:]   # no attn_bias beside the mods (above)
+        mods = sample_mods()
+        if kernel.startswith("tc_"):   # no attn_bias beside the mods (above)
+            flags = flags[:4] + (False,) + flags[5:]
     kernel = kernel.removesuffix(MODS_SUFFIX)
     extra = {}
     if kernel.endswith(VARLEN_SUFFIX):
@@ -246,7 +249,7 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
     if kernel == "decode":
         return make_decode_kernel(cfg, *flags[:3], dtype == "bfloat16", *flags[3:4]).py_func
     factory = {"forward": make_forward_kernel, "backward_dkdv": make_dkdv_kernel, "backward_dq": make_dq_kernel}
-    if kernel == "backward_dq" and len(flags) > 4 and flags[4] and mods is NO_MODS and not extra:
+    if kernel == "backward_dq" and len(flags) > 4 and flags[4] and not extra:
         extra = {"dbias": "pairs"}   # with attn_bias, its gradient too: the worst case for registers
     return factory[kernel](cfg, *flags[:3], dtype == "bfloat16", *flags[3:], mods=mods, **extra).py_func
 

@@ -29,7 +29,7 @@ import functools
 import math
 from typing import Any
 
-from numba import cuda, float32
+from numba import cuda, float32, uint64
 
 from numba_flash.dropout import compile_with
 
@@ -71,6 +71,49 @@ def make_dbias_add(dbias: bool) -> Any:
             dbias_h[row, col] += value
 
     return add
+
+
+@functools.lru_cache(maxsize=None)
+def make_slot_sums(along_rows: bool, split: int, threads: int, runs: int, runs_per_slot: int, run: int,
+                   stride: int, tile_count: int, tile_run: int, tile_gap: int, slots: int, length: int) -> Any:
+    """``sum_slots(buf, parts, at0, t, dbias_h, first, end)``: the end of a block's sums of attn_bias's gradient
+    over one axis of the score tile (a bias broadcast over it). Each thread holds ``parts``, its partial sums of
+    the lines it has scores of; they go to the float32 shared buffer ``buf`` (``length`` lines of ``slots`` slots,
+    a slot every ``stride`` words), then one thread per line adds its ``slots`` partials in slot order into
+    ``dbias_h[first + line, 0]`` (``along_rows``: a row's sum over the keys) or ``dbias_h[0, first + line]`` (a
+    key's over the rows), for lines before ``end``. The fixed order gives the same bits every run.
+
+    How a thread's partials lie in the tile follows the score layout (config.py): with ``split`` > 1 a thread's
+    ``runs`` runs of ``run`` lines, run ``u`` being the thread's ``t + threads * u``-th of ``runs_per_slot`` a
+    slot; else ``tile_count`` lines from ``at0`` in runs of ``tile_run``, ``tile_gap`` words apart. Barriers
+    before (the caller's readers of ``buf`` are done) and between: every thread of the block must call it."""
+    ALONG_ROWS, SPLIT, NT, RUNS, RUNS_PER_SLOT, R = along_rows, split, threads, runs, runs_per_slot, run
+    STRIDE, COUNT, TILE_RUN, TILE_GAP, SLOTS, LENGTH = stride, tile_count, tile_run, tile_gap, slots, length
+
+    @cuda.jit(device=True, inline="always")
+    def sum_slots(buf, parts, at0, t, dbias_h, first, end):
+        cuda.syncthreads()
+        if SPLIT > 1:
+            for u in range(RUNS):
+                slot = (t + NT * u) // RUNS_PER_SLOT
+                line = (t + NT * u) % RUNS_PER_SLOT * R
+                for e in range(R):
+                    buf[uint64(slot * STRIDE + line + e)] = parts[u * R + e]
+        else:
+            for j in range(COUNT):
+                buf[at0 + uint64((j // TILE_RUN) * TILE_GAP + j % TILE_RUN)] = parts[j]
+        cuda.syncthreads()
+        for line in range(t, LENGTH, NT):
+            if first + line < end:
+                total = float32(0.0)
+                for slot in range(SLOTS):
+                    total += buf[uint64(slot * STRIDE + line)]
+                if ALONG_ROWS:
+                    dbias_h[first + line, 0] += total
+                else:
+                    dbias_h[0, first + line] += total
+
+    return sum_slots
 
 
 @cuda.jit(device=True, inline="always")
@@ -253,9 +296,9 @@ def make_score_grads(has_left: bool, has_right: bool, softcap: bool, alibi: bool
     ``bias_value`` the pair's entry of the staged tile (``make_bias_tile``: attn_bias, bias_mod and mask_mod; read
     only with ``has_bias`` or such mods). ``p`` is the probability dV takes (times ``z`` with dropout); ``ds`` is
     ``P (z dP - delta)`` times softcap's derivative and score_mod_grad's, 0 for a masked pair by a select (its dP
-    may be NaN: a non-finite V or dO). ``dbias`` is the same before softcap's derivative, the gradient of a bias
-    added after the cap (attn_bias's); the kernels that do not need it leave it to dead-code elimination. A poisoned
-    row has ``lse2`` NaN, so its visible P and dS are NaN."""
+    may be NaN: a non-finite V or dO). ``dbias`` is the same without softcap's derivative, the gradient of a bias
+    added after the cap and before score_mod (attn_bias's); the kernels that do not need it leave it to dead-code
+    elimination. A poisoned row has ``lse2`` NaN, so its visible P and dS are NaN."""
     SOFTCAP, STAGED, DROPOUT, SCORE_MOD = softcap, has_bias or mods.stages_tile, dropout, mods.score_mod is not None
     visible = make_visible(has_left, has_right)
     add_biases = make_biases(alibi, STAGED)
@@ -277,7 +320,6 @@ def make_score_grads(has_left: bool, has_right: bool, softcap: bool, alibi: bool
         if SCORE_MOD:
             x, dmod = score_mod(x, ok, b, h, row, col, seqlen_q - 1, seqlen_k - 1)
             ok = ok & (x != float32(-math.inf))
-            dcap *= dmod
         p = math.exp2(x - lse2) if ok else float32(0.0)
         if DROPOUT:
             kept = p * z
@@ -285,6 +327,8 @@ def make_score_grads(has_left: bool, has_right: bool, softcap: bool, alibi: bool
             p = kept
         else:
             dx = p * (dp - delta)
+        if SCORE_MOD:
+            dx *= dmod
         ds = dx * dcap
         return p, ds if ok else float32(0.0), dx if ok else float32(0.0)
 

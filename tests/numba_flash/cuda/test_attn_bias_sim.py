@@ -1,7 +1,7 @@
 """attn_bias in the CUDA kernels, under the Numba CUDA simulator with toy tiles (8 x 8, 16 threads): forward and
 backward against the float64 reference for every way a bias broadcasts, -inf entries that hide keys (also from the
-non-finite values behind them) and NaN ones that poison, low precision, and the dbias the kernels leave to another
-backend. The same semantics run on the cpu and torch backends in tests/numba_flash/test_attn_bias.py.
+non-finite values behind them) and NaN ones that poison, and low precision (dbias: test_dbias_sim.py). The same
+semantics run on the cpu and torch backends in tests/numba_flash/test_attn_bias.py.
 
 Run: NUMBA_ENABLE_CUDASIM=1 .venv/bin/python -m pytest -q -m cudasim tests/numba_flash/cuda/test_attn_bias_sim.py
 """
@@ -13,8 +13,6 @@ import pytest
 from cuda_sim_cases import forward_backward as _run
 from cuda_sim_cases import BACKWARD_TILES, random_inputs, rel_l2
 
-import numba_flash
-from backends import backend_registry
 from numba_flash import attention_ref, attention_ref_backward
 
 # RuntimeWarnings: the simulator's numpy arithmetic on the inf and NaN the tests put in.
@@ -86,26 +84,3 @@ def test_float16_with_a_float16_bias():
     want = attention_ref(q, k, v, attn_bias=bias)[:1] + attention_ref_backward(dout, q, k, v, attn_bias=bias)
     for name, g, ref in zip(("out", "dq", "dk", "dv"), got[:1] + got[2:], want):
         assert _rel(g, ref) <= 2e-3, name
-
-
-def test_dbias_with_a_mod_is_left_to_another_backend_with_the_reason():
-    """dbias itself is tested in test_dbias_sim.py, for every broadcast of the bias; together with user mods the
-    cuda kernels do not compute it (score_mod_grad's factor is folded in with softcap's, as on the CPU)."""
-    rng = np.random.default_rng(33)
-    q, k, v, dout = _inputs(rng)
-    bias = rng.standard_normal((SQ, SK)).astype(np.float32)
-    out, lse = attention_ref(q, k, v, attn_bias=bias, score_mod=_doubled)
-    with pytest.raises(numba_flash.NoBackendError, match=r"attn_bias's gradient \(return_dbias\) together with "
-                                                         r"bias_mod, mask_mod or score_mod not supported"):
-        backend_registry.get("flash", backend="cuda").backward(dout, q, k, v, out.astype(np.float32),
-                                                               lse.astype(np.float32), attn_bias=bias,
-                                                               return_dbias=True, score_mod=_doubled,
-                                                               score_mod_grad=_two)
-
-
-def _doubled(score, b, h, q_idx, kv_idx):
-    return 2.0 * score
-
-
-def _two(score, b, h, q_idx, kv_idx):
-    return 2.0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from cuda_sim_cases import BACKWARD_TILES, random_inputs, rel_l2
+from mods_cases import document_mods, soft_clip, soft_clip_grad
 from selfcheck_cases import checked_runs, spoil
 
 from backends import backend_registry
@@ -26,7 +27,7 @@ B, SQ, SK, HQ, HKV, D = 3, 11, 19, 4, 2, 8
 
 def _backward(q, k, v, dout, bias, tiles, **kw):
     """dq, dk, dv, dbias of the cuda backend, given the reference's out and lse."""
-    out, lse = attention_ref(q, k, v, attn_bias=bias, **kw)
+    out, lse = attention_ref(q, k, v, attn_bias=bias, **{n: x for n, x in kw.items() if n != "score_mod_grad"})
     with tile_config_override(**tiles):
         op = backend_registry.get("flash", backend="cuda")
         return op.backward(dout, q, k, v, out.astype(q.dtype), lse.astype(np.float32), attn_bias=bias,
@@ -104,6 +105,41 @@ def test_dbias_of_a_bias_broadcast_over_rows_or_keys_matches_the_reference(rng, 
         assert rel_l2(dbias, want[3]) <= 1e-5
 
 
+
+# With user mods: attn_bias enters before score_mod, so its gradient takes score_mod_grad's factor and not softcap's.
+# A full bias (dQ's pairs, both dQ paths) and one broadcast over the rows (dK/dV's per-key sums) and over the keys
+# (dQ's per-row sums); mask_mod's first rows see nothing (their gradient is 0).
+DOCS = np.repeat(np.arange(4), [5, 7, 1, 6])   # 19 key positions in 4 documents
+doc_mask, head_bias = document_mods(DOCS, SQ, SK, blind_rows=2)
+
+
+@pytest.mark.parametrize("tiles,shape,kw", [
+    ("split", (B, HQ, SQ, SK), dict(bias_mod=head_bias, mask_mod=doc_mask, score_mod=soft_clip, softcap=2.5)),
+    ("whole", (1, HQ, SQ, SK), dict(score_mod=soft_clip, causal=True, softcap=2.5, dropout_p=0.2, dropout_seed=5)),
+    ("whole", (1, SK), dict(score_mod=soft_clip, mask_mod=doc_mask, softcap=2.5)),
+    ("split", (HQ, SQ, 1), dict(score_mod=soft_clip, bias_mod=head_bias, causal=True)),
+], ids=["split-pairs-all-mods-softcap", "whole-pairs-score-mod-causal-dropout", "whole-keys-score-and-mask-mod",
+        "split-rows-score-and-bias-mod"])
+def test_dbias_with_user_mods_matches_the_reference(rng, shape, kw, tiles):
+    q, k, v, dout = random_inputs(rng, B, SQ, SK, HQ, HKV, D)
+    bias = _bias(rng, shape)
+    if shape[-1] == 1:   # a hidden entry would hide a whole row
+        bias[np.isneginf(bias)] = 0.5
+    kw = dict(kw, score_mod_grad=soft_clip_grad)
+    dq, dk, dv, dbias = _backward(q, k, v, dout, bias, BACKWARD_TILES[tiles], **kw)
+    want = attention_ref_backward(dout, q, k, v, attn_bias=bias, return_dbias=True, **kw)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        assert rel_l2(got, ref) <= 1e-5, name
+    if shape[-1] == 1:   # terms that cancel: judged against the pairs' gradient (as above)
+        pairs = attention_ref_backward(dout, q, k, v, attn_bias=np.broadcast_to(bias, (B, HQ, SQ, SK)).copy(),
+                                       return_dbias=True, **kw)[3]
+        assert np.linalg.norm(dbias - want[3]) <= 1e-5 * np.linalg.norm(pairs)
+    else:
+        assert rel_l2(dbias, want[3]) <= 1e-5
+    # the test can tell: without score_mod_grad's factor (a bias added after score_mod) dbias is another
+    assert rel_l2(attention_ref_backward(dout, q, k, v, attn_bias=bias, return_dbias=True,
+                                         **dict(kw, score_mod_grad=_one))[3], want[3]) > 1e-2
+
 def test_a_broadcast_bias_gradient_has_the_same_bits_every_run_and_reaches_nan(rng):
     """The sums run in a fixed order; a NaN in dO poisons the sums of the rows (keys) it reaches, as the reference's
     gradient is NaN there, and no other."""
@@ -137,11 +173,11 @@ def test_float16_runs_on_the_simt_kernels_and_returns_the_bias_dtype(rng):
 
 
 def test_the_same_bits_every_run_and_torch_in_torch_out(rng):
+    """The same call twice, once with numpy arrays and once with torch tensors: the same bits, in the input's kind."""
     torch = pytest.importorskip("torch")
     q, k, v, dout = random_inputs(rng, B, SQ, SK, HQ, HKV, D)
     bias = _bias(rng, (1, HQ, SQ, SK))
-    runs = [_backward(q, k, v, dout, bias, BACKWARD_TILES["split"], causal=True)[3] for _ in range(2)]
-    np.testing.assert_array_equal(runs[0], runs[1])
+    first = _backward(q, k, v, dout, bias, BACKWARD_TILES["split"], causal=True)[3]
     tbias = torch.from_numpy(bias)
     out, lse = attention_ref(q, k, v, attn_bias=bias, causal=True)
     with tile_config_override(**BACKWARD_TILES["split"]):
@@ -149,8 +185,9 @@ def test_the_same_bits_every_run_and_torch_in_torch_out(rng):
             *(torch.from_numpy(np.asarray(x, np.float32)) for x in (dout, q, k, v, out, lse)), attn_bias=tbias,
             return_dbias=True, causal=True)[3]
     assert isinstance(got, torch.Tensor) and got.dtype == torch.float32 and tuple(got.shape) == bias.shape
+    np.testing.assert_array_equal(got.numpy(), first)
     want = attention_ref_backward(dout, q, k, v, attn_bias=bias, return_dbias=True, causal=True)[3]
-    assert rel_l2(got.numpy(), want) <= 1e-5
+    assert rel_l2(first, want) <= 1e-5
 
 
 @pytest.fixture
@@ -197,3 +234,7 @@ def test_the_self_check_judges_the_broadcast_sums_and_a_wrong_one_falls_back(rng
     assert verdicts[(f"backward_{name}", 16, mode)] is False and verdicts[(f"backward_{name}", 32, mode)] is True
     failed = [v.reason for v in selfcheck.verdicts().values() if not v.passed]
     assert len(failed) == 1 and "dbias: relative L2 error" in failed[0] and f"dbias {mode}" in failed[0]
+
+
+def _one(score, b, h, q_idx, kv_idx):
+    return 1.0
