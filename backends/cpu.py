@@ -55,7 +55,7 @@ class CpuBackend(Backend):
     SUPPORTS_ALIBI = True
     SUPPORTS_DROPOUT = True
     SUPPORTS_BIAS = True
-    SUPPORTS_DBIAS = True  # not with a score_mod (see feature_reasons)
+    SUPPORTS_DBIAS = True
     SUPPORTED_MAX_HEAD_DIM = 576   # q and k; v and the output to 512 (validation's limits)
     SUPPORTS_HEAD_DIM_V = True
     SUPPORTS_MODS = True   # compiled into kernels of their own, once per mod in a process (numba_flash.cpu.modhooks)
@@ -64,13 +64,6 @@ class CpuBackend(Backend):
         reasons = super().not_supported_reasons(call, forced)
         if call.dtype == "bfloat16" and call.kind != "torch":
             reasons.append("bfloat16 only as torch tensors (numpy has no bfloat16)")
-        return reasons
-
-    def feature_reasons(self, call: AttentionCall) -> list[str]:
-        reasons = super().feature_reasons(call)
-        if call.return_dbias and call.mods is not None and call.mods.score_mod is not None:
-            # The kernels fold score_mod_grad into the softcap's chain factor; dbias needs it apart.
-            reasons.append("attn_bias's gradient (return_dbias) together with a score_mod not supported")
         return reasons
 
     def forward(self, call: AttentionCall) -> tuple[Any, Any]:

@@ -72,6 +72,8 @@ def _backward_kv_worker(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
     s = np.empty((BLOCK_M, BLOCK_N), q.dtype)
     dps = np.empty((BLOCK_M, BLOCK_N), q.dtype)
     dcap = np.empty((BLOCK_M, BLOCK_N) if per_pair else (1, 1), q.dtype)
+    # with dbias and mods, score_mod_grad's factor apart from dcap: the bias enters before score_mod, after the rest
+    mod_grad = np.empty((BLOCK_M, BLOCK_N) if want_dbias and _MODS else (1, 1), q.dtype)
     vis = np.empty((BLOCK_M, BLOCK_N) if _MODS else (0, 0), np.bool_)
     factors = np.empty((BLOCK_M, BLOCK_N) if drop.shape[0] > 0 else (1, 1), q.dtype)
     dk_acc = np.empty((BLOCK_N, dp), q.dtype)
@@ -132,7 +134,9 @@ def _backward_kv_worker(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
                             _scale_block(dps, factors)
                         _block_scores(s, dcap, i0, j0, nk, False, scale, softcap, per_pair, slope,
                                       seqlen_k - seqlen_q, bias_bh, s, row_lo, row_hi)
-                        _mod_scores(s, vis, dcap, state, b, h, i0, j0, nq, nk, False)
+                        if want_dbias and _MODS:
+                            mod_grad[:] = 1
+                        _mod_scores(s, vis, mod_grad if want_dbias else dcap, state, b, h, i0, j0, nq, nk, False)
                         # dbias first, before the chain factor (see _backward_dq_kernel)
                         _probs_and_dscores_rows(s, dps, dcap, row_max[bi, h, p0:], row_inv[bi, h, p0:],
                                                 delta[bi, h, p0:], i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
@@ -140,6 +144,8 @@ def _backward_kv_worker(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
                                                 bias_bh)
                         _mod_zero_hidden(s, dps, vis, nq, nk, False)
                         if want_dbias:
+                            if _MODS:
+                                _chain_factor(dps, mod_grad, 1.0, True)
                             _add_dbias(dbias_bh, dps, i0, j0, nq, nk, False)
                             _chain_factor(dps, dcap, scale, per_pair)
                         if drop.shape[0] > 0:
@@ -221,6 +227,7 @@ def _backward_dq_worker(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, h
     st = np.empty((BLOCK_N, BLOCK_M), qs.dtype)
     dpt = np.empty((BLOCK_N, BLOCK_M), qs.dtype)
     dcap = np.empty((BLOCK_N, BLOCK_M) if per_pair else (1, 1), qs.dtype)
+    mod_grad = np.empty((BLOCK_N, BLOCK_M) if want_dbias and _MODS else (1, 1), qs.dtype)   # as in the dK/dV pass
     vis = np.empty((BLOCK_N, BLOCK_M) if _MODS else (0, 0), np.bool_)
     acc = np.empty((BLOCK_M, dp), qs.dtype)
     tile = np.empty((BLOCK_M, dp), qs.dtype)
@@ -269,14 +276,19 @@ def _backward_dq_worker(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, h
                 _dropout_block(dpt, drop, b, h, i0, j0, nk, True)   # dS needs F dP; dQ = dS K needs no P
                 _block_scores(st, dcap, i0, j0, nk, True, scale, softcap, per_pair, slope, seqlen_k - seqlen_q,
                               bias_bh, bias_tile, row_lo, row_hi)
-                _mod_scores(st, vis, dcap, state, b, h, i0, j0, nq, nk, True)
+                if want_dbias and _MODS:
+                    mod_grad[:] = 1
+                _mod_scores(st, vis, mod_grad if want_dbias else dcap, state, b, h, i0, j0, nq, nk, True)
                 # With dbias, dS is first formed without the chain factor (scale, softcap's): the bias enters the
-                # score after both, so dbias is P (dP - delta) itself.
+                # score after both, so dbias is P (dP - delta) itself, times score_mod_grad's factor (the bias
+                # enters before score_mod), kept apart in mod_grad.
                 _probs_and_dscores_cols(st, dpt, dcap, row_max[bi, h, p0:], row_inv[bi, h, p0:],
                                         delta[bi, h, p0:], i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
                                         1.0 if want_dbias else scale, per_pair and not want_dbias, bias_bh)
                 _mod_zero_hidden(st, dpt, vis, nq, nk, True)
                 if want_dbias:
+                    if _MODS:
+                        _chain_factor(dpt, mod_grad, 1.0, True)
                     _add_dbias(dbias_bh, dpt, i0, j0, nq, nk, True)
                     _chain_factor(dpt, dcap, scale, per_pair)
                 masked = _MODS or bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
@@ -324,15 +336,15 @@ def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
         All arrays float32, or all float64. scale, window_left, window_right, softcap, alibi, dropout and attn_bias
             as in ``flash_forward`` (the same dropout_seed as the forward's).
         mods: as in ``flash_forward``, with the score_mod's score_mod_grad.
-        return_dbias: needs attn_bias, and no score_mod (its gradient would have to be kept apart from the
-            softcap's). Returns dbias in the compute dtype and in the bias's shape with leading axes of length 1
-            up to 4 dimensions (B', H', Sq', Sk'): the gradient of the score, summed over the axes the bias is
-            broadcast along, 0 where a pair is hidden, NaN where it is not finite. Otherwise returns None.
+        return_dbias: needs attn_bias. Returns dbias in the compute dtype and in the bias's shape with leading
+            axes of length 1 up to 4 dimensions (B', H', Sq', Sk'): the gradient of the biased score (before
+            score_mod, so times score_mod_grad), summed over the axes the bias is broadcast along, 0 where a pair
+            is hidden, NaN where it is not finite. Otherwise returns None.
         cu_seqlens_q, cu_seqlens_k: packed sequences, as in ``flash_forward``: q, dout, out, dq (total_q, H, D);
             k, v, dk, dv (total_k, Hkv, D); lse (Hq, total_q). One call of each pass serves every sequence.
     """
-    if return_dbias and (attn_bias is None or (mods is not None and mods.score_mod is not None)):
-        raise ValueError("flash_backward: return_dbias needs attn_bias and no score_mod")
+    if return_dbias and attn_bias is None:
+        raise ValueError("flash_backward: return_dbias needs attn_bias")
     with mod_errors(mods):
         seqs = call_sequences(q, k, cu_seqlens_q, cu_seqlens_k)
         if seqs.packed:

@@ -165,7 +165,7 @@ def test_flash_attn_func_with_mods_and_autograd(backend):
     q, k, v, dout = _inputs(rng)
     table = rng.standard_normal((HQ, SQ, SK)).astype(np.float32)
     tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
-    tb = torch.from_numpy(table).requires_grad_(backend == "rocm")   # the cpu backend has no dbias
+    tb = torch.from_numpy(table).requires_grad_()
     kw = dict(mask_mod=doc_mask, score_mod=soft_clip, bias_mod=head_bias)
     out = numba_flash.flash_attn_func(tq, tk, tv, causal=True, attn_bias=tb, score_mod_grad=soft_clip_grad,
                                       backend=backend, **kw)
@@ -174,8 +174,7 @@ def test_flash_attn_func_with_mods_and_autograd(backend):
                                atol=2e-5, rtol=0)
     want = attention_ref_backward(dout, q, k, v, causal=True, attn_bias=table, return_dbias=True,
                                   score_mod_grad=soft_clip_grad, **kw)
-    leaves = (tq, tk, tv, tb) if tb.requires_grad else (tq, tk, tv)
-    for got, ref in zip((t.grad for t in leaves), want):
+    for got, ref in zip((t.grad for t in (tq, tk, tv, tb)), want):
         assert np.linalg.norm(got.numpy() - ref) <= 2e-5 * np.linalg.norm(ref)
     # score_mod without its gradient: the forward runs, the backward says what is missing (the same mods: on the cpu
     # backend, a new set would compile kernels of its own)
@@ -184,17 +183,41 @@ def test_flash_attn_func_with_mods_and_autograd(backend):
         out.sum().backward()
 
 
-def test_no_backend_error_names_the_backend_that_serves_the_call_when_named():
+@pytest.mark.parametrize("shape", [(1, 1, SQ, SK), (HQ, 1, SK), (SQ, 1)])
+def test_cpu_dbias_with_mods_takes_score_mod_grad_and_matches_reference(shape):
+    """attn_bias enters before score_mod: its gradient takes score_mod_grad's factor (kept apart from softcap's and
+    the scale), for a bias shared by the batch and heads, one broadcast over the rows and one over the keys."""
     rng = np.random.default_rng(56)
     q, k, v, dout = _inputs(rng)
-    bias = rng.standard_normal((1, 1, SQ, SK)).astype(np.float32)
+    bias = rng.standard_normal(shape).astype(np.float32)
     mods = CASES["all+window"]   # the cpu backend's compiled set
-    out, lse = backend_registry.get("flash").forward(q, k, v, attn_bias=bias, return_lse=True, **mods)
-    # the cpu backend has no dbias with a score_mod
-    kw = dict(mods, score_mod_grad=soft_clip_grad, attn_bias=bias, return_dbias=True)
+    op = backend_registry.get("flash", backend="cpu")
+    out, lse = op.forward(q, k, v, attn_bias=bias, return_lse=True, **mods)
+    kw = dict(mods, score_mod_grad=soft_clip_grad, attn_bias=bias)
+    got = op.backward(dout, q, k, v, out, lse, return_dbias=True, **kw)
+    want = attention_ref_backward(dout, q, k, v, return_dbias=True, **kw)
+    for name, g, ref in zip(("dq", "dk", "dv", "dbias"), got, want):
+        assert np.linalg.norm(g - ref) <= 2e-5 * np.linalg.norm(ref), name
+    assert got[3].shape == bias.shape
+    # the test can tell: the gradient of a bias added after score_mod (no score_mod_grad factor) is another
+    unmodded = attention_ref_backward(dout, q, k, v, return_dbias=True, **dict(kw, score_mod_grad=_one))[3]
+    assert np.linalg.norm(unmodded - want[3]) > 1e-2 * np.linalg.norm(want[3])
+
+
+def _one(score, b, h, q_idx, kv_idx):
+    return 1.0
+
+
+def test_no_backend_error_names_the_backend_that_serves_the_call_when_named(monkeypatch):
+    from backends.cpu import CpuBackend
+
+    # every backend numpy arrays reach unnamed serves every feature today: a cpu backend that declines one stands in
+    monkeypatch.setattr(CpuBackend, "feature_reasons", lambda self, call: ["a feature of the test's not supported"])
+    rng = np.random.default_rng(57)
+    q, k, v, _ = _inputs(rng)
     with pytest.raises(numba_flash.NoBackendError, match="backend='rocm' serves it when named$") as exc:
-        backend_registry.get("flash").backward(dout, q, k, v, out, lse, **kw)
+        backend_registry.get("flash").forward(q, k, v, causal=True)
     assert exc.value.if_named == ("rocm",)
     with pytest.raises(numba_flash.NoBackendError) as exc:    # named and still refused: no hint
-        backend_registry.get("flash", backend="cpu").backward(dout, q, k, v, out, lse, **kw)
+        backend_registry.get("flash", backend="cpu").forward(q, k, v, causal=True)
     assert exc.value.if_named == () and "serves it when named" not in str(exc.value)
