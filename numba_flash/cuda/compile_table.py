@@ -32,8 +32,8 @@ _PACKAGE = Path(__file__).resolve().parent.parent
 #: module. Every other module there counts, so a new one counts until it is named here.
 NOT_KERNEL_SOURCES = frozenset({
     "compile_table.py", "decode_check.py", "gpus.py", "launch.py", "launch_dbias.py", "launch_decode.py",
-    "perf_counts.py", "perf_model.py", "selfcheck.py", "selfcheck_problem.py", "simcheck.py", "simcheck_arrays.py",
-    "simcheck_hooks.py", "warp_sim.py"})
+    "perf_counts.py", "perf_latency.py", "perf_model.py", "selfcheck.py", "selfcheck_problem.py", "simcheck.py",
+    "simcheck_arrays.py", "simcheck_hooks.py", "warp_sim.py"})
 #: Modules outside numba_flash/cuda that kernels compile code from (dropout's Philox, a BlockMask's tile states).
 OTHER_KERNEL_SOURCES = ("dropout.py", "mods.py")
 TOOLCHAIN = ("numpy", "numba", "llvmlite", "numba-cuda", "cuda-bindings", "nvidia-nvjitlink", "nvidia-nvvm")

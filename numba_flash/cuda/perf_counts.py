@@ -17,7 +17,11 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .perf_latency import iteration_cycles
 from .sass import Function
+
+#: The key of ``dynamic_counts``'s per-warp dict that holds clocks (the latency-bound issue time), not counts.
+LATENCY_KEY = "latency_clocks"
 
 # Opcodes that issue once per execution of the source line holding them (the anchors that undo unrolling).
 _ANCHOR_OPS = frozenset({"FFMA", "MUFU", "FMNMX", "HMMA"})
@@ -208,7 +212,9 @@ def _trip(anchors: dict[tuple[int, str], int], remaining: dict[tuple[int, str], 
 
 def dynamic_counts(fn: Function, counts: LoopCounts) -> list[dict[str, float]]:
     """Per warp: instructions issued per main-loop iteration by class (see ``sass.classify``), plus
-    'smem_wavefronts' (shared-memory clocks) and 'total'."""
+    'smem_wavefronts' (shared-memory clocks), 'total', and ``LATENCY_KEY``: the clocks the warp takes to issue the
+    iteration when each instruction waits for its operands (``perf_latency.iteration_cycles`` over the stretches of
+    instructions that run equally often)."""
     ins = fn.instructions
     lo_line, hi_line = counts.main_lines
 
@@ -300,6 +306,7 @@ def dynamic_counts(fn: Function, counts: LoopCounts) -> list[dict[str, float]]:
                 straight[line] = min(1.0, _trip(keys, {k: remaining_anchor.get(k, float(per_line[line]))
                                                        for k in keys}))
         out: dict[str, float] = {"total": 0.0, "smem_wavefronts": 0.0}
+        runs: list[tuple[Any, float, list[int]]] = []   # stretches of one loop and one count, for the latency
         for i in range(main[0], main[1] + 1):
             loop = home[i]
             src = ins[i].source
@@ -309,6 +316,10 @@ def dynamic_counts(fn: Function, counts: LoopCounts) -> list[dict[str, float]]:
             m = trips.get(loop, 1.0)
             if loop is None and src is not None and src[0] == counts.file:
                 m = straight.get(src[1], 1.0)
+            if runs and runs[-1][0] == loop and runs[-1][1] == m:
+                runs[-1][2].append(i)
+            else:
+                runs.append((loop, m, [i]))
             c = ins[i].cls
             out[c] = out.get(c, 0.0) + m
             out["total"] += m
@@ -317,6 +328,8 @@ def dynamic_counts(fn: Function, counts: LoopCounts) -> list[dict[str, float]]:
                 out[key] = out.get(key, 0.0) + m
             if c in ("lds", "sts"):
                 out["smem_wavefronts"] += m * max(1, ins[i].bits // 32)
+        # 'latency_clocks': the warp's issue time with its dependency waits (perf_latency), not an instruction count
+        out[LATENCY_KEY] = iteration_cycles([(loop is not None, m, [ins[i] for i in run]) for loop, m, run in runs])
         results.append(out)
     return results
 

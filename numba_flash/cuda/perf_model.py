@@ -20,6 +20,11 @@ What it does, per kernel specialisation (kernel, dtype, head-dim bucket, mask va
    - issue: every warp instruction takes one issue slot; 4 schedulers per SM issue one each per clock (fewer
      when fewer warps are resident);
    - warp: one warp issues at most one instruction per clock, so a block's slowest warp bounds its iteration;
+   - latency: a warp issues in order and an instruction waits for the registers it reads, so a warp's iteration
+     takes at least the replay of its stream with each result ready an assumed latency after its issue
+     (``perf_latency.py``: 4-5 clocks for ALU and FMA work, about 30 for shared-memory loads, ldmatrix and
+     mma.sync), dependencies carried across inner loops and from one iteration to the next; the other warps of
+     a scheduler fill the waits only up to the issue bound;
    - pipes: float32 ops and IMAD on the FMA pipe (``fp32_lanes`` per clock per SM; IMAD at most ``int_lanes``),
      integer adds, logic, compares and selects on the ALU (``int_lanes``), MUFU and conversions at
      ``mufu_lanes``;
@@ -29,8 +34,9 @@ What it does, per kernel specialisation (kernel, dtype, head-dim bucket, mask va
    five, per score element. The peak is the float32 CUDA-core peak for SIMT kernels and the dense float16
    tensor-core peak for kernels that issue HMMA (``unit``).
 
-It is a bound, not a measurement: latencies, barrier stalls, instruction-cache misses, global-memory bandwidth
-and the partial tiles on a causal diagonal are not modelled, so a real GPU runs below it. Its use is to compare
+It is a bound, not a measurement: latency enters only as a warp's own dependency waits (with assumed latencies,
+not what a given GPU takes); barrier stalls, bank conflicts, instruction-cache misses, global-memory bandwidth and
+the partial tiles on a causal diagonal are not modelled, so a real GPU runs below it. Its use is to compare
 kernels and commits, and to show where the instructions go. GPU figures (SMs, clocks, pipe widths) are in gpus.py.
 Results are cached on disk per source version (``--no-cache`` recomputes).
 """
@@ -49,7 +55,7 @@ from typing import Any, Callable, Iterable
 from .config import (HEAD_DIM_BUCKETS, KERNEL_DTYPES, FlashAttentionConfig, TileOverride, smem_limit_for,
                      tile_config_for)
 from .gpus import GPUS, GpuSpec, gpu_spec, occupancy
-from .perf_counts import dynamic_counts, loop_counts
+from .perf_counts import LATENCY_KEY, dynamic_counts, loop_counts
 from .sass import FP32_PIPE, disassemble, kernel_function, link, parse
 
 #: Variants: (has_left, has_right, softcap[, alibi, attn_bias, dropout]) flags of the kernel factories. "dropout" is
@@ -114,6 +120,8 @@ def _cycles(spec: GpuSpec, per_warp: list[dict[str, float]], blocks: int) -> dic
     return {
         "issue": total("total") / min(spec.schedulers, warps),
         "warp": max(w["total"] for w in per_warp),
+        # a warp issues in order and waits for its operands: its iteration takes at least that replay
+        "latency": max(w.get(LATENCY_KEY, 0.0) for w in per_warp),
         # IMAD shares the FMA pipe with float32 work; on GPUs with 128 float32 lanes only half of them (the
         # "heavy" half) take integer multiply-adds.
         "fma pipe": max(fma_pipe * 32 / spec.fp32_lanes, total("imad") * 32 / spec.int_lanes),
@@ -146,7 +154,7 @@ def model_kernel(kernel: str, cfg: FlashAttentionConfig, dtype: str, variant: st
     executed = PRODUCTS[kernel] * area * cfg.head_dim_bucket       # multiply-adds
     useful = USEFUL_PRODUCTS.get(kernel, PRODUCTS[kernel]) * area * cfg.head_dim_bucket
     ceiling = min(1.0, useful / (cycles[bound] * peak)) if occ.launchable else 0.0
-    per_iter = {c: sum(w.get(c, 0.0) for w in per_warp) for c in per_warp[0]}
+    per_iter = {c: sum(w.get(c, 0.0) for w in per_warp) for c in per_warp[0] if c != LATENCY_KEY}
     smem_bytes_moved = per_iter["smem_wavefronts"] * spec.smem_bytes_per_clock
     ffma_thread = per_iter.get("ffma", 0.0) * 32
     return ModelRecord(
