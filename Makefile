@@ -47,11 +47,11 @@ SIM_LOG := .test-cudasim.log
 SIM_WORKERS ?= 2
 test: $(STAMP)
 	@NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 nice -n 10 $(PY) -m pytest -q -m cudasim -n $(SIM_WORKERS) \
-	    --durations=15 >$(SIM_LOG) 2>&1 & sim=$$!; trap 'kill $$sim 2>/dev/null' INT TERM; \
+	    --durations=30 >$(SIM_LOG) 2>&1 & sim=$$!; trap 'kill $$sim 2>/dev/null' INT TERM; \
 	echo "== warmup (the CUDA simulator suite runs beside it and the main suite; its log follows) =="; \
 	$(PY) -m numba_flash warmup || { kill $$sim 2>/dev/null; exit 1; }; \
 	echo "== main suite =="; \
-	$(PY) -m pytest -q --durations=15; main=$$?; \
+	$(PY) -m pytest -q --durations=30; main=$$?; \
 	wait $$sim; sim_rc=$$?; \
 	echo "== CUDA simulator suite: NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 pytest -m cudasim -n $(SIM_WORKERS) =="; \
 	cat $(SIM_LOG); \
