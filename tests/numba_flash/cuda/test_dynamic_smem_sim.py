@@ -59,7 +59,7 @@ def _run_and_check(rng, sq, sk, d, **kw):
 def test_dynamic_tiles_match_reference(rng, dynamic_launches, tiles):
     bm, bn, nt = tiles
     with tile_config_override(block_m=bm, block_n=bn, threads=nt):
-        _run_and_check(rng, 19, 21, 200, causal=True)
+        _run_and_check(rng, 13, 11, 200, causal=True)   # one ragged tile each way
     kernels = [(name, nbytes) for name, _, nbytes in dynamic_launches]
     assert [name for name, _ in kernels] == ["forward", "backward_dkdv", "backward_dq"]
     # Every backward config here is past 48 KiB, and so launched with its whole buffer dynamic.

@@ -125,7 +125,7 @@ def test_bucket_512_with_a_gpus_tiles():
     import contextlib
 
     rng = np.random.default_rng(51)
-    q, k, v, dout = _inputs(rng, 1, 5, 9, 2, 1, 300, 512)
+    q, k, v, dout = _inputs(rng, 1, 5, 9, 1, 1, 300, 512)
     _check_forward_backward(q, k, v, dout, dict(causal=True, softcap=3.0), contextlib.nullcontext())
 
 
@@ -135,7 +135,7 @@ def test_mla_dims_forward_and_backward_with_a_gpus_tiles():
     import contextlib
 
     rng = np.random.default_rng(52)
-    q, k, v, dout = _inputs(rng, 1, 4, 7, 2, 1, 576, 512)
+    q, k, v, dout = _inputs(rng, 1, 4, 7, 1, 1, 576, 512)
     _check_forward_backward(q, k, v, dout, dict(window_size=(3, 1)), contextlib.nullcontext())
     text = str(backend_registry.get("flash").explain(q, k, v, backend="cuda", window_size=(3, 1)))
     assert "another backend" not in text
