@@ -383,3 +383,18 @@ def test_kernels_not_offered_at_a_head_dim_are_not_modelled():
         assert _model_or_none(kernel, "float32", 576, "plain", [(7, 5)], [], True) == []
     assert _model_or_none("forward", "float32", 512, "plain", [(7, 5)], [], True) == []
     assert _model_or_none("tc_forward", "float16", 512, "plain", [(9, 0)], [(9, 0)], True) == []
+
+
+def test_the_model_prices_latency_on_compiled_kernels(tmp_path, monkeypatch):
+    """On the tensor-core forward at D = 128 (8 warps an SM on sm_90: two a scheduler to cover mma.sync, ldmatrix
+    and shuffle chains) the replay binds, below the issue bound's ceiling; on every kernel it is at least the warp
+    bound (an instruction a clock)."""
+    _needs_toolchain()
+    from numba_flash.cuda.perf_model import run_model
+
+    monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(tmp_path))
+    (r,) = run_model(["tc_forward"], ["float16"], [128], ["plain"], [(9, 0)])
+    assert r.bounds["latency"] >= r.bounds["warp"] and r.warps_per_sm == 8
+    assert r.bound == "latency" and r.bounds["latency"] > r.bounds["issue"]
+    without = r.ceiling * r.bounds["latency"] / max(v for k, v in r.bounds.items() if k != "latency")
+    assert r.ceiling < without
