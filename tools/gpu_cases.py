@@ -254,13 +254,64 @@ def foreign_arrays(ctx: Ctx, dtype: str = "float32", d: int = 64) -> dict[str, A
     return _judge(measured, {n: 1e-5 for n in measured})
 
 
-def big_head_dims(ctx: Ctx, dtype: str) -> dict[str, Any]:
-    """MLA's head dims (D = 576, Dv = 512), forward only, on the forced backend."""
-    q, k, v = ctx.tensor((1, 67, 2, 576), dtype), ctx.tensor((1, 90, 1, 576), dtype), ctx.tensor((1, 90, 1, 512), dtype)
+def big_head_dims(ctx: Ctx, dtype: str, d: int = 576, dv: int = 512) -> dict[str, Any]:
+    """Head dims with Dv != D (MLA's D = 576, Dv = 512 by default), forward and backward, on the forced backend."""
+    q, k, v = ctx.tensor((1, 67, 2, d), dtype), ctx.tensor((1, 90, 1, d), dtype), ctx.tensor((1, 90, 1, dv), dtype)
     out, lse = ctx.op.forward(q, k, v, return_lse=True, causal=True)
     ref_out, ref_lse = attention_ref(f64(q), f64(k), f64(v), causal=True)
+    dout = ctx.tensor(tuple(out.shape), dtype)
+    grads = ctx.op.backward(dout, q, k, v, out, lse, causal=True)
+    refs = attention_ref_backward(f64(dout), f64(q), f64(k), f64(v), causal=True)
     bound = 1e-5 if dtype == "float32" else LOW_REL_L2[dtype]
-    return _judge({"out": rel_l2(f64(out), ref_out), "lse": max_abs(f64(lse), ref_lse)}, {"out": bound, "lse": 1e-4})
+    measured = {"out": rel_l2(f64(out), ref_out), "lse": max_abs(f64(lse), ref_lse)}
+    measured.update({n: rel_l2(f64(g), r) for n, g, r in zip(("dq", "dk", "dv"), grads, refs)})
+    return _judge(measured, {"out": bound, "lse": 1e-4, "dq": bound, "dk": bound, "dv": bound})
+
+
+def dbias(ctx: Ctx, dtype: str, broadcast: str, with_mods: bool = False, dropout: bool = False,
+          d: int = 64) -> dict[str, Any]:
+    """attn_bias's gradient (``return_dbias``) against the reference's, for a bias that is ``full`` (B, Hq, Sq,
+    Sk), broadcast over the ``rows`` (B, Hq, 1, Sk) or the ``keys`` (B, Hq, Sq, 1), or shared by batch and
+    ``heads`` (Sq, Sk); optionally with a mask_mod and a score_mod (whose derivative scales dbias) and dropout."""
+    b, sq, sk, hq, hkv = 2, 101, 147, 4, 2
+    shape = {"full": (b, hq, sq, sk), "rows": (b, hq, 1, sk), "keys": (b, hq, sq, 1), "heads": (sq, sk)}[broadcast]
+    q, k, v = ctx.tensor((b, sq, hq, d), dtype), ctx.tensor((b, sk, hkv, d), dtype), ctx.tensor((b, sk, hkv, d), dtype)
+    bias = ctx.tensor(shape, "float32")
+    kw: dict[str, Any] = {"causal": True, "softcap": 3.0, "attn_bias": bias}
+    if with_mods:
+        doc = np.repeat(np.arange(6), 29)[: max(sq, sk)]
+
+        def mask_mod(b_, h_, i, j):
+            return doc[i] == doc[j]
+
+        def score_mod(s, b_, h_, i, j):   # not affine in s: a row's constant bias then moves its softmax
+            return 4.0 * math.tanh(s / 4.0) - 0.02 * h_
+
+        def score_mod_grad(s, b_, h_, i, j):
+            t = math.tanh(s / 4.0)
+            return 1.0 - t * t
+
+        kw.update(mask_mod=mask_mod, score_mod=score_mod)
+    if dropout:
+        kw.update(dropout_p=0.13, dropout_seed=int(ctx.rng.integers(2 ** 62)))
+    saved = bias.clone()
+    out, lse = ctx.op.forward(q, k, v, return_lse=True, **kw)
+    ref_kw = {n: (f64(x) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+    if with_mods:
+        kw["score_mod_grad"] = ref_kw["score_mod_grad"] = score_mod_grad
+    dout = ctx.tensor(tuple(out.shape), dtype)
+    got = ctx.op.backward(dout, q, k, v, out, lse, return_dbias=True, **kw)
+    refs = attention_ref_backward(f64(dout), f64(q), f64(k), f64(v), return_dbias=True, **ref_kw)
+    bound = 2e-5 if dtype == "float32" else LOW_REL_L2[dtype]
+    measured = {n: rel_l2(f64(g), r) for n, g, r in zip(("dq", "dk", "dv", "dbias"), got, refs)}
+    if broadcast == "keys":   # a row's terms cancel (to 0 without a nonlinear score_mod): judged on the pairs' scale
+        ref_kw["attn_bias"] = np.broadcast_to(ref_kw["attn_bias"], (b, hq, sq, sk)).copy()
+        pairs = attention_ref_backward(f64(dout), f64(q), f64(k), f64(v), return_dbias=True, **ref_kw)[3]
+        measured["dbias"] = float(np.linalg.norm(f64(got[3]) - refs[3]) / np.linalg.norm(pairs))
+    measured["dbias_shape"] = 0.0 if tuple(got[3].shape) == shape else 1.0
+    measured["bias_untouched"] = 0.0 if torch.equal(saved, bias) else 1.0
+    return _judge(measured, {"dq": bound, "dk": bound, "dv": bound, "dbias": bound, "dbias_shape": 0.0,
+                             "bias_untouched": 0.0})
 
 
 def dense_cases(dtype: str, d: int) -> list[tuple[str, Callable[[Ctx], dict]]]:

@@ -1,6 +1,7 @@
 """Native checks and timings of the cuda backend on a real NVIDIA GPU, in one call that fits a short lease.
 
-    python tools/gpu_check.py --out DIR [--budget SECONDS] [--device cuda|cpu] [--perf-only] [--only JOBS]
+    python tools/gpu_check.py --out DIR [--budget SECONDS] [--device cuda|cpu] [--perf-only | --checks-only]
+                              [--only JOBS]
 
 (``tools/gpu_session.sh`` runs it with the machine's description first; ``docs/gpu-runs/`` keeps what it printed.)
 
@@ -39,14 +40,19 @@ def jobs(device: str) -> list[dict[str, Any]]:
     dtypes = ("float32", "float16", "bfloat16")
     out = [dict(name=f"{dt}-D{d}", dense=(dt, d), perf=(dt, d)) for dt in dtypes for d in (64, 128)]
     out += [dict(name="headdims", extra=["d256-float32", "d256-float16", "d256-bfloat16", "d40-float32",
-                                          "d96-float16", "mla-float16", "mla-float32", "d512-float32",
-                                          "d300-bfloat16"]),
+                                          "d96-float16"]),
+            dict(name="headdims-b", extra=["mla-float16", "mla-float32", "d512-float32", "d300-bfloat16"]),
+            dict(name="headdims-c", extra=["dv-float16", "dv-bfloat16", "dv-float32", "mla-bfloat16"]),
             dict(name="features-a", extra=["varlen-float32", "varlen-float16", "kvcache-float16",
                                            "kvcache-float32", "kvcache-bfloat16-flat"]),
-            dict(name="features-b", extra=["bias-float32", "bias-float16", "dropout-float16", "dropout-float32",
-                                           "mods-float32", "mods-bfloat16", "nonfinite-float32",
+            dict(name="features-b", extra=["bias-float32", "bias-float16", "dropout-float16", "dropout-float32"]),
+            dict(name="features-c", extra=["mods-float32", "mods-bfloat16", "nonfinite-float32",
                                            "nonfinite-float16", "threads-float16"]
-                 + (["foreign-float32"] if device == "cuda" else []))]
+                 + (["foreign-float32"] if device == "cuda" else [])),
+            dict(name="dbias-a", extra=["dbias-float32-full", "dbias-float32-rows", "dbias-float32-keys",
+                                        "dbias-float32-heads-dropout", "dbias-float16-full"]),
+            dict(name="dbias-b", extra=["dbias-float32-full-mods", "dbias-float32-rows-mods"]),
+            dict(name="dbias-c", extra=["dbias-float32-keys-mods", "dbias-bfloat16-heads-mods-dropout"])]
     return out
 
 
@@ -65,7 +71,12 @@ def extra_case(name: str):
              "mods": lambda c: gc.variants(c, dtype, "mods"),
              "nonfinite": lambda c: gc.nonfinite(c, dtype),
              "threads": lambda c: gc.threads(c, dtype),
-             "foreign": lambda c: gc.foreign_arrays(c, dtype)}
+             "foreign": lambda c: gc.foreign_arrays(c, dtype),
+             # Dv != D below 256: the tensor cores' forward for 16-bit inputs
+             "dv": lambda c: gc.big_head_dims(c, dtype, 128, 96)}
+    if what == "dbias":
+        dtype, broadcast, *opts = dtype.split("-")
+        return lambda c: gc.dbias(c, dtype, broadcast, with_mods="mods" in opts, dropout="dropout" in opts)
     return table[what]
 
 
@@ -334,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seqlen", type=int, default=SEQLEN)
     p.add_argument("--perf-only", action="store_true",
                    help="timings only (each worker first runs its plain and causal dense cases, which compile them)")
+    p.add_argument("--checks-only", action="store_true", help="correctness only, no timings")
     a = p.parse_args(argv)
     if a.markdown:
         print(markdown(a.markdown))
@@ -343,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(a.out, exist_ok=True)
     specs = [s for s in jobs(a.device) if (not a.only or s["name"] in a.only.split(","))
              and (not a.perf_only or "perf" in s)]
+    if a.checks_only:
+        specs = [{k: v for k, v in s.items() if k != "perf"} for s in specs]
     ctx = mp.get_context("spawn")
     barrier, lock = ctx.Barrier(len(specs)), ctx.Lock()
     deadline = time.time() + a.budget
