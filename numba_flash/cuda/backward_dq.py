@@ -47,8 +47,9 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
         ``dbias="per_row"``: each row's sum over its keys, (B, Hq, Sq, 1), the gradient of a bias broadcast over
         the keys: a thread sums its own scores of a row across the key tiles, and at the end the block adds its
         threads' partial sums of each row in a fixed order, so no atomics and the same bits every run;
-      head0: int, the query head dropout's mask keys this launch's first head by (a launch of one head of a
-        larger call, launch_dbias.dq_per_shared_slice; else 0).
+      batch_base, head_base: int, the call's batch entry and query head of this launch's first (a launch of one
+        slice of a larger call, launch_dbias.dq_per_shared_slice; else 0): the indices the user's mods, the
+        BlockMask and dropout's mask see are the call's, not the slice's.
     """
     BLOCK_M, BLOCK_N, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
     (S_TR, S_TC), (O_TR, O_TC) = checked_grids(cfg, cfg.out_grid)
@@ -97,7 +98,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
 
     def flash_dq_kernel(q, k, v, dout, lse, delta, dq, seqlen_q, seqlen_k, head_dim, group, window_left,
                         window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
-                        batch0, tiles, seqs, dbias, head0):
+                        batch0, tiles, seqs, dbias, batch_base, head_base):
         t = cuda.threadIdx.x
         # b: the sequence (masks, ALiBi, dropout); the arrays' rows of it start at (ab, q0) and keys at (ab, k0).
         b, ab, tile, q0, k0, seqlen_q, seqlen_k = locate(seqs, seqlen_q, seqlen_k)
@@ -110,6 +111,10 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
             slope = slopes[b, h]
         bias_h = bias_head(bias, b, h)
         dbias_h = bias_head(dbias, b, h)
+        # The call's batch entry and query head where this launch is a slice of the call (launch_dbias): what the
+        # user's mods, the BlockMask's table and dropout's mask take. The arrays, sliced, take b and h.
+        cb = b + batch_base
+        ch = h + head_base
 
         if DYNAMIC:   # past 48 KiB: one dynamic buffer (smem.py), carved at compile-time offsets
             smem = cuda.shared.array(0, float32, alignment=ALIGN)
@@ -202,7 +207,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
         for n0 in range(n_start, hi, BLOCK_N):
             # One table entry for the whole block, so every thread skips together; a skipped tile writes no
             # shared memory, so skipping this iteration's barrier is safe.
-            skip, full_tile = tile_skip(tiles, b, h, tile, n0 // BLOCK_N)
+            skip, full_tile = tile_skip(tiles, cb, ch, tile, n0 // BLOCK_N)
             if skip:   # mask_mod hides every pair: K and V never read
                 continue
             cuda.syncthreads()   # the previous tile's readers of k_s, v_s, ds_t and z_t are done
@@ -219,9 +224,9 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                     for e in range(V4):
                         v_s[at + uint64(e)] = fetched[e]
             if STAGED:   # dS's buffer holds the bias tile until dS overwrites it in place
-                load_bias(ds_t, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t, not full_tile)
+                load_bias(ds_t, bias_h, cb, ch, m0, n0, seqlen_q, seqlen_k, t, not full_tile)
             if DROPOUT:
-                dropout_factors(z_t, seed_lo, seed_hi, threshold, dscale, b + batch0, h + head0, m0, n0, t)
+                dropout_factors(z_t, seed_lo, seed_hi, threshold, dscale, cb + batch0, ch, m0, n0, t)
             # A K tile with an inf or NaN goes through the product that skips masked pairs.
             k_nonfinite = cuda.syncthreads_or(int32(probe != probe))
 
@@ -281,7 +286,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                         bias_value = ds_t[at + uint64(e)] if STAGED else float32(0.0)
                         _, dp_run[e], dx = grads(s_run[e], dp_run[e], m0 + m + e, n0 + n, lse_i[u * R + e],
                                                  delta_i[u * R + e], z, bias_value, slope, qmult, capmult, offset,
-                                                 seqlen_q, seqlen_k, window_left, window_right, b, h)
+                                                 seqlen_q, seqlen_k, window_left, window_right, cb, ch)
                         add_dbias(dbias_h, m0 + m + e, n0 + n, dx, seqlen_q, seqlen_k)
                         if DBIAS_PER_ROW:
                             row_part[u * R + e] += dx
@@ -296,7 +301,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                         bias_value = ds_t[at] if STAGED else float32(0.0)
                         _, dp[i, j], dx = grads(s[i, j], dp[i, j], row, n0 + s_tc + S_TC * j, lse_i[i], delta_i[i],
                                                 z, bias_value, slope, qmult, capmult, offset, seqlen_q, seqlen_k,
-                                                window_left, window_right, b, h)
+                                                window_left, window_right, cb, ch)
                         add_dbias(dbias_h, row, n0 + s_tc + S_TC * j, dx, seqlen_q, seqlen_k)
                         if DBIAS_PER_ROW:
                             row_part[i] += dx

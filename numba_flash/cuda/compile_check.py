@@ -198,7 +198,7 @@ def kernel_signature(kernel: str, dtype: str) -> Any:
                           dbias)
     if kernel == "backward_dq":
         return types.void(x, x, x, x, rows, rows, x, i64, i64, i64, i64, i64, i64, f32, f32, f32, *variants, dbias,
-                          i64)   # and dropout's first head
+                          i64, i64)   # and the call's batch entry and head of the launch's first
     if kernel == "dbias_sum":   # the sums, then the caller's gradient (any strides)
         return types.void(dbias, types.Array(types.float32, 4, "A"))
     if kernel == "backward_delta":

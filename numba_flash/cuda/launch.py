@@ -363,17 +363,18 @@ def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, ls
 def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dq: Any, *,
               softmax_scale: float, window_left: int, window_right: int, softcap: float, bf16: bool,
               alibi: Any = None, bias: Any = None, dropout: tuple | None = None, mods: CudaMods = NO_MODS,
-              block_mask: Any = None, packed: tuple | None = None, dbias: Any = None, head0: int = 0,
-              stream: Any = 0) -> None:
+              block_mask: Any = None, packed: tuple | None = None, dbias: Any = None,
+              base: tuple[int, int] = (0, 0), stream: Any = 0) -> None:
     """Launch the dQ kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_backward_dq`` config) as it
     is, no self-check. Arrays as for ``flash_backward``; attn_bias's gradient is added into ``dbias`` (SIMT only):
     each pair's when it has every key, (B or 1, Hq, Sq, Sk), or each row's sum over the keys into (B, Hq, Sq, 1).
-    ``head0``: the head dropout's mask takes for the arrays' first query head (a launch of one head of a call)."""
+    ``base``: the call's (batch entry, query head) of the arrays' first, for a launch of one slice of a call: the
+    user's mods, the BlockMask and dropout's mask see the call's indices."""
     mods, tiles = _block_tiles(mods, block_mask, cfg, stream)
     varlen = _varlen_kw(packed)   # the factory's keyword switches
-    extra = () if cfg.tensor_cores else (_bias_arg(dbias), int(head0))   # the SIMT kernel's dbias and dropout head
-    if head0 and cfg.tensor_cores:
-        raise ValueError("head0: the tensor-core dQ kernel keys dropout by its own heads")
+    extra = () if cfg.tensor_cores else (_bias_arg(dbias), int(base[0]), int(base[1]))   # the SIMT kernel's
+    if tuple(base) != (0, 0) and cfg.tensor_cores:
+        raise ValueError("base: the tensor-core dQ kernel runs whole calls only")
     if dbias is not None:
         if cfg.tensor_cores:
             raise ValueError("dbias: the tensor-core dQ kernel does not compute attn_bias's gradient")
@@ -400,7 +401,7 @@ def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse:
         launch_dq(static_fallback(cfg), q, k, v, dout, lse, delta, dq, softmax_scale=softmax_scale,
                   window_left=window_left, window_right=window_right, softcap=softcap, bf16=bf16, alibi=alibi,
                   bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, packed=packed, dbias=dbias,
-                  head0=head0, stream=stream)
+                  base=base, stream=stream)
 
 
 def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float, window_left: int,

@@ -51,13 +51,13 @@ def dq_per_shared_slice(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout:
                         dq: Any, dbias: Any, shared_batch: bool, shared_head: bool, kw: dict[str, Any]) -> None:
     """The dQ kernel once per batch entry (a bias shared by the batch) and per query head (shared by the heads),
     in order: every launch adds into the same gradient, so the sum needs no atomics and is the same on every run.
-    A launch sees its head as head 0 of a one-head call (its kv head sliced out, group 1), and is told its real
-    index for dropout's mask (``head0``), as it is told its batch entry's (``dropout[4]``)."""
+    A launch sees its slice as batch entry 0 and head 0 of a smaller call (its kv head sliced out, group 1), and is
+    told the call's indices of them (``base``), which the user's mods, the BlockMask and dropout's mask take."""
     from .launch import launch_dq   # launch.py imports this module
 
     batch, _, hq, _ = q.shape
     group = hq // k.shape[2]
-    alibi, bias, dropout = kw["alibi"], kw["bias"], kw["dropout"]
+    alibi, bias = kw["alibi"], kw["bias"]
     for b in range(batch) if shared_batch else (None,):
         bs = slice(None) if b is None else slice(b, b + 1)
         for h in range(hq) if shared_head else (None,):
@@ -65,7 +65,6 @@ def dq_per_shared_slice(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout:
             ks = slice(None) if h is None else slice(h // group, h // group + 1)
             one = dict(kw, alibi=None if alibi is None else alibi[bs, hs],
                        bias=bias if bias is None else bias[bs if bias.shape[0] > 1 else slice(None),
-                                                           hs if bias.shape[1] > 1 else slice(None)],
-                       dropout=None if dropout is None or b is None else dropout[:4] + (dropout[4] + b,))
+                                                           hs if bias.shape[1] > 1 else slice(None)])
             launch_dq(cfg, q[bs, :, hs], k[bs, :, ks], v[bs, :, ks], dout[bs, :, hs], lse[bs, hs], delta[bs, hs],
-                      dq[bs, :, hs], dbias=dbias, head0=0 if h is None else h, **one)
+                      dq[bs, :, hs], dbias=dbias, base=(b or 0, h or 0), **one)

@@ -118,8 +118,11 @@ doc_mask, head_bias = document_mods(DOCS, SQ, SK, blind_rows=2)
     ("whole", (1, HQ, SQ, SK), dict(score_mod=soft_clip, causal=True, softcap=2.5, dropout_p=0.2, dropout_seed=5)),
     ("whole", (1, SK), dict(score_mod=soft_clip, mask_mod=doc_mask, softcap=2.5)),
     ("split", (HQ, SQ, 1), dict(score_mod=soft_clip, bias_mod=head_bias, causal=True)),
+    # Shared by batch and heads: one dQ launch per (b, h), whose mods must see the call's b and h (bias_mod does).
+    ("whole", (SQ, SK), dict(score_mod=soft_clip, bias_mod=head_bias, mask_mod=doc_mask, dropout_p=0.2,
+                             dropout_seed=3)),
 ], ids=["split-pairs-all-mods-softcap", "whole-pairs-score-mod-causal-dropout", "whole-keys-score-and-mask-mod",
-        "split-rows-score-and-bias-mod"])
+        "split-rows-score-and-bias-mod", "whole-batch-and-head-shared-all-mods-dropout"])
 def test_dbias_with_user_mods_matches_the_reference(rng, shape, kw, tiles):
     q, k, v, dout = random_inputs(rng, B, SQ, SK, HQ, HKV, D)
     bias = _bias(rng, shape)
@@ -201,8 +204,8 @@ def test_the_self_check_judges_dbias_and_a_wrong_one_falls_back(rng, monkeypatch
     dbias is off by 0.1% fails it, and the call runs on the fallback config."""
     from numba_flash.cuda import selfcheck
 
-    # dbias is the last argument but one (dropout's first head is last)
-    spoil(monkeypatch, "make_dq_kernel", -2, lambda cfg, kw: kw.get("dbias") and cfg.threads == 16)
+    # dbias is the last argument but two (the call's batch entry and head of the launch's first follow)
+    spoil(monkeypatch, "make_dq_kernel", -3, lambda cfg, kw: kw.get("dbias") and cfg.threads == 16)
     q, k, v, dout = random_inputs(rng, 2, SQ, SK, HQ, HKV, D)
     bias = _bias(rng, (2, HQ, SQ, SK))
     *_, dbias = _backward(q, k, v, dout, bias, BACKWARD_TILES["split"], causal=True)
@@ -215,7 +218,7 @@ def test_the_self_check_judges_dbias_and_a_wrong_one_falls_back(rng, monkeypatch
 
 
 @pytest.mark.parametrize("kernel,shape,mode,dbias_arg", [("make_dkdv_kernel", (1, SK), "per_key", -1),
-                                                         ("make_dq_kernel", (SQ, 1), "per_row", -2)])
+                                                         ("make_dq_kernel", (SQ, 1), "per_row", -3)])
 def test_the_self_check_judges_the_broadcast_sums_and_a_wrong_one_falls_back(rng, monkeypatch, runs, kernel, shape,
                                                                                 mode, dbias_arg):
     """The kernels that sum a broadcast bias's gradient are checked on their own (against the reference's pairs'
