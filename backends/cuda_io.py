@@ -173,12 +173,17 @@ class _Session:
 
     @contextlib.contextmanager
     def on_device(self) -> Iterator[None]:
-        """Make the inputs' GPU numba's current device for the block, so allocations and launches happen there."""
-        if self.index is None:
-            yield
-            return
-        with self.cuda.gpus[self.index]:
-            yield
+        """Make the inputs' GPU numba's current device for the block, so allocations and launches happen there, with
+        numba-cuda's low-occupancy warning off: a small call's grids are small (on the H200, every call of a few
+        hundred rows warned "Grid size 20 will likely result in GPU under-utilization")."""
+        from numba_flash.cuda.selfcheck import small_grids_unannounced
+
+        with small_grids_unannounced():
+            if self.index is None:
+                yield
+                return
+            with self.cuda.gpus[self.index]:
+                yield
 
     def device(self, x: Any, name: str) -> Any:
         """A numba device array for input ``x``, without copying unless ``x`` lives on the host."""

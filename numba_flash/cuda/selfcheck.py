@@ -278,11 +278,13 @@ _quiet_saved: Any = None
 
 
 @contextlib.contextmanager
-def _small_grids_unannounced() -> Iterator[None]:
+def small_grids_unannounced() -> Iterator[None]:
     """numba-cuda warns about every launch of fewer than 128 blocks ("NumbaPerformanceWarning: Grid size 4 will likely
     result in GPU under-utilization"). The check's launches are a few blocks on purpose, and on an H200 that warning
-    greeted a user's first call, about a grid that was never theirs. numba's own switch, read at each launch, is off
-    while any check runs (a count, so that checks on two threads do not restore each other's state)."""
+    greeted a user's first call, about a grid that was never theirs; a small call's grids are its shape's, nothing a
+    user tunes (the cuda backend's calls run inside this too, backends/cuda_io.py). numba's own switch, read at each
+    launch, is off while any such block runs (a count, so that blocks on two threads do not restore each other's
+    state)."""
     global _quiet_depth, _quiet_saved
     from numba.core import config as numba_config
 
@@ -306,7 +308,7 @@ def _small_grids_unannounced() -> Iterator[None]:
 def _run(spec: Specialisation, like: dict[str, Any]) -> Verdict:
     """Run the check of ``spec`` on the current GPU: a verdict, never an exception."""
     try:
-        with _small_grids_unannounced():
+        with small_grids_unannounced():
             failed, measured = _CHECKS[spec.cfg.kernel](spec, like)
     except Exception as exc:  # any failure to compile or run is a failure of the specialisation
         text = " ".join(str(exc).split())

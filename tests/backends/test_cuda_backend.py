@@ -125,6 +125,34 @@ def test_forced_numpy_in_numpy_out_inputs_untouched(rng):
 
 
 @cudasim
+def test_calls_launch_without_numba_low_occupancy_warnings_and_restore_the_switch(rng, monkeypatch):
+    # On an H200 every small call warned "Grid size 20 will likely result in GPU under-utilization": the user's
+    # shape, not theirs to tune. numba reads its switch at each launch; the backend's calls hold it off.
+    from numba.core import config as numba_config
+
+    import numba_flash.cuda.launch as launch
+
+    seen = []
+    for name in ("flash_forward", "flash_backward"):
+        real = getattr(launch, name)
+
+        def spy(*args, _real=real, **kw):
+            seen.append(numba_config.CUDA_LOW_OCCUPANCY_WARNINGS)
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(launch, name, spy)
+    before = numba_config.CUDA_LOW_OCCUPANCY_WARNINGS
+    assert before   # numba-cuda's default: on
+    q, k, v = _qkv(rng, sq=9, sk=7)
+    op = backend_registry.get("flash", backend="cuda")
+    with tile_config_override(block_m=8, block_n=8, threads=16):
+        out, lse = op.forward(q, k, v, return_lse=True)
+        op.backward(rng.standard_normal(q.shape).astype(np.float32), q, k, v, out, lse)
+    assert seen == [0, 0]
+    assert numba_config.CUDA_LOW_OCCUPANCY_WARNINGS == before
+
+
+@cudasim
 def test_numba_device_arrays_in_device_arrays_out(rng):
     from numba import cuda
 
