@@ -1,13 +1,13 @@
 """Time the tensor-core kernels' tile configs (and register caps) on a real NVIDIA GPU, in one short call.
 
-    python tools/gpu_tile_sweep.py --out DIR [--budget SECONDS] [--only NAME,...] [--list]
+    python tools/gpu_tile_sweep.py --out DIR [--budget SECONDS] [--only NAME,...] [--batch B] [--list]
 
 The static model (numba_flash/cuda/perf_model.py) says the D = 128 tensor-core kernels are latency-bound: 2 warps
 a scheduler at 240 registers cannot hide their chains. Which tile or register cap moves them is a question for the
 hardware, so each candidate below runs in its own spawned process with the picker's preferred tile of one kernel
 replaced (config._PREFERRED) and, for a cap, ``max_registers`` given to that kernel's ``cuda.jit``. Every process
 first compiles its kernels and checks its answer (two heads of the timed inputs against float64 SDPA on the
-device), then all wait at a barrier and time one at a time: float16, S = 4096, B = 8, H = 2048 / D, non-causal and
+device), then all wait at a barrier and time one at a time: float16, S = 4096, B = 8 (--batch), H = 2048 / D, non-causal and
 causal, per-call time of 10 calls queued back to back (5 batches, min / median), the forward or, for a backward
 kernel, the backward alone (synchronised calls), and torch SDPA's FlashAttention-2 kernel on the same inputs in the
 baseline's process. Results go to DIR/sweep.jsonl as they come, a table to stdout and DIR/sweep_summary.txt.
@@ -97,8 +97,31 @@ def _synced(fn: Any, reps: int = 10, prep: Any = None) -> list[float]:
     return out
 
 
+def _device_time(fn: Any, calls: int = 10) -> dict[str, float]:
+    """Seconds per call the GPU spent in each kernel over ``calls`` calls (torch's profiler, CUPTI: the kernels
+    numba launches too), without the host's gaps between them."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = us if us is not None else getattr(e, "self_cuda_time_total", 0.0)
+        if us:
+            out[e.key[:80]] = us / 1e6 / calls
+    return out
+
+
 def worker(cand: tuple, out_dir: str, barrier: Any, lock: Any, deadline: float, wait_for: str | None,
-           baseline: bool) -> None:
+           baseline: bool, batch: int = BATCH, device_times: bool = False) -> None:
+    global BATCH
+    BATCH = batch
     sys.path[:0] = [ROOT]
     kernel, d, tile, cap = cand
     name = name_of(*cand)
@@ -174,6 +197,9 @@ def worker(cand: tuple, out_dir: str, barrier: Any, lock: Any, deadline: float, 
                     out, lse = state[causal]
                     if kernel == "tc_forward":
                         rec[f"fwd_s_c{c}"] = _queued(lambda: op.forward(q, k, v, causal=causal, return_lse=True))
+                        if device_times:
+                            rec[f"fwd_dev_c{c}"] = _device_time(
+                                lambda: op.forward(q, k, v, causal=causal, return_lse=True))
                     else:
                         rec[f"bwd_s_c{c}"] = _synced(lambda: op.backward(dout, q, k, v, out, lse, causal=causal))
                     if baseline:   # FlashAttention-2 through torch on the same inputs, for the ratio
@@ -183,6 +209,9 @@ def worker(cand: tuple, out_dir: str, barrier: Any, lock: Any, deadline: float, 
                                 with torch.no_grad():
                                     rec[f"fa2_fwd_s_c{c}"] = _queued(
                                         lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+                                    if device_times:
+                                        rec[f"fa2_fwd_dev_c{c}"] = _device_time(
+                                            lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
                             else:
                                 held: dict[str, Any] = {}
 
@@ -202,7 +231,7 @@ def summary(out_dir: str) -> str:
     import numpy as np
 
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "sweep.jsonl"))]
-    lines = [f"== tile sweep: {DTYPE}, S={SEQLEN}, B={BATCH}, H=2048/D; ms per call min / median; "
+    lines = [f"== tile sweep: {DTYPE}, S={SEQLEN}, H=2048/D; ms per call min / median; "
              "FLOP 4 B H S^2 D (x2.5 backward, /2 causal) =="]
     for r in sorted(rows, key=lambda r: (r["kernel"], r["D"], not r["baseline"], r["name"])):
         if "error" in r:
@@ -218,11 +247,17 @@ def summary(out_dir: str) -> str:
             if t:
                 med = float(np.median(t))
                 cells.append(f"c{c} {min(t) * 1e3:6.2f}/{med * 1e3:6.2f} ms {flop / med / 1e12:6.1f} TF")
+            dev = r.get(key.replace("_s_", "_dev_"))
+            if dev:
+                cells.append(f"GPU {sum(dev.values()) * 1e3:6.3f} ms")
             fa2 = r.get("fa2_" + key)
             if fa2:
                 cells.append(f"FA2 {float(np.median(fa2)) * 1e3:6.2f} ms")
+            fa2_dev = r.get("fa2_" + key.replace("_s_", "_dev_"))
+            if fa2_dev:
+                cells.append(f"FA2 GPU {sum(fa2_dev.values()) * 1e3:6.3f} ms")
         err = r.get("out_rel_l2_c0"), r.get("grad_rel_l2_c0")
-        lines.append(f"{r['name']:<36} picked {tuple(r.get('picked', ()))} regs/local {regs} | " + " | ".join(cells)
+        lines.append(f"{r['name']:<36} B={r['B']} picked {tuple(r.get('picked', ()))} regs/local {regs} | " + " | ".join(cells)
                      + f" | err {err}")
     return "\n".join(lines)
 
@@ -233,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=150.0, help="seconds for compiling and checking, then timing")
     p.add_argument("--only", help="comma-separated candidate names")
     p.add_argument("--wait-for", help="a file whose existence timing waits for (another job using the GPU)")
+    p.add_argument("--batch", type=int, default=BATCH, help="batch size of the timed inputs")
+    p.add_argument("--device-times", action="store_true",
+                   help="also each forward's GPU time per call from torch's profiler (no host gaps)")
     p.add_argument("--list", action="store_true", help="print the candidates' names and stop")
     a = p.parse_args(argv)
     cands = [c for c in CANDIDATES if not a.only or name_of(*c) in a.only.split(",")]
@@ -248,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     for c in cands:
         first = (c[0], c[1]) not in seen
         seen.add((c[0], c[1]))
-        procs.append(ctx.Process(target=worker, args=(c, a.out, barrier, lock, deadline, a.wait_for, first)))
+        procs.append(ctx.Process(target=worker, args=(c, a.out, barrier, lock, deadline, a.wait_for, first,
+                                                                a.batch, a.device_times)))
     for pr in procs:
         pr.start()
     for pr in procs:
