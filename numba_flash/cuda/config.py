@@ -97,13 +97,13 @@ _PREFERRED: dict[str, dict[int, tuple[int, int, int]]] = {
     "decode": {16: (16, 64, 128), 32: (16, 64, 128), 64: (16, 64, 128), 128: (16, 32, 128), 256: (8, 16, 128),
                512: (8, 4, 128), 576: (8, 4, 128)},
     # Tensor cores: 4 warps of 16 query rows, 16-bit tiles, Q sharing V's buffer until its fragments are in
-    # registers (D <= 128). Key tiles timed on an H200 (2026-11-28, tools/gpu_tile_sweep.py, float16, S = 4096,
-    # B = 8): at D = 128, 64 keys (252 registers, no spills; 64 spilled when this kernel was new) run 7-8%
-    # faster than 32; at D = 64, 32 keys (126 registers: 4 blocks an SM, not 2) 7% faster than 64; wider blocks
-    # of 8 warps were slower at both. At D = 256, Q's fragments would take 64 registers next to 128
-    # accumulators, so Q stays in shared memory beside 16-key K and V tiles: 48 KiB. D = 16 and 32 keep the
-    # model's choice (not timed).
-    "tc_forward": {16: (64, 64, 128), 32: (64, 64, 128), 64: (64, 32, 128), 128: (64, 64, 128),
+    # registers (D <= 128). Key tiles timed on an H200 (2026-11-28, tools/gpu_tile_sweep.py, float16, S = 4096;
+    # BENCHMARKS.md): at D = 64, 32 keys (126 registers: 4 blocks an SM, not 2) take 1-6% less GPU time than 64;
+    # at D = 128, 64 keys took 6-8% less than 32 on plain and causal calls, but with every switch on (window,
+    # softcap, ALiBi, dropout: the compile check's worst case) they spill up to 320 bytes, so 32 it stays. Blocks
+    # of 8 warps were slower at both. At D = 256, Q's fragments would take 64 registers next to 128 accumulators,
+    # so Q stays in shared memory beside 16-key K and V tiles: 48 KiB. D = 16 and 32 keep the model's choice.
+    "tc_forward": {16: (64, 64, 128), 32: (64, 64, 128), 64: (64, 32, 128), 128: (64, 32, 128),
                    256: (64, 16, 128)},
     # The tensor-core dQ kernel keeps Q's and dO's fragments in registers beside dQ's accumulators and three
     # arrays of scores per key tile (S, dP, softcap's factor), so key tiles stay at 32 or less (64 spilled at
