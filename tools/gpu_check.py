@@ -103,7 +103,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time(fn, device: str, reps: int, prep=None) -> list[float]:
+def synced_times(fn, device: str, reps: int, prep=None) -> list[float]:
     times = []
     for _ in range(reps):
         if prep is not None:
@@ -116,9 +116,9 @@ def _time(fn, device: str, reps: int, prep=None) -> list[float]:
     return times
 
 
-def _queued(fn, device: str, calls: int = 10, batches: int = 3) -> list[float]:
+def queued_times(fn, device: str, calls: int = 10, batches: int = 3) -> list[float]:
     """Per-call time of ``calls`` back-to-back calls between two synchronisations, ``batches`` times: the host's
-    per-call work overlaps the GPU's (a training step's steady state), unlike ``_time``'s synchronised calls."""
+    per-call work overlaps the GPU's (a training step's steady state), unlike ``synced_times``' synchronised calls."""
     out = []
     for _ in range(batches):
         _sync(device)
@@ -157,16 +157,16 @@ def perf(sink: Sink, dtype: str, d: int, device: str, backend: str, seq: int) ->
                 res["o"] = op.forward(q, k, v, causal=causal, return_lse=True)
 
             ours_fwd()                       # compiled already by the correctness cases; warm anyway
-            rec["ours_fwd_s"] = _time(ours_fwd, device, reps)
+            rec["ours_fwd_s"] = synced_times(ours_fwd, device, reps)
             out, lse = res["o"]
-            rec["ours_bwd_s"] = _time(lambda: op.backward(dout, q, k, v, out, lse, causal=causal), device, reps)
+            rec["ours_bwd_s"] = synced_times(lambda: op.backward(dout, q, k, v, out, lse, causal=causal), device, reps)
             grads = op.backward(dout, q, k, v, out, lse, causal=causal)
-            rec["ours_fwdq_s"] = _queued(lambda: op.forward(q, k, v, causal=causal, return_lse=True), device)
+            rec["ours_fwdq_s"] = queued_times(lambda: op.forward(q, k, v, causal=causal, return_lse=True), device)
 
             def ours_train():
                 o, l_ = op.forward(q, k, v, causal=causal, return_lse=True)
                 op.backward(dout, q, k, v, o, l_, causal=causal)
-            rec["ours_trainq_s"] = _queued(ours_train, device)
+            rec["ours_trainq_s"] = queued_times(ours_train, device)
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
@@ -194,7 +194,7 @@ def perf(sink: Sink, dtype: str, d: int, device: str, backend: str, seq: int) ->
                         run((qt, kt, vt))
                 try:
                     fwd()
-                    rec[f"{label}_fwd_s"] = _time(fwd, device, reps)
+                    rec[f"{label}_fwd_s"] = synced_times(fwd, device, reps)
                     state: dict[str, Any] = {}
 
                     def prep():
@@ -203,13 +203,13 @@ def perf(sink: Sink, dtype: str, d: int, device: str, backend: str, seq: int) ->
 
                     def bwd():
                         torch.autograd.grad(state["o"], state["l"], dt_)
-                    rec[f"{label}_bwd_s"] = _time(bwd, device, reps, prep)
-                    rec[f"{label}_fwdq_s"] = _queued(fwd, device)
+                    rec[f"{label}_bwd_s"] = synced_times(bwd, device, reps, prep)
+                    rec[f"{label}_fwdq_s"] = queued_times(fwd, device)
 
                     def train():
                         prep()
                         bwd()
-                    rec[f"{label}_trainq_s"] = _queued(train, device)
+                    rec[f"{label}_trainq_s"] = queued_times(train, device)
                     state.clear()
                     with torch.no_grad():
                         o = run([x[:1, :2] for x in (qt, kt, vt)]).transpose(1, 2)
@@ -357,20 +357,29 @@ def main(argv: list[str] | None = None) -> int:
              and (not a.perf_only or "perf" in s)]
     if a.checks_only:
         specs = [{k: v for k, v in s.items() if k != "perf"} for s in specs]
-    ctx = mp.get_context("spawn")
-    barrier, lock = ctx.Barrier(len(specs)), ctx.Lock()
     deadline = time.time() + a.budget
-    procs = [ctx.Process(target=worker, args=(s, a.out, a.device, barrier, lock, deadline, a.seqlen, a.perf_only))
-             for s in specs]
+    run_workers(worker, [lambda barrier, lock, s=s: (s, a.out, a.device, barrier, lock, deadline, a.seqlen,
+                                                      a.perf_only) for s in specs])
+    write_summary(os.path.join(a.out, "summary.txt"), summary(a.out))
+    return 0
+
+
+def run_workers(target: Any, args_of: list) -> None:
+    """One spawned process per entry of ``args_of`` (each a function of the shared barrier and lock that gives
+    ``target``'s arguments), all of them sharing one barrier and one lock; returns when every process has ended."""
+    ctx = mp.get_context("spawn")
+    barrier, lock = ctx.Barrier(len(args_of)), ctx.Lock()
+    procs = [ctx.Process(target=target, args=args(barrier, lock)) for args in args_of]
     for pr in procs:
         pr.start()
     for pr in procs:
         pr.join()
-    text = summary(a.out)
-    with open(os.path.join(a.out, "summary.txt"), "w") as f:
+
+
+def write_summary(path: str, text: str) -> None:
+    with open(path, "w") as f:
         f.write(text + "\n")
     print(text)
-    return 0
 
 
 if __name__ == "__main__":

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import sys
 import threading
 import time
 import traceback
 from typing import Any
+
+from gpu_check import queued_times, run_workers, synced_times, write_summary   # tools/ is this script's path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH, SEQLEN, MODEL_DIM, DTYPE = 8, 4096, 2048, "float16"
@@ -66,35 +67,6 @@ def _jit_shim(real_jit: Any, function_name: str, cap: int | None, made: list) ->
             return disp
         return real_jit(*args, **kwargs)
     return jit
-
-
-def _queued(fn: Any, calls: int = 10, batches: int = 5) -> list[float]:
-    import torch
-
-    out = []
-    for _ in range(batches):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) / calls)
-    return out
-
-
-def _synced(fn: Any, reps: int = 10, prep: Any = None) -> list[float]:
-    import torch
-
-    out = []
-    for _ in range(reps):
-        if prep is not None:
-            prep()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def _device_time(fn: Any, calls: int = 10) -> dict[str, float]:
@@ -196,19 +168,22 @@ def worker(cand: tuple, out_dir: str, barrier: Any, lock: Any, deadline: float, 
                     c = int(causal)
                     out, lse = state[causal]
                     if kernel == "tc_forward":
-                        rec[f"fwd_s_c{c}"] = _queued(lambda: op.forward(q, k, v, causal=causal, return_lse=True))
+                        rec[f"fwd_s_c{c}"] = queued_times(
+                            lambda: op.forward(q, k, v, causal=causal, return_lse=True), "cuda", batches=5)
                         if device_times:
                             rec[f"fwd_dev_c{c}"] = _device_time(
                                 lambda: op.forward(q, k, v, causal=causal, return_lse=True))
                     else:
-                        rec[f"bwd_s_c{c}"] = _synced(lambda: op.backward(dout, q, k, v, out, lse, causal=causal))
+                        rec[f"bwd_s_c{c}"] = synced_times(
+                            lambda: op.backward(dout, q, k, v, out, lse, causal=causal), "cuda", 10)
                     if baseline:   # FlashAttention-2 through torch on the same inputs, for the ratio
                         qt, kt, vt, dt_ = (x.transpose(1, 2) for x in (q, k, v, dout))
                         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                             if kernel == "tc_forward":
                                 with torch.no_grad():
-                                    rec[f"fa2_fwd_s_c{c}"] = _queued(
-                                        lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+                                    rec[f"fa2_fwd_s_c{c}"] = queued_times(
+                                        lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
+                                        "cuda", batches=5)
                                     if device_times:
                                         rec[f"fa2_fwd_dev_c{c}"] = _device_time(
                                             lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
@@ -218,8 +193,8 @@ def worker(cand: tuple, out_dir: str, barrier: Any, lock: Any, deadline: float, 
                                 def prep():
                                     held["l"] = [x.detach().requires_grad_(True) for x in (qt, kt, vt)]
                                     held["o"] = F.scaled_dot_product_attention(*held["l"], is_causal=causal)
-                                rec[f"fa2_bwd_s_c{c}"] = _synced(lambda: torch.autograd.grad(held["o"], held["l"], dt_),
-                                                                 prep=prep)
+                                rec[f"fa2_bwd_s_c{c}"] = synced_times(
+                                    lambda: torch.autograd.grad(held["o"], held["l"], dt_), "cuda", 10, prep)
                 say("timed")
             except Exception:
                 rec["error"] = traceback.format_exc()[-2000:]
@@ -278,24 +253,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(name_of(*c) for c in cands))
         return 0
     os.makedirs(a.out, exist_ok=True)
-    seen: set = set()
-    ctx = mp.get_context("spawn")
-    barrier, lock = ctx.Barrier(len(cands)), ctx.Lock()
     deadline = time.time() + a.budget
-    procs = []
-    for c in cands:
-        first = (c[0], c[1]) not in seen
-        seen.add((c[0], c[1]))
-        procs.append(ctx.Process(target=worker, args=(c, a.out, barrier, lock, deadline, a.wait_for, first,
-                                                                a.batch, a.device_times)))
-    for pr in procs:
-        pr.start()
-    for pr in procs:
-        pr.join()
-    text = summary(a.out)
-    with open(os.path.join(a.out, "sweep_summary.txt"), "w") as f:
-        f.write(text + "\n")
-    print(text)
+    # the first candidate of each (kernel, head dim) is its baseline, which also times FlashAttention-2
+    first = [i == [(k, d) for k, d, *_ in cands].index(c[:2]) for i, c in enumerate(cands)]
+    run_workers(worker, [lambda barrier, lock, c=c, f=f: (c, a.out, barrier, lock, deadline, a.wait_for, f, a.batch,
+                                                           a.device_times) for c, f in zip(cands, first)])
+    write_summary(os.path.join(a.out, "sweep_summary.txt"), summary(a.out))
     return 0
 
 
