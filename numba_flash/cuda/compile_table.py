@@ -34,8 +34,9 @@ NOT_KERNEL_SOURCES = frozenset({
     "compile_table.py", "decode_check.py", "gpus.py", "launch.py", "launch_dbias.py", "launch_decode.py",
     "perf_counts.py", "perf_latency.py", "perf_model.py", "selfcheck.py", "selfcheck_problem.py", "simcheck.py",
     "simcheck_arrays.py", "simcheck_hooks.py", "warp_sim.py"})
-#: Modules outside numba_flash/cuda that kernels compile code from (dropout's Philox, a BlockMask's tile states).
-OTHER_KERNEL_SOURCES = ("dropout.py", "mods.py")
+#: Modules outside numba_flash/cuda that kernels compile code from (dropout's Philox, a BlockMask's tile states,
+#: the score pipeline).
+OTHER_KERNEL_SOURCES = ("dropout.py", "mods.py", "score_pipeline.py")
 TOOLCHAIN = ("numpy", "numba", "llvmlite", "numba-cuda", "cuda-bindings", "nvidia-nvjitlink", "nvidia-nvvm")
 
 

@@ -51,7 +51,8 @@ from numba import cuda, float32, int32, int64, uint32
 
 from .config import FlashAttentionConfig
 from .dtypes import element_io
-from .masks import make_biases, make_visible, nan_if_not_finite
+from .masks import make_visible, nan_if_not_finite
+from .score_terms import make_pipeline
 
 LN2 = math.log(2.0)
 #: Threads of the merge kernel per query row; the head dim is strided over them.
@@ -164,10 +165,10 @@ def make_decode_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: boo
     TPR = NT // BM                   # softmax threads per query row
     LD, LP = DB + 1, BN + 1          # odd row strides: a warp's column walks hit 32 different banks
     STEPS = STEPS_PER_ITERATION
-    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI = has_left, has_right, softcap, alibi
+    HAS_LEFT, HAS_RIGHT, ALIBI = has_left, has_right, alibi
     LOAD = element_io(bf16)[0]
     visible = make_visible(has_left, has_right)
-    add_biases = make_biases(alibi, False)
+    pipeline = make_pipeline(softcap, alibi, False)
     locate = make_key_locate(BN, NT)
     load_k = make_key_tile_load(BN, DB, NT, bf16, False)
     load_v = make_key_tile_load(BN, DB, NT, bf16, True)
@@ -265,9 +266,10 @@ def make_decode_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: boo
                         raw += q_s[r, d] * kv[c, d]
                 i = row_q[r]
                 j = n0 + c
-                x = capmult * math.tanh(raw) if SOFTCAP else raw
-                x = add_biases(x, row_slope[r], i, j, offset, float32(0.0))
-                x = x if abs(raw) < float32(math.inf) else nan
+                # q was scaled on load: the pipeline's qmult is 1.
+                x, _, _, _, finite = pipeline(raw, float32(1.0), capmult, row_slope[r], float32(i + offset - j),
+                                              float32(0.0), float32(0.0), False, True, 0, 0, i, j, 0, 0)
+                x = x if finite else nan
                 ok = visible(i, j, seqlen_q, j_end, offset, window_left, window_right, 0, 0, 0)
                 p_s[r, c] = x if ok else neg_inf
             cuda.syncthreads()

@@ -29,12 +29,13 @@ from numba import config, cuda, float32, int32, uint32, uint64
 from .block_tiles import make_tile_skip
 from .config import FlashAttentionConfig, transposed_stride
 from .dtypes import element_io
-from .masks import (bias_head, dropout_factor, make_bias_tile, make_biases, make_score_mod_hides, make_visible,
+from .masks import (bias_head, dropout_factor, make_bias_tile, make_score_mod_hides, make_visible,
                     nan_if_not_finite)
 from .sequences import make_locate
 from .smem import carve
 from .tiles import FETCH_VECTOR, make_tile_fetch, tile_passes
-from .user_mods import NO_MODS, CudaMods, make_score_mod
+from .score_terms import make_pipeline
+from .user_mods import NO_MODS, CudaMods
 
 LN2 = math.log(2.0)
 #: Alignment of the shared tiles: 16 bytes lets LLVM merge four consecutive float32 loads into one 128-bit load.
@@ -107,16 +108,15 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     # Runs of consecutive rows (columns) a thread owns, and the distance from one of its runs to the next.
     S_RM, S_RN, O_RM, O_RD = min(S_TM, 4), min(S_TN, 4), min(O_TM, 4), min(O_TD, 4)
     S_GAP_M, S_GAP_N, O_GAP_M, O_GAP_D = S_RM * S_TR, S_RN * S_TC, O_RM * O_TR, O_RD * O_TC
-    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI = has_left, has_right, softcap, alibi
-    DROPOUT, STAGED, SCORE_MOD = dropout, has_bias or mods.stages_tile, mods.score_mod is not None
+    HAS_LEFT, HAS_RIGHT, ALIBI = has_left, has_right, alibi
+    DROPOUT, STAGED = dropout, has_bias or mods.stages_tile
     LOAD, STORE = element_io(bf16)
     visible = make_visible(has_left, has_right)
     sees = make_visible(has_left, has_right, has_bias, mods)   # also reads attn_bias and the mods, for the rare path
-    add_biases = make_biases(alibi, STAGED)
+    pipeline = make_pipeline(softcap, alibi, STAGED, mods)   # the staged tile holds attn_bias and the mods
     load_bias = make_bias_tile(BM, BN, NT, True, BM, has_bias, mods)
     tile_skip = make_tile_skip(mods.block_tiles)
     locate = make_locate(varlen)
-    score_mod = make_score_mod(mods)
     score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, LOAD)
     Q_PASSES, KV_PASSES, V4 = tile_passes(BM, DB, NT), tile_passes(BN, DB, NT), FETCH_VECTOR
     fetch_q = make_tile_fetch(BM, DB, NT, bf16, LQ, True)
@@ -246,19 +246,14 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                     if STAGED:
                         bias_value = p_t[p_block + uint64(((j // S_RN) * S_GAP_N + j % S_RN) * BM
                                                           + (i // S_RM) * S_GAP_M + i % S_RM)]
-                    x = capmult * math.tanh(raw) if SOFTCAP else raw
-                    x = add_biases(x, slope, row, col, offset, bias_value)
-                    finite = abs(raw) < float32(math.inf)
                     ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h, b, h)
-                    if STAGED:   # a -inf bias (or mask_mod) masks; a +inf or NaN one poisons
-                        ok = ok & (bias_value != neg_inf)
-                        finite = finite & (abs(x) < float32(math.inf))
-                    if SCORE_MOD:   # on the finite scores; a -inf it returns masks, any other non-finite poisons
-                        x, _ = score_mod(x, ok & finite, b, h, row, col, seqlen_q - 1, seqlen_k - 1)
-                        ok = ok & (x != neg_inf)
-                        finite = finite & (abs(x) < float32(math.inf))
+                    # Q was scaled on load: the pipeline's qmult is 1. A -inf bias, mask_mod or score_mod hides
+                    # (shown False); a +inf or NaN term poisons (finite False).
+                    x, _, _, shown, finite = pipeline(raw, float32(1.0), capmult, slope, float32(row + offset - col),
+                                                      bias_value, float32(0.0), False, ok, b, h, row, col,
+                                                      seqlen_q - 1, seqlen_k - 1)
                     x = x if finite else nan
-                    s[i, j] = x if ok else neg_inf
+                    s[i, j] = x if ok & shown else neg_inf
             # Into P^T column by column: a run of rows is one 128-bit store.
             for j in range(S_TN):
                 for i in range(S_TM):

@@ -33,8 +33,9 @@ from numba import cuda, float32, uint64
 
 from numba_flash.dropout import compile_with
 
-from .user_mods import (LOG2E, NO_MODS, CudaMods, make_hidden_by_mods, make_index_terms, make_score_mod,
-                        make_tile_index_terms)
+from .score_terms import make_pipeline
+from .user_mods import LOG2E  # noqa: F401  (the kernels take it from here)
+from .user_mods import NO_MODS, CudaMods, make_hidden_by_mods, make_index_terms, make_tile_index_terms
 
 
 @cuda.jit(device=True, inline="always")
@@ -228,27 +229,6 @@ def make_bias_tile(block_m: int, block_n: int, threads: int, transposed: bool, l
 
 
 @functools.lru_cache(maxsize=None)
-def make_biases(alibi: bool, has_bias: bool) -> Any:
-    """``add_biases(x, slope, row, col, offset, bias_value) -> x``: the additive terms of the score pipeline, in
-    log2 units, as every kernel applies them after softcap (``x = capmult * tanh(raw)``, or the raw score): ALiBi's
-    ``-slope * |row + offset - col|``, ``slope`` being the head's slope times log2(e) and ``offset = seqlen_k -
-    seqlen_q`` (flash-attn's bottom-right distance), then attn_bias's entry ``bias_value`` (from a
-    ``make_bias_tile`` tile) times log2(e). They add nothing to the chain factor. A switch that is off is not
-    compiled at all; a -inf bias is the caller's to test: it masks."""
-    ALIBI, HAS_BIAS = alibi, has_bias
-
-    @cuda.jit(device=True, inline="always")
-    def add_biases(x, slope, row, col, offset, bias_value):
-        if ALIBI:
-            x -= slope * float32(abs(row + offset - col))
-        if HAS_BIAS:
-            x += bias_value * float32(LOG2E)
-        return x
-
-    return add_biases
-
-
-@functools.lru_cache(maxsize=None)
 def make_score_mod_hides(softcap: bool, alibi: bool, has_bias: bool, mods: CudaMods, load: Any) -> Any:
     """``hides(q, k, b, h, hk, row, col, head_dim, qmult, capmult, slope, offset, bias_h, seqlen_q, seqlen_k) ->
     bool``: whether the user's score_mod hides the pair (returns -inf on its score), for the kernels' rare paths,
@@ -258,10 +238,10 @@ def make_score_mod_hides(softcap: bool, alibi: bool, has_bias: bool, mods: CudaM
     ``offset``, attn_bias's slab ``bias_h``, bias_mod. False without a score_mod, and for a pair whose score is not
     finite (score_mod is not applied there). Its rounding may differ from the kernel's by an ulp or so: a mod that
     returns -inf exactly at a threshold may be judged differently at that threshold."""
-    SOFTCAP, ALIBI, HAS_BIAS, LOAD = softcap, alibi, has_bias, load
+    HAS_BIAS, LOAD = has_bias, load
     SCORE_MOD, INDEX_MODS = mods.score_mod is not None, mods.stages_tile
     index_terms = make_index_terms(mods)
-    score_mod = make_score_mod(mods)
+    pipeline = make_pipeline(softcap, alibi, has_bias, mods, index_mods=INDEX_MODS)
 
     @cuda.jit(device=True, inline="always")
     def hides(q, k, b, h, hk, row, col, head_dim, qmult, capmult, slope, offset, bias_h, seqlen_q, seqlen_k):
@@ -270,18 +250,14 @@ def make_score_mod_hides(softcap: bool, alibi: bool, has_bias: bool, mods: CudaM
         raw = float32(0.0)
         for d in range(head_dim):
             raw += LOAD(q[b, row, h, d]) * LOAD(k[b, col, hk, d])
-        x = raw * qmult
-        if SOFTCAP:
-            x = capmult * math.tanh(x)
-        if ALIBI:
-            x -= slope * float32(abs(row + offset - col))
+        bias_value, extra, hidden = float32(0.0), float32(0.0), False
         if HAS_BIAS:
-            x += bias_at(bias_h, row, col) * float32(LOG2E)
+            bias_value = bias_at(bias_h, row, col)
         if INDEX_MODS:
-            extra, _ = index_terms(b, h, row, col)
-            x += extra * float32(LOG2E)
-        x, _ = score_mod(x, True, b, h, row, col, seqlen_q - 1, seqlen_k - 1)
-        return x == float32(-math.inf)
+            extra, hidden = index_terms(b, h, row, col)
+        _, _, _, shown, _ = pipeline(raw, qmult, capmult, slope, float32(row + offset - col), bias_value, extra,
+                                     hidden, True, b, h, row, col, seqlen_q - 1, seqlen_k - 1)
+        return not shown
 
     return hides
 
@@ -299,27 +275,17 @@ def make_score_grads(has_left: bool, has_right: bool, softcap: bool, alibi: bool
     may be NaN: a non-finite V or dO). ``dbias`` is the same without softcap's derivative, the gradient of a bias
     added after the cap and before score_mod (attn_bias's); the kernels that do not need it leave it to dead-code
     elimination. A poisoned row has ``lse2`` NaN, so its visible P and dS are NaN."""
-    SOFTCAP, STAGED, DROPOUT, SCORE_MOD = softcap, has_bias or mods.stages_tile, dropout, mods.score_mod is not None
+    STAGED, DROPOUT = has_bias or mods.stages_tile, dropout
     visible = make_visible(has_left, has_right)
-    add_biases = make_biases(alibi, STAGED)
-    score_mod = make_score_mod(mods)
+    pipeline = make_pipeline(softcap, alibi, STAGED, mods)   # the staged value holds attn_bias and the mods
 
     @cuda.jit(device=True, inline="always")
     def grads(raw, dp, row, col, lse2, delta, z, bias_value, slope, qmult, capmult, offset, seqlen_q, seqlen_k,
               window_left, window_right, b, h):
-        x = raw * qmult
-        dcap = float32(1.0)
-        if SOFTCAP:
-            th = math.tanh(x)
-            dcap = float32(1.0) - th * th
-            x = capmult * th
-        x = add_biases(x, slope, row, col, offset, bias_value)
         ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, 0, b, h)
-        if STAGED:
-            ok = ok & (bias_value != float32(-math.inf))
-        if SCORE_MOD:
-            x, dmod = score_mod(x, ok, b, h, row, col, seqlen_q - 1, seqlen_k - 1)
-            ok = ok & (x != float32(-math.inf))
+        x, dcap, dmod, shown, _ = pipeline(raw, qmult, capmult, slope, float32(row + offset - col), bias_value,
+                                           float32(0.0), False, ok, b, h, row, col, seqlen_q - 1, seqlen_k - 1)
+        ok = ok & shown
         p = math.exp2(x - lse2) if ok else float32(0.0)
         if DROPOUT:
             kept = p * z
@@ -327,8 +293,7 @@ def make_score_grads(has_left: bool, has_right: bool, softcap: bool, alibi: bool
             p = kept
         else:
             dx = p * (dp - delta)
-        if SCORE_MOD:
-            dx *= dmod
+        dx *= dmod
         ds = dx * dcap
         return p, ds if ok else float32(0.0), dx if ok else float32(0.0)
 

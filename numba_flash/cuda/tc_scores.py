@@ -1,5 +1,6 @@
 """The score of one (query, key) pair as the tensor-core kernels compute it from the raw product ``q . k``, shared
-by the forward and both backward kernels so that the backward recomputes exactly the forward's probabilities.
+by the forward and both backward kernels so that the backward recomputes exactly the forward's probabilities: the
+score pipeline of ``numba_flash.score_pipeline`` (score_terms.make_pipeline), fed attn_bias and the mods' values.
 
 Order (the contract's): scale, softcap, ALiBi, attn_bias, the user's mask_mod and bias_mod, then score_mod; the
 window and sequence-end masks are the callers' (only tiles that cross the band need them). Scores are in log2
@@ -31,14 +32,15 @@ from numba_flash.dropout import compile_with
 
 from . import warp
 from .masks import LOG2E, bias_at
-from .user_mods import NO_MODS, CudaMods, make_score_mod, make_tile_index_terms
+from .score_terms import make_pipeline
+from .user_mods import NO_MODS, CudaMods, make_tile_index_terms
 
 
 @functools.lru_cache(maxsize=None)
 def make_score(softcap: bool, alibi: bool, has_bias: bool, mods: CudaMods = NO_MODS) -> Any:
     """``score(raw, qmult, capmult, slope, distance, bias_h, row, col, b, h, seqlen_q, seqlen_k, check_mask) -> (x,
-    chain)``: the
-    score ``x`` of the pair (query ``row``, key ``col``) of batch ``b``, query head ``h`` in log2 units, -inf for
+    chain)``: the tensor-core kernels' score pipeline (score_terms.make_pipeline). The score ``x`` of the pair
+    (query ``row``, key ``col``) of batch ``b``, query head ``h`` in log2 units, -inf for
     a pair that attn_bias or the mods hide, and ``chain``, d x / d (raw * scale) for the backward: softcap's
     derivative ``1 - tanh^2`` times score_mod_grad's (1 without either). ``distance``: the pair's ALiBi distance
     ``row + offset - col`` as a float32 (ignored without ALiBi); ``slope``: the head's ALiBi slope times log2(e);
@@ -47,38 +49,22 @@ def make_score(softcap: bool, alibi: bool, has_bias: bool, mods: CudaMods = NO_M
     ``seqlen_k``; not read without mods): mask_mod and bias_mod, then score_mod on a finite score. With
     ``mods.block_tiles``, mask_mod runs only where ``check_mask`` (False on a tile the BlockMask's table calls FULL:
     a uniform branch, mask_mod's code once); without, ``check_mask`` is not read."""
-    SOFTCAP, ALIBI, HAS_BIAS = softcap, alibi, has_bias
-    MODS, INDEX_MODS, SCORE_MOD = mods.any, mods.stages_tile, mods.score_mod is not None
+    HAS_BIAS, MODS, INDEX_MODS = has_bias, mods.any, mods.stages_tile
     index_terms = make_tile_index_terms(mods)
-    score_mod = make_score_mod(mods)
+    pipeline = make_pipeline(softcap, alibi, has_bias, mods, index_mods=INDEX_MODS, tensor_cores=True)
 
     @cuda.jit(device=True, inline="always")
     def score(raw, qmult, capmult, slope, distance, bias_h, row, col, b, h, seqlen_q, seqlen_k, check_mask):
-        neg_inf = float32(-math.inf)
-        chain = float32(1.0)
-        if SOFTCAP:
-            th = warp.tanh_approx(raw * qmult)
-            x = capmult * th
-            chain = float32(1.0) - th * th
-        else:
-            x = raw * qmult
-        x += raw * float32(0.0)
-        if ALIBI:
-            x -= slope * abs(distance)
+        bias_value, extra, hidden, inside = float32(0.0), float32(0.0), False, True
         if HAS_BIAS:
             bias_value = bias_at(bias_h, row, col)
-            x = neg_inf if bias_value == neg_inf else x + bias_value * float32(LOG2E)
         if MODS:
             inside = (row < seqlen_q) & (col < seqlen_k)
-            if INDEX_MODS:
-                extra, hidden = float32(0.0), False
-                if inside:
-                    extra, hidden = index_terms(b, h, row, col, check_mask)
-                x = neg_inf if hidden else x + extra * float32(LOG2E)
-            if SCORE_MOD:
-                x, dmod = score_mod(x, inside, b, h, row, col, seqlen_q - 1, seqlen_k - 1)
-                chain *= dmod
-        return x, chain
+            if INDEX_MODS and inside:
+                extra, hidden = index_terms(b, h, row, col, check_mask)
+        x, dcap, dmod, _, _ = pipeline(raw, qmult, capmult, slope, distance, bias_value, extra, hidden, inside, b, h,
+                                       row, col, seqlen_q - 1, seqlen_k - 1)
+        return x, dcap * dmod
 
     return score
 
