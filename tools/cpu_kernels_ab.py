@@ -7,6 +7,8 @@ The revision's CPU kernels (``numba_flash/cpu/``: the one ``kernels.py`` before 
 once into its cache); every repeat calls base, current and torch in turn, forward then backward, so that the
 machine's load hits all three alike. Prints min / median ms and the ratios per (B, H, S, D) = (1, 32, 512, 128),
 (1, 8, 2048, 64), causal and not, float32, layout "bshd". Kernel calls only: no backend dispatch, for either revision.
+``--softcap`` and ``--alibi`` time both revisions' kernels with those variants on (torch SDPA stays plain: it has
+neither).
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ def main() -> None:
                     help="time with this thread's CPU clock (time.thread_time), which leaves out the time the OS gave "
                          "other processes: only meaningful with NUMBA_NUM_THREADS=1 (the kernels then run on this "
                          "thread) and torch on one thread, on a machine shared with other work")
+    ap.add_argument("--softcap", type=float, default=0.0, help="softcap of both revisions' calls (0: off)")
+    ap.add_argument("--alibi", action="store_true", help="ALiBi slopes 2**-(1 + h / 2) on both revisions' calls")
     args = ap.parse_args()
     clock = time.thread_time if args.cpu_time else time.perf_counter
     import numba
@@ -73,6 +77,8 @@ def main() -> None:
             rng = np.random.default_rng(0)
             q, k, v, do = (rng.standard_normal((batch, seqlen, heads, dim)).astype(np.float32) for _ in range(4))
             scale, right = 1 / math.sqrt(dim), (0 if causal else -1)
+            cap = args.softcap
+            slopes = 2.0 ** -(1.0 + np.arange(heads)[None, :] / 2.0) if args.alibi else None
             out, lse = np.empty_like(q), np.empty((batch, heads, seqlen), np.float32)
             dq, dk, dv = (np.empty_like(q) for _ in range(3))
             tq, tk, tv = (torch.from_numpy(x).transpose(1, 2).requires_grad_() for x in (q, k, v))
@@ -84,11 +90,13 @@ def main() -> None:
                     F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
 
             calls = {
-                "base fwd": lambda: base.flash_forward(q, k, v, out, lse, scale, -1, right, 0.0),
-                "new fwd": lambda: new.flash_forward(q, k, v, out, lse, scale, -1, right, 0.0),
+                "base fwd": lambda: base.flash_forward(q, k, v, out, lse, scale, -1, right, cap, slopes),
+                "new fwd": lambda: new.flash_forward(q, k, v, out, lse, scale, -1, right, cap, slopes),
                 "torch fwd": torch_fwd,
-                "base bwd": lambda: base.flash_backward(do, q, k, v, out, lse, dq, dk, dv, scale, -1, right, 0.0),
-                "new bwd": lambda: new.flash_backward(do, q, k, v, out, lse, dq, dk, dv, scale, -1, right, 0.0),
+                "base bwd": lambda: base.flash_backward(do, q, k, v, out, lse, dq, dk, dv, scale, -1, right, cap,
+                                                        slopes),
+                "new bwd": lambda: new.flash_backward(do, q, k, v, out, lse, dq, dk, dv, scale, -1, right, cap,
+                                                      slopes),
                 "torch bwd": lambda: torch.autograd.grad(tout, (tq, tk, tv), tdo, retain_graph=True),
             }
             for fn in calls.values():  # compile / warm up

@@ -5,29 +5,14 @@ at a time, and dbias added into the bias's own shape. All inline into the kernel
 
 from __future__ import annotations
 
-import numpy as np
 from numba import njit
 
 from .cache_stamp import stamp_kernels
-from .simd import _FASTMATH, _as_dtype_of, _capped, _fast_exp
+from .score_terms import _score_terms
+from .simd import _FASTMATH, _as_dtype_of, _fast_exp
 from .microkernels import _mm, _mm_at
 from .passes import _rows_finite
-from .tiles import _add_alibi, _bias_scores, _dropout_block, _mask_block, _visible_product, _zero_bias_hidden
-
-
-@njit(inline="always", fastmath=_FASTMATH, cache=True)
-def _softcap_scores(s, nrows, ncols, softcap, dcap, scale):
-    """s[:nrows, :ncols] = softcap * tanh(s / softcap), the forward's capped scores computed the forward's way
-    (``_capped``); dcap = scale * (1 - tanh^2), d score / d q.k. A loop of its own: fused into the exponent's
-    subtraction (a multiply-add), the capped score would not be the one the forward took the max of."""
-    inf = _as_dtype_of(s, np.inf)
-    nan = _as_dtype_of(s, np.nan)
-    for r in range(nrows):
-        for c in range(ncols):
-            x = s[r, c]
-            capped, t = _capped(x, softcap)
-            s[r, c] = capped if abs(x) < inf else nan
-            dcap[r, c] = _as_dtype_of(dcap, scale * (1.0 - t * t))
+from .tiles import _bias_scores, _dropout_block, _mask_block, _visible_product, _zero_bias_hidden
 
 
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
@@ -51,11 +36,9 @@ def _block_scores(s, dcap, i0, j0, nk, keys_are_rows, scale, softcap, per_pair, 
     untouched and the derivative is the scale. bias_bh: this head's attn_bias (Sq, Sk) or a (0, 0) array;
     bias_tile: (BN, BM) scratch for it where keys are rows."""
     nrows = nk if keys_are_rows else s.shape[0]
-    if softcap > 0:
-        _softcap_scores(s, nrows, s.shape[1], softcap, dcap, scale)
-    elif per_pair:
+    if per_pair and softcap <= 0:
         dcap[:] = _as_dtype_of(dcap, scale)
-    _add_alibi(s, slope, i0, j0, diag, keys_are_rows)
+    _score_terms(s, nrows, s.shape[1], keys_are_rows, softcap, slope, i0, j0, diag, dcap, scale, per_pair)
     if bias_bh.shape[0] > 0:
         _bias_scores(s, bias_bh, i0, j0, nk, keys_are_rows, row_lo, row_hi, False, bias_tile)
 

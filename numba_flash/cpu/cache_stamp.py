@@ -18,8 +18,9 @@ _HERE = Path(__file__).resolve().parent
 
 
 def source_files() -> list[Path]:
-    """The files the CPU kernels are compiled from: this package's modules and the dropout generator."""
-    return sorted(_HERE.glob("*.py")) + [_HERE.parent / "dropout.py"]
+    """The files the CPU kernels are compiled from: this package's modules, the dropout generator and the score
+    pipeline."""
+    return sorted(_HERE.glob("*.py")) + [_HERE.parent / "dropout.py", _HERE.parent / "score_pipeline.py"]
 
 
 def sources_stamp() -> tuple[str, str]:

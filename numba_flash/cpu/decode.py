@@ -41,6 +41,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from numba_flash.cpu.cache_stamp import stamp_kernels
+from numba_flash.cpu.score_terms import _score_terms
 from numba_flash.cpu.simd import _FASTMATH, _LANES, _LN2, _LOG2E, _as_dtype_of, _fast_exp2
 from numba_flash.cpu.tiles import _row_key_range
 from numba_flash.cpu.workspace import _slopes
@@ -269,7 +270,7 @@ def _tile_pv(acc, s, flat, offs, head_off, step, run_lo, run_hi):
 
 
 @njit(fastmath=_FASTMATH, cache=True)
-def _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, inv_cap, cap2, softcap, has_alibi, slope2, shift):
+def _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, softcap, has_alibi, slope2, shift):
     """The online-softmax step of one tile: for each row, over its run [run_lo, run_hi) of scores (base 2),
     apply the softcap, then ALiBi where ``has_alibi`` (score -= slope2[r] * |shift[r] - c| for column c: slope2 in
     base 2, shift[r] = i + Sk - Sq - j0), update m_i and l_i, rescale acc, and turn the scores into
@@ -284,17 +285,15 @@ def _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, inv_cap, cap2, sof
         if a >= e:
             continue
         s_r = s[r]
-        # Separate simple passes: the exp2 pass vectorises only with no branch in it.
-        finite = True
-        if softcap > 0:
-            for c in range(a, e):
-                x = s_r[c]
-                finite &= abs(x) < inf  # the raw score decides: tanh(inf) = 1 would hide it
-                s_r[c] = cap2 * math.tanh(x * inv_cap)
+        # Separate simple passes: the exp2 pass vectorises only with no branch in it. Softcap and ALiBi: the
+        # pipeline's pass (a score whose raw value is not finite comes out NaN), with the distance at - c as
+        # query at, key c.
         if has_alibi:
-            slope, at = slope2[r], shift[r]
-            for c in range(a, e):
-                s_r[c] -= slope * abs(at - c)  # an inf or NaN score stays one: ALiBi is finite
+            _score_terms(s[r:r + 1, a:e], 1, e - a, False, softcap, slope2[r], shift[r], a, 0, s, 0.0, False,
+                         _LOG2E)
+        elif softcap > 0:
+            _score_terms(s[r:r + 1, a:e], 1, e - a, False, softcap, 0.0, 0, a, 0, s, 0.0, False, _LOG2E)
+        finite = True
         tile_max = neg_inf
         for c in range(a, e):
             x = s_r[c]
@@ -350,8 +349,6 @@ def _decode_kernel(q, k_flat, k_str, v_flat, v_str, cache_rows, key_start, key_e
     # Scores in base 2 (log2 e folded into the scale) for exp2. With softcap the raw score keeps the scale alone
     # and is checked for finiteness before tanh, which would turn an inf from q or k into a finite +-1.
     qscale = _as_dtype_of(q, scale if softcap > 0 else scale * _LOG2E)
-    inv_cap = _as_dtype_of(q, 1.0 / softcap if softcap > 0 else 0.0)
-    cap2 = _as_dtype_of(q, softcap * _LOG2E)
     neg_inf = _as_dtype_of(q, -np.inf)
     inf = _as_dtype_of(q, np.inf)
     nan = _as_dtype_of(q, np.nan)
@@ -409,8 +406,7 @@ def _decode_kernel(q, k_flat, k_str, v_flat, v_str, cache_rows, key_start, key_e
                 if has_alibi:
                     shift[r] = r % seqlen_q + seqlen_k - seqlen_q - j0
             _tile_scores(qs, k_flat, k_off, k_head, k_step, nk, run_lo, run_hi, s)
-            _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, inv_cap, cap2, softcap, has_alibi, slope2,
-                          shift)
+            _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, softcap, has_alibi, slope2, shift)
             _tile_pv(acc, s, v_flat, v_off, v_head, v_step, run_lo, run_hi)
         for r in range(n_rows):
             part_m[u, r] = nan if poisoned[r] else m_i[r]

@@ -46,10 +46,11 @@ import numpy as np
 from numba import njit, prange
 
 from .cache_stamp import stamp_kernels
-from .simd import BLOCK_M, BLOCK_N, _FASTMATH, _as_dtype_of, _capped, _fast_exp
+from .score_terms import _score_terms
+from .simd import BLOCK_M, BLOCK_N, _FASTMATH, _as_dtype_of, _fast_exp
 from .microkernels import _mm_at, _mm_dot
 from .passes import _column_exp2_sum, _column_max, _rows_finite
-from .tiles import (_add_alibi, _bias_scores, _dropout_block, _load_rows, _mask_scores, _tile_key_span,
+from .tiles import (_bias_scores, _dropout_block, _load_rows, _mask_scores, _tile_key_span,
                     _visible_product)
 from .workspace import _bias_view, _dropout_args, _slopes, _check_dtypes, _head_major, _kernel_options
 from .stash import _stash_stats
@@ -146,13 +147,7 @@ def _forward_worker(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
             else:
                 _load_rows(k_tail, k_seq[j0:j0 + nk, hk], nk, head_dim)
                 _mm_dot(st, k_tail, q_t, head_dim)
-            if softcap > 0:
-                for c in range(nk):
-                    for r in range(BLOCK_M):
-                        x = st[c, r]
-                        capped = _capped(x, softcap)[0]
-                        st[c, r] = capped if abs(x) < inf else nan
-            _add_alibi(st, slope, i0, j0, seqlen_k - seqlen_q, True)
+            _score_terms(st, nk, BLOCK_M, True, softcap, slope, i0, j0, seqlen_k - seqlen_q, no_grad, 1.0, False)
             # Every block that no mask touches is all visible: there any non-finite score poisons its query. A bias
             # may hide any pair (-inf), so with one every block is masked.
             band_masked = not (full_lo <= j0 and j0 + nk <= full_hi)
@@ -242,7 +237,7 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
     statistics rows (+inf and 0 for padding rows and rows that see no key): the backward then recomputes
     P = exp(score - max) / sum from the very scores of the forward (P = 1 exactly for the max of a row with one
     key), where exp(score - lse) carried the rounding of lse, as large as lse itself.
-    alibi: (sequences, Hq) float64 ALiBi slopes, added after softcap (``_add_alibi``); (0, 0) for none.
+    alibi: (sequences, Hq) float64 ALiBi slopes, added after softcap (``score_terms._score_terms``); (0, 0) for none.
     bias: attn_bias broadcast to (B, Hq, Sq, Sk), read in place (``_bias_scores``), or a (0, 0, 0, 0) array.
     drop: dropout (``_dropout_block``), keyed by sequence, applied to P after its row sums (lse is the softmax's
     before dropout), or an empty array for none; the stats-only pass ignores it.

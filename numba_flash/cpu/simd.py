@@ -184,16 +184,6 @@ def _tanh64(y):
     return -t if y < 0 else t
 
 
-@njit(inline="always", cache=True)
-def _capped(x, softcap):
-    """(softcap * tanh(x / softcap) in x's dtype, tanh in float64) for a raw score x: the capped score computed in
-    float64 and rounded once, where float32 steps (x * (1 / softcap), tanh, * softcap) round three times, the first
-    with a systematic error (1 / 50 is not a float32) and numba's float32 tanh off by up to 2 ulp. The forward and
-    the backward both call this, so that the backward's recomputed scores are the forward's to the bit."""
-    t = _tanh64(_fdiv(np.float64(x), np.float64(softcap)))
-    return type(x)(softcap * t), t
-
-
 def _fma(a, b, c):  # pragma: no cover - typed by the intrinsic below
     raise NotImplementedError
 

@@ -154,24 +154,6 @@ def _load_rows(dst, src, n, head_dim):
             dst[c, d] = zero
 
 
-@njit(inline="always", cache=True)
-def _add_alibi(block, slope, i0, j0, diag, keys_are_rows):
-    """ALiBi: block -= slope * |i + diag - j| for query i = i0 + (column or row) and key j = j0 + (row or column),
-    ``diag`` = Sk - Sq (flash-attn's alignment of the distance); keys index the rows of ``block`` when
-    ``keys_are_rows`` (a forward S^T block), else its columns. Added after softcap, as the forward does; a slope of 0
-    (no ALiBi) leaves the block as it is."""
-    if slope == 0.0:
-        return
-    if keys_are_rows:
-        for c in range(block.shape[0]):
-            for r in range(block.shape[1]):
-                block[c, r] -= _as_dtype_of(block, slope * abs(i0 + r + diag - j0 - c))
-    else:
-        for r in range(block.shape[0]):
-            for c in range(block.shape[1]):
-                block[r, c] -= _as_dtype_of(block, slope * abs(i0 + r + diag - j0 - c))
-
-
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
 def _dropout_block(block, drop, b, h, i0, j0, nk, keys_are_rows):
     """Dropout: block *= 1 / (1 - p) where ``numba_flash.dropout`` keeps (b, h, i, j) and 0 where it drops it, for

@@ -8,7 +8,8 @@ import math
 import numpy as np
 from numba import njit
 
-from numba_flash.cpu.simd import _capped, _tanh64
+from numba_flash.cpu.score_terms import _score_terms
+from numba_flash.cpu.simd import _tanh64
 
 
 @njit
@@ -41,19 +42,30 @@ def test_tanh64_special_values():
 
 
 @njit
-def _capped_all(x, softcap, out, t):
-    for i in range(x.shape[0]):
-        out[i], t[i] = _capped(x[i], softcap)
+def _score_terms_row(x, softcap, slope, dcap):
+    s = x.reshape((1, x.shape[0])).copy()
+    _score_terms(s, 1, x.shape[0], False, softcap, slope, 5, 0, 3, dcap.reshape((1, x.shape[0])), 1.0, True)
+    return s[0]
 
 
 def test_capped_scores_round_once_from_float64(rng):
-    """softcap * tanh(x / softcap) in float64, rounded once to float32: equal to numpy's float64 result rounded,
-    except where a few ulp of float64 straddle a float32 rounding boundary."""
+    """The CPU kernels' softcap and ALiBi pass (cpu/score_terms.py): softcap * tanh(x / softcap) - slope * |i +
+    diag - j| in float64, rounded once to float32: equal to numpy's float64 result rounded, except where a few ulp
+    of float64 straddle a float32 rounding boundary; the chain factor 1 - tanh**2 to a few float64 ulp."""
     x = (rng.standard_normal(200_001) * 40).astype(np.float32)
-    out, t = np.empty_like(x), np.empty(x.shape, np.float64)
-    _capped_all(x, 30.0, out, t)
+    slope = 0.0078125 * 3
+    dcap = np.empty(x.shape, np.float64)
+    out = _score_terms_row(x, 30.0, slope, dcap)
     want_t = np.tanh(x.astype(np.float64) / 30.0)
-    want = (30.0 * want_t).astype(np.float32)
+    distance = np.abs(5 + 3 - np.arange(x.shape[0]))   # query 5, diag 3, key j
+    want = (30.0 * want_t - slope * distance).astype(np.float32)
     assert (out != want).mean() < 1e-5
-    assert np.abs(out - want).max() <= np.spacing(np.abs(want)).max()
-    assert np.abs(t - want_t).max() <= 4 * np.spacing(1.0)
+    assert (np.abs(out - want) <= np.spacing(np.abs(want))).all()
+    assert np.abs(dcap - (1.0 - want_t * want_t)).max() <= 8 * np.spacing(1.0)
+
+
+def test_capped_scores_of_a_non_finite_raw_score_are_nan():
+    """tanh would turn an inf into a finite cap: the raw score decides, and the row is poisoned."""
+    x = np.array([np.inf, -np.inf, np.nan, 3.0], np.float32)
+    out = _score_terms_row(x, 30.0, 0.0, np.empty(4))
+    assert np.isnan(out[:3]).all() and np.isfinite(out[3])
