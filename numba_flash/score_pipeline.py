@@ -14,10 +14,11 @@ The contract's order (design.md, "Attention variants"), each stage switched on b
 
 then the window and sequence masks (the callers': they know which tiles cross the band), the softmax, dropout.
 
-The kernels work in log2 units (the softmax uses exp2): ``qmult = scale * log2(e)`` (with softcap ``scale /
-softcap`` and ``capmult = softcap * log2(e)``), ALiBi's ``slope`` times log2(e), ``unit = log2(e)``; the backend's
-score_mod hook converts to natural units and back (cuda/user_mods.py). ``chain`` is d x / d (scale * raw), which
-the backward multiplies dS by; attn_bias's gradient is dS before softcap's factor and after score_mod's.
+The CUDA kernels work in log2 units (their softmax uses exp2): ``qmult = scale * log2(e)`` (with softcap ``scale /
+softcap`` and ``capmult = softcap * log2(e)``), ALiBi's ``slope`` times log2(e), ``unit = log2(e)``; their
+score_mod hook converts to natural units and back (cuda/user_mods.py). The CPU kernels work in natural units
+(``unit`` 1; decoding in log2). The chain factors (``dcap``, ``dmod``: d x / d (scale * raw) is their product) are
+what the backward multiplies dS by; attn_bias's gradient is dS times ``dmod`` alone.
 
 ``compile_with(jit, ...)`` builds the pipeline from one body with a backend's decorator, its tanh and its float
 type, as ``numba_flash.dropout.compile_with`` builds Philox. A stage that is off is not compiled at all (the
