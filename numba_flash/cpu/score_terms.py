@@ -3,10 +3,10 @@ a block's scores go through in one pass before attn_bias and the mods (``tiles._
 ``modhooks._mod_scores``: passes of their own, which also mask the band and skip the tiles a BlockMask empties).
 
 The kernels' scores are in natural-log units with Q carrying the scale (``unit`` 1, ``qmult = 1 / softcap``).
-tanh is ``simd._tanh64``: arithmetic only, so the pass vectorises, and in float64, so that a float32 kernel's
-capped score (and ALiBi after it) is rounded once, where float32 steps round at each (1 / 50 is not a float32).
-The forward and the backward both run ``_score_terms``, so the backward's recomputed scores are the forward's to
-the bit.
+tanh is ``simd._tanh64``: arithmetic only (a loop around a libm call cannot vectorise), and in float64, so that a
+float32 kernel's capped score (and ALiBi after it) is rounded once, where float32 steps round at each (1 / 50 is
+not a float32). The forward and the backward both run ``_score_terms``, so the backward's recomputed scores are
+the forward's to the bit.
 """
 
 from __future__ import annotations
