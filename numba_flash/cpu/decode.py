@@ -270,10 +270,10 @@ def _tile_pv(acc, s, flat, offs, head_off, step, run_lo, run_hi):
 
 
 @njit(fastmath=_FASTMATH, cache=True)
-def _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, softcap, has_alibi, slope2, shift):
+def _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, softcap, slope2, shift):
     """The online-softmax step of one tile: for each row, over its run [run_lo, run_hi) of scores (base 2),
-    apply the softcap, then ALiBi where ``has_alibi`` (score -= slope2[r] * |shift[r] - c| for column c: slope2 in
-    base 2, shift[r] = i + Sk - Sq - j0), update m_i and l_i, rescale acc, and turn the scores into
+    apply the softcap, then ALiBi (score -= slope2[r] * |shift[r] - c| for column c: slope2 in base 2, 0 without
+    ALiBi, shift[r] = i + Sk - Sq - j0), update m_i and l_i, rescale acc, and turn the scores into
     p = exp2(s - m_i) in place. A row with a score that is not finite is marked poisoned and its run emptied, so
     ``_tile_pv`` skips it."""
     inf = _as_dtype_of(s, np.inf)
@@ -286,13 +286,9 @@ def _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, softcap, has_alibi
             continue
         s_r = s[r]
         # Separate simple passes: the exp2 pass vectorises only with no branch in it. Softcap and ALiBi: the
-        # pipeline's pass (a score whose raw value is not finite comes out NaN), with the distance at - c as
-        # query at, key c.
-        if has_alibi:
-            _score_terms(s[r:r + 1, a:e], 1, e - a, False, softcap, slope2[r], shift[r], a, 0, s, 0.0, False,
-                         _LOG2E)
-        elif softcap > 0:
-            _score_terms(s[r:r + 1, a:e], 1, e - a, False, softcap, 0.0, 0, a, 0, s, 0.0, False, _LOG2E)
+        # pipeline's pass (a score whose raw value is not finite comes out NaN; nothing without either), with the
+        # distance at - c as query at, key c.
+        _score_terms(s[r:r + 1, a:e], 1, e - a, False, softcap, slope2[r], shift[r], a, 0, s, 0.0, False, _LOG2E)
         finite = True
         tile_max = neg_inf
         for c in range(a, e):
@@ -377,7 +373,7 @@ def _decode_kernel(q, k_flat, k_str, v_flat, v_str, cache_rows, key_start, key_e
         k_head = np.empty(n_rows, np.int64)
         v_head = np.empty(n_rows, np.int64)
         slope2 = np.zeros(n_rows, q.dtype)  # ALiBi slopes in the base-2 score domain
-        shift = np.empty(n_rows, np.int64)
+        shift = np.zeros(n_rows, np.int64)
         for r in range(n_rows):
             k_head[r] = r // rows_per_head * k_str[3]
             v_head[r] = r // rows_per_head * v_str[3]
@@ -406,7 +402,7 @@ def _decode_kernel(q, k_flat, k_str, v_flat, v_str, cache_rows, key_start, key_e
                 if has_alibi:
                     shift[r] = r % seqlen_q + seqlen_k - seqlen_q - j0
             _tile_scores(qs, k_flat, k_off, k_head, k_step, nk, run_lo, run_hi, s)
-            _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, softcap, has_alibi, slope2, shift)
+            _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, softcap, slope2, shift)
             _tile_pv(acc, s, v_flat, v_off, v_head, v_step, run_lo, run_hi)
         for r in range(n_rows):
             part_m[u, r] = nan if poisoned[r] else m_i[r]
