@@ -11,10 +11,9 @@ change to the variants leaves alone, is the yardstick between the runs."""
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
+from score_mod_cost import print_against, time_in_turns
 
 from numba_flash import backend_registry
 
@@ -33,18 +32,9 @@ def main() -> None:
     slopes = (2.0 ** -(1.0 + np.arange(heads) / 2.0)).astype(np.float32)
     calls = {"plain": {}, "softcap": {"softcap": 30.0}, "alibi": {"alibi_slopes": slopes},
              "softcap+alibi": {"softcap": 30.0, "alibi_slopes": slopes}}
-    for kw in calls.values():
-        op.with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, **kw)
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(args.repeats):
-        for name, kw in calls.items():
-            t0 = time.perf_counter()
-            op.with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, **kw)
-            times[name].append(1e3 * (time.perf_counter() - t0))
-    plain = statistics.median(times["plain"])
-    for name, ts in times.items():
-        print(f"{args.label:6s}{name:14s} min {min(ts):7.2f} ms  median {statistics.median(ts):7.2f} ms  "
-              f"x{statistics.median(ts) / plain:.2f}")
+    times = time_in_turns({name: (lambda kw=kw: op.with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, **kw))
+                           for name, kw in calls.items()}, args.repeats)
+    print_against(times, label=f"{args.label:6s}")
 
 
 if __name__ == "__main__":

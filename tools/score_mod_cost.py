@@ -11,11 +11,35 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
+from typing import Callable
 
 import numpy as np
 
 from numba_flash import backend_registry
+
+
+def time_in_turns(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """ms per call of each of ``calls``: each called once first (compiles), then ``repeats`` rounds in which they
+    take turns, so that a busy moment of the machine falls on all of them."""
+    for fn in calls.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def print_against(times: dict[str, list[float]], base: str = "plain", label: str = "") -> None:
+    """min and median ms of each entry of ``times`` and its median's ratio to ``base``'s."""
+    ref = statistics.median(times[base])
+    for name, ts in times.items():
+        print(f"{label}{name:26s} min {min(ts):7.1f} ms  median {statistics.median(ts):7.1f} ms  "
+              f"x{statistics.median(ts) / ref:.2f}")
 
 
 def affine(score, b, h, q_idx, kv_idx):
@@ -35,18 +59,8 @@ def main() -> None:
     op = backend_registry.get("flash", backend="cpu")
     calls = {"plain": {}, "score_mod affine": {"score_mod": affine}, "score_mod 30*tanh(s/30)": {"score_mod": tanh_cap},
              "softcap=30 (built in)": {"softcap": 30.0}}
-    for kw in calls.values():
-        op.forward(*qkv, **kw)
-    times: dict[str, list[float]] = {n: [] for n in calls}
-    for _ in range(args.repeats):
-        for name, kw in calls.items():
-            t0 = time.perf_counter()
-            op.forward(*qkv, **kw)
-            times[name].append(time.perf_counter() - t0)
-    plain = float(np.median(times["plain"]))
-    for name, ts in times.items():
-        print(f"{name:26s} min {1e3 * min(ts):7.1f} ms  median {1e3 * float(np.median(ts)):7.1f} ms  "
-              f"x{float(np.median(ts)) / plain:.2f}")
+    print_against(time_in_turns({name: (lambda kw=kw: op.forward(*qkv, **kw)) for name, kw in calls.items()},
+                                args.repeats))
 
 
 if __name__ == "__main__":
