@@ -13,8 +13,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .simd import (BLOCK_M, _E1, _E2, _E3, _E4, _E5, _E6, _E7, _EXP2_MIN, _LANES, _LOG2E_F32, _ONE, _as_dtype_of,
-                   _fast_exp, _pow2_bits)
+from .simd import (BLOCK_M, _EXP2_MIN, _LANES, _LOG2E_F32, _ONE, _P1, _P2, _P3, _P4, _P5, _P6, _as_dtype_of,
+                   _exp2_split_codegen, _fast_exp)
 from .microkernels import _rows_f32
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -64,24 +64,19 @@ def _column_pass_codegen(kind: str) -> Callable:
             off = builder.add(builder.mul(row, rstride), builder.mul(chunk, ir.Constant(i64, 4 * lanes)))
             return builder.bitcast(builder.gep(base, [off]), vty.as_pointer())
 
-        def intrinsic_fn(name, nargs):
-            return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty] * nargs),
-                                                  f"llvm.{name}.v{lanes}f32")
-
-        floor = intrinsic_fn("floor", 1)
         flags = ("contract",)
         nan = splat(float("nan"))
 
         def exp2_nonpos(x):
-            # 2^x as in _fast_exp2: n = round(x), a degree-7 polynomial in f = x - n, 2^n from the exponent bits.
-            # The clamp is a compare that a NaN fails (llvm.maxnum would turn a NaN into -127, i.e. p = 0).
+            # 2^x as _fast_exp2 computes it: n = x rounded to nearest, f = x - n, the degree-6 polynomial in f
+            # times 2^n. The clamp is a compare that a NaN fails (llvm.maxnum would turn a NaN into -127, i.e.
+            # p = 0).
             x = builder.select(builder.fcmp_ordered("<", x, splat(float(_EXP2_MIN))), splat(float(_EXP2_MIN)), x)
-            n = builder.call(floor, [builder.fadd(x, splat(0.5))])
-            f = builder.fsub(x, n)
-            poly = splat(float(_E7))
-            for coef in (_E6, _E5, _E4, _E3, _E2, _E1, _ONE):
+            f, scale = _exp2_split_codegen(builder, x, vty, ity)
+            poly = splat(float(_P6))
+            for coef in (_P5, _P4, _P3, _P2, _P1, _ONE):
                 poly = builder.fadd(builder.fmul(poly, f, flags=flags), splat(float(coef)), flags=flags)
-            return builder.fmul(poly, _pow2_bits(builder, n, vty, ity))
+            return builder.fmul(poly, scale)
 
         # All BLOCK_M / LANES column chunks in flight at once: independent dependency chains for the max / sum.
         chunks = range(BLOCK_M // lanes)

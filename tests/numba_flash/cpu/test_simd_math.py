@@ -3,13 +3,16 @@ against numpy's libm on fresh random arguments spread over many magnitudes, and 
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
 
 import numpy as np
 from numba import njit
 
 from numba_flash.cpu.score_terms import _score_terms
-from numba_flash.cpu.simd import _tanh64
+from numba_flash.cpu.passes import _column_exp2_sum
+from numba_flash.cpu.simd import _FASTMATH, _P1, _P2, _P3, _P4, _P5, _P6, _fast_exp2, _tanh64
 
 
 @njit
@@ -69,3 +72,59 @@ def test_capped_scores_of_a_non_finite_raw_score_are_nan():
     x = np.array([np.inf, -np.inf, np.nan, 3.0], np.float32)
     out = _score_terms_row(x, 30.0, 0.0, np.empty(4))
     assert np.isnan(out[:3]).all() and np.isfinite(out[3])
+
+
+@njit(fastmath=_FASTMATH)
+def _exp2_scalar(x, out):
+    for i in range(x.shape[0]):
+        out[i] = _fast_exp2(x[i])
+
+
+@njit(fastmath=_FASTMATH)
+def _exp2_pass(st, total):
+    # the forward's vectorised pass: st = exp(st - shift) in natural-log units, shift 0
+    _column_exp2_sum(st, st.shape[0], total, np.zeros(st.shape[1], np.float32))
+
+
+def _ulps(got, want):
+    return np.abs(got.astype(np.float64) - want) / np.spacing(want.astype(np.float32)).astype(np.float64)
+
+
+def test_exp2_within_one_ulp_and_the_vector_pass_gives_the_scalar_bits(rng):
+    # Both builds are compiled with the kernels' fast-math flags, under which a rounding written as
+    # (x + 1.5 * 2**23) - 1.5 * 2**23 would fold back into x: the bits must still be right there.
+    x = np.concatenate([rng.uniform(-126, 0, 200_000), -rng.uniform(0, 1, 50_000) ** 3,
+                        -np.arange(0, 126.5, 0.5)]).astype(np.float32)  # the halves: rounding ties
+    x = x[: x.size // 64 * 64]
+    scalar = np.empty_like(x)
+    _exp2_scalar(x, scalar)
+    assert _ulps(scalar, np.exp2(x.astype(np.float64))).max() <= 1.0
+    # the pass multiplies by log2 e in float32 first: give it x / log2 e and compare with the scalar on its product
+    log2e = np.float32(1.4426950408889634)
+    st = (x / log2e).astype(np.float32).reshape(-1, 64)
+    seen = (st * log2e).astype(np.float32).ravel()
+    total = np.zeros(64, np.float32)
+    _exp2_pass(st, total)
+    want = np.empty_like(seen)
+    _exp2_scalar(seen, want)
+    np.testing.assert_array_equal(st.ravel(), want)
+    np.testing.assert_allclose(total, st.astype(np.float64).sum(axis=0), rtol=1e-5)
+
+
+def test_exp2_special_values():
+    x = np.array([0.0, -1.0, -126.0, -127.0, -128.0, -1e30, -np.inf, np.nan], np.float32)
+    out = np.empty_like(x)
+    _exp2_scalar(x, out)
+    assert out[0] == 1.0 and out[1] == 0.5 and out[2] == 2.0 ** -126   # exact at integers
+    assert np.all(out[3:7] == 0.0)   # 2^-127 and below: exactly 0 (a masked score's probability)
+    assert np.isnan(out[7])          # a poisoned row stays poisoned
+
+
+def test_exp2_coefficients_are_the_fit_of_the_tool():
+    spec = importlib.util.spec_from_file_location(
+        "exp2_poly_fit", Path(__file__).resolve().parents[3] / "tools" / "exp2_poly_fit.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    fitted = tool.fit(6).astype(np.float32)
+    np.testing.assert_array_equal(fitted, np.array([1.0, _P1, _P2, _P3, _P4, _P5, _P6], np.float32))
+    assert tool.float32_ulps(tool.fit(6))[0] < 1.0
