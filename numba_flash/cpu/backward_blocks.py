@@ -10,7 +10,7 @@ from numba import njit
 from .cache_stamp import stamp_kernels
 from .score_terms import _score_terms
 from .simd import _FASTMATH, _as_dtype_of, _fast_exp
-from .microkernels import _mm, _mm_at
+from .microkernels import _mm_add, _mm_at_add
 from .passes import _rows_finite
 from .tiles import _bias_scores, _dropout_block, _mask_block, _visible_product, _zero_bias_hidden
 
@@ -135,21 +135,20 @@ def _scale_block(block, factors):
 @njit(inline="always", cache=True)
 def _tile_product_add(acc, tile, a, b_rows, n, a_transposed, b_is_keys, masked, j0, row_lo, row_hi, bias_bh, i0,
                       vis):
-    """acc += A @ b_rows[:n] (A = a[:n].T with ``a_transposed``, else a[:, :n]), the product formed in ``tile`` first
-    and then added: a gradient summed over a long sequence then takes one rounding per tile, not one per row of the
+    """acc += A @ b_rows[:n] (A = a[:n].T with ``a_transposed``, else a[:, :n]), the tile's product summed first and
+    then added: a gradient summed over a long sequence then takes one rounding per tile, not one per row of the
     sequence (dK and dV at Sq = 20000 erred 10x torch's). A masked block whose b_rows hold a non-finite value goes
-    through ``_visible_product`` (with bias_bh, i0 and vis)."""
-    zero = _as_dtype_of(acc, 0.0)
+    through ``_visible_product`` (with bias_bh, i0 and vis) into ``tile``, scratch of acc's shape."""
     if masked and not _rows_finite(b_rows, n):
-        tile[:] = zero
+        tile[:] = _as_dtype_of(acc, 0.0)
         _visible_product(tile, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, row_hi, bias_bh, i0, vis)
-    elif a_transposed:
-        _mm_at(tile, a, b_rows, n, False)
+        for r in range(acc.shape[0]):
+            for d in range(acc.shape[1]):
+                acc[r, d] += tile[r, d]
+    elif a_transposed:   # the product summed in registers, then added: no store and reload through ``tile``
+        _mm_at_add(acc, a, b_rows, n)
     else:
-        _mm(tile, a, b_rows, n, False)
-    for r in range(acc.shape[0]):
-        for d in range(acc.shape[1]):
-            acc[r, d] += tile[r, d]
+        _mm_add(acc, a, b_rows, n)
 
 
 @njit(inline="always", cache=True)

@@ -31,7 +31,8 @@ How the work is laid out:
 * Accuracy, float32 against torch's (issue 16; ``tools/accuracy_vs_torch.py``): the backward recomputes P as
   exp(score - row max) / row sum with the statistics of a stats-only forward pass over the forward's own scores,
   not from the float32 lse; head-dim dot products are summed in chunks of ``_DOT_CHUNK``; sums across tiles
-  (P V and row sums over key tiles, dK / dV / dQ over query or key tiles) are formed per tile and then added.
+  (P V and row sums over key tiles, dK / dV / dQ over query or key tiles) are formed per tile and then added (in
+  the micro-kernel's registers: ``_mm_at_rescale``, ``_mm_at_add``).
 
 The kernels take (B, S, H, D) views with any strides and are compiled once per dtype (float32, float64) with
 layout-generic array types (``_entry``), so "bshd", "bhsd" and strided inputs share one cached compilation.
@@ -48,7 +49,7 @@ from numba import njit, prange
 from .cache_stamp import stamp_kernels
 from .score_terms import _score_terms
 from .simd import BLOCK_M, BLOCK_N, _FASTMATH, _as_dtype_of, _fast_exp
-from .microkernels import _mm_at, _mm_dot
+from .microkernels import _mm_at_rescale, _mm_dot
 from .passes import _column_exp2_sum, _column_max, _rows_finite
 from .tiles import (_bias_scores, _dropout_block, _load_rows, _mask_scores, _tile_key_span,
                     _visible_product)
@@ -164,10 +165,11 @@ def _forward_worker(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
             for r in range(BLOCK_M):
                 m_new = m_use[r]
                 # A query that has seen no key yet keeps max -inf; shifting by 0 makes its exp2 0, never NaN.
-                # A poisoned query has max NaN: its alpha, sum and accumulator become NaN and stay so.
-                if m_new == neg_inf:
-                    m_use[r] = zero
-                alpha[r] = _fast_exp(m_run[r] - m_use[r])
+                # A poisoned query has max NaN: its alpha, sum and accumulator become NaN and stay so. (A select,
+                # not a branch: the loop vectorises.)
+                shift = zero if m_new == neg_inf else m_new
+                m_use[r] = shift
+                alpha[r] = _fast_exp(m_run[r] - shift)
                 m_run[r] = m_new
                 l_tile[r] = zero
             _column_exp2_sum(st, nk, l_tile, m_use)
@@ -181,12 +183,12 @@ def _forward_worker(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
                 if (_MODS or band_masked or bias_hides) and not _rows_finite(v_rows, nk):
                     pv[:] = zero
                     _visible_product(pv, st, v_rows, nk, True, True, j0, row_lo, row_hi, bias_bh, i0, vis)
+                    for r in range(BLOCK_M):
+                        a = alpha[r]
+                        for d in range(dp):
+                            acc[r, d] = acc[r, d] * a + pv[r, d]
                 else:
-                    _mm_at(pv, st, v_rows, nk, False)
-                for r in range(BLOCK_M):
-                    a = alpha[r]
-                    for d in range(dp):
-                        acc[r, d] = acc[r, d] * a + pv[r, d]
+                    _mm_at_rescale(acc, st, v_rows, nk, alpha)
         if stats_only or row_max.shape[2] > 1:
             # the row max and 1 / sum, with +inf and 0 for a row that sees no key (P = 0 there); a forward keeps
             # them too when given arrays for them (the backward reuses them, see _stash_stats)

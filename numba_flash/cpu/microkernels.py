@@ -2,13 +2,17 @@
 (C (+)= A^T @ B) and ``_mm_dot`` (the score block S^T = K Q^T, head-dim sums in chunks of ``_DOT_CHUNK``), each an
 outer-product micro-kernel written in LLVM IR (``_mm_block_codegen``): MR rows of C times two vectors of columns
 stay in registers for the whole reduction, each step broadcasting MR values of A, loading two vectors of B and
-issuing 2 * MR fused multiply-adds.
+issuing 2 * MR fused multiply-adds. The fused variants add the tile's product, summed from 0 in registers, into C
+as they store it: ``_mm_add`` and ``_mm_at_add`` (the backward's gradient sums) and ``_mm_at_rescale`` (the
+forward's O = O * alpha + P^T V), where a product stored to a buffer and added in a second pass took a store, a
+reload and a pass per tile for the same bits.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
@@ -20,7 +24,7 @@ from .simd import _LANES, _MR, _MR_TALL, _NR
 # The micro-kernel
 
 
-def _mm_block_codegen(a_transposed: bool, nvec: int, mr: int = _MR, chunk: int = 0) -> Callable:
+def _mm_block_codegen(a_transposed: bool, nvec: int, mr: int = _MR, chunk: int = 0, epilogue: str = "") -> Callable:
     """LLVM IR for C[i:i+MR, j:j+nvec*LANES] (+)= A[i:i+MR, :kdim] @ B[:kdim, j:j+nvec*LANES] on float32 2-D arrays
     whose last axis is unit-stride, A given as is or (``a_transposed``) as A^T, shape (kdim, >= i+MR).
 
@@ -29,7 +33,13 @@ def _mm_block_codegen(a_transposed: bool, nvec: int, mr: int = _MR, chunk: int =
     of B and issuing MR * nvec multiply-adds, so loads stay below FMAs and no horizontal sum is ever needed.
 
     With ``chunk`` (the accumulate flag is then ignored: C is written), the reduction runs in chunks of that many
-    steps, each from fresh accumulators, and C = chunk 0, then C = C + chunk i in order (see ``_mm_dot``)."""
+    steps, each from fresh accumulators, and C = chunk 0, then C = C + chunk i in order (see ``_mm_dot``).
+
+    ``epilogue`` 'add' (the accumulate flag ignored): C = C + (A @ B), the product summed in registers from 0 and then
+    added, one rounding per element, as forming the tile's product in a buffer and adding it in, without the store
+    and the reload (the backward's gradient sums, ``_mm_at_add``). 'rescale': the last argument is a float32 vector
+    ``alpha`` instead of the flag, and C[r] = C[r] * alpha[r] + (A @ B)[r], one fused multiply-add per element (the
+    forward's online-softmax update of its accumulator, ``_mm_at_rescale``)."""
     lanes = _LANES
 
     def codegen(context, builder, signature, args):
@@ -44,7 +54,6 @@ def _mm_block_codegen(a_transposed: bool, nvec: int, mr: int = _MR, chunk: int =
         ii = context.cast(builder, args[3], ity, types.int64)
         jj = context.cast(builder, args[4], jty, types.int64)
         kd = context.cast(builder, args[5], kty, types.int64)
-        acc_flag = context.cast(builder, args[6], accty, types.boolean)
         four = ir.Constant(i64, 4)
 
         def addr(base, row, rstride, col, ty):
@@ -102,6 +111,25 @@ def _mm_block_codegen(a_transposed: bool, nvec: int, mr: int = _MR, chunk: int =
                                 total = builder.fadd(builder.load(cptr[r][h], align=4), builder.load(accs[r][h]))
                                 builder.store(total, cptr[r][h], align=4)
             return context.get_dummy_value()
+        if epilogue:
+            zero_accs()
+            with cgutils.for_range(builder, kd) as loop:
+                step(loop.index)
+            alpha = context.make_array(accty)(context, builder, args[6]) if epilogue == "rescale" else None
+            for r in range(mr):
+                if alpha is not None:
+                    a_r = builder.load(builder.gep(alpha.data, [builder.add(ii, ir.Constant(i64, r))]))
+                    a_v = builder.shuffle_vector(builder.insert_element(ir.Constant(vty, ir.Undefined), a_r,
+                                                                        ir.Constant(ir.IntType(32), 0)),
+                                                 ir.Constant(vty, ir.Undefined), zero_mask)
+                for h in range(nvec):
+                    old = builder.load(cptr[r][h], align=4)
+                    if alpha is not None:
+                        old = builder.fmul(old, a_v, flags=("contract",))
+                    builder.store(builder.fadd(old, builder.load(accs[r][h]), flags=("contract",)), cptr[r][h],
+                                  align=4)
+            return context.get_dummy_value()
+        acc_flag = context.cast(builder, args[6], accty, types.boolean)
         with builder.if_else(acc_flag) as (then, otherwise):
             with then:
                 for r in range(mr):
@@ -179,6 +207,22 @@ def _block2_at(typingctx, c, at, b, i, j, kdim, accumulate):
     return None if sig is None else (sig, _mm_block_codegen(True, 2))
 
 
+def _epilogue_block(a_transposed: bool, nvec: int, mr: int, epilogue: str):
+    """An intrinsic C[i:i+mr, j:j+nvec*LANES] (+)= A[i:i+mr, :kdim] @ B[:kdim, j:j+nvec*LANES] (A given as A^T where
+    ``a_transposed``) with ``_mm_block_codegen``'s ``epilogue``: 'add' (its last argument ignored) or 'rescale' (its
+    last argument alpha)."""
+
+    def typer(typingctx, c, a, b, i, j, kdim, extra):  # one name per block: numba names the intrinsic after it
+        ok = _rows_f32(c, a, b) and (epilogue != "rescale" or (
+            isinstance(extra, types.Array) and extra.dtype == types.float32 and extra.ndim == 1))
+        if not ok:
+            return None
+        return types.none(c, a, b, i, j, kdim, extra), _mm_block_codegen(a_transposed, nvec, mr, epilogue=epilogue)
+
+    typer.__name__ = typer.__qualname__ = f"_block{nvec}{'_at' if a_transposed else ''}_{epilogue}_{mr}"
+    return intrinsic(typer)
+
+
 @intrinsic
 def _block1_at(typingctx, c, at, b, i, j, kdim, accumulate):
     """C[i:i+MR, j:j+LANES] (+)= AT[:kdim, i:i+MR]^T @ B[:kdim, j:j+LANES], float32."""
@@ -239,25 +283,7 @@ def _mm_at(c, at, b, kdim, accumulate):  # pragma: no cover - typed by the overl
 @overload(_mm, inline="never")
 def _mm_impl(c, a, b, kdim, accumulate):
     if _rows_f32(c, a, b):
-        def impl(c, a, b, kdim, accumulate):
-            # Column blocks outermost: the (kdim x NR) panel of B in use stays in L1 while A streams as broadcasts.
-            n = c.shape[1]
-            if n == 4 * _LANES and _LANES == 16 and kdim >= _WIDE_BLOCK_MIN_KDIM:
-                for i in range(0, c.shape[0], 4):
-                    _block4(c, a, b, i, 0, kdim, accumulate)
-                return
-            tall = _tall_rows(c.shape[0])
-            j = 0
-            while j + _NR <= n:
-                for i in range(0, tall, _MR_TALL):
-                    _block2_tall(c, a, b, i, j, kdim, accumulate)
-                for i in range(tall, c.shape[0], _MR):
-                    _block2(c, a, b, i, j, kdim, accumulate)
-                j += _NR
-            if j < n:  # a last 16 columns (512-bit vectors, D_pad % 32 == 16)
-                for i in range(0, c.shape[0], _MR):
-                    _block1(c, a, b, i, j, kdim, accumulate)
-        return impl
+        return lambda c, a, b, kdim, accumulate: _MM_PANELS(c, a, b, kdim, accumulate)
 
     def impl(c, a, b, kdim, accumulate):
         if not accumulate:
@@ -270,23 +296,54 @@ def _mm_impl(c, a, b, kdim, accumulate):
     return impl
 
 
+def _panels(tall_block, block, narrow_block, wide_block=None) -> Callable:
+    """The loop of ``_mm``, ``_mm_at`` and their fused variants over register blocks: column panels outermost (the
+    (kdim x NR) panel of B in use stays in L1 while A streams as broadcasts), MR_TALL-row blocks then MR-row ones
+    down each, a last LANES-wide panel where the columns leave one; with ``wide_block`` (``_mm``'s) the 4 x 64 block
+    where it pays (``_WIDE_BLOCK_MIN_KDIM``). ``extra`` goes to every block: the accumulate flag, or alpha."""
+    wide = wide_block is not None
+    wide_block = wide_block if wide else block   # never called then
+
+    @njit(inline="always")
+    def panels(c, a, b, kdim, extra):
+        n = c.shape[1]
+        if wide and n == 4 * _LANES and _LANES == 16 and kdim >= _WIDE_BLOCK_MIN_KDIM:
+            for i in range(0, c.shape[0], 4):
+                wide_block(c, a, b, i, 0, kdim, extra)
+            return
+        tall = _tall_rows(c.shape[0])
+        j = 0
+        while j + _NR <= n:
+            for i in range(0, tall, _MR_TALL):
+                tall_block(c, a, b, i, j, kdim, extra)
+            for i in range(tall, c.shape[0], _MR):
+                block(c, a, b, i, j, kdim, extra)
+            j += _NR
+        if j < n:  # a last 16 columns (512-bit vectors, D_pad % 32 == 16)
+            for i in range(0, c.shape[0], _MR):
+                narrow_block(c, a, b, i, j, kdim, extra)
+
+    return panels
+
+
+def _epilogue_panels(a_transposed: bool, epilogue: str) -> Callable:
+    """``_panels`` over blocks with ``epilogue`` (``_epilogue_block``)."""
+    blocks = [_epilogue_block(a_transposed, nvec, mr, epilogue) for nvec, mr in ((2, _MR_TALL), (2, _MR), (1, _MR))]
+    return _panels(*blocks, wide_block=None if a_transposed else _epilogue_block(False, 4, 4, epilogue))
+
+
+_MM_PANELS = _panels(_block2_tall, _block2, _block1, _block4)
+_AT_PANELS = _panels(_block2_tall_at, _block2_at, _block1_at)
+_AT_RESCALE_PANELS = _epilogue_panels(True, "rescale")
+_AT_ADD_PANELS = _epilogue_panels(True, "add")
+_MM_ADD_PANELS = _epilogue_panels(False, "add")
+_DOT_PANELS = _panels(_block2_tall_dot, _block2_dot, _block1_dot, _block4_dot)
+
+
 @overload(_mm_at, inline="never")
 def _mm_at_impl(c, at, b, kdim, accumulate):
     if _rows_f32(c, at, b):
-        def impl(c, at, b, kdim, accumulate):
-            n = c.shape[1]
-            tall = _tall_rows(c.shape[0])
-            j = 0
-            while j + _NR <= n:
-                for i in range(0, tall, _MR_TALL):
-                    _block2_tall_at(c, at, b, i, j, kdim, accumulate)
-                for i in range(tall, c.shape[0], _MR):
-                    _block2_at(c, at, b, i, j, kdim, accumulate)
-                j += _NR
-            if j < n:
-                for i in range(0, c.shape[0], _MR):
-                    _block1_at(c, at, b, i, j, kdim, accumulate)
-        return impl
+        return lambda c, at, b, kdim, accumulate: _AT_PANELS(c, at, b, kdim, accumulate)
 
     def impl(c, at, b, kdim, accumulate):
         if not accumulate:
@@ -299,6 +356,60 @@ def _mm_at_impl(c, at, b, kdim, accumulate):
     return impl
 
 
+def _mm_at_rescale(c, at, b, kdim, alpha):  # pragma: no cover - typed by the overload below
+    """c = c * alpha[:, None] + at[:kdim].T @ b[:kdim, :c.shape[1]], shapes as ``_mm_at``, alpha (R,) contiguous:
+    the forward's accumulator update O = O * alpha + P^T V, the tile's product summed before it is added."""
+    raise NotImplementedError
+
+
+def _mm_at_add(c, at, b, kdim):  # pragma: no cover - typed by the overload below
+    """c += at[:kdim].T @ b[:kdim, :c.shape[1]], shapes as ``_mm_at``, the product summed before it is added (one
+    rounding per element and call): the backward's gradient sums over tiles."""
+    raise NotImplementedError
+
+
+def _mm_add(c, a, b, kdim):  # pragma: no cover - typed by the overload below
+    """c += a[:, :kdim] @ b[:kdim, :c.shape[1]], shapes as ``_mm``, the product summed before it is added."""
+    raise NotImplementedError
+
+
+@njit(inline="always")
+def _at_then_update(c, at, b, kdim, alpha, rescale):
+    """The plain-loop ``_mm_at_rescale`` (``rescale``) or ``_mm_at_add`` for float64: each row's product summed in
+    a row buffer, then added."""
+    part = np.empty(c.shape[1], c.dtype)
+    for i in range(c.shape[0]):
+        part[:] = 0
+        for k in range(kdim):
+            aki = at[k, i]
+            for j in range(c.shape[1]):
+                part[j] += aki * b[k, j]
+        a = alpha[i] if rescale else 1
+        for j in range(c.shape[1]):
+            c[i, j] = c[i, j] * a + part[j] if rescale else c[i, j] + part[j]
+
+
+@overload(_mm_at_rescale, inline="never")
+def _mm_at_rescale_impl(c, at, b, kdim, alpha):
+    if _rows_f32(c, at, b) and alpha.dtype == types.float32:
+        return lambda c, at, b, kdim, alpha: _AT_RESCALE_PANELS(c, at, b, kdim, alpha)
+    return lambda c, at, b, kdim, alpha: _at_then_update(c, at, b, kdim, alpha, True)
+
+
+@overload(_mm_at_add, inline="never")
+def _mm_at_add_impl(c, at, b, kdim):
+    if _rows_f32(c, at, b):
+        return lambda c, at, b, kdim: _AT_ADD_PANELS(c, at, b, kdim, False)
+    return lambda c, at, b, kdim: _at_then_update(c, at, b, kdim, c[0], False)
+
+
+@overload(_mm_add, inline="never")
+def _mm_add_impl(c, a, b, kdim):
+    if _rows_f32(c, a, b):
+        return lambda c, a, b, kdim: _MM_ADD_PANELS(c, a, b, kdim, False)
+    return lambda c, a, b, kdim: _at_then_update(c, a.T, b, kdim, c[0], False)
+
+
 def _mm_dot(c, a, b, kdim):  # pragma: no cover - typed by the overload below
     """c = a[:, :kdim] @ b[:kdim, :c.shape[1]] as ``_mm``, the reduction in chunks of ``_DOT_CHUNK``: C = chunk 0,
     then C = C + chunk i in order. ``_row_dot_kernel`` sums the same way, so that a row's delta = dO . O equals its
@@ -309,24 +420,7 @@ def _mm_dot(c, a, b, kdim):  # pragma: no cover - typed by the overload below
 @overload(_mm_dot, inline="never")
 def _mm_dot_impl(c, a, b, kdim):
     if _rows_f32(c, a, b):
-        def impl(c, a, b, kdim):
-            n = c.shape[1]
-            if n == 4 * _LANES and _LANES == 16 and kdim >= _WIDE_BLOCK_MIN_KDIM:
-                for i in range(0, c.shape[0], 4):
-                    _block4_dot(c, a, b, i, 0, kdim, False)
-                return
-            tall = _tall_rows(c.shape[0])
-            j = 0
-            while j + _NR <= n:
-                for i in range(0, tall, _MR_TALL):
-                    _block2_tall_dot(c, a, b, i, j, kdim, False)
-                for i in range(tall, c.shape[0], _MR):
-                    _block2_dot(c, a, b, i, j, kdim, False)
-                j += _NR
-            if j < n:
-                for i in range(0, c.shape[0], _MR):
-                    _block1_dot(c, a, b, i, j, kdim, False)
-        return impl
+        return lambda c, a, b, kdim: _DOT_PANELS(c, a, b, kdim, False)
 
     def impl(c, a, b, kdim):
         c[:] = 0
