@@ -151,43 +151,24 @@ def _rows_f32(*arrays) -> bool:
     return all(isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 2 for x in arrays)
 
 
-def _block_sig(c, a, b, i, j, kdim, accumulate):
-    return types.none(c, a, b, i, j, kdim, accumulate) if _rows_f32(c, a, b) else None
+def _block(a_transposed: bool, nvec: int, mr: int = _MR, chunk: int = 0, epilogue: str = ""):
+    """The intrinsic for one register block, (c, a, b, i, j, kdim, extra) -> None on float32 2-D arrays:
+    C[i:i+mr, j:j+nvec*LANES] (+)= A[i:i+mr, :kdim] @ B[:kdim, j:j+nvec*LANES], A given as A^T (shape (kdim, >= i+mr))
+    where ``a_transposed``; ``chunk`` and ``epilogue`` as in ``_mm_block_codegen``. ``extra`` is the accumulate flag
+    (ignored with a chunk or the 'add' epilogue), or alpha, a float32 vector, for 'rescale'."""
 
+    def typer(typingctx, c, a, b, i, j, kdim, extra):
+        ok = _rows_f32(c, a, b) and (epilogue != "rescale" or (
+            isinstance(extra, types.Array) and extra.dtype == types.float32 and extra.ndim == 1))
+        if not ok:
+            return None
+        return (types.none(c, a, b, i, j, kdim, extra),
+                _mm_block_codegen(a_transposed, nvec, mr, chunk=chunk, epilogue=epilogue))
 
-@intrinsic
-def _block2(typingctx, c, a, b, i, j, kdim, accumulate):
-    """C[i:i+MR, j:j+NR] (+)= A[i:i+MR, :kdim] @ B[:kdim, j:j+NR], float32."""
-    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
-    return None if sig is None else (sig, _mm_block_codegen(False, 2))
-
-
-@intrinsic
-def _block1(typingctx, c, a, b, i, j, kdim, accumulate):
-    """C[i:i+MR, j:j+LANES] (+)= A[i:i+MR, :kdim] @ B[:kdim, j:j+LANES], float32."""
-    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
-    return None if sig is None else (sig, _mm_block_codegen(False, 1))
-
-
-@intrinsic
-def _block2_tall(typingctx, c, a, b, i, j, kdim, accumulate):
-    """``_block2`` on MR_TALL rows."""
-    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
-    return None if sig is None else (sig, _mm_block_codegen(False, 2, _MR_TALL))
-
-
-@intrinsic
-def _block2_tall_at(typingctx, c, at, b, i, j, kdim, accumulate):
-    """``_block2_at`` on MR_TALL rows."""
-    sig = _block_sig(c, at, b, i, j, kdim, accumulate)
-    return None if sig is None else (sig, _mm_block_codegen(True, 2, _MR_TALL))
-
-
-@intrinsic
-def _block2_tall_dot(typingctx, c, a, b, i, j, kdim, accumulate):
-    """``_block2_dot`` on MR_TALL rows."""
-    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
-    return None if sig is None else (sig, _mm_block_codegen(False, 2, _MR_TALL, chunk=_DOT_CHUNK))
+    # numba names an intrinsic after its function: one name per kind of block
+    typer.__name__ = typer.__qualname__ = (f"_block{mr}x{nvec}{'_at' if a_transposed else ''}{'_dot' if chunk else ''}"
+                                           f"{'_' + epilogue if epilogue else ''}")
+    return intrinsic(typer)
 
 
 @njit(inline="always", cache=True)
@@ -200,36 +181,6 @@ def _tall_rows(rows):
     return n
 
 
-@intrinsic
-def _block2_at(typingctx, c, at, b, i, j, kdim, accumulate):
-    """C[i:i+MR, j:j+NR] (+)= AT[:kdim, i:i+MR]^T @ B[:kdim, j:j+NR], float32."""
-    sig = _block_sig(c, at, b, i, j, kdim, accumulate)
-    return None if sig is None else (sig, _mm_block_codegen(True, 2))
-
-
-def _epilogue_block(a_transposed: bool, nvec: int, mr: int, epilogue: str):
-    """An intrinsic C[i:i+mr, j:j+nvec*LANES] (+)= A[i:i+mr, :kdim] @ B[:kdim, j:j+nvec*LANES] (A given as A^T where
-    ``a_transposed``) with ``_mm_block_codegen``'s ``epilogue``: 'add' (its last argument ignored) or 'rescale' (its
-    last argument alpha)."""
-
-    def typer(typingctx, c, a, b, i, j, kdim, extra):  # one name per block: numba names the intrinsic after it
-        ok = _rows_f32(c, a, b) and (epilogue != "rescale" or (
-            isinstance(extra, types.Array) and extra.dtype == types.float32 and extra.ndim == 1))
-        if not ok:
-            return None
-        return types.none(c, a, b, i, j, kdim, extra), _mm_block_codegen(a_transposed, nvec, mr, epilogue=epilogue)
-
-    typer.__name__ = typer.__qualname__ = f"_block{nvec}{'_at' if a_transposed else ''}_{epilogue}_{mr}"
-    return intrinsic(typer)
-
-
-@intrinsic
-def _block1_at(typingctx, c, at, b, i, j, kdim, accumulate):
-    """C[i:i+MR, j:j+LANES] (+)= AT[:kdim, i:i+MR]^T @ B[:kdim, j:j+LANES], float32."""
-    sig = _block_sig(c, at, b, i, j, kdim, accumulate)
-    return None if sig is None else (sig, _mm_block_codegen(True, 1))
-
-
 # Head-dim products (scores q.k and dP = dO.v) sum their reduction in chunks of this many terms, each chunk a
 # fresh chain of multiply-adds, the chunks then added in order: a chain over all of D = 256 erred 2-10x torch's
 # vectorised dot products at Sq = 1 and 3 with large scores (softcap 50), and at D = 256.
@@ -238,34 +189,6 @@ _DOT_CHUNK = 32
 # The 4 x 64 block issues fewer instructions per FMA than 8 x 32 (four broadcasts and four loads for sixteen FMAs
 # against eight and two) and measured faster for long reductions: 349 vs 308 GFLOP/s at kdim 128, 295 vs 303 at 64.
 _WIDE_BLOCK_MIN_KDIM = 96
-
-
-@intrinsic
-def _block4(typingctx, c, a, b, i, j, kdim, accumulate):
-    """C[i:i+4, j:j+4*LANES] (+)= A[i:i+4, :kdim] @ B[:kdim, j:j+4*LANES], float32."""
-    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
-    return None if sig is None else (sig, _mm_block_codegen(False, 4, 4))
-
-
-@intrinsic
-def _block2_dot(typingctx, c, a, b, i, j, kdim, accumulate):
-    """``_block2`` with the reduction in chunks of ``_DOT_CHUNK`` (C written, never accumulated into)."""
-    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
-    return None if sig is None else (sig, _mm_block_codegen(False, 2, chunk=_DOT_CHUNK))
-
-
-@intrinsic
-def _block1_dot(typingctx, c, a, b, i, j, kdim, accumulate):
-    """``_block1`` with the reduction in chunks of ``_DOT_CHUNK``."""
-    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
-    return None if sig is None else (sig, _mm_block_codegen(False, 1, chunk=_DOT_CHUNK))
-
-
-@intrinsic
-def _block4_dot(typingctx, c, a, b, i, j, kdim, accumulate):
-    """``_block4`` with the reduction in chunks of ``_DOT_CHUNK``."""
-    sig = _block_sig(c, a, b, i, j, kdim, accumulate)
-    return None if sig is None else (sig, _mm_block_codegen(False, 4, 4, chunk=_DOT_CHUNK))
 
 
 def _mm(c, a, b, kdim, accumulate):  # pragma: no cover - typed by the overload below
@@ -297,10 +220,10 @@ def _mm_impl(c, a, b, kdim, accumulate):
 
 
 def _panels(tall_block, block, narrow_block, wide_block=None) -> Callable:
-    """The loop of ``_mm``, ``_mm_at`` and their fused variants over register blocks: column panels outermost (the
-    (kdim x NR) panel of B in use stays in L1 while A streams as broadcasts), MR_TALL-row blocks then MR-row ones
-    down each, a last LANES-wide panel where the columns leave one; with ``wide_block`` (``_mm``'s) the 4 x 64 block
-    where it pays (``_WIDE_BLOCK_MIN_KDIM``). ``extra`` goes to every block: the accumulate flag, or alpha."""
+    """The loop of ``_mm``, ``_mm_at``, ``_mm_dot`` and the fused variants over register blocks: column panels
+    outermost (the (kdim x NR) panel of B in use stays in L1 while A streams as broadcasts), MR_TALL-row blocks then
+    MR-row ones down each, a last LANES-wide panel where the columns leave one; with ``wide_block`` (not A^T) the
+    4 x 64 block where it pays (``_WIDE_BLOCK_MIN_KDIM``). ``extra`` goes to every block."""
     wide = wide_block is not None
     wide_block = wide_block if wide else block   # never called then
 
@@ -326,18 +249,20 @@ def _panels(tall_block, block, narrow_block, wide_block=None) -> Callable:
     return panels
 
 
-def _epilogue_panels(a_transposed: bool, epilogue: str) -> Callable:
-    """``_panels`` over blocks with ``epilogue`` (``_epilogue_block``)."""
-    blocks = [_epilogue_block(a_transposed, nvec, mr, epilogue) for nvec, mr in ((2, _MR_TALL), (2, _MR), (1, _MR))]
-    return _panels(*blocks, wide_block=None if a_transposed else _epilogue_block(False, 4, 4, epilogue))
+def _block_panels(a_transposed: bool, chunk: int = 0, epilogue: str = "", wide: bool = False) -> Callable:
+    """``_panels`` over the blocks of one kind (``_block``): MR_TALL x NR, MR x NR and MR x LANES, and with ``wide``
+    the 4 x 64 one."""
+    def kind(nvec, mr):
+        return _block(a_transposed, nvec, mr, chunk=chunk, epilogue=epilogue)
+    return _panels(kind(2, _MR_TALL), kind(2, _MR), kind(1, _MR), wide_block=kind(4, 4) if wide else None)
 
 
-_MM_PANELS = _panels(_block2_tall, _block2, _block1, _block4)
-_AT_PANELS = _panels(_block2_tall_at, _block2_at, _block1_at)
-_AT_RESCALE_PANELS = _epilogue_panels(True, "rescale")
-_AT_ADD_PANELS = _epilogue_panels(True, "add")
-_MM_ADD_PANELS = _epilogue_panels(False, "add")
-_DOT_PANELS = _panels(_block2_tall_dot, _block2_dot, _block1_dot, _block4_dot)
+_MM_PANELS = _block_panels(False, wide=True)
+_AT_PANELS = _block_panels(True)
+_DOT_PANELS = _block_panels(False, chunk=_DOT_CHUNK, wide=True)
+_AT_RESCALE_PANELS = _block_panels(True, epilogue="rescale")
+_AT_ADD_PANELS = _block_panels(True, epilogue="add")
+_MM_ADD_PANELS = _block_panels(False, epilogue="add", wide=True)
 
 
 @overload(_mm_at, inline="never")
