@@ -32,6 +32,15 @@ def document_mods(docs: np.ndarray, sq: int, sk: int, blind_rows: int):
     return doc_mask, head_bias
 
 
+# The set every CPU test of mods runs (tests/numba_flash/test_mods_backends.py at Sq = 29, Sk = 45,
+# tests/numba_flash/cpu/test_mods_kernels.py at Sq = 203, Sk = 219): the cpu backend compiles its kernels once per
+# set of functions in a process, a minute or more per kernel on 2 cores, so the files share these objects. Both
+# shapes put query i at key position i + 16; the first 45 keys are five short documents, the rest three long ones
+# that leave some of the kernels' 64 x 64 tiles empty and some full at the larger shape.
+CPU_SHIFT = 16
+CPU_DOCS = np.repeat(np.arange(8), [9, 14, 1, 6, 15, 70, 3, 101])
+
+
 def soft_clip(score, b, h, q_idx, kv_idx):
     # HIDDEN_KEY is hidden from every row (-inf from a score_mod hides a key as a mask does)
     return -math.inf if kv_idx == HIDDEN_KEY else 4.0 * math.tanh(score / 4.0) + 0.02 * (kv_idx % 5)
@@ -49,3 +58,6 @@ def nan_value_reaches_without_score_mod(q, k, v, kw) -> bool:
 
     plain = {n: x for n, x in kw.items() if n not in ("score_mod", "score_mod_grad")}
     return bool(np.isnan(attention_ref(q, k, v, **plain)[0][0]).any())
+
+
+cpu_doc_mask, cpu_head_bias = document_mods(CPU_DOCS, 29, 29 + CPU_SHIFT, blind_rows=4)

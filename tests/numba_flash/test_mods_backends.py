@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mods_cases import HIDDEN_KEY, document_mods, nan_value_reaches_without_score_mod, soft_clip, soft_clip_grad
+from mods_cases import (CPU_SHIFT, HIDDEN_KEY, cpu_doc_mask, cpu_head_bias, nan_value_reaches_without_score_mod,
+                        soft_clip, soft_clip_grad)
 
 import numba_flash
 from numba_flash import AttentionInputError, attention_ref, attention_ref_backward, backend_registry, block_mask
@@ -13,13 +14,13 @@ from numba_flash import AttentionInputError, attention_ref, attention_ref_backwa
 pytest.importorskip("torch")
 
 BACKENDS = ("rocm", "cpu")
-# The cpu backend compiles kernels per set of mods (about 100 s for a forward and a backward on 2 cores), so its
-# tests share one set, all three mods (the keys-hidden test too), under different options; the mask_mod alone,
-# which skips tiles, compiles in tests/numba_flash/cpu/test_mods_kernels.py.
+# The cpu backend compiles kernels per set of mods (a minute or more per kernel on 2 cores), so its tests run all
+# three mods of the set tests/numba_flash/cpu/test_mods_kernels.py runs too (the keys-hidden test as well), under
+# different options: 45 key positions in 5 documents here, query i at key position i + SK - SQ.
 CPU_CASES = ("all+causal+softcap", "all+window")
 B, SQ, SK, HQ, HKV, D = 2, 29, 45, 4, 2, 16
-DOCS = np.repeat(np.arange(5), [9, 14, 1, 6, 15])  # 45 key positions in 5 documents; query i is at i + SK - SQ
-doc_mask, head_bias = document_mods(DOCS, SQ, SK, blind_rows=4)
+assert SK - SQ == CPU_SHIFT
+doc_mask, head_bias = cpu_doc_mask, cpu_head_bias
 
 
 CASES = {
