@@ -32,3 +32,13 @@ def test_editing_any_source_changes_the_stamp(tmp_path, monkeypatch):
     tiles = tmp_path / "tiles.py"
     tiles.write_text(tiles.read_text().replace("f2", "f1", 1))
     assert cache_stamp.sources_stamp() != before
+
+
+def test_the_vector_width_changes_the_stamp(monkeypatch):
+    """NUMBA_FLASH_CPU_SIMD=256 on an AVX-512 CPU must not load the 512-bit kernels a default run cached: numba's
+    own key (the CPU, the signature) is the same for both."""
+    from numba_flash.cpu import simd
+
+    before = cache_stamp.sources_stamp()
+    monkeypatch.setattr(simd, "_LANES", 24 - simd._LANES)   # 8 <-> 16
+    assert cache_stamp.sources_stamp() != before
