@@ -35,3 +35,11 @@ def rng(request):
     request.node.user_properties.append(("seed", seed))
     print(f"seed={seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="session")
+def model_cache_dir(tmp_path_factory):
+    """One disk cache (NUMBA_FLASH_CACHE_DIR) for every test of the static performance model in a session: each
+    (kernel, dtype, head dim, variant, GPUs) is compiled and modelled once (10-25 s each on 2 cores), by whichever
+    test asks first; the model is a pure function of the kernel sources, which key the cache."""
+    return tmp_path_factory.mktemp("model-cache")

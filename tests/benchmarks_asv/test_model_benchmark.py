@@ -7,12 +7,12 @@ from benchmarks_asv import model as bench
 
 
 @pytest.mark.ptx
-def test_track_ceiling_reports_the_model(tmp_path, monkeypatch):
+def test_track_ceiling_reports_the_model(model_cache_dir, monkeypatch):
     if bench._toolchain_reason():
         pytest.skip(bench._toolchain_reason())
     from numba_flash.cuda.perf_model import run_model
 
-    monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(model_cache_dir))
     # A narrow grid: the forward and the backward (two kernels) at one head dim, two dtypes, two GPUs.
     monkeypatch.setattr(bench, "HEAD_DIMS", [64])
     monkeypatch.setattr(bench, "DTYPES", ["float32", "bfloat16"])

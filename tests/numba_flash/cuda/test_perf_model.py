@@ -168,11 +168,11 @@ def test_rare_branch_counts_as_not_taken():
     assert [w["sts"] for w in per_warp] == [8, 8]
 
 
-def test_model_of_the_forward_kernel(tmp_path, monkeypatch):
+def test_model_of_the_forward_kernel(model_cache_dir, monkeypatch):
     _needs_toolchain()
     from numba_flash.cuda.perf_model import main, run_model
 
-    monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(model_cache_dir))
     records = run_model(["forward"], ["float32"], [64], ["plain", "causal"], [(8, 0), (9, 0)])
     assert [(r.variant, r.cc) for r in records] == [("plain", "8.0"), ("plain", "9.0"), ("causal", "8.0"),
                                                     ("causal", "9.0")]
@@ -209,12 +209,12 @@ def test_model_of_the_forward_kernel(tmp_path, monkeypatch):
     assert len(data) == 1 and keys <= set(data[0]) and data[0]["ceiling"] == plain["9.0"].ceiling
 
 
-def test_model_of_the_backward_kernels(tmp_path, monkeypatch):
+def test_model_of_the_backward_kernels(model_cache_dir, monkeypatch):
     _needs_toolchain()
     from numba_flash.cuda.config import tile_config_for
     from numba_flash.cuda.perf_model import run_model
 
-    monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(model_cache_dir))
     records = {(r.kernel, r.cc): r for r in run_model(["backward"], ["float32"], [64], ["plain"], [(8, 0), (9, 0)])}
     dkdv, dq = tile_config_for(64, kernel="backward_dkdv"), tile_config_for(64, kernel="backward_dq")
     # The counts below are derived by hand from the kernels for a thread block of full warps whose score and
@@ -316,7 +316,7 @@ def test_a_helper_loop_over_runtime_bounds_is_refused():
         _counts(runtime_loop_kernel, threads=64)
 
 
-def test_the_dropout_variant_prices_philox_in_its_helper_loop(tmp_path, monkeypatch):
+def test_the_dropout_variant_prices_philox_in_its_helper_loop(model_cache_dir, monkeypatch):
     """The tensor-core forward's keep mask comes from a loop inside a helper (tc_scores.make_keep_bits) that the
     compiler keeps rolled: the model takes its trip count from the helper's constants (N_TILES trips, one
     Philox-4x32-10 call each: 10 rounds of 2 multiplies) times the calls per iteration, so the variant is priced
@@ -325,7 +325,7 @@ def test_the_dropout_variant_prices_philox_in_its_helper_loop(tmp_path, monkeypa
     from numba_flash.cuda.config import tile_config_for
     from numba_flash.cuda.perf_model import run_model
 
-    monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(model_cache_dir))
     causal, dropout = run_model(["tc_forward"], ["float16"], [64], ["causal", "dropout"], [(8, 0)])
     cfg = tile_config_for(64, "float16", (8, 0), kernel="tc_forward")
     warps, n_tiles = cfg.threads // 32, cfg.block_n // 8
@@ -358,7 +358,7 @@ def test_helper_lines_keep_their_file():
     assert masks.__file__ in files and __file__ in files, files
 
 
-def test_model_counts_dynamic_shared_memory_in_the_occupancy(tmp_path, monkeypatch):
+def test_model_counts_dynamic_shared_memory_in_the_occupancy(model_cache_dir, monkeypatch):
     """A config past 48 KiB declares no static shared memory (the assembler reports none of it), yet its dynamic
     buffer is what limits the blocks per SM: 32 x 32 / 128 forward at D = 256, 78,208 B, + 1 KiB the driver
     reserves per block, two blocks in sm_90's 228 KiB and in sm_80's 164 KiB."""
@@ -366,7 +366,7 @@ def test_model_counts_dynamic_shared_memory_in_the_occupancy(tmp_path, monkeypat
     from numba_flash.cuda.config import tile_config_for, smem_limit_for
     from numba_flash.cuda.perf_model import model_specialisation
 
-    monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(model_cache_dir))
     cfg = tile_config_for(256, "float32", (9, 0), smem_limit_for((9, 0)), "forward")
     assert (cfg.block_m, cfg.block_n, cfg.threads, cfg.dynamic_smem_bytes()) == (32, 32, 128, 78208)
     for r in model_specialisation("forward", "float32", 256, "plain", [(8, 0), (9, 0)]):
@@ -385,14 +385,14 @@ def test_kernels_not_offered_at_a_head_dim_are_not_modelled():
     assert _model_or_none("tc_forward", "float16", 512, "plain", [(9, 0)], [(9, 0)], True) == []
 
 
-def test_the_model_prices_latency_on_compiled_kernels(tmp_path, monkeypatch):
+def test_the_model_prices_latency_on_compiled_kernels(model_cache_dir, monkeypatch):
     """On the tensor-core forward at D = 128 (8 warps an SM on sm_90: two a scheduler to cover mma.sync, ldmatrix
     and shuffle chains) the replay binds, below the issue bound's ceiling; on every kernel it is at least the warp
     bound (an instruction a clock)."""
     _needs_toolchain()
     from numba_flash.cuda.perf_model import run_model
 
-    monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(model_cache_dir))
     (r,) = run_model(["tc_forward"], ["float16"], [128], ["plain"], [(9, 0)])
     assert r.bounds["latency"] >= r.bounds["warp"] and r.warps_per_sm == 8
     assert r.bound == "latency" and r.bounds["latency"] > r.bounds["issue"]
