@@ -22,7 +22,7 @@ from numba_flash import attention_ref, attention_ref_backward
 # RuntimeWarnings: the simulator's numpy arithmetic on the inf and NaN some tests put in.
 pytestmark = [pytest.mark.cudasim, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
-B, SQ, SK, HQ, HKV, D = 2, 13, 19, 4, 2, 8
+B, SQ, SK, HQ, HKV, D = 2, 13, 19, 2, 1, 8
 DOCS = np.repeat(np.arange(4), [5, 7, 1, 6])   # 19 key positions in 4 documents; query i is at i + SK - SQ
 doc_mask, head_bias = document_mods(DOCS, SQ, SK, blind_rows=2)
 
@@ -33,7 +33,7 @@ CASES = {
     "score_mod": dict(score_mod=soft_clip),
     "all+causal+softcap": dict(bias_mod=head_bias, mask_mod=doc_mask, score_mod=soft_clip, causal=True, softcap=5.0),
     "all+alibi+attn_bias": dict(bias_mod=head_bias, mask_mod=doc_mask, score_mod=soft_clip,
-                                alibi_slopes=np.array([0.3, 0.1, 0.6, 0.9], np.float32)),
+                                alibi_slopes=np.array([0.3, 0.9], np.float32)),
 }
 
 
