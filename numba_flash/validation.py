@@ -170,11 +170,21 @@ def _check_torch(name: str, x: Any) -> Any:
     return resolve_torch_bits(x)
 
 
+def _refuse_masked(name: str, x: Any) -> None:
+    """A numpy masked array with masked elements: the kernels read its data and would ignore the mask, silently.
+    One with no masked element is its data."""
+    if isinstance(x, np.ma.MaskedArray) and np.ma.is_masked(x):
+        raise _bad(name, "an array without masked elements (numpy's mask would be ignored: fill the array, and "
+                         "hide keys with attn_bias = -inf or a mask_mod)",
+                   f"a masked array with {int(np.ma.count_masked(x))} masked element(s)")
+
+
 def _check_array(name: str, x: Any, layout: str) -> tuple[Any, str, tuple[int, ...], str, str]:
     kind = array_kind(x)
     if kind is None:
         raise _bad(name, "an array (numpy, torch, __cuda_array_interface__ or __dlpack__ exporter)",
                    f"an object of type {type(x).__name__}")
+    _refuse_masked(name, x)
     if kind == "torch":
         x = _check_torch(name, x)
     shape = tuple(int(s) for s in x.shape)
@@ -313,6 +323,7 @@ def check_alibi(alibi_slopes: Any, kind: str, device: str, batch: int, nheads_q:
     akind = array_kind(alibi_slopes)
     if akind is None:
         raise _bad("alibi_slopes", f"an array {what}", f"an object of type {type(alibi_slopes).__name__}")
+    _refuse_masked("alibi_slopes", alibi_slopes)
     if akind != kind or device_of(alibi_slopes) != device:
         raise _bad("alibi_slopes", f"a {kind} array on q's device ({device})",
                    f"a {akind} array on {device_of(alibi_slopes)}")
@@ -351,6 +362,7 @@ def check_bias(attn_bias: Any, q_info: tuple, full: tuple[int, int, int, int], l
     kind = array_kind(attn_bias)
     if kind is None:
         raise _bad("attn_bias", what, f"an object of type {type(attn_bias).__name__}")
+    _refuse_masked("attn_bias", attn_bias)
     if layout == "thd":
         raise _bad("attn_bias", "None for packed sequences (attn_bias with layout 'thd' is not implemented yet)",
                    f"shape {tuple(attn_bias.shape)}")
@@ -425,6 +437,7 @@ def validate_backward(
     kind = array_kind(lse)
     if kind is None:
         raise _bad("lse", "an array", f"an object of type {type(lse).__name__}")
+    _refuse_masked("lse", lse)
     if kind != call.kind:
         raise _bad("lse", f"the same array kind as q ({call.kind})", kind)
     if kind == "torch":

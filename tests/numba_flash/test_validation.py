@@ -63,6 +63,23 @@ def test_not_an_array(rng, name):
     assert "list" in msg
 
 
+@pytest.mark.parametrize("name", ["q", "k", "v", "attn_bias"])
+def test_a_masked_array_with_masked_elements_is_refused(rng, name):
+    """numpy's mask would be ignored by every kernel (they read the data): refused, naming the argument; a masked
+    array with nothing masked is its data."""
+    args = dict(zip("qkv", _qkv(rng)), attn_bias=rng.standard_normal((5, 7)).astype(np.float32))
+    plain = {n: x.copy() for n, x in args.items()}
+    mask = np.zeros(args[name].shape, bool)
+    mask.flat[int(rng.integers(mask.size))] = True
+    args[name] = np.ma.masked_array(args[name], mask=mask)
+    msg = _raises(f"^{name}: expected an array without masked elements", validate_forward, **args)
+    assert "1 masked element" in msg
+    assert np.array_equal(args[name].data, plain[name]) and args[name].mask.sum() == 1   # untouched
+    args[name] = np.ma.masked_array(plain[name], mask=np.zeros(mask.shape, bool))
+    op = backend_registry.get("flash", backend="rocm")
+    np.testing.assert_array_equal(op.forward(**args), op.forward(**plain))
+
+
 @pytest.mark.parametrize("layout,dims", [("bshd", "(B, Sq, Hq, D)"), ("bhsd", "(B, Hq, Sq, D)")])
 def test_wrong_rank(rng, layout, dims):
     q, k, v = _qkv(rng, layout=layout)
