@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import numba
 import numpy as np
@@ -29,11 +30,14 @@ SIMD_ENV = "NUMBA_FLASH_CPU_SIMD"
 def _simd_lanes() -> int:
     """float32 lanes of the vectors the micro-kernel is written with: 16 where the CPU numba compiles for has
     AVX-512, else 8. ``NUMBA_FLASH_CPU_SIMD=256`` forces the 256-bit kernel (for testing it on an AVX-512 CPU)."""
-    forced = os.environ.get(SIMD_ENV, "").strip()
+    forced = os.environ.get(SIMD_ENV, "").strip().lower()
     if forced in ("256", "avx2"):
         return 8
     if forced in ("512", "avx512"):
         return 16
+    if forced:   # a typo must not pass for the width asked for
+        warnings.warn(f"{SIMD_ENV}={os.environ[SIMD_ENV]!r} is none of 256, avx2, 512, avx512: ignored, the width "
+                      "follows the CPU's features", RuntimeWarning, stacklevel=2)
     features = numba.config.CPU_FEATURES
     if features is None:
         try:

@@ -89,3 +89,14 @@ def test_256_bit_kernel_matches_reference_and_second_process_hits_the_cache(tmp_
         assert second["misses"] == 0 and second["hits"] > 0, second
     else:   # every kernel came from the cache an earlier process wrote (the warmup)
         assert first["hits"] > 0, first
+
+
+def test_the_width_variable_is_read_without_case_and_a_typo_is_named(monkeypatch):
+    monkeypatch.delenv(simd.SIMD_ENV, raising=False)
+    native = simd._simd_lanes()
+    for value, lanes in (("AVX2", 8), (" 256 ", 8), ("Avx512", 16), ("512", 16)):
+        monkeypatch.setenv(simd.SIMD_ENV, value)
+        assert simd._simd_lanes() == lanes, value
+    monkeypatch.setenv(simd.SIMD_ENV, "avx-512")
+    with pytest.warns(RuntimeWarning, match=r"NUMBA_FLASH_CPU_SIMD='avx-512' is none of 256, avx2, 512, avx512"):
+        assert simd._simd_lanes() == native
