@@ -164,6 +164,10 @@ def _check_torch(name: str, x: Any) -> Any:
 
     if x.is_nested:
         raise _bad(name, "a dense (strided) tensor", "a nested tensor")
+    masked_tensor = getattr(getattr(torch, "masked", None), "MaskedTensor", None)
+    if masked_tensor is not None and isinstance(x, masked_tensor):   # torch's failure deep in dispatch otherwise
+        raise _bad(name, "a plain tensor (a MaskedTensor's mask cannot reach the kernels: take its data, and hide "
+                         "keys with attn_bias = -inf or a mask_mod)", "a torch.masked.MaskedTensor")
     if x.layout != torch.strided:
         raise _bad(name, "a dense (strided) tensor (call .to_dense() first)",
                    f"a tensor with layout {str(x.layout).replace('torch.', '')}")

@@ -1,5 +1,5 @@
-"""torch tensor kinds on the CPU backend and the ROCm (torch) path, forced: sparse tensors are refused with
-AttentionInputError, tensors with a pending negation (``x.conj().imag``) give the right answer without being
+"""torch tensor kinds on the CPU backend and the ROCm (torch) path, forced: sparse and masked tensors are refused
+with AttentionInputError, tensors with a pending negation (``x.conj().imag``) give the right answer without being
 changed, and subclasses come back as the tensor type torch itself returns for them."""
 
 from __future__ import annotations
@@ -63,6 +63,27 @@ def test_sparse_inputs_are_refused(rng, op, arg, layout):
     with pytest.raises(AttentionInputError, match=rf"^{arg}: expected a dense \(strided\) tensor .*got a tensor "
                                                   rf"with layout {layout}"):
         op.forward(args["q"], args["k"], args["v"])
+
+
+@pytest.mark.parametrize("arg", ["q", "k", "v"])
+def test_masked_tensors_are_refused_by_name(rng, op, arg):
+    """torch.masked's MaskedTensor: refused up front, by the face flash-attn users call too (torch otherwise fails
+    deep in its dispatch with a TypeError that names no argument)."""
+    import numba_flash
+
+    masked = pytest.importorskip("torch.masked")
+    q, k, v, _ = _qkv(rng)
+    args = {"q": q, "k": k, "v": v}
+    mask = torch.ones_like(args[arg], dtype=torch.bool)
+    mask.view(-1)[int(rng.integers(mask.numel()))] = False
+    with warnings.catch_warnings():   # "The PyTorch API of MaskedTensors is in prototype stage"
+        warnings.simplefilter("ignore", UserWarning)
+        args[arg] = masked.masked_tensor(args[arg], mask)
+        pattern = rf"^{arg}: expected a plain tensor .*got a torch.masked.MaskedTensor"
+        with pytest.raises(AttentionInputError, match=pattern):
+            op.forward(args["q"], args["k"], args["v"])
+        with pytest.raises(AttentionInputError, match=pattern):
+            numba_flash.flash_attn_func(args["q"], args["k"], args["v"])
 
 
 @pytest.mark.parametrize("arg", ["dout", "out", "lse"])
