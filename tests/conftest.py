@@ -28,12 +28,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_real)
 
 
+def _seed() -> int:
+    """A fresh seed, or NUMBA_FLASH_TEST_SEED's to replay a failure."""
+    return int(os.environ.get("NUMBA_FLASH_TEST_SEED", np.random.SeedSequence().entropy % (2**32)))
+
+
 @pytest.fixture
 def rng(request):
     """Fresh random inputs each run; the seed is printed on failure so a failure can be replayed."""
-    seed = int(os.environ.get("NUMBA_FLASH_TEST_SEED", np.random.SeedSequence().entropy % (2**32)))
+    seed = _seed()
     request.node.user_properties.append(("seed", seed))
     print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="module")
+def module_rng(request):
+    """``rng`` for inputs a module's tests share (a module-scoped fixture's); its seed printed the same way, in the
+    output of the first test that uses it."""
+    seed = _seed()
+    print(f"module seed={seed}")
     return np.random.default_rng(seed)
 
 

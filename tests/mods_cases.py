@@ -39,6 +39,7 @@ def document_mods(docs: np.ndarray, sq: int, sk: int, blind_rows: int):
 # that leave some of the kernels' 64 x 64 tiles empty and some full at the larger shape.
 CPU_SHIFT = 16
 CPU_DOCS = np.repeat(np.arange(8), [9, 14, 1, 6, 15, 70, 3, 101])
+cpu_doc_mask, cpu_head_bias = document_mods(CPU_DOCS, 29, 29 + CPU_SHIFT, blind_rows=4)
 
 
 def soft_clip(score, b, h, q_idx, kv_idx):
@@ -59,5 +60,3 @@ def nan_value_reaches_without_score_mod(q, k, v, kw) -> bool:
     plain = {n: x for n, x in kw.items() if n not in ("score_mod", "score_mod_grad")}
     return bool(np.isnan(attention_ref(q, k, v, **plain)[0][0]).any())
 
-
-cpu_doc_mask, cpu_head_bias = document_mods(CPU_DOCS, 29, 29 + CPU_SHIFT, blind_rows=4)

@@ -7,7 +7,6 @@ Run: NUMBA_ENABLE_CUDASIM=1 .venv/bin/python -m pytest -q -m cudasim tests/numba
 
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np
@@ -61,14 +60,11 @@ CASES = [("q", "nan", 0.0), ("q", "inf", 0.0), ("k", "inf", 0.0), ("k", "nan", 0
 
 
 @pytest.fixture(scope="module")
-def clean_runs():
+def clean_runs(module_rng):
     """The clean call each bad value is compared with, run once per (shape, softcap, tiles) in this module: half of
-    each case's simulator time. Fresh random inputs per session (the seed is printed; NUMBA_FLASH_TEST_SEED
-    replays it), shared by the cases of one shape."""
-    seed = int(os.environ.get("NUMBA_FLASH_TEST_SEED", np.random.SeedSequence().entropy % (2**32)))
-    print(f"clean_runs seed={seed}")
-    rng = np.random.default_rng(seed)
-    inputs = {name: random_inputs(rng, shape) for name, shape in SHAPES.items()}
+    each case's simulator time. Fresh random inputs per session (``module_rng``), shared by the cases of one
+    shape."""
+    inputs = {name: random_inputs(module_rng, shape) for name, shape in SHAPES.items()}
     runs = {}
 
     def clean(shape_name, softcap, tiles=TILES):
