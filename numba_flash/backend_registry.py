@@ -30,6 +30,7 @@ import os
 import threading
 from typing import Any, Iterator
 
+from numba_flash.arguments import checked_arguments
 from numba_flash.errors import BackendDeclined, NoBackendError
 from numba_flash.validation import AttentionCall, validate_backward, validate_forward
 
@@ -250,6 +251,7 @@ class Dispatcher:
                 logger.warning("%s: backend %r declined %s: %s", self.op, be.name, call.describe(), exc)
                 declined[be.name] = exc.reasons or [str(exc) or "declined"]
 
+    @checked_arguments
     def forward(self, q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
                 window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str | None = None,
                 return_lse: bool = False, backend: str | None = None, cu_seqlens_q: Any = None,
@@ -282,6 +284,7 @@ class Dispatcher:
         out, lse = self._run(call, backend, "forward")
         return (out, lse) if return_lse else out
 
+    @checked_arguments
     def backward(self, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: bool = False,
                  softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                  layout: str | None = None, backend: str | None = None, cu_seqlens_q: Any = None,
@@ -305,6 +308,7 @@ class Dispatcher:
                                  dropout_seed=dropout_seed)
         return self._run(call, backend, "backward")
 
+    @checked_arguments
     def with_kvcache(self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, rotary_cos: Any = None,
                      rotary_sin: Any = None, cache_seqlens: Any = None, cache_batch_idx: Any = None,
                      cache_leftpad: Any = None, block_table: Any = None, softmax_scale: float | None = None,
@@ -330,6 +334,7 @@ class Dispatcher:
         out, lse = self._run(kv.dense_call(), backend, "with_kvcache")
         return (out, lse) if return_lse else out
 
+    @checked_arguments
     def explain(self, q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
                 window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str | None = None,
                 return_lse: bool = False, backend: str | None = None, cu_seqlens_q: Any = None,

@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from numba_flash.arguments import checked_arguments
 from numba_flash import backend_registry
 from numba_flash.merge import merge_attention_states
 from numba_flash.validation import _bad, _short_repr, validate_forward
@@ -279,6 +280,7 @@ def _check_ranks_agree(q: torch.Tensor, k: torch.Tensor, group: Any, causal: boo
                        f"causal={causal})", f"on rank {r}: {what}")
 
 
+@checked_arguments
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -51,3 +51,9 @@ class BackendDeclined(RuntimeError):
     def __init__(self, reasons: list[str]):
         self.reasons = list(reasons)
         super().__init__("; ".join(self.reasons))
+
+
+class UnknownKeywordError(AttentionInputError, TypeError):
+    """A keyword argument the function does not take, e.g. ``casual=True``: a TypeError, as Python's own error for
+    it is, and an AttentionInputError like every other bad argument. The message names the keyword and the closest
+    one the function takes (``casual: not an argument of Dispatcher.forward(); did you mean 'causal'?``)."""

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .arguments import checked_arguments
 from .arrays import array_kind, dtype_name
 from .errors import AttentionInputError
 
@@ -118,6 +119,7 @@ def _merge(xp: Any, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any
     return out, lse
 
 
+@checked_arguments
 def merge_attention_states(out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
     """Attention over the union of two disjoint key sets, from each set's output and log-sum-exp.
 

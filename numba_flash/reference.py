@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from .arguments import checked_arguments
 from .arrays import as_float64, to_numpy
 from .semantics import default_scale, effective_window, packed_visible_mask, visible_mask
 
@@ -212,6 +213,7 @@ def _sum_to_shape(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return grad.sum(axis=axes, keepdims=True) if axes else grad
 
 
+@checked_arguments
 def attention_ref(
     q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd", attn_bias: Any = None,
@@ -261,6 +263,7 @@ def attention_ref(
     return _from_bshd(out, layout), lse
 
 
+@checked_arguments
 def attention_ref_backward(
     dout: Any, q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, layout: str = "bshd", attn_bias: Any = None,
@@ -323,6 +326,7 @@ def _packed_alibi(alibi_slopes: Any, cu_q: np.ndarray, cu_k: np.ndarray, h: int)
     return bias
 
 
+@checked_arguments
 def attention_ref_varlen(
     q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *, causal: bool = False,
     softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
@@ -364,6 +368,7 @@ def attention_ref_varlen(
     return out, lse
 
 
+@checked_arguments
 def attention_ref_varlen_backward(
     dout: Any, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *, causal: bool = False,
     softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
@@ -419,6 +424,7 @@ def _rotate_ref(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.n
     return out
 
 
+@checked_arguments
 def attention_ref_kvcache(
     q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, rotary_cos: Any = None,
     rotary_sin: Any = None, cache_seqlens: Any = None, cache_batch_idx: Any = None, cache_leftpad: Any = None,

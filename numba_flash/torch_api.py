@@ -18,6 +18,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from numba_flash.arguments import checked_arguments
 from numba_flash import backend_registry
 from numba_flash.errors import AttentionInputError
 from numba_flash.kvcache import validate_kvcache
@@ -174,6 +175,7 @@ def _seed_for_op(seed: int) -> int:
     return seed - _SEEDS if seed >= _SEEDS // 2 else seed
 
 
+@checked_arguments
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -373,6 +375,7 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
         return (dq, dk, dv) + (None,) * 13
 
 
+@checked_arguments
 def flash_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -481,6 +484,7 @@ def _flash_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache
     return torch.empty_like(q), q.new_empty((batch, nheads, seqlen_q), dtype=_lse_dtype(q.dtype))
 
 
+@checked_arguments
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,

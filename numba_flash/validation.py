@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .arguments import refuse_masked
 from .arrays import array_kind, as_float64, device_of, dtype_name, resolve_torch_bits
 from .errors import AttentionInputError
 from .mods import check_mods
@@ -164,23 +165,11 @@ def _check_torch(name: str, x: Any) -> Any:
 
     if x.is_nested:
         raise _bad(name, "a dense (strided) tensor", "a nested tensor")
-    masked_tensor = getattr(getattr(torch, "masked", None), "MaskedTensor", None)
-    if masked_tensor is not None and isinstance(x, masked_tensor):   # torch's failure deep in dispatch otherwise
-        raise _bad(name, "a plain tensor (a MaskedTensor's mask cannot reach the kernels: take its data, and hide "
-                         "keys with attn_bias = -inf or a mask_mod)", "a torch.masked.MaskedTensor")
+    refuse_masked(name, x)   # a MaskedTensor: torch's failure deep in dispatch otherwise
     if x.layout != torch.strided:
         raise _bad(name, "a dense (strided) tensor (call .to_dense() first)",
                    f"a tensor with layout {str(x.layout).replace('torch.', '')}")
     return resolve_torch_bits(x)
-
-
-def _refuse_masked(name: str, x: Any) -> None:
-    """A numpy masked array with masked elements: the kernels read its data and would ignore the mask, silently.
-    One with no masked element is its data."""
-    if isinstance(x, np.ma.MaskedArray) and np.ma.is_masked(x):
-        raise _bad(name, "an array without masked elements (numpy's mask would be ignored: fill the array, and "
-                         "hide keys with attn_bias = -inf or a mask_mod)",
-                   f"a masked array with {int(np.ma.count_masked(x))} masked element(s)")
 
 
 def _check_array(name: str, x: Any, layout: str) -> tuple[Any, str, tuple[int, ...], str, str]:
@@ -188,7 +177,7 @@ def _check_array(name: str, x: Any, layout: str) -> tuple[Any, str, tuple[int, .
     if kind is None:
         raise _bad(name, "an array (numpy, torch, __cuda_array_interface__ or __dlpack__ exporter)",
                    f"an object of type {type(x).__name__}")
-    _refuse_masked(name, x)
+    refuse_masked(name, x)
     if kind == "torch":
         x = _check_torch(name, x)
     shape = tuple(int(s) for s in x.shape)
@@ -327,7 +316,7 @@ def check_alibi(alibi_slopes: Any, kind: str, device: str, batch: int, nheads_q:
     akind = array_kind(alibi_slopes)
     if akind is None:
         raise _bad("alibi_slopes", f"an array {what}", f"an object of type {type(alibi_slopes).__name__}")
-    _refuse_masked("alibi_slopes", alibi_slopes)
+    refuse_masked("alibi_slopes", alibi_slopes)
     if akind != kind or device_of(alibi_slopes) != device:
         raise _bad("alibi_slopes", f"a {kind} array on q's device ({device})",
                    f"a {akind} array on {device_of(alibi_slopes)}")
@@ -366,7 +355,7 @@ def check_bias(attn_bias: Any, q_info: tuple, full: tuple[int, int, int, int], l
     kind = array_kind(attn_bias)
     if kind is None:
         raise _bad("attn_bias", what, f"an object of type {type(attn_bias).__name__}")
-    _refuse_masked("attn_bias", attn_bias)
+    refuse_masked("attn_bias", attn_bias)
     if layout == "thd":
         raise _bad("attn_bias", "None for packed sequences (attn_bias with layout 'thd' is not implemented yet)",
                    f"shape {tuple(attn_bias.shape)}")
@@ -441,7 +430,7 @@ def validate_backward(
     kind = array_kind(lse)
     if kind is None:
         raise _bad("lse", "an array", f"an object of type {type(lse).__name__}")
-    _refuse_masked("lse", lse)
+    refuse_masked("lse", lse)
     if kind != call.kind:
         raise _bad("lse", f"the same array kind as q ({call.kind})", kind)
     if kind == "torch":

@@ -1,0 +1,84 @@
+"""What every public entry point checks of its arguments before anything else: a keyword it does not take (a typo
+such as ``casual=True``) is named with the closest one it does take, and a masked array, whose mask no kernel can
+honour, is refused by the argument's name instead of being read as plain data.
+
+    @checked_arguments
+    def merge_attention_states(out_a, lse_a, out_b, lse_b): ...
+
+Only the arguments themselves are looked at (no nested containers), with a type check each: a few microseconds a
+call, which matters for decode steps.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+from typing import Any, Callable, TypeVar
+
+import numpy as np
+
+from .arrays import is_torch_tensor
+from .errors import AttentionInputError, UnknownKeywordError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _is_masked_tensor(x: Any) -> bool:
+    """torch.masked's MaskedTensor; asked only of torch tensors, so torch is never imported by asking (and written
+    with an isinstance, which torch.compile traces, where walking the type's MRO breaks its graph)."""
+    if not is_torch_tensor(x):
+        return False
+    import torch
+
+    masked_tensor = getattr(getattr(torch, "masked", None), "MaskedTensor", None)
+    return masked_tensor is not None and isinstance(x, masked_tensor)
+
+
+def refuse_masked(name: str, x: Any) -> None:
+    """AttentionInputError naming ``name`` for a numpy masked array with masked elements (the kernels read its data
+    and would ignore the mask, silently) or a torch.masked MaskedTensor. A masked array with nothing masked is its
+    data and passes."""
+    hide = "a key is hidden with attn_bias = -inf or a mask_mod"
+    if isinstance(x, np.ma.MaskedArray) and np.ma.is_masked(x):
+        raise AttentionInputError(
+            f"{name}: expected an array without masked elements (no kernel reads numpy's mask: pass "
+            f"{name}.filled(value); {hide}), got a masked array with {int(np.ma.count_masked(x))} masked element(s)")
+    if _is_masked_tensor(x):
+        raise AttentionInputError(
+            f"{name}: expected a plain tensor (no kernel reads a MaskedTensor's mask: pass its data; {hide}), got a "
+            f"torch.masked.MaskedTensor")
+
+
+def unknown_keyword(function: str, key: str, accepted: list[str]) -> UnknownKeywordError:
+    """The error for keyword ``key`` that ``function`` does not take, with the closest of ``accepted`` (all that
+    are equally close, in the signature's order: ``lse`` is as near ``lse_a`` as ``lse_b``), or the list."""
+    score = {name: difflib.SequenceMatcher(None, key, name).ratio() for name in accepted}
+    best = max(score.values(), default=0.0)
+    if best >= 0.6:
+        hint = "did you mean " + " or ".join(repr(name) for name in accepted if score[name] == best) + "?"
+    else:
+        hint = f"it takes {', '.join(accepted)}"
+    return UnknownKeywordError(f"{key}: not an argument of {function}(); {hint}")
+
+
+def checked_arguments(fn: F) -> F:
+    """Wrap a public function (or method) so that each call first checks its arguments as the module says."""
+    params = list(inspect.signature(fn).parameters.values())
+    takes_any_keyword = any(p.kind is p.VAR_KEYWORD for p in params)
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    keywords = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"]
+    accepted = frozenset(keywords)
+    name = fn.__qualname__
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        for i, x in enumerate(args):
+            refuse_masked(positional[i] if i < len(positional) else f"argument {i + 1}", x)
+        for key, x in kwargs.items():
+            if key not in accepted and not takes_any_keyword:
+                raise unknown_keyword(name, key, keywords)
+            refuse_masked(key, x)
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
