@@ -66,12 +66,36 @@ def _pack_scaled_kernel(src, dst, head_dim, factor):
                 dst[b, h, s0 + r, d] = zero
 
 
+@njit(inline="always", cache=True)
+def _dot_chunk4(a, b, r0, r1, r2, r3, d0, d1, zero):
+    """sum over d in [d0, d1) of a[r, d] * b[r, d] for rows r0..r3, each a chain of fused multiply-adds from 0 in
+    order of d. Four independent chains: one chain alone waits on each multiply-add's latency."""
+    c0 = c1 = c2 = c3 = zero
+    for d in range(d0, d1):
+        c0 = _fma(a[r0, d], b[r0, d], c0)
+        c1 = _fma(a[r1, d], b[r1, d], c1)
+        c2 = _fma(a[r2, d], b[r2, d], c2)
+        c3 = _fma(a[r3, d], b[r3, d], c3)
+    return c0, c1, c2, c3
+
+
+@njit(inline="always", cache=True)
+def _row_dots4(a, b, r0, r1, r2, r3, width, zero):
+    """``_row_dot_kernel``'s sums for rows r0..r3: chunks of ``_DOT_CHUNK`` (``_dot_chunk4``) added in order."""
+    t0, t1, t2, t3 = _dot_chunk4(a, b, r0, r1, r2, r3, 0, min(width, _DOT_CHUNK), zero)
+    for k0 in range(_DOT_CHUNK, width, _DOT_CHUNK):
+        c0, c1, c2, c3 = _dot_chunk4(a, b, r0, r1, r2, r3, k0, min(width, k0 + _DOT_CHUNK), zero)
+        t0, t1, t2, t3 = t0 + c0, t1 + c1, t2 + c2, t3 + c3
+    return t0, t1, t2, t3
+
+
 @njit(parallel=True, cache=True)
 def _row_dot_kernel(a, b, res, seqs):
     """res[b, h, p] = a[b, s, h, :] . b[b, s, h, :] at each row's statistics row p (``schedule``; 0 in the padding
     up to whole query tiles), summed as ``_mm_dot`` sums (chains of fused multiply-adds from 0, in order of d, in
     chunks of ``_DOT_CHUNK`` added in order): delta = dO . O then cancels dP = dO . v exactly where a row sees one
-    key (O = v), so dS = P (dP - delta) is exactly 0 there, as torch's is.
+    key (O = v), so dS = P (dP - delta) is exactly 0 there, as torch's is. Rows go four at a time (``_row_dots4``),
+    twice as fast as one at a time, with the same bits; the last 1-3 rows of a sequence repeat its last row.
     a, b (B, S, H, D) any strides; res (B, H, statistics rows); seqs: ``schedule.Sequences.table``."""
     nheads, width = a.shape[2], a.shape[3]
     zero = _as_dtype_of(res, 0.0)
@@ -79,14 +103,23 @@ def _row_dot_kernel(a, b, res, seqs):
         seq = seqs[u // nheads]
         bi, q0, p0, seqlen = seq[BATCH], seq[Q0], seq[P0], seq[SQ]
         h = u % nheads
-        for s in range(seqlen):
-            total = zero
-            for k0 in range(0, width, _DOT_CHUNK):
-                acc = zero
-                for d in range(k0, min(width, k0 + _DOT_CHUNK)):
-                    acc = _fma(a[bi, q0 + s, h, d], b[bi, q0 + s, h, d], acc)
-                total = acc if k0 == 0 else total + acc
-            res[bi, h, p0 + s] = total
+        a_h, b_h = a[bi, q0:q0 + seqlen, h], b[bi, q0:q0 + seqlen, h]
+        whole = seqlen // 4 * 4
+        for s in range(0, whole, 4):   # rows s..s+3 as constants apart: the loop LLVM schedules best
+            t0, t1, t2, t3 = _row_dots4(a_h, b_h, s, s + 1, s + 2, s + 3, width, zero)
+            res[bi, h, p0 + s] = t0
+            res[bi, h, p0 + s + 1] = t1
+            res[bi, h, p0 + s + 2] = t2
+            res[bi, h, p0 + s + 3] = t3
+        if whole < seqlen:
+            last = seqlen - 1
+            t0, t1, t2, _ = _row_dots4(a_h, b_h, whole, min(whole + 1, last), min(whole + 2, last), last, width,
+                                       zero)
+            res[bi, h, p0 + whole] = t0
+            if whole + 1 < seqlen:
+                res[bi, h, p0 + whole + 1] = t1
+            if whole + 2 < seqlen:
+                res[bi, h, p0 + whole + 2] = t2
         for s in range(seqlen, (seqlen + BLOCK_M - 1) // BLOCK_M * BLOCK_M):
             res[bi, h, p0 + s] = zero
 

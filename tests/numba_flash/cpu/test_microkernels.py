@@ -1,6 +1,7 @@
 """The CPU kernels' register-blocked products (numba_flash.cpu.microkernels), on their own: the fused updates (the
 forward's O = O * alpha + P^T V, the backward's gradient sums) against numpy in float64 on random tiles of odd
-reduction lengths, and against the two steps they replace, bit for bit in float32."""
+reduction lengths, and against the two steps they replace, bit for bit in float32; and the backward's row sums
+delta against the score product they must cancel."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import numpy as np
 import pytest
 from numba import njit
 
-from numba_flash.cpu.microkernels import _mm, _mm_add, _mm_at, _mm_at_add, _mm_at_rescale
+from numba_flash.cpu.microkernels import _mm, _mm_add, _mm_at, _mm_at_add, _mm_at_rescale, _mm_dot
+from numba_flash.cpu.schedule import call_sequences
 from numba_flash.cpu.simd import _FASTMATH
+from numba_flash.cpu.workspace import _entry, _row_dot_kernel
 
 
 @njit
@@ -83,3 +86,35 @@ def test_added_product_is_the_gradient_sum(rng, dtype, transposed, rows, cols, k
         two = c0.copy()
         _add_two_steps(two, a, b, kdim, transposed, np.empty_like(c0))
         np.testing.assert_array_equal(c, two)   # one rounding of the summed product, then one addition
+
+
+@njit
+def _dot(c, a, bt, kdim):
+    _mm_dot(c, a, bt, kdim)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("seqlen, head_dim", [(61, 40), (64, 200), (3, 16), (1, 112)])
+def test_row_dots_are_the_score_products_diagonal(rng, dtype, seqlen, head_dim):
+    """delta = rowsum(dO * O) (``_row_dot_kernel``, four rows at a time) must be summed exactly as the product dP =
+    dO V^T is (``_mm_dot``, chunks of the head dim): where a row sees one key, O = v and delta cancels dP to 0, as
+    torch's does. So in float32 (the micro-kernels' products; float64 has plain loops) each row's delta is bit for
+    bit the diagonal of the product of the same rows, for every row of a sequence whose length leaves 1-3 rows after
+    the groups of four."""
+    a = rng.standard_normal((1, seqlen, 2, head_dim)).astype(dtype)
+    b = rng.standard_normal((1, seqlen, 2, head_dim)).astype(dtype)
+    seqs = call_sequences(a, a, None, None)
+    delta = np.full((1, 2, seqs.stat_len), np.nan, dtype)
+    _entry(_row_dot_kernel, np.dtype(dtype))(a, b, delta, seqs.table)
+    rows = -(-seqlen // 16) * 16
+    for h in range(2 if dtype == np.float32 else 0):
+        a_rows = np.zeros((rows, head_dim), dtype)
+        bt = np.zeros((head_dim, rows), dtype)
+        a_rows[:seqlen], bt[:, :seqlen] = a[0, :, h], b[0, :, h].T
+        c = np.empty((rows, rows), dtype)
+        _dot(c, a_rows, bt, head_dim)
+        np.testing.assert_array_equal(delta[0, h, :seqlen], np.diagonal(c)[:seqlen])
+        np.testing.assert_array_equal(delta[0, h, seqlen:], 0)   # the padding rows of the statistics
+    want = np.einsum("bshd,bshd->bhs", a.astype(np.float64), b.astype(np.float64))
+    np.testing.assert_allclose(delta[:, :, :seqlen], want, rtol=1e-4 if dtype == np.float32 else 1e-12,
+                               atol=1e-4 if dtype == np.float32 else 1e-12)
