@@ -194,3 +194,15 @@ def test_importing_the_bench_and_the_command_stays_light():
             "'numba.cuda') if m in sys.modules]; assert not heavy, heavy")
     proc = _python("-c", code, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("word, hint", [("bencj", "did you mean 'bench'?"), ("explian", "did you mean 'explain'?"),
+                                        ("frobnicate", "the commands are bench, warmup, explain")])
+def test_a_misspelt_subcommand_is_named_with_the_closest_one(capsys, word, hint):
+    """A word where the subcommand goes used to reach bench as 'unrecognized arguments'."""
+    from numba_flash.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([word, "--repeats", "1"])
+    assert exit_.value.code == 2
+    assert f"unknown command {word!r}; {hint}" in capsys.readouterr().err
