@@ -198,7 +198,6 @@ def validate_kvcache(
     num_splits = _check_num_splits(num_splits)
     q_info = _check_array("q", q, "bshd")
     q, qkind, (batch, sq, hq, d), qdt, qdev = q_info
-    alibi = check_alibi(alibi_slopes, qkind, qdev, batch, hq)
     paged = block_table is not None
     cache_dims = "(num_blocks, page_size, Hkv, D)" if paged else "(B_cache, capacity, Hkv, D)"
     caches = {}
@@ -265,6 +264,7 @@ def validate_kvcache(
     _first_bad("cache_seqlens", seqlens, seqlens >= 0, "every entry >= 0")
     _first_bad("cache_seqlens", seqlens, seqlens + seqlen_new <= capacity,
                f"room for the {seqlen_new} new keys: cache_seqlens[b] + S_new <= the cache's capacity {capacity}")
+    alibi = check_alibi(alibi_slopes, qkind, qdev, batch, hq, sq, capacity, compute_dtype_name(qdt))
 
     rows = None
     if not paged:

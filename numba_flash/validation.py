@@ -296,7 +296,7 @@ def validate_forward(
     scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
     left, right = (clamp_window_bound(w, sq, sk) for w in effective_window(causal, window_size))
     softcap = effective_softcap(softcap, compute_dtype_name(qdt))
-    alibi = check_alibi(alibi_slopes, qkind, qdev, batch, hq)
+    alibi = check_alibi(alibi_slopes, qkind, qdev, batch, hq, sq, sk, compute_dtype_name(qdt))
     bias = check_bias(attn_bias, infos["q"], (batch, hq, sq, sk), layout)
     mods = check_mods(bias_mod, mask_mod, score_mod, None, block_mask, (batch, hq, sq, sk), layout, False)
     dropout_p, dropout_seed = check_dropout(dropout_p, dropout_seed)
@@ -307,9 +307,14 @@ def validate_forward(
                          mods=mods, dropout_p=dropout_p, dropout_seed=dropout_seed)
 
 
-def check_alibi(alibi_slopes: Any, kind: str, device: str, batch: int, nheads_q: int) -> Any:
+def check_alibi(alibi_slopes: Any, kind: str, device: str, batch: int, nheads_q: int, seqlen_q: int = 1,
+                seqlen_k: int = 1, compute: str = "float32") -> Any:
     """ALiBi slopes as a read-only float64 host array (B, Hq), or None; AttentionInputError naming alibi_slopes.
-    For packed sequences B is the number of sequences."""
+    For packed sequences B is the number of sequences, and seqlen_q / seqlen_k are the longest ones.
+
+    A slope's bias, -|slope| * |i + Sk - Sq - j|, must be finite in the ``compute`` dtype for every pair: the
+    distance reaches max(Sq, Sk) - 1, and past that the kernels' float32 bias overflows to -inf (a key hidden)
+    or +inf (a row poisoned) where the float64 reference has a number."""
     if alibi_slopes is None:
         return None
     what = f"(Hq,) = ({nheads_q},) or (B, Hq) = ({batch}, {nheads_q}) slopes"
@@ -329,6 +334,14 @@ def check_alibi(alibi_slopes: Any, kind: str, device: str, batch: int, nheads_q:
     slopes = np.array(np.broadcast_to(as_float64(alibi_slopes), (batch, nheads_q)))
     if not np.isfinite(slopes).all():
         raise _bad("alibi_slopes", "finite values", "a NaN or an infinity")
+    reach = max(seqlen_q, seqlen_k) - 1
+    limit = float(np.finfo(compute).max) / max(reach, 1)
+    too_large = np.flatnonzero(np.abs(slopes).ravel() > limit)
+    if too_large.size:
+        b, h = divmod(int(too_large[0]), nheads_q)
+        raise _bad("alibi_slopes", f"|slope| <= {limit:.3g}, so that the bias slope * distance (distances up to "
+                                   f"{reach} here) stays finite in {compute}",
+                   f"{float(slopes[b, h]):.4g} (batch {b}, head {h})")
     slopes.flags.writeable = False
     return slopes
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -142,3 +144,29 @@ def test_flash_attn_varlen_func_with_alibi_and_autograd(backend):
     for got, ref in zip((tq.grad, tk.grad, tv.grad),
                         numba_flash.attention_ref_varlen_backward(dout, q, k, v, cu, cu, **kw)):
         assert np.linalg.norm(got.numpy() - ref) <= 1e-5 * np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize("dtype, compute", [(np.float32, "float32"), (np.float64, "float64")])
+def test_slopes_whose_bias_overflows_are_refused_and_the_largest_allowed_matches_the_reference(rng, dtype, compute):
+    """-slope * distance must be finite in the compute dtype: past that the kernels' bias became -inf (a key
+    hidden) or +inf (a NaN row) where the float64 reference has a number. Distances reach max(Sq, Sk) - 1 = 28."""
+    q, k, v, _ = (x.astype(dtype) for x in _inputs(rng))
+    limit = float(np.finfo(compute).max) / 28
+    op = backend_registry.get("flash")
+    for bad in (1.01 * limit, -1.01 * limit):
+        slopes = np.array([0.5, bad, 0.25, 0.125])
+        with pytest.raises(AttentionInputError, match=rf"^alibi_slopes: expected \|slope\| <= {re.escape(f'{limit:.3g}')}, .*"
+                                                      rf"distances up to 28 here.* in {compute}, got .*head 1\)$"):
+            op.forward(q, k, v, alibi_slopes=slopes)
+        cache = np.concatenate([k, k], axis=1)   # a KV cache of capacity 58: distances up to 57
+        with pytest.raises(AttentionInputError, match=r"^alibi_slopes: expected \|slope\| <= .*up to 57"):
+            op.with_kvcache(q[:, :1], cache, cache, cache_seqlens=29, alibi_slopes=slopes * 0.6)
+    # just inside the limit the biases are enormous but finite: each query sees its nearest keys only, on every
+    # backend as in the reference (hugely negative slopes: its farthest)
+    for big in (0.99 * limit, -0.99 * limit):
+        slopes = np.array([0.5, big, 0.25, 0.125])
+        want, _ = attention_ref(q, k, v, alibi_slopes=slopes)
+        for backend in BACKENDS:
+            got = backend_registry.get("flash", backend=backend).forward(q, k, v, alibi_slopes=slopes)
+            assert np.isfinite(got).all(), backend
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=backend)
