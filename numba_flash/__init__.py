@@ -18,14 +18,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import mods as _mods
+from .arguments import checked_arguments
 from .errors import AttentionInputError, NoBackendError
 from .merge import merge_attention_states
-from .mods import BlockMask, block_mask
+from .mods import BlockMask
 from .reference import (attention_ref, attention_ref_backward, attention_ref_kvcache, attention_ref_varlen,
                         attention_ref_varlen_backward)
 from .validation import AttentionCall, validate_backward, validate_forward
 
 __version__ = "0.1.0"
+
+# Wrapped here, not where they are defined: the CUDA kernels compile code from mods.py and dropout.py, whose every
+# edit invalidates the recorded compile table (numba_flash/cuda/compile_table.py).
+block_mask = checked_arguments(_mods.block_mask)
+_dropout_mask = None
 
 __all__ = [
     "AttentionInputError",
@@ -62,9 +69,12 @@ def __getattr__(name: str) -> Any:
 
         return distributed.ring_attention
     if name == "dropout_mask":   # numba_flash.dropout compiles nothing until called, but defines numba functions
-        from .dropout import dropout_mask
+        global _dropout_mask
+        if _dropout_mask is None:
+            from .dropout import dropout_mask
 
-        return dropout_mask
+            _dropout_mask = checked_arguments(dropout_mask)
+        return _dropout_mask
     if name == "backend_registry":
         import importlib  # not `from . import`: that would look the attribute up here again, endlessly
 

@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from .arguments import checked_arguments
 from .validation import _bad, check_dropout
 
 # Random123's constants (philox.h): the multipliers and the Weyl key increments (golden ratio and sqrt(3) - 1).
@@ -125,7 +124,6 @@ def dropout_words(seed: int, batch: int, nheads: int, seqlen_q: int, seqlen_k: i
     return np.choose(lane, [np.broadcast_to(w, lane.shape) for w in words])
 
 
-@checked_arguments
 def dropout_mask(seed: int, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float) -> np.ndarray:
     """The keep mask every backend applies: bool (batch, nheads, seqlen_q, seqlen_k), True where the probability
     of query row i for key j in (batch b, query head h) is kept (and scaled by 1 / (1 - dropout_p)), False where it

@@ -31,7 +31,6 @@ from typing import Any, Callable
 import numpy as np
 from numba import njit, types
 
-from .arguments import checked_arguments
 from .errors import AttentionInputError
 
 EMPTY, PARTIAL, FULL = 0, 1, 2  # tile states in a BlockMask
@@ -223,7 +222,6 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
-@checked_arguments
 def block_mask(mask_mod: Callable, B: int, H: int, Sq: int, Sk: int, block_m: int = 64,
                block_n: int = 64) -> BlockMask:
     """Evaluate ``mask_mod(b, h, q_idx, kv_idx)`` once over the whole (B, H, Sq, Sk) grid and record, per tile,
