@@ -13,7 +13,6 @@ other codes see its ``--help``.
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 from typing import Any, Sequence
 
@@ -142,8 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:
         # a word where a subcommand goes is a misspelt one ('bench' takes no positional argument)
-        close = difflib.get_close_matches(argv[0], SUBCOMMANDS, n=1, cutoff=0.5)
-        hint = f"did you mean {close[0]!r}?" if close else f"the commands are {', '.join(SUBCOMMANDS)}"
+        from numba_flash.arguments import closest
+
+        near = closest(argv[0], SUBCOMMANDS)
+        hint = f"did you mean {' or '.join(map(repr, near))}?" if near else f"the commands are {', '.join(SUBCOMMANDS)}"
         parser.error(f"unknown command {argv[0]!r}; {hint}")
     if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in TOP_LEVEL_FLAGS):
         argv = ["bench"] + argv

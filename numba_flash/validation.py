@@ -160,12 +160,12 @@ def _check_torch(name: str, x: Any) -> Any:
 
     Sparse (and other non-strided) tensors are refused rather than densified: every kernel reads strided memory,
     attention is dense in q, k and v anyway, and a silent ``to_dense()`` of a large sparse tensor could allocate
-    without bound; the caller chooses to pay for it."""
+    without bound; the caller chooses to pay for it. A MaskedTensor is refused before this, by ``refuse_masked``,
+    which every caller runs first."""
     import torch
 
     if x.is_nested:
         raise _bad(name, "a dense (strided) tensor", "a nested tensor")
-    refuse_masked(name, x)   # a MaskedTensor: torch's failure deep in dispatch otherwise
     if x.layout != torch.strided:
         raise _bad(name, "a dense (strided) tensor (call .to_dense() first)",
                    f"a tensor with layout {str(x.layout).replace('torch.', '')}")
