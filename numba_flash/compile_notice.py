@@ -61,7 +61,7 @@ def _is_quiet() -> bool:
 
 def announce(text: str) -> None:
     """Log ``text`` at INFO and print it on stderr unless quiet: for compilations numba cannot cache, e.g. the
-    kernels built around a user's mods (``numba_flash.cpu.modhooks``), which the cold-cache note does not cover."""
+    hooks built around a user's mods (``numba_flash.cpu.modhooks``), which the cold-cache note does not cover."""
     logger.info("%s", text)
     if not _is_quiet():
         print(text, file=sys.stderr, flush=True)
@@ -83,7 +83,7 @@ def _install_listener() -> None:
             if name is None:
                 return
             self._started[id(ev.data)] = time.perf_counter()
-            if name.endswith("[mods]"):   # announced by its caller; never in numba's disk cache
+            if name.endswith("[mods]"):   # a mod's hooks: announced by modhooks; never in numba's disk cache
                 return
             with _lock:
                 first = not _state["announced"]

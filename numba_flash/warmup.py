@@ -3,11 +3,12 @@
 With a cold cache the first attention call of a process waits 15-35 s while numba compiles; run this once after
 installing (``make bench`` and ``make test`` do) and later processes load the kernels in a fraction of a second.
 
-Every specialisation is reached through the public path, one small forward and backward per compute dtype
+Every specialisation is reached through the public path, small forwards and backwards per compute dtype
 (float32, which float16 and bfloat16 inputs are widened to, and float64), with sizes that take every kernel:
 a head dim that is not a multiple of 16 (the packing kernel), grouped-query heads and one kv head per batch (the
-separate dQ kernel). Each result is checked against the float64 reference, so a stale or broken cache shows up
-here rather than in a user's first call.
+separate dQ kernel) and enough batch entries for the other (the fused dQ pass), without mods and with them (the
+kernels' variant that runs any mods). Each result is checked against the float64 reference, so a stale or broken
+cache shows up here rather than in a user's first call.
 """
 
 from __future__ import annotations
@@ -16,11 +17,31 @@ import dataclasses
 import time
 from typing import Callable, Sequence
 
+import numba
 import numpy as np
 
 DTYPES = ("float32", "float64")
 # Max abs error vs the float64 reference on these small N(0, 1) inputs; the float32 bound is the test suite's.
 TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
+
+
+
+
+def _band(b: int, h: int, q_idx: int, kv_idx: int) -> bool:
+    return abs(q_idx - kv_idx) < 50
+
+
+def _halved(score: float, b: int, h: int, q_idx: int, kv_idx: int) -> float:
+    return 0.5 * score
+
+
+def _halved_grad(score: float, b: int, h: int, q_idx: int, kv_idx: int) -> float:
+    return 0.5
+
+
+# The kernels with mods are one compilation per dtype for any mods (``numba_flash.cpu.modhooks``): these make it.
+MODS = {"mask_mod": _band, "score_mod": _halved}
+MODS_GRAD = {"score_mod_grad": _halved_grad}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,19 +104,25 @@ def warmup(dtypes: Sequence[str] = DTYPES, *, report: Callable[[str], None] | No
     for dtype in dtypes:
         if report is not None:
             report(f"{dtype}: compiling or loading the CPU kernels ...")
-        q = rng.standard_normal((1, 70, 2, 40)).astype(dtype)
-        k, v = (rng.standard_normal((1, 75, 1, 40)).astype(dtype) for _ in range(2))
-        dout = rng.standard_normal(q.shape).astype(dtype)
+        # batch 1 with one kv head: dQ in a pass of its own; a batch of two units per thread: dQ summed in the
+        # key-tile pass and stored by a kernel of its own (``schedule.fuse_dq``)
+        fused = 2 * numba.get_num_threads()
+        cases = (({"causal": True}, {}, 1), (MODS, MODS_GRAD, 1), ({"causal": True}, {}, fused))
         before = len(compile_notice.compiled())
         t0 = time.perf_counter()
-        out, lse = op.forward(q, k, v, causal=True, return_lse=True)
-        grads = op.backward(dout, q, k, v, out, lse, causal=True)
+        err = 0.0
+        for kw, grad, batch in cases:   # the plain kernels, their variant for mods (one for any mods), fused dQ
+            q = rng.standard_normal((batch, 70, 2, 40)).astype(dtype)
+            k, v = (rng.standard_normal((batch, 75, 1, 40)).astype(dtype) for _ in range(2))
+            dout = rng.standard_normal(q.shape).astype(dtype)
+            out, lse = op.forward(q, k, v, return_lse=True, **kw)
+            grads = op.backward(dout, q, k, v, out, lse, **kw, **grad)
+            ref_out = attention_ref(q, k, v, **kw)[0]
+            ref_grads = attention_ref_backward(dout, q, k, v, **kw, **grad)
+            err = max([err, float(np.max(np.abs(out - ref_out)))] +
+                      [float(np.max(np.abs(g - r))) for g, r in zip(grads, ref_grads)])
         seconds = time.perf_counter() - t0
         compiled = tuple(name for name, _ in compile_notice.compiled()[before:])
-        ref_out = attention_ref(q, k, v, causal=True)[0]
-        ref_grads = attention_ref_backward(dout, q, k, v, causal=True)
-        err = max([float(np.max(np.abs(out - ref_out)))] +
-                  [float(np.max(np.abs(g - r))) for g, r in zip(grads, ref_grads)])
         step = WarmupStep(dtype, seconds, compiled, err)
         steps.append(step)
         if report is not None:

@@ -33,8 +33,8 @@ def document_mods(docs: np.ndarray, sq: int, sk: int, blind_rows: int):
 
 
 # The set every CPU test of mods runs (tests/numba_flash/test_mods_backends.py at Sq = 29, Sk = 45,
-# tests/numba_flash/cpu/test_mods_kernels.py at Sq = 203, Sk = 219): the cpu backend compiles its kernels once per
-# set of functions in a process, a minute or more per kernel on 2 cores, so the files share these objects. Both
+# tests/numba_flash/cpu/test_mods_kernels.py at Sq = 203, Sk = 219): the cpu backend compiles the hooks around
+# them once per set of functions in a process (seconds each), so the files share these objects. Both
 # shapes put query i at key position i + 16; the first 45 keys are five short documents, the rest three long ones
 # that leave some of the kernels' 64 x 64 tiles empty and some full at the larger shape.
 CPU_SHIFT = 16

@@ -26,8 +26,8 @@ from . import schedule
 from .schedule import (BATCH, K0, P0, Q0, SK, SQ, Sequences, _max_tiles, call_sequences, next_unit,
                         query_tile_units, work_counter)
 from .forward import _forward_kernel
-from .modhooks import (_MODS, _mod_scores, _mod_zero_hidden, _tile_state, kernel_with_mods, states_for_call,
-                       mod_errors)
+from .modhooks import (_mod_scores, _mod_zero_hidden, _mods_on, _tile_state, kernel_with_mods, mod_errors,
+                       states_for_call)
 from ..mods import EMPTY
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -43,7 +43,7 @@ from ..mods import EMPTY
 @njit(fastmath=_FASTMATH, cache=True)
 def _backward_kv_worker(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, dv, head_dim, scale, left, right,
                         softcap, kt_per_unit, fuse_dq, alibi, bias, drop, tile_states, want_dbias, dbias, seqs,
-                        units, counter):
+                        units, counter, hooks):
     """One thread's share of ``_backward_kv_kernel`` (arguments and units as there): claims units until none is left.
     A function of its own for numba's compile time (``forward._forward_worker`` says why)."""
     batch, nheads_q, nheads_kv = seqs.shape[0], q.shape[2], k.shape[2]   # batch: the sequences
@@ -61,7 +61,8 @@ def _backward_kv_worker(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
     in_b, in_h = (batch if sum_b else 1), (nheads_kv if sum_h else 1)
     in_run = in_b * in_h
     n_units = units.shape[0] if units.shape[0] > 0 else runs_b * runs_h * n_chunks * n_parts
-    per_pair = softcap > 0 or _MODS   # d score / d q.k varies per pair (else it is the scale)
+    mods_on = _mods_on(hooks)   # a constant: hooks is None, or the mods' hooks
+    per_pair = softcap > 0 or mods_on   # d score / d q.k varies per pair (else it is the scale)
     # a thread's scratch, reused by its units
     row_lo = np.empty(BLOCK_M, np.int64)
     row_hi = np.empty(BLOCK_M, np.int64)
@@ -73,8 +74,8 @@ def _backward_kv_worker(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
     dps = np.empty((BLOCK_M, BLOCK_N), q.dtype)
     dcap = np.empty((BLOCK_M, BLOCK_N) if per_pair else (1, 1), q.dtype)
     # with dbias and mods, score_mod_grad's factor apart from dcap: the bias enters before score_mod, after the rest
-    mod_grad = np.empty((BLOCK_M, BLOCK_N) if want_dbias and _MODS else (1, 1), q.dtype)
-    vis = np.empty((BLOCK_M, BLOCK_N) if _MODS else (0, 0), np.bool_)
+    mod_grad = np.empty((BLOCK_M, BLOCK_N) if want_dbias and mods_on else (1, 1), q.dtype)
+    vis = np.empty((BLOCK_M, BLOCK_N) if mods_on else (0, 0), np.bool_)
     factors = np.empty((BLOCK_M, BLOCK_N) if drop.shape[0] > 0 else (1, 1), q.dtype)
     dk_acc = np.empty((BLOCK_N, dp), q.dtype)
     dv_acc = np.empty((BLOCK_N, dpv), q.dtype)
@@ -114,7 +115,7 @@ def _backward_kv_worker(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
                     for qt in range(qt_first, qt_end):
                         i0 = qt * BLOCK_M
                         nq = min(BLOCK_M, seqlen_q - i0)
-                        state = _tile_state(tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, False)
+                        state = _tile_state(hooks, tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, False)
                         if state == EMPTY:
                             continue
                         _, _, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi)
@@ -134,17 +135,18 @@ def _backward_kv_worker(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
                             _scale_block(dps, factors)
                         _block_scores(s, dcap, i0, j0, nk, False, scale, softcap, per_pair, slope,
                                       seqlen_k - seqlen_q, bias_bh, s, row_lo, row_hi)
-                        if want_dbias and _MODS:
+                        if want_dbias and mods_on:
                             mod_grad[:] = 1
-                        _mod_scores(s, vis, mod_grad if want_dbias else dcap, state, b, h, i0, j0, nq, nk, False)
+                        _mod_scores(hooks, s, vis, mod_grad if want_dbias else dcap, state, b, h, i0, j0, nq, nk,
+                                    False)
                         # dbias first, before the chain factor (see _backward_dq_kernel)
                         _probs_and_dscores_rows(s, dps, dcap, row_max[bi, h, p0:], row_inv[bi, h, p0:],
                                                 delta[bi, h, p0:], i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
                                                 1.0 if want_dbias else scale, per_pair and not want_dbias,
                                                 bias_bh)
-                        _mod_zero_hidden(s, dps, vis, nq, nk, False)
+                        _mod_zero_hidden(hooks, s, dps, vis, nq, nk, False)
                         if want_dbias:
-                            if _MODS:
+                            if mods_on:
                                 _chain_factor(dps, mod_grad, 1.0, True)
                             _add_dbias(dbias_bh, dps, i0, j0, nq, nk, False)
                             _chain_factor(dps, dcap, scale, per_pair)
@@ -153,7 +155,7 @@ def _backward_kv_worker(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
                         # P and dS are 0 where a query does not see a key; a non-finite row of Q, dO or K must
                         # not reach those pairs through 0 * nan (see _visible_product). Only masked blocks have
                         # such pairs.
-                        masked = _MODS or bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
+                        masked = mods_on or bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
                         _tile_product_add(dv_acc, v_tile, s, do_rows, nq, True, False, masked, j0, row_lo, row_hi,
                                           bias_bh, i0, vis)
                         _tile_product_add(dk_acc, kv_tile, dps, q_rows, nq, True, False, masked, j0, row_lo, row_hi,
@@ -168,7 +170,7 @@ def _backward_kv_worker(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, dv, head_dim, scale, left, right,
                         softcap, kt_per_unit, fuse_dq, alibi, bias, drop, tile_states, want_dbias, dbias, seqs,
-                        units, counter):
+                        units, counter, hooks):
     """dK and dV (and, with ``fuse_dq``, dQ into ``dq_acc``; with ``want_dbias`` dbias into ``dbias``, as
     ``_backward_dq_kernel`` describes it, which needs ``kt_per_unit`` covering every key tile).
 
@@ -179,9 +181,8 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
     the padding and for rows that see no key) and rowsum(dO * O);
     dq_acc: (B, Hq, statistics rows, D_pad), zeroed, accumulated into when ``fuse_dq``; dk: (B, Sk, Hkv, D) and dv:
     (B, Sk, Hkv, Dv), any strides, written. alibi: (B, Hq) float64 slopes, or (0, 0) for none; bias: attn_bias
-    broadcast to (B, Hq, Sq, Sk), or (0, 0, 0, 0) for none. tile_states: the user's mods' (``modhooks``). drop: dropout
-    (``_dropout_block``;
-    empty for none): out = (P * F) V with F the dropout factors, so dV takes P * F and dS = P (F dP - delta).
+    broadcast to (B, Hq, Sq, Sk), or (0, 0, 0, 0) for none. tile_states, hooks: the user's mods' (``modhooks``).
+    drop: dropout (``_dropout_block``; empty for none): out = (P * F) V with F the dropout factors, so dV takes P * F and dS = P (F dP - delta).
     seqs, units, counter: the sequences and the order of the units, as in ``_forward_kernel``; here ``b`` is the
     sequence and ``bi`` its batch entry, and the statistics rows above are the sequence's (``schedule``).
     A unit is a (sequence, kv head, run of ``kt_per_unit`` key tiles): it sums dK/dV for its key tiles over every
@@ -193,12 +194,12 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
     for _ in prange(counter[1]):
         _backward_kv_worker(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, dv, head_dim, scale, left, right,
                             softcap, kt_per_unit, fuse_dq, alibi, bias, drop, tile_states, want_dbias, dbias, seqs,
-                            units, counter)
+                            units, counter, hooks)
 
 
 @njit(fastmath=_FASTMATH, cache=True)
 def _backward_dq_worker(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, head_dim_v, scale, left, right,
-                        softcap, alibi, bias, drop, tile_states, want_dbias, dbias, seqs, units, counter):
+                        softcap, alibi, bias, drop, tile_states, want_dbias, dbias, seqs, units, counter, hooks):
     """One thread's share of ``_backward_dq_kernel`` (arguments and units as there): claims units until none is left.
     A function of its own for numba's compile time (``forward._forward_worker`` says why)."""
     batch, nheads_q, nheads_kv = seqs.shape[0], qs.shape[2], k.shape[2]   # batch: the sequences
@@ -215,7 +216,8 @@ def _backward_dq_worker(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, h
     in_b, in_h, in_q = (batch if sum_b else 1), (nheads_q if sum_h else 1), (n_qt if sum_q else 1)
     in_run = in_b * in_h * in_q
     n_units = units.shape[0] if units.shape[0] > 0 else runs_b * runs_h * runs_q * n_parts
-    per_pair = softcap > 0 or _MODS
+    mods_on = _mods_on(hooks)   # a constant: hooks is None, or the mods' hooks
+    per_pair = softcap > 0 or mods_on
     # a thread's scratch, reused by its units
     bias_tile = np.empty((BLOCK_N, BLOCK_M) if bias.shape[0] > 0 else (0, 0), qs.dtype)
     row_lo = np.empty(BLOCK_M, np.int64)
@@ -227,8 +229,8 @@ def _backward_dq_worker(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, h
     st = np.empty((BLOCK_N, BLOCK_M), qs.dtype)
     dpt = np.empty((BLOCK_N, BLOCK_M), qs.dtype)
     dcap = np.empty((BLOCK_N, BLOCK_M) if per_pair else (1, 1), qs.dtype)
-    mod_grad = np.empty((BLOCK_N, BLOCK_M) if want_dbias and _MODS else (1, 1), qs.dtype)   # as in the dK/dV pass
-    vis = np.empty((BLOCK_N, BLOCK_M) if _MODS else (0, 0), np.bool_)
+    mod_grad = np.empty((BLOCK_N, BLOCK_M) if want_dbias and mods_on else (1, 1), qs.dtype)   # as in the dK/dV pass
+    vis = np.empty((BLOCK_N, BLOCK_M) if mods_on else (0, 0), np.bool_)
     acc = np.empty((BLOCK_M, dp), qs.dtype)
     tile = np.empty((BLOCK_M, dp), qs.dtype)
     while True:
@@ -260,7 +262,7 @@ def _backward_dq_worker(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, h
             for kt in range(kt_first, kt_end):
                 j0 = kt * BLOCK_N
                 nk = min(BLOCK_N, seqlen_k - j0)
-                state = _tile_state(tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, True)
+                state = _tile_state(hooks, tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, True)
                 if state == EMPTY:
                     continue
                 if nk == BLOCK_N:
@@ -276,32 +278,32 @@ def _backward_dq_worker(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, h
                 _dropout_block(dpt, drop, b, h, i0, j0, nk, True)   # dS needs F dP; dQ = dS K needs no P
                 _block_scores(st, dcap, i0, j0, nk, True, scale, softcap, per_pair, slope, seqlen_k - seqlen_q,
                               bias_bh, bias_tile, row_lo, row_hi)
-                if want_dbias and _MODS:
+                if want_dbias and mods_on:
                     mod_grad[:] = 1
-                _mod_scores(st, vis, mod_grad if want_dbias else dcap, state, b, h, i0, j0, nq, nk, True)
+                _mod_scores(hooks, st, vis, mod_grad if want_dbias else dcap, state, b, h, i0, j0, nq, nk, True)
                 # With dbias, dS is first formed without the chain factor (scale, softcap's): the bias enters the
                 # score after both, so dbias is P (dP - delta) itself, times score_mod_grad's factor (the bias
                 # enters before score_mod), kept apart in mod_grad.
                 _probs_and_dscores_cols(st, dpt, dcap, row_max[bi, h, p0:], row_inv[bi, h, p0:],
                                         delta[bi, h, p0:], i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
                                         1.0 if want_dbias else scale, per_pair and not want_dbias, bias_bh)
-                _mod_zero_hidden(st, dpt, vis, nq, nk, True)
+                _mod_zero_hidden(hooks, st, dpt, vis, nq, nk, True)
                 if want_dbias:
-                    if _MODS:
+                    if mods_on:
                         _chain_factor(dpt, mod_grad, 1.0, True)
                     _add_dbias(dbias_bh, dpt, i0, j0, nq, nk, True)
                     _chain_factor(dpt, dcap, scale, per_pair)
-                masked = _MODS or bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
+                masked = mods_on or bias_bh.shape[0] > 0 or not (full_lo <= j0 and j0 + nk <= full_hi)
                 _tile_product_add(acc, tile, dpt, kr, nk, True, True, masked, j0, row_lo, row_hi, bias_bh, i0, vis)
             _store_rows(dq[bi, q0 + i0:q0 + i0 + nq, h], acc, nq, head_dim)
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, head_dim_v, scale, left, right,
-                        softcap, alibi, bias, drop, tile_states, want_dbias, dbias, seqs, units, counter):
+                        softcap, alibi, bias, drop, tile_states, want_dbias, dbias, seqs, units, counter, hooks):
     """dQ, and dbias when ``dbias`` has parts. A unit is a (sequence, query head, query tile); it recomputes P and
     dS for the key tiles its rows see and is the only writer of its dq rows. qs, k, v, dout, row_max, row_inv,
-    delta as in ``_backward_kv_kernel``, and alibi, bias, drop, tile_states, seqs, units, counter; head_dim,
+    delta as in ``_backward_kv_kernel``, and alibi, bias, drop, tile_states, hooks, seqs, units, counter; head_dim,
     head_dim_v: D and Dv;
     dq: (B, Sq, Hq, >= D), any strides, written.
     dbias: with ``want_dbias``, (parts, B', H', Sq', Sk') zeros in the bias's own shape (each of B', H', Sq', Sk'
@@ -311,7 +313,7 @@ def _backward_dq_kernel(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, h
     parts (``_dbias_parts``)."""
     for _ in prange(counter[1]):
         _backward_dq_worker(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, head_dim_v, scale, left, right,
-                            softcap, alibi, bias, drop, tile_states, want_dbias, dbias, seqs, units, counter)
+                            softcap, alibi, bias, drop, tile_states, want_dbias, dbias, seqs, units, counter, hooks)
 
 
 def flash_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,

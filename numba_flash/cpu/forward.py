@@ -57,7 +57,7 @@ from .workspace import _bias_view, _dropout_args, _slopes, _check_dtypes, _head_
 from .stash import _stash_stats
 from .schedule import (BATCH, K0, P0, Q0, SK, SQ, _max_tiles, call_sequences, next_unit, query_tile_units,
                         work_counter)
-from .modhooks import _MODS, _mod_scores, _tile_state, kernel_with_mods, mod_errors, states_for_call
+from .modhooks import _mod_scores, _mods_on, _tile_state, kernel_with_mods, mod_errors, states_for_call
 from ..mods import EMPTY
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -66,7 +66,7 @@ from ..mods import EMPTY
 
 @njit(fastmath=_FASTMATH, cache=True)
 def _forward_worker(q, k, v, out, lse, head_dim, scale, left, right, softcap, row_max, row_inv, stats_only, alibi,
-                    bias, drop, tile_states, seqs, units, counter):
+                    bias, drop, tile_states, seqs, units, counter, hooks):
     """One thread's share of ``_forward_kernel`` (arguments and units as there): claims units until none is left.
 
     The kernels' parallel loops call a worker like this one instead of holding its code: numba's parfor passes
@@ -93,7 +93,8 @@ def _forward_worker(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
     row_lo = np.empty(BLOCK_M, np.int64)
     row_hi = np.empty(BLOCK_M, np.int64)
     q_t = np.empty((head_dim, BLOCK_M), q.dtype)  # scaled Q^T
-    vis = np.empty((BLOCK_N, BLOCK_M) if _MODS else (0, 0), np.bool_)
+    mods_on = _mods_on(hooks)   # a constant: hooks is None, or the mods' hooks
+    vis = np.empty((BLOCK_N, BLOCK_M) if mods_on else (0, 0), np.bool_)
     no_grad = np.empty((0, 0), q.dtype)
     k_tail = np.empty((BLOCK_N, head_dim), q.dtype)  # a last, partial key tile, zero-padded
     st = np.empty((BLOCK_N, BLOCK_M), q.dtype)
@@ -140,7 +141,7 @@ def _forward_worker(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
         for kt in range(kt_first, kt_end):
             j0 = kt * BLOCK_N
             nk = min(BLOCK_N, seqlen_k - j0)
-            state = _tile_state(tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, True)
+            state = _tile_state(hooks, tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, True)
             if state == EMPTY:
                 continue
             if nk == BLOCK_N:
@@ -152,13 +153,13 @@ def _forward_worker(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
             # Every block that no mask touches is all visible: there any non-finite score poisons its query. A bias
             # may hide any pair (-inf), so with one every block is masked.
             band_masked = not (full_lo <= j0 and j0 + nk <= full_hi)
-            masked = _MODS or bias_bh.shape[0] > 0 or band_masked
+            masked = mods_on or bias_bh.shape[0] > 0 or band_masked
             bias_hides = False
             if bias_bh.shape[0] > 0:
                 bias_hides = _bias_scores(st, bias_bh, i0, j0, nk, True, row_lo, row_hi, True, bias_tile)
             elif masked:
                 _mask_scores(st, j0, nk, row_lo, row_hi)
-            _mod_scores(st, vis, no_grad, state, b, h, i0, j0, nq, nk, True)
+            _mod_scores(hooks, st, vis, no_grad, state, b, h, i0, j0, nq, nk, True)
             for r in range(BLOCK_M):
                 m_use[r] = m_run[r]
             _column_max(st, nk, m_use, not masked)
@@ -180,7 +181,7 @@ def _forward_worker(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
                 v_rows = v_seq[j0:j0 + nk, hk]
                 # a non-finite v row must reach only the queries that see it: where nothing hides a pair of the
                 # block, that is every query, and the plain product does it
-                if (_MODS or band_masked or bias_hides) and not _rows_finite(v_rows, nk):
+                if (mods_on or band_masked or bias_hides) and not _rows_finite(v_rows, nk):
                     pv[:] = zero
                     _visible_product(pv, st, v_rows, nk, True, True, j0, row_lo, row_hi, bias_bh, i0, vis)
                     for r in range(BLOCK_M):
@@ -222,7 +223,7 @@ def _forward_worker(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, row_max, row_inv, stats_only, alibi,
-                    bias, drop, tile_states, seqs, units, counter):
+                    bias, drop, tile_states, seqs, units, counter, hooks):
     """Online-softmax forward. A unit is a (sequence, query head, query tile); each writes only its own rows of
     out and lse. The prange runs one iteration per thread, each claiming units until none is left (``schedule``).
 
@@ -243,12 +244,11 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
     bias: attn_bias broadcast to (B, Hq, Sq, Sk), read in place (``_bias_scores``), or a (0, 0, 0, 0) array.
     drop: dropout (``_dropout_block``), keyed by sequence, applied to P after its row sums (lse is the softmax's
     before dropout), or an empty array for none; the stats-only pass ignores it.
-    tile_states: the user's mods' tiles (``modhooks``), which also runs the mods where it swaps in its hooks; this
-    cached kernel ignores both.
+    tile_states, hooks: the user's mods' tiles and their compiled hooks, or None for no mods (``modhooks``).
     """
     for _ in prange(counter[1]):
         _forward_worker(q, k, v, out, lse, head_dim, scale, left, right, softcap, row_max, row_inv, stats_only, alibi,
-                        bias, drop, tile_states, seqs, units, counter)
+                        bias, drop, tile_states, seqs, units, counter, hooks)
 
 
 def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: np.ndarray, scale: float,
@@ -271,9 +271,9 @@ def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
             the mask of batch ``dropout_batch0 + b``; lse stays the softmax's own.
         attn_bias: None, or an array broadcastable to (B, Hq, Sq, Sk) of the compute dtype, added after softcap and
             ALiBi; -inf hides a pair (a row whose every pair is hidden gets 0 and lse +inf). Read in place.
-        mods: None, or the call's ``numba_flash.mods.Mods`` (bias_mod, mask_mod, score_mod, block_mask), compiled
-            into a kernel of their own (``modhooks``; minutes the first time per mod in a process). Tiles the
-            mask_mod hides entirely are skipped.
+        mods: None, or the call's ``numba_flash.mods.Mods`` (bias_mod, mask_mod, score_mod, block_mask), run by
+            the kernel's variant for mods through hooks compiled around them (``modhooks``; seconds the first time
+            per mod in a process). Tiles the mask_mod hides entirely are skipped.
         cu_seqlens_q, cu_seqlens_k: packed sequences (layout "thd"), (B + 1,) prefix sums of validated lengths,
             both or neither. q, out: (total_q, Hq, D / Dv); k, v: (total_k, Hkv, D / Dv); lse: (Hq, total_q);
             alibi (B, Hq) and the dropout's batch count sequences; masks are aligned per sequence (bottom-right

@@ -1,21 +1,26 @@
 """The user's mods (``numba_flash.mods``: bias_mod, mask_mod, score_mod, score_mod_grad) inside the CPU kernels.
 
-The forward and backward kernels call three hooks, and test one flag, that are module globals of theirs:
+The forward and backward kernels take a last argument, ``hooks``, and reach the mods only through four functions
+of this module:
 
-    _tile_state(states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows) -> EMPTY, PARTIAL or FULL
+    _tile_state(hooks, states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows) -> EMPTY, PARTIAL or FULL
         before a tile's products: EMPTY skips the tile (the mask_mod hides all of it), PARTIAL fills ``vis``
-    _mod_scores(block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows)
+    _mod_scores(hooks, block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows)
         after softcap, ALiBi and attn_bias: bias_mod, score_mod (times score_mod_grad into ``grad``), mask_mod
-    _mod_zero_hidden(p, ds, vis, nq, nk, keys_are_rows)
+    _mod_zero_hidden(hooks, p, ds, vis, nq, nk, keys_are_rows)
         the backward's P and dS = 0 where a mod hides the pair
-    _MODS: whether any of this is on (every block then counts as masked)
+    _mods_on(hooks): whether any of this is on (every block then counts as masked)
 
-The versions here do nothing and are what the cached kernels compile with, so a call without mods pays nothing.
-``kernel_with_mods`` compiles the same kernel source again, and the worker its parallel loop calls, with these
-globals replaced by hooks built around the call's compiled mods (``_make_hooks``), which numba inlines: a mod costs
-what its body costs. Those kernels are kept per (kernel, mods, dtype) for the life of the process; numba cannot
-cache them on disk (a user function is part of the code), so the first call with a new mod compiles for about a
-minute per kernel on 2 cores (``_forward_worker`` says where the time goes).
+``hooks`` is None for a call without mods: the four are then constants and no-ops inlined into the kernel, which is
+the plain kernel and pays nothing. With mods it is a tuple of three compiled functions (numba's first-class
+function type, ``workspace._hooks_type``) that ``_make_hooks`` builds around the call's mods, which numba inlines
+into them, so a mod costs what its body costs. The kernels are compiled once per dtype for that tuple type and kept
+in numba's disk cache like the plain ones: a new mod compiles its three hooks (seconds), not three kernels (about a
+minute each on 2 cores), and a call through a hook costs a few ns per 64 x 64 tile.
+
+numba does not pass an exception through a first-class function: a hook catches what a mod raises and returns
+FAILED, the kernel then raises ``ModRaised`` with the tile, and ``mod_errors`` runs the mods over that tile again on
+the host to name the exception.
 
 Blocks are (keys x queries) when ``keys_are_rows`` (the forward and the dQ pass) and (queries x keys) otherwise;
 ``vis`` has the block's layout and says which pairs the mods leave visible; the loops cover the nq real queries
@@ -29,41 +34,93 @@ evaluating the mask.
 from __future__ import annotations
 
 import threading
-import types as pytypes
 from collections import OrderedDict
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from .. import compile_notice
 from ..errors import AttentionInputError
-from ..mods import EMPTY, FULL, PARTIAL, BlockMask
-from .simd import BLOCK_M, BLOCK_N
-from .workspace import _entry, _signature
+from ..mods import ARGUMENTS, EMPTY, FULL, PARTIAL, BlockMask, evaluate_block
+from .simd import BLOCK_M, BLOCK_N, _FASTMATH
+from .workspace import _entry, _hooks_type
 
-_MODS = False
 UNKNOWN = 3   # a tile state no pass has evaluated yet (``states_for_call``)
+FAILED = -1   # a hook's answer when a mod raised
 
 
-@njit(inline="always", cache=True)
-def _tile_state(states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows):
-    return FULL
+class ModRaised(Exception):
+    """Raised by a kernel when a user's mod raised on a tile; args (b, h, i0, j0, nq, nk), the tile's first query,
+    first key and sizes. ``mod_errors`` turns it into the mod's own exception."""
 
 
-@njit(inline="always", cache=True)
-def _mod_scores(block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows):
-    return
+def _tile_state(hooks, states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows):
+    """In a kernel: the tile's state (EMPTY, PARTIAL, FULL), FULL without mods (see the module docstring)."""
+    raise NotImplementedError("a numba kernel helper")
 
 
-@njit(inline="always", cache=True)
-def _mod_zero_hidden(p, ds, vis, nq, nk, keys_are_rows):
-    return
+def _mod_scores(hooks, block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows):
+    """In a kernel: the mods applied to a block of scores; nothing without mods."""
+    raise NotImplementedError("a numba kernel helper")
 
 
-def _make_hooks(bias_mod: Any, mask_mod: Any, score_mod: Any, score_mod_grad: Any) -> dict[str, Any]:
-    """The hooks for these compiled mods (each a numba dispatcher or None), as the globals to swap in."""
+def _mod_zero_hidden(hooks, p, ds, vis, nq, nk, keys_are_rows):
+    """In a kernel: P and dS zeroed where the mods hide a pair; nothing without mods."""
+    raise NotImplementedError("a numba kernel helper")
+
+
+def _mods_on(hooks):
+    """In a kernel: whether the call has mods (a compile-time constant)."""
+    raise NotImplementedError("a numba kernel helper")
+
+
+def _plain(hooks: Any) -> bool:
+    return isinstance(hooks, types.NoneType)
+
+
+@overload(_tile_state, inline="always")
+def _tile_state_impl(hooks, states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows):
+    if _plain(hooks):
+        return lambda hooks, states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows: FULL
+
+    def call(hooks, states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows):
+        state = hooks[0](states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows)
+        if state == FAILED:
+            raise ModRaised(b, h, i0, j0, nq, nk)
+        return state
+    return call
+
+
+@overload(_mod_scores, inline="always")
+def _mod_scores_impl(hooks, block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows):
+    if _plain(hooks):
+        return lambda hooks, block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows: None
+
+    def call(hooks, block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows):
+        if hooks[1](block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows) == FAILED:
+            raise ModRaised(b, h, i0, j0, nq, nk)
+    return call
+
+
+@overload(_mod_zero_hidden, inline="always")
+def _mod_zero_hidden_impl(hooks, p, ds, vis, nq, nk, keys_are_rows):
+    if _plain(hooks):
+        return lambda hooks, p, ds, vis, nq, nk, keys_are_rows: None
+    return lambda hooks, p, ds, vis, nq, nk, keys_are_rows: hooks[2](p, ds, vis, nq, nk, keys_are_rows)
+
+
+@overload(_mods_on, inline="always")
+def _mods_on_impl(hooks):
+    on = not _plain(hooks)
+    return lambda hooks: on
+
+
+def _make_hooks(bias_mod: Any, mask_mod: Any, score_mod: Any, score_mod_grad: Any, dtype: np.dtype) -> tuple:
+    """The hooks for these compiled mods (each a numba dispatcher or None) and ``dtype``: (tile_state, mod_scores,
+    zero_hidden), compiled with the argument types of ``workspace._hooks_type``."""
     has_bias, has_mask, has_score = bias_mod is not None, mask_mod is not None, score_mod is not None
     has_grad = score_mod_grad is not None
     # numba types a closure's free variables from their values: stand-ins for the absent mods, never called
@@ -71,15 +128,16 @@ def _make_hooks(bias_mod: Any, mask_mod: Any, score_mod: Any, score_mod_grad: An
     mask_fn = mask_mod if has_mask else _no_mask_mod
     score_fn = score_mod if has_score else _no_score_mod
     grad_fn = score_mod_grad if has_grad else _no_score_mod
+    tile_state_type, mod_scores_type, _ = _hooks_type(dtype).types
 
     @njit(inline="always")
-    def tile_state(states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows):
+    def find_state(states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows):
         if not has_mask:
             return FULL
         known = UNKNOWN
+        bs = b if states.shape[0] > 1 else 0
+        hs = h if states.shape[1] > 1 else 0
         if states.shape[0] > 0:
-            bs = b if states.shape[0] > 1 else 0
-            hs = h if states.shape[1] > 1 else 0
             known = states[bs, hs, qt, kt]
             if known != PARTIAL and known != UNKNOWN:
                 return known
@@ -96,8 +154,17 @@ def _make_hooks(bias_mod: Any, mask_mod: Any, score_mod: Any, score_mod_grad: An
             states[bs, hs, qt, kt] = state   # this call's later passes, and later calls, know it
         return state
 
+    @_hook(tile_state_type)
+    def tile_state(states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows):
+        state = FAILED
+        try:
+            state = find_state(states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows)
+        except Exception:   # numba cannot raise through the kernel's call (module docstring)
+            state = FAILED
+        return state
+
     @njit(inline="always")
-    def mod_scores(block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows):
+    def apply_mods(block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows):
         neg_inf = -np.inf
         n0, n1 = (nk, nq) if keys_are_rows else (nq, nk)
         if not (has_bias or has_score):   # the mask alone: hide what it hides
@@ -134,17 +201,46 @@ def _make_hooks(bias_mod: Any, mask_mod: Any, score_mod: Any, score_mod_grad: An
                 block[a, e] = neg_inf if hidden else x
                 vis[a, e] = not hidden
 
-    @njit(inline="always")
-    def mod_zero_hidden(p, ds, vis, nq, nk, keys_are_rows):
-        n0, n1 = (nk, nq) if keys_are_rows else (nq, nk)
-        for a in range(n0):
-            for e in range(n1):
-                if not vis[a, e]:
-                    p[a, e] = 0
-                    ds[a, e] = 0
+    @_hook(mod_scores_type)
+    def mod_scores(block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows):
+        status = FAILED
+        try:
+            apply_mods(block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows)
+            status = 0
+        except Exception:
+            status = FAILED
+        return status
 
-    return {"_MODS": True, "_tile_state": tile_state, "_mod_scores": mod_scores,
-            "_mod_zero_hidden": mod_zero_hidden}
+    return tile_state, mod_scores, _zero_hidden_hook(dtype)
+
+
+def _hook(function_type: Any) -> Callable[[Callable], Any]:
+    """A decorator compiling a hook now with the argument types of ``function_type`` (one of ``_hooks_type``'s).
+    The name ends in "[mods]" so that ``compile_notice`` leaves its compilation to our own announcement."""
+    def compile_hook(fn: Callable) -> Any:
+        fn.__qualname__ = f"{fn.__qualname__}[mods]"
+        return njit(function_type.signature, fastmath=_FASTMATH)(fn)
+    return compile_hook
+
+
+_zero_hidden_hooks: dict[str, Any] = {}
+
+
+def _zero_hidden_hook(dtype: np.dtype) -> Any:
+    """The backward's zero_hidden hook for ``dtype``, the same for any mods."""
+    name = np.dtype(dtype).name
+    hook = _zero_hidden_hooks.get(name)
+    if hook is None:
+        @_hook(_hooks_type(dtype).types[2])
+        def zero_hidden(p, ds, vis, nq, nk, keys_are_rows):
+            n0, n1 = (nk, nq) if keys_are_rows else (nq, nk)
+            for a in range(n0):
+                for e in range(n1):
+                    if not vis[a, e]:
+                        p[a, e] = 0
+                        ds[a, e] = 0
+        hook = _zero_hidden_hooks[name] = zero_hidden
+    return hook
 
 
 @njit
@@ -162,71 +258,77 @@ def _no_score_mod(s, b, h, i, j):
     return s
 
 
-_kernels: dict[tuple[Any, ...], Any] = {}
-_kernels_lock = threading.Lock()
+_hooks: dict[tuple[Any, ...], tuple] = {}
+_hooks_lock = threading.Lock()
 
 
-def _variant(dispatcher: Any, scope: dict[str, Any]) -> Any:
-    """A new numba dispatcher for ``dispatcher``'s Python source with ``scope`` as its globals and its options,
-    less numba's disk cache."""
-    py = dispatcher.py_func
-    fn = pytypes.FunctionType(py.__code__, scope, py.__name__, py.__defaults__, py.__closure__)
-    fn.__qualname__ = f"{py.__qualname__}[mods]"
-    return njit(**{n: v for n, v in dispatcher.targetoptions.items() if n not in ("cache", "nopython")})(fn)
-
-
-def kernel_with_mods(kernel: Any, dtype: np.dtype, mods: Any) -> Any:
-    """``kernel`` (a cached CPU kernel) compiled for ``dtype`` with the hooks of ``mods``
-    (``numba_flash.mods.Mods``); the plain compiled kernel (``workspace._entry``) when mods is None. Compiled once
-    per (kernel, mods, dtype) in this process."""
+def kernel_with_mods(kernel: Any, dtype: np.dtype, mods: Any) -> Callable[..., None]:
+    """``kernel`` (a CPU kernel taking ``hooks`` last) compiled for ``dtype``, as a function of the other
+    arguments: the plain kernel with hooks None when mods is None, else the kernel's mods variant (compiled once,
+    kept in numba's disk cache) with the hooks of ``mods`` (``numba_flash.mods.Mods``), which are compiled once per
+    (mods, dtype) in this process."""
     if mods is None:
-        return _entry(kernel, dtype)
-    # the forward (also the backward's statistics pass) has no use for score_mod_grad: one kernel serves both
+        plain = _entry(kernel, dtype)
+        return lambda *args: plain(*args, None)
+    # the forward (also the backward's statistics pass) has no use for score_mod_grad: its hooks serve both
     grad = None if kernel.py_func.__name__ == "_forward_kernel" else mods.score_mod_grad
     fns = (mods.bias_mod, mods.mask_mod, mods.score_mod, grad)
     dtype = np.dtype(dtype)
-    key = (kernel, dtype.name, *fns)
-    fn = _kernels.get(key)
-    if fn is not None:
-        return fn
-    with _kernels_lock:   # one compilation per key, also when threads call at once
-        fn = _kernels.get(key)
+    key = (dtype.name, *fns)
+    hooks = _hooks.get(key)
+    if hooks is None:
+        with _hooks_lock:   # one compilation per key, also when threads call at once
+            hooks = _hooks.get(key)
+            if hooks is None:
+                compile_notice.announce(f"numba-flash: compiling the CPU kernels' hooks for {mods.describe()} "
+                                        f"({dtype.name}): a few seconds, once per mod in a process")
+                hooks = _hooks[key] = _make_hooks(*fns, dtype)
+    with_hooks = _entry(kernel, dtype, hooks=True)
+    return lambda *args: with_hooks(*args, hooks)
+
+
+def _raised_again(mods: Any, tile: tuple[int, ...]) -> BaseException | None:
+    """The exception one of ``mods`` raises on ``tile`` ((b, h, i0, j0, nq, nk), ``ModRaised``'s args), run on the
+    host; None if none raises there (a score_mod that raised on a score other than 0)."""
+    b, h, i0, j0, nq, nk = (int(x) for x in tile)
+    where = (range(b, b + 1), range(h, h + 1), range(i0, i0 + nq), range(j0, j0 + nk))
+    for name in ARGUMENTS:
+        fn = getattr(mods, name)
         if fn is None:
-            py = kernel.py_func
-            scope = dict(py.__globals__)
-            scope.update(_make_hooks(*fns))
-            # the kernel's prange calls its worker (``_forward_kernel`` -> ``_forward_worker``), where the hooks are
-            worker = py.__name__.replace("_kernel", "_worker")
-            scope[worker] = _variant(scope[worker], scope)
-            compile_notice.announce(f"numba-flash: compiling {py.__name__} for {mods.describe()} ({dtype.name}): "
-                                    "about 1 min on 2 cores, once per mod in a process (numba cannot cache "
-                                    "kernels built around user functions on disk)")
-            fn = _kernels[key] = _variant(kernel, scope).compile(_signature(py.__name__, dtype))
-    return fn
+            continue
+        try:
+            evaluate_block(fn, name, *where, scores=np.zeros((1, 1, nq, nk)))
+        except AttentionInputError as exc:
+            return exc.__cause__
+    return None
 
 
 @contextmanager
 def mod_errors(mods: Any):
-    """An exception a user's mod raises inside a kernel (an index out of bounds; numba's parallel loop hands it
-    over as a SystemError caused by it) as ``AttentionInputError`` naming the call's mods."""
+    """An exception a user's mod raises inside a kernel (an index out of bounds) as ``AttentionInputError``
+    naming the call's mods."""
     if mods is None:
         yield
         return
     try:
         yield
-    except (SystemError, IndexError, ValueError, ArithmeticError) as exc:
-        cause = exc if not isinstance(exc, SystemError) else (exc.__cause__ or exc.__context__)
-        if cause is None:
+    except (SystemError, ModRaised) as exc:
+        raised = exc if not isinstance(exc, SystemError) else (exc.__cause__ or exc.__context__)
+        if not isinstance(raised, ModRaised):
             raise
-        names = [n for n in ("bias_mod", "mask_mod", "score_mod", "score_mod_grad") if getattr(mods, n)]
+        b, h, i0, j0, nq, nk = raised.args
+        where = f"queries {i0}..{i0 + nq - 1} x keys {j0}..{j0 + nk - 1} of b={b} h={h}"
+        cause = _raised_again(mods, raised.args)
+        what = f"{type(cause).__name__}: {cause}" if cause is not None else "an exception"
+        names = [n for n in ARGUMENTS if getattr(mods, n)]
         raise AttentionInputError(
             f"{', '.join(names)}: expected {'a function that runs' if len(names) == 1 else 'functions that run'} on "
-            f"every (b, h, q_idx, kv_idx) of the call; inside the CPU kernel, {mods.describe()} raised "
-            f"{type(cause).__name__}: {cause}") from cause
+            f"every (b, h, q_idx, kv_idx) of the call; inside the CPU kernel, {mods.describe()} raised {what} "
+            f"(on {where})") from (cause or raised)
 
 
 _found: "OrderedDict[tuple[Any, ...], np.ndarray]" = OrderedDict()
-_found_lock = threading.Lock()   # not _kernels_lock, which a compilation holds for a minute
+_found_lock = threading.Lock()   # not _hooks_lock, which a compilation holds for seconds
 _FOUND_KEPT = 32
 
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 import math
 import os
 import threading
+import warnings
 from typing import Any
 
 import numba
 import numpy as np
 from numba import njit, prange, types
+from numba.core.errors import NumbaExperimentalFeatureWarning
 
 from numba_flash.semantics import clamp_window_bound, effective_softcap
 from .cache_stamp import stamp_kernels
@@ -149,11 +151,12 @@ _entries: dict[tuple[Any, Any], Any] = {}
 _entries_lock = threading.Lock()
 
 
-def _signature(name: str, dtype: np.dtype) -> tuple[Any, ...]:
+def _signature(name: str, dtype: np.dtype, hooks: bool = False) -> tuple[Any, ...]:
     """The argument types kernel ``name`` is compiled with for ``dtype``. The caller's arrays are typed
     layout-generic ('A'), so that C-contiguous, transposed and strided views share one compilation (numba would
     otherwise compile, and cache, one per layout combination); the buffers this module allocates are typed
-    C-contiguous, which lets LLVM vectorise the loops that read them (lse, delta)."""
+    C-contiguous, which lets LLVM vectorise the loops that read them (lse, delta). The forward and backward kernels
+    take ``hooks`` last (``modhooks``): None, or with ``hooks`` the mods' hooks (``_hooks_type``)."""
     nb = numba.from_dtype(np.dtype(dtype))
     user = {n: types.Array(nb, n, "A") for n in (3, 4)}
     own = {n: types.Array(nb, n, "C") for n in (3, 4, 5)}
@@ -175,18 +178,44 @@ def _signature(name: str, dtype: np.dtype) -> tuple[Any, ...]:
         "_row_dot_kernel": (user[4], user[4], own[3], seqs),
         "_store_dq_kernel": (own[4], user[4], i64, seqs),
     }
+    if name in ("_forward_kernel", "_backward_kv_kernel", "_backward_dq_kernel"):
+        return sigs[name] + (_hooks_type(dtype) if hooks else types.none,)
     return sigs[name]
 
 
-def _entry(kernel: Any, dtype: np.dtype) -> Any:
+_hook_types: dict[str, Any] = {}
+
+
+def _hooks_type(dtype: np.dtype) -> Any:
+    """numba's type of the mods' hooks (``modhooks``) for ``dtype``: a tuple of three first-class functions,
+    (tile_state, mod_scores, zero_hidden), with the argument types the kernels call them with."""
+    name = np.dtype(dtype).name
+    found = _hook_types.get(name)
+    if found is None:
+        block = types.Array(numba.from_dtype(np.dtype(dtype)), 2, "C")
+        vis, states = types.Array(types.boolean, 2, "C"), types.Array(types.int8, 4, "A")
+        i64, flag = types.int64, types.boolean
+        with warnings.catch_warnings():   # numba calls a tuple of first-class functions experimental
+            warnings.simplefilter("ignore", NumbaExperimentalFeatureWarning)
+            found = _hook_types[name] = types.Tuple((
+                types.FunctionType(i64(states, vis, i64, i64, i64, i64, i64, i64, i64, i64, flag)),
+                types.FunctionType(i64(block, vis, block, i64, i64, i64, i64, i64, i64, i64, flag)),
+                types.FunctionType(types.none(block, block, vis, i64, i64, flag))))
+    return found
+
+
+def _entry(kernel: Any, dtype: np.dtype, hooks: bool = False) -> Any:
     """The compiled ``kernel`` for ``dtype``, with the argument types of ``_signature``. The first call of a
     process loads the kernel from numba's on-disk cache."""
-    fn = _entries.get((kernel, dtype))
+    key = (kernel, dtype, hooks)
+    fn = _entries.get(key)
     if fn is None:
         with _entries_lock:
-            fn = _entries.get((kernel, dtype))
+            fn = _entries.get(key)
             if fn is None:
-                fn = _entries[(kernel, dtype)] = kernel.compile(_signature(kernel.py_func.__name__, dtype))
+                with warnings.catch_warnings():   # as in _hooks_type
+                    warnings.simplefilter("ignore", NumbaExperimentalFeatureWarning)
+                    fn = _entries[key] = kernel.compile(_signature(kernel.py_func.__name__, dtype, hooks))
     return fn
 
 

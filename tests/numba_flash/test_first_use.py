@@ -62,8 +62,8 @@ def test_quiet_drops_the_note_but_keeps_the_log(tmp_path):
 
 
 def test_warmup_makes_every_parallel_kernel_ready(rng):
-    """Every ``parallel=True`` kernel of the CPU module is compiled or loaded for float32 after a warmup, and
-    the warmup checked its results against the reference."""
+    """Every ``parallel=True`` kernel of the CPU module is compiled or loaded for float32 after a warmup, the
+    attention kernels also in their variant for mods, and the warmup checked its results against the reference."""
     from numba_flash.cpu import backward, forward, workspace
     from numba_flash.warmup import warmup
 
@@ -74,8 +74,12 @@ def test_warmup_makes_every_parallel_kernel_ready(rng):
     parallel = {name for module in (forward, backward, workspace) for name, obj in vars(module).items()
                 if isinstance(obj, numba.core.registry.CPUDispatcher) and obj.targetoptions.get("parallel")}
     assert len(parallel) >= 4, parallel
-    ready = {kernel.py_func.__name__ for kernel, dtype in workspace._entries if np.dtype(dtype) == np.float32}
-    assert parallel <= ready, parallel - ready
+    ready = {(kernel.py_func.__name__, hooks) for kernel, dtype, hooks in workspace._entries
+             if np.dtype(dtype) == np.float32}
+    assert {(name, False) for name in parallel} <= ready, parallel
+    # and the variant of the forward and backward kernels that runs any mods (``modhooks``)
+    assert {name for name, hooks in ready if hooks} == {"_forward_kernel", "_backward_kv_kernel",
+                                                       "_backward_dq_kernel"}, ready
     with pytest.raises(ValueError, match="float16"):
         warmup(["float16"])
 

@@ -2,9 +2,9 @@
 reference, tiles a BlockMask calls empty really skipped and full ones really unmasked, a mod that fails inside the
 kernel reported by name, and BlockMasks of any tile size mapped onto the kernels' tiles.
 
-Each new set of mods compiles kernels of its own (a minute or more per kernel on 2 cores), so every test here runs
-the set tests/numba_flash/test_mods_backends.py runs on the cpu backend too (tests/mods_cases.py): a document mask
-with four rows that see no key, a per-head distance bias, and a soft clip of the score that hides one key."""
+Every test here runs the set tests/numba_flash/test_mods_backends.py runs on the cpu backend too
+(tests/mods_cases.py): a document mask with four rows that see no key, a per-head distance bias, and a soft clip of
+the score that hides one key. (tests/numba_flash/cpu/test_mods_hooks.py: how mods are compiled and cached.)"""
 
 from __future__ import annotations
 
