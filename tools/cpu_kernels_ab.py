@@ -8,7 +8,8 @@ once into its cache); every repeat calls base, current and torch in turn, forwar
 machine's load hits all three alike. Prints min / median ms and the ratios per (B, H, S, D) = (1, 32, 512, 128),
 (1, 8, 2048, 64), causal and not, float32, layout "bshd". Kernel calls only: no backend dispatch, for either revision.
 ``--softcap`` and ``--alibi`` time both revisions' kernels with those variants on (torch SDPA stays plain: it has
-neither).
+neither); ``--mods bias|mask|score`` with a user's mod (revisions from 2026-11-25 on), and prints each side's first
+calls, where a new mod is compiled.
 """
 
 from __future__ import annotations
@@ -52,6 +53,44 @@ def _load_revision(rev: str) -> types.SimpleNamespace:
                                  flash_backward=importlib.import_module(name + ".cpu.backward").flash_backward)
 
 
+_SLOPES = np.linspace(0.01, 0.1, 32)
+
+
+def _distance_bias(b, h, q_idx, kv_idx):
+    return -_SLOPES[h] * abs(q_idx - kv_idx)
+
+
+def _documents(seqlen: int):
+    """A mask_mod of 8 equal documents over ``seqlen`` keys."""
+    def documents(b, h, q_idx, kv_idx):
+        return q_idx * 8 // seqlen == kv_idx * 8 // seqlen
+    return documents
+
+
+def _clip(score, b, h, q_idx, kv_idx):
+    return 30.0 * math.tanh(score / 30.0)
+
+
+def _clip_grad(score, b, h, q_idx, kv_idx):
+    t = math.tanh(score / 30.0)
+    return 1.0 - t * t
+
+
+MODS = {"bias": {"bias_mod": _distance_bias}, "mask": {"mask_mod": _documents},
+        "score": {"score_mod": _clip, "score_mod_grad": _clip_grad}}
+
+
+def _mods(name: str | None, seqlen: int) -> dict:
+    """The keyword arguments that give both revisions' kernels the mod ``name`` (none for None)."""
+    if name is None:
+        return {}
+    from numba_flash.mods import Mods, compile_mod
+
+    if name == "mask":
+        return {"mods": Mods(mask_mod=compile_mod(_documents(seqlen), "mask_mod"))}
+    return {"mods": Mods(**{role: compile_mod(fn, role) for role, fn in MODS[name].items()})}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("rev", help="git revision whose kernels are the base")
@@ -62,6 +101,9 @@ def main() -> None:
                          "thread) and torch on one thread, on a machine shared with other work")
     ap.add_argument("--softcap", type=float, default=0.0, help="softcap of both revisions' calls (0: off)")
     ap.add_argument("--alibi", action="store_true", help="ALiBi slopes 2**-(1 + h / 2) on both revisions' calls")
+    ap.add_argument("--mods", choices=sorted(MODS),
+                    help="both revisions' calls with a bias_mod (per-head distance from a table), a mask_mod (8 equal "
+                         "documents) or a score_mod (30 tanh(s / 30), and its derivative); torch SDPA stays plain")
     args = ap.parse_args()
     clock = time.thread_time if args.cpu_time else time.perf_counter
     import numba
@@ -79,6 +121,7 @@ def main() -> None:
             scale, right = 1 / math.sqrt(dim), (0 if causal else -1)
             cap = args.softcap
             slopes = 2.0 ** -(1.0 + np.arange(heads)[None, :] / 2.0) if args.alibi else None
+            mods = _mods(args.mods, seqlen)
             out, lse = np.empty_like(q), np.empty((batch, heads, seqlen), np.float32)
             dq, dk, dv = (np.empty_like(q) for _ in range(3))
             tq, tk, tv = (torch.from_numpy(x).transpose(1, 2).requires_grad_() for x in (q, k, v))
@@ -90,17 +133,24 @@ def main() -> None:
                     F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
 
             calls = {
-                "base fwd": lambda: base.flash_forward(q, k, v, out, lse, scale, -1, right, cap, slopes),
-                "new fwd": lambda: new.flash_forward(q, k, v, out, lse, scale, -1, right, cap, slopes),
+                "base fwd": lambda: base.flash_forward(q, k, v, out, lse, scale, -1, right, cap, slopes,
+                                                       **mods),
+                "new fwd": lambda: new.flash_forward(q, k, v, out, lse, scale, -1, right, cap, slopes, **mods),
                 "torch fwd": torch_fwd,
                 "base bwd": lambda: base.flash_backward(do, q, k, v, out, lse, dq, dk, dv, scale, -1, right, cap,
-                                                        slopes),
+                                                        slopes, **mods),
                 "new bwd": lambda: new.flash_backward(do, q, k, v, out, lse, dq, dk, dv, scale, -1, right, cap,
-                                                      slopes),
+                                                      slopes, **mods),
                 "torch bwd": lambda: torch.autograd.grad(tout, (tq, tk, tv), tdo, retain_graph=True),
             }
-            for fn in calls.values():  # compile / warm up
+            first = {}
+            for name, fn in calls.items():  # compile / warm up
+                t0 = time.perf_counter()
                 fn()
+                first[name] = time.perf_counter() - t0
+            if args.mods:
+                print("  first calls (a new mod compiles here): " +
+                      ", ".join(f"{n} {first[n]:.1f} s" for n in calls if not n.startswith("torch")))
             times = {name: [] for name in calls}
             for _ in range(args.repeats):
                 for name, fn in calls.items():
