@@ -16,7 +16,7 @@ the plain kernel and pays nothing. With mods it is a tuple of three compiled fun
 function type, ``workspace._hooks_type``) that ``_make_hooks`` builds around the call's mods, which numba inlines
 into them, so a mod costs what its body costs. The kernels are compiled once per dtype for that tuple type and kept
 in numba's disk cache like the plain ones: a new mod compiles its three hooks (seconds), not three kernels (about a
-minute each on 2 cores), and a call through a hook costs a few ns per 64 x 64 tile.
+minute each on 2 cores), and the kernels run as fast as with the mods inlined into them (BENCHMARKS.md).
 
 numba does not pass an exception through a first-class function: a hook catches what a mod raises and returns
 FAILED, the kernel then raises ``ModRaised`` with the tile, and ``mod_errors`` runs the mods over that tile again on
