@@ -47,12 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     warm = sub.add_parser("warmup", help="compile every CPU kernel ahead of first use",
                           description="Compile (or load from numba's on-disk cache) every CPU kernel "
                                       "specialisation, and check each against the float64 reference. The first "
-                                      "run on a machine takes about 2 minutes per dtype on 2 cores; later ones well under a "
-                                      "second. "
+                                      "run on a machine takes about 2 minutes per dtype on 2 cores (twice that with "
+                                      "--mods); later ones well under a second. "
                                       "Exit status 1 when a kernel disagrees with the reference.")
     warm.add_argument("--dtype", default="float32,float64",
                       help="comma-separated compute dtypes: float32 (also serves float16 and bfloat16 inputs), "
                            "float64 (default: both)")
+    warm.add_argument("--mods", action="store_true",
+                      help="also the forward and backward kernels' variant for bias_mod, mask_mod and score_mod "
+                           "(one for any mods; about as long again to compile)")
     warm.set_defaults(handler=_warmup, parser=warm)
 
     explain = sub.add_parser("explain", help="which backend a call would use, and why not the others",
@@ -88,7 +91,7 @@ def _warmup(args: argparse.Namespace) -> int:
     if bad or not dtypes:
         args.parser.error(f"--dtype: expected some of {', '.join(DTYPES)}, got {args.dtype!r}")
     print(f"numba-flash warmup: CPU kernels; numba's cache: {cache_location()}", flush=True)
-    steps = warmup(dtypes, report=lambda line: print("  " + line, flush=True))
+    steps = warmup(dtypes, mods=args.mods, report=lambda line: print("  " + line, flush=True))
     return 0 if all(s.ok for s in steps) else 1
 
 

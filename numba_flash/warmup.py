@@ -6,9 +6,10 @@ installing (``make bench`` and ``make test`` do) and later processes load the ke
 Every specialisation is reached through the public path, small forwards and backwards per compute dtype
 (float32, which float16 and bfloat16 inputs are widened to, and float64), with sizes that take every kernel:
 a head dim that is not a multiple of 16 (the packing kernel), grouped-query heads and one kv head per batch (the
-separate dQ kernel) and enough batch entries for the other (the fused dQ pass), without mods and with them (the
-kernels' variant that runs any mods). Each result is checked against the float64 reference, so a stale or broken
-cache shows up here rather than in a user's first call.
+separate dQ kernel) and enough batch entries for the other (the fused dQ pass); with ``mods``, also with a
+mask_mod and a score_mod (the kernels' variant that runs any mods, as long again to compile: it is only for those
+who use mods). Each result is checked against the float64 reference, so a stale or broken cache shows up here
+rather than in a user's first call.
 """
 
 from __future__ import annotations
@@ -46,13 +47,15 @@ MODS_GRAD = {"score_mod_grad": _halved_grad}
 
 @dataclasses.dataclass(frozen=True)
 class WarmupStep:
-    """One dtype made ready: how long it took, what numba compiled for it (empty: all loaded from the cache)
-    and the largest error of its forward and backward against the float64 reference."""
+    """One dtype made ready: how long it took, what numba compiled for it (empty: all loaded from the cache),
+    the largest error of its forward and backward against the float64 reference, and whether the kernels' variant
+    for mods was made too."""
 
     dtype: str
     seconds: float
     compiled: tuple[str, ...]
     max_err: float
+    mods: bool = False
 
     @property
     def ok(self) -> bool:
@@ -67,6 +70,7 @@ class WarmupStep:
     def describe(self) -> str:
         """One line for the command's output."""
         how = f"compiled {len(self.compiled_kernels)} kernels" if self.compiled else "nothing to compile: cached"
+        how += "; with their variant for mods" if self.mods else ""
         check = "matches the reference" if self.ok else f"MISMATCH vs the reference: max err {self.max_err:.2e}"
         return f"{self.dtype}: forward and backward ready in {self.seconds:.1f} s ({how}); {check}"
 
@@ -83,9 +87,10 @@ def cache_location() -> str:
         return "numba's cache directory (NUMBA_CACHE_DIR, else __pycache__ beside the sources)"
 
 
-def warmup(dtypes: Sequence[str] = DTYPES, *, report: Callable[[str], None] | None = None,
+def warmup(dtypes: Sequence[str] = DTYPES, *, mods: bool = False, report: Callable[[str], None] | None = None,
            seed: int | None = None) -> list[WarmupStep]:
-    """Compile or load every CPU kernel for ``dtypes`` ("float32", "float64"); returns one step per dtype.
+    """Compile or load every CPU kernel for ``dtypes`` ("float32", "float64"), with ``mods`` also the forward and
+    backward kernels' variant for bias_mod, mask_mod and score_mod; returns one step per dtype.
 
     ``report`` (e.g. ``print``) is called with a line as each dtype starts and ends. Inputs are fresh N(0, 1)
     values (``seed`` replays them). Raises ValueError for an unknown dtype.
@@ -107,11 +112,11 @@ def warmup(dtypes: Sequence[str] = DTYPES, *, report: Callable[[str], None] | No
         # batch 1 with one kv head: dQ in a pass of its own; a batch of two units per thread: dQ summed in the
         # key-tile pass and stored by a kernel of its own (``schedule.fuse_dq``)
         fused = 2 * numba.get_num_threads()
-        cases = (({"causal": True}, {}, 1), (MODS, MODS_GRAD, 1), ({"causal": True}, {}, fused))
+        cases = [({"causal": True}, {}, 1), ({"causal": True}, {}, fused)] + ([(MODS, MODS_GRAD, 1)] if mods else [])
         before = len(compile_notice.compiled())
         t0 = time.perf_counter()
         err = 0.0
-        for kw, grad, batch in cases:   # the plain kernels, their variant for mods (one for any mods), fused dQ
+        for kw, grad, batch in cases:   # the plain kernels, fused dQ, their variant for mods (one for any mods)
             q = rng.standard_normal((batch, 70, 2, 40)).astype(dtype)
             k, v = (rng.standard_normal((batch, 75, 1, 40)).astype(dtype) for _ in range(2))
             dout = rng.standard_normal(q.shape).astype(dtype)
@@ -123,7 +128,7 @@ def warmup(dtypes: Sequence[str] = DTYPES, *, report: Callable[[str], None] | No
                       [float(np.max(np.abs(g - r))) for g, r in zip(grads, ref_grads)])
         seconds = time.perf_counter() - t0
         compiled = tuple(name for name, _ in compile_notice.compiled()[before:])
-        step = WarmupStep(dtype, seconds, compiled, err)
+        step = WarmupStep(dtype, seconds, compiled, err, mods)
         steps.append(step)
         if report is not None:
             report(step.describe())

@@ -68,7 +68,7 @@ def test_warmup_makes_every_parallel_kernel_ready(rng):
     from numba_flash.warmup import warmup
 
     lines: list[str] = []
-    (step,) = warmup(["float32"], report=lines.append, seed=int(rng.integers(2**32)))
+    (step,) = warmup(["float32"], mods=True, report=lines.append, seed=int(rng.integers(2**32)))
     assert step.dtype == "float32" and step.ok and 0 <= step.max_err < 1e-4 and step.seconds > 0
     assert lines[-1] == step.describe() and "float32: forward and backward ready in" in lines[-1]
     parallel = {name for module in (forward, backward, workspace) for name, obj in vars(module).items()
