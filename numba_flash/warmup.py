@@ -26,8 +26,6 @@ DTYPES = ("float32", "float64")
 TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
 
 
-
-
 def _band(b: int, h: int, q_idx: int, kv_idx: int) -> bool:
     return abs(q_idx - kv_idx) < 50
 

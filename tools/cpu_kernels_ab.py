@@ -76,8 +76,7 @@ def _clip_grad(score, b, h, q_idx, kv_idx):
     return 1.0 - t * t
 
 
-MODS = {"bias": {"bias_mod": _distance_bias}, "mask": {"mask_mod": _documents},
-        "score": {"score_mod": _clip, "score_mod_grad": _clip_grad}}
+MODS = ("bias", "mask", "score")
 
 
 def _mods(name: str | None, seqlen: int) -> dict:
@@ -86,9 +85,9 @@ def _mods(name: str | None, seqlen: int) -> dict:
         return {}
     from numba_flash.mods import Mods, compile_mod
 
-    if name == "mask":
-        return {"mods": Mods(mask_mod=compile_mod(_documents(seqlen), "mask_mod"))}
-    return {"mods": Mods(**{role: compile_mod(fn, role) for role, fn in MODS[name].items()})}
+    fns = {"bias": {"bias_mod": _distance_bias}, "mask": {"mask_mod": _documents(seqlen)},
+           "score": {"score_mod": _clip, "score_mod_grad": _clip_grad}}[name]
+    return {"mods": Mods(**{role: compile_mod(fn, role) for role, fn in fns.items()})}
 
 
 def main() -> None:
@@ -101,7 +100,7 @@ def main() -> None:
                          "thread) and torch on one thread, on a machine shared with other work")
     ap.add_argument("--softcap", type=float, default=0.0, help="softcap of both revisions' calls (0: off)")
     ap.add_argument("--alibi", action="store_true", help="ALiBi slopes 2**-(1 + h / 2) on both revisions' calls")
-    ap.add_argument("--mods", choices=sorted(MODS),
+    ap.add_argument("--mods", choices=MODS,
                     help="both revisions' calls with a bias_mod (per-head distance from a table), a mask_mod (8 equal "
                          "documents) or a score_mod (30 tanh(s / 30), and its derivative); torch SDPA stays plain")
     args = ap.parse_args()

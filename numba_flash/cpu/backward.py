@@ -182,7 +182,8 @@ def _backward_kv_kernel(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
     dq_acc: (B, Hq, statistics rows, D_pad), zeroed, accumulated into when ``fuse_dq``; dk: (B, Sk, Hkv, D) and dv:
     (B, Sk, Hkv, Dv), any strides, written. alibi: (B, Hq) float64 slopes, or (0, 0) for none; bias: attn_bias
     broadcast to (B, Hq, Sq, Sk), or (0, 0, 0, 0) for none. tile_states, hooks: the user's mods' (``modhooks``).
-    drop: dropout (``_dropout_block``; empty for none): out = (P * F) V with F the dropout factors, so dV takes P * F and dS = P (F dP - delta).
+    drop: dropout (``_dropout_block``; empty for none): out = (P * F) V with F the dropout factors, so dV takes
+    P * F and dS = P (F dP - delta).
     seqs, units, counter: the sequences and the order of the units, as in ``_forward_kernel``; here ``b`` is the
     sequence and ``bi`` its batch entry, and the statistics rows above are the sequence's (``schedule``).
     A unit is a (sequence, kv head, run of ``kt_per_unit`` key tiles): it sums dK/dV for its key tiles over every

@@ -17,17 +17,16 @@ from numba_flash import AttentionInputError, attention_ref, attention_ref_backwa
 from numba_flash.warmup import MODS as WARMUP_MODS, MODS_GRAD as WARMUP_MODS_GRAD
 
 
-def _inputs(rng, dtype=np.float32):
-    q = rng.standard_normal((2, 93, 2, 24)).astype(dtype)
-    k, v = (rng.standard_normal((2, 150, 1, 24)).astype(dtype) for _ in range(2))
-    return q, k, v, rng.standard_normal(q.shape).astype(dtype)
+def _inputs(rng):
+    q = rng.standard_normal((2, 93, 2, 24)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 150, 1, 24)).astype(np.float32) for _ in range(2))
+    return q, k, v, rng.standard_normal(q.shape).astype(np.float32)
 
 
 def test_a_new_mod_compiles_its_hooks_and_no_kernel(rng):
     """float32, as every CPU test of mods: the float64 variant is the same source for another dtype, and would cost
     CI 3-4 minutes of compile (``make test``'s warmup makes the float32 one)."""
-    dtype = np.float32
-    q, k, v, dout = _inputs(rng, dtype)
+    q, k, v, dout = _inputs(rng)
     op = backend_registry.get("flash", backend="cpu")
     out, lse = op.forward(q, k, v, return_lse=True, **WARMUP_MODS)   # the kernels' mods variant ready
     op.backward(dout, q, k, v, out, lse, **WARMUP_MODS, **WARMUP_MODS_GRAD)
@@ -54,10 +53,9 @@ def test_a_new_mod_compiles_its_hooks_and_no_kernel(rng):
     names = [name for name, _ in compile_notice.compiled()[before:]]
     assert any(name.endswith("[mods]") for name in names), names   # the hooks were compiled for these mods ...
     assert not [n for n in names if n.endswith(("_kernel", "_worker"))], names   # ... and no kernel
-    tol = 2e-5
-    np.testing.assert_allclose(out, attention_ref(q, k, v, **kw)[0], atol=tol, rtol=0)
+    np.testing.assert_allclose(out, attention_ref(q, k, v, **kw)[0], atol=2e-5, rtol=0)
     for got, want in zip(grads, attention_ref_backward(dout, q, k, v, score_mod_grad=cubed_grad, **kw)):
-        assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want)
+        assert np.linalg.norm(got - want) <= 2e-5 * np.linalg.norm(want)
 
 
 _SCRIPT = textwrap.dedent(
