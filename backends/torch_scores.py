@@ -114,20 +114,23 @@ class BlockMods:
             return None
         return to_rows(torch.from_numpy(self._eval("bias_mod", q0, q1, k0, k1)), self.call).to(like)
 
-    def score(self, s: Any, q0: int, q1: int, k0: int, k1: int, grad: bool) -> tuple[Any, Any, Any]:
-        """score_mod applied to the finite scores of ``s`` (B, Hkv, n * g, m): (new scores, where a finite score
-        became -inf (hidden keys), and d score_mod / d score when ``grad``, else None)."""
+    def score(self, s: Any, apply: Any, q0: int, q1: int, k0: int, k1: int, grad: bool) -> tuple[Any, Any]:
+        """The score pipeline's score_mod hook on a block: score_mod applied to the finite scores of ``s`` (B, Hkv,
+        n * g, m) where ``apply`` (a bool tensor like ``s``, or one bool for the block) allows it; returns (new
+        scores, d score_mod / d score where it applied and 1 elsewhere, or 1.0 without ``grad``)."""
         import torch
 
         pre = from_rows(s, self.call).to(device="cpu", dtype=torch.float64).numpy()
-        fin = np.isfinite(pre)
-        safe = np.where(fin, pre, 0.0)
-        modded = self._eval("score_mod", q0, q1, k0, k1, safe)
-        new = np.where(fin, modded, pre)
+        use = np.isfinite(pre)
+        if isinstance(apply, bool):
+            use &= apply
+        else:
+            use &= from_rows(apply, self.call).cpu().numpy()
+        safe = np.where(use, pre, 0.0)
+        new = np.where(use, self._eval("score_mod", q0, q1, k0, k1, safe), pre)
         back = lambda a: to_rows(torch.from_numpy(a), self.call).to(s)  # noqa: E731
-        hidden = to_rows(torch.from_numpy(fin & (modded == -np.inf)), self.call).to(s.device)
-        dmod = back(np.where(fin, self._eval("score_mod_grad", q0, q1, k0, k1, safe), 1.0)) if grad else None
-        return back(new), hidden, dmod
+        dmod = back(np.where(use, self._eval("score_mod_grad", q0, q1, k0, k1, safe), 1.0)) if grad else 1.0
+        return back(new), dmod
 
 
 __all__ = ["BlockBias", "BlockMods", "to_rows", "from_rows"]

@@ -134,7 +134,7 @@ def _backward_kv_worker(q, qs, k, v, dout, row_max, row_inv, delta, dq_acc, dk, 
                             _dropout_factors(factors, drop, b, h, i0, j0, nk)
                             _scale_block(dps, factors)
                         _block_scores(s, dcap, i0, j0, nk, False, scale, softcap, per_pair, slope,
-                                      seqlen_k - seqlen_q, bias_bh, s, row_lo, row_hi)
+                                      seqlen_k - seqlen_q, bias_bh, s, row_lo, row_hi, mods_on)
                         if want_dbias and mods_on:
                             mod_grad[:] = 1
                         _mod_scores(hooks, s, vis, mod_grad if want_dbias else dcap, state, b, h, i0, j0, nq, nk,
@@ -278,7 +278,7 @@ def _backward_dq_worker(qs, k, v, dout, row_max, row_inv, delta, dq, head_dim, h
                 _mm_dot(dpt, vr, do_t, head_dim_v)
                 _dropout_block(dpt, drop, b, h, i0, j0, nk, True)   # dS needs F dP; dQ = dS K needs no P
                 _block_scores(st, dcap, i0, j0, nk, True, scale, softcap, per_pair, slope, seqlen_k - seqlen_q,
-                              bias_bh, bias_tile, row_lo, row_hi)
+                              bias_bh, bias_tile, row_lo, row_hi, mods_on)
                 if want_dbias and mods_on:
                     mod_grad[:] = 1
                 _mod_scores(hooks, st, vis, mod_grad if want_dbias else dcap, state, b, h, i0, j0, nq, nk, True)

@@ -5,6 +5,7 @@ at a time, and dbias added into the bias's own shape. All inline into the kernel
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit
 
 from .cache_stamp import stamp_kernels
@@ -28,17 +29,24 @@ def _gradient_terms(score, dp, row_max, inv_l, delta, dscore):
 
 @njit(inline="always", fastmath=_FASTMATH, cache=True)
 def _block_scores(s, dcap, i0, j0, nk, keys_are_rows, scale, softcap, per_pair, slope, diag, bias_bh, bias_tile,
-                  row_lo, row_hi):
+                  row_lo, row_hi, mods_on):
     """The forward's scores of a block from its q.k (Q pre-scaled as in the forward): softcap, ALiBi, attn_bias
     (-inf where it hides a pair; the band is masked later). Keys are the rows of s when ``keys_are_rows`` (a
     (BN, BM) block), else its columns. ``per_pair``: dcap (the block's shape) receives d score / d q.k (scale,
     times 1 - tanh^2 with softcap), which the user's score_mod then multiplies (``modhooks``); else dcap is
     untouched and the derivative is the scale. bias_bh: this head's attn_bias (Sq, Sk) or a (0, 0) array;
-    bias_tile: (BN, BM) scratch for it where keys are rows."""
+    bias_tile: (BN, BM) scratch for it where keys are rows. ``mods_on``: the mods read a -inf score as hidden, so
+    a product that is not finite becomes NaN first (as softcap and ALiBi make it): it poisons, as in the forward."""
     nrows = nk if keys_are_rows else s.shape[0]
     if per_pair and softcap <= 0:
         dcap[:] = _as_dtype_of(dcap, scale)
     _score_terms(s, nrows, s.shape[1], keys_are_rows, softcap, slope, i0, j0, diag, dcap, scale, per_pair)
+    if mods_on and softcap <= 0 and slope == 0.0:
+        inf, nan = _as_dtype_of(s, np.inf), _as_dtype_of(s, np.nan)
+        for a in range(nrows):
+            for e in range(s.shape[1]):
+                x = s[a, e]
+                s[a, e] = x if abs(x) < inf else nan
     if bias_bh.shape[0] > 0:
         _bias_scores(s, bias_bh, i0, j0, nk, keys_are_rows, row_lo, row_hi, False, bias_tile)
 

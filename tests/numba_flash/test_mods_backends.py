@@ -14,9 +14,9 @@ from numba_flash import AttentionInputError, attention_ref, attention_ref_backwa
 pytest.importorskip("torch")
 
 BACKENDS = ("rocm", "cpu")
-# The cpu backend compiles kernels per set of mods (a minute or more per kernel on 2 cores), so its tests run all
-# three mods of the set tests/numba_flash/cpu/test_mods_kernels.py runs too (the keys-hidden test as well), under
-# different options: 45 key positions in 5 documents here, query i at key position i + SK - SQ.
+# The cpu backend compiles small hooks per set of mods (seconds each on 2 cores, cpu/modhooks.py): its tests run
+# the sets that hold all three mods (the keys-hidden test as well), under different options: 45 key positions in
+# 5 documents here, query i at key position i + SK - SQ.
 CPU_CASES = ("all+causal+softcap", "all+window")
 B, SQ, SK, HQ, HKV, D = 2, 29, 45, 4, 2, 16
 assert SK - SQ == CPU_SHIFT
@@ -92,6 +92,28 @@ def test_keys_hidden_by_mods_never_poison_and_rows_without_keys_are_zero(backend
     want = attention_ref_backward(dout, q, k, v, score_mod_grad=soft_clip_grad, **kw)
     for n, got, ref in zip(("dq", "dk", "dv"), grads, want):
         assert np.array_equal(np.isnan(got), np.isnan(ref)), n
+
+
+@pytest.mark.parametrize("softcap", [0.0, 6.0])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_minus_inf_product_under_score_mod_poisons_its_row(backend, softcap):
+    """score_mod runs on finite scores only: a query whose every product is -inf (a -inf in q against keys of one
+    sign there) keeps those scores, and its row is NaN as the contract says, not hidden as if score_mod had
+    returned -inf (which gave the row 0 and lse +inf on the CUDA kernels)."""
+    rng = np.random.default_rng(56)
+    q, k, v, dout = _inputs(rng)
+    k[..., 0] = np.abs(k[..., 0]) + 0.25
+    q[1, 9, 3, 0] = -np.inf
+    kw = dict(score_mod=soft_clip, softcap=softcap)
+    op = backend_registry.get("flash", backend=backend)
+    out, lse = op.forward(q, k, v, return_lse=True, **kw)
+    grads = op.backward(dout, q, k, v, out, lse, score_mod_grad=soft_clip_grad, **kw)
+    want = attention_ref(q, k, v, **kw) + attention_ref_backward(dout, q, k, v, score_mod_grad=soft_clip_grad, **kw)
+    assert np.isnan(want[0][1, 9, 3]).all() and np.isnan(want[1][1, 3, 9])   # the case is live
+    for n, got, ref in zip(("out", "lse", "dq", "dk", "dv"), (out, lse) + tuple(grads), want):
+        assert np.array_equal(np.isnan(got), np.isnan(ref)), n
+        ok = ~np.isnan(ref)
+        np.testing.assert_allclose(got[ok], ref[ok], atol=5e-5, rtol=0, err_msg=n)
 
 
 @pytest.mark.parametrize("backend", ["rocm"])   # the cpu backend widens float16 to its float32 kernels

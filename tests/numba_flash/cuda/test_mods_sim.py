@@ -83,6 +83,29 @@ def test_simt_keys_hidden_by_mods_never_poison():
         np.testing.assert_allclose(g[fin], ref[fin], atol=5e-5, rtol=0, err_msg=name)
 
 
+def _minus_inf_products(q, k, b, row, h):
+    """Make every raw product of query ``row`` (batch ``b``, head ``h``) -inf: one -inf in its first dimension, every
+    key's first entry positive."""
+    k[..., 0] = abs(k[..., 0]) + 0.25
+    q[b, row, h, 0] = -np.inf
+
+
+def test_simt_minus_inf_product_under_score_mod_poisons_its_row():
+    """score_mod runs on finite scores only, so a -inf product comes back from it unchanged: that must poison the
+    row (a -inf in q), not hide its keys as a -inf that score_mod returned does (which gave the row 0)."""
+    rng = np.random.default_rng(54)
+    q, k, v, dout = random_inputs(rng, B, SQ, SK, HQ, HKV, D)
+    _minus_inf_products(q, k, 1, 4, 1)
+    kw = _grad_kw(CASES["score_mod"])
+    got = simt_forward_backward(q, k, v, dout, **kw)
+    want = attention_ref(q, k, v, score_mod=soft_clip) + attention_ref_backward(dout, q, k, v, **kw)
+    assert np.isnan(want[0][1, 4, 1]).all()   # the case is live
+    for name, g, ref in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        assert np.array_equal(np.isnan(g), np.isnan(ref)), name
+        fin = ~np.isnan(ref)
+        np.testing.assert_allclose(g[fin], ref[fin], atol=5e-5, rtol=0, err_msg=name)
+
+
 torch = pytest.importorskip("torch")
 
 from tc_sim_cases import BOUND, ONE_WARP, inputs, naive_same_dtype  # noqa: E402
@@ -167,6 +190,22 @@ def test_tensor_core_backward_keeps_nan_of_a_visible_key_under_softcap():
     q64, k64, v64, do64 = (x.double().numpy() for x in (q, k, v, dout))
     want = attention_ref(q64, k64, v64, **kw) + attention_ref_backward(do64, q64, k64, v64, **kw)
     assert np.isnan(want[3][0, 7]).all()
+    for name, g, ref in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        g = g.double().numpy() if hasattr(g, "double") else np.asarray(g)
+        assert np.array_equal(np.isnan(g), np.isnan(ref)), name
+
+
+def test_tensor_core_minus_inf_product_under_score_mod_poisons_its_row():
+    rng = np.random.default_rng(55)
+    (q, k, v), _ = inputs(rng, "float16", TC_B, TC_SQ, TC_SK, TC_HQ, TC_HKV, TC_D)
+    dout = torch.from_numpy(rng.standard_normal(q.shape).astype(np.float32)).half()
+    _minus_inf_products(q, k, 0, 6, 1)
+    kw = _grad_kw(TC_CASES["mask_mod+score_mod"])
+    got = _tc_run(q, k, v, dout, **kw)
+    q64, k64, v64, do64 = (x.double().numpy() for x in (q, k, v, dout))
+    fwd_kw = {n: x for n, x in kw.items() if n != "score_mod_grad"}
+    want = attention_ref(q64, k64, v64, **fwd_kw) + attention_ref_backward(do64, q64, k64, v64, **kw)
+    assert np.isnan(want[0][0, 6, 1]).all()
     for name, g, ref in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         g = g.double().numpy() if hasattr(g, "double") else np.asarray(g)
         assert np.array_equal(np.isnan(g), np.isnan(ref)), name
