@@ -74,9 +74,21 @@ def compile_mod(fn: Any, name: str) -> Any:
         raise AttentionInputError(
             f"{name}: expected a function {ARGUMENTS[name]} that numba can compile; numba could not compile "
             f"{label}: {type(exc).__name__}: {short}") from exc
+    _check_returns(disp, name, label)
     with _lock:
         _compiled[key] = disp
     return disp
+
+
+def _check_returns(disp: Any, name: str, label: str) -> None:
+    """``AttentionInputError`` unless ``disp`` returns a number or a bool when numba infers its return type (the
+    role's signature casts it, so a body that only raises compiles there and fails later, inside a kernel's)."""
+    probe = njit(disp.py_func)
+    probe.compile(SIGNATURES[name].args)
+    returned = next(iter(probe.overloads.values())).signature.return_type
+    if not isinstance(returned, (types.Number, types.Boolean)):
+        what = "nothing (its body only raises, or has no return)" if returned == types.none else str(returned)
+        raise AttentionInputError(f"{name}: expected a function {ARGUMENTS[name]}; {label} returns {what}")
 
 
 # The evaluation loops are serial: an exception raised inside a numba prange loop (a mod's IndexError) does not

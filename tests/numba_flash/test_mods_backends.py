@@ -165,6 +165,16 @@ def test_bad_mods():
         op.forward(q, k, v, bias_mod=lambda b, h, i, j: "text" + i)
     with pytest.raises(AttentionInputError, match=r"^mask_mod: expected a function .*, got int"):
         op.forward(q, k, v, mask_mod=3)
+
+    def refuses(b, h, q_idx, kv_idx):
+        raise ValueError("never")
+
+    # numba types such a body as returning None, which the role's signature casts: it compiled, then failed inside
+    # the kernel's own compile with numba's TypingError
+    for backend in BACKENDS:
+        for role in ("mask_mod", "bias_mod"):
+            with pytest.raises(AttentionInputError, match=rf"^{role}: expected a function .*refuses returns nothing"):
+                backend_registry.get("flash", backend=backend).forward(q, k, v, **{role: refuses})
     out, lse = op.forward(q, k, v, score_mod=soft_clip, return_lse=True)
     with pytest.raises(AttentionInputError, match=r"^score_mod_grad: expected d score_mod / d score"):
         op.backward(dout, q, k, v, out, lse, score_mod=soft_clip)
