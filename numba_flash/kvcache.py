@@ -175,6 +175,20 @@ def _first_bad(name: str, values: np.ndarray, ok: np.ndarray, expected: str) -> 
 MAX_NUM_SPLITS = 128  # flash-attn's limit; each part costs a partial output per row
 
 
+def _share_elements(a: Any, b: Any, kind: str, device: str) -> bool:
+    """Whether two caches hold some element in common: exactly for host arrays (two halves of one packed KV buffer
+    share none), by the first element's address for device ones."""
+    if kind in ("numpy", "dlpack") and device == "cpu":
+        try:
+            return bool(np.shares_memory(to_numpy(a), to_numpy(b), max_work=10**6))
+        except np.exceptions.TooHardError:
+            return bool(np.may_share_memory(to_numpy(a), to_numpy(b)))
+    if kind == "torch":
+        return a.data_ptr() == b.data_ptr()
+    interface = getattr(a, "__cuda_array_interface__", None), getattr(b, "__cuda_array_interface__", None)
+    return None not in interface and interface[0]["data"][0] == interface[1]["data"][0]
+
+
 def _check_num_splits(num_splits: Any) -> int:
     if (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
             or not 0 <= num_splits <= MAX_NUM_SPLITS):
@@ -238,6 +252,9 @@ def validate_kvcache(
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
             if qkind in ("numpy", "dlpack") and qdev == "cpu" and not to_numpy(x).flags.writeable:
                 raise _bad(name, "a writable array (k/v are appended to it in place)", "a read-only array")
+        if _share_elements(k_cache, v_cache, qkind, qdev):
+            raise _bad("v_cache", "an array apart from k_cache when k/v are appended (each new position would be "
+                       "written twice, the value over the key)", "an array sharing k_cache's memory")
 
     if paged:
         if cache_batch_idx is not None:

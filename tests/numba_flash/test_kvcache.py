@@ -216,6 +216,28 @@ def test_bad_input_is_refused_and_the_cache_untouched(backend, argument, args):
         np.testing.assert_array_equal(given[name], args[name])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_buffer_as_both_caches_is_refused_and_two_halves_of_one_are_not(backend):
+    """Appending to one buffer given as k_cache and v_cache would write each new position twice (the value over the
+    key) and read values as keys; flash-attn's packed layout, k and v as two halves of one (.., 2, Hkv, D) buffer,
+    shares no element and is served."""
+    rng = np.random.default_rng(43)
+    args = _case(rng, rotary=False)
+    op = backend_registry.get("flash", backend=backend)
+    for kind in ("numpy", "torch"):
+        cache = args["k_cache"].copy()
+        given = dict(args, k_cache=cache, v_cache=cache)
+        if kind == "torch":
+            given = _as_torch(given)
+        with pytest.raises(AttentionInputError, match="^v_cache: expected an array apart from k_cache"):
+            op.with_kvcache(**given)
+        np.testing.assert_array_equal(np.asarray(given["k_cache"]), args["k_cache"])
+    packed = np.stack([args["k_cache"], args["v_cache"]], axis=2)   # (B, capacity, 2, Hkv, D)
+    got = op.with_kvcache(**dict(args, k_cache=packed[:, :, 0], v_cache=packed[:, :, 1]))
+    want = attention_ref_kvcache(**_copy(args))[0]
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+
+
 def test_explain_and_choice_of_splits():
     from numba_flash.backends import kvcache as driver
     from numba_flash.kvcache import MAX_SPLITS, MIN_KEYS_PER_SPLIT, validate_kvcache
