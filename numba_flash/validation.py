@@ -187,10 +187,22 @@ def _check_array(name: str, x: Any, layout: str) -> tuple[Any, str, tuple[int, .
         raise _bad(name, f"{ndim} dimensions {dims} for layout {layout!r}", f"shape {shape}")
     dt = dtype_name(x)
     if dt not in FLOAT_DTYPES:
+        swapped = isinstance(x.dtype, np.dtype) and not x.dtype.isnative
+        if swapped and x.dtype.newbyteorder("=").name in FLOAT_DTYPES:
+            raise _bad(name, f"a floating dtype ({', '.join(FLOAT_DTYPES)}) in this machine's byte order",
+                       f"dtype {dt}, {x.dtype.newbyteorder('=').name} with its bytes swapped (convert it: "
+                       f"{name}.astype({name}.dtype.newbyteorder('=')))")
         raise _bad(name, f"a floating dtype ({', '.join(FLOAT_DTYPES)})", f"dtype {dt}")
     if 0 in shape:
         raise _bad(name, f"every size >= 1 in {dims}", f"shape {shape}")
     return x, kind, shape, dt, device_of(x)
+
+
+def _result_kind_ok(kind: str, qkind: str) -> bool:
+    """Whether an array of ``kind`` may stand beside inputs of ``qkind`` as a forward's result (out, lse) or dout:
+    the same kind, or for DLPack inputs (JAX, ...) the numpy arrays or torch tensors the forward returned for them
+    (no library can build the exporter's own type); the device is checked apart."""
+    return kind == qkind or (qkind == "dlpack" and kind in ("numpy", "torch"))
 
 
 def check_same_as_q(name: str, info: tuple, q_info: tuple) -> None:
@@ -431,7 +443,7 @@ def validate_backward(
     checked = {}
     for name, x in (("dout", dout), ("out", out)):
         checked[name], kind, shape, dt, dev = _check_array(name, x, layout)
-        if kind != call.kind:
+        if not _result_kind_ok(kind, call.kind):
             raise _bad(name, f"the same array kind as q ({call.kind})", kind)
         if shape != oshape:
             what = f"the shape of q {qshape}" if oshape == qshape else f"q's shape with v's head dim, {oshape}"
@@ -444,7 +456,7 @@ def validate_backward(
     if kind is None:
         raise _bad("lse", "an array", f"an object of type {type(lse).__name__}")
     refuse_masked("lse", lse)
-    if kind != call.kind:
+    if not _result_kind_ok(kind, call.kind):
         raise _bad("lse", f"the same array kind as q ({call.kind})", kind)
     if kind == "torch":
         lse = _check_torch("lse", lse)

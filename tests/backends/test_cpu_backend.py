@@ -74,6 +74,37 @@ def test_torch_cpu_tensors_in_torch_out(rng):
         assert np.array_equal(t.numpy(), a)
 
 
+class _HostDLPack:
+    """A host array known only through DLPack, as a JAX CPU array is: none of numpy's, torch's or CUDA's types."""
+
+    def __init__(self, a):
+        self._a, self.shape, self.dtype = a, a.shape, a.dtype
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def test_host_dlpack_inputs_and_the_forwards_results_in_the_backward(rng):
+    """Nothing can build the exporter's own type, so the results are numpy; the backward takes them beside the
+    DLPack inputs (it refused them as 'not the same array kind as q')."""
+    q, k, v = _qkv(rng, (2, 29, 4, 24), (2, 37, 2, 24))
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    wrapped = [_HostDLPack(x.copy()) for x in (q, k, v, dout)]
+    op = backend_registry.get("flash")
+    out, lse = op.forward(*wrapped[:3], causal=True, return_lse=True)
+    assert isinstance(out, np.ndarray) and isinstance(lse, np.ndarray)
+    ref_out, ref_lse = attention_ref(q, k, v, causal=True)
+    assert np.abs(out - ref_out).max() <= 1e-5 and np.abs(lse - ref_lse).max() <= 1e-5
+    grads = op.backward(wrapped[3], *wrapped[:3], out, lse, causal=True)
+    for g, r in zip(grads, attention_ref_backward(dout, q, k, v, causal=True)):
+        assert isinstance(g, np.ndarray) and _rel_l2(g, r) <= 1e-5
+    for w, a in zip(wrapped, (q, k, v, dout)):
+        assert np.array_equal(w._a, a)
+
+
 def _naive_fp16(q, k, v, causal):
     """The reference formula evaluated in float16 throughout (layout bshd, Hq == Hkv)."""
     qh, kh, vh = (x.transpose(0, 2, 1, 3) for x in (q, k, v))

@@ -92,6 +92,14 @@ def test_integer_dtype(rng):
     _raises(r"^q: expected a floating dtype .* got dtype int32", validate_forward, q.astype(np.int32), k, v)
 
 
+def test_swapped_byte_order_is_named(rng):
+    q, k, v = _qkv(rng)
+    swapped = k.astype(k.dtype.newbyteorder(">" if k.dtype.byteorder in "=<" else "<"))
+    msg = _raises(r"^k: expected a floating dtype .* in this machine's byte order, got dtype", validate_forward, q,
+                  swapped, v)
+    assert "float32 with its bytes swapped" in msg and "newbyteorder('=')" in msg
+
+
 def test_mixed_dtypes(rng):
     q, k, v = _qkv(rng)
     _raises(r"^v: expected the same dtype as q \(float32\), got dtype float64", validate_forward,
