@@ -110,11 +110,13 @@ def _explain(args: argparse.Namespace) -> int:
 
     from . import backend_registry
     from .bench.cases import BenchArgumentError
+    from .errors import AttentionInputError, NoBackendError
+    from .validation import MAX_HEAD_DIM
 
     try:
         from .bench.cli import cases_from_args
 
-        (case,) = cases_from_args(args)
+        (case,) = cases_from_args(args, max_headdim=MAX_HEAD_DIM)
     except BenchArgumentError as exc:
         args.parser.error(str(exc))
     window = _window(args.parser, args.window)
@@ -126,14 +128,20 @@ def _explain(args: argparse.Namespace) -> int:
             import torch
         except ImportError:
             args.parser.error("--array torch: torch is not installed")
-        arrays = [torch.from_numpy(a).to(device=args.device, dtype=getattr(torch, case.dtype)) for a in arrays]
+        try:
+            arrays = [torch.from_numpy(a).to(device=args.device, dtype=getattr(torch, case.dtype)) for a in arrays]
+        except (RuntimeError, AssertionError) as exc:   # torch's words for a device it lacks or does not know
+            args.parser.error(f"--device {args.device}: {str(exc).splitlines()[0]}")
     elif case.dtype == "bfloat16":
         args.parser.error("--dtype bf16 needs --array torch (numpy has no bfloat16)")
     else:
         arrays = [a.astype(case.dtype) for a in arrays]
     op = backend_registry.get("flash")
-    explanation = op.explain(*arrays, causal=case.causal, window_size=window, softcap=args.softcap,
-                             layout=case.layout, backend=args.backend)
+    try:
+        explanation = op.explain(*arrays, causal=case.causal, window_size=window, softcap=args.softcap,
+                                 layout=case.layout, backend=args.backend)
+    except (AttentionInputError, NoBackendError) as exc:   # the call's own error, as the library words it
+        args.parser.error(str(exc))
     print(explanation)
     return 0 if explanation.chosen is not None else 3
 

@@ -70,9 +70,11 @@ class Case:
 
 def make_cases(config: str | None = None, *, batch: int | None = None, nheads: int | None = None,
                nheads_kv: int | None = None, seqlen: int | Sequence[int] | None = None, headdim: int | None = None,
-               causal: bool = False, dtype: str = "fp32", layout: str = "bshd") -> list[Case]:
+               causal: bool = False, dtype: str = "fp32", layout: str = "bshd",
+               max_headdim: int = MAX_HEAD_DIM) -> list[Case]:
     """One ``Case`` per sequence length: a seed ``config`` (default ``llama_small``) with any field overridden.
-    Raises ``BenchArgumentError`` naming the setting that is wrong."""
+    Raises ``BenchArgumentError`` naming the setting that is wrong; ``max_headdim``: the largest head dim allowed
+    (the benchmarks' own, or the library's for a case that is only explained)."""
     if config is not None and config not in CONFIGS:
         raise BenchArgumentError(f"config: unknown {config!r}; choose from {', '.join(CONFIGS)}")
     if dtype not in DTYPES:
@@ -91,8 +93,9 @@ def make_cases(config: str | None = None, *, batch: int | None = None, nheads: i
     nheads_kv = nheads_kv or nheads
     if nheads % nheads_kv:
         raise BenchArgumentError(f"nheads {nheads} must be a multiple of nheads_kv {nheads_kv}")
-    if headdim > MAX_HEAD_DIM:
-        raise BenchArgumentError(f"headdim {headdim} is larger than {MAX_HEAD_DIM}, the most every benchmarked backend supports")
+    if headdim > max_headdim:
+        why = "every benchmarked backend" if max_headdim == MAX_HEAD_DIM else "the library"
+        raise BenchArgumentError(f"headdim {headdim} is larger than {max_headdim}, the most {why} supports")
     name = config or ("custom" if custom else DEFAULT_CONFIG)
     return [Case(name, int(batch), int(nheads), int(nheads_kv), int(sl), int(headdim), bool(causal), DTYPES[dtype],
                  layout) for sl in (seqlens or [s])]

@@ -137,11 +137,12 @@ def build_parser(prog: str = "numba-flash bench") -> argparse.ArgumentParser:
     return p
 
 
-def cases_from_args(args: argparse.Namespace) -> list[Case]:
-    """The cases the size flags describe; BenchArgumentError when they do not fit together."""
+def cases_from_args(args: argparse.Namespace, **limits: Any) -> list[Case]:
+    """The cases the size flags describe; BenchArgumentError when they do not fit together. ``limits``: passed to
+    ``make_cases`` (``max_headdim``)."""
     return make_cases(args.config, batch=args.batch, nheads=args.nheads, nheads_kv=args.nheads_kv,
                       seqlen=args.seqlen, headdim=args.headdim, causal=args.causal, dtype=args.dtype,
-                      layout=args.layout)
+                      layout=args.layout, **limits)
 
 
 def _flag_message(exc: BenchArgumentError) -> str:

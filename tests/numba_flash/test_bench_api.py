@@ -206,3 +206,35 @@ def test_a_misspelt_subcommand_is_named_with_the_closest_one(capsys, word, hint)
         main([word, "--repeats", "1"])
     assert exit_.value.code == 2
     assert f"unknown command {word!r}; {hint}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--softcap", "-1"], "softcap: expected a finite number >= 0"),
+    (["--window=-5,2"], "window_size: expected each bound >= 0, or -1 for unbounded, got (-5, 2)"),
+    (["--backend", "nonexistent"], "(nonexistent: no such backend (registered: "),
+    (["--array", "torch", "--device", "nonsense"], "--device nonsense: "),
+])
+def test_explain_turns_a_bad_option_into_one_error_line(capsys, flags, words):
+    """The library's AttentionInputError and NoBackendError, and torch's refusal of a device, used to end explain in
+    a traceback; bench words the same mistakes as one line with exit 2."""
+    from numba_flash.cli import main
+
+    if "torch" in flags:
+        pytest.importorskip("torch")
+    with pytest.raises(SystemExit) as exit_:
+        main(["explain", "--config", "tiny", *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "numba-flash explain: error: " in err and words in err, err
+    assert "Traceback" not in err
+
+
+def test_explain_takes_head_dims_the_library_takes(capsys):
+    """The benchmarks stop at D = 256 (the most every backend they time supports); explain only asks the registry."""
+    from numba_flash.cli import main
+
+    assert main(["explain", "--config", "tiny", "--headdim", "300"]) == 0
+    assert "D=300" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main(["explain", "--config", "tiny", "--headdim", "600"])
+    assert exit_.value.code == 2 and "headdim 600 is larger than 576, the most the library supports" in \
+        capsys.readouterr().err
