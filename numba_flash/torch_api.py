@@ -103,6 +103,18 @@ def _flash_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left,
     return tuple(torch.empty(x.shape, dtype=q.dtype, device=q.device) for x in (q, k, v)) + (dbias,)
 
 
+def _no_double_backward(what: str):
+    """An autograd formula for a backward op that raises a clear error, for a second derivative asked through it
+    (``create_graph=True`` and a gradient of the gradients): torch's own words name no formula, not the reason."""
+    def backward(ctx, *grads):
+        raise RuntimeError(f"numba_flash: {what} is not differentiable (no double backward: the gradients of "
+                           "flash_attn_func and flash_attn_varlen_func have no gradient of their own)")
+    return backward
+
+
+flash_bwd.register_autograd(_no_double_backward("the backward of flash_attn_func"))
+
+
 class FlashAttnFunc(torch.autograd.Function):
     """Autograd glue over ``flash_fwd`` / ``flash_bwd``. Always returns ``(out, lse)``; lse has no gradient.
     ``attn_bias`` gets a gradient when it requires one."""
@@ -347,6 +359,9 @@ def _flash_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
                            softmax_scale, window_left, window_right, softcap, backend, alibi_slopes=None,
                            dropout_p=0.0, dropout_seed=0):
     return tuple(torch.empty(x.shape, dtype=q.dtype, device=q.device) for x in (q, k, v))
+
+
+flash_varlen_bwd.register_autograd(_no_double_backward("the backward of flash_attn_varlen_func"))
 
 
 class FlashAttnVarlenFunc(torch.autograd.Function):

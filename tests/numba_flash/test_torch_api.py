@@ -192,3 +192,22 @@ def test_backend_choice_goes_through_the_registry(rng, monkeypatch):
     seen.clear()
     flash_attn_func(q, k, v, causal=True).sum().backward()
     assert [name for name, _ in seen] == ["cpu", "cpu"]      # no GPU here: CPU tensors go to the CPU backend
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_a_second_derivative_says_why_it_is_refused(rng, varlen):
+    """create_graph=True gives the usual gradients; differentiating those again raises numba-flash's reason (torch's
+    own error named only a missing formula)."""
+    from numba_flash import flash_attn_varlen_func
+
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, 13, 2, 8))).requires_grad_() for _ in range(3))
+    if varlen:
+        cu = torch.tensor([0, 6, 13], dtype=torch.int32)
+        out = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 7, 7, causal=True)
+    else:
+        out = flash_attn_func(q, k, v, causal=True)
+    plain, = torch.autograd.grad(out.square().sum(), q, retain_graph=True)
+    dq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    np.testing.assert_allclose(dq.detach().numpy(), plain.numpy(), rtol=0, atol=1e-12)
+    with pytest.raises(RuntimeError, match="numba_flash: the backward of flash_attn_.*func is not differentiable"):
+        dq.sum().backward()
