@@ -196,8 +196,10 @@ class Dispatcher:
         if forced is not None:
             be = _instance(self.op, forced)
             if be is None:
-                raise NoBackendError(self.op, {forced: [f"no such backend (registered: {', '.join(names(self.op))})"]},
-                                     forced=forced)
+                from_env = not (backend or self.backend or _forced.get())
+                source = f", named by the environment variable {ENV_VAR}" if from_env else ""
+                raise NoBackendError(self.op, {forced: [f"no such backend (registered: {', '.join(names(self.op))})"
+                                                        f"{source}"]}, forced=forced)
             reasons = reasons_of(be, True)
             return (None if reasons else be), {forced: reasons}, forced
         chosen, table = None, {}

@@ -99,9 +99,14 @@ def test_forcing_precedence(rng, fakes, monkeypatch):
         assert backend_registry.get(OP, backend="fast").forward(q, k, v, backend="slow") == "slow"  # call beats get
 
 
-def test_unknown_backend_and_op(rng, fakes):
-    with pytest.raises(NoBackendError, match="no such backend"):
+def test_unknown_backend_and_op(rng, fakes, monkeypatch):
+    monkeypatch.delenv(backend_registry.ENV_VAR, raising=False)
+    with pytest.raises(NoBackendError, match=r"no such backend \(registered: fast, medium, slow\)\)$"):
         fakes.forward(*_qkv(rng), backend="tpu")
+    monkeypatch.setenv(backend_registry.ENV_VAR, "tpu")   # a typo in the environment is said to come from there
+    with pytest.raises(NoBackendError, match=f"no such backend .*, named by the environment variable "
+                                             f"{backend_registry.ENV_VAR}"):
+        fakes.forward(*_qkv(rng))
     with pytest.raises(KeyError, match="unknown op"):
         backend_registry.get("no_such_op")
     with pytest.raises(ValueError, match="already registered"):
