@@ -169,3 +169,49 @@ def test_a_stage_that_is_off_reads_nothing():
     assert (x, dcap, dmod, shown, finite) == (1.5, 1.0, 1.0, True, True)
     x, _, _, shown, finite = pipeline(math.inf, 0.5, nan, nan, nan, nan, nan, True, True, 0, 0, 0, 0, 0, 0)
     assert (shown, finite) == (True, False)
+
+
+def _block_hook(x, apply, b, h, row, col, last_row, last_col):
+    """score_mod over a whole (SQ, SK) block, as the torch path's hook: where ``apply`` and the score is finite."""
+    use = apply & np.isfinite(x)
+    safe = np.where(use, x, 0.0)
+    grid = [(i, j) for i in range(SQ) for j in range(SK)]
+    modded = np.array([score_mod(s, b, h, i, j) for s, (i, j) in zip(safe.ravel(), grid)]).reshape(x.shape)
+    grad = np.array([score_mod_grad(s, b, h, i, j) for s, (i, j) in zip(safe.ravel(), grid)]).reshape(x.shape)
+    return np.where(use, modded, x), np.where(use, grad, 1.0)
+
+
+def test_a_block_build_gives_the_scalar_builds_values():
+    """The torch path's way: the same description run once on whole (Sq, Sk) arrays (``select`` and
+    ``logical_not`` over arrays, in place where it can), with every stage on, holds to the scalar build pair by
+    pair; ``scaled`` (raw carrying the scale) and ``check_finite=False`` give the same scores on finite inputs."""
+    rng = np.random.default_rng(11)
+    q, k, bias = _inputs(rng)
+    vis = visible_mask(SQ, SK, -1, -1)
+    switches = dict(softcap=True, alibi=True, bias=True, index_mods=True)
+    block = compile_with(lambda f: f, lambda raw, qmult: np.tanh(raw * qmult), float, 1.0, score_mod=_block_hook,
+                         select=np.where, logical_not=np.logical_not, **switches)
+    scalar = compile_with(lambda f: f, _py_tanh, float, 1.0, score_mod=_py_hook, **switches)
+    rows, cols = np.meshgrid(np.arange(SQ), np.arange(SK), indexing="ij")
+    mod_hidden = ~np.vectorize(mask_mod)(B_IDX, H_IDX, rows, cols)
+    extra = np.vectorize(bias_mod)(B_IDX, H_IDX, rows, cols)
+    with np.errstate(invalid="ignore", over="ignore"):
+        raw = q @ k.T
+        got = block(raw, SCALE / SOFTCAP, SOFTCAP, SLOPE, (rows + SK - SQ - cols).astype(float), bias, extra,
+                    mod_hidden, vis, B_IDX, H_IDX, SQ - 1, SK - 1, SQ - 1, SK - 1)
+        want = _grid(scalar, q, k, bias, vis, float)
+    for name, a, b in zip(("x", "dcap", "dmod", "shown", "finite"), got, want):
+        np.testing.assert_allclose(np.broadcast_to(a, b.shape), b, rtol=1e-13, atol=0, equal_nan=True, err_msg=name)
+
+    q, k = rng.standard_normal((SQ, D)), rng.standard_normal((SK, D))   # finite, so check_finite may be off
+    plain = compile_with(lambda f: f, _py_tanh, float, 1.0, softcap=False, alibi=True, bias=True, index_mods=False,
+                         select=np.where, logical_not=np.logical_not)
+    lean = compile_with(lambda f: f, _py_tanh, float, 1.0, softcap=False, alibi=True, bias=True, index_mods=False,
+                        select=np.where, logical_not=np.logical_not, scaled=True, bias_hides=False, chain=False,
+                        check_finite=False)
+    finite_bias = rng.standard_normal((SQ, SK))
+    args = (SLOPE, (rows + SK - SQ - cols).astype(float), finite_bias, 0.0, False, True, 0, 0, 0, 0, 0, 0)
+    x, *_, shown, finite = plain(q @ k.T, SCALE, 0.0, *args)
+    x_lean, *_, shown_lean, finite_lean = lean((q * SCALE) @ k.T, 1.0, 0.0, *args)
+    np.testing.assert_allclose(x_lean, x, rtol=1e-13, atol=1e-14)
+    assert shown_lean is True and finite_lean is True and np.all(shown) and np.all(finite)
