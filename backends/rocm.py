@@ -280,12 +280,17 @@ class _Terms:
             def hook(x, apply, b, h, q0, k0, q1, k1):
                 return mods.score(x, apply, q0, q1, k0, k1, grad)
 
+            # The block of raw scores is this module's own; the pipeline reads it after softcap's tanh only to
+            # tell which products were finite, so without that check tanh may overwrite it.
+            check = careful and (not grad or self.score_mod)
+            tanh = (lambda raw, qmult: torch.tanh(raw * qmult)) if check else \
+                (lambda raw, qmult: raw.mul_(qmult).tanh_())
             self._pipelines[key] = compile_with(
-                lambda f: f, lambda raw, qmult: torch.tanh(raw * qmult), float, 1.0,
+                lambda f: f, tanh, float, 1.0,
                 softcap=self.call.softcap > 0, alibi=self.alibi is not None, bias=self.bias is not None,
                 index_mods=self.index_mods, score_mod=hook if self.score_mod else None, select=_select,
                 logical_not=_logical_not, scaled=True, bias_hides=self.bias is not None and self.bias.hides,
-                chain=grad, check_finite=careful and (not grad or self.score_mod))
+                chain=grad, check_finite=check)
         return self._pipelines[key]
 
     def slopes(self, q0: int, q1: int) -> Any:
