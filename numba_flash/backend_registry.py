@@ -136,10 +136,17 @@ def refresh_entry_points() -> None:
     _load_entry_points(refresh=True)
 
 
-def backends(op: str) -> list[Backend]:
-    """Every backend registered for ``op``, highest priority first."""
+def _known_op(op: str) -> None:
+    """KeyError naming the registered ops unless ``op`` is one (entry points read first)."""
     _load_entry_points()
-    names = list(_targets.get(op, {}))
+    if op not in _targets:
+        raise KeyError(f"unknown op {op!r}; registered ops: {', '.join(sorted(k for k in _targets if k != '*'))}")
+
+
+def backends(op: str) -> list[Backend]:
+    """Every backend registered for ``op``, highest priority first; KeyError for an op nobody registered."""
+    _known_op(op)
+    names = list(_targets[op])
     found = [be for be in (_instance(op, n) for n in names) if be is not None]
     return sorted(found, key=lambda be: -be.PRIORITY)
 
@@ -165,9 +172,7 @@ def use(backend: str | None) -> Iterator[None]:
 
 def get(op: str, backend: str | None = None) -> "Dispatcher":
     """The dispatcher of ``op``; ``backend`` forces one backend for every call made through it."""
-    _load_entry_points()
-    if op not in _targets:
-        raise KeyError(f"unknown op {op!r}; registered ops: {', '.join(sorted(k for k in _targets if k != '*'))}")
+    _known_op(op)
     return Dispatcher(op, backend)
 
 

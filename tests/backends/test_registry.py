@@ -107,8 +107,9 @@ def test_unknown_backend_and_op(rng, fakes, monkeypatch):
     with pytest.raises(NoBackendError, match=f"no such backend .*, named by the environment variable "
                                              f"{backend_registry.ENV_VAR}"):
         fakes.forward(*_qkv(rng))
-    with pytest.raises(KeyError, match="unknown op"):
-        backend_registry.get("no_such_op")
+    for ask in (backend_registry.get, backend_registry.available, backend_registry.names):
+        with pytest.raises(KeyError, match="unknown op 'no_such_op'; registered ops: "):
+            ask("no_such_op")   # available() and names() answered [] for a misspelt op
     with pytest.raises(ValueError, match="already registered"):
         backend_registry.register(OP, "fast", Fast)
 
