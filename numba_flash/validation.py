@@ -224,6 +224,12 @@ def _check_bool(name: str, value: Any) -> bool:
     return bool(value)
 
 
+def check_deterministic(value: Any) -> bool:
+    """``deterministic``, accepted by every entry point as the contract says: every backend's backward is bitwise
+    reproducible run to run already (no atomics), so True changes nothing; a value that is not a bool is refused."""
+    return _check_bool("deterministic", value)
+
+
 def _check_options(causal: Any, softmax_scale: Any, window_size: Any, softcap: Any, layout: Any,
                    return_lse: Any) -> tuple[bool, Any, tuple[int, int], float, str, bool]:
     if not isinstance(layout, str) or layout not in LAYOUTS:

@@ -119,3 +119,22 @@ def test_deterministic_backward_is_bitwise_reproducible(rng, backend):
     q, k, v = base
     for g, want in zip(grads[0], attention_ref_backward(dout, q, k, v, causal=True)):
         assert np.linalg.norm(g.double().numpy() - want) <= 1e-5 * np.linalg.norm(want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_registry_faces_take_deterministic_too(rng, backend):
+    """design.md: ``deterministic`` is an extra argument of forward and backward as of flash_attn_func, accepted
+    everywhere; op.forward / op.backward / op.explain refused it as an unknown keyword."""
+    q, k, v = (x.numpy() for x in _qkv(rng, 2, 37, 45, 4, 2, 16))
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    op = backend_registry.get("flash", backend=backend)
+    out, lse = op.forward(q, k, v, causal=True, return_lse=True, deterministic=True)
+    runs = [op.backward(dout, q, k, v, out, lse, causal=True, deterministic=flag) for flag in (True, True, False)]
+    for other in runs[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(runs[0], other))
+    np.testing.assert_allclose(out, attention_ref(q, k, v, causal=True)[0], atol=2e-5, rtol=0)
+    assert "chosen: " + backend in op.explain(q, k, v, deterministic=True)
+    with pytest.raises(AttentionInputError, match="^deterministic: expected a bool, got 'yes'"):
+        op.forward(q, k, v, deterministic="yes")
+    with pytest.raises(AttentionInputError, match="^deterministic: expected a bool, got 1"):
+        op.backward(dout, q, k, v, out, lse, causal=True, deterministic=1)
