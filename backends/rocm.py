@@ -8,7 +8,8 @@ Numba has no AMD GPU target, so on AMD hardware the work is done by torch itself
 * otherwise a blockwise online-softmax written with torch ops: query blocks and key blocks in Python loops, running
   max and sum in float32 (float64 for float64 inputs), at most one block of scores alive per head, and key blocks
   outside the causal/window band never computed. Each block's scores go through ``numba_flash.score_pipeline``
-  (softcap, ALiBi, attn_bias, the mods), the description the CUDA and CPU kernels compile too (``_Terms``). The backward recomputes each block of probabilities from the lse.
+  (softcap, ALiBi, attn_bias, the mods), the description the CUDA and CPU kernels compile too (``_Terms``).
+  The backward recomputes each block of probabilities from the lse.
   Dropout makes each block's mask from the Philox counters of ``numba_flash.dropout``, in the forward and again in
   the backward; SDPA, whose dropout has its own generator, is not used with it.
 
