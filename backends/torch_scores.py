@@ -122,10 +122,10 @@ class BlockMods:
 
         pre = from_rows(s, self.call).to(device="cpu", dtype=torch.float64).numpy()
         use = np.isfinite(pre)
-        if isinstance(apply, bool):
-            use &= apply
-        else:
+        if not isinstance(apply, bool):
             use &= from_rows(apply, self.call).cpu().numpy()
+        elif not apply:
+            use[...] = False
         safe = np.where(use, pre, 0.0)
         new = np.where(use, self._eval("score_mod", q0, q1, k0, k1, safe), pre)
         back = lambda a: to_rows(torch.from_numpy(a), self.call).to(s)  # noqa: E731
