@@ -22,7 +22,7 @@ from numba_flash.arguments import checked_arguments
 from numba_flash import backend_registry
 from numba_flash.errors import AttentionInputError
 from numba_flash.kvcache import validate_kvcache
-from numba_flash.validation import _bad, _finite_real, _short_repr, check_dropout, validate_forward
+from numba_flash.validation import _bad, _finite_real, _short_repr, check_deterministic, check_dropout, validate_forward
 
 __all__ = ["flash_attn_func", "FlashAttnFunc", "flash_attn_varlen_func", "FlashAttnVarlenFunc",
            "flash_attn_with_kvcache"]
@@ -167,8 +167,7 @@ def _check_flash_attn_extras(dropout_p: Any, dropout_seed: Any, alibi_slopes: An
     if alibi_slopes is not None and not alibi_ok:
         got = f"shape {tuple(alibi_slopes.shape)}" if hasattr(alibi_slopes, "shape") else _short_repr(alibi_slopes)
         raise _bad("alibi_slopes", "None (ALiBi is not implemented here yet)", got)
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise _bad("deterministic", "a bool", _short_repr(deterministic))
+    check_deterministic(deterministic)
     if not isinstance(return_attn_probs, (bool, np.bool_)):
         raise _bad("return_attn_probs", "a bool", _short_repr(return_attn_probs))
     if return_attn_probs:

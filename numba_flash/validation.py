@@ -226,8 +226,11 @@ def _check_bool(name: str, value: Any) -> bool:
 
 def check_deterministic(value: Any) -> bool:
     """``deterministic``, accepted by every entry point as the contract says: every backend's backward is bitwise
-    reproducible run to run already (no atomics), so True changes nothing; a value that is not a bool is refused."""
-    return _check_bool("deterministic", value)
+    reproducible run to run already (no atomics), so True changes nothing; a value that is not a bool is refused
+    (the same words from op.forward / op.backward and from flash_attn_func)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise _bad("deterministic", "a bool", _short_repr(value))
+    return bool(value)
 
 
 def _check_options(causal: Any, softmax_scale: Any, window_size: Any, softcap: Any, layout: Any,
