@@ -35,9 +35,10 @@ from __future__ import annotations
 from numba import config
 
 __all__ = ["mma_f16", "mma_bf16", "mma_tf32", "ldmatrix_x4", "ldmatrix_x4_trans", "ldmatrix_x2",
-           "ldmatrix_x2_trans", "lds_v4", "sts_u32", "cp_async_16", "cp_async_16_at", "cp_async_commit", "cp_async_wait_all",
-           "cp_async_wait_one", "shfl_xor", "pack_f16x2", "pack_bf16x2", "float_to_tf32", "probe_f16x2",
-           "probe_bf16x2", "exp2_approx", "rcp_approx", "tanh_approx", "MIN_COMPUTE_CAPABILITY"]
+           "ldmatrix_x2_trans", "lds_v4", "lds_u32", "sts_u32", "cp_async_16", "cp_async_16_at", "cp_async_commit",
+           "cp_async_wait_all", "cp_async_wait_one", "shfl_xor", "pack_f16x2", "pack_bf16x2", "float_to_tf32",
+           "bits_to_tf32", "probe_f16x2", "probe_bf16x2", "exp2_approx", "rcp_approx", "tanh_approx",
+           "MIN_COMPUTE_CAPABILITY"]
 
 #: mma.sync with float16/bfloat16 inputs, ldmatrix and cp.async need sm_80 (Ampere) or newer (float16 mma.m16n8k16
 #: exists on sm_75, but bfloat16, cp.async and the kernels' tile pipeline do not).
@@ -45,6 +46,7 @@ MIN_COMPUTE_CAPABILITY = (8, 0)
 
 if config.ENABLE_CUDASIM:
     from .warp_sim import (  # noqa: F401  (re-exported)
+        bits_to_tf32,
         cp_async_16,
         cp_async_16_at,
         cp_async_commit,
@@ -56,6 +58,7 @@ if config.ENABLE_CUDASIM:
         ldmatrix_x2_trans,
         ldmatrix_x4,
         ldmatrix_x4_trans,
+        lds_u32,
         lds_v4,
         mma_bf16,
         mma_f16,
@@ -71,6 +74,7 @@ if config.ENABLE_CUDASIM:
     )
 else:
     from .warp_ptx import (  # noqa: F401  (re-exported)
+        bits_to_tf32,
         cp_async_16,
         cp_async_16_at,
         cp_async_commit,
@@ -82,6 +86,7 @@ else:
         ldmatrix_x2_trans,
         ldmatrix_x4,
         ldmatrix_x4_trans,
+        lds_u32,
         lds_v4,
         mma_bf16,
         mma_f16,

@@ -185,6 +185,22 @@ def lds_v4(typingctx, smem, index):
 
 
 @intrinsic
+def lds_u32(typingctx, smem, index):
+    """``ld.shared.b32``: the 32-bit word at elements ``index`` (even: 4-byte aligned) and ``index + 1`` of a 1-D
+    shared array of 16-bit elements, the lower-indexed one in the low half (a float32 kept as two halves)."""
+    _check_shared_array("lds_u32", smem, index)
+    sig = types.uint32(smem, index)
+
+    def codegen(context, builder, sig, args):
+        addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        asm = ir.InlineAsm(ir.FunctionType(_I32, [_I32]), "ld.shared.b32 $0, [$1];", "=r,r,~{memory}",
+                           side_effect=True)
+        return builder.call(asm, [addr])
+
+    return sig, codegen
+
+
+@intrinsic
 def sts_u32(typingctx, smem, index, word):
     """``st.shared.b32``: ``word`` into elements ``index`` (even: 4-byte aligned) and ``index + 1`` of a 1-D shared
     array of 16-bit elements, low half first (two packed float16 or bfloat16 values in one store)."""
@@ -365,6 +381,23 @@ def float_to_tf32(typingctx, x):
         v = context.cast(builder, args[0], sig.args[0], types.float32)
         asm = ir.InlineAsm(ir.FunctionType(_I32, [_F32]), "cvt.rna.tf32.f32 $0, $1;", "=r,f", side_effect=False)
         return builder.call(asm, [v])
+
+    return sig, codegen
+
+
+@intrinsic
+def bits_to_tf32(typingctx, word):
+    """``cvt.rna.tf32.f32`` of the float32 whose bits are ``word``: as ``float_to_tf32``, for data that arrived as
+    bits (a tile ``cp.async`` copied)."""
+    if not isinstance(word, types.Integer):
+        raise TypingError(f"bits_to_tf32: expected a 32-bit integer word, got {word}")
+    sig = types.uint32(word)
+
+    def codegen(context, builder, sig, args):
+        value = context.cast(builder, args[0], sig.args[0], types.uint32)
+        asm = ir.InlineAsm(ir.FunctionType(_I32, [_I32]),
+                           "{ .reg .f32 x; mov.b32 x, $1; cvt.rna.tf32.f32 $0, x; }", "=r,r", side_effect=False)
+        return builder.call(asm, [value])
 
     return sig, codegen
 

@@ -259,6 +259,14 @@ def lds_v4(smem, index):
 
 
 @cuda.jit(device=True)
+def lds_u32(smem, index):
+    at = int(index)
+    if at % 2:
+        raise RuntimeError(f"lds_u32: element index {at} is not 4-byte aligned (even)")
+    return np.uint32(int(smem[at]) | (int(smem[at + 1]) << 16))
+
+
+@cuda.jit(device=True)
 def sts_u32(smem, index, word):
     at = int(index)
     if at % 2:
@@ -420,9 +428,17 @@ def pack_bf16x2(lo, hi):
 
 
 @cuda.jit(device=True)
+def bits_to_tf32(word):
+    """float_to_tf32 of the float32 whose bits are ``word``."""
+    return float_to_tf32(np.uint32(word).view(np.float32))
+
+
+@cuda.jit(device=True)
 def float_to_tf32(x):
-    """float32 rounded to tf32 (10 mantissa bits, nearest, ties away from zero), as its 32-bit pattern."""
+    """float32 rounded to tf32 (10 mantissa bits, nearest, ties away from zero), as its 32-bit pattern. inf and NaN
+    are not rounded, only cut to 10 mantissa bits, as the hardware's cvt.rna.tf32.f32 does (its SASS: no carry
+    for them, then the same mask): a NaN whose payload lies only in the low 13 bits becomes inf."""
     u = int(np.float32(x).view(np.uint32))
-    if (u & 0x7F800000) == 0x7F800000:   # inf and NaN keep their bits
-        return np.uint32(u)
+    if (u & 0x7F800000) == 0x7F800000:
+        return np.uint32(u & 0xFFFFE000)
     return np.uint32((u + 0x1000) & 0xFFFFE000)

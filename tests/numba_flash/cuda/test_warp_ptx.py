@@ -35,7 +35,7 @@ def _kernel():
         r = warp.mma_f16(a0, a1, a2, a3, b0, b1, zero, zero, zero, zero)
         r = warp.mma_bf16(a0, a1, c0, c1, b2, b3 ^ e0 ^ e1, r[0], r[1], r[2], r[3])
         x = warp.shfl_xor(r[0], 1)
-        tf = warp.float_to_tf32(r[3])
+        tf = warp.float_to_tf32(r[3]) ^ warp.bits_to_tf32(warp.lds_u32(smem, t * 2))
         r = warp.mma_tf32(tf, tf, tf, tf, tf, tf, x, r[1], r[2], r[3])
         out[t, 0] = r[0]
         out[t, 1] = float32(warp.pack_f16x2(x, r[1]))
@@ -65,7 +65,7 @@ def test_every_primitive_becomes_its_instruction(cc):
                  "cvt.rn.f16x2.f32", "cvt.rn.bf16x2.f32", "cvt.rna.tf32.f32", "shfl.sync.bfly",
                  "ld.shared.v4.b32", "fma.rn.f16x2", "fma.rn.bf16x2", "ex2.approx.ftz.f32", "rcp.approx.ftz.f32",
                  "tanh.approx.f32",
-                 "st.shared.b32", "cp.async.wait_group 1"):
+                 "st.shared.b32", "cp.async.wait_group 1", "ld.shared.b32"):
         assert text in ptx, text
     cubin, log = link(ptx, cc)
     ops = [i.opcode for f in parse(disassemble(cubin)) for i in f.instructions]

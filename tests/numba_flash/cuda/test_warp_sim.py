@@ -341,11 +341,18 @@ def test_shfl_xor_returns_the_partner_lanes_value(rng):
 
 
 @cuda.jit
-def pack_kernel(x, f16, bf16, tf32):
+def pack_kernel(x, f16, bf16, tf32, tf32_bits):
     i = cuda.threadIdx.x
     f16[i] = warp.pack_f16x2(x[i, 0], x[i, 1])
     bf16[i] = warp.pack_bf16x2(x[i, 0], x[i, 1])
     tf32[i] = warp.float_to_tf32(x[i, 0])
+    # the same rounding from the float's bits, through a shared word of two 16-bit slots, low half first
+    smem = cuda.shared.array(64, uint16)
+    bits = x[i, 0:1].view(np.uint32)[0]
+    smem[2 * i] = uint16(bits & 0xFFFF)
+    smem[2 * i + 1] = uint16(bits >> 16)
+    cuda.syncthreads()
+    tf32_bits[i] = warp.bits_to_tf32(warp.lds_u32(smem, 2 * i))
 
 
 def test_packing_rounds_to_nearest_even_low_half_first(rng):
@@ -353,8 +360,9 @@ def test_packing_rounds_to_nearest_even_low_half_first(rng):
     x[0] = [np.inf, -np.inf]
     x[1] = [np.nan, 70000.0]          # 70000 overflows float16 to inf
     x[2] = [1 + 2 ** -11, 1 + 3 * 2 ** -11]   # float16 ties: to even, 1.0 and 1 + 2**-9
-    f16, bf16, tf32 = (np.zeros(32, np.uint32) for _ in range(3))
-    _launch(pack_kernel, 32, x, f16, bf16, tf32)
+    x[3, 0] = np.uint32(0x7F800001).view(np.float32)   # a NaN whose payload lies below TF32's bits: cut to inf
+    f16, bf16, tf32, tf32_bits = (np.zeros(32, np.uint32) for _ in range(4))
+    _launch(pack_kernel, 32, x, f16, bf16, tf32, tf32_bits)
     lo, hi = (f16 & 0xFFFF).astype(np.uint16).view(np.float16), (f16 >> 16).astype(np.uint16).view(np.float16)
     with np.errstate(over="ignore"):
         np.testing.assert_array_equal(lo, x[:, 0].astype(np.float16))
@@ -365,10 +373,11 @@ def test_packing_rounds_to_nearest_even_low_half_first(rng):
     finite = np.isfinite(x) | np.isinf(x)
     np.testing.assert_array_equal(got[finite], want[finite])
     assert np.isnan((got[~finite] << 16).astype(np.uint32).view(np.float32)).all()
-    # tf32: 10 mantissa bits, nearest with ties away from zero (cvt.rna)
+    # tf32: 10 mantissa bits, nearest with ties away from zero (cvt.rna); inf and NaN cut, not rounded
     mant = x[:, 0].view(np.uint32)
-    expect = np.where(np.isfinite(x[:, 0]), (mant.astype(np.uint64) + 0x1000) & 0xFFFFE000, mant)
+    expect = np.where(np.isfinite(x[:, 0]), (mant.astype(np.uint64) + 0x1000) & 0xFFFFE000, mant & 0xFFFFE000)
     np.testing.assert_array_equal(tf32, expect.astype(np.uint32))
+    np.testing.assert_array_equal(tf32_bits, expect.astype(np.uint32))
 
 
 @cuda.jit
