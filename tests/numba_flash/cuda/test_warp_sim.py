@@ -311,9 +311,11 @@ def test_exp2_reciprocal_tanh_and_sts_u32_stores_low_half_first(rng):
         _launch(special_kernel, 32, x, ex2, rcp, tanh, words, out)
         want_ex2 = np.exp2(x.astype(np.float64))
         want_rcp = 1.0 / x.astype(np.float64)
-    tiny = np.abs(want_ex2) < 2.0 ** -126
-    assert np.all(ex2[tiny] == 0) and ex2[0] == 0 and ex2[2] == 0
-    np.testing.assert_allclose(ex2[~tiny], want_ex2[~tiny], rtol=2e-7)
+    # x is N(0, 40): about one run in 50 has an x past 128, where 2**x overflows float32 to inf (as ex2.approx
+    # does); numpy's float32 exp2 is within 2.5 ulp (3e-7) of the float64 one elsewhere.
+    tiny, huge = np.abs(want_ex2) < 2.0 ** -126, want_ex2 > np.finfo(np.float32).max
+    assert np.all(ex2[tiny] == 0) and ex2[0] == 0 and ex2[2] == 0 and np.all(ex2[huge] == np.inf)
+    np.testing.assert_allclose(ex2[~tiny & ~huge], want_ex2[~tiny & ~huge], rtol=3e-7)
     assert rcp[1] == np.inf
     np.testing.assert_allclose(rcp[3:], want_rcp[3:], rtol=2e-7)
     np.testing.assert_allclose(tanh, np.tanh(x.astype(np.float64) / 40.0), rtol=1e-6, atol=1e-7)
