@@ -27,9 +27,10 @@ def inputs(rng, dtype, b, sq, sk, hq, hkv, d, scale=1.0):
     return tensors, [t.double().numpy() for t in tensors]
 
 
-def naive_same_dtype(q, k, v, dout=None, **kw):
+def naive_same_dtype(q, k, v, dout=None, round_p=None, **kw):
     """Attention computed plainly in q's dtype (torch on the CPU): scores, mask, softmax (then dropout) and P V each
     rounded to the dtype, the yardstick flash-attn's tests hold a kernel to. Same semantics as the reference.
+    ``round_p``: None, or what rounds the probabilities before ``P V`` (TF32's operand rounding; no gradient).
     Returns out in float64, and with ``dout`` also (dq, dk, dv) by torch's autograd in the same dtype."""
     from numba_flash.semantics import visible_mask
 
@@ -79,6 +80,8 @@ def naive_same_dtype(q, k, v, dout=None, **kw):
 
         keep = torch.from_numpy(dropout_mask(kw["dropout_seed"], batch, hq, sq, sk, kw["dropout_p"]))
         p = p * (keep.to(p.dtype) * (1.0 / (1.0 - kw["dropout_p"])))
+    if round_p is not None:
+        p = round_p(p.detach())
     out = (p @ vt).transpose(1, 2)
     if dout is None:
         return out.detach().double().numpy()
@@ -93,6 +96,28 @@ def mod_grid(fn, batch, heads, sq, sk, scores=None):
     for b, h, i, j in np.ndindex(grid.shape):
         grid[b, h, i, j] = fn(b, h, i, j) if scores is None else fn(float(scores[b, h, i, j]), b, h, i, j)
     return grid
+
+
+def break_small_tiles(monkeypatch, factory_name, corrupt):
+    """Make ``numba_flash.cuda.launch``'s kernel factory ``factory_name`` build, for 16-row tiles, a kernel whose
+    output (argument 3) ``corrupt`` then spoils (given the device array, writing it in place): the self-check must
+    catch it and fall back to another tile config."""
+    from numba_flash.cuda import launch
+
+    real = getattr(launch, factory_name)
+
+    class Broken:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, launch_config):
+            def run(*args):
+                self.kernel[launch_config](*args)
+                corrupt(args[3])
+            return run
+
+    monkeypatch.setattr(launch, factory_name, lambda cfg, *f, **kw: Broken(real(cfg, *f, **kw))
+                        if cfg.block_m == 16 else real(cfg, *f, **kw))
 
 
 def rel_l2(got, want):

@@ -26,10 +26,9 @@ float32.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
-from numba import config, cuda, float32, int32, int64, uint16, uint32, uint64
+from numba import config, cuda, float32, int32, int64, uint16, uint32
 
 from . import warp
 from .block_tiles import make_tile_skip, next_key_tile
@@ -37,11 +36,11 @@ from .config import FlashAttentionConfig
 from .dtypes import load_bf16, load_f16_bits
 from .masks import bias_head, make_score_mod_hides, make_visible
 from .sequences import make_locate
-from .tc_scores import make_keep_bits, make_kept_factor, make_mod_stage, make_score, staged_value, staged_words
+from .tc_scores import staged_words
+from .tc_softmax import (finish_rows, make_key_range, make_online_softmax, make_row_start, make_tile_scores,
+                         make_tile_start)
 from .tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
-from .user_mods import NO_MODS, CudaMods, make_score_mod
-
-LN2 = math.log(2.0)
+from .user_mods import NO_MODS, CudaMods
 SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16   # cp.async and ldmatrix move 16-byte aligned chunks
 #: Exponent bits of a 16-bit float: all set means inf or NaN.
 EXPONENT_BITS = {False: 0x7C00, True: 0x7F80}        # float16, bfloat16
@@ -89,33 +88,32 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
     Q_WORDS = CHUNK if Q_IN_REGS else BLOCK_M * HEAD_DIM   # Q's own tile only when it stays in shared memory
     Q_PASSES, KV_PASSES = copy_passes(BLOCK_M, HEAD_DIM, NT), copy_passes(BLOCK_N, HEAD_DIM, NT)
     PER_ROW, ROW_STEP = HEAD_DIM // CHUNK, copy_row_step(HEAD_DIM, NT)
-    HAS_LEFT, HAS_RIGHT, ALIBI, DROPOUT = has_left, has_right, alibi, dropout
+    ALIBI = alibi
     EXP, NAN_BITS = EXPONENT_BITS[bf16], QUIET_NAN_BITS[bf16]
     ALIGN = SMEM_ALIGN
     MMA = warp.mma_bf16 if bf16 else warp.mma_f16
     PACK = warp.pack_bf16x2 if bf16 else warp.pack_f16x2
     PROBE = warp.probe_bf16x2 if bf16 else warp.probe_f16x2
-    kept_factor = make_kept_factor(dropout)
-    keep_bits = make_keep_bits(N_TILES)
     copy_q = make_tile_copy(BLOCK_M, HEAD_DIM, NT, async_copy)
     copy_kv = make_tile_copy(BLOCK_N, HEAD_DIM, NT, async_copy)
     smem_index = make_smem_index(HEAD_DIM)
     sees = make_visible(has_left, has_right, has_bias, mods)
     # The mods run outside the score loop (tc_scores.make_mod_stage): mask_mod and bias_mod staged ahead of it,
-    # score_mod in a loop of its own after the masks.
-    score = make_score(softcap, alibi, has_bias)
-    INDEX_MODS, SCORE_MOD, MOD_WORDS = mods.stages_tile, mods.score_mod is not None, staged_words(N_TILES, NT, mods)
-    stage_mods = make_mod_stage(N_TILES, NT, mods)
+    # score_mod in a loop of its own after the masks (tc_softmax.make_tile_scores).
+    key_range = make_key_range(has_left, has_right, BLOCK_N)
+    scores = make_tile_scores(N_TILES, NT, has_left, has_right, softcap, alibi, has_bias, mods)
+    softmax = make_online_softmax(N_TILES, D_TILES, dropout)
+    start_rows = make_row_start(D_TILES)
+    tile_start = make_tile_start(N_TILES, NT, dropout, mods)
+    MOD_WORDS = staged_words(N_TILES, NT, mods)
     BLOCK_TILES = mods.block_tiles
     tile_skip = make_tile_skip(BLOCK_TILES)
     locate = make_locate(varlen)
-    score_mod = make_score_mod(mods)
     score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, load_bf16 if bf16 else load_f16_bits)
 
     def flash_tc_forward_kernel(q, k, v, out, lse, seqlen_q, seqlen_k, head_dim, group, window_left,
                                 window_right, qmult, capmult, slopes, bias, seed_lo, seed_hi, threshold, dscale,
                                 batch0, tiles, seqs):
-        neg_inf, inf, nan = float32(-math.inf), float32(math.inf), float32(math.nan)
         t = cuda.threadIdx.x
         lane = uint32(t % 32)
         warp_row0 = 16 * (t // 32)                 # this warp's first row in the tile
@@ -144,34 +142,11 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
         acc = cuda.local.array((D_TILES, 4), float32)
         m_i = cuda.local.array(2, float32)         # running max of rows top and top + 8, log2 units
         l_i = cuda.local.array(2, float32)         # this lane's part of their running sums
-        for jd in range(D_TILES):
-            for r in range(4):
-                acc[jd, r] = float32(0.0)
-        for half in range(2):
-            m_i[half] = neg_inf
-            l_i[half] = float32(0.0)
+        start_rows(acc, m_i, l_i)
 
-        # Keys any row of the tile can see; rows' ranges only move right, so the first and last rows bound them.
-        offset = seqlen_k - seqlen_q
-        last_row = min(m0 + BLOCK_M, seqlen_q) - 1
-        lo = 0
-        hi = seqlen_k
-        if HAS_LEFT:
-            lo = max(0, m0 + offset - window_left)
-        if HAS_RIGHT:
-            hi = min(seqlen_k, last_row + offset + window_right + 1)
-        n_start = (lo // BLOCK_N) * BLOCK_N
+        offset, lo, hi, n_start, full_lo, full_hi = key_range(m0, m0 + warp_row0, BLOCK_M, seqlen_q, seqlen_k,
+                                                              window_left, window_right)
         lane_col = 2 * int32(tq)                   # this lane's first column in every 8-key tile
-        # The warp's rows all see every key of tiles in [full_lo, full_hi): no mask there (rows past the sequence
-        # compute on zeros and are never stored).
-        warp_first = m0 + warp_row0
-        warp_last = warp_first + 15
-        full_lo = 0
-        full_hi = seqlen_k - seqlen_k % BLOCK_N
-        if HAS_LEFT:
-            full_lo = warp_last + offset - window_left
-        if HAS_RIGHT:
-            full_hi = min(full_hi, warp_first + offset + window_right + 1)
 
         # This thread's share of every tile copy: chunk column c0 of rows r0, r0 + ROW_STEP, ...; byte offsets of
         # (batch, head) in each array, the tile's row added per tile.
@@ -220,15 +195,9 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                         tile_offset(v, ab, k0 + n0, hk), v.strides[1], ab, hk)
             warp.cp_async_commit()
 
-            if INDEX_MODS:   # on a FULL tile mask_mod shows every key: not evaluated
-                stage_mods(mod_slots, t, b, h, row_top, n0 + lane_col, seqlen_q, seqlen_k, not full_tile)
-            kept = uint64(0)
-            if DROPOUT:   # ahead of the products, while only the mask's register is live beside the accumulators
-                kept = keep_bits(seed_lo, seed_hi, threshold, b + batch0, h, row_top, n0 + lane_col)
+            kept = tile_start(s, mod_slots, t, b, h, row_top, n0 + lane_col, seqlen_q, seqlen_k, full_tile, seed_lo,
+                              seed_hi, threshold, batch0)
             # S = Q K^T: per 16-wide step of the head dim, one ldmatrix gives two 8-key tiles' B fragments.
-            for j in range(N_TILES):
-                for r in range(4):
-                    s[j, r] = float32(0.0)
             for kk in range(D_STEPS):
                 if Q_IN_REGS:
                     a0, a1, a2, a3 = q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3]
@@ -244,72 +213,9 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                     s[j + 1, 0], s[j + 1, 1], s[j + 1, 2], s[j + 1, 3] = MMA(
                         a0, a1, a2, a3, b2, b3, s[j + 1, 0], s[j + 1, 1], s[j + 1, 2], s[j + 1, 3])
 
-            # Scores in log2 units (tc_scores.py: a visible one whose raw product is not finite is NaN, which the
-            # row's sum carries to its output and lse; a -inf bias hides its pair).
-            for half in range(2):
-                row = row_top + 8 * half
-                distance0 = float32(row + offset - lane_col - n0)   # ALiBi's, at the lane's first column
-                for j in range(N_TILES):
-                    for c in range(2):
-                        col = 8 * j + c
-                        x, _ = score(s[j, 2 * half + c], qmult, capmult, slope, distance0 - float32(col), bias_h,
-                                     row, n0 + lane_col + col, b, h, seqlen_q, seqlen_k, True)
-                        if INDEX_MODS:
-                            x = staged_value(x, mod_slots[(4 * j + 2 * half + c) * NT + t])
-                        s[j, 2 * half + c] = x
-            tile_edge = (n0 < full_lo) | (n0 + BLOCK_N > full_hi)
-            if tile_edge:
-                # Keys past the sequence or outside a row's band: -inf, whatever they computed. Bounds relative to
-                # the lane's first column of the tile, so that each element's column is a constant.
-                for half in range(2):
-                    row = row_top + 8 * half
-                    first = -n0 - lane_col
-                    last = seqlen_k - 1 - n0 - lane_col
-                    if HAS_LEFT:
-                        first = max(first, row + offset - window_left - n0 - lane_col)
-                    if HAS_RIGHT:
-                        last = min(last, row + offset + window_right - n0 - lane_col)
-                    for j in range(N_TILES):
-                        for c in range(2):
-                            col = 8 * j + c          # past the lane's first column: a constant
-                            seen = (col >= first) & (col <= last)
-                            s[j, 2 * half + c] = s[j, 2 * half + c] if seen else neg_inf
-            if SCORE_MOD:   # on the visible finite scores (the masked ones are -inf by now)
-                for half in range(2):
-                    row = row_top + 8 * half
-                    for j in range(N_TILES):
-                        for c in range(2):
-                            col = n0 + lane_col + 8 * j + c
-                            s[j, 2 * half + c], _ = score_mod(s[j, 2 * half + c], (row < seqlen_q) & (col < seqlen_k),
-                                                              b, h, row, col, seqlen_q - 1, seqlen_k - 1)
-
-            # Online softmax, rows top (registers 0, 1) and top + 8 (2, 3). max ignores NaN; the row's sum does not.
-            # The accumulators are rescaled in a loop of their own: indexed by ``half`` inside this one, they would
-            # get a runtime index wherever the compiler keeps the loop rolled, and move to local memory.
-            alpha = cuda.local.array(2, float32)
-            for half in range(2):
-                tile_max = neg_inf
-                for j in range(N_TILES):
-                    for c in range(2):
-                        tile_max = max(tile_max, s[j, 2 * half + c])
-                tile_max = max(tile_max, warp.shfl_xor(tile_max, 1))
-                tile_max = max(tile_max, warp.shfl_xor(tile_max, 2))
-                m_new = max(m_i[half], tile_max)
-                # A row with nothing visible yet keeps max -inf; exp2 against 0 then gives 0, never NaN.
-                m_use = m_new if m_new != neg_inf else float32(0.0)
-                alpha[half] = warp.exp2_approx(m_i[half] - m_use)
-                total = float32(0.0)
-                for j in range(N_TILES):
-                    for c in range(2):
-                        p = warp.exp2_approx(s[j, 2 * half + c] - m_use)
-                        total += p
-                        # The sum is the softmax's; P V takes the kept probabilities, scaled.
-                        s[j, 2 * half + c] = p * kept_factor(kept, 4 * j + 2 * half + c, dscale)
-                l_i[half] = l_i[half] * alpha[half] + total
-                m_i[half] = m_new
-            for jd in range(D_TILES):
-                for r in range(4):
-                    acc[jd, r] *= alpha[r >> 1]
+            scores(s, mod_slots, t, row_top, n0, lane_col, offset, full_lo, full_hi, qmult, capmult, slope, bias_h,
+                   b, h, seqlen_q, seqlen_k, window_left, window_right)
+            softmax(s, acc, m_i, l_i, kept, dscale)
             # P's C fragments of 8-key tiles 2k and 2k + 1 are the A fragment of 16-key step k.
             for kk in range(KEY_STEPS):
                 p_frag[kk, 0] = PACK(s[2 * kk, 0], s[2 * kk, 1])
@@ -369,19 +275,7 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
         # The output goes through shared memory (Q's tile, free now) so that a thread stores whole 16-byte chunks
         # of a row, and so that the accumulators are read once, at constant indices, by a short loop.
         inv = cuda.local.array(2, float32)
-        for half in range(2):
-            total = l_i[half]
-            total += warp.shfl_xor(total, 1)
-            total += warp.shfl_xor(total, 2)
-            inv[half] = warp.rcp_approx(total) if total > float32(0.0) else float32(0.0)
-            row = row_top + 8 * half
-            if tq == 0 and row < seqlen_q:
-                if total > float32(0.0):
-                    lse[ab, h, q0 + row] = (m_i[half] + math.log2(total)) * float32(LN2)
-                elif total != total:   # poisoned
-                    lse[ab, h, q0 + row] = nan
-                else:                  # sees no key
-                    lse[ab, h, q0 + row] = inf
+        finish_rows(m_i, l_i, inv, lse, ab, h, q0, row_top, tq, seqlen_q)
         cuda.syncthreads()                         # every warp is done reading V's tile, which Q's may share
         for jd in range(D_TILES):
             for half in range(2):

@@ -20,7 +20,8 @@ from numba_flash.cuda import tile_config_override
 pytestmark = pytest.mark.cudasim
 torch = pytest.importorskip("torch")
 
-from tc_sim_cases import BOUND, ONE_WARP, TWO_WARPS, forward, inputs, judge, rel_l2  # noqa: E402
+from tc_sim_cases import (BOUND, ONE_WARP, TWO_WARPS, break_small_tiles, forward, inputs,  # noqa: E402
+                          judge, rel_l2)
 
 
 @pytest.fixture
@@ -165,7 +166,7 @@ def test_the_first_use_self_check_covers_the_tensor_core_kernel(rng, monkeypatch
     """With the check on, the tensor-core specialisation is checked once against the reference (on the copy path
     the call takes), and a broken one (its output scaled by 1.01: float16's bound is 2e-3) gives way to a fallback
     tile config that passes, with the reason in explain()."""
-    from numba_flash.cuda import launch, selfcheck
+    from numba_flash.cuda import selfcheck
 
     monkeypatch.setenv(selfcheck.ENV_VAR, "1")
     selfcheck.reset()
@@ -177,21 +178,10 @@ def test_the_first_use_self_check_covers_the_tensor_core_kernel(rng, monkeypatch
                    for (_, s), verdict in selfcheck.verdicts().items()]
         assert checked == [("tc_forward", 16, True, True)]
 
-        real = launch.make_tc_forward_kernel
+        def corrupt(out):   # uint16 bits of float16
+            out[...] = (out.copy_to_host().view(np.float16) * np.float16(1.01)).view(np.uint16)
 
-        class Broken:
-            def __init__(self, kernel):
-                self.kernel = kernel
-
-            def __getitem__(self, launch_config):
-                def run(*args):
-                    self.kernel[launch_config](*args)
-                    bits = args[3].copy_to_host()   # out, as uint16 bits of float16
-                    args[3][...] = (bits.view(np.float16) * np.float16(1.01)).view(np.uint16)
-                return run
-
-        monkeypatch.setattr(launch, "make_tc_forward_kernel",
-                            lambda cfg, *f: Broken(real(cfg, *f)) if cfg.block_m == 16 else real(cfg, *f))
+        break_small_tiles(monkeypatch, "make_tc_forward_kernel", corrupt)
         selfcheck.reset()
         out, lse = forward(q, k, v, causal=True)
         judge(out, lse, q, k, v, q64, k64, v64, "float16", causal=True)
