@@ -175,7 +175,7 @@ class CudaBackend(Backend):
 
         if not selfcheck.has_failures():   # the common case: keep the per-call cost at one lookup
             return [], []
-        from numba_flash.cuda.launch import configs_for, tensor_core_reason
+        from numba_flash.cuda.launch import configs_for, forward_kernel, tensor_core_reason
 
         flags = (call.window_left >= 0, call.window_right >= 0, call.softcap > 0)
         kernels = ("forward", "backward_dkdv", "backward_dq")
@@ -185,8 +185,8 @@ class CudaBackend(Backend):
             else:
                 cc = _gpu_compute_capability(call.q)
                 dims = dict(head_dim_v=call.head_dim_v)
-                if not tensor_core_reason(call.dtype, call.head_dim, self.config, cc=cc, **dims):
-                    kernels = ("tc_forward",) + kernels[1:]
+                kernels = (forward_kernel(call.dtype, call.head_dim, self.config, cc=cc, precision=call.precision,
+                                          bias=call.bias is not None, **dims),) + kernels[1:]
                 if not tensor_core_reason(call.dtype, call.head_dim, self.config, cc=cc, backward=True, **dims):
                     kernels = kernels[:1] + ("tc_backward_dkdv", "tc_backward_dq")
             cfgs = configs_for(max(call.head_dim, call.head_dim_v), call.dtype, self.config, kernels)
@@ -212,14 +212,26 @@ class CudaBackend(Backend):
 
     def _kernels_note(self, call: AttentionCall) -> list[str]:
         """For float16 and bfloat16, which kernels run the call, and its backward (explain() describes forward
-        calls, which a training step's backward follows): float32 calls always run on the SIMT kernels."""
+        calls, which a training step's backward follows); for float32 that allows TF32, whether the forward runs
+        on it. Other float32 calls always run on the SIMT kernels."""
         from numba_flash.cuda.config import TC_DTYPES
-        from numba_flash.cuda.launch import tensor_core_reason
+        from numba_flash.cuda.launch import tensor_core_reason, tf32_reason
 
-        if call.dtype not in TC_DTYPES or call.kvcache is not None:
+        if call.kvcache is not None:
+            return []
+        cc = _gpu_compute_capability(call.q)
+        if call.dtype == "float32" and call.precision == "tf32" and not call.is_backward:
+            try:
+                why = tf32_reason(call.head_dim, self.config, cc, head_dim_v=call.head_dim_v,
+                                  bias=call.bias is not None)
+            except AttentionInputError as exc:
+                return [str(exc)]
+            if why is not None:
+                return [f"SIMT kernels (float32): TF32 allowed, not used: {why}"]
+            return ["TF32 tensor-core forward (mma.sync m16n8k8); the backward on the float32 SIMT kernels"]
+        if call.dtype not in TC_DTYPES:
             return []
         args = (call.dtype, call.head_dim, self.config)
-        cc = _gpu_compute_capability(call.q)
         try:
             dims = dict(head_dim_v=call.head_dim_v)
             why = tensor_core_reason(*args, cc=cc, backward=call.is_backward, dbias=call.return_dbias, **dims)
@@ -249,7 +261,7 @@ class CudaBackend(Backend):
                           alibi=alibi_arg(c.alibi, io.stream), bias=io.bias(c),
                           dropout=dropout_arg(c.dropout_p, c.dropout_seed, c.dropout_batch0),
                           mods=cuda_mods(c.mods), block_mask=c.mods and c.mods.block_mask, override=self.config,
-                          packed=_packed(c), stream=io.stream)
+                          packed=_packed(c), stream=io.stream, precision=c.precision)
 
         return run
 

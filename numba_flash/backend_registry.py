@@ -32,7 +32,8 @@ from typing import Any, Iterator
 
 from numba_flash.arguments import checked_arguments
 from numba_flash.errors import BackendDeclined, NoBackendError
-from numba_flash.validation import AttentionCall, check_deterministic, validate_backward, validate_forward
+from numba_flash.validation import (AttentionCall, check_deterministic, check_precision, validate_backward,
+                                    validate_forward)
 
 from numba_flash.backends.base import Backend
 
@@ -265,7 +266,7 @@ class Dispatcher:
                 cu_seqlens_k: Any = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                 alibi_slopes: Any = None, attn_bias: Any = None, bias_mod: Any = None, mask_mod: Any = None,
                 score_mod: Any = None, block_mask: Any = None, dropout_p: float = 0.0,
-                dropout_seed: int | None = None, deterministic: bool = False) -> Any:
+                dropout_seed: int | None = None, deterministic: bool = False, precision: str = "ieee") -> Any:
         """Attention forward.
 
         q: (B, Sq, Hq, D) for layout "bshd" (the default) or (B, Hq, Sq, D) for "bhsd"; k, v: (B, Sk, Hkv, D) /
@@ -280,6 +281,9 @@ class Dispatcher:
         ...)`` says so and scales the rest by 1 / (1 - p); ``dropout_seed`` (an int in [0, 2**64)) is needed then,
         and the backward must be given the same one. lse is the softmax's before dropout. ``deterministic`` is
         accepted (flash-attn's argument): every backend is bitwise reproducible run to run already.
+        ``precision="tf32"`` allows float32 inputs' two products to run on TF32 tensor cores (the cuda backend on
+        compute capability >= 8.0, D <= 128; accuracy as naive attention with TF32 products, README "TF32");
+        elsewhere, and by default ("ieee"), float32 is computed in float32.
         Returns out shaped like q (same array kind, device, dtype), and with ``return_lse`` also lse (B, Hq, Sq),
         or (Hq, total_q) for "thd", float32.
         """
@@ -288,7 +292,7 @@ class Dispatcher:
                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                 alibi_slopes=alibi_slopes, attn_bias=attn_bias, bias_mod=bias_mod, mask_mod=mask_mod,
                                 score_mod=score_mod, block_mask=block_mask, dropout_p=dropout_p,
-                                dropout_seed=dropout_seed)
+                                dropout_seed=dropout_seed, precision=precision)
         check_deterministic(deterministic)
         out, lse = self._run(call, backend, "forward")
         return (out, lse) if return_lse else out
@@ -301,14 +305,16 @@ class Dispatcher:
                  max_seqlen_k: int | None = None, alibi_slopes: Any = None, attn_bias: Any = None,
                  return_dbias: bool = False, bias_mod: Any = None, mask_mod: Any = None, score_mod: Any = None,
                  score_mod_grad: Any = None, block_mask: Any = None, dropout_p: float = 0.0,
-                 dropout_seed: int | None = None, deterministic: bool = False) -> tuple[Any, ...]:
+                 dropout_seed: int | None = None, deterministic: bool = False,
+                 precision: str = "ieee") -> tuple[Any, ...]:
         """Attention backward. dout and out are shaped like q; lse is (B, Hq, Sq), or (Hq, total_q) for packed
         sequences, as ``forward`` returned it. Packed sequences take the forward's cu_seqlens and max_seqlen.
         Returns dq, dk, dv shaped like q, k, v; with GQA dk and dv are summed over each group of query heads.
         With ``return_dbias`` (needs the forward's ``attn_bias``) also dbias shaped like attn_bias, float32 (float64
         for float64 inputs), summed over the dimensions the bias was broadcast along. The forward's mods again, and
         for a ``score_mod`` its derivative ``score_mod_grad(score, b, h, q_idx, kv_idx)``. ``deterministic`` is
-        accepted: the result has the same bits on every run whatever it says."""
+        accepted: the result has the same bits on every run whatever it says. ``precision`` is accepted as the
+        forward takes it; the backward computes float32 in float32 on every backend (no TF32 backward kernel)."""
         call = validate_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                                  window_size=window_size, softcap=softcap, layout=layout, cu_seqlens_q=cu_seqlens_q,
                                  cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -317,6 +323,7 @@ class Dispatcher:
                                  score_mod_grad=score_mod_grad, block_mask=block_mask, dropout_p=dropout_p,
                                  dropout_seed=dropout_seed)
         check_deterministic(deterministic)
+        check_precision(precision)
         return self._run(call, backend, "backward")
 
     @checked_arguments
@@ -353,7 +360,7 @@ class Dispatcher:
                 max_seqlen_k: int | None = None, alibi_slopes: Any = None, attn_bias: Any = None,
                 bias_mod: Any = None, mask_mod: Any = None, score_mod: Any = None,
                 block_mask: Any = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
-                deterministic: bool = False) -> "Explanation":
+                deterministic: bool = False, precision: str = "ieee") -> "Explanation":
         """Which backend a forward call would use and why each other one was passed over.
 
         Returns an ``Explanation``: a ``str`` of a few lines (``print`` it, or search it with ``in``) that also
@@ -364,7 +371,7 @@ class Dispatcher:
                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                 alibi_slopes=alibi_slopes, attn_bias=attn_bias, bias_mod=bias_mod, mask_mod=mask_mod,
                                 score_mod=score_mod, block_mask=block_mask, dropout_p=dropout_p,
-                                dropout_seed=dropout_seed)
+                                dropout_seed=dropout_seed, precision=precision)
         check_deterministic(deterministic)
         return self._explanation(call, backend)
 

@@ -22,7 +22,8 @@ from numba_flash.arguments import checked_arguments
 from numba_flash import backend_registry
 from numba_flash.errors import AttentionInputError
 from numba_flash.kvcache import validate_kvcache
-from numba_flash.validation import _bad, _finite_real, _short_repr, check_deterministic, check_dropout, validate_forward
+from numba_flash.validation import (_bad, _finite_real, _short_repr, check_deterministic, check_dropout,
+                                    check_precision, validate_forward)
 
 __all__ = ["flash_attn_func", "FlashAttnFunc", "flash_attn_varlen_func", "FlashAttnVarlenFunc",
            "flash_attn_with_kvcache"]
@@ -55,19 +56,20 @@ def _q_heads_seq(q: torch.Tensor, layout: str) -> tuple[int, int]:
 def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
               window_left: int, window_right: int, softcap: float, layout: str, backend: Optional[str],
               alibi_slopes: Optional[torch.Tensor] = None, attn_bias: Optional[torch.Tensor] = None,
-              dropout_p: float = 0.0, dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+              dropout_p: float = 0.0, dropout_seed: int = 0,
+              precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor]:
     """Forward through the registry. Returns out (shaped like q with v's head dim, q's dtype, contiguous) and lse
     (B, Hq, Sq) float32 (float64 for float64 inputs), contiguous. ``dropout_seed`` as ``_seed_for_op`` gives it."""
     out, lse = backend_registry.get("flash").forward(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
         softcap=softcap, layout=layout, return_lse=True, backend=backend, alibi_slopes=alibi_slopes,
-        attn_bias=attn_bias, dropout_p=dropout_p, dropout_seed=dropout_seed % _SEEDS)
+        attn_bias=attn_bias, dropout_p=dropout_p, dropout_seed=dropout_seed % _SEEDS, precision=precision)
     return _owned(out, q, q.dtype, (q, k, v)), _owned(lse, q, _lse_dtype(q.dtype), (q, k, v))
 
 
 @flash_fwd.register_fake
 def _flash_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, softcap, layout, backend,
-                    alibi_slopes=None, attn_bias=None, dropout_p=0.0, dropout_seed=0):
+                    alibi_slopes=None, attn_bias=None, dropout_p=0.0, dropout_seed=0, precision="ieee"):
     hq, sq = _q_heads_seq(q, layout)
     out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], hq, sq), dtype=_lse_dtype(q.dtype), device=q.device)
@@ -121,10 +123,10 @@ class FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, window_left, window_right, softcap, layout, backend,
-                alibi_slopes=None, attn_bias=None, dropout_p=0.0, dropout_seed=0):
+                alibi_slopes=None, attn_bias=None, dropout_p=0.0, dropout_seed=0, precision="ieee"):
         out, lse = torch.ops.numba_flash.flash_fwd(q, k, v, causal, softmax_scale, window_left, window_right,
                                                    softcap, layout, backend, alibi_slopes, attn_bias, dropout_p,
-                                                   dropout_seed)
+                                                   dropout_seed, precision)
         ctx.save_for_backward(q, k, v, out, lse, attn_bias)
         ctx.params = (causal, softmax_scale, window_left, window_right, softcap, layout, backend, alibi_slopes)
         # the seed is kept, not the mask: the backward makes the same mask again from it
@@ -140,7 +142,7 @@ class FlashAttnFunc(torch.autograd.Function):
         # dout, the size of q, spares every backend that case.
         dq, dk, dv, dbias = torch.ops.numba_flash.flash_bwd(dout.contiguous(), q, k, v, out, lse, *ctx.params,
                                                             attn_bias, return_dbias, *ctx.dropout)
-        return (dq, dk, dv) + (None,) * 8 + (dbias if return_dbias else None, None, None)
+        return (dq, dk, dv) + (None,) * 8 + (dbias if return_dbias else None, None, None, None)
 
 
 def _check_tensors(function: str, q: Any, k: Any, v: Any) -> None:
@@ -210,12 +212,13 @@ def flash_attn_func(
     score_mod_grad: Any = None,
     block_mask: Any = None,
     dropout_seed: Optional[int] = None,
+    precision: str = "ieee",
 ):
     """Exact attention on torch tensors, differentiable, computed by the backend the registry picks.
 
     The positional arguments and their defaults are flash-attn's ``flash_attn_func``, in its order, so code written
     for flash-attn runs unchanged with ``from numba_flash import flash_attn_func``. ``layout``, ``return_lse``,
-    ``backend``, ``attn_bias``, the mods and ``dropout_seed`` are this library's and keyword-only.
+    ``backend``, ``attn_bias``, the mods, ``dropout_seed`` and ``precision`` are this library's and keyword-only.
 
     Grouped-query / multi-query attention is supported by passing K and V with fewer heads than Q: query head h
     reads key/value head ``h // (Hq // Hkv)``. Causal masking and the sliding window are aligned to the bottom-right
@@ -262,6 +265,9 @@ def flash_attn_func(
         dropout_seed: keyword-only int in [0, 2**64) or None. The dropout mask's seed (the same seed gives the same
             mask on every backend); None draws one from torch's default generator when dropout_p > 0, kept for
             the backward.
+        precision: keyword-only, "ieee" (the default) or "tf32": float32 inputs' forward may run on TF32 tensor
+            cores (the cuda backend, compute capability >= 8.0, D <= 128; README "TF32"); elsewhere, and for the
+            backward, float32 is computed in float32.
 
     Returns:
         out: shaped like q but with v's head dim, q's dtype and device, contiguous. Rows that see no key are 0.
@@ -274,6 +280,7 @@ def flash_attn_func(
     # Plain Python values: checking them costs no graph break under torch.compile, so they are checked always.
     dropout_p, seed = _check_flash_attn_extras(dropout_p, dropout_seed, alibi_slopes, deterministic,
                                                return_attn_probs, alibi_ok=True)
+    precision = check_precision(precision)
     if not torch.compiler.is_compiling():
         # Fail fast, naming the argument, before autograd records anything. Under torch.compile the ops validate
         # when they run, and this Python-level check would only cost graph breaks.
@@ -299,11 +306,11 @@ def flash_attn_func(
 
         params = dict(causal=bool(causal), softmax_scale=scale, window_size=(left, right), softcap=float(softcap),
                       layout=layout, backend=backend, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                      dropout_seed=seed % _SEEDS)
+                      dropout_seed=seed % _SEEDS, precision=precision)
         out, lse = flash_attn_with_mods(q, k, v, attn_bias, params, mods)
     else:
         out, lse = FlashAttnFunc.apply(q, k, v, bool(causal), scale, left, right, float(softcap), layout, backend,
-                                       alibi_slopes, attn_bias, dropout_p, seed)
+                                       alibi_slopes, attn_bias, dropout_p, seed, precision)
     return (out, lse) if return_lse else out
 
 
@@ -315,14 +322,15 @@ def flash_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
                      causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
                      softcap: float, backend: Optional[str], alibi_slopes: Optional[torch.Tensor] = None,
-                     dropout_p: float = 0.0, dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                     dropout_p: float = 0.0, dropout_seed: int = 0,
+                     precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor]:
     """Packed forward through the registry. Returns out (total_q, Hq, D), q's dtype, and lse (Hq, total_q) float32
     (float64 for float64 inputs), both contiguous."""
     out, lse = backend_registry.get("flash").forward(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
         window_size=(window_left, window_right), softcap=softcap, layout="thd", return_lse=True, backend=backend,
-        alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed % _SEEDS)
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed % _SEEDS, precision=precision)
     inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k)
     return _owned(out, q, q.dtype, inputs), _owned(lse, q, _lse_dtype(q.dtype), inputs)
 
@@ -330,7 +338,7 @@ def flash_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 @flash_varlen_fwd.register_fake
 def _flash_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                            window_left, window_right, softcap, backend, alibi_slopes=None, dropout_p=0.0,
-                           dropout_seed=0):
+                           dropout_seed=0, precision="ieee"):
     out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q.dtype), device=q.device)
     return out, lse
@@ -369,11 +377,12 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                window_left, window_right, softcap, backend, alibi_slopes=None, dropout_p=0.0, dropout_seed=0):
+                window_left, window_right, softcap, backend, alibi_slopes=None, dropout_p=0.0, dropout_seed=0,
+                precision="ieee"):
         out, lse = torch.ops.numba_flash.flash_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                           max_seqlen_k, causal, softmax_scale, window_left,
                                                           window_right, softcap, backend, alibi_slopes, dropout_p,
-                                                          dropout_seed)
+                                                          dropout_seed, precision)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.params = (max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap, backend,
                       alibi_slopes, dropout_p, dropout_seed)
@@ -386,7 +395,7 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
         # as in FlashAttnFunc: a broadcast dout (from a sum()) becomes one contiguous copy
         dq, dk, dv = torch.ops.numba_flash.flash_varlen_bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens_q,
                                                             cu_seqlens_k, *ctx.params)
-        return (dq, dk, dv) + (None,) * 13
+        return (dq, dk, dv) + (None,) * 14
 
 
 @checked_arguments
@@ -410,6 +419,7 @@ def flash_attn_varlen_func(
     return_lse: bool = False,
     backend: Optional[str] = None,
     dropout_seed: Optional[int] = None,
+    precision: str = "ieee",
 ):
     """Exact attention over packed sequences on torch tensors, differentiable, on the backend the registry picks.
 
@@ -441,6 +451,7 @@ def flash_attn_varlen_func(
         return_lse: keyword-only bool. Also return the log-sum-exp of each query row.
         backend: keyword-only str or None. Force one backend ("cuda", "rocm", "cpu", ...).
         dropout_seed: keyword-only int in [0, 2**64) or None, as in ``flash_attn_func``.
+        precision: keyword-only, "ieee" or "tf32", as in ``flash_attn_func``.
 
     Returns:
         out: (total_q, nheads, headdim), q's dtype and device, contiguous.
@@ -452,6 +463,7 @@ def flash_attn_varlen_func(
     """
     dropout_p, seed = _check_flash_attn_extras(dropout_p, dropout_seed, alibi_slopes, deterministic,
                                                return_attn_probs, alibi_ok=True)
+    precision = check_precision(precision)
     if not torch.compiler.is_compiling():
         _check_tensors("flash_attn_varlen_func", q, k, v)
         validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
@@ -467,7 +479,7 @@ def flash_attn_varlen_func(
     mq, mk = (None if m is None else int(m) for m in (max_seqlen_q, max_seqlen_k))
     left, right = (int(w) for w in window_size)
     out, lse = FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, bool(causal), scale, left,
-                                         right, float(softcap), backend, alibi_slopes, dropout_p, seed)
+                                         right, float(softcap), backend, alibi_slopes, dropout_p, seed, precision)
     return (out, lse) if return_lse else out
 
 

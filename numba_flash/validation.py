@@ -75,6 +75,7 @@ class AttentionCall:
     dropout_p: float = 0.0   # numba_flash.dropout: keep (b, h, i, j) where its Philox word < dropout_threshold(p)
     dropout_seed: int = 0    # in [0, 2**64)
     dropout_batch0: int = 0  # the b of this call's first batch row (a packed sequence's index, run as B = 1)
+    precision: str = "ieee"  # "tf32": float32 products may run in TF32 where a backend has such a kernel
 
     def __post_init__(self) -> None:
         if self.head_dim_v == 0:
@@ -132,6 +133,8 @@ class AttentionCall:
             parts.append(self.mods.describe())
         if self.dropout_p:
             parts.append(f"dropout={self.dropout_p:g}")
+        if self.precision != "ieee":
+            parts.append(f"precision={self.precision}")
         parts.append("backward" if self.is_backward else "with_kvcache" if self.kvcache is not None else "forward")
         return " ".join(parts)
 
@@ -233,6 +236,19 @@ def check_deterministic(value: Any) -> bool:
     return bool(value)
 
 
+#: What ``precision`` takes: "ieee" computes float32 inputs in float32 throughout; "tf32" allows a backend to run
+#: their two products on TF32 tensor cores (10 mantissa bits per operand, float32 sums), as torch's allow_tf32.
+PRECISIONS = ("ieee", "tf32")
+
+
+def check_precision(value: Any) -> str:
+    """``precision``: "ieee" (the default) or "tf32". A permission, not a demand: only float32 inputs are affected,
+    and a backend without a TF32 kernel for the call computes in float32 (``explain()`` says which ran)."""
+    if not isinstance(value, str) or value not in PRECISIONS:
+        raise _bad("precision", "'ieee' or 'tf32'", _short_repr(value))
+    return value
+
+
 def _check_options(causal: Any, softmax_scale: Any, window_size: Any, softcap: Any, layout: Any,
                    return_lse: Any) -> tuple[bool, Any, tuple[int, int], float, str, bool]:
     if not isinstance(layout, str) or layout not in LAYOUTS:
@@ -270,7 +286,7 @@ def validate_forward(
     return_lse: bool = False, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, max_seqlen_q: Any = None,
     max_seqlen_k: Any = None, alibi_slopes: Any = None, attn_bias: Any = None, bias_mod: Any = None,
     mask_mod: Any = None, score_mod: Any = None, block_mask: Any = None, dropout_p: float = 0.0,
-    dropout_seed: int | None = None,
+    dropout_seed: int | None = None, precision: str = "ieee",
 ) -> AttentionCall:
     """Check a forward call against the contract; raise ``AttentionInputError`` on the first violation.
 
@@ -282,8 +298,9 @@ def validate_forward(
     broadcastable to (B, Hq, Sq, Sk), float32 or q's dtype, the array kind and device of q (see ``check_bias``).
     ``bias_mod``, ``mask_mod``, ``score_mod``, ``block_mask``: see ``numba_flash.mods`` (compiled here, once per
     function). ``dropout_p`` in [0, 1) with ``dropout_seed`` an int in [0, 2**64) (needed when dropout_p > 0; see
-    ``numba_flash.dropout``).
+    ``numba_flash.dropout``). ``precision``: ``check_precision``.
     """
+    precision = check_precision(precision)
     layout = resolve_layout(layout, cu_seqlens_q, cu_seqlens_k)
     causal, softmax_scale, window_size, softcap, layout, return_lse = _check_options(
         causal, softmax_scale, window_size, softcap, layout, return_lse)
@@ -325,7 +342,7 @@ def validate_forward(
                          seqlen_q=sq, seqlen_k=sk, nheads_q=hq, nheads_kv=hkv, head_dim=d, causal=causal,
                          softmax_scale=scale, window_left=left, window_right=right, softcap=softcap,
                          return_lse=return_lse, packing=packing, alibi=alibi, bias=bias, head_dim_v=vshape[-1],
-                         mods=mods, dropout_p=dropout_p, dropout_seed=dropout_seed)
+                         mods=mods, dropout_p=dropout_p, dropout_seed=dropout_seed, precision=precision)
 
 
 def check_alibi(alibi_slopes: Any, kind: str, device: str, batch: int, nheads_q: int, seqlen_q: int = 1,

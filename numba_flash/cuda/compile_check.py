@@ -47,7 +47,12 @@ TC_COPY_PATHS: dict[str, bool] = {"tc_forward": True, "tc_forward_loads": False,
 #: attn_bias, 222 with ALiBi too; both measured before the table).
 MODS_SUFFIX = "+mods"
 MODS_KERNELS = {"forward": "float32", "backward_dkdv": "float32", "backward_dq": "float32",
-                "tc_forward": "float16", "tc_backward_dkdv": "float16", "tc_backward_dq": "float16"}
+                "tc_forward": "float16", "tc_backward_dkdv": "float16", "tc_backward_dq": "float16",
+                "tf32_forward": "float32"}
+#: The TF32 forward's two copy paths, as TC_COPY_PATHS.
+TF32_COPY_PATHS: dict[str, bool] = {"tf32_forward": True, "tf32_forward_loads": False}
+#: Kernels built only from compute capability 8.0 on (mma.sync).
+MMA_PREFIXES = ("tc_", "tf32_")
 MODS_HEAD_DIM = 64
 #: Rows of the same kernels built for packed sequences in one launch (``varlen``: the block table of
 #: numba_flash/cuda/sequences.py locates each block's sequence), at head dim VARLEN_HEAD_DIM, with every option a
@@ -190,6 +195,9 @@ def kernel_signature(kernel: str, dtype: str) -> Any:
             return types.void(bits, bits, bits, bits, rows, rows, bits, i64, i64, i64, i64, i64, i64, f32, f32, f32,
                               *variants)
         return types.void(bits, bits, bits, bits, rows, i64, i64, i64, i64, i64, i64, f32, f32, *variants)
+    if kernel in TF32_COPY_PATHS:   # and K and V as 16-bit slots for cp.async
+        bits = types.Array(types.uint16, 4, "A")
+        return types.void(x, x, x, x, rows, i64, i64, i64, i64, i64, i64, f32, f32, *variants, bits, bits)
     if kernel == "forward":
         return types.void(x, x, x, x, rows, i64, i64, i64, i64, i64, i64, f32, f32, *variants)
     dbias = types.Array(types.float32, 4, "C")   # attn_bias's gradient or its sums, allocated C-contiguous
@@ -217,12 +225,13 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
     from .decode import make_decode_kernel, make_split_merge_kernel
     from .forward import make_forward_kernel
     from .tc_forward import make_tc_forward_kernel
+    from .tf32_forward import make_tf32_forward_kernel
     from .user_mods import NO_MODS
 
     mods = NO_MODS
     if kernel.endswith(MODS_SUFFIX):
         mods = sample_mods()
-        if kernel.startswith("tc_"):   # no attn_bias beside the mods (above)
+        if kernel.startswith(MMA_PREFIXES):   # no attn_bias beside the mods (above)
             flags = flags[:4] + (False,) + flags[5:]
     kernel = kernel.removesuffix(MODS_SUFFIX)
     extra = {}
@@ -240,6 +249,13 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
                    "tc_backward_dq": make_tc_dq_kernel}[cfg.kernel]
         return factory(cfg, *flags[:3], dtype == "bfloat16", *flags[3:], async_copy=TC_COPY_PATHS[kernel],
                        mods=mods, **extra).py_func
+    if kernel in TF32_COPY_PATHS:
+        from .config import TF32_BIAS_MAX_HEAD_DIM
+
+        if cfg.head_dim_bucket > TF32_BIAS_MAX_HEAD_DIM:   # such calls run on the SIMT kernel (launch.tf32_reason)
+            flags = flags[:4] + (False,) + flags[5:]
+        return make_tf32_forward_kernel(cfg, *flags, async_copy=TF32_COPY_PATHS[kernel], mods=mods,
+                                        **extra).py_func
     if kernel == "backward_delta":
         return make_delta_kernel(dtype == "bfloat16").py_func
     if kernel == "decode_merge":
@@ -371,9 +387,12 @@ def compile_jobs(ccs: tuple[tuple[int, int], ...] | None = None) -> list[Job]:
         for kernel in TC_COPY_PATHS:
             if kernel.startswith(cfg.kernel):
                 targets.setdefault((kernel, dtype, cfg), []).append(cc)
+    for cc, dtype, cfg in tf32_configs(ccs):
+        for kernel in TF32_COPY_PATHS:
+            targets.setdefault((kernel, dtype, cfg), []).append(cc)
     for cc in ccs:
         for kernel, dtype in MODS_KERNELS.items():
-            if not kernel.startswith("tc_") or tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY:
+            if not kernel.startswith(MMA_PREFIXES) or tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY:
                 cfg = tile_config_for(MODS_HEAD_DIM, dtype, cc, kernel=kernel, override=TileOverride())
                 targets.setdefault((kernel + MODS_SUFFIX, dtype, cfg), []).append(cc)
                 cfg = tile_config_for(VARLEN_HEAD_DIM, dtype, cc, kernel=kernel, override=TileOverride())
@@ -423,6 +442,17 @@ def tensor_core_configs(ccs: tuple[tuple[int, int], ...] = COMPUTE_CAPABILITIES,
             for bucket in HEAD_DIM_BUCKETS
             if head_dim_bucket(bucket) == bucket
             and bucket <= (TC_MAX_HEAD_DIM if kernel == "tc_forward" else TC_BACKWARD_MAX_HEAD_DIM)]
+
+
+def tf32_configs(ccs: tuple[tuple[int, int], ...] = COMPUTE_CAPABILITIES,
+                 ) -> list[tuple[tuple[int, int], str, FlashAttentionConfig]]:
+    """Every (compute capability, "float32", config) of the TF32 forward the picker makes: from compute capability
+    8.0 on, one config per head-dim bucket up to ``TF32_MAX_HEAD_DIM``."""
+    from .config import HEAD_DIM_BUCKETS, TF32_MAX_HEAD_DIM
+
+    return [(cc, "float32", tile_config_for(bucket, "float32", cc, kernel="tf32_forward", override=TileOverride()))
+            for cc in ccs if tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY for bucket in HEAD_DIM_BUCKETS
+            if bucket <= TF32_MAX_HEAD_DIM]
 
 
 def format_table(results: list[KernelResources]) -> str:

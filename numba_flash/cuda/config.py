@@ -49,6 +49,15 @@ TC_KERNELS: tuple[str, ...] = ("tc_forward", "tc_backward_dkdv", "tc_backward_dq
 TC_BACKWARD_MAX_HEAD_DIM = 128
 #: The tensor-core forward's largest bucket; past it float16 and bfloat16 run on the SIMT kernels.
 TC_MAX_HEAD_DIM = 256
+#: The TF32 tensor-core forward (tf32_forward.py): float32 inputs on mma.sync's TF32 products, for calls that allow
+#: it (``precision="tf32"``), compute capability >= 8.0 as the others. Q's fragments stay in registers beside the
+#: output's accumulators (D / 2 words each per thread), so D <= 128; past it, and for the backward, float32 runs on
+#: the SIMT kernels.
+TF32_KERNELS: tuple[str, ...] = ("tf32_forward",)
+TF32_MAX_HEAD_DIM = 128
+#: Past this bucket attn_bias's reads beside Q's fragments and the accumulators spill the TF32 kernel's registers
+#: (compile check: 36-72 bytes at D = 128): such calls run on the SIMT kernel.
+TF32_BIAS_MAX_HEAD_DIM = 64
 #: Dtypes and the lowest compute capability the tensor-core kernels are built for.
 TC_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
 TC_MIN_COMPUTE_CAPABILITY = (8, 0)
@@ -112,6 +121,10 @@ _PREFERRED: dict[str, dict[int, tuple[int, int, int]]] = {
     # dK/dV: warps own 16 keys each (block_n = 16 x warps), block_m queries per step; K and V stay in shared
     # memory for the whole loop beside the step's Q and dO.
     "tc_backward_dkdv": {16: (32, 64, 128), 32: (32, 64, 128), 64: (32, 64, 128), 128: (16, 64, 128)},
+    # TF32: 4 warps of 16 query rows as above; float32 K and V tiles, 17 KiB at D = 64 and 33 KiB at D = 128 with
+    # 32 keys (64 keys at D = 64 would leave no room for the mods' 16 KiB of staged values). Chosen by shared
+    # memory, registers (compile check) and the performance model, not timed.
+    "tf32_forward": {16: (64, 64, 128), 32: (64, 64, 128), 64: (64, 32, 128), 128: (64, 32, 128)},
 }
 # Past 48 KiB (dynamic shared memory, smem.py; sm_80 on, config.smem_limit_for), best first: the first that fits
 # the device's limit wins over _PREFERRED. Only D = 256, where 48 KiB held the tiles to 32 x 8 (forward) and 8 x 8
@@ -304,8 +317,8 @@ class FlashAttentionConfig:
 
     @property
     def tensor_cores(self) -> bool:
-        """Whether this is a tensor-core kernel (16-bit tiles, one warp per 16 query rows)."""
-        return self.kernel in TC_KERNELS
+        """Whether this is a tensor-core kernel (one warp per 16 query rows; 16-bit tiles, or TF32 ones)."""
+        return self.kernel in TC_KERNELS + TF32_KERNELS
 
     @property
     def q_in_registers(self) -> bool:
@@ -320,6 +333,8 @@ class FlashAttentionConfig:
             return -(-(bm + 2 * bn) * db // 2)
         if self.kernel == "tc_backward_dkdv":   # 16-bit K, V, Q, dO tiles and each query's lse and delta
             return -(-(2 * bm + 2 * bn) * db // 2) + 2 * bm
+        if self.kernel == "tf32_forward":   # float32 K and V tiles, rows padded by 4 (tf32_forward.ROW_PAD)
+            return 2 * bn * (db + 4)
         if self.tensor_cores:    # 16-bit elements: K, then V sharing Q's rows (or Q apart when it stays there)
             elements = (bn + max(bm, bn)) * db if self.q_in_registers else (bm + 2 * bn) * db
             return -(-elements // 2)
@@ -377,9 +392,12 @@ class FlashAttentionConfig:
             # One warp per 16 query rows (per 16 keys in the dK/dV kernel), and 16-wide mma k-steps on the other side.
             owned, other = ("block_n", "block_m") if self.kernel == "tc_backward_dkdv" else ("block_m", "block_n")
             rows, cols = getattr(self, owned), getattr(self, other)
-            if rows < 16 or self.threads != 32 * (rows // 16):
+            if rows < 16:
+                why.append(f"tensor-core kernels run one warp per 16 rows of {owned}: {owned} must be at least 16, "
+                           f"got {rows}")
+            elif self.threads != 32 * (rows // 16):
                 why.append(f"tensor-core kernels run one warp per 16 rows of {owned}: {owned}={rows} needs "
-                           f"{32 * max(1, rows // 16)} threads, got {self.threads}")
+                           f"{32 * (rows // 16)} threads, got {self.threads}")
             if cols < 16:
                 why.append(f"{other} must be at least 16 (one mma k-step), got {cols}")
             return why
@@ -462,11 +480,13 @@ def tile_config_for(head_dim: int, dtype: str = "float32", compute_capability: t
     ``compute_capability`` do not change the choice today (tiles are float32 in shared memory; the limit carries
     the device's part) but are part of the signature so that a tuned table can depend on them.
     """
-    if kernel not in KERNELS + TC_KERNELS:
-        raise ValueError(f"kernel: expected one of {KERNELS + TC_KERNELS}, got {kernel!r}")
+    if kernel not in KERNELS + TC_KERNELS + TF32_KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS + TC_KERNELS + TF32_KERNELS}, got {kernel!r}")
     bucket = head_dim_bucket(head_dim)
     if kernel in TC_KERNELS and bucket > TC_MAX_HEAD_DIM:
         raise AttentionInputError(f"head dim {head_dim}: the tensor-core kernels take D <= {TC_MAX_HEAD_DIM}")
+    if kernel in TF32_KERNELS and bucket > TF32_MAX_HEAD_DIM:
+        raise AttentionInputError(f"head dim {head_dim}: the TF32 kernel takes D <= {TF32_MAX_HEAD_DIM}")
     if bucket in WIDE_HEAD_DIM_BUCKETS and kernel in DYNAMIC_SMEM_KERNELS:
         why = head_dim_reason(head_dim, kernel, smem_limit)
         if why:

@@ -26,8 +26,8 @@ from . import selfcheck, smem
 from .backward import DELTA_ROWS_PER_BLOCK, make_delta_kernel, make_dkdv_kernel, make_dq_kernel
 from .block_tiles import tiles_arg
 from .config import (STATIC_SMEM_LIMIT, TC_BACKWARD_MAX_HEAD_DIM, TC_DTYPES, TC_MAX_HEAD_DIM,
-                     TC_MIN_COMPUTE_CAPABILITY, FlashAttentionConfig, TileOverride, active_override, smem_limit_for,
-                     storage_dtype, tile_config_for)
+                     TC_MIN_COMPUTE_CAPABILITY, TF32_BIAS_MAX_HEAD_DIM, TF32_MAX_HEAD_DIM, FlashAttentionConfig,
+                     TileOverride, active_override, smem_limit_for, storage_dtype, tile_config_for)
 from .forward import make_forward_kernel
 from .launch_dbias import dbias_targets, dq_dbias_mode, dq_per_shared_slice, launch_dbias_sum
 from .masks import LOG2E
@@ -37,6 +37,7 @@ from .smem import device_optin_limit
 from .tc_dkdv import make_tc_dkdv_kernel
 from .tc_dq import make_tc_dq_kernel
 from .tc_forward import make_tc_forward_kernel
+from .tf32_forward import make_tf32_forward_kernel
 from .user_mods import MOD_NAMES, NO_MODS, CudaMods
 
 
@@ -118,22 +119,85 @@ def tensor_core_reason(dtype: str, head_dim: int, override: TileOverride | None 
     elif backward and head_dim > TC_BACKWARD_MAX_HEAD_DIM:
         reason = (f"head dim {head_dim} > {TC_BACKWARD_MAX_HEAD_DIM}: the tensor-core backward would hold more "
                   "accumulators than a thread has registers")
-    elif override is not None and (override.block_m, override.block_n, override.threads) != (None, None, None):
+    else:
         kernels = ("tc_backward_dkdv", "tc_backward_dq") if backward else ("tc_forward",)
-        why = []
-        for kernel in kernels:
-            cfg = override.apply(tile_config_for(head_dim, dtype, tuple(cc), kernel=kernel, override=TileOverride()))
-            why += [f"{kernel}: {w}" for w in cfg.problems(STATIC_SMEM_LIMIT)]
-        if why:
-            reason = f"the tile override {override} does not fit the tensor-core kernels: " + "; ".join(why)
+        reason = _override_misfit(override, kernels, head_dim, dtype, cc)
     if reason and override is not None and override.tensor_cores:
         raise AttentionInputError(f"tensor_cores=True: {reason}")
     return reason
 
 
+def _override_misfit(override: TileOverride | None, kernels: tuple[str, ...], head_dim: int, dtype: str,
+                     cc: tuple[int, int]) -> str | None:
+    """Why a tile override that names sizes does not fit ``kernels``; None when it fits or names none."""
+    if override is None or (override.block_m, override.block_n, override.threads) == (None, None, None):
+        return None
+    why = []
+    for kernel in kernels:
+        cfg = override.apply(tile_config_for(head_dim, dtype, tuple(cc), kernel=kernel, override=TileOverride()))
+        why += [f"{kernel}: {w}" for w in cfg.problems(STATIC_SMEM_LIMIT)]
+    return f"the tile override {override} does not fit the tensor-core kernels: " + "; ".join(why) if why else None
+
+
+def tf32_reason(head_dim: int, override: TileOverride | None = None, cc: tuple[int, int] | None = None,
+                head_dim_v: int | None = None, bias: bool = False) -> str | None:
+    """Why a float32 forward that allows TF32 (``precision="tf32"``) runs on the float32 SIMT kernel rather than
+    the TF32 one (tf32_forward.py); None when it runs on TF32. ``head_dim_v``: v's head dim when it differs;
+    ``bias``: the call has attn_bias."""
+    override = override if override is not None else active_override()
+    if override is not None and override.tensor_cores is False:
+        return "tensor cores switched off by tile_config_override(tensor_cores=False)"
+    cc = compute_capability() if cc is None else cc
+    widest = max(head_dim, head_dim_v or 0)
+    if tuple(cc) < TC_MIN_COMPUTE_CAPABILITY:
+        need = TC_MIN_COMPUTE_CAPABILITY
+        return f"TF32 needs compute capability >= {need[0]}.{need[1]}, this GPU is {cc[0]}.{cc[1]}"
+    what = f"head dim {widest}" if widest == head_dim else f"v's head dim Dv={widest}"
+    if widest > TF32_MAX_HEAD_DIM:
+        return f"{what} > {TF32_MAX_HEAD_DIM} (the TF32 kernel's largest)"
+    if bias and widest > TF32_BIAS_MAX_HEAD_DIM:
+        return (f"attn_bias at {what} > {TF32_BIAS_MAX_HEAD_DIM} (its reads would spill the TF32 kernel's "
+                "registers)")
+    return _override_misfit(override, ("tf32_forward",), head_dim, "float32", cc)
+
+
+def forward_kernel(dtype: str, head_dim: int, override: TileOverride | None = None,
+                   cc: tuple[int, int] | None = None, head_dim_v: int | None = None, precision: str = "ieee",
+                   bias: bool = False) -> str:
+    """The forward kernel a call runs on: "tf32_forward" for float32 that allows TF32 where ``tf32_reason`` has
+    none, "tc_forward" where ``tensor_core_reason`` has none, else "forward" (SIMT). With
+    ``tile_config_override(tensor_cores=True)`` a float32 call that allows TF32 but cannot have it raises
+    ``AttentionInputError``, as float16 does."""
+    if dtype == "float32" and precision == "tf32":
+        why = tf32_reason(head_dim, override, cc, head_dim_v, bias)
+        if why is None:
+            return "tf32_forward"
+        override = override if override is not None else active_override()
+        if override is not None and override.tensor_cores:
+            raise AttentionInputError(f"tensor_cores=True: {why}")
+        return "forward"
+    return "forward" if tensor_core_reason(dtype, head_dim, override, cc, head_dim_v=head_dim_v) else "tc_forward"
+
+
 def _bits(arr: Any) -> Any:
     """A uint16 view of a float16 or int16 (bfloat16 bits) device array: the tensor-core kernels move bits."""
     return arr.view(np.uint16)
+
+
+def slots(arr: Any) -> Any:
+    """A uint16 view (B, S, H, 2D) of a float32 device array (B, S, H, D) with unit stride along D: two 16-bit
+    slots per float, what the TF32 kernel's ``cp.async`` copies. Built on the same memory rather than with
+    ``view``, which numba-cuda refuses for a change of item size unless the array is C-contiguous (a "bhsd" call's
+    transposed view is not)."""
+    from numba import config
+
+    if config.ENABLE_CUDASIM:   # numpy underneath, whose view takes any array with a contiguous last axis
+        return arr.view(np.uint16)
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    shape, strides = tuple(int(n) for n in arr.shape), tuple(int(st) for st in arr.strides)
+    return DeviceNDArray(shape[:-1] + (2 * shape[-1],), strides[:-1] + (2,), np.uint16, stream=arr.stream,
+                         gpu_data=arr.gpu_data)
 
 
 def _data_pointer(arr: Any) -> int:
@@ -144,7 +208,7 @@ def _data_pointer(arr: Any) -> int:
 
 
 def async_copy_ok(*arrays: Any) -> bool:
-    """Whether ``cp.async`` can copy 16-byte chunks of these (B, S, H, D) 16-bit arrays: unit stride along D, and
+    """Whether ``cp.async`` can copy 16-byte chunks of these (B, S, H, D) arrays: unit stride along D, and
     every row starting 16-byte aligned (the other strides and the data pointer multiples of 16 bytes)."""
     for arr in arrays:
         # tuple() first: the simulator's shape tuples take no negative index
@@ -220,6 +284,15 @@ def _no_bias(device: int) -> Any:
     return cuda.device_array((1, 1, 1, 1), np.float32)
 
 
+@functools.lru_cache(maxsize=None)
+def _no_bits(device: int) -> Any:
+    """A (1, 1, 1, 1) uint16 array on GPU ``device``: the TF32 kernel's K and V slots where it copies without
+    cp.async, never read (one per GPU, as ``_no_bias``)."""
+    from numba import cuda
+
+    return cuda.device_array((1, 1, 1, 1), np.uint16)
+
+
 def _bias_arg(bias: Any) -> Any:
     """The kernels' ``bias`` argument: attn_bias, or without it the current GPU's placeholder."""
     return _no_bias(selfcheck.current_device()) if bias is None else bias
@@ -289,7 +362,14 @@ def launch_forward(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, out: Any, 
     it is, no self-check. Arrays as for ``flash_forward``."""
     mods, tiles = _block_tiles(mods, block_mask, cfg, stream)
     varlen = _varlen_kw(packed)
-    if cfg.tensor_cores:
+    tail = ()
+    if cfg.kernel == "tf32_forward":
+        copies = async_copy_ok(k, v)
+        kernel = make_tf32_forward_kernel(cfg, *_flags(window_left, window_right, softcap), alibi is not None,
+                                          bias is not None, dropout is not None, copies, mods, **varlen)
+        # K and V as 16-bit slots for cp.async (two per float), or placeholders the plain-load build never reads.
+        tail = (slots(k), slots(v)) if copies else (_no_bits(selfcheck.current_device()),) * 2
+    elif cfg.tensor_cores:
         kernel = make_tc_forward_kernel(cfg, *_flags(window_left, window_right, softcap), bf16, alibi is not None,
                                         bias is not None, dropout is not None, async_copy_ok(q, k, v), mods, **varlen)
         q, k, v, out = (_bits(x) for x in (q, k, v, out))
@@ -303,7 +383,7 @@ def launch_forward(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, out: Any, 
     if blocks == 0:
         return
     args = (q, k, v, out, lse, sq, sk, d, hq // hkv, window_left, window_right, qmult, capmult,
-            _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout), tiles, seqs)
+            _slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout), tiles, seqs, *tail)
     with _compiling(mods):
         launched = _run(kernel, (blocks, hq, grid_z), cfg, stream, args)
     if not launched:
@@ -407,7 +487,8 @@ def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse:
 def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float, window_left: int,
                   window_right: int, softcap: float, dtype: str, alibi: Any = None, bias: Any = None,
                   dropout: tuple | None = None, mods: CudaMods = NO_MODS, block_mask: Any = None,
-                  override: TileOverride | None = None, packed: tuple | None = None, stream: Any = 0) -> None:
+                  override: TileOverride | None = None, packed: tuple | None = None, stream: Any = 0,
+                  precision: str = "ieee") -> None:
     """Launch the forward kernel.
 
     q: (B, Sq, Hq, D); k: (B, Sk, Hkv, D); v: (B, Sk, Hkv, Dv); out: (B, Sq, Hq, Dv) (D up to 576, Dv up to 512;
@@ -417,7 +498,7 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
     of 4 dimensions, each of the full size (B, Hq, Sq, Sk) or 1, any strides. dropout: None or ``dropout_arg``'s
     tuple. mods: the user's mods as device functions (``user_mods.cuda_mods``); block_mask: None or the
     ``numba_flash.BlockMask`` of mods' mask_mod, whose EMPTY tiles are skipped and FULL ones run without mask_mod
-    (block_tiles.py). packed: None, or packed sequences' (cu_seqlens_q, cu_seqlens_k) int host arrays (B + 1,),
+    (block_tiles.py). precision: "tf32" lets float32 run on the TF32 kernel (``forward_kernel``). packed: None, or packed sequences' (cu_seqlens_q, cu_seqlens_k) int host arrays (B + 1,),
     with q, k, v, out their packed arrays as a batch of one ((1, total, H, D), lse (1, Hq, total_q)): one launch
     over every sequence's tiles (sequences.py). Writes out and lse. The self-check
     vouches for the kernels without mods (the mods only change which scores go in); a mod that numba-cuda cannot
@@ -428,12 +509,13 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
     _check_storage(dtype, q=q, k=k, v=v, out=out)
     install_from_env()   # under the simulator with NUMBA_FLASH_SIMCHECK=1, check this and every later launch
     d, dv = q.shape[3], v.shape[3]
-    kernel = "forward" if tensor_core_reason(dtype, d, override, head_dim_v=dv) else "tc_forward"
+    kernel = forward_kernel(dtype, d, override, head_dim_v=dv, precision=precision, bias=bias is not None)
     picked = configs_for(max(d, dv), dtype, override, (kernel,))[kernel]
     flags = _flags(window_left, window_right, softcap)
+    copies = not picked.tensor_cores or async_copy_ok(*((k, v) if kernel == "tf32_forward" else (q, k, v)))
     cfg = selfcheck.choose(picked, *flags, dtype, like=dict(q=q, k=k, v=v, out=out, lse=lse, bias=bias),
                            alibi=alibi is not None, bias=bias is not None, dropout=dropout is not None,
-                           async_copy=not picked.tensor_cores or async_copy_ok(q, k, v), varlen=packed is not None)
+                           async_copy=copies, varlen=packed is not None)
     launch_forward(cfg, q, k, v, out, lse, softmax_scale=softmax_scale, window_left=window_left,
                    window_right=window_right, softcap=softcap, bf16=dtype == "bfloat16", alibi=alibi, bias=bias,
                    dropout=dropout, mods=mods, block_mask=block_mask, packed=packed, stream=stream)

@@ -66,12 +66,16 @@ VARIANTS: dict[str, tuple[bool, ...]] = {
     "dropout": (False, True, False, False, False, True),
 }
 MODEL_KERNELS: tuple[str, ...] = ("forward", "backward_dkdv", "backward_dq", "tc_forward", "tc_backward_dkdv",
-                                  "tc_backward_dq")
+                                  "tc_backward_dq", "tf32_forward")
 #: Products (matrix multiplies over the tile) each kernel executes per main-loop iteration, and how many of the
 #: contract's FLOP they are worth: the forward's QK^T and PV; dK/dV recomputes QK^T and dP, then dV and dK; dQ
 #: recomputes QK^T and dP, then dQ. The backward's useful work is five products per score element.
 PRODUCTS = {"forward": 2, "backward_dkdv": 4, "backward_dq": 3, "tc_forward": 2, "tc_backward_dkdv": 4,
-            "tc_backward_dq": 3}
+            "tc_backward_dq": 3, "tf32_forward": 2}
+#: The dense TF32 tensor-core peak is half the float16 one (A100: 156 against 312 TFLOP/s; H100 SXM: 495 against
+#: 989): an m16n8k8 TF32 mma has half the multiply-adds of an m16n8k16 and takes as long, so the "tensor pipe"
+#: bound prices every HMMA alike and a TF32 kernel's ceiling is against this fraction of ``tensor_fma``.
+TF32_PEAK_FRACTION = 0.5
 USEFUL_PRODUCTS = {"forward": 2, "backward": 5}
 DEFAULT_CCS: tuple[tuple[int, int], ...] = ((8, 0), (9, 0))
 
@@ -150,6 +154,8 @@ def model_kernel(kernel: str, cfg: FlashAttentionConfig, dtype: str, variant: st
     bound = max(cycles, key=lambda k: cycles[k])
     tensor = sum(w.get("hmma", 0.0) for w in per_warp) > 0
     peak = spec.tensor_fma if tensor else spec.fp32_lanes
+    if tensor and kernel == "tf32_forward":
+        peak *= TF32_PEAK_FRACTION
     area = cfg.block_m * cfg.block_n * blocks                      # score elements per iteration of the SM
     executed = PRODUCTS[kernel] * area * cfg.head_dim_bucket       # multiply-adds
     useful = USEFUL_PRODUCTS.get(kernel, PRODUCTS[kernel]) * area * cfg.head_dim_bucket
@@ -159,7 +165,7 @@ def model_kernel(kernel: str, cfg: FlashAttentionConfig, dtype: str, variant: st
     ffma_thread = per_iter.get("ffma", 0.0) * 32
     return ModelRecord(
         kernel=kernel, dtype=dtype, cc=f"{cc[0]}.{cc[1]}", head_dim=cfg.head_dim_bucket, variant=variant,
-        unit="tensor" if tensor else "simt_fp32", ceiling=round(ceiling, 4), bound=bound,
+        unit=("tensor_tf32" if kernel == "tf32_forward" else "tensor") if tensor else "simt_fp32", ceiling=round(ceiling, 4), bound=bound,
         registers=res["registers"], spills=res["spill_stores"] + res["spill_loads"], smem_bytes=smem,
         threads=cfg.threads, tiles=f"{cfg.block_m}x{cfg.block_n}", blocks_per_sm=occ.blocks_per_sm,
         warps_per_sm=occ.warps_per_sm,
@@ -307,8 +313,14 @@ def _model_or_none(kernel: str, dtype: str, head_dim: int, variant: str, cc_ok: 
     """``model_specialisation`` for the compute capabilities the kernel exists on; [] where it does not (a
     tensor-core kernel for float32 or before sm_80, the tensor-core kernels past their head dims, the SIMT ones
     where ``config.head_dim_reason`` says they are not offered)."""
-    from .config import TC_BACKWARD_MAX_HEAD_DIM, TC_MAX_HEAD_DIM, head_dim_reason
+    from .config import TC_BACKWARD_MAX_HEAD_DIM, TC_MAX_HEAD_DIM, TC_MIN_COMPUTE_CAPABILITY, TF32_MAX_HEAD_DIM
+    from .config import head_dim_reason
 
+    if kernel == "tf32_forward":   # float32 that allows TF32, from sm_80 on
+        ccs = [cc for cc in cc_ok if tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY]
+        if dtype != "float32" or head_dim > TF32_MAX_HEAD_DIM or not ccs:
+            return []
+        return model_specialisation(kernel, dtype, head_dim, variant, ccs, use_cache)
     if kernel.startswith("tc_"):
         if head_dim > (TC_MAX_HEAD_DIM if kernel == "tc_forward" else TC_BACKWARD_MAX_HEAD_DIM):
             return []
@@ -327,7 +339,7 @@ def format_table(records: list[ModelRecord]) -> str:
                      f"{100 * r.ffma_share:>6.1f}%"
                      f"{r.flop_per_smem_byte:>7.2f}{100 * r.ceiling:>8.1f}%  {r.bound}")
     lines.append("ceiling: modelled upper bound on useful FLOP/s as a fraction of the float32 CUDA-core peak "
-                 "(tensor-core peak for HMMA kernels); not a measurement.")
+                 "(tensor-core peak for HMMA kernels: the TF32 one for tf32_forward); not a measurement.")
     return "\n".join(lines)
 
 

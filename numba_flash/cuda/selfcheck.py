@@ -73,7 +73,9 @@ TC_FALLBACK_TILES: tuple[tuple[int, int, int], ...] = ((32, 32, 64), (16, 16, 32
 #: The contract's bounds.
 FLOAT32_MAX_ABS = 1e-5
 TEXTBOOK_FACTOR = 4.0
-LOW_PRECISION_REL_L2 = {"float16": 2e-3, "bfloat16": 1.6e-2}
+LOW_PRECISION_REL_L2 = {"float16": 2e-3, "bfloat16": 1.6e-2, "tf32": 2e-3}
+#: The TF32 forward's lse: its scores carry the rounding of q and k to 10 mantissa bits (about 1e-3 of a score).
+TF32_LSE_MAX_ABS = 1e-2
 FLOAT32_BACKWARD_REL_L2 = 1e-5
 
 
@@ -358,7 +360,10 @@ def _check_forward(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str
                                      dropout_p=p.dropout_p, dropout_seed=_SEED)
     tb_out, tb_lse = _textbook_float32(p)
     lse_bound = max(FLOAT32_MAX_ABS, TEXTBOOK_FACTOR * _max_abs(tb_lse, ref_lse))
-    if spec.dtype == "float32":
+    if spec.cfg.kernel == "tf32_forward":   # TF32 has float16's mantissa: judged as float16 is
+        measured = [("out", "relative L2 error", _rel_l2(got_out, ref_out), LOW_PRECISION_REL_L2["tf32"])]
+        lse_bound = max(lse_bound, TF32_LSE_MAX_ABS)
+    elif spec.dtype == "float32":
         out_bound = max(FLOAT32_MAX_ABS, TEXTBOOK_FACTOR * _max_abs(tb_out, ref_out))
         measured = [("out", "max abs error", _max_abs(got_out, ref_out), out_bound)]
     else:
@@ -447,6 +452,7 @@ def _check_decode(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str]
 _CHECKS: dict[str, Callable[[Specialisation, dict[str, Any]], tuple[list[str], list[str]]]] = {
     "forward": _check_forward,
     "tc_forward": _check_forward,
+    "tf32_forward": _check_forward,
     "tc_backward_dkdv": _check_dkdv,
     "tc_backward_dq": _check_dq,
     "backward_dkdv": _check_dkdv,

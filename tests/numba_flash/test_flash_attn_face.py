@@ -24,7 +24,7 @@ FLASH_ATTN_PARAMETERS = [
 ]
 OUR_KEYWORD_ONLY = [("layout", "bshd"), ("return_lse", False), ("backend", None), ("attn_bias", None),
                     ("bias_mod", None), ("mask_mod", None), ("score_mod", None), ("score_mod_grad", None),
-                    ("block_mask", None), ("dropout_seed", None)]
+                    ("block_mask", None), ("dropout_seed", None), ("precision", "ieee")]
 
 
 @pytest.fixture(autouse=True)

@@ -351,7 +351,8 @@ def test_varlen_func_signature():
     assert positional == FLASH_ATTN_VARLEN_PARAMETERS
     assert [(p.name, p.default) for p in params if p.kind == p.KEYWORD_ONLY] == [("return_lse", False),
                                                                                 ("backend", None),
-                                                                                ("dropout_seed", None)]
+                                                                                ("dropout_seed", None),
+                                                                                ("precision", "ieee")]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

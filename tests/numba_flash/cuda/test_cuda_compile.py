@@ -64,7 +64,8 @@ def test_every_specialisation_compiles_without_spills():
     from numba_flash.cuda.compile_check import (DBIAS_SUMS, DBIAS_SUMS_SUFFIX, MODS_HEAD_DIM, MODS_KERNELS,
                                                 MODS_SUFFIX, VARLEN_HEAD_DIM, VARLEN_SUFFIX, format_table)
     from numba_flash.cuda.config import (COMPUTE_CAPABILITIES, HEAD_DIM_BUCKETS, KERNEL_DTYPES, KERNELS,
-                                         TC_MAX_HEAD_DIM, dtype_supported_on, head_dim_reason, smem_limit_for)
+                                         TC_MAX_HEAD_DIM, TF32_MAX_HEAD_DIM, dtype_supported_on, head_dim_reason,
+                                         smem_limit_for)
 
     results = list(_all_rows())
     print()
@@ -93,12 +94,16 @@ def test_every_specialisation_compiles_without_spills():
     want |= {(cc, dt, kern, b) for cc in COMPUTE_CAPABILITIES if cc >= (8, 0) for dt in ("float16", "bfloat16")
              for kern in ("tc_backward_dkdv", "tc_backward_dkdv_loads", "tc_backward_dq", "tc_backward_dq_loads")
              for b in HEAD_DIM_BUCKETS if b <= 128}
+    # The TF32 forward (float32 that allows it), both copy paths, from sm_80 on, up to D = 128.
+    want |= {(cc, "float32", kern, b) for cc in COMPUTE_CAPABILITIES if cc >= (8, 0)
+             for kern in ("tf32_forward", "tf32_forward_loads") for b in HEAD_DIM_BUCKETS if b <= TF32_MAX_HEAD_DIM}
     # The forward and both backward kernels again with user mods (compile_check.sample_mods), at head dim 64.
+    mma = ("tc_", "tf32_")
     want |= {(cc, dt, kern + MODS_SUFFIX, MODS_HEAD_DIM) for cc in COMPUTE_CAPABILITIES
-             for kern, dt in MODS_KERNELS.items() if cc >= (8, 0) or not kern.startswith("tc_")}
+             for kern, dt in MODS_KERNELS.items() if cc >= (8, 0) or not kern.startswith(mma)}
     # And for packed sequences in one launch, at head dim 128.
     want |= {(cc, dt, kern + VARLEN_SUFFIX, VARLEN_HEAD_DIM) for cc in COMPUTE_CAPABILITIES
-             for kern, dt in MODS_KERNELS.items() if cc >= (8, 0) or not kern.startswith("tc_")}
+             for kern, dt in MODS_KERNELS.items() if cc >= (8, 0) or not kern.startswith(mma)}
     assert covered == want, want ^ covered
     # The T4 (7.5) through H100 (9.0), every one; bfloat16 from 8.0 on only.
     assert {r.cc for r in results} == {(7, 5), (8, 0), (8, 6), (8, 9), (9, 0)}

@@ -159,3 +159,27 @@ def test_bfloat16_configs_on_sm80_and_later_only():
     assert storage_dtype("bfloat16") == "int16" and storage_dtype("float16") == "float16"
     with pytest.raises(ValueError, match="dtype"):
         storage_dtype("float64")
+
+
+def test_the_tf32_kernels_slots_view_any_float32_layout_with_unit_stride_along_d():
+    """The TF32 kernel copies K and V as 16-bit slots. numba-cuda's own ``view`` refuses an item-size change on a
+    device array that is not C-contiguous, which a "bhsd" call's transposed (B, S, H, D) view never is: the slots
+    view is built on the same memory instead (no GPU needed: only the array object is made)."""
+    import numpy as np
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    from numba_flash.cuda.launch import async_copy_ok, slots
+
+    class Allocation:   # stands in for the device memory of the caller's array
+        device_ctypes_pointer = type("Pointer", (), {"value": 0x10000})()
+
+    b, h, s, d = 2, 3, 8, 16
+    # a C-contiguous (B, H, S, D) array seen as (B, S, H, D), as backends/cuda_io.py's _bshd gives the kernels
+    bshd = DeviceNDArray((b, s, h, d), (h * s * d * 4, d * 4, s * d * 4, 4), np.float32, gpu_data=Allocation())
+    with pytest.raises(ValueError):
+        bshd.view(np.uint16)   # what the kernel's launch used to call
+    assert async_copy_ok(bshd)
+    got = slots(bshd)
+    assert got.dtype == np.uint16 and got.shape == (b, s, h, 2 * d)
+    assert got.strides == bshd.strides[:3] + (2,)
+    assert got.device_ctypes_pointer.value == bshd.device_ctypes_pointer.value

@@ -398,3 +398,26 @@ def test_the_model_prices_latency_on_compiled_kernels(model_cache_dir, monkeypat
     assert r.bound == "latency" and r.bounds["latency"] > r.bounds["issue"]
     without = r.ceiling * r.bounds["latency"] / max(v for k, v in r.bounds.items() if k != "latency")
     assert r.ceiling < without
+
+
+def test_the_tf32_forward_is_priced_against_half_the_float16_tensor_peak(model_cache_dir, monkeypatch):
+    """The TF32 kernel issues one m16n8k8 mma per 8 x 8 x 8 step of each product: per warp and key tile
+    D/8 x N/8 for Q K^T and N/8 x D/8 for P V, counted here from the tile config alone. The dense TF32 peak is half
+    the float16 one (each such mma has half the multiply-adds of an m16n8k16 and takes as long), so its ceiling is
+    the useful multiply-adds over the bound's clocks times half the float16 peak."""
+    _needs_toolchain()
+    from numba_flash.cuda.config import tile_config_for
+    from numba_flash.cuda.gpus import gpu_spec
+    from numba_flash.cuda.perf_model import run_model
+
+    monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(model_cache_dir))
+    (r,) = run_model(["tf32_forward"], ["float32"], [64], ["plain"], [(8, 0)])
+    cfg = tile_config_for(64, "float32", (8, 0), kernel="tf32_forward")
+    warps, n_steps, d_steps = cfg.threads // 32, cfg.block_n // 8, cfg.head_dim_bucket // 8
+    assert r.unit == "tensor_tf32" and r.per_iteration["hmma"] == warps * 2 * n_steps * d_steps
+    useful = 2 * cfg.block_m * cfg.block_n * cfg.head_dim_bucket * r.blocks_per_sm
+    peak = gpu_spec((8, 0)).tensor_fma / 2
+    assert 0 < r.ceiling <= 1
+    assert abs(r.ceiling - useful / (r.bounds[r.bound] * peak)) < 1e-3
+    assert run_model(["tf32_forward"], ["float16"], [64], ["plain"], [(8, 0)]) == []   # float32 only
+    assert run_model(["tf32_forward"], ["float32"], [64], ["plain"], [(7, 5)]) == []
