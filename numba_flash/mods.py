@@ -81,11 +81,10 @@ def compile_mod(fn: Any, name: str) -> Any:
 
 
 def _check_returns(disp: Any, name: str, label: str) -> None:
-    """``AttentionInputError`` unless ``disp`` returns a number or a bool when numba infers its return type (the
-    role's signature casts it, so a body that only raises compiles there and fails later, inside a kernel's)."""
-    probe = njit(disp.py_func)
-    probe.compile(SIGNATURES[name].args)
-    returned = next(iter(probe.overloads.values())).signature.return_type
+    """``AttentionInputError`` unless ``disp`` returns a number or a bool as numba inferred it (the role's
+    signature casts it, so a body that only raises compiles there and fails later, inside a kernel's). The overload
+    ``compile_mod`` made keeps the inferred type in its signature, whatever return type the role's signature gave."""
+    returned = disp.overloads[SIGNATURES[name].args].signature.return_type
     if not isinstance(returned, (types.Number, types.Boolean)):
         what = "nothing (its body only raises, or has no return)" if returned == types.none else str(returned)
         raise AttentionInputError(f"{name}: expected a function {ARGUMENTS[name]}; {label} returns {what}")
