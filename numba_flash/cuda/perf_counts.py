@@ -86,21 +86,8 @@ def _helper_loops(py_func: Callable, tree: ast.AST, first: int,
     own compile-time constants and the thread index ``t`` it is passed (make_keep_bits' loop over a lane's scores,
     make_dropout_tile's cooperative pass), per warp (its busiest lane), with the kernel lines that call each
     helper, so that a SASS loop made of a helper's lines alone gets a trip count."""
-    code = py_func.__code__
-    cells = py_func.__closure__ or ()
     found: dict[tuple[str, int], tuple[list[int], tuple[int, ...]]] = {}
-    for name, cell in zip(code.co_freevars, cells):
-        helper = getattr(cell.cell_contents, "py_func", None)
-        if helper is None:
-            continue
-        calls = tuple(first + node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
-                      and isinstance(node.func, ast.Name) and node.func.id == name)
-        if not calls:
-            continue
-        try:
-            helper_tree = ast.parse(textwrap.dedent(inspect.getsource(helper)))
-        except (OSError, TypeError):
-            continue
+    for helper, calls, helper_tree in _called_helpers(py_func, tree, first):
         env, start = _constants(helper), helper.__code__.co_firstlineno - 1
         loops = [node for node in ast.walk(helper_tree) if isinstance(node, ast.For)]
         for node in loops:
@@ -118,6 +105,30 @@ def _helper_loops(py_func: Callable, tree: ast.AST, first: int,
                     for line in range(node.lineno, node.end_lineno + 1):
                         found[(helper.__code__.co_filename, start + line)] = (per_warp, calls)
     return found
+
+
+def _called_helpers(py_func: Callable, tree: ast.AST, first: int, depth: int = 2) -> list[tuple]:
+    """(helper, kernel lines that call it, helper's syntax tree) for each device function ``py_func`` closes over
+    and calls, and, ``depth`` levels down, for those helpers' own (tc_softmax's per-tile start calls
+    make_keep_bits' helper): a nested helper's lines run where the kernel calls the outer one."""
+    out = []
+    for name, cell in zip(py_func.__code__.co_freevars, py_func.__closure__ or ()):
+        helper = getattr(cell.cell_contents, "py_func", None)
+        if helper is None:
+            continue
+        calls = tuple(first + node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+                      and isinstance(node.func, ast.Name) and node.func.id == name)
+        if not calls:
+            continue
+        try:
+            helper_tree = ast.parse(textwrap.dedent(inspect.getsource(helper)))
+        except (OSError, TypeError):
+            continue
+        out.append((helper, calls, helper_tree))
+        if depth > 1:
+            out += [(inner, calls, inner_tree) for inner, _, inner_tree
+                    in _called_helpers(helper, helper_tree, helper.__code__.co_firstlineno - 1, depth - 1)]
+    return out
 
 
 def loop_counts(py_func: Callable, threads: int) -> LoopCounts:
