@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--array", choices=("numpy", "torch"), default="numpy", help="array kind of the inputs")
     explain.add_argument("--device", default="cpu", help="torch device of the inputs (with --array torch)")
     explain.add_argument("--backend", help="force this backend (as backend= on the call)")
+    explain.add_argument("--precision", choices=("ieee", "tf32"), default="ieee",
+                         help="tf32 allows float32 products on TF32 tensor cores (as precision= on the call)")
     explain.set_defaults(handler=_explain, parser=explain)
     return p
 
@@ -139,7 +141,7 @@ def _explain(args: argparse.Namespace) -> int:
     op = backend_registry.get("flash")
     try:
         explanation = op.explain(*arrays, causal=case.causal, window_size=window, softcap=args.softcap,
-                                 layout=case.layout, backend=args.backend)
+                                 layout=case.layout, backend=args.backend, precision=args.precision)
     except (AttentionInputError, NoBackendError) as exc:   # the call's own error, as the library words it
         args.parser.error(str(exc))
     print(explanation)
@@ -159,5 +161,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown command {argv[0]!r}; {hint}")
     if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in TOP_LEVEL_FLAGS):
         argv = ["bench"] + argv
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:   # argparse's own error names no flag one may have meant (Python 3.11's has no suggestions)
+        _unknown_flags(getattr(args, "parser", parser), extras)
     return args.handler(args)
+
+
+def _unknown_flags(parser: argparse.ArgumentParser, extras: list[str]) -> None:
+    """Exit as argparse does for arguments ``parser`` does not take, naming the closest flag of each misspelt one."""
+    from numba_flash.arguments import closest
+
+    flags = [f for f in parser._option_string_actions if f.startswith("--")]
+    hints = []
+    for word in extras:
+        near = closest(word.split("=")[0], flags) if word.startswith("--") else []
+        if near:
+            hints.append(f"{word}: did you mean {' or '.join(near)}?")
+    parser.error(f"unrecognized arguments: {' '.join(extras)}" + ("; " + "; ".join(hints) if hints else ""))

@@ -238,3 +238,30 @@ def test_explain_takes_head_dims_the_library_takes(capsys):
         main(["explain", "--config", "tiny", "--headdim", "600"])
     assert exit_.value.code == 2 and "headdim 600 is larger than 576, the most the library supports" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["explain", "--config", "tiny", "--casual"], "unrecognized arguments: --casual; --casual: did you mean --causal?"),
+    (["--config", "tiny", "--no-grd"], "unrecognized arguments: --no-grd; --no-grd: did you mean --no-grad?"),
+    (["explain", "--config", "tiny", "--zzz", "1"], "unrecognized arguments: --zzz 1\n"),
+])
+def test_a_misspelt_flag_names_the_closest_one(capsys, argv, words):
+    """argparse (3.11) said only 'unrecognized arguments'; the flag meant is named where one is close, by the
+    subcommand that got it."""
+    from numba_flash.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and words in err, err
+    assert err.startswith("usage: numba-flash " + ("explain" if argv[0] == "explain" else "bench"))
+
+
+def test_explain_takes_precision(capsys):
+    from numba_flash.cli import main
+
+    assert main(["explain", "--config", "tiny", "--precision", "tf32"]) == 0
+    assert "precision=tf32" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["explain", "--config", "tiny", "--precision", "fp8"])
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err
