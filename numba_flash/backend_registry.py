@@ -202,10 +202,14 @@ class Dispatcher:
         if forced is not None:
             be = _instance(self.op, forced)
             if be is None:
+                from numba_flash.arguments import closest
+
                 from_env = not (backend or self.backend or _forced.get())
                 source = f", named by the environment variable {ENV_VAR}" if from_env else ""
+                near = closest(forced, names(self.op))
+                hint = f"; did you mean {' or '.join(map(repr, near))}?" if near else ""
                 raise NoBackendError(self.op, {forced: [f"no such backend (registered: {', '.join(names(self.op))})"
-                                                        f"{source}"]}, forced=forced)
+                                                        f"{source}{hint}"]}, forced=forced)
             reasons = reasons_of(be, True)
             return (None if reasons else be), {forced: reasons}, forced
         chosen, table = None, {}

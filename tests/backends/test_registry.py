@@ -103,6 +103,9 @@ def test_unknown_backend_and_op(rng, fakes, monkeypatch):
     monkeypatch.delenv(backend_registry.ENV_VAR, raising=False)
     with pytest.raises(NoBackendError, match=r"no such backend \(registered: fast, medium, slow\)\)$"):
         fakes.forward(*_qkv(rng), backend="tpu")
+    with pytest.raises(NoBackendError, match=r"no such backend \(registered: fast, medium, slow\); did you mean "
+                                             r"'slow'\?\)$"):
+        fakes.forward(*_qkv(rng), backend="slwo")
     monkeypatch.setenv(backend_registry.ENV_VAR, "tpu")   # a typo in the environment is said to come from there
     with pytest.raises(NoBackendError, match=f"no such backend .*, named by the environment variable "
                                              f"{backend_registry.ENV_VAR}"):
