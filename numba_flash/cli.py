@@ -68,8 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--array", choices=("numpy", "torch"), default="numpy", help="array kind of the inputs")
     explain.add_argument("--device", default="cpu", help="torch device of the inputs (with --array torch)")
     explain.add_argument("--backend", help="force this backend (as backend= on the call)")
-    explain.add_argument("--precision", choices=("ieee", "tf32"), default="ieee",
-                         help="tf32 allows float32 products on TF32 tensor cores (as precision= on the call)")
     explain.set_defaults(handler=_explain, parser=explain)
     return p
 
@@ -141,7 +139,7 @@ def _explain(args: argparse.Namespace) -> int:
     op = backend_registry.get("flash")
     try:
         explanation = op.explain(*arrays, causal=case.causal, window_size=window, softcap=args.softcap,
-                                 layout=case.layout, backend=args.backend, precision=args.precision)
+                                 layout=case.layout, backend=args.backend, precision=case.precision)
     except (AttentionInputError, NoBackendError) as exc:   # the call's own error, as the library words it
         args.parser.error(str(exc))
     print(explanation)

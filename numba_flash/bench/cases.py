@@ -9,6 +9,7 @@ import numpy as np
 
 from ..reference import attention_ref, attention_ref_backward
 from ..semantics import attention_flops
+from ..validation import PRECISIONS
 
 # (batch, nheads, seqlen, headdim): FlashAttention's minimal_benchmark sizes plus two long sequences.
 CONFIGS: dict[str, tuple[int, int, int, int]] = {
@@ -49,6 +50,7 @@ class Case:
     causal: bool
     dtype: str      # 'float32', 'float16', 'bfloat16'
     layout: str
+    precision: str = "ieee"   # "tf32": the backends' and torch's float32 products may run in TF32
 
     def shape(self, heads: int) -> tuple[int, int, int, int]:
         """The shape of an array with ``heads`` heads in this case's layout."""
@@ -65,12 +67,13 @@ class Case:
         """``llama_small B=1 Hq=12 Hkv=12 S=256 D=64 causal float32 bshd``; ``seqlens`` lists a sweep's lengths."""
         s = ",".join(str(x) for x in seqlens) if seqlens else str(self.seqlen)
         return (f"{self.config} B={self.batch} Hq={self.nheads} Hkv={self.nheads_kv} S={s} D={self.headdim} "
-                f"{'causal' if self.causal else 'non-causal'} {self.dtype} {self.layout}")
+                f"{'causal' if self.causal else 'non-causal'} {self.dtype} {self.layout}"
+                + ("" if self.precision == "ieee" else f" precision={self.precision}"))
 
 
 def make_cases(config: str | None = None, *, batch: int | None = None, nheads: int | None = None,
                nheads_kv: int | None = None, seqlen: int | Sequence[int] | None = None, headdim: int | None = None,
-               causal: bool = False, dtype: str = "fp32", layout: str = "bshd",
+               causal: bool = False, dtype: str = "fp32", layout: str = "bshd", precision: str = "ieee",
                max_headdim: int = MAX_HEAD_DIM) -> list[Case]:
     """One ``Case`` per sequence length: a seed ``config`` (default ``llama_small``) with any field overridden.
     Raises ``BenchArgumentError`` naming the setting that is wrong; ``max_headdim``: the largest head dim allowed
@@ -81,6 +84,8 @@ def make_cases(config: str | None = None, *, batch: int | None = None, nheads: i
         raise BenchArgumentError(f"dtype: unknown {dtype!r}; choose from {', '.join(DTYPES)}")
     if layout not in LAYOUTS:
         raise BenchArgumentError(f"layout: unknown {layout!r}; choose from {', '.join(LAYOUTS)}")
+    if precision not in PRECISIONS:
+        raise BenchArgumentError(f"precision: unknown {precision!r}; choose from {', '.join(PRECISIONS)}")
     seqlens = [seqlen] if isinstance(seqlen, (int, np.integer)) else list(seqlen or [])
     for name, value in (("batch", batch), ("nheads", nheads), ("nheads_kv", nheads_kv), ("headdim", headdim)):
         if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
@@ -98,7 +103,7 @@ def make_cases(config: str | None = None, *, batch: int | None = None, nheads: i
         raise BenchArgumentError(f"headdim {headdim} is larger than {max_headdim}, the most {why} supports")
     name = config or ("custom" if custom else DEFAULT_CONFIG)
     return [Case(name, int(batch), int(nheads), int(nheads_kv), int(sl), int(headdim), bool(causal), DTYPES[dtype],
-                 layout) for sl in (seqlens or [s])]
+                 layout, precision) for sl in (seqlens or [s])]
 
 
 def _torch() -> Any:

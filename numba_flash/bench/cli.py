@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..validation import PRECISIONS
 from .cases import CONFIGS, DEFAULT_CONFIG, DTYPES, LAYOUTS, BenchArgumentError, Case, make_cases
 from .decode import DECODE_DEFAULTS, DEFAULT_CACHE_LENS
 from .engine import execute, resolve_runners
@@ -84,6 +85,9 @@ def add_size_arguments(p: argparse.ArgumentParser, sweep: bool = True) -> None:
     size.add_argument("--causal", action="store_true")
     size.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     size.add_argument("--layout", default="bshd", choices=LAYOUTS)
+    size.add_argument("--precision", default="ieee", choices=PRECISIONS,
+                      help="tf32 lets float32 products run on TF32 tensor cores where a backend can (the cuda "
+                           "backend) and torch's (allow_tf32); default ieee")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -142,7 +146,7 @@ def cases_from_args(args: argparse.Namespace, **limits: Any) -> list[Case]:
     ``make_cases`` (``max_headdim``)."""
     return make_cases(args.config, batch=args.batch, nheads=args.nheads, nheads_kv=args.nheads_kv,
                       seqlen=args.seqlen, headdim=args.headdim, causal=args.causal, dtype=args.dtype,
-                      layout=args.layout, **limits)
+                      layout=args.layout, precision=args.precision, **limits)
 
 
 def _flag_message(exc: BenchArgumentError) -> str:
@@ -230,6 +234,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace
         for flag, value in (("--cache-lens", args.cache_lens), ("--total-tokens", args.total_tokens)):
             if value:
                 parser.error(f"{flag} needs {'--decode' if flag == '--cache-lens' else '--varlen'}")
+    elif args.precision != "ieee":
+        parser.error(f"--precision {args.precision} applies to the plain sweep, not to {_mode(args)}")
     try:
         if _mode(args):
             cases, runners = _mode_cases(parser, args)

@@ -182,7 +182,7 @@ def execute(cases: Sequence[Case], runner_specs: Sequence[tuple[str, str]], *, g
 
 def run(config: str | None = None, *, batch: int | None = None, nheads: int | None = None,
         nheads_kv: int | None = None, seqlen: int | Sequence[int] | None = None, headdim: int | None = None,
-        causal: bool = False, dtype: str = "fp32", layout: str = "bshd",
+        causal: bool = False, dtype: str = "fp32", layout: str = "bshd", precision: str = "ieee",
         backends: str | Sequence[str] | None = None, compare: str | Sequence[str] | None = None,
         grad: bool = True, repeats: int = 10, check: bool = True, seed: int | None = None,
         progress: bool | None = None) -> BenchResults:
@@ -192,6 +192,8 @@ def run(config: str | None = None, *, batch: int | None = None, nheads: int | No
         config: a seed size (``CONFIGS``: tiny, small, medium, llama_small (default), llama_med, s2048, s4096);
             batch, nheads, nheads_kv (GQA), headdim override its fields; seqlen is one length or a sweep.
         causal, dtype ('fp32', 'fp16', 'bf16' or the full names), layout ('bshd' or 'bhsd'): the case.
+        precision: 'ieee' (default) or 'tf32': float32 products may run in TF32 where a backend can (the cuda
+            backend, README "TF32") and in torch's matmuls (allow_tf32, for the torch peers).
         backends: names (list or comma-separated) of registry backends; default every available one.
         compare: peers from 'naive', 'torch', 'torch_naive', or 'none'; default naive and torch (and torch_naive
             where torch sees a GPU).
@@ -207,7 +209,7 @@ def run(config: str | None = None, *, batch: int | None = None, nheads: int | No
     if not isinstance(repeats, int) or repeats < 1:
         raise BenchArgumentError(f"repeats: expected a positive integer, got {repeats!r}")
     cases = make_cases(config, batch=batch, nheads=nheads, nheads_kv=nheads_kv, seqlen=seqlen, headdim=headdim,
-                       causal=causal, dtype=dtype, layout=layout)
+                       causal=causal, dtype=dtype, layout=layout, precision=precision)
     results = execute(cases, resolve_runners(backends, compare), grad=grad, repeats=repeats, check=check,
                       seed=seed, progress=progress)
     results.warn_if_noisy()

@@ -10,7 +10,7 @@ from .cases import Case
 from .harness import TimingStats, busy_note
 
 CSV_COLUMNS = ("config", "batch", "nheads", "nheads_kv", "seqlen", "headdim", "causal", "dtype", "layout",
-               "name", "kind", "device", "pass", "status", "repeats", "min_ms", "median_ms", "p95_ms", "p99_ms",
+               "precision", "name", "kind", "device", "pass", "status", "repeats", "min_ms", "median_ms", "p95_ms", "p99_ms",
                "max_ms", "spread", "flops", "tflops", "peak_mem_bytes", "mem_saved_vs_naive", "speedup_vs_naive",
                "speedup_vs_sdpa", "max_err")
 
@@ -66,7 +66,8 @@ class Row:
         c, s = self.case, self.stats
         return {
             "config": c.config, "batch": c.batch, "nheads": c.nheads, "nheads_kv": c.nheads_kv, "seqlen": c.seqlen,
-            "headdim": c.headdim, "causal": c.causal, "dtype": c.dtype, "layout": c.layout, "name": self.name,
+            "headdim": c.headdim, "causal": c.causal, "dtype": c.dtype, "layout": c.layout,
+            "precision": c.precision, "name": self.name,
             "kind": self.kind, "device": self.device, "pass": self.pass_, "status": self.status,
             "repeats": s.n if s else 0, "min_ms": s.min_ms if s else None, "median_ms": s.p50_ms if s else None,
             "p95_ms": s.p95_ms if s else None, "p99_ms": s.p99_ms if s else None, "max_ms": s.max_ms if s else None,

@@ -4,7 +4,8 @@ call attention through these, so they time the same calls."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 from .. import bench_peers
 from . import memory
@@ -82,7 +83,7 @@ class BackendRunner(Runner):
         else:
             raise Skip("; ".join(why))
         self.op = backend_registry.get("flash", backend=self.name)
-        self.kw = {"causal": case.causal, "layout": case.layout}
+        self.kw = {"causal": case.causal, "layout": case.layout, "precision": case.precision}
         self.out, self.lse = None, None
 
     def forward(self) -> Any:
@@ -158,21 +159,38 @@ class TorchRunner(Runner):
 
     def forward(self) -> Any:
         a = self.arrays
-        with self.torch.no_grad():
+        with self.torch.no_grad(), _allow_tf32(self.torch, self.case.precision == "tf32"):
             return self.fn(a["q"], a["k"], a["v"], self.case.causal, self.case.layout)
 
     def before_backward(self) -> None:
         leaves = tuple(self.arrays[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
-        out = self.fn(*leaves, self.case.causal, self.case.layout)
+        with _allow_tf32(self.torch, self.case.precision == "tf32"):
+            out = self.fn(*leaves, self.case.causal, self.case.layout)
         self.graph = (out, leaves)
 
     def backward(self) -> Any:
         out, leaves = self.graph
         self.graph = None
-        return self.torch.autograd.grad(out, leaves, self.arrays["dout"])
+        with _allow_tf32(self.torch, self.case.precision == "tf32"):
+            return self.torch.autograd.grad(out, leaves, self.arrays["dout"])
 
     def release(self) -> None:
         self.arrays, self.graph = {}, None
+
+
+@contextlib.contextmanager
+def _allow_tf32(torch: Any, on: bool) -> Iterator[None]:
+    """torch's float32 matmuls (and cuDNN's) allowed TF32 for the block when ``on``, as ``precision="tf32"`` allows
+    the backends: the same permission for the peer. Restored after."""
+    if not on:
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def make_runner(name: str, kind: str) -> Runner:

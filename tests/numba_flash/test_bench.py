@@ -37,7 +37,7 @@ def tiny_run(tmp_path_factory):
 
 
 EXPECTED_COLUMNS = ["config", "batch", "nheads", "nheads_kv", "seqlen", "headdim", "causal", "dtype", "layout",
-                    "name", "kind", "device", "pass", "status", "repeats", "min_ms", "median_ms", "p95_ms", "p99_ms",
+                    "precision", "name", "kind", "device", "pass", "status", "repeats", "min_ms", "median_ms", "p95_ms", "p99_ms",
                     "max_ms", "spread", "flops", "tflops", "peak_mem_bytes", "mem_saved_vs_naive",
                     "speedup_vs_naive", "speedup_vs_sdpa", "max_err"]
 
@@ -56,7 +56,7 @@ def test_csv_columns_and_values(tiny_run):
         assert r["config"] == "tiny" and r["kind"] == ("peer" if r["name"] in ("naive", "torch") else "backend")
         assert (int(r["batch"]), int(r["nheads"]), int(r["nheads_kv"]), int(r["seqlen"]), int(r["headdim"])) \
             == (b, h, h, s, d)
-        assert r["causal"] == "True" and r["dtype"] == "float32" and r["layout"] == "bshd"
+        assert r["causal"] == "True" and r["dtype"] == "float32" and r["layout"] == "bshd" and r["precision"] == "ieee"
         assert r["device"] == "cpu" and int(r["repeats"]) == 3
         lo, med, hi = float(r["min_ms"]), float(r["median_ms"]), float(r["max_ms"])
         p95, p99 = float(r["p95_ms"]), float(r["p99_ms"])

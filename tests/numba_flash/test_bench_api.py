@@ -265,3 +265,23 @@ def test_explain_takes_precision(capsys):
     with pytest.raises(SystemExit):
         main(["explain", "--config", "tiny", "--precision", "fp8"])
     assert "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+def test_bench_takes_precision_and_says_so(capsys):
+    """--precision tf32 reaches the backends (a permission: the cpu backend computes float32 as before, so its
+    error is float32's) and names itself in the header and the records; a mode that does not take it refuses."""
+    from numba_flash import bench
+    from numba_flash.cli import main
+
+    res = bench.run("tiny", precision="tf32", backends="cpu", compare="none", repeats=1, grad=False)
+    (record,) = res.records()
+    assert record["precision"] == "tf32" and record["status"] == "ok" and record["max_err"] < 1e-5
+    assert main(["--config", "tiny", "--precision", "tf32", "--backend", "cpu", "--compare", "none", "--repeats",
+                 "1", "--no-grad"]) == 0
+    assert "precision=tf32" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main(["--decode", "--precision", "tf32"])
+    assert exit_.value.code == 2
+    assert "--precision tf32 applies to the plain sweep, not to --decode" in capsys.readouterr().err
+    with pytest.raises(bench.BenchArgumentError, match="precision: unknown 'tf16'"):
+        bench.run("tiny", precision="tf16")
