@@ -9,8 +9,9 @@ facts (device nodes, the grid rules below) before numpy, numba or torch is impor
 Every backend and peer is a parameter on every machine (cpu, cuda, rocm, numpy_naive, torch_sdpa), so that results
 from different machines line up; one this machine cannot run (no GPU, numba-cuda missing, a dtype it lacks) skips
 in ``setup`` with the reason, which costs a process start (about 0.2 s) per point. The dtypes follow the machine,
-because low precision on the host would cost far more than skips: float32, float16 and bfloat16 on a GPU machine,
-float32 alone on a host-only one (``NUMBA_FLASH_ASV_DTYPES`` adds the others).
+because low precision on the host would cost far more than skips: float32, float16, bfloat16 and tf32 (float32
+inputs with ``precision="tf32"``: the cuda backend's TF32 forward, torch with allow_tf32; skipped elsewhere) on a
+GPU machine, float32 alone on a host-only one (``NUMBA_FLASH_ASV_DTYPES`` adds the others).
 
 Environment variables:
   NUMBA_FLASH_ASV_CONFIGS    comma-separated configs (default: all seven), e.g. ``tiny`` for CI.
@@ -42,7 +43,7 @@ CONFIGS: dict[str, tuple[int, int, int, int]] = {
 }
 BACKENDS = ["cpu", "cuda", "rocm", "numpy_naive", "torch_sdpa"]
 CAUSAL = [False, True]
-DTYPES = ["float32", "float16", "bfloat16"]
+DTYPES = ["float32", "float16", "bfloat16", "tf32"]   # tf32: float32 inputs that allow TF32 products
 HOST_LOW_PRECISION_CONFIGS = {"tiny", "small", "medium", "llama_small"}
 NAIVE_FP16_CONFIGS = {"tiny", "small"}
 
@@ -93,6 +94,8 @@ def cheap_skip(config: str, backend: str, causal: bool, dtype: str) -> str | Non
         return "no AMD GPU (ROCm)"
     if backend == "numpy_naive" and dtype == "bfloat16":
         return "numpy has no bfloat16"
+    if dtype == "tf32" and (backend not in ("cuda", "torch_sdpa") or not nvidia_gpu_present()):
+        return "TF32 runs only on an NVIDIA GPU (the cuda backend, torch); elsewhere it is the float32 point again"
     on_host = backend in ("cpu", "numpy_naive") or (
         backend == "torch_sdpa" and not (nvidia_gpu_present() or amd_gpu_present()))
     if on_host and not full_grid():
@@ -145,7 +148,8 @@ class Target:
         bench = self.bench = _bench()
         self.backend, self.config, self.causal, self.dtype = backend, config, causal, dtype
         b, h, s, d = CONFIGS[config]
-        self.case = bench.Case(config, b, h, h, s, d, causal, dtype, "bshd")
+        inputs_dtype, precision = ("float32", "tf32") if dtype == "tf32" else (dtype, "ieee")
+        self.case = bench.Case(config, b, h, h, s, d, causal, inputs_dtype, "bshd", precision)
         self.inputs = bench.Inputs(self.case, np.random.default_rng(seed))
         self.flops_fwd = 4.0 * b * h * s * s * d / (2 if causal else 1)
         self.runner = bench.make_runner(*RUNNERS[backend])
