@@ -12,7 +12,8 @@ The shape is the float16 kernel's (tc_forward.py): one block per (query tile, qu
 16-bit slots, two per float (rows of D floats padded by 4: ``slot_stride``). What differs:
 
 - Rounding: each thread rounds the chunks it copied, in place, once its copy has landed (the barrier that publishes
-  the tile follows); the same pass finds an inf or NaN in V and writes 0 there (so that masked pairs' ``0 * inf``
+  the tile follows); the same pass finds an inf or NaN in V, after rounding (float32's largest values round to
+  inf), and writes 0 there (so that masked pairs' ``0 * inf``
   cannot reach rows that do not see the key), and after the loop the rows that see such a key get NaN in its
   column, as in the float16 kernel. Q's fragments come from global memory once, rounded, and stay in registers
   (D <= 128: ``config.TF32_MAX_HEAD_DIM``).
