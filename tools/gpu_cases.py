@@ -314,6 +314,53 @@ def dbias(ctx: Ctx, dtype: str, broadcast: str, with_mods: bool = False, dropout
                              "bias_untouched": 0.0})
 
 
+def _to_tf32(x: np.ndarray) -> np.ndarray:
+    """float32 rounded to TF32 as cvt.rna does (10 mantissa bits, to nearest, ties away); inf and NaN cut."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    finite = np.isfinite(x)
+    return np.where(finite, (bits + 0x1000) & 0xFFFFE000, bits & 0xFFFFE000).astype(np.uint32).view(np.float32)
+
+
+def _naive_tf32(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool) -> np.ndarray:
+    """Attention with TF32 products on the host (q, k, v and P rounded to TF32, float32 elsewhere): the TF32
+    rule's yardstick (README "TF32"). (B, S, H, D) float32 in, float64 out."""
+    sq, hq, d = q.shape[1:]
+    sk, group = k.shape[1], hq // k.shape[2]
+    qt = _to_tf32(q).transpose(0, 2, 1, 3)
+    kt, vt = (np.repeat(_to_tf32(x).transpose(0, 2, 1, 3), group, axis=1) for x in (k, v))
+    s = (qt @ kt.transpose(0, 1, 3, 2)) * np.float32(default_scale(d))
+    seen = visible_mask(sq, sk, *effective_window(causal, (-1, -1)))
+    s = np.where(seen, s, -np.inf).astype(np.float32)
+    top = np.where(seen.any(axis=-1, keepdims=True), s.max(axis=-1, keepdims=True), 0.0)   # a row with no key: 0
+    p = np.exp(s - top)
+    p = (p / np.maximum(p.sum(axis=-1, keepdims=True), np.float32(1e-30))).astype(np.float32)
+    return (_to_tf32(p) @ vt).transpose(0, 2, 1, 3).astype(np.float64)
+
+
+def tf32(ctx: Ctx, d: int = 64, causal: bool = True) -> dict[str, Any]:
+    """``precision="tf32"`` on float32 inputs: the TF32 rule (relative L2 at most twice naive attention's with TF32
+    products and at most 2e-3), the TF32 kernel named by explain() (on the cuda backend), and the backward after
+    it within float32 accuracy of the reference's gradients at the TF32 output's own error."""
+    b, sq, sk, hq, hkv = 2, 211, 190, 4, 2
+    q, k, v = ctx.tensor((b, sq, hq, d), "float32"), ctx.tensor((b, sk, hkv, d), "float32"), \
+        ctx.tensor((b, sk, hkv, d), "float32")
+    out, lse = ctx.op.forward(q, k, v, causal=causal, return_lse=True, precision="tf32")
+    ref_out, ref_lse = attention_ref(f64(q), f64(k), f64(v), causal=causal)
+    naive_err = rel_l2(_naive_tf32(*(f64(x).astype(np.float32) for x in (q, k, v)), causal), ref_out)
+    measured = {"out": rel_l2(f64(out), ref_out), "lse": max_abs(f64(lse), ref_lse)}
+    bounds = {"out": min(2e-3, max(2 * naive_err, 1e-6)), "lse": 1e-2}
+    if ctx.backend == "cuda":
+        text = str(ctx.op.explain(q, k, v, causal=causal, precision="tf32"))
+        measured["tf32_named"] = 0.0 if "TF32 tensor-core forward" in text else 1.0
+        bounds["tf32_named"] = 0.0
+    dout = ctx.tensor(tuple(out.shape), "float32")
+    grads = ctx.op.backward(dout, q, k, v, out, lse, causal=causal, precision="tf32")
+    refs = attention_ref_backward(f64(dout), f64(q), f64(k), f64(v), causal=causal)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
+        measured[name], bounds[name] = rel_l2(f64(g), r), 2e-3
+    return _judge(measured, bounds)
+
+
 def dense_cases(dtype: str, d: int) -> list[tuple[str, Callable[[Ctx], dict]]]:
     """The dense cases of one (dtype, head dim): the same specialisations the timings at that head dim use
     (plain and causal), then a window with softcap, and Sq = 1."""

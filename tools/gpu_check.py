@@ -52,7 +52,8 @@ def jobs(device: str) -> list[dict[str, Any]]:
             dict(name="dbias-a", extra=["dbias-float32-full", "dbias-float32-rows", "dbias-float32-keys",
                                         "dbias-float32-heads-dropout", "dbias-float16-full"]),
             dict(name="dbias-b", extra=["dbias-float32-full-mods", "dbias-float32-rows-mods"]),
-            dict(name="dbias-c", extra=["dbias-float32-keys-mods", "dbias-bfloat16-heads-mods-dropout"])]
+            dict(name="dbias-c", extra=["dbias-float32-keys-mods", "dbias-bfloat16-heads-mods-dropout"]),
+            dict(name="tf32", extra=["tf32-d64", "tf32-d128", "tf32-d64-noncausal"])]
     return out
 
 
@@ -74,6 +75,9 @@ def extra_case(name: str):
              "foreign": lambda c: gc.foreign_arrays(c, dtype),
              # Dv != D below 256: the tensor cores' forward for 16-bit inputs
              "dv": lambda c: gc.big_head_dims(c, dtype, 128, 96)}
+    if what == "tf32":   # float32 inputs with precision="tf32"
+        d, *opts = dtype.split("-")
+        return lambda c: gc.tf32(c, int(d[1:]), causal="noncausal" not in opts)
     if what == "dbias":
         dtype, broadcast, *opts = dtype.split("-")
         return lambda c: gc.dbias(c, dtype, broadcast, with_mods="mods" in opts, dropout="dropout" in opts)
