@@ -220,12 +220,15 @@ class CudaBackend(Backend):
         if call.kvcache is not None:
             return []
         cc = _gpu_compute_capability(call.q)
-        if call.dtype == "float32" and call.precision == "tf32" and not call.is_backward:
+        if call.dtype == "float32" and not call.is_backward:
             try:
                 why = tf32_reason(call.head_dim, self.config, cc, head_dim_v=call.head_dim_v,
                                   bias=call.bias is not None)
             except AttentionInputError as exc:
                 return [str(exc)]
+            if call.precision != "tf32":   # say where the opt-in would help: users ask for it by name
+                return [] if why else ["float32 SIMT kernels; precision='tf32' would run the forward on TF32 "
+                                       "tensor cores"]
             if why is not None:
                 return [f"SIMT kernels (float32): TF32 allowed, not used: {why}"]
             return ["TF32 tensor-core forward (mma.sync m16n8k8); the backward on the float32 SIMT kernels"]

@@ -234,7 +234,9 @@ def test_which_kernel_runs_and_what_explain_says(rng, tf32_launches):
     q, k, v = inputs(rng, 1, 5, 6, 1, 1, 16)
     op = backend_registry.get("flash", backend="cuda")
     assert "TF32 tensor-core forward" in str(op.explain(q, k, v, precision="tf32"))
-    assert "TF32" not in str(op.explain(q, k, v))                      # float32 computed in float32 by default
+    default = str(op.explain(q, k, v))                                 # float32 computed in float32 by default
+    assert "float32 SIMT kernels; precision='tf32' would run the forward on TF32 tensor cores" in default
+    assert "precision='tf32'" not in str(op.explain(*inputs(rng, 1, 5, 6, 1, 1, 200)))   # where it would not
     ieee, _ = op.forward(q, k, v, return_lse=True)
     assert not tf32_launches and rel_l2(ieee, attention_ref(q.astype(np.float64), k, v)[0]) < 1e-6
     assert forward_kernel("float32", 64, precision="tf32", cc=(8, 0)) == "tf32_forward"
