@@ -10,9 +10,9 @@ from .cases import Case
 from .harness import TimingStats, busy_note
 
 CSV_COLUMNS = ("config", "batch", "nheads", "nheads_kv", "seqlen", "headdim", "causal", "dtype", "layout",
-               "precision", "name", "kind", "device", "pass", "status", "repeats", "min_ms", "median_ms", "p95_ms", "p99_ms",
-               "max_ms", "spread", "flops", "tflops", "peak_mem_bytes", "mem_saved_vs_naive", "speedup_vs_naive",
-               "speedup_vs_sdpa", "max_err")
+               "precision", "name", "kind", "device", "pass", "status", "repeats", "min_ms", "median_ms",
+               "p95_ms", "p99_ms", "max_ms", "spread", "flops", "tflops", "peak_mem_bytes", "mem_saved_vs_naive",
+               "speedup_vs_naive", "speedup_vs_sdpa", "max_err")
 
 
 class NoisyTimingWarning(UserWarning):

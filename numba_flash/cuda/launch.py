@@ -98,9 +98,9 @@ def tensor_core_reason(dtype: str, head_dim: int, override: TileOverride | None 
     call runs on the float32 SIMT kernels rather than the tensor-core ones; None when it runs on tensor cores.
     ``head_dim_v``: v's head dim Dv when it differs from ``head_dim``. With ``override.tensor_cores`` True a reason
     is an ``AttentionInputError`` instead."""
-    override = override if override is not None else active_override()
-    if override is not None and override.tensor_cores is False:
-        return "tensor cores switched off by tile_config_override(tensor_cores=False)"
+    override, off = _override_in_force(override)
+    if off:
+        return off
     cc = compute_capability() if cc is None else cc
     reason = None
     if dtype not in TC_DTYPES:
@@ -127,6 +127,15 @@ def tensor_core_reason(dtype: str, head_dim: int, override: TileOverride | None 
     return reason
 
 
+def _override_in_force(override: TileOverride | None) -> tuple[TileOverride | None, str | None]:
+    """The tile override that applies (``override``, else the active ``tile_config_override``) and, when it keeps
+    every call off the tensor cores (``tensor_cores=False``), the reason to give."""
+    override = override if override is not None else active_override()
+    if override is not None and override.tensor_cores is False:
+        return override, "tensor cores switched off by tile_config_override(tensor_cores=False)"
+    return override, None
+
+
 def _override_misfit(override: TileOverride | None, kernels: tuple[str, ...], head_dim: int, dtype: str,
                      cc: tuple[int, int]) -> str | None:
     """Why a tile override that names sizes does not fit ``kernels``; None when it fits or names none."""
@@ -143,22 +152,27 @@ def tf32_reason(head_dim: int, override: TileOverride | None = None, cc: tuple[i
                 head_dim_v: int | None = None, bias: bool = False) -> str | None:
     """Why a float32 forward that allows TF32 (``precision="tf32"``) runs on the float32 SIMT kernel rather than
     the TF32 one (tf32_forward.py); None when it runs on TF32. ``head_dim_v``: v's head dim when it differs;
-    ``bias``: the call has attn_bias."""
-    override = override if override is not None else active_override()
-    if override is not None and override.tensor_cores is False:
-        return "tensor cores switched off by tile_config_override(tensor_cores=False)"
+    ``bias``: the call has attn_bias. With ``override.tensor_cores`` True a reason is an ``AttentionInputError``
+    instead, as in ``tensor_core_reason``."""
+    override, off = _override_in_force(override)
+    if off:
+        return off
     cc = compute_capability() if cc is None else cc
     widest = max(head_dim, head_dim_v or 0)
+    what = f"head dim {widest}" if widest == head_dim else f"v's head dim Dv={widest}"
     if tuple(cc) < TC_MIN_COMPUTE_CAPABILITY:
         need = TC_MIN_COMPUTE_CAPABILITY
-        return f"TF32 needs compute capability >= {need[0]}.{need[1]}, this GPU is {cc[0]}.{cc[1]}"
-    what = f"head dim {widest}" if widest == head_dim else f"v's head dim Dv={widest}"
-    if widest > TF32_MAX_HEAD_DIM:
-        return f"{what} > {TF32_MAX_HEAD_DIM} (the TF32 kernel's largest)"
-    if bias and widest > TF32_BIAS_MAX_HEAD_DIM:
-        return (f"attn_bias at {what} > {TF32_BIAS_MAX_HEAD_DIM} (its reads would spill the TF32 kernel's "
-                "registers)")
-    return _override_misfit(override, ("tf32_forward",), head_dim, "float32", cc)
+        reason = f"TF32 needs compute capability >= {need[0]}.{need[1]}, this GPU is {cc[0]}.{cc[1]}"
+    elif widest > TF32_MAX_HEAD_DIM:
+        reason = f"{what} > {TF32_MAX_HEAD_DIM} (the TF32 kernel's largest)"
+    elif bias and widest > TF32_BIAS_MAX_HEAD_DIM:
+        reason = (f"attn_bias at {what} > {TF32_BIAS_MAX_HEAD_DIM} (its reads would spill the TF32 kernel's "
+                  "registers)")
+    else:
+        reason = _override_misfit(override, ("tf32_forward",), head_dim, "float32", cc)
+    if reason and override is not None and override.tensor_cores:
+        raise AttentionInputError(f"tensor_cores=True: {reason}")
+    return reason
 
 
 def forward_kernel(dtype: str, head_dim: int, override: TileOverride | None = None,
@@ -169,13 +183,7 @@ def forward_kernel(dtype: str, head_dim: int, override: TileOverride | None = No
     ``tile_config_override(tensor_cores=True)`` a float32 call that allows TF32 but cannot have it raises
     ``AttentionInputError``, as float16 does."""
     if dtype == "float32" and precision == "tf32":
-        why = tf32_reason(head_dim, override, cc, head_dim_v, bias)
-        if why is None:
-            return "tf32_forward"
-        override = override if override is not None else active_override()
-        if override is not None and override.tensor_cores:
-            raise AttentionInputError(f"tensor_cores=True: {why}")
-        return "forward"
+        return "forward" if tf32_reason(head_dim, override, cc, head_dim_v, bias) else "tf32_forward"
     return "forward" if tensor_core_reason(dtype, head_dim, override, cc, head_dim_v=head_dim_v) else "tc_forward"
 
 
@@ -498,9 +506,10 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
     of 4 dimensions, each of the full size (B, Hq, Sq, Sk) or 1, any strides. dropout: None or ``dropout_arg``'s
     tuple. mods: the user's mods as device functions (``user_mods.cuda_mods``); block_mask: None or the
     ``numba_flash.BlockMask`` of mods' mask_mod, whose EMPTY tiles are skipped and FULL ones run without mask_mod
-    (block_tiles.py). precision: "tf32" lets float32 run on the TF32 kernel (``forward_kernel``). packed: None, or packed sequences' (cu_seqlens_q, cu_seqlens_k) int host arrays (B + 1,),
-    with q, k, v, out their packed arrays as a batch of one ((1, total, H, D), lse (1, Hq, total_q)): one launch
-    over every sequence's tiles (sequences.py). Writes out and lse. The self-check
+    (block_tiles.py). precision: "tf32" lets float32 run on the TF32 kernel (``forward_kernel``). packed: None,
+    or packed sequences' (cu_seqlens_q, cu_seqlens_k) int host arrays (B + 1,), with q, k, v, out their packed
+    arrays as a batch of one ((1, total, H, D), lse (1, Hq, total_q)): one launch over every sequence's tiles
+    (sequences.py). Writes out and lse. The self-check
     vouches for the kernels without mods (the mods only change which scores go in); a mod that numba-cuda cannot
     compile raises AttentionInputError naming it.
     Raises ``selfcheck.SelfCheckFailed`` (a ``BackendDeclined``), having written nothing, when no forward config

@@ -165,7 +165,8 @@ def model_kernel(kernel: str, cfg: FlashAttentionConfig, dtype: str, variant: st
     ffma_thread = per_iter.get("ffma", 0.0) * 32
     return ModelRecord(
         kernel=kernel, dtype=dtype, cc=f"{cc[0]}.{cc[1]}", head_dim=cfg.head_dim_bucket, variant=variant,
-        unit=("tensor_tf32" if kernel == "tf32_forward" else "tensor") if tensor else "simt_fp32", ceiling=round(ceiling, 4), bound=bound,
+        unit=("tensor_tf32" if kernel == "tf32_forward" else "tensor") if tensor else "simt_fp32",
+        ceiling=round(ceiling, 4), bound=bound,
         registers=res["registers"], spills=res["spill_stores"] + res["spill_loads"], smem_bytes=smem,
         threads=cfg.threads, tiles=f"{cfg.block_m}x{cfg.block_n}", blocks_per_sm=occ.blocks_per_sm,
         warps_per_sm=occ.warps_per_sm,

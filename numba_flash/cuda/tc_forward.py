@@ -41,6 +41,7 @@ from .tc_softmax import (finish_rows, make_key_range, make_online_softmax, make_
                          make_tile_start)
 from .tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
 from .user_mods import NO_MODS, CudaMods
+
 SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16   # cp.async and ldmatrix move 16-byte aligned chunks
 #: Exponent bits of a 16-bit float: all set means inf or NaN.
 EXPONENT_BITS = {False: 0x7C00, True: 0x7F80}        # float16, bfloat16
