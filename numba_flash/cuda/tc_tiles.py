@@ -62,16 +62,17 @@ def copy_row_step(head_dim_bucket: int, threads: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def make_tile_copy(rows: int, head_dim_bucket: int, threads: int, async_copy: bool) -> Any:
+def make_tile_copy(rows: int, head_dim_bucket: int, threads: int, async_copy: bool, row_slots: int = 0) -> Any:
     """``copy(dst, src, k, r0, c0, nbytes, row0, seqlen, tile_base, row_stride, b, h)``: pass ``k`` of a copy of
     rows ``row0 ..`` of head ``h`` of batch ``b`` of ``src`` (B, S, H, D), uint16, into the swizzled (rows x
-    head_dim_bucket) shared tile ``dst``. The thread copies chunk column ``c0`` of tile row ``r0 + k * step``
+    head_dim_bucket) shared tile ``dst`` (with ``row_slots``, into a row-major tile of that many elements per row,
+    unswizzled: the TF32 kernel's padded rows). The thread copies chunk column ``c0`` of tile row ``r0 + k * step``
     (``copy_row_step``), of which ``nbytes`` are inside the head dim; rows at or past ``seqlen`` become zeros.
     With ``async_copy`` the chunk goes by ``cp.async`` from ``tile_base`` (the byte offset of row ``row0``,
     column 0) plus the row's and column's offsets, completed by ``cp_async_wait_*``; without, element by element
     through ``src[b, row, h, d]``, for layouts ``cp.async`` cannot read. The pass loop is the kernel's, so that the
     performance model can count it."""
-    ROWS, ASYNC = rows, async_copy
+    ROWS, ASYNC, ROW_SLOTS = rows, async_copy, row_slots
     STEP = copy_row_step(head_dim_bucket, threads)
     RAGGED = rows % STEP != 0
     smem_index = make_smem_index(head_dim_bucket)
@@ -82,7 +83,7 @@ def make_tile_copy(rows: int, head_dim_bucket: int, threads: int, async_copy: bo
         row = row0 + int64(r)
         chunk_bytes = nbytes if row < seqlen else uint32(0)
         if not RAGGED or r < uint32(ROWS):
-            at = smem_index(r, c0)
+            at = r * uint32(ROW_SLOTS) + uint32(CHUNK) * c0 if ROW_SLOTS else smem_index(r, c0)
             if ASYNC:
                 warp.cp_async_16_at(dst, at, src, tile_base + int64(r) * row_stride + int64(2 * CHUNK) * c0,
                                     chunk_bytes)

@@ -35,18 +35,19 @@ import functools
 import math
 from typing import Any
 
-from numba import config, cuda, float32, int32, int64, uint16, uint32
+from numba import config, cuda, float32, int32, uint16, uint32
 
 from . import warp
 from .block_tiles import make_tile_skip, next_key_tile
 from .config import FlashAttentionConfig
+from .dtypes import element_io
 from .masks import bias_head, make_score_mod_hides, make_visible
 from .sequences import make_locate
 from .tc_forward import tile_offset
 from .tc_scores import staged_words
 from .tc_softmax import (finish_rows, make_key_range, make_online_softmax, make_row_start, make_tile_scores,
                          make_tile_start)
-from .tc_tiles import CHUNK, copy_passes, copy_row_step
+from .tc_tiles import CHUNK, copy_passes, copy_row_step, make_tile_copy
 from .user_mods import NO_MODS, CudaMods
 
 SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16   # cp.async and ldmatrix move 16-byte aligned chunks
@@ -62,38 +63,11 @@ def _checked(cfg: FlashAttentionConfig) -> None:
         raise ValueError(f"{cfg}: " + ("; ".join(why) or "not a tf32_forward config"))
 
 
-@cuda.jit(device=True, inline="always")
-def _as_is(x):
-    return x
-
-
 def slot_stride(head_dim_bucket: int) -> int:
     """16-bit slots per tile row: D floats and 4 of padding. A row of 4 (mod 32) words puts the 8 rows an
     ``ldmatrix`` phase reads, and the rows ``2t`` of a V fragment load, in different banks; 16 bytes of padding
     keep every row 16-byte aligned for ``cp.async`` and ``ldmatrix``."""
     return 2 * (head_dim_bucket + ROW_PAD)
-
-
-@functools.lru_cache(maxsize=None)
-def make_tile_copy(rows: int, head_dim_bucket: int, threads: int) -> Any:
-    """``copy(dst, src, k, r0, c0, nbytes, row0, seqlen, tile_base, row_stride)``: pass ``k`` of a ``cp.async`` copy
-    of rows ``row0 ..`` of ``src``, a uint16 view of float32 data (B, S, H, 2D), into the padded tile ``dst``
-    (``slot_stride``): the thread copies 16-byte chunk ``c0`` of tile row ``r0 + k * step``, of which ``nbytes`` are
-    inside the head dim (the rest zero-filled); rows at or past ``seqlen`` become zeros. ``tile_base``: the byte
-    offset of row ``row0``, column 0 (tc_forward.tile_offset). As tc_tiles.make_tile_copy, on this layout."""
-    ROWS, STRIDE = rows, slot_stride(head_dim_bucket)
-    STEP = copy_row_step(2 * head_dim_bucket, threads)
-    RAGGED = rows % STEP != 0
-
-    @cuda.jit(device=True, inline="always")
-    def copy(dst, src, k, r0, c0, nbytes, row0, seqlen, tile_base, row_stride):
-        r = r0 + uint32(k * STEP)
-        chunk_bytes = nbytes if row0 + int64(r) < seqlen else uint32(0)
-        if not RAGGED or r < uint32(ROWS):
-            warp.cp_async_16_at(dst, r * uint32(STRIDE) + uint32(CHUNK) * c0, src,
-                                tile_base + int64(r) * row_stride + int64(2 * CHUNK) * c0, chunk_bytes)
-
-    return copy
 
 
 @cuda.jit(device=True, inline="always")
@@ -194,7 +168,7 @@ def make_tf32_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_righ
     ALIBI, ASYNC, BLOCK_TILES = alibi, async_copy, mods.block_tiles
     MOD_WORDS = staged_words(N_TILES, NT, mods)
     ALIGN = SMEM_ALIGN
-    copy_kv = make_tile_copy(BLOCK_N, HEAD_DIM, NT)
+    copy_kv = make_tile_copy(BLOCK_N, 2 * HEAD_DIM, NT, True, row_slots=STRIDE)
     round_k = make_chunk_round(BLOCK_N, HEAD_DIM, NT, False)
     round_v = make_chunk_round(BLOCK_N, HEAD_DIM, NT, True)
     stage_k = make_element_stage(BLOCK_N, HEAD_DIM, False)
@@ -207,7 +181,7 @@ def make_tf32_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_righ
     tile_skip = make_tile_skip(BLOCK_TILES)
     locate = make_locate(varlen)
     sees = make_visible(has_left, has_right, has_bias, mods)
-    score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, _as_is)
+    score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, element_io(False)[0])
 
     def flash_tf32_forward_kernel(q, k, v, out, lse, seqlen_q, seqlen_k, head_dim, group, window_left,
                                   window_right, qmult, capmult, slopes, bias, seed_lo, seed_hi, threshold, dscale,
@@ -260,7 +234,7 @@ def make_tf32_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_righ
         if ASYNC and n_first < hi:
             for c_pass in range(KV_PASSES):
                 copy_kv(k_tile, k_bits, c_pass, r0, c0, chunk_bytes, k0 + n_first, k0 + seqlen_k,
-                        tile_offset(k_bits, ab, k0 + n_first, hk), k_bits.strides[1])
+                        tile_offset(k_bits, ab, k0 + n_first, hk), k_bits.strides[1], ab, hk)
             warp.cp_async_commit()
         # A fragment of step kk: a0 = Q[g, 8kk + t], a1 = Q[g + 8, ...], a2 = Q[g, 8kk + t + 4], a3 = Q[g + 8, ...],
         # loaded while the first K tile is in flight.
@@ -287,7 +261,7 @@ def make_tf32_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_righ
                 cuda.syncthreads()                 # K published; every warp is past the last tile's P V
                 for c_pass in range(KV_PASSES):
                     copy_kv(v_tile, v_bits, c_pass, r0, c0, v_chunk_bytes, k0 + n0, k0 + seqlen_k,
-                            tile_offset(v_bits, ab, k0 + n0, hk), v_bits.strides[1])
+                            tile_offset(v_bits, ab, k0 + n0, hk), v_bits.strides[1], ab, hk)
                 warp.cp_async_commit()
             else:
                 cuda.syncthreads()                 # every warp is past the last tile's P V
@@ -322,7 +296,7 @@ def make_tf32_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_righ
                 if n_next < hi:
                     for c_pass in range(KV_PASSES):
                         copy_kv(k_tile, k_bits, c_pass, r0, c0, chunk_bytes, k0 + n_next, k0 + seqlen_k,
-                                tile_offset(k_bits, ab, k0 + n_next, hk), k_bits.strides[1])
+                                tile_offset(k_bits, ab, k0 + n_next, hk), k_bits.strides[1], ab, hk)
                     warp.cp_async_commit()
                     warp.cp_async_wait_one()       # V's group, the older one
                 else:
