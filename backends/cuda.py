@@ -7,7 +7,7 @@ torch inputs. numpy inputs are copied to the GPU and back only when the backend 
 
 Dtypes: float32, float16, and bfloat16 on GPUs of compute capability >= 8.0. bfloat16 comes as torch tensors (or
 DLPack, through torch): numpy and ``__cuda_array_interface__`` have no bfloat16 type. The kernels get bfloat16
-tensors viewed zero-copy as int16 bit patterns (``numba_flash.cuda.dtypes``) and bfloat16 outputs the same way.
+tensors viewed zero-copy as int16 bit patterns (``numba_flash.cuda.device.dtypes``) and bfloat16 outputs the same way.
 
 Several GPUs: a call runs on the GPU that holds its inputs (a torch tensor's device, CuPy's ``.device``, a DLPack
 exporter's device id, else the device the driver reports for the data pointer), whatever numba's current device
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from numba_flash.cuda.config import MIN_COMPUTE_CAPABILITY, dtype_supported_on
+from numba_flash.cuda.host.config import MIN_COMPUTE_CAPABILITY, dtype_supported_on
 from numba_flash.errors import AttentionInputError
 from numba_flash.validation import AttentionCall
 
@@ -61,7 +61,7 @@ def _gpu_compute_capability(x: Any) -> tuple[int, int]:
         major, minor = torch.cuda.get_device_capability(index)
         return (int(major), int(minor))
     except Exception:  # no torch, or a DLPack exporter torch cannot place: numba knows the current device
-        from numba_flash.cuda.launch import compute_capability
+        from numba_flash.cuda.host.devices import compute_capability
 
         return compute_capability()
 
@@ -85,9 +85,9 @@ class CudaBackend(Backend):
     SUPPORTS_KVCACHE = True
     SUPPORTS_ALIBI = True
     SUPPORTS_BIAS = True
-    SUPPORTS_DBIAS = True  # any broadcast (numba_flash/cuda/launch_dbias.py), user mods too
+    SUPPORTS_DBIAS = True  # any broadcast (numba_flash/cuda/host/launch_dbias.py), user mods too
     SUPPORTS_DROPOUT = True
-    SUPPORTS_MODS = True   # compiled into the kernels as device functions (numba_flash/cuda/user_mods.py)
+    SUPPORTS_MODS = True   # compiled into the kernels as device functions (numba_flash/cuda/device/user_mods.py)
     SUPPORTS_HEAD_DIM_V = True   # kernels built for the bucket of max(D, Dv); the tensor-core backward needs Dv = D
     SUPPORTED_MAX_HEAD_DIM = 576   # past 256 on the SIMT kernels, from sm_80 on (config.WIDE_HEAD_DIM_BUCKETS)
 
@@ -160,7 +160,7 @@ class CudaBackend(Backend):
                 need = MIN_COMPUTE_CAPABILITY[call.dtype]
                 reasons.append(BF16_CC_REASON.format(need=f"{need[0]}.{need[1]}", have=f"{have[0]}.{have[1]}"))
         if not reasons and call.kvcache is None and max(call.head_dim, call.head_dim_v) > 256:
-            from numba_flash.cuda.config import head_dim_reason, smem_limit_for
+            from numba_flash.cuda.host.config import head_dim_reason, smem_limit_for
 
             limit = smem_limit_for(_gpu_compute_capability(call.q))
             kernels = ("backward_dkdv", "backward_dq") if call.is_backward else ("forward",)
@@ -175,7 +175,8 @@ class CudaBackend(Backend):
 
         if not selfcheck.has_failures():   # the common case: keep the per-call cost at one lookup
             return [], []
-        from numba_flash.cuda.launch import configs_for, forward_kernel, tensor_core_reason
+        from numba_flash.cuda.host.devices import configs_for
+        from numba_flash.cuda.host.launch import forward_kernel, tensor_core_reason
 
         flags = (call.window_left >= 0, call.window_right >= 0, call.softcap > 0)
         kernels = ("forward", "backward_dkdv", "backward_dq")
@@ -214,8 +215,8 @@ class CudaBackend(Backend):
         """For float16 and bfloat16, which kernels run the call, and its backward (explain() describes forward
         calls, which a training step's backward follows); for float32 that allows TF32, whether the forward runs
         on it. Other float32 calls always run on the SIMT kernels."""
-        from numba_flash.cuda.config import TC_DTYPES
-        from numba_flash.cuda.launch import tensor_core_reason, tf32_reason
+        from numba_flash.cuda.host.config import TC_DTYPES
+        from numba_flash.cuda.host.launch import tensor_core_reason, tf32_reason
 
         if call.kvcache is not None:
             return []
@@ -255,8 +256,9 @@ class CudaBackend(Backend):
 
     def _forward_runner(self, io: _Session) -> Any:
         """``run(call, q, k, v, out, lse)``: the forward kernel on (B, S, H, D) device views, on io's stream."""
-        from numba_flash.cuda.launch import alibi_arg, dropout_arg, flash_forward
-        from numba_flash.cuda.user_mods import cuda_mods
+        from numba_flash.cuda.host.flash import flash_forward
+        from numba_flash.cuda.host.launch import alibi_arg, dropout_arg
+        from numba_flash.cuda.device.user_mods import cuda_mods
 
         def run(c: AttentionCall, q: Any, k: Any, v: Any, out: Any, lse: Any) -> None:
             flash_forward(q, k, v, out, lse, softmax_scale=c.softmax_scale, window_left=c.window_left,
@@ -288,9 +290,10 @@ class CudaBackend(Backend):
         """Rotary and the append through the caller's tensors (torch on their GPU, numpy on the host), then one
         launch of the decode kernel over (sequence, kv head, split), reading the cache in place (paged or not; a
         host cache is copied to the GPU whole, once), and one launch of the merge of the splits
-        (``numba_flash.cuda.decode``). Splits are float32 partials, so every dtype splits."""
-        from numba_flash.cuda.launch import alibi_arg
-        from numba_flash.cuda.launch_decode import decode_config, flash_decode
+        (``numba_flash.cuda.kernels.decode``). Splits are float32 partials, so every dtype splits."""
+        from numba_flash.cuda.host.launch import alibi_arg
+        from numba_flash.cuda.host.flash import decode_config
+        from numba_flash.cuda.host.launch_decode import flash_decode
 
         kv = call.kvcache
         left, right = kv.window_for(max(1, int(kv.seqlens_k.max())))   # capped: the same mask for every sequence
@@ -359,8 +362,9 @@ class CudaBackend(Backend):
             return self._backward(call, io)
 
     def _backward(self, call: AttentionCall, io: _Session) -> tuple[Any, Any, Any]:
-        from numba_flash.cuda.launch import alibi_arg, dropout_arg, flash_backward
-        from numba_flash.cuda.user_mods import cuda_mods
+        from numba_flash.cuda.host.flash import flash_backward
+        from numba_flash.cuda.host.launch import alibi_arg, dropout_arg
+        from numba_flash.cuda.device.user_mods import cuda_mods
 
         names = ("dout", "q", "k", "v", "out")
         dout, q, k, v, out = (io.device(getattr(call, n), n) for n in names)

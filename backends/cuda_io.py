@@ -240,7 +240,7 @@ class _Session:
     def empty(self, shape: tuple[int, ...], dtype: str) -> tuple[Any, Any]:
         """(what the caller gets back, the numba device array kernels write); for host calls the first is the
         dtype, and ``result`` makes the caller's array from the device one."""
-        from numba_flash.cuda.config import storage_dtype
+        from numba_flash.cuda.host.config import storage_dtype
 
         if self.torch and not self.host:
             import torch

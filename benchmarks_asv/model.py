@@ -26,7 +26,7 @@ def _toolchain_reason() -> str | None:
         import cuda.bindings.nvjitlink  # noqa: F401
         import numba.cuda  # noqa: F401
 
-        from numba_flash.cuda.sass import nvdisasm_path
+        from numba_flash.cuda.compile_check.sass import nvdisasm_path
 
         nvdisasm_path()
     except Exception as exc:   # the cuda extra is not installed: nothing to model

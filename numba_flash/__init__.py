@@ -30,7 +30,7 @@ from .validation import AttentionCall, validate_backward, validate_forward
 __version__ = "0.1.0"
 
 # Wrapped here, not where they are defined: the CUDA kernels compile code from mods.py and dropout.py, whose every
-# edit invalidates the recorded compile table (numba_flash/cuda/compile_table.py).
+# edit invalidates the recorded compile table (numba_flash/cuda/compile_check/table.py).
 block_mask = checked_arguments(_mods.block_mask)
 _dropout_mask = None
 

@@ -7,7 +7,7 @@ element's indices that numba compiles.
     score_mod_grad(score, b, h, q_idx, kv_idx) -> float   d score_mod / d score, which the backward needs
 
 ``b`` is the batch index, ``h`` the query head, ``q_idx`` and ``kv_idx`` the positions in the sequences (int64);
-``score`` is float64 (float32 in the CUDA kernels, numba_flash/cuda/user_mods.py, which build each mod for the GPU
+``score`` is float64 (float32 in the CUDA kernels, numba_flash/cuda/device/user_mods.py, which build each mod for the GPU
 from its Python source). A mod may read global numpy arrays (document ids, a per-head table) and call other
 ``numba.njit`` functions. numba freezes a function's global arrays when it compiles it, and compiled mods are kept
 per function object: to change a table, build a new function (a factory that returns a closure), do not edit the

@@ -1,6 +1,6 @@
 """Shared by the simulator tests of the first-use self-check (``tests/numba_flash/cuda/test_selfcheck_sim.py``,
 ``test_selfcheck_varlen_sim.py``, ``test_decode_selfcheck_sim.py``, ``test_dbias_sim.py``): the check switched on
-with one toy fallback config, and kernel factories of ``numba_flash.cuda.launch`` that hand out spoiled kernels.
+with one toy fallback config, and kernel factories of ``numba_flash.cuda.host.launch`` that hand out spoiled kernels.
 Imported by the test files (pytest puts ``tests/`` on sys.path).
 """
 
@@ -60,7 +60,8 @@ def spoil(monkeypatch: Any, factory_name: str, out_arg: int, which: Callable[[An
     """Make ``launch.<factory_name>`` (``launch_decode``'s for the decode kernels) hand out, for the builds
     ``which(cfg, factory keywords)`` picks, a kernel that spoils argument ``out_arg`` after running (or raises,
     ``how="raise"``); every other build is real."""
-    from numba_flash.cuda import launch, launch_decode
+    from numba_flash.cuda.host import launch
+    from numba_flash.cuda.host import launch_decode
 
     module = launch_decode if factory_name in ("make_decode_kernel", "make_split_merge_kernel") else launch
     real = getattr(module, factory_name)

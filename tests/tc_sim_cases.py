@@ -99,10 +99,10 @@ def mod_grid(fn, batch, heads, sq, sk, scores=None):
 
 
 def break_small_tiles(monkeypatch, factory_name, corrupt):
-    """Make ``numba_flash.cuda.launch``'s kernel factory ``factory_name`` build, for 16-row tiles, a kernel whose
+    """Make ``numba_flash.cuda.host.launch``'s kernel factory ``factory_name`` build, for 16-row tiles, a kernel whose
     output (argument 3) ``corrupt`` then spoils (given the device array, writing it in place): the self-check must
     catch it and fall back to another tile config."""
-    from numba_flash.cuda import launch
+    from numba_flash.cuda.host import launch
 
     real = getattr(launch, factory_name)
 

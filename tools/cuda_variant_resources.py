@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 
 from numba_flash.cuda import compile_check as cc
-from numba_flash.cuda.config import STATIC_SMEM_LIMIT, tile_config_for
+from numba_flash.cuda.host.config import STATIC_SMEM_LIMIT
+from numba_flash.cuda.host.picker import tile_config_for
 
 #: (has_left, has_right, softcap, alibi, attn_bias, dropout)
 VARIANTS = {"plain": (False,) * 6, "alibi": (False, False, False, True, False, False),

@@ -2,10 +2,10 @@
 
     python tools/gpu_tile_sweep.py --out DIR [--budget SECONDS] [--only NAME,...] [--batch B] [--list]
 
-The static model (numba_flash/cuda/perf_model.py) says the D = 128 tensor-core kernels are latency-bound: 2 warps
+The static model (numba_flash/cuda/perf_model/__init__.py) says the D = 128 tensor-core kernels are latency-bound: 2 warps
 a scheduler at 240 registers cannot hide their chains. Which tile or register cap moves them is a question for the
 hardware, so each candidate below runs in its own spawned process with the picker's preferred tile of one kernel
-replaced (config._PREFERRED) and, for a cap, ``max_registers`` given to that kernel's ``cuda.jit``. Every process
+replaced (picker._PREFERRED) and, for a cap, ``max_registers`` given to that kernel's ``cuda.jit``. Every process
 first compiles its kernels and checks its answer (two heads of the timed inputs against float64 SDPA on the
 device), then all wait at a barrier and time one at a time: float16, S = 4096, B = 8 (--batch), H = 2048 / D, non-causal and
 causal, per-call time of 10 calls queued back to back (5 batches, min / median), the forward or, for a backward
@@ -112,15 +112,15 @@ def worker(cand: tuple, out_dir: str, barrier: Any, lock: Any, deadline: float, 
         import torch.nn.functional as F
         from numba import cuda
 
-        from numba_flash.cuda import config
+        from numba_flash.cuda.host import config, picker
 
         made: list = []
         cuda.jit = _jit_shim(cuda.jit, KERNEL_FUNCTIONS[kernel], cap, made)
-        config._PREFERRED[kernel][d] = tile
+        picker._PREFERRED[kernel][d] = tile
         import numba_flash
 
         cc = cuda.get_current_device().compute_capability
-        picked = config.tile_config_for(d, DTYPE, cc, config.smem_limit_for(cc), kernel)
+        picked = picker.tile_config_for(d, DTYPE, cc, config.smem_limit_for(cc), kernel)
         rec["picked"] = (picked.block_m, picked.block_n, picked.threads)
         op = numba_flash.backend_registry.get("flash", backend="cuda")
         h = MODEL_DIM // d

@@ -20,7 +20,7 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
 from numba import cuda  # noqa: E402
 
 from numba_flash import attention_ref  # noqa: E402
-from numba_flash.cuda import warp  # noqa: E402
+from numba_flash.cuda.device import warp  # noqa: E402
 
 _noise = np.random.default_rng(7)
 

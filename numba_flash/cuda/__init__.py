@@ -1,43 +1,33 @@
 """CUDA kernels of numba-flash: ``numba.cuda`` ``@cuda.jit`` kernels with K/V tiles staged in shared memory.
 
-    config.py         tile configs, the picker ``tile_config_for`` and ``tile_config_override``
-    forward.py        the forward kernel factory (online softmax, one block per query tile)
-    backward.py       delta pre-pass, dK/dV kernel (per key tile), dQ kernel (per query tile)
-    decode.py         split-KV decoding with a KV cache (with_kvcache): one kernel over (sequence, kv head, split)
-                      reading a dense or paged cache in place, and the merge of its splits
-    merge.py          merge of two partial attentions on the GPU (merge_attention_states' device twin)
-    dtypes.py         element load/store helpers: bfloat16 travels as int16 bits, widened to float32 and rounded back
-    warp.py           warp-level primitives for tensor cores (mma.sync, ldmatrix, cp.async, shuffles, packing):
-                      inline PTX in warp_ptx.py, and for the simulator an emulation with the same fragment layouts
-                      in warp_sim.py
-    launch.py         host wrappers that pick configs and launch on (B, S, H, D) device-array views
-    selfcheck.py      first-launch check of each kernel specialisation against the reference, with fallbacks
-                      (on for a real GPU; NUMBA_FLASH_SELFCHECK=0 / 1 switches it); decode_check.py has the
-                      decode kernel's check
-    compile_check.py  PTX/SASS compile of every specialisation with register and spill report (no GPU needed)
-    simcheck.py       race, bounds and barrier checker for the simulator (NUMBA_FLASH_SIMCHECK=1), with
-                      simcheck_hooks.py and simcheck_arrays.py, which load only when it is switched on
-    compat.py         keeps numba-cuda compiling under numpy releases newer than it knows (np.row_stack)
+The folders are the layers, the runtime first:
+
+    kernels/        one file per kernel factory (SIMT, tensor-core and TF32 forward and backward, decode, merge)
+    device/         device helpers the kernels are built from (tiles, masks, score pipeline, warp primitives)
+    host/           tile configs and the picker, the launches, the shared-memory opt-in
+    selfcheck/      first use of each specialisation checked against the reference on a real GPU, with fallbacks
+    compat.py       keeps numba-cuda compiling under numpy releases newer than it knows (np.row_stack)
+
+and the tooling that proves them, which the runtime does not import (the simulator checker aside, loaded only when
+``NUMBA_FLASH_SIMCHECK=1`` switches it on):
+
+    compile_check/  PTX/SASS compile of every specialisation with its register and spill report (no GPU needed),
+                    and the recorded table the test suite reads: ``python -m numba_flash.cuda.compile_check``
+    perf_model/     the static performance model: ``python -m numba_flash.cuda.perf_model``
+    simcheck/       race, bounds and barrier checker for the Numba CUDA simulator
 
 Importing this package does not import ``numba.cuda``; the kernel factories do, on first use.
 """
 
 from __future__ import annotations
 
-from .compat import restore_row_stack
+from numba_flash.cuda.compat import restore_row_stack
 
 restore_row_stack()   # before numba-cuda compiles anything: see compat.py
 
-from .config import (
-    HEAD_DIM_BUCKETS,
-    FlashAttentionConfig,
-    TileOverride,
-    all_tile_configs,
-    head_dim_bucket,
-    tile_config_for,
-    tile_config_override,
-)
-from .simcheck import SimulatorCheckError
+from numba_flash.cuda.host.config import HEAD_DIM_BUCKETS, FlashAttentionConfig, head_dim_bucket
+from numba_flash.cuda.host.picker import TileOverride, all_tile_configs, tile_config_for, tile_config_override
+from numba_flash.cuda.simcheck import SimulatorCheckError
 
 __all__ = [
     "HEAD_DIM_BUCKETS",

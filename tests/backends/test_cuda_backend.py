@@ -130,7 +130,7 @@ def test_calls_launch_without_numba_low_occupancy_warnings_and_restore_the_switc
     # shape, not theirs to tune. numba reads its switch at each launch; the backend's calls hold it off.
     from numba.core import config as numba_config
 
-    import numba_flash.cuda.launch as launch
+    import numba_flash.cuda.host.launch as launch
 
     seen = []
     for name in ("flash_forward", "flash_backward"):

@@ -7,7 +7,7 @@ There is no GPU here, let alone two, so the GPU side is faked, in the normal pro
 - ``numba.cuda.gpus`` is a fake whose ``gpus[i]`` context manager records which device is current;
   ``numba.cuda.as_cuda_array`` and ``numba.cuda.device_array`` are fakes that record the device current when
   they are called (device_array allocates a numpy-backed fake on it);
-- ``launch.flash_forward`` / ``flash_backward`` are replaced by recorders that note the current device and the
+- ``flash.flash_forward`` / ``flash_backward`` are replaced by recorders that note the current device and the
   devices of the arrays they got, and write the float64 reference's results into the outputs.
 The torch and CuPy kinds are recognised by their module name, so their fakes are classes named into a ``torch`` /
 ``cupy`` module; they only carry a device. What is real: ``backends.cuda`` (``_Session``, ``CudaBackend.forward``
@@ -85,7 +85,7 @@ def gpus(monkeypatch):
     """Two fake GPUs, numba's current one being 0; returns the fake device list and the recorder's log."""
     from numba import cuda
 
-    from numba_flash.cuda import launch
+    from numba_flash.cuda.host import flash
 
     fake = FakeGpus(current=0)
     fake.log = []
@@ -116,8 +116,8 @@ def gpus(monkeypatch):
 
     monkeypatch.setattr(cuda, "as_cuda_array", as_cuda_array)
     monkeypatch.setattr(cuda, "device_array", device_array)
-    monkeypatch.setattr(launch, "flash_forward", flash_forward)
-    monkeypatch.setattr(launch, "flash_backward", flash_backward)
+    monkeypatch.setattr(flash, "flash_forward", flash_forward)
+    monkeypatch.setattr(flash, "flash_backward", flash_backward)
     return fake
 
 

@@ -151,7 +151,7 @@ def test_explain_says_who_runs_mods():
     q, k, v, _ = _inputs(rng)
     text = str(backend_registry.get("flash").explain(q, k, v, mask_mod=doc_mask))
     assert "mask_mod=doc_mask" in text and "chosen: cpu" in text
-    # Every backend runs mods (cuda's in numba_flash/cuda/user_mods.py): the GPU ones decline these host arrays
+    # Every backend runs mods (cuda's in numba_flash/cuda/device/user_mods.py): the GPU ones decline these host arrays
     # for that reason only.
     cuda_line = next(line for line in text.splitlines() if "cuda [priority 30]: " in line)
     assert "host (numpy) input" in cuda_line and "not supported" not in text

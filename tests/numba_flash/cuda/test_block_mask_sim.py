@@ -1,5 +1,5 @@
 """A BlockMask (``numba_flash.block_mask``) in the CUDA kernels, under the Numba CUDA simulator: its tiles re-cut to
-the kernels' own (``numba_flash.cuda.block_tiles.kernel_tile_states``, against a per-element brute force for odd
+the kernels' own (``numba_flash.cuda.device.block_tiles.kernel_tile_states``, against a per-element brute force for odd
 sizes and unaligned blocks), the SIMT kernels (float32, toy tiles) and the tensor-core kernels (float16, one-warp
 tiles) matching the reference with an honest BlockMask, and a BlockMask that misstates tiles changing the answer
 exactly as skipping (a FULL tile called EMPTY) or not masking (a PARTIAL tile called FULL) would: the kernels
@@ -16,7 +16,7 @@ import pytest
 from cuda_sim_cases import TILES, forward_backward, random_inputs, rel_l2
 
 from numba_flash import attention_ref, attention_ref_backward, block_mask
-from numba_flash.cuda.block_tiles import kernel_tile_states
+from numba_flash.cuda.device.block_tiles import kernel_tile_states
 from numba_flash.mods import EMPTY, FULL, PARTIAL, BlockMask
 
 # RuntimeWarnings: the simulator's numpy arithmetic on the -inf the masks make.

@@ -1,4 +1,4 @@
-"""The compile check's recorded table (numba_flash/cuda/compile_table.py): its fingerprint changes with the code
+"""The compile check's recorded table (numba_flash/cuda/compile_check/table.py): its fingerprint changes with the code
 the kernels are built from and not with their comments, docstrings or the modules no kernel is built from, and the
 table reads back what was written. Whether the table agrees with the compiler is test_cuda_compile.py's part."""
 
@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from numba_flash.cuda import compile_table
+from numba_flash.cuda.compile_check import table as compile_table
 
-PACKAGE = Path(compile_table.__file__).resolve().parent.parent
+PACKAGE = Path(compile_table.__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def package(tmp_path):
     """A copy of the sources the fingerprint reads, and of one module it leaves out."""
-    (tmp_path / "cuda").mkdir()
-    for path in compile_table.kernel_sources(PACKAGE) + [PACKAGE / "cuda" / "perf_model.py"]:
+    for path in compile_table.kernel_sources(PACKAGE) + [PACKAGE / "cuda" / "host" / "launch.py"]:
+        (tmp_path / path.relative_to(PACKAGE)).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(path, tmp_path / path.relative_to(PACKAGE))
     return tmp_path
 
@@ -35,7 +35,7 @@ def test_the_copy_has_the_package_fingerprint(package):
 
 def test_comments_and_docstrings_do_not_count(package):
     before = compile_table.fingerprint(package)
-    forward = package / "cuda" / "forward.py"
+    forward = package / "cuda" / "kernels" / "forward.py"
     _edit(forward, '"""', '"""A reworded docstring. ')
     forward.write_text(forward.read_text() + "\n# a closing comment\n")
     _edit(package / "dropout.py", "def split_seed(seed: int) -> tuple[int, int]:\n",
@@ -43,7 +43,8 @@ def test_comments_and_docstrings_do_not_count(package):
     assert compile_table.fingerprint(package) == before
 
 
-@pytest.mark.parametrize("where", ["cuda/forward.py", "cuda/config.py", "dropout.py", "cuda/a_new_module.py"])
+@pytest.mark.parametrize("where", ["cuda/kernels/forward.py", "cuda/host/config.py", "dropout.py", "cuda/kernels/a_new_kernel.py",
+                                   "cuda/device/a_new_helper.py"])
 def test_code_counts(package, where):
     before = compile_table.fingerprint(package)
     path = package / where
@@ -53,8 +54,8 @@ def test_code_counts(package, where):
 
 def test_modules_no_kernel_is_built_from_do_not_count(package):
     before = compile_table.fingerprint(package)
-    path = package / "cuda" / "perf_model.py"
-    path.write_text(path.read_text() + "\nMODEL_EXTRA = 1\n")
+    path = package / "cuda" / "host" / "launch.py"
+    path.write_text(path.read_text() + "\nLAUNCH_EXTRA = 1\n")
     assert compile_table.fingerprint(package) == before
 
 

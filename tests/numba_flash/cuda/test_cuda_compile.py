@@ -36,7 +36,7 @@ def _all_rows() -> tuple:
     """Every specialisation's resources, in compile_jobs' order: the recorded table while it is current, after
     compiling SPOT_CHECK of its specialisations again (NUMBA_FLASH_SPOT_CHECK_SEED repeats a draw); otherwise a
     fresh compile of them all."""
-    from numba_flash.cuda import compile_table
+    from numba_flash.cuda.compile_check import table as compile_table
     from numba_flash.cuda.compile_check import check_all, compile_jobs, run_jobs
 
     table = compile_table.load()
@@ -63,9 +63,9 @@ def test_every_specialisation_compiles_without_spills():
     _needs_toolchain()
     from numba_flash.cuda.compile_check import (DBIAS_SUMS, DBIAS_SUMS_SUFFIX, MODS_HEAD_DIM, MODS_KERNELS,
                                                 MODS_SUFFIX, VARLEN_HEAD_DIM, VARLEN_SUFFIX, format_table)
-    from numba_flash.cuda.config import (COMPUTE_CAPABILITIES, HEAD_DIM_BUCKETS, KERNEL_DTYPES, KERNELS,
-                                         TC_MAX_HEAD_DIM, TF32_MAX_HEAD_DIM, dtype_supported_on, head_dim_reason,
-                                         smem_limit_for)
+    from numba_flash.cuda.host.config import (COMPUTE_CAPABILITIES, HEAD_DIM_BUCKETS, KERNEL_DTYPES, KERNELS,
+                                              TC_MAX_HEAD_DIM, TF32_MAX_HEAD_DIM, dtype_supported_on, head_dim_reason,
+                                              smem_limit_for)
 
     results = list(_all_rows())
     print()
@@ -116,7 +116,7 @@ def test_the_split_kv_merge_kernel_compiles_to_ptx():
     _needs_toolchain()
     from numba import cuda, float32
 
-    from numba_flash.cuda.merge import merge_kernel
+    from numba_flash.cuda.kernels.merge import merge_kernel
 
     out3, lse2 = float32[:, :, :], float32[:, :]
     ptx, _ = cuda.compile_ptx(merge_kernel().py_func, (out3, lse2, out3, lse2, out3, lse2), cc=(8, 0))
@@ -131,7 +131,7 @@ def test_sm90_reports_one_kib_more_shared_memory_than_declared():
     from numba import cuda, float32, types
 
     from numba_flash.cuda.compile_check import KernelResources, parse_resources
-    from numba_flash.cuda.sass import link
+    from numba_flash.cuda.compile_check.sass import link
 
     def uses_48_kib(a):
         s = cuda.shared.array(12288, float32)
@@ -154,7 +154,7 @@ def test_sm90_reports_one_kib_more_shared_memory_than_declared():
 def _mods(**fns):
     from types import SimpleNamespace
 
-    from numba_flash.cuda.user_mods import MOD_NAMES, cuda_mods
+    from numba_flash.cuda.device.user_mods import MOD_NAMES, cuda_mods
 
     return cuda_mods(SimpleNamespace(**{name: fns.get(name) for name in MOD_NAMES}))
 
@@ -163,8 +163,8 @@ def _forward_ptx_with(mods):
     from numba import cuda
 
     from numba_flash.cuda.compile_check import device_functions_for, kernel_signature
-    from numba_flash.cuda.config import TileOverride, tile_config_for
-    from numba_flash.cuda.forward import make_forward_kernel
+    from numba_flash.cuda.host.picker import TileOverride, tile_config_for
+    from numba_flash.cuda.kernels.forward import make_forward_kernel
 
     cfg = tile_config_for(64, "float32", (8, 0), kernel="forward", override=TileOverride())
     kernel = make_forward_kernel(cfg, False, True, False, False, mods=mods)
@@ -177,7 +177,7 @@ def test_a_mod_numba_cuda_cannot_build_is_named_in_the_error():
     AttentionInputError naming the mod and numba's reason."""
     _needs_toolchain()
     from numba_flash import AttentionInputError
-    from numba_flash.cuda.launch import _compiling
+    from numba_flash.cuda.host.launch import _compiling
 
     def needs_strings(b, h, q_idx, kv_idx):
         return len(str(q_idx)) <= len(str(kv_idx))
@@ -196,8 +196,8 @@ def test_tables_past_the_constant_memory_are_named_in_the_error():
     import numpy as np
 
     from numba_flash import AttentionInputError
-    from numba_flash.cuda.launch import _compiling
-    from numba_flash.cuda.sass import link
+    from numba_flash.cuda.host.launch import _compiling
+    from numba_flash.cuda.compile_check.sass import link
 
     documents = np.repeat(np.arange(12, dtype=np.int64), 512)   # 48 KiB
 
@@ -219,12 +219,13 @@ def test_tables_past_the_constant_memory_are_named_in_the_error():
 
 
 def test_dynamic_shared_memory_configs_compile_and_fit():
-    """The configs past 48 KiB (config._PREFERRED_DYNAMIC, D = 256, float32, sm_80 on) with every switch on: no
+    """The configs past 48 KiB (picker._PREFERRED_DYNAMIC, D = 256, float32, sm_80 on) with every switch on: no
     spills, no static shared array left beside the dynamic buffer, and a block of static plus dynamic shared memory
     that fits an SM (the compile check's rows for them; its full matrix test covers every dtype)."""
     _needs_toolchain()
     from numba_flash.cuda.compile_check import format_table, kernel_ptx
-    from numba_flash.cuda.config import STATIC_SMEM_LIMIT, all_tile_configs
+    from numba_flash.cuda.host.config import STATIC_SMEM_LIMIT
+    from numba_flash.cuda.host.picker import all_tile_configs
 
     targets = {}
     for cc, dtype, cfg in all_tile_configs(((7, 5), (8, 0), (8, 6), (9, 0))):

@@ -5,10 +5,10 @@ import pytest
 from numba_flash import AttentionInputError
 from numba_flash.cuda import (HEAD_DIM_BUCKETS, TileOverride, all_tile_configs, head_dim_bucket, tile_config_for,
                               tile_config_override)
-from numba_flash.cuda.config import (COMPUTE_CAPABILITIES, DYNAMIC_SMEM_KERNELS, KERNELS, MAX_ACCUMULATORS_PER_THREAD,
-                                     STATIC_SMEM_LIMIT, WIDE_HEAD_DIM_BUCKETS, WIDE_MAX_ACCUMULATORS_PER_THREAD,
-                                     FlashAttentionConfig, dtype_supported_on, head_dim_reason, smem_limit_for,
-                                     storage_dtype, thread_grid)
+from numba_flash.cuda.host.config import (COMPUTE_CAPABILITIES, DYNAMIC_SMEM_KERNELS, KERNELS,
+                                          MAX_ACCUMULATORS_PER_THREAD, STATIC_SMEM_LIMIT, WIDE_HEAD_DIM_BUCKETS,
+                                          WIDE_MAX_ACCUMULATORS_PER_THREAD, FlashAttentionConfig, dtype_supported_on,
+                                          head_dim_reason, smem_limit_for, storage_dtype, thread_grid)
 
 
 def test_every_config_fits_and_splits():
@@ -168,7 +168,7 @@ def test_the_tf32_kernels_slots_view_any_float32_layout_with_unit_stride_along_d
     import numpy as np
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
 
-    from numba_flash.cuda.launch import async_copy_ok, slots
+    from numba_flash.cuda.host.launch import async_copy_ok, slots
 
     class Allocation:   # stands in for the device memory of the caller's array
         device_ctypes_pointer = type("Pointer", (), {"value": 0x10000})()

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.cudasim
 def test_sums_over_the_broadcast_axes_and_adds_into_dst(rng, dst_shape):
     from numba import cuda
 
-    from numba_flash.cuda.launch_dbias import launch_dbias_sum
+    from numba_flash.cuda.host.launch_dbias import launch_dbias_sum
 
     src = rng.standard_normal((2, 3, 5, 1)).astype(np.float32)
     start = rng.standard_normal(dst_shape).astype(np.float32)
@@ -34,7 +34,7 @@ def test_a_long_sum_stays_within_a_few_roundings():
     in the last place (asserted: the test would not tell otherwise), the compensated one by at most 2."""
     from numba import cuda
 
-    from numba_flash.cuda.launch_dbias import launch_dbias_sum
+    from numba_flash.cuda.host.launch_dbias import launch_dbias_sum
 
     rng = np.random.default_rng(2026)   # fixed: the plain sum's error is a random walk
     src = (1000 + rng.standard_normal((1, 1, 1, 100_000))).astype(np.float32)

@@ -1,4 +1,4 @@
-"""The decode kernel's first-use self-check (numba_flash/cuda/decode_check.py) under the Numba CUDA simulator: good
+"""The decode kernel's first-use self-check (numba_flash/cuda/selfcheck/decode_check.py) under the Numba CUDA simulator: good
 specialisations pass with a margin, a broken one is replaced by a fallback config, and when none passes the call
 is refused before the append, so the cache is left as it was. Broken kernels as in test_selfcheck_sim.py: the
 real kernel, then its partial outputs scaled by 1.001.
@@ -16,7 +16,8 @@ from selfcheck_cases import tiles as _tiles
 
 from backends import backend_registry
 from numba_flash import NoBackendError, attention_ref_kvcache
-from numba_flash.cuda import TileOverride, selfcheck, tile_config_for, tile_config_override
+from numba_flash.cuda import TileOverride, tile_config_for, tile_config_override
+from numba_flash.cuda import selfcheck
 from numba_flash.cuda.selfcheck import Specialisation
 
 pytestmark = [pytest.mark.cudasim, pytest.mark.filterwarnings("ignore::RuntimeWarning")]

@@ -1,4 +1,4 @@
-"""The CUDA decode kernel (numba_flash/cuda/decode.py) behind ``with_kvcache``, under the Numba CUDA simulator and
+"""The CUDA decode kernel (numba_flash/cuda/kernels/decode.py) behind ``with_kvcache``, under the Numba CUDA simulator and
 its race, bounds and barrier checker, against the float64 reference ``attention_ref_kvcache``.
 
 Toy tiles (4 query rows, 8 keys, 16 threads) so that a group's rows fill more than one row tile and a split more
@@ -153,7 +153,8 @@ def test_memory_outside_the_attended_keys_is_never_read(rng):
 @pytest.fixture
 def kernel_launches(monkeypatch):
     """The grid of every decode-kernel and merge launch, and the dense forward's launches (there should be none)."""
-    from numba_flash.cuda import launch, launch_decode
+    from numba_flash.cuda.host import launch
+    from numba_flash.cuda.host import launch_decode
 
     seen = {"decode": [], "merge": [], "forward": []}
 

@@ -1,12 +1,12 @@
-"""The opt-in to more than 48 KiB of dynamic shared memory (numba_flash/cuda/smem.py), against a fake driver: what
+"""The opt-in to more than 48 KiB of dynamic shared memory (numba_flash/cuda/host/smem.py), against a fake driver: what
 it sets, on which function and device, and when it declines so that the 48 KiB config runs instead."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from numba_flash.cuda.config import STATIC_SMEM_LIMIT
-from numba_flash.cuda.smem import DEVICE_OPTIN, FUNC_ATTRIBUTE, allow_dynamic_smem, device_optin_limit
+from numba_flash.cuda.host.config import STATIC_SMEM_LIMIT
+from numba_flash.cuda.host.smem import DEVICE_OPTIN, FUNC_ATTRIBUTE, allow_dynamic_smem, device_optin_limit
 
 ATTR = object()   # stands for the enum member; the call must pass this very object
 
@@ -91,7 +91,7 @@ class FakeDispatcher:
 
 @pytest.mark.parametrize("allowed", [True, False])
 def test_launch_opts_in_the_function_it_then_launches(monkeypatch, allowed):
-    from numba_flash.cuda import smem
+    from numba_flash.cuda.host import smem
 
     events = []
     monkeypatch.setattr(smem, "allow_dynamic_smem",

@@ -1,4 +1,4 @@
-"""The kernels with their shared memory past 48 KiB taken dynamically (smem.py, config._PREFERRED_DYNAMIC), under
+"""The kernels with their shared memory past 48 KiB taken dynamically (smem.py, picker._PREFERRED_DYNAMIC), under
 the simulator with the race and bounds checker, against the float64 reference; and the launcher's fallback to the
 48 KiB tiles when a GPU refuses the opt-in. The picker's sm_90 configs run in test_production_tiles_sim.py; here the
 ones it gives sm_80 and the 99 KiB GPUs, through tile_config_override (which applies one size to every kernel).
@@ -11,8 +11,9 @@ import pytest
 
 from backends import backend_registry
 from numba_flash import attention_ref, attention_ref_backward
-from numba_flash.cuda import simcheck, tile_config_override
-from numba_flash.cuda.config import STATIC_SMEM_LIMIT, smem_limit_for
+from numba_flash.cuda import tile_config_override
+from numba_flash.cuda import simcheck
+from numba_flash.cuda.host.config import STATIC_SMEM_LIMIT, smem_limit_for
 
 pytestmark = pytest.mark.cudasim
 
@@ -25,7 +26,7 @@ def _rel_l2(a, b):
 @pytest.fixture
 def dynamic_launches(monkeypatch):
     """(kernel, tile config, dynamic bytes) of every tiled launch, the simulator planning for sm_90 (227 KiB)."""
-    import numba_flash.cuda.launch as launch
+    import numba_flash.cuda.host.launch as launch
 
     seen = []
     real = launch._run
@@ -71,7 +72,7 @@ def test_dynamic_tiles_match_reference(rng, dynamic_launches, tiles):
 
 def test_a_refused_opt_in_runs_the_48_kib_tiles(rng, dynamic_launches, monkeypatch):
     """smem.launch says False (the device refused the attribute): each kernel runs again on its static config."""
-    import numba_flash.cuda.launch as launch
+    import numba_flash.cuda.host.launch as launch
 
     real = launch.smem.launch
 

@@ -144,7 +144,8 @@ def test_mla_dims_forward_and_backward_with_a_gpus_tiles():
 def test_mla_dims_backward_with_sm86_tiles():
     """The dK/dV tiles sm_86 and sm_89 take at 576 (16 x 2 / 32 within their 99 KiB: one warp, 36 columns of dK and
     of dV a thread), from the reference's out and lse."""
-    from numba_flash.cuda.config import smem_limit_for, tile_config_for
+    from numba_flash.cuda.host.config import smem_limit_for
+    from numba_flash.cuda.host.picker import tile_config_for
 
     assert tile_config_for(576, "float32", (8, 6), smem_limit_for((8, 6)), "backward_dkdv").threads == 32
     rng = np.random.default_rng(54)

@@ -182,7 +182,7 @@ def _widen(bits):
 
 def test_bfloat16_helpers_match_torch_rounding(rng):
     torch = pytest.importorskip("torch")
-    from numba_flash.cuda.dtypes import load_bf16, store_bf16
+    from numba_flash.cuda.device.dtypes import load_bf16, store_bf16
 
     # Random magnitudes over the whole exponent range, exact ties (a set bit 15 and nothing below it, both parities
     # of bit 16), values that round up into the next binade or to inf, subnormals, signed zeros and infinities.
@@ -213,11 +213,11 @@ def _launch_kw(q, causal, dtype):
 
 
 def _launch_forward(q, k, v, *, causal, dtype):
-    """numba_flash.cuda.launch.flash_forward on simulated device arrays of q's element type (int16 bfloat16 bits
+    """numba_flash.cuda.host.flash.flash_forward on simulated device arrays of q's element type (int16 bfloat16 bits
     or float32); host (out, lse)."""
     from numba import cuda
 
-    from numba_flash.cuda.launch import flash_forward
+    from numba_flash.cuda.host.flash import flash_forward
 
     b, sq, hq, _ = q.shape
     out = cuda.device_array(q.shape, q.dtype)
@@ -227,10 +227,10 @@ def _launch_forward(q, k, v, *, causal, dtype):
 
 
 def _launch_backward(dout, q, k, v, out, lse, *, causal, dtype):
-    """numba_flash.cuda.launch.flash_backward, as _launch_forward; host (dq, dk, dv)."""
+    """numba_flash.cuda.host.flash.flash_backward, as _launch_forward; host (dq, dk, dv)."""
     from numba import cuda
 
-    from numba_flash.cuda.launch import flash_backward
+    from numba_flash.cuda.host.flash import flash_backward
 
     b, sq, hq, _ = q.shape
     grads = [cuda.device_array(x.shape, x.dtype) for x in (q, k, v)]
@@ -272,7 +272,7 @@ def test_bfloat16_kernels_round_the_float32_result(rng):
 def test_storage_mismatch_raises(rng):
     from numba import cuda
 
-    from numba_flash.cuda.launch import flash_forward
+    from numba_flash.cuda.host.flash import flash_forward
 
     q, _ = _bf16(rng, (1, 5, 1, 4))
     dq_ = cuda.to_device(q)

@@ -1,4 +1,4 @@
-"""The device merge of split-KV parts (``numba_flash.cuda.merge``) under the CUDA simulator, against
+"""The device merge of split-KV parts (``numba_flash.cuda.kernels.merge``) under the CUDA simulator, against
 ``numba_flash.merge_attention_states`` and against attention over all the keys at once; rows that saw no key in a
 part, in both parts, and poisoned rows included.
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.cudasim
 def _merge_on_device(out_a, lse_a, out_b, lse_b):
     from numba import cuda
 
-    from numba_flash.cuda.merge import merge_states_device
+    from numba_flash.cuda.kernels.merge import merge_states_device
 
     parts = [cuda.to_device(np.ascontiguousarray(x, dtype=np.float32)) for x in (out_a, lse_a, out_b, lse_b)]
     out, lse = merge_states_device(*parts)

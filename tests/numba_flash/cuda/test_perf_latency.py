@@ -1,12 +1,12 @@
-"""The latency term of the static performance model (numba_flash/cuda/perf_latency.py): which registers a SASS
+"""The latency term of the static performance model (numba_flash/cuda/perf_model/latency.py): which registers a SASS
 instruction reads and writes, and the in-order replay of one warp's stream, on hand-written SASS whose timing is
 worked out here from the latency table. The term on a compiled kernel: test_perf_model.py."""
 
 import pytest
 
-from numba_flash.cuda.perf_latency import (CLASS_LATENCY, OPCODE_LATENCY, iteration_cycles, latency,
-                                           operand_registers, run_cycles)
-from numba_flash.cuda.sass import parse
+from numba_flash.cuda.perf_model.latency import (CLASS_LATENCY, OPCODE_LATENCY, iteration_cycles, latency,
+                                                 operand_registers, run_cycles)
+from numba_flash.cuda.compile_check.sass import parse
 
 
 def _sass(*lines):

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.ptx
 def _needs_toolchain():
     pytest.importorskip("numba.cuda")
     pytest.importorskip("cuda.bindings.nvjitlink")
-    from numba_flash.cuda.sass import nvdisasm_path
+    from numba_flash.cuda.compile_check.sass import nvdisasm_path
 
     try:
         nvdisasm_path()
@@ -30,14 +30,14 @@ def _needs_toolchain():
     ("ISETP.GE.AND", "int", 32), ("S2R", "issue", 32), ("ULDC.64", "issue", 64),
 ])
 def test_opcode_classes(opcode, cls, bits):
-    from numba_flash.cuda.sass import access_bits, classify
+    from numba_flash.cuda.compile_check.sass import access_bits, classify
 
     assert classify(opcode) == cls
     assert access_bits(opcode) == bits
 
 
 def test_occupancy_rules():
-    from numba_flash.cuda.gpus import gpu_spec, occupancy
+    from numba_flash.cuda.host.gpus import gpu_spec, occupancy
 
     a100, h100, t4 = gpu_spec((8, 0)), gpu_spec((9, 0)), gpu_spec((7, 5))
     # 128 threads, 64 registers: 8192 registers a block, 8 blocks by registers; 40 KiB + 1 KiB reserved a block:
@@ -87,9 +87,9 @@ def _product_kernel_factory(rows_per_tile, cols, block_rows, threads, load_total
 def _counts(py_func, threads, cc=(8, 0)):
     from numba import cuda, types
 
-    from numba_flash.cuda.lineinfo import helper_lines_in_their_files
-    from numba_flash.cuda.perf_counts import dynamic_counts, loop_counts
-    from numba_flash.cuda.sass import disassemble, kernel_function, link, parse
+    from numba_flash.cuda.compile_check.lineinfo import helper_lines_in_their_files
+    from numba_flash.cuda.perf_model.counts import dynamic_counts, loop_counts
+    from numba_flash.cuda.compile_check.sass import disassemble, kernel_function, link, parse
 
     sig = types.void(types.float32[:, :], types.float32[:, :], types.int64)
     with helper_lines_in_their_files():   # as the model compiles (compile_check.kernel_ptx)
@@ -211,7 +211,7 @@ def test_model_of_the_forward_kernel(model_cache_dir, monkeypatch):
 
 def test_model_of_the_backward_kernels(model_cache_dir, monkeypatch):
     _needs_toolchain()
-    from numba_flash.cuda.config import tile_config_for
+    from numba_flash.cuda.host.picker import tile_config_for
     from numba_flash.cuda.perf_model import run_model
 
     monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(model_cache_dir))
@@ -322,7 +322,7 @@ def test_the_dropout_variant_prices_philox_in_its_helper_loop(model_cache_dir, m
     Philox-4x32-10 call each: 10 rounds of 2 multiplies) times the calls per iteration, so the variant is priced
     instead of refused: the same products, at least those multiplies more, a lower ceiling."""
     _needs_toolchain()
-    from numba_flash.cuda.config import tile_config_for
+    from numba_flash.cuda.host.picker import tile_config_for
     from numba_flash.cuda.perf_model import run_model
 
     monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(model_cache_dir))
@@ -341,9 +341,9 @@ def test_helper_lines_keep_their_file():
     # line of the kernel's main loop; with line info for the model they carry the helper's own file.
     from numba import cuda, float32, types
 
-    from numba_flash.cuda import masks
-    from numba_flash.cuda.lineinfo import helper_lines_in_their_files
-    from numba_flash.cuda.sass import disassemble, kernel_function, link, parse
+    from numba_flash.cuda.device import masks
+    from numba_flash.cuda.compile_check.lineinfo import helper_lines_in_their_files
+    from numba_flash.cuda.compile_check.sass import disassemble, kernel_function, link, parse
 
     def finite_kernel(x, out, n):
         i = cuda.grid(1)
@@ -363,7 +363,8 @@ def test_model_counts_dynamic_shared_memory_in_the_occupancy(model_cache_dir, mo
     buffer is what limits the blocks per SM: 32 x 32 / 128 forward at D = 256, 78,208 B, + 1 KiB the driver
     reserves per block, two blocks in sm_90's 228 KiB and in sm_80's 164 KiB."""
     _needs_toolchain()
-    from numba_flash.cuda.config import tile_config_for, smem_limit_for
+    from numba_flash.cuda.host.config import smem_limit_for
+    from numba_flash.cuda.host.picker import tile_config_for
     from numba_flash.cuda.perf_model import model_specialisation
 
     monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(model_cache_dir))
@@ -406,8 +407,8 @@ def test_the_tf32_forward_is_priced_against_half_the_float16_tensor_peak(model_c
     the float16 one (each such mma has half the multiply-adds of an m16n8k16 and takes as long), so its ceiling is
     the useful multiply-adds over the bound's clocks times half the float16 peak."""
     _needs_toolchain()
-    from numba_flash.cuda.config import tile_config_for
-    from numba_flash.cuda.gpus import gpu_spec
+    from numba_flash.cuda.host.picker import tile_config_for
+    from numba_flash.cuda.host.gpus import gpu_spec
     from numba_flash.cuda.perf_model import run_model
 
     monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(model_cache_dir))

@@ -12,8 +12,9 @@ import pytest
 
 from backends import backend_registry
 from numba_flash import attention_ref, attention_ref_backward
-from numba_flash.cuda import simcheck, tile_config_for
-from numba_flash.cuda.config import STATIC_SMEM_LIMIT, smem_limit_for
+from numba_flash.cuda import tile_config_for
+from numba_flash.cuda import simcheck
+from numba_flash.cuda.host.config import STATIC_SMEM_LIMIT, smem_limit_for
 
 pytestmark = pytest.mark.cudasim
 
@@ -42,7 +43,7 @@ class _Recorder:
 @pytest.fixture
 def launches(monkeypatch):
     """The (kernel, tile config, launch configuration) of every kernel launch.py starts, under the checker."""
-    import numba_flash.cuda.launch as launch   # imports numba.cuda: only in the simulator's process
+    import numba_flash.cuda.host.launch as launch   # imports numba.cuda: only in the simulator's process
 
     seen = []
     for attr, name in (("make_forward_kernel", "forward"), ("make_dkdv_kernel", "backward_dkdv"),
@@ -73,7 +74,7 @@ def _check_lse(lse, ref_lse):
 
 @pytest.mark.parametrize("b,sq,sk,hq,hkv,d,kw", CASES)
 def test_production_tiles_match_reference(rng, launches, monkeypatch, b, sq, sk, hq, hkv, d, kw):
-    import numba_flash.cuda.launch as launch
+    import numba_flash.cuda.host.launch as launch
 
     kw = dict(kw)
     limit = kw.pop("smem_limit", smem_limit_for((9, 0)))

@@ -14,7 +14,8 @@ import pytest
 
 from numba_flash import attention_ref
 from numba_flash.cuda import selfcheck
-from numba_flash.cuda.config import FlashAttentionConfig
+from numba_flash.cuda.host.config import FlashAttentionConfig
+from numba_flash.cuda.selfcheck import problem
 from numba_flash.cuda.selfcheck import SelfCheckFailed, Specialisation, Verdict
 from numba_flash.errors import BackendDeclined
 
@@ -77,7 +78,7 @@ def test_describe():
 @pytest.mark.parametrize("kernel", ["forward", "backward_dkdv", "backward_dq"])
 @pytest.mark.parametrize("bucket", [16, 64, 256])
 def test_candidates_are_valid_distinct_and_start_with_the_pick(kernel, bucket):
-    from numba_flash.cuda.config import tile_config_for
+    from numba_flash.cuda.host.picker import tile_config_for
 
     picked = tile_config_for(bucket, kernel=kernel)
     found = selfcheck.candidates(picked)
@@ -230,33 +231,33 @@ def test_different_specialisations_check_in_parallel(fake_runs, monkeypatch):
 def test_bfloat16_storage_rounds_like_torch(rng):
     torch = pytest.importorskip("torch")
     x = (rng.standard_normal(2000) * np.exp2(rng.integers(-20, 20, 2000))).astype(np.float32)
-    bits = selfcheck._to_storage(x, "bfloat16")
+    bits = problem.to_storage(x, "bfloat16")
     assert bits.dtype == np.int16
     assert np.array_equal(bits, torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy())
-    assert np.array_equal(selfcheck._widen(bits, "bfloat16"), torch.from_numpy(x).to(torch.bfloat16).float().numpy())
+    assert np.array_equal(problem.widen(bits, "bfloat16"), torch.from_numpy(x).to(torch.bfloat16).float().numpy())
 
 
 def test_max_abs_catches_unwritten_elements():
     ref = np.array([[1.0, 2.0], [np.inf, 3.0]])
-    assert selfcheck._max_abs(ref + 1e-3, ref) == pytest.approx(1e-3)
+    assert problem.max_abs(ref + 1e-3, ref) == pytest.approx(1e-3)
     for bad in ([[np.nan, 2.0], [np.inf, 3.0]], [[1.0, 2.0], [5.0, 3.0]], [[1.0, 2.0], [-np.inf, 3.0]]):
-        assert selfcheck._max_abs(np.array(bad), ref) == np.inf
-    assert selfcheck._rel_l2(np.array([1.0, np.nan]), np.array([1.0, 1.0])) == np.inf
+        assert problem.max_abs(np.array(bad), ref) == np.inf
+    assert problem.rel_l2(np.array([1.0, np.nan]), np.array([1.0, 1.0])) == np.inf
 
 
 @pytest.mark.parametrize("flags", [(False, True, False), (True, False, True), (True, True, False)])
 def test_textbook_float32_is_close_but_not_exact(flags):
     # The bound of a float32 kernel is 4x this error: it must be float32-sized, not 0 and not large.
-    p = selfcheck._problem(Specialisation(_cfg(bm=8, bn=8, nt=16, bucket=32), *flags, "float32"))
+    p = problem.draw_problem(Specialisation(_cfg(bm=8, bn=8, nt=16, bucket=32), *flags, "float32"))
     ref_out, ref_lse = attention_ref(p.q, p.k, p.v, softmax_scale=p.scale, window_size=p.window_size,
                                      softcap=p.softcap)
-    out, lse = selfcheck._textbook_float32(p)
-    assert 0 < selfcheck._max_abs(out, ref_out) < 1e-5
-    assert selfcheck._max_abs(lse, ref_lse) < 1e-5
+    out, lse = problem.textbook_float32(p)
+    assert 0 < problem.max_abs(out, ref_out) < 1e-5
+    assert problem.max_abs(lse, ref_lse) < 1e-5
 
 
 def test_problem_sizes_are_odd_and_span_tiles():
-    p = selfcheck._problem(Specialisation(_cfg(bm=64, bn=32), True, True, True, "float16"))
+    p = problem.draw_problem(Specialisation(_cfg(bm=64, bn=32), True, True, True, "float16"))
     assert p.q.shape == (1, 67, 2, 63) and p.k.shape == (1, 69, 1, 63)   # 2 query tiles, 3 key tiles, ragged
     assert p.stored["q"].dtype == np.float16 and np.array_equal(p.stored["q"].astype(np.float32), p.q)
     assert p.window_left == 35 and p.window_right == 0 and p.softcap > 0

@@ -1,6 +1,6 @@
 """The first-use self-check under the Numba CUDA simulator, with deliberately broken kernels.
 
-A broken kernel is made by wrapping a kernel factory of ``numba_flash.cuda.launch`` so that one specialisation
+A broken kernel is made by wrapping a kernel factory of ``numba_flash.cuda.host.launch`` so that one specialisation
 (tile config) launches the real kernel and then spoils its output slightly (scaled by 1.001) or raises; every other
 specialisation is the real kernel. The check is switched on (it is off by default under the simulator), and the
 fallback list is cut to one toy config (8x8/32) so that a fallback costs a second, not a production-size run.
@@ -15,7 +15,9 @@ from selfcheck_cases import tiles as _tiles
 
 from backends import backend_registry
 from numba_flash import NoBackendError, attention_ref, attention_ref_backward
-from numba_flash.cuda import TileOverride, launch, selfcheck, tile_config_for, tile_config_override
+from numba_flash.cuda import TileOverride, tile_config_for, tile_config_override
+from numba_flash.cuda.host import launch
+from numba_flash.cuda import selfcheck
 from numba_flash.cuda.selfcheck import Specialisation
 
 pytestmark = pytest.mark.cudasim

@@ -14,7 +14,8 @@ from varlen_cases import packed_inputs, reference, rel_l2
 
 from backends import backend_registry
 from numba_flash import NoBackendError
-from numba_flash.cuda import selfcheck, tile_config_override
+from numba_flash.cuda import tile_config_override
+from numba_flash.cuda import selfcheck
 
 pytestmark = pytest.mark.cudasim
 
@@ -64,7 +65,8 @@ def test_a_kernel_that_ignores_its_sequence_offsets_is_refused(rng, runs, monkey
     rows and keys, so every candidate fails and the forced backend declines instead of answering wrongly."""
     from numba import cuda
 
-    from numba_flash.cuda import forward, sequences
+    from numba_flash.cuda.kernels import forward
+    from numba_flash.cuda.device import sequences
 
     real_locate = sequences.make_locate(True)
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from numba import cuda, float32, int32
 
-from numba_flash.cuda import SimulatorCheckError, simcheck
+from numba_flash.cuda import SimulatorCheckError
+from numba_flash.cuda import simcheck
 
 pytestmark = pytest.mark.cudasim
 
@@ -385,7 +386,7 @@ def test_records_flag_the_first_access_that_makes_a_race(seed, monkeypatch):
     """Sequences of reads and writes by three threads on a few elements of one epoch, against a brute-force rule:
     the first access after which some element was written by one thread and touched by another is the one that
     raises, naming the other thread (the records keep only the first reader and the first other reader)."""
-    from numba_flash.cuda import simcheck_arrays
+    from numba_flash.cuda.simcheck import arrays as simcheck_arrays
 
     class Raced(Exception):
         pass
@@ -427,7 +428,7 @@ def test_local_arrays_check_every_index_on_their_short_path_too(shape, rng):
     """Plain ints inside the bounds go straight to numpy; any other index (negative, past the end, a numpy integer,
     a slice, the wrong number of axes) must still be checked: an element is read or written exactly where numpy
     would without wrapping, and everything else raises."""
-    from numba_flash.cuda.simcheck_arrays import LocalArray
+    from numba_flash.cuda.simcheck.arrays import LocalArray
 
     data = rng.standard_normal(shape).astype(np.float32)
     arr = LocalArray(data.copy(), "acc")

@@ -1,4 +1,4 @@
-"""The tensor-core backward kernels (``numba_flash.cuda.tc_dkdv``, ``tc_dq``) under the simulator: dQ, dK and dV in
+"""The tensor-core backward kernels (``numba_flash.cuda.kernels.tc_dkdv``, ``tc_dq``) under the simulator: dQ, dK and dV in
 float16 and bfloat16 against the float64 reference, within the contract's bound and at most twice the error of
 attention computed plainly in the same dtype (torch's autograd on the CPU), for every mask and variant the kernels
 take, both tile-copy paths, GQA summed over the group, and the non-finite rule. The forward's out and lse come from
@@ -29,7 +29,7 @@ TWO_WARPS_BOTH_WAYS = dict(block_m=32, block_n=32, threads=64, tensor_cores=True
 @pytest.fixture
 def tc_backward_launches(monkeypatch):
     """The tensor-core backward kernels built, as (kernel, config, async_copy) per factory call."""
-    from numba_flash.cuda import launch
+    from numba_flash.cuda.host import launch
 
     seen = []
     for name in ("make_tc_dkdv_kernel", "make_tc_dq_kernel"):

@@ -1,4 +1,4 @@
-"""Dropout in the tensor-core kernels (``numba_flash.cuda.tc_forward``, ``tc_dkdv``, ``tc_dq``) under the simulator:
+"""Dropout in the tensor-core kernels (``numba_flash.cuda.kernels.tc_forward``, ``tc_dkdv``, ``tc_dq``) under the simulator:
 out, lse, dQ, dK and dV in float16 and bfloat16 against the float64 reference with the same seed (its mask is
 ``numba_flash.dropout_mask``, the one every backend draws), within the contract's bound and at most twice the error
 of attention computed plainly in the same dtype with that mask; the keep mask read back from the forward's output
@@ -32,7 +32,7 @@ TWO_WARPS_BOTH_WAYS = dict(block_m=32, block_n=32, threads=64, tensor_cores=True
 @pytest.fixture
 def tc_builds(monkeypatch):
     """The tensor-core kernels built, as (kernel, dropout) per factory call."""
-    from numba_flash.cuda import launch
+    from numba_flash.cuda.host import launch
 
     seen = []
     for name in ("make_tc_forward_kernel", "make_tc_dkdv_kernel", "make_tc_dq_kernel"):

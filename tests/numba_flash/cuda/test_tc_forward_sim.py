@@ -1,4 +1,4 @@
-"""The tensor-core forward kernel (``numba_flash.cuda.tc_forward``) under the simulator, whose warp primitives are
+"""The tensor-core forward kernel (``numba_flash.cuda.kernels.tc_forward``) under the simulator, whose warp primitives are
 the emulations of ``warp_sim.py``: float16 and bfloat16 against the float64 reference, judged as flash-attn judges
 low precision (relative L2 within the contract's bound, and at most twice the error of attention computed plainly
 in the same dtype), lse against the reference's, every mask and variant the kernel takes, both tile-copy paths
@@ -27,7 +27,7 @@ from tc_sim_cases import (BOUND, ONE_WARP, TWO_WARPS, break_small_tiles, forward
 @pytest.fixture
 def tc_launches(monkeypatch):
     """The tensor-core kernels launched, as (config, async_copy) per factory call."""
-    from numba_flash.cuda import launch
+    from numba_flash.cuda.host import launch
 
     seen = []
     real = launch.make_tc_forward_kernel

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.cudasim
 @pytest.mark.parametrize("seed,p,n_tiles", [(2 ** 63 + 12345, 0.3, 3), (977, 0.6, 2)])
 def test_every_lane_holds_the_mask_bits_of_its_fragment_with_one_call_per_tile(monkeypatch, transposed, seed, p,
                                                                                n_tiles):
-    from numba_flash.cuda import tc_scores
+    from numba_flash.cuda.device import tc_scores
 
     calls = collections.Counter()
     philox = tc_scores._PHILOX

@@ -1,4 +1,4 @@
-"""The TF32 forward kernel (``numba_flash.cuda.tf32_forward``, ``precision="tf32"``) under the simulator, whose
+"""The TF32 forward kernel (``numba_flash.cuda.kernels.tf32_forward``, ``precision="tf32"``) under the simulator, whose
 ``mma_tf32`` and ``float_to_tf32`` are the emulations of ``warp_sim.py``: float32 inputs against the float64
 reference, judged by the rule README's "TF32" section states: at most twice the error of attention computed
 plainly with TF32 products (q, k, v and the probabilities rounded to TF32, 10 mantissa bits, to nearest; float32
@@ -41,7 +41,7 @@ def to_tf32(x: np.ndarray) -> np.ndarray:
 @pytest.fixture
 def tf32_launches(monkeypatch):
     """The TF32 kernel's builds, as (config, async_copy) per factory call."""
-    from numba_flash.cuda import launch
+    from numba_flash.cuda.host import launch
 
     seen = []
     real = launch.make_tf32_forward_kernel
@@ -229,7 +229,7 @@ def test_a_finite_v_that_rounds_to_inf_poisons_only_the_rows_that_see_it(rng):
 
 
 def test_which_kernel_runs_and_what_explain_says(rng, tf32_launches):
-    from numba_flash.cuda.launch import forward_kernel, tf32_reason
+    from numba_flash.cuda.host.launch import forward_kernel, tf32_reason
 
     q, k, v = inputs(rng, 1, 5, 6, 1, 1, 16)
     op = backend_registry.get("flash", backend="cuda")

@@ -1,4 +1,4 @@
-"""Packed sequences in one launch per kernel (``numba_flash.cuda.sequences``): the block table against a brute-force
+"""Packed sequences in one launch per kernel (``numba_flash.cuda.device.sequences``): the block table against a brute-force
 listing, a spy proving one launch of each kernel whatever the number of sequences, and the packed launch giving,
 bit for bit, what one dense launch per sequence gives (the SIMT kernels in float32, the tensor-core kernels in
 float16 and bfloat16), within the contract's bounds of the float64 reference. Empty sequences, sequences spanning
@@ -26,7 +26,7 @@ LENS_Q, LENS_K = [5, 0, 1, 20, 3, 17], [0, 4, 1, 9, 35, 18]
 
 
 def test_block_table_lists_every_tile_of_every_live_sequence_once(rng):
-    from numba_flash.cuda.sequences import block_table
+    from numba_flash.cuda.device.sequences import block_table
 
     for _ in range(20):
         n = int(rng.integers(1, 9))
@@ -76,7 +76,7 @@ def _per_sequence(tiles, q, k, v, dout, cu_q, cu_k, alibi_slopes=None, **kw):
 @pytest.fixture
 def launches(monkeypatch):
     """(kernel name, grid) of every tiled-kernel launch."""
-    from numba_flash.cuda import launch
+    from numba_flash.cuda.host import launch
 
     seen = []
     real = launch._run

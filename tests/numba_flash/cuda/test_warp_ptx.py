@@ -1,4 +1,4 @@
-"""The warp primitives' inline PTX (``numba_flash.cuda.warp_ptx``) through the real compiler: each one types in a
+"""The warp primitives' inline PTX (``numba_flash.cuda.device.warp_ptx``) through the real compiler: each one types in a
 kernel, lowers to the PTX instruction it names, and ptxas turns it into the tensor-core, ldmatrix, async-copy,
 shuffle and packing instructions (SASS) for sm_80 and sm_90, without a GPU.
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.ptx
 def _kernel():
     from numba import cuda, float32, uint16
 
-    from numba_flash.cuda import warp
+    from numba_flash.cuda.device import warp
 
     def every_primitive(out, q):
         t = cuda.threadIdx.x
@@ -54,7 +54,7 @@ def test_every_primitive_becomes_its_instruction(cc):
     pytest.importorskip("cuda.bindings.nvjitlink")
     from numba import cuda, types
 
-    from numba_flash.cuda.sass import disassemble, link, parse
+    from numba_flash.cuda.compile_check.sass import disassemble, link, parse
 
     sig = types.void(types.float32[:, :], types.Array(types.float16, 4, "A"))
     ptx, _ = cuda.compile_ptx(_kernel(), sig, cc=cc)
@@ -84,7 +84,7 @@ def test_a_misused_primitive_is_a_typing_error():
     from numba import cuda, float32, types
     from numba.core.errors import TypingError
 
-    from numba_flash.cuda import warp
+    from numba_flash.cuda.device import warp
 
     def bad(out):
         smem = cuda.shared.array(64, float32)   # 32-bit elements: ldmatrix moves 16-bit ones

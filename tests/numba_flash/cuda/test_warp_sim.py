@@ -1,4 +1,4 @@
-"""The simulator's emulation of the warp primitives (``numba_flash.cuda.warp`` under ``NUMBA_ENABLE_CUDASIM=1``).
+"""The simulator's emulation of the warp primitives (``numba_flash.cuda.device.warp`` under ``NUMBA_ENABLE_CUDASIM=1``).
 
 The fragment layouts are written here a second time, independently of ``warp_sim.py``, the way the PTX ISA states
 them (per lane and register, "row = groupID for a_i where ..."), and the emulated primitives must hand each lane
@@ -15,7 +15,10 @@ import numpy as np
 import pytest
 from numba import cuda, float32, uint16, uint32
 
-from numba_flash.cuda import SimulatorCheckError, simcheck, warp, warp_sim
+from numba_flash.cuda import SimulatorCheckError
+from numba_flash.cuda import simcheck
+from numba_flash.cuda.device import warp
+from numba_flash.cuda.device import warp_sim
 
 pytestmark = pytest.mark.cudasim
 LANES = np.arange(32)

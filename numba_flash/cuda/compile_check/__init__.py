@@ -1,0 +1,424 @@
+"""Compile every CUDA kernel specialisation with the real compiler, no GPU needed, and report its resources.
+
+``numba.cuda.compile_ptx`` types and lowers a kernel to PTX for a compute capability (this is what catches typing
+errors: the simulator runs kernels as plain Python); nvJitLink (cuda-bindings) then assembles the PTX to SASS and
+its verbose log gives registers, spills, stack and shared memory per kernel.
+
+    python -m numba_flash.cuda.compile_check       # prints the table, exit status 1 if any kernel is bad
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import math
+import multiprocessing
+import os
+import re
+import sys
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import numpy as np
+
+from numba_flash.cuda.host.config import (COMPUTE_CAPABILITIES, TC_DTYPES, TC_MIN_COMPUTE_CAPABILITY,
+                                          FlashAttentionConfig, head_dim_bucket, storage_dtype)
+from numba_flash.cuda.host.picker import TileOverride, all_tile_configs, tile_config_for
+from numba_flash.cuda.compile_check.resources import UNTILED_THREADS, KernelResources, parse_resources
+
+#: The tensor-core forward kernel's two tile-copy paths, compiled as separate rows: cp.async, and plain loads for
+#: inputs cp.async cannot read (launch.async_copy_ok).
+TC_COPY_PATHS: dict[str, bool] = {"tc_forward": True, "tc_forward_loads": False,
+                                  "tc_backward_dkdv": True, "tc_backward_dkdv_loads": False,
+                                  "tc_backward_dq": True, "tc_backward_dq_loads": False}
+#: Rows of kernels compiled with user mods (the SAMPLE_* functions below, through numba_flash/cuda/device/user_mods.py)
+#: carry this suffix: the forward and both backward kernels, SIMT in float32 and tensor-core in float16, at head
+#: dim MODS_HEAD_DIM, reading a BlockMask's table (``CudaMods.block_tiles``). A mod compiles into every call site
+#: (the simulator types none of them). The SIMT ones are built with every option, attn_bias and (dQ) its gradient
+#: too; the tensor-core ones, which take no dbias, without attn_bias, which bias_mod subsumes: attn_bias and all
+#: three mods at once take the sm_90 dK/dV tensor-core kernel to 255 registers and an 8-byte spill (218 without
+#: attn_bias, 222 with ALiBi too; both measured before the table).
+MODS_SUFFIX = "+mods"
+MODS_KERNELS = {"forward": "float32", "backward_dkdv": "float32", "backward_dq": "float32",
+                "tc_forward": "float16", "tc_backward_dkdv": "float16", "tc_backward_dq": "float16",
+                "tf32_forward": "float32"}
+#: The TF32 forward's two copy paths, as TC_COPY_PATHS.
+TF32_COPY_PATHS: dict[str, bool] = {"tf32_forward": True, "tf32_forward_loads": False}
+#: Kernels built only from compute capability 8.0 on (mma.sync).
+MMA_PREFIXES = ("tc_", "tf32_")
+MODS_HEAD_DIM = 64
+#: Rows of the same kernels built for packed sequences in one launch (``varlen``: the block table of
+#: numba_flash/cuda/device/sequences.py locates each block's sequence), at head dim VARLEN_HEAD_DIM, with every option a
+#: packed call can take (attn_bias and the mods it cannot).
+VARLEN_SUFFIX = "+varlen"
+#: Rows of the SIMT backward kernels built to sum attn_bias's gradient over the keys (dQ, ``dbias="per_row"``) or
+#: the rows (dK/dV, ``"per_key"``), for a bias broadcast over them: every tile config, every option on. Their
+#: partial sums live in registers across the tile loop, so they are compiled apart from the plain rows.
+DBIAS_SUMS_SUFFIX = "+dbias-sums"
+DBIAS_SUMS = {"backward_dkdv": "per_key", "backward_dq": "per_row"}
+VARLEN_HEAD_DIM = 128
+#: A document-id table as a mask_mod reads one (4096 int32 entries: 16 KiB of the GPU's 64 KiB of constant
+#: memory per read), a per-head table as a bias_mod reads one, and a score_mod written in float32.
+SAMPLE_DOCUMENTS = np.repeat(np.arange(16, dtype=np.int32), 256)
+SAMPLE_HEAD_SLOPES = np.linspace(-0.5, 0.5, 64).astype(np.float32)
+
+
+def sample_mask_mod(b, h, q_idx, kv_idx):
+    return SAMPLE_DOCUMENTS[q_idx] == SAMPLE_DOCUMENTS[kv_idx]
+
+
+def sample_bias_mod(b, h, q_idx, kv_idx):
+    return SAMPLE_HEAD_SLOPES[h % 64] * np.float32(q_idx - kv_idx)
+
+
+def sample_score_mod(score, b, h, q_idx, kv_idx):
+    return np.float32(20.0) * math.tanh(score / np.float32(20.0))
+
+
+def sample_score_mod_grad(score, b, h, q_idx, kv_idx):
+    t = math.tanh(score / np.float32(20.0))
+    return np.float32(1.0) - t * t
+
+
+def sample_mods() -> Any:
+    """The SAMPLE_* mods as the kernels take them (``user_mods.CudaMods``), with the BlockMask's table on
+    (``block_tiles``: a call with mask_mod and its BlockMask, the kernels' largest variant)."""
+    from dataclasses import replace
+
+    from numba_flash.cuda.device.user_mods import cuda_mods
+
+    mods = cuda_mods(SimpleNamespace(bias_mod=sample_bias_mod, mask_mod=sample_mask_mod, score_mod=sample_score_mod,
+                                     score_mod_grad=sample_score_mod_grad))
+    return replace(mods, block_tiles=True)
+
+
+def kernel_signature(kernel: str, dtype: str) -> Any:
+    """The numba signature the backend launches ``kernel`` with: any-stride arrays ('A' layout, which also covers
+    contiguous inputs) of the dtype's storage type (int16 for bfloat16), int64 sizes, float32 multipliers, and last
+    the (B, Hq) float32 ALiBi slopes, the 4-dimensional float32 attn_bias and dropout's scalars (decoding: the
+    slopes only; its int32 sequence table and block table, and its float32 partials, come from the backend
+    C-contiguous)."""
+    from numba import types
+
+    kernel = kernel.removesuffix(MODS_SUFFIX).removesuffix(VARLEN_SUFFIX).removesuffix(DBIAS_SUMS_SUFFIX)
+    x = types.Array(getattr(types, storage_dtype(dtype)), 4, "A")
+    rows = types.Array(types.float32, 3, "A")
+    slopes = types.Array(types.float32, 2, "A")
+    if kernel in ("decode", "decode_merge"):
+        ints = types.Array(types.int32, 2, "C")
+        part_out, part_lse = types.Array(types.float32, 5, "C"), types.Array(types.float32, 4, "C")
+        if kernel == "decode_merge":
+            return types.void(part_out, part_lse, x, rows)
+        i64, f32 = types.int64, types.float32
+        # The slopes: a (B, Hq) view of part_lse[0] without ALiBi, hence 'A'.
+        return types.void(x, x, x, ints, ints, part_out, part_lse, i64, i64, i64, i64, i64, i64, i64, f32, f32,
+                          slopes)
+    bias = types.Array(types.float32, 4, "A")
+    u64 = types.uint64
+    i64, f32 = types.int64, types.float32
+    tiles = types.Array(types.int8, 4, "C")                # the BlockMask's table (block_tiles.py)
+    seqs = types.Array(types.int32, 2, "C")                # packed sequences' block table (sequences.py)
+    # ALiBi, attn_bias, dropout's five scalars, tiles, seqs
+    variants = (slopes, bias, u64, u64, u64, f32, i64, tiles, seqs)
+    if kernel in TC_COPY_PATHS:   # the SIMT kernel's arguments, with the data as uint16 bit patterns
+        bits = types.Array(types.uint16, 4, "A")
+        if kernel.startswith("tc_backward_dkdv"):
+            return types.void(bits, bits, bits, bits, rows, rows, bits, bits, i64, i64, i64, i64, i64, i64, f32,
+                              f32, f32, *variants)
+        if kernel.startswith("tc_backward_dq"):
+            return types.void(bits, bits, bits, bits, rows, rows, bits, i64, i64, i64, i64, i64, i64, f32, f32, f32,
+                              *variants)
+        return types.void(bits, bits, bits, bits, rows, i64, i64, i64, i64, i64, i64, f32, f32, *variants)
+    if kernel in TF32_COPY_PATHS:   # and K and V as 16-bit slots for cp.async
+        bits = types.Array(types.uint16, 4, "A")
+        return types.void(x, x, x, x, rows, i64, i64, i64, i64, i64, i64, f32, f32, *variants, bits, bits)
+    if kernel == "forward":
+        return types.void(x, x, x, x, rows, i64, i64, i64, i64, i64, i64, f32, f32, *variants)
+    dbias = types.Array(types.float32, 4, "C")   # attn_bias's gradient or its sums, allocated C-contiguous
+    if kernel == "backward_dkdv":
+        return types.void(x, x, x, x, rows, rows, x, x, i64, i64, i64, i64, i64, i64, f32, f32, f32, *variants,
+                          dbias)
+    if kernel == "backward_dq":
+        return types.void(x, x, x, x, rows, rows, x, i64, i64, i64, i64, i64, i64, f32, f32, f32, *variants, dbias,
+                          i64, i64)   # and the call's batch entry and head of the launch's first
+    if kernel == "dbias_sum":   # the sums, then the caller's gradient (any strides)
+        return types.void(dbias, types.Array(types.float32, 4, "A"))
+    if kernel == "backward_delta":
+        return types.void(x, x, rows, i64, i64, i64, i64)
+    raise ValueError(kernel)
+
+
+def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
+                  flags: tuple[bool, ...] = (True,) * 6) -> Any:
+    """The Python function of one kernel specialisation; ``flags`` are (has_left, has_right, softcap[, alibi[,
+    attn_bias[, dropout]]]), those left out off (the decode kernel has no attn_bias or dropout: it takes the first
+    four). The compile check builds every flag on: the variant with the most live values, so the worst case for
+    registers. A ``MODS_SUFFIX`` kernel is built with ``sample_mods()`` as well, a tensor-core one without attn_bias
+    (see there); a ``VARLEN_SUFFIX`` one for packed sequences, without attn_bias."""
+    from numba_flash.cuda.kernels.backward_dkdv import (make_dbias_sum_kernel, make_delta_kernel, make_dkdv_kernel,
+                                                        make_dq_kernel)
+    from numba_flash.cuda.kernels.decode import make_decode_kernel, make_split_merge_kernel
+    from numba_flash.cuda.kernels.forward import make_forward_kernel
+    from numba_flash.cuda.kernels.tc_forward import make_tc_forward_kernel
+    from numba_flash.cuda.kernels.tf32_forward import make_tf32_forward_kernel
+    from numba_flash.cuda.device.user_mods import NO_MODS
+
+    mods = NO_MODS
+    if kernel.endswith(MODS_SUFFIX):
+        mods = sample_mods()
+        if kernel.startswith(MMA_PREFIXES):   # no attn_bias beside the mods (above)
+            flags = flags[:4] + (False,) + flags[5:]
+    kernel = kernel.removesuffix(MODS_SUFFIX)
+    extra = {}
+    if kernel.endswith(VARLEN_SUFFIX):
+        extra, flags = {"varlen": True}, flags[:4] + (False,) + flags[5:]   # packed calls take no attn_bias
+    kernel = kernel.removesuffix(VARLEN_SUFFIX)
+    if kernel.endswith(DBIAS_SUMS_SUFFIX):
+        kernel = kernel.removesuffix(DBIAS_SUMS_SUFFIX)
+        extra = {"dbias": DBIAS_SUMS[kernel]}
+    if kernel in TC_COPY_PATHS:
+        from numba_flash.cuda.kernels.tc_dkdv import make_tc_dkdv_kernel
+        from numba_flash.cuda.kernels.tc_dq import make_tc_dq_kernel
+
+        factory = {"tc_forward": make_tc_forward_kernel, "tc_backward_dkdv": make_tc_dkdv_kernel,
+                   "tc_backward_dq": make_tc_dq_kernel}[cfg.kernel]
+        return factory(cfg, *flags[:3], dtype == "bfloat16", *flags[3:], async_copy=TC_COPY_PATHS[kernel],
+                       mods=mods, **extra).py_func
+    if kernel in TF32_COPY_PATHS:
+        from numba_flash.cuda.host.config import TF32_BIAS_MAX_HEAD_DIM
+
+        if cfg.head_dim_bucket > TF32_BIAS_MAX_HEAD_DIM:   # such calls run on the SIMT kernel (launch.tf32_reason)
+            flags = flags[:4] + (False,) + flags[5:]
+        return make_tf32_forward_kernel(cfg, *flags, async_copy=TF32_COPY_PATHS[kernel], mods=mods,
+                                        **extra).py_func
+    if kernel == "backward_delta":
+        return make_delta_kernel(dtype == "bfloat16").py_func
+    if kernel == "decode_merge":
+        return make_split_merge_kernel(dtype == "bfloat16").py_func
+    if kernel == "dbias_sum":
+        return make_dbias_sum_kernel().py_func
+    if kernel == "decode":
+        return make_decode_kernel(cfg, *flags[:3], dtype == "bfloat16", *flags[3:4]).py_func
+    factory = {"forward": make_forward_kernel, "backward_dkdv": make_dkdv_kernel, "backward_dq": make_dq_kernel}
+    if kernel == "backward_dq" and len(flags) > 4 and flags[4] and not extra:
+        extra = {"dbias": "pairs"}   # with attn_bias, its gradient too: the worst case for registers
+    return factory[kernel](cfg, *flags[:3], dtype == "bfloat16", *flags[3:], mods=mods, **extra).py_func
+
+
+def kernel_ptx(kernel: str, cfg: FlashAttentionConfig | None, dtype: str, cc: tuple[int, int],
+               flags: tuple[bool, ...] = (True,) * 6, lineinfo: bool = False) -> str:
+    """PTX of one kernel specialisation for compute capability ``cc`` (types and lowers it: typing errors show).
+    ``lineinfo`` adds source-line directives (for the performance model), with inlined helpers' lines in their own
+    files (``lineinfo.helper_lines_in_their_files``); the code is the same."""
+    from numba import cuda
+
+    from numba_flash.cuda.compile_check.lineinfo import helper_lines_in_their_files
+
+    with helper_lines_in_their_files() if lineinfo else contextlib.nullcontext(), device_functions_for(cc):
+        ptx, _ = cuda.compile_ptx(python_kernel(kernel, cfg, dtype, flags), kernel_signature(kernel, dtype),
+                                  cc=cc, lineinfo=lineinfo)
+    return ptx
+
+
+@contextlib.contextmanager
+def device_functions_for(cc: tuple[int, int]) -> Iterator[None]:
+    """numba-cuda compiles a device function that numba does not inline itself (the user's mods, user_mods.py) for
+    the current GPU's compute capability, which needs a GPU; in here, for ``cc`` (its IR does not depend on it)."""
+    from numba.cuda import dispatcher
+
+    real = dispatcher.get_current_device
+    dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=tuple(cc))
+    try:
+        yield
+    finally:
+        dispatcher.get_current_device = real
+
+
+def assemble(ptx: str, kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
+             cc: tuple[int, int]) -> KernelResources:
+    """Assemble PTX to SASS for ``cc`` with nvJitLink and read the kernel's resources from its log."""
+    from numba_flash.cuda.compile_check.sass import link
+
+    _, log = link(ptx, cc)
+    f64 = sum(1 for line in ptx.splitlines() if re.search(r"\.f64\b", line) and not line.lstrip().startswith("//"))
+    return KernelResources(kernel=kernel, cc=cc, dtype=dtype, config=cfg, f64_instructions=f64,
+                           **parse_resources(log))
+
+
+def compile_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
+                   cc: tuple[int, int]) -> KernelResources:
+    """Compile one kernel to PTX and SASS for ``cc`` and report its resources."""
+    return assemble(kernel_ptx(kernel, cfg, dtype, cc), kernel, cfg, dtype, cc)
+
+
+def toolchain_ccs() -> tuple[tuple[int, int], ...]:
+    """Compute capabilities the installed CUDA toolchain can assemble: CUDA 13 starts at 7.5, CUDA 12 (the
+    ``cuda12`` extra) still has 7.0."""
+    try:
+        from cuda.bindings import nvjitlink
+
+        major = nvjitlink.version()[0]
+    except Exception:
+        return COMPUTE_CAPABILITIES
+    return COMPUTE_CAPABILITIES if major >= 13 else ((7, 0),) + COMPUTE_CAPABILITIES
+
+
+#: One specialisation to lower: (kernel, tile config or None, dtype, the compute capabilities to assemble it for).
+Job = tuple[str, FlashAttentionConfig | None, str, tuple[tuple[int, int], ...]]
+
+
+def check_all(progress: Any = None, ccs: tuple[tuple[int, int], ...] | None = None,
+              workers: int | None = None) -> list[KernelResources]:
+    """Every (compute capability, dtype, tile config) the picker produces, plus the kernels without a tile config
+    (the backward's delta pre-pass, decoding's split merge) and those built with user mods (``MODS_KERNELS``) or
+    for packed sequences (the same kernels, ``VARLEN_SUFFIX``); bfloat16 only for compute capabilities it is
+    offered on (``config.MIN_COMPUTE_CAPABILITY``). ``ccs`` narrows the targets (default:
+    ``config.COMPUTE_CAPABILITIES``); one the toolchain cannot build for raises ValueError saying why.
+
+    numba lowers each specialisation to PTX once, for the lowest compute capability that has that config (that
+    is most of the time: numba's front end is the slow part); nvJitLink then assembles that PTX for every target
+    that uses the config, which is how a driver runs sm_75 PTX on an sm_90 GPU. ``workers`` processes share the
+    specialisations (default: one per CPU core; 1 compiles in this process).
+    """
+    return run_jobs(compile_jobs(ccs), progress, workers)
+
+
+def compile_jobs(ccs: tuple[tuple[int, int], ...] | None = None) -> list[Job]:
+    """The specialisations ``check_all`` compiles, each with the targets it is assembled for."""
+    ccs = tuple(ccs) if ccs else COMPUTE_CAPABILITIES
+    missing = [cc for cc in ccs if cc not in toolchain_ccs()]
+    if missing:
+        raise ValueError(f"compute capability {', '.join(f'{a}.{b}' for a, b in missing)}: the installed CUDA "
+                         "toolchain cannot assemble for it (CUDA 13 dropped 7.0; install the 'cuda12' extra, "
+                         "numba-cuda[cu12], in a separate environment)")
+    configs = all_tile_configs(ccs)
+    targets: dict[tuple[str, str, FlashAttentionConfig | None], list[tuple[int, int]]] = {}
+    for cc, dtype, cfg in configs:
+        targets.setdefault((cfg.kernel, dtype, cfg), []).append(cc)
+        if cfg.kernel in DBIAS_SUMS:
+            targets.setdefault((cfg.kernel + DBIAS_SUMS_SUFFIX, dtype, cfg), []).append(cc)
+    for cc in sorted({cc for cc, _, _ in configs}):
+        for dtype in sorted({dt for c, dt, _ in configs if c == cc}):
+            for kernel in UNTILED_THREADS:
+                targets.setdefault((kernel, dtype, None), []).append(cc)
+    for cc, dtype, cfg in tensor_core_configs(ccs):
+        for kernel in TC_COPY_PATHS:
+            if kernel.startswith(cfg.kernel):
+                targets.setdefault((kernel, dtype, cfg), []).append(cc)
+    for cc, dtype, cfg in tf32_configs(ccs):
+        for kernel in TF32_COPY_PATHS:
+            targets.setdefault((kernel, dtype, cfg), []).append(cc)
+    for cc in ccs:
+        for kernel, dtype in MODS_KERNELS.items():
+            if not kernel.startswith(MMA_PREFIXES) or tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY:
+                cfg = tile_config_for(MODS_HEAD_DIM, dtype, cc, kernel=kernel, override=TileOverride())
+                targets.setdefault((kernel + MODS_SUFFIX, dtype, cfg), []).append(cc)
+                cfg = tile_config_for(VARLEN_HEAD_DIM, dtype, cc, kernel=kernel, override=TileOverride())
+                targets.setdefault((kernel + VARLEN_SUFFIX, dtype, cfg), []).append(cc)
+    return [(kernel, cfg, dtype, tuple(sorted(target_ccs))) for (kernel, dtype, cfg), target_ccs in targets.items()]
+
+
+def run_jobs(jobs: list[Job], progress: Any = None, workers: int | None = None) -> list[KernelResources]:
+    """Lower and assemble ``jobs`` (``compile_jobs``), in ``workers`` processes; rows in the jobs' order."""
+    workers = min(len(jobs), workers or os.cpu_count() or 1)
+    if workers <= 1:
+        done = map(_compile_for_targets, jobs)
+    else:
+        # Each specialisation lowers and assembles on its own: one fresh process per core (spawned, not forked:
+        # NVVM's and numba's state are not fork-safe promises), results in the jobs' order.
+        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        done = pool.map(_compile_for_targets, jobs)
+    results = []
+    try:
+        for rows in done:
+            for row in rows:
+                results.append(row)
+                if progress:
+                    progress(row)
+    finally:
+        if workers > 1:
+            pool.shutdown()
+    return results
+
+
+def _compile_for_targets(job: tuple) -> list[KernelResources]:
+    """One specialisation lowered to PTX once, for the lowest target, and assembled for each target."""
+    kernel, cfg, dtype, target_ccs = job
+    ptx = kernel_ptx(kernel, cfg, dtype, target_ccs[0])
+    return [assemble(ptx, kernel, cfg, dtype, cc) for cc in target_ccs]
+
+
+def tensor_core_configs(ccs: tuple[tuple[int, int], ...] = COMPUTE_CAPABILITIES,
+                        ) -> list[tuple[tuple[int, int], str, FlashAttentionConfig]]:
+    """Every (compute capability, dtype, config) of the tensor-core kernels the picker makes: float16 and bfloat16
+    from compute capability 8.0 on, one config per head-dim bucket (the backward's up to
+    ``TC_BACKWARD_MAX_HEAD_DIM``)."""
+    from numba_flash.cuda.host.config import HEAD_DIM_BUCKETS, TC_BACKWARD_MAX_HEAD_DIM, TC_KERNELS, TC_MAX_HEAD_DIM
+
+    return [(cc, dtype, tile_config_for(bucket, dtype, cc, kernel=kernel, override=TileOverride()))
+            for cc in ccs if tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY for dtype in TC_DTYPES for kernel in TC_KERNELS
+            for bucket in HEAD_DIM_BUCKETS
+            if head_dim_bucket(bucket) == bucket
+            and bucket <= (TC_MAX_HEAD_DIM if kernel == "tc_forward" else TC_BACKWARD_MAX_HEAD_DIM)]
+
+
+def tf32_configs(ccs: tuple[tuple[int, int], ...] = COMPUTE_CAPABILITIES,
+                 ) -> list[tuple[tuple[int, int], str, FlashAttentionConfig]]:
+    """Every (compute capability, "float32", config) of the TF32 forward the picker makes: from compute capability
+    8.0 on, one config per head-dim bucket up to ``TF32_MAX_HEAD_DIM``."""
+    from numba_flash.cuda.host.config import HEAD_DIM_BUCKETS, TF32_MAX_HEAD_DIM
+
+    return [(cc, "float32", tile_config_for(bucket, "float32", cc, kernel="tf32_forward", override=TileOverride()))
+            for cc in ccs if tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY for bucket in HEAD_DIM_BUCKETS
+            if bucket <= TF32_MAX_HEAD_DIM]
+
+
+def format_table(results: list[KernelResources]) -> str:
+    head = (f"{'kernel':<15}{'cc':>5} {'D':>4} {'dtype':<9}{'tiles (m x n / thr)':<20}{'regs':>5}"
+            f"{'spill':>7}{'smem':>7}{'blocks/SM':>10}  problems")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        cfg = r.config
+        tiles = f"{cfg.block_m} x {cfg.block_n} / {cfg.threads}" if cfg else f"1 row / {r.threads} thr"
+        bucket = str(cfg.head_dim_bucket) if cfg else "any"
+        lines.append(f"{r.kernel:<15}{r.cc[0]}.{r.cc[1]:<3} {bucket:>4} {r.dtype:<9}{tiles:<20}{r.registers:>5}"
+                     f"{r.spill_stores + r.spill_loads:>7}{r.smem + r.dynamic_smem:>7}{r.occupancy.blocks_per_sm:>10}  "
+                     f"{'; '.join(r.problems()) or 'ok'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m numba_flash.cuda.compile_check",
+                                     description="Compile every CUDA kernel specialisation to SASS (no GPU needed) "
+                                                 "and report registers, spills, shared memory and occupancy.")
+    parser.add_argument("--cc", nargs="+", default=None, help="compute capabilities, e.g. 7.5 9.0 (default: "
+                        + " ".join(f"{a}.{b}" for a, b in COMPUTE_CAPABILITIES) + ")")
+    parser.add_argument("--write-table", action="store_true",
+                        help="record the results in numba_flash/cuda/compile_table.json (every target; the test "
+                             "suite then compiles only a sample of it while the kernels' code is unchanged)")
+    args = parser.parse_args(argv)
+    if args.write_table and args.cc:
+        parser.error("--write-table records every target: leave out --cc")
+    ccs = None
+    if args.cc:
+        try:
+            ccs = tuple(tuple(int(x) for x in c.split(".")) for c in args.cc)
+        except ValueError:
+            parser.error(f"--cc: expected versions like 8.0, got {args.cc}")
+    try:
+        results = check_all(ccs=ccs)
+    except ValueError as exc:
+        print(f"compile_check: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(results))
+    if any(r.problems() for r in results):
+        return 1
+    if args.write_table:
+        from numba_flash.cuda.compile_check.table import TABLE_PATH, save
+
+        save(results)
+        print(f"recorded {len(results)} rows in {TABLE_PATH}")
+    return 0
+
