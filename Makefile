@@ -8,14 +8,14 @@ STAMP := $(VENV)/.installed
 # on machines where the default index serves the CUDA one.
 TORCH_INDEX ?=
 
-.PHONY: install warmup bench test test-fast test-cudasim dashboard dashboard-assets compile-check-sm70 clean
+.PHONY: install warmup bench test test-fast test-cudasim docs dashboard dashboard-assets compile-check-sm70 clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch, pinned: an unpinned torch pulls several GB of CUDA packages.
 	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e ".[torch,cuda,test,bench,notebook]"
+	$(PY) -m pip install -q -e ".[torch,cuda,test,bench,notebook,docs]"
 	# Headless Chromium for the offline-dashboard test: Debian's package (about 80 MB, half a minute), installed
 	# only where that is cheap and allowed: as root, with apt-get, when absent, unless NO_CHROMIUM=1. Elsewhere
 	# the test skips and says why.
@@ -64,6 +64,11 @@ test: $(STAMP)
 test-cudasim: $(STAMP)
 	NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 $(PY) -m pytest -q -m cudasim -n $(SIM_WORKERS)
 
+# The documentation site (mkdocs.yml, docs/) into site/; --strict makes any warning (a broken link or anchor, a
+# docstring the API reference cannot read) an error, as tests/test_docs.py does.
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict
+
 # The asv dashboard (.asv/html) after `asv run`, made to work without a network: asv's page loads jQuery, flot and
 # Bootstrap from CDNs, so tools/asv_offline.py vendors them from their npm packages next to the HTML. The
 # tarballs are cached in .asv/npm-cache; `make dashboard-assets` fills that cache where the npm registry is
@@ -84,4 +89,4 @@ compile-check-sm70:
 	$(VENV12)/bin/python -m numba_flash.cuda.compile_check --cc 7.0
 
 clean:
-	rm -rf $(VENV) $(VENV12) .asv bench-out
+	rm -rf $(VENV) $(VENV12) .asv bench-out site

@@ -1,6 +1,7 @@
 """Ring (context-parallel) attention, ``numba_flash.distributed``: 2 and 4 local processes on gloo, started with
 ``torch.multiprocessing`` (spawn), forward and backward against the float64 reference on the full sequence (and,
-in float16, against the single-process result); the README's example as written; the sharding helpers; bad input.
+in float16, against the single-process result); the example of docs/guide/ring-attention.md as written; the
+sharding helpers; bad input.
 
 Each world size is launched once and runs every case inside (a launch costs seconds: imports, numba's cache). The
 parent draws the full inputs (fresh N(0, 1), seed printed), the ranks shard them, run ``ring_attention`` with
@@ -63,7 +64,7 @@ def _inputs(rng, b, lengths, hq, hkv, d, dtype):
 # What each spawned rank runs (module level, so that spawn can pickle it by name)
 
 
-def _rank_main(rank, world, store, outdir, cases, readme_port=None):
+def _rank_main(rank, world, store, outdir, cases, example_port=None):
     import numba
 
     os.environ.setdefault("NUMBA_FLASH_QUIET", "1")
@@ -105,8 +106,8 @@ def _rank_main(rank, world, store, outdir, cases, readme_port=None):
         torch.save(results, Path(outdir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-    if readme_port is not None:
-        _run_readme_example(rank, world, readme_port, Path(outdir) / f"readme{rank}.txt")
+    if example_port is not None:
+        _run_docs_example(rank, world, example_port, Path(outdir) / f"example{rank}.txt")
 
 
 def _same(a, b):
@@ -114,15 +115,16 @@ def _same(a, b):
     return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
-def _readme_example() -> str:
+def _docs_example() -> str:
+    """The ring example of the user guide's ring-attention page, as a reader would save it."""
     import re
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    return re.search(r"ring_example\.py`:\n\n```python\n(.*?)```", readme, flags=re.S).group(1)
+    page = (Path(__file__).resolve().parents[2] / "docs" / "guide" / "ring-attention.md").read_text()
+    return re.search(r"ring_example\.py`:\n\n```python\n(.*?)```", page, flags=re.S).group(1)
 
 
-def _run_readme_example(rank, world, port, out_file):
-    """The README's example as written, with the environment torchrun would give it (init_method env://), in
+def _run_docs_example(rank, world, port, out_file):
+    """The docs' example as written, with the environment torchrun would give it (init_method env://), in
     this rank's process (cheaper than starting torchrun and its ranks)."""
     import contextlib
     import io
@@ -130,7 +132,7 @@ def _run_readme_example(rank, world, port, out_file):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(compile(_readme_example(), "README.md (ring attention example)", "exec"), {"__name__": "__main__"})
+        exec(compile(_docs_example(), "docs/guide/ring-attention.md (ring example)", "exec"), {"__name__": "__main__"})
     out_file.write_text(printed.getvalue())
 
 
@@ -142,14 +144,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(world, cases, tmp_path, readme_port=None):
+def _launch(world, cases, tmp_path, example_port=None):
     """Run ``_rank_main`` on ``world`` spawned processes; return each rank's results. A rank that raises fails the
     test with its traceback; one that hangs (a ring that deadlocks) is killed after LAUNCH_TIMEOUT_S."""
     import torch.multiprocessing as mp
 
     outdir = tmp_path / f"world{world}"
     outdir.mkdir()
-    args = (world, str(tmp_path / f"store{world}"), str(outdir), cases, readme_port)
+    args = (world, str(tmp_path / f"store{world}"), str(outdir), cases, example_port)
     ctx = mp.start_processes(_rank_main, args=args, nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     while not ctx.join(timeout=1):
@@ -194,8 +196,8 @@ def test_ring_attention_matches_the_reference(rng, tmp_path, warm_kernels, world
         if name in NAN_AT:
             arrays[name]["k"][NAN_AT[name]] = np.nan
         cases[name] = (arrays[name], opts)
-    # The README example runs after the cases in the 2-rank launch (see _check_readme_example).
-    results = _launch(world, cases, tmp_path, readme_port=_free_port() if world == 2 else None)
+    # The docs' example runs after the cases in the 2-rank launch (see _check_docs_example).
+    results = _launch(world, cases, tmp_path, example_port=_free_port() if world == 2 else None)
 
     for name, (b, lengths, hq, hkv, d, opts, dtype) in CASES[world].items():
         causal = opts.get("causal", False)
@@ -239,15 +241,15 @@ def test_ring_attention_matches_the_reference(rng, tmp_path, warm_kernels, world
         # rank 0 passed length 4, the others 6: each names the first rank that differs from it
         assert f"on rank {1 if r == 0 else 0}: q (1, {6 if r == 0 else 4}, 2, 8)" in message, message
     if world == 2:
-        _check_readme_example(tmp_path / "world2")
+        _check_docs_example(tmp_path / "world2")
 
 
-def _check_readme_example(outdir):
-    """The README's example, run as written by both ranks of the 2-rank launch: rank 0 prints a gathered output
+def _check_docs_example(outdir):
+    """The docs' example, run as written by both ranks of the 2-rank launch: rank 0 prints a gathered output
     equal to the single-process one."""
     import re
 
-    printed = [(outdir / f"readme{r}.txt").read_text() for r in range(2)]
+    printed = [(outdir / f"example{r}.txt").read_text() for r in range(2)]
     assert printed[1] == "", printed
     diff = float(re.fullmatch(r"max difference from one process: (\S+)\n", printed[0]).group(1))
     assert diff <= 1e-5, printed[0]

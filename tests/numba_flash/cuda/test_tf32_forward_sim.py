@@ -1,8 +1,8 @@
 """The TF32 forward kernel (``numba_flash.cuda.kernels.tf32_forward``, ``precision="tf32"``) under the simulator, whose
 ``mma_tf32`` and ``float_to_tf32`` are the emulations of ``warp_sim.py``: float32 inputs against the float64
-reference, judged by the rule README's "TF32" section states: at most twice the error of attention computed
-plainly with TF32 products (q, k, v and the probabilities rounded to TF32, 10 mantissa bits, to nearest; float32
-elsewhere), and within 2e-3 relative L2 (these head dims); lse within twice the reference's own shift when q, k
+reference, judged by the rule the "TF32" section of docs/guide/cuda.md states: at most twice the error of attention
+computed plainly with TF32 products (q, k, v and the probabilities rounded to TF32, 10 mantissa bits, to nearest;
+float32 elsewhere), and within 2e-3 relative L2 (these head dims); lse within twice the reference's own shift when q, k
 and v are rounded so. Every variant the kernel takes, the non-finite rule,
 the choice between it and the SIMT kernel, explain(), and the first-use self-check.
 
