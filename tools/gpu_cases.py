@@ -323,7 +323,7 @@ def _to_tf32(x: np.ndarray) -> np.ndarray:
 
 def _naive_tf32(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool) -> np.ndarray:
     """Attention with TF32 products on the host (q, k, v and P rounded to TF32, float32 elsewhere): the TF32
-    rule's yardstick (README "TF32"). (B, S, H, D) float32 in, float64 out."""
+    rule's yardstick (docs/guide/cuda.md, "TF32"). (B, S, H, D) float32 in, float64 out."""
     sq, hq, d = q.shape[1:]
     sk, group = k.shape[1], hq // k.shape[2]
     qt = _to_tf32(q).transpose(0, 2, 1, 3)

@@ -193,7 +193,7 @@ def run(config: str | None = None, *, batch: int | None = None, nheads: int | No
             batch, nheads, nheads_kv (GQA), headdim override its fields; seqlen is one length or a sweep.
         causal, dtype ('fp32', 'fp16', 'bf16' or the full names), layout ('bshd' or 'bhsd'): the case.
         precision: 'ieee' (default) or 'tf32': float32 products may run in TF32 where a backend can (the cuda
-            backend, README "TF32") and in torch's matmuls (allow_tf32, for the torch peers).
+            backend, docs/guide/cuda.md "TF32") and in torch's matmuls (allow_tf32, for the torch peers).
         backends: names (list or comma-separated) of registry backends; default every available one.
         compare: peers from 'naive', 'torch', 'torch_naive', or 'none'; default naive and torch (and torch_naive
             where torch sees a GPU).

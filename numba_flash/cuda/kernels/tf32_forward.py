@@ -3,7 +3,7 @@
 
 TF32 keeps float32's exponent and 10 of its 23 mantissa bits: each operand of both products is rounded to it
 (``cvt.rna``, to nearest) and the products are summed in float32. The softmax, its sums and the output stay
-float32. Accuracy: as naive attention whose two products run in TF32 (README, "TF32").
+float32. Accuracy: as naive attention whose two products run in TF32 (docs/guide/cuda.md, "TF32").
 
 The shape is the float16 kernel's (tc_forward.py): one block per (query tile, query head, batch), each warp owns
 16 query rows, ``S = Q K^T`` and ``O += P V`` on the tensor cores, the online softmax on the accumulator fragments
