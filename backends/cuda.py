@@ -176,10 +176,9 @@ class CudaBackend(Backend):
         if not selfcheck.has_failures():   # the common case: keep the per-call cost at one lookup
             return [], []
         from numba_flash.cuda.host.devices import configs_for
-        from numba_flash.cuda.host.launch import forward_kernel, tensor_core_reason
+        from numba_flash.cuda.host.plan import backward_kernels, forward_kernel
 
         flags = (call.window_left >= 0, call.window_right >= 0, call.softcap > 0)
-        kernels = ("forward", "backward_dkdv", "backward_dq")
         try:
             if call.kvcache is not None:
                 kernels = ("decode",)
@@ -187,9 +186,8 @@ class CudaBackend(Backend):
                 cc = _gpu_compute_capability(call.q)
                 dims = dict(head_dim_v=call.head_dim_v)
                 kernels = (forward_kernel(call.dtype, call.head_dim, self.config, cc=cc, precision=call.precision,
-                                          bias=call.bias is not None, **dims),) + kernels[1:]
-                if not tensor_core_reason(call.dtype, call.head_dim, self.config, cc=cc, backward=True, **dims):
-                    kernels = kernels[:1] + ("tc_backward_dkdv", "tc_backward_dq")
+                                          bias=call.bias is not None, **dims),
+                           *backward_kernels(call.dtype, call.head_dim, self.config, cc=cc, **dims))
             cfgs = configs_for(max(call.head_dim, call.head_dim_v), call.dtype, self.config, kernels)
         except AttentionInputError:       # a bad tile override: the call itself will say so
             return [], []
@@ -216,7 +214,7 @@ class CudaBackend(Backend):
         calls, which a training step's backward follows); for float32 that allows TF32, whether the forward runs
         on it. Other float32 calls always run on the SIMT kernels."""
         from numba_flash.cuda.host.config import TC_DTYPES
-        from numba_flash.cuda.host.launch import tensor_core_reason, tf32_reason
+        from numba_flash.cuda.host.plan import tensor_core_reason, tf32_reason
 
         if call.kvcache is not None:
             return []

@@ -5,6 +5,8 @@ error measure. Imported by the test files (pytest puts ``tests/`` on sys.path).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from backends import backend_registry
@@ -39,3 +41,20 @@ def forward_backward(q, k, v, dout, tiles=None, **kw):
 def rel_l2(got, want, floor=0.0):
     """Relative L2 error, against ``max(|want|, floor)``."""
     return np.linalg.norm(np.asarray(got, np.float64) - want) / max(np.linalg.norm(want), floor)
+
+
+def factory_home(factory_name: str) -> Any:
+    """The module whose global ``factory_name`` the launches call, for tests that wrap a kernel factory: a tiled
+    kernel's factory is called by its spec's builder in the kernel's own file (kernels/<file>.py); the delta
+    pre-pass's by host/launch.py; the decode kernels' by host/launch_decode.py."""
+    import importlib
+
+    from numba_flash.cuda.host import launch, launch_decode
+    from numba_flash.cuda.kernels.registry import REGISTRY
+
+    for spec in REGISTRY.values():
+        module = importlib.import_module(spec.factory.__module__)
+        found = getattr(module, factory_name, None)
+        if found is not None and getattr(found, "__module__", None) == module.__name__:
+            return module
+    return launch_decode if hasattr(launch_decode, factory_name) else launch

@@ -1,6 +1,6 @@
 """Shared by the simulator tests of the first-use self-check (``tests/numba_flash/cuda/test_selfcheck_sim.py``,
 ``test_selfcheck_varlen_sim.py``, ``test_decode_selfcheck_sim.py``, ``test_dbias_sim.py``): the check switched on
-with one toy fallback config, and kernel factories of ``numba_flash.cuda.host.launch`` that hand out spoiled kernels.
+with one toy fallback config, and kernel factories that hand out spoiled kernels.
 Imported by the test files (pytest puts ``tests/`` on sys.path).
 """
 
@@ -57,13 +57,12 @@ class _Spoiled:
 
 def spoil(monkeypatch: Any, factory_name: str, out_arg: int, which: Callable[[Any, dict], bool],
           how: str = "scale") -> None:
-    """Make ``launch.<factory_name>`` (``launch_decode``'s for the decode kernels) hand out, for the builds
+    """Make the kernel factory ``factory_name`` (where ``cuda_sim_cases.factory_home`` finds it) hand out, for the builds
     ``which(cfg, factory keywords)`` picks, a kernel that spoils argument ``out_arg`` after running (or raises,
     ``how="raise"``); every other build is real."""
-    from numba_flash.cuda.host import launch
-    from numba_flash.cuda.host import launch_decode
+    from cuda_sim_cases import factory_home
 
-    module = launch_decode if factory_name in ("make_decode_kernel", "make_split_merge_kernel") else launch
+    module = factory_home(factory_name)
     real = getattr(module, factory_name)
 
     def factory(cfg, *flags, **kw):

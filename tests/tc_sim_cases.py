@@ -99,12 +99,13 @@ def mod_grid(fn, batch, heads, sq, sk, scores=None):
 
 
 def break_small_tiles(monkeypatch, factory_name, corrupt):
-    """Make ``numba_flash.cuda.host.launch``'s kernel factory ``factory_name`` build, for 16-row tiles, a kernel whose
+    """Make the kernel factory ``factory_name`` build, for 16-row tiles, a kernel whose
     output (argument 3) ``corrupt`` then spoils (given the device array, writing it in place): the self-check must
     catch it and fall back to another tile config."""
-    from numba_flash.cuda.host import launch
+    from cuda_sim_cases import factory_home
 
-    real = getattr(launch, factory_name)
+    home = factory_home(factory_name)
+    real = getattr(home, factory_name)
 
     class Broken:
         def __init__(self, kernel):
@@ -116,7 +117,7 @@ def break_small_tiles(monkeypatch, factory_name, corrupt):
                 corrupt(args[3])
             return run
 
-    monkeypatch.setattr(launch, factory_name, lambda cfg, *f, **kw: Broken(real(cfg, *f, **kw))
+    monkeypatch.setattr(home, factory_name, lambda cfg, *f, **kw: Broken(real(cfg, *f, **kw))
                         if cfg.block_m == 16 else real(cfg, *f, **kw))
 
 

@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import re
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, Iterator
 
@@ -25,6 +26,7 @@ from numba_flash.cuda.host.config import (COMPUTE_CAPABILITIES, TC_DTYPES, TC_MI
                                           FlashAttentionConfig, head_dim_bucket, storage_dtype)
 from numba_flash.cuda.host.picker import TileOverride, all_tile_configs, tile_config_for
 from numba_flash.cuda.compile_check.resources import UNTILED_THREADS, KernelResources, parse_resources
+from numba_flash.cuda.kernels.spec import Variant
 
 #: The tensor-core forward kernel's two tile-copy paths, compiled as separate rows: cp.async, and plain loads for
 #: inputs cp.async cannot read (launch.async_copy_ok).
@@ -155,42 +157,10 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
     four). The compile check builds every flag on: the variant with the most live values, so the worst case for
     registers. A ``MODS_SUFFIX`` kernel is built with ``sample_mods()`` as well, a tensor-core one without attn_bias
     (see there); a ``VARLEN_SUFFIX`` one for packed sequences, without attn_bias."""
-    from numba_flash.cuda.kernels.backward_dkdv import (make_dbias_sum_kernel, make_delta_kernel, make_dkdv_kernel,
-                                                        make_dq_kernel)
+    from numba_flash.cuda.kernels.backward_dkdv import make_dbias_sum_kernel, make_delta_kernel
     from numba_flash.cuda.kernels.decode import make_decode_kernel, make_split_merge_kernel
-    from numba_flash.cuda.kernels.forward import make_forward_kernel
-    from numba_flash.cuda.kernels.tc_forward import make_tc_forward_kernel
-    from numba_flash.cuda.kernels.tf32_forward import make_tf32_forward_kernel
-    from numba_flash.cuda.device.user_mods import NO_MODS
+    from numba_flash.cuda.kernels.registry import kernel_spec
 
-    mods = NO_MODS
-    if kernel.endswith(MODS_SUFFIX):
-        mods = sample_mods()
-        if kernel.startswith(MMA_PREFIXES):   # no attn_bias beside the mods (above)
-            flags = flags[:4] + (False,) + flags[5:]
-    kernel = kernel.removesuffix(MODS_SUFFIX)
-    extra = {}
-    if kernel.endswith(VARLEN_SUFFIX):
-        extra, flags = {"varlen": True}, flags[:4] + (False,) + flags[5:]   # packed calls take no attn_bias
-    kernel = kernel.removesuffix(VARLEN_SUFFIX)
-    if kernel.endswith(DBIAS_SUMS_SUFFIX):
-        kernel = kernel.removesuffix(DBIAS_SUMS_SUFFIX)
-        extra = {"dbias": DBIAS_SUMS[kernel]}
-    if kernel in TC_COPY_PATHS:
-        from numba_flash.cuda.kernels.tc_dkdv import make_tc_dkdv_kernel
-        from numba_flash.cuda.kernels.tc_dq import make_tc_dq_kernel
-
-        factory = {"tc_forward": make_tc_forward_kernel, "tc_backward_dkdv": make_tc_dkdv_kernel,
-                   "tc_backward_dq": make_tc_dq_kernel}[cfg.kernel]
-        return factory(cfg, *flags[:3], dtype == "bfloat16", *flags[3:], async_copy=TC_COPY_PATHS[kernel],
-                       mods=mods, **extra).py_func
-    if kernel in TF32_COPY_PATHS:
-        from numba_flash.cuda.host.config import TF32_BIAS_MAX_HEAD_DIM
-
-        if cfg.head_dim_bucket > TF32_BIAS_MAX_HEAD_DIM:   # such calls run on the SIMT kernel (launch.tf32_reason)
-            flags = flags[:4] + (False,) + flags[5:]
-        return make_tf32_forward_kernel(cfg, *flags, async_copy=TF32_COPY_PATHS[kernel], mods=mods,
-                                        **extra).py_func
     if kernel == "backward_delta":
         return make_delta_kernel(dtype == "bfloat16").py_func
     if kernel == "decode_merge":
@@ -199,10 +169,31 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
         return make_dbias_sum_kernel().py_func
     if kernel == "decode":
         return make_decode_kernel(cfg, *flags[:3], dtype == "bfloat16", *flags[3:4]).py_func
-    factory = {"forward": make_forward_kernel, "backward_dkdv": make_dkdv_kernel, "backward_dq": make_dq_kernel}
-    if kernel == "backward_dq" and len(flags) > 4 and flags[4] and not extra:
-        extra = {"dbias": "pairs"}   # with attn_bias, its gradient too: the worst case for registers
-    return factory[kernel](cfg, *flags[:3], dtype == "bfloat16", *flags[3:], mods=mods, **extra).py_func
+    spec = kernel_spec(cfg.kernel)
+    switches = dict(zip(("has_left", "has_right", "softcap", "alibi", "bias", "dropout"), flags))
+    variant = Variant(bf16=dtype == "bfloat16", **switches)
+    if kernel.endswith(MODS_SUFFIX):
+        variant = replace(variant, mods=sample_mods())
+        if spec.tensor_cores:   # no attn_bias beside the mods (above)
+            variant = replace(variant, bias=False)
+    kernel = kernel.removesuffix(MODS_SUFFIX)
+    if kernel.endswith(VARLEN_SUFFIX):   # packed calls take no attn_bias
+        variant = replace(variant, varlen=True, bias=False)
+    kernel = kernel.removesuffix(VARLEN_SUFFIX)
+    if kernel.endswith(DBIAS_SUMS_SUFFIX):
+        kernel = kernel.removesuffix(DBIAS_SUMS_SUFFIX)
+        variant = replace(variant, dbias=DBIAS_SUMS[kernel])
+    if kernel in TC_COPY_PATHS:
+        variant = replace(variant, async_copy=TC_COPY_PATHS[kernel])
+    if kernel in TF32_COPY_PATHS:
+        from numba_flash.cuda.host.config import TF32_BIAS_MAX_HEAD_DIM
+
+        variant = replace(variant, async_copy=TF32_COPY_PATHS[kernel])
+        if cfg.head_dim_bucket > TF32_BIAS_MAX_HEAD_DIM:   # such calls run on the SIMT kernel (plan.tf32_reason)
+            variant = replace(variant, bias=False)
+    if "dbias" in spec.tail and spec.role == "dq" and variant.bias and not (variant.varlen or variant.dbias):
+        variant = replace(variant, dbias="pairs")   # with attn_bias, its gradient too: the worst case for registers
+    return spec.build(cfg, variant).py_func
 
 
 def kernel_ptx(kernel: str, cfg: FlashAttentionConfig | None, dtype: str, cc: tuple[int, int],

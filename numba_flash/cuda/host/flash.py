@@ -14,8 +14,9 @@ from numba_flash.cuda.device.user_mods import NO_MODS, CudaMods
 from numba_flash.cuda.host.config import FlashAttentionConfig
 from numba_flash.cuda.host.devices import configs_for
 from numba_flash.cuda.host import launch
-from numba_flash.cuda.host.launch import (async_copy_ok, check_storage, dq_dbias_mode, forward_kernel, kernel_flags,
-                                          tensor_core_reason)
+from numba_flash.cuda.host.launch import async_copy_ok, check_storage, dq_dbias_mode, kernel_flags
+from numba_flash.cuda.host.plan import backward_kernels, forward_kernel
+from numba_flash.cuda.kernels.registry import kernel_spec
 from numba_flash.cuda.host.launch_dbias import dbias_targets, dq_per_shared_slice, launch_dbias_sum
 from numba_flash.cuda.host.picker import TileOverride
 from numba_flash.cuda.simcheck import install_from_env
@@ -35,7 +36,7 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
     of 4 dimensions, each of the full size (B, Hq, Sq, Sk) or 1, any strides. dropout: None or ``dropout_arg``'s
     tuple. mods: the user's mods as device functions (``user_mods.cuda_mods``); block_mask: None or the
     ``numba_flash.BlockMask`` of mods' mask_mod, whose EMPTY tiles are skipped and FULL ones run without mask_mod
-    (block_tiles.py). precision: "tf32" lets float32 run on the TF32 kernel (``forward_kernel``). packed: None,
+    (block_tiles.py). precision: "tf32" lets float32 run on the TF32 kernel (``plan.forward_kernel``). packed: None,
     or packed sequences' (cu_seqlens_q, cu_seqlens_k) int host arrays (B + 1,), with q, k, v, out their packed
     arrays as a batch of one ((1, total, H, D), lse (1, Hq, total_q)): one launch over every sequence's tiles
     (sequences.py). Writes out and lse. The self-check
@@ -50,13 +51,14 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
     kernel = forward_kernel(dtype, d, override, head_dim_v=dv, precision=precision, bias=bias is not None)
     picked = configs_for(max(d, dv), dtype, override, (kernel,))[kernel]
     flags = kernel_flags(window_left, window_right, softcap)
-    copies = not picked.tensor_cores or async_copy_ok(*((k, v) if kernel == "tf32_forward" else (q, k, v)))
+    copied = (k, v) if kernel_spec(kernel).tail == ("kv_slots",) else (q, k, v)   # TF32 copies K and V only
+    copies = not picked.tensor_cores or async_copy_ok(*copied)
     cfg = selfcheck.choose(picked, *flags, dtype, like=dict(q=q, k=k, v=v, out=out, lse=lse, bias=bias),
                            alibi=alibi is not None, bias=bias is not None, dropout=dropout is not None,
                            async_copy=copies, varlen=packed is not None)
     launch.launch_forward(cfg, q, k, v, out, lse, softmax_scale=softmax_scale, window_left=window_left,
-                   window_right=window_right, softcap=softcap, bf16=dtype == "bfloat16", alibi=alibi, bias=bias,
-                   dropout=dropout, mods=mods, block_mask=block_mask, packed=packed, stream=stream)
+                          window_right=window_right, softcap=softcap, bf16=dtype == "bfloat16", alibi=alibi,
+                          bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, packed=packed, stream=stream)
 
 
 def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: Any, dk: Any, dv: Any,
@@ -82,9 +84,9 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
     check_storage(dtype, dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
     install_from_env()   # as in flash_forward
     d, d_v = q.shape[3], v.shape[3]
-    tc = tensor_core_reason(dtype, d, override, backward=True, dbias=dbias is not None, head_dim_v=d_v) is None
+    dkdv_kernel, dq_kernel = backward_kernels(dtype, d, override, head_dim_v=d_v, dbias=dbias is not None)
+    tc = kernel_spec(dkdv_kernel).tensor_cores
     sums, dkdv_dbias, dq_dbias = dbias_targets(dbias, q, k, stream)
-    dkdv_kernel, dq_kernel = ("tc_backward_dkdv", "tc_backward_dq") if tc else ("backward_dkdv", "backward_dq")
     picked = configs_for(max(d, d_v), dtype, override, (dkdv_kernel, dq_kernel))
     flags = kernel_flags(window_left, window_right, softcap)
     like = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv, delta=delta, bias=bias)

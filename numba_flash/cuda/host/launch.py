@@ -21,23 +21,17 @@ import numpy as np
 
 from numba_flash.errors import AttentionInputError
 
-from numba_flash.cuda.host import smem
-from numba_flash.cuda.kernels.backward_dkdv import (DELTA_ROWS_PER_BLOCK, make_delta_kernel, make_dkdv_kernel,
-                                                    make_dq_kernel)
 from numba_flash.cuda.device.block_tiles import tiles_arg
-from numba_flash.cuda.host.config import (STATIC_SMEM_LIMIT, TC_BACKWARD_MAX_HEAD_DIM, TC_DTYPES, TC_MAX_HEAD_DIM,
-                                          TC_MIN_COMPUTE_CAPABILITY, TF32_BIAS_MAX_HEAD_DIM, TF32_MAX_HEAD_DIM,
-                                          FlashAttentionConfig, storage_dtype)
-from numba_flash.cuda.host.picker import TileOverride, active_override, tile_config_for
-from numba_flash.cuda.kernels.forward import make_forward_kernel
 from numba_flash.cuda.device.masks import LOG2E
 from numba_flash.cuda.device.sequences import block_table, no_sequences
-from numba_flash.cuda.host.devices import compute_capability, current_device
-from numba_flash.cuda.kernels.tc_dkdv import make_tc_dkdv_kernel
-from numba_flash.cuda.kernels.tc_dq import make_tc_dq_kernel
-from numba_flash.cuda.kernels.tc_forward import make_tc_forward_kernel
-from numba_flash.cuda.kernels.tf32_forward import make_tf32_forward_kernel
 from numba_flash.cuda.device.user_mods import MOD_NAMES, NO_MODS, CudaMods
+from numba_flash.cuda.host import smem
+from numba_flash.cuda.host.config import STATIC_SMEM_LIMIT, FlashAttentionConfig, storage_dtype
+from numba_flash.cuda.host.devices import compute_capability, current_device
+from numba_flash.cuda.host.picker import TileOverride, tile_config_for
+from numba_flash.cuda.kernels.backward_dkdv import DELTA_ROWS_PER_BLOCK, make_delta_kernel
+from numba_flash.cuda.kernels.registry import kernel_spec
+from numba_flash.cuda.kernels.spec import ROLE_ARRAYS, ROLE_TILES, ROW_ARRAYS, KernelSpec, Variant
 
 
 def _run(kernel: Any, grid: tuple[int, ...], cfg: FlashAttentionConfig, stream: Any, args: tuple) -> bool:
@@ -51,102 +45,6 @@ def static_fallback(cfg: FlashAttentionConfig) -> FlashAttentionConfig:
     """The picker's config of ``cfg``'s kernel and head dim within 48 KiB of static shared memory."""
     return tile_config_for(cfg.head_dim_bucket, "float32", compute_capability(), STATIC_SMEM_LIMIT, cfg.kernel,
                            override=TileOverride())
-
-
-def tensor_core_reason(dtype: str, head_dim: int, override: TileOverride | None = None,
-                       cc: tuple[int, int] | None = None, backward: bool = False, dbias: bool = False,
-                       head_dim_v: int | None = None) -> str | None:
-    """Why a forward (or, with ``backward``, a backward; with ``dbias``, one that returns attn_bias's gradient)
-    call runs on the float32 SIMT kernels rather than the tensor-core ones; None when it runs on tensor cores.
-    ``head_dim_v``: v's head dim Dv when it differs from ``head_dim``. With ``override.tensor_cores`` True a reason
-    is an ``AttentionInputError`` instead."""
-    override, off = _override_in_force(override)
-    if off:
-        return off
-    cc = compute_capability() if cc is None else cc
-    reason = None
-    if dtype not in TC_DTYPES:
-        reason = f"{dtype} (the tensor-core kernels take float16 and bfloat16)"
-    elif tuple(cc) < TC_MIN_COMPUTE_CAPABILITY:
-        need = TC_MIN_COMPUTE_CAPABILITY
-        reason = f"the tensor-core kernels need compute capability >= {need[0]}.{need[1]}, this GPU is {cc[0]}.{cc[1]}"
-    elif max(head_dim, head_dim_v or 0) > TC_MAX_HEAD_DIM:
-        reason = f"head dim {max(head_dim, head_dim_v or 0)} > {TC_MAX_HEAD_DIM} (the tensor-core kernels' largest)"
-    elif backward and head_dim_v is not None and head_dim_v != head_dim:
-        # The forward reads Dv from v's shape; the backward kernels' copies and stores take one head dim.
-        reason = (f"v's head dim Dv={head_dim_v} differs from D={head_dim} (the tensor-core backward needs "
-                  "Dv = D)")
-    elif backward and dbias:
-        reason = "attn_bias's gradient (return_dbias) is computed by the SIMT dQ kernel only"
-    elif backward and head_dim > TC_BACKWARD_MAX_HEAD_DIM:
-        reason = (f"head dim {head_dim} > {TC_BACKWARD_MAX_HEAD_DIM}: the tensor-core backward would hold more "
-                  "accumulators than a thread has registers")
-    else:
-        kernels = ("tc_backward_dkdv", "tc_backward_dq") if backward else ("tc_forward",)
-        reason = _override_misfit(override, kernels, head_dim, dtype, cc)
-    if reason and override is not None and override.tensor_cores:
-        raise AttentionInputError(f"tensor_cores=True: {reason}")
-    return reason
-
-
-def _override_in_force(override: TileOverride | None) -> tuple[TileOverride | None, str | None]:
-    """The tile override that applies (``override``, else the active ``tile_config_override``) and, when it keeps
-    every call off the tensor cores (``tensor_cores=False``), the reason to give."""
-    override = override if override is not None else active_override()
-    if override is not None and override.tensor_cores is False:
-        return override, "tensor cores switched off by tile_config_override(tensor_cores=False)"
-    return override, None
-
-
-def _override_misfit(override: TileOverride | None, kernels: tuple[str, ...], head_dim: int, dtype: str,
-                     cc: tuple[int, int]) -> str | None:
-    """Why a tile override that names sizes does not fit ``kernels``; None when it fits or names none."""
-    if override is None or (override.block_m, override.block_n, override.threads) == (None, None, None):
-        return None
-    why = []
-    for kernel in kernels:
-        cfg = override.apply(tile_config_for(head_dim, dtype, tuple(cc), kernel=kernel, override=TileOverride()))
-        why += [f"{kernel}: {w}" for w in cfg.problems(STATIC_SMEM_LIMIT)]
-    return f"the tile override {override} does not fit the tensor-core kernels: " + "; ".join(why) if why else None
-
-
-def tf32_reason(head_dim: int, override: TileOverride | None = None, cc: tuple[int, int] | None = None,
-                head_dim_v: int | None = None, bias: bool = False) -> str | None:
-    """Why a float32 forward that allows TF32 (``precision="tf32"``) runs on the float32 SIMT kernel rather than
-    the TF32 one (tf32_forward.py); None when it runs on TF32. ``head_dim_v``: v's head dim when it differs;
-    ``bias``: the call has attn_bias. With ``override.tensor_cores`` True a reason is an ``AttentionInputError``
-    instead, as in ``tensor_core_reason``."""
-    override, off = _override_in_force(override)
-    if off:
-        return off
-    cc = compute_capability() if cc is None else cc
-    widest = max(head_dim, head_dim_v or 0)
-    what = f"head dim {widest}" if widest == head_dim else f"v's head dim Dv={widest}"
-    if tuple(cc) < TC_MIN_COMPUTE_CAPABILITY:
-        need = TC_MIN_COMPUTE_CAPABILITY
-        reason = f"TF32 needs compute capability >= {need[0]}.{need[1]}, this GPU is {cc[0]}.{cc[1]}"
-    elif widest > TF32_MAX_HEAD_DIM:
-        reason = f"{what} > {TF32_MAX_HEAD_DIM} (the TF32 kernel's largest)"
-    elif bias and widest > TF32_BIAS_MAX_HEAD_DIM:
-        reason = (f"attn_bias at {what} > {TF32_BIAS_MAX_HEAD_DIM} (its reads would spill the TF32 kernel's "
-                  "registers)")
-    else:
-        reason = _override_misfit(override, ("tf32_forward",), head_dim, "float32", cc)
-    if reason and override is not None and override.tensor_cores:
-        raise AttentionInputError(f"tensor_cores=True: {reason}")
-    return reason
-
-
-def forward_kernel(dtype: str, head_dim: int, override: TileOverride | None = None,
-                   cc: tuple[int, int] | None = None, head_dim_v: int | None = None, precision: str = "ieee",
-                   bias: bool = False) -> str:
-    """The forward kernel a call runs on: "tf32_forward" for float32 that allows TF32 where ``tf32_reason`` has
-    none, "tc_forward" where ``tensor_core_reason`` has none, else "forward" (SIMT). With
-    ``tile_config_override(tensor_cores=True)`` a float32 call that allows TF32 but cannot have it raises
-    ``AttentionInputError``, as float16 does."""
-    if dtype == "float32" and precision == "tf32":
-        return "forward" if tf32_reason(head_dim, override, cc, head_dim_v, bias) else "tf32_forward"
-    return "forward" if tensor_core_reason(dtype, head_dim, override, cc, head_dim_v=head_dim_v) else "tc_forward"
 
 
 def _bits(arr: Any) -> Any:
@@ -291,12 +189,6 @@ def _blocks(packed: tuple | None, block: int, along: str, seqlen: int, batch: in
     return cuda.to_device(table, stream=stream), len(table), 1
 
 
-def _varlen_kw(packed: tuple | None) -> dict[str, bool]:
-    """The kernel factories' ``varlen`` switch, passed only when on: a dense call builds (and caches) the kernel it
-    always did, under the same factory arguments."""
-    return {} if packed is None else {"varlen": True}
-
-
 @contextlib.contextmanager
 def _compiling(mods: CudaMods) -> Iterator[None]:
     """Around a launch, which compiles the kernel on its first call: with mods, a failure to compile is the user's
@@ -324,42 +216,94 @@ def _compiling(mods: CudaMods) -> Iterator[None]:
             f"failed: {type(exc).__name__}: {reason}") from exc
 
 
+@dataclasses.dataclass(frozen=True)
+class _Scalars:
+    """A tiled launch's scalar arguments, as the call gives them (``TiledLaunch`` turns them into the kernels')."""
+
+    softmax_scale: float
+    window_left: int
+    window_right: int
+    softcap: float
+    bf16: bool
+    alibi: Any = None
+    bias: Any = None
+    dropout: tuple | None = None
+    mods: CudaMods = NO_MODS
+    block_mask: Any = None
+    packed: tuple | None = None
+    dbias: Any = None
+    base: tuple[int, int] = (0, 0)
+    stream: Any = 0
+
+
+def _variant(spec: KernelSpec, arrays: dict[str, Any], c: _Scalars, dbias_mode: str) -> Variant:
+    """The variant ``spec``'s kernel is built for on this call (the BlockMask's switch is set by ``_launch``)."""
+    data = ("k", "v") if spec.tail == ("kv_slots",) else tuple(n for n in ("q", "k", "v", "dout") if n in arrays)
+    left, right, cap = kernel_flags(c.window_left, c.window_right, c.softcap)
+    return Variant(has_left=left, has_right=right, softcap=cap, bf16=c.bf16, alibi=c.alibi is not None,
+                   bias=c.bias is not None, dropout=c.dropout is not None,
+                   async_copy=spec.tensor_cores and async_copy_ok(*(arrays[n] for n in data)), mods=c.mods,
+                   varlen=c.packed is not None, dbias=dbias_mode)
+
+
+def _tail(spec: KernelSpec, arrays: dict[str, Any], variant: Variant, c: _Scalars) -> tuple:
+    """The arguments ``spec``'s kernel takes past the common list (spec.TAIL_ARGS)."""
+    tail: tuple = ()
+    for name in spec.tail:
+        if name == "kv_slots":   # K and V as 16-bit slots for cp.async (two per float); placeholders otherwise
+            tail += ((slots(arrays["k"]), slots(arrays["v"])) if variant.async_copy
+                     else (_no_bits(current_device()),) * 2)
+        elif name == "dbias":
+            tail += (_bias_arg(c.dbias),)
+        elif name == "base":
+            tail += (int(c.base[0]), int(c.base[1]))
+        else:
+            raise ValueError(f"{spec.name}: unknown tail argument {name!r}")
+    return tail
+
+
+def _launch(cfg: FlashAttentionConfig, arrays: dict[str, Any], c: _Scalars, dbias_mode: str = "") -> None:
+    """Launch the tiled kernel of ``cfg`` (its spec says which arrays, grid and tail it takes) as it is, no
+    self-check; where the device refuses shared memory past 48 KiB, again on the 48 KiB config."""
+    spec = kernel_spec(cfg.kernel)
+    if c.dbias is not None and "dbias" not in spec.tail:
+        raise ValueError(f"dbias: the {spec.name} kernel does not compute attn_bias's gradient")
+    if tuple(c.base) != (0, 0) and "base" not in spec.tail:
+        raise ValueError(f"base: the {spec.name} kernel runs whole calls only")
+    variant = _variant(spec, arrays, c, dbias_mode)
+    mods, tiles = _block_tiles(c.mods, c.block_mask, cfg, c.stream)
+    variant = dataclasses.replace(variant, mods=mods)
+    kernel = spec.build(cfg, variant)
+    tail = _tail(spec, arrays, variant, c)
+    args = tuple(_bits(arrays[n]) if spec.bits and n not in ROW_ARRAYS else arrays[n]
+                 for n in ROLE_ARRAYS[spec.role])
+    q, k = arrays["q"], arrays["k"]
+    batch, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    along = ROLE_TILES[spec.role]
+    seqs, blocks, grid_z = _blocks(c.packed, cfg.block_m if along == "q" else cfg.block_n, along,
+                                   sq if along == "q" else sk, batch, c.stream)
+    if blocks == 0:
+        return
+    qmult, capmult = score_multipliers(c.softmax_scale, c.softcap)
+    scale = () if spec.role == "forward" else (np.float32(c.softmax_scale),)
+    args += (sq, sk, d, hq // hkv, c.window_left, c.window_right, qmult, capmult, *scale,
+             slopes_arg(c.alibi, arrays["lse"]), _bias_arg(c.bias), *_dropout_args(c.dropout), tiles, seqs, *tail)
+    with _compiling(c.mods):
+        launched = _run(kernel, (blocks, hq if along == "q" else hkv, grid_z), cfg, c.stream, args)
+    if not launched:
+        _launch(static_fallback(cfg), arrays, c, dbias_mode)
+
+
 def launch_forward(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float,
                    window_left: int, window_right: int, softcap: float, bf16: bool, alibi: Any = None,
                    bias: Any = None, dropout: tuple | None = None, mods: CudaMods = NO_MODS,
                    block_mask: Any = None, packed: tuple | None = None, stream: Any = 0) -> None:
-    """Launch the forward kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_forward`` config) as
-    it is, no self-check. Arrays as for ``flash_forward``."""
-    mods, tiles = _block_tiles(mods, block_mask, cfg, stream)
-    varlen = _varlen_kw(packed)
-    tail = ()
-    if cfg.kernel == "tf32_forward":
-        copies = async_copy_ok(k, v)
-        kernel = make_tf32_forward_kernel(cfg, *kernel_flags(window_left, window_right, softcap), alibi is not None,
-                                          bias is not None, dropout is not None, copies, mods, **varlen)
-        # K and V as 16-bit slots for cp.async (two per float), or placeholders the plain-load build never reads.
-        tail = (slots(k), slots(v)) if copies else (_no_bits(current_device()),) * 2
-    elif cfg.tensor_cores:
-        kernel = make_tc_forward_kernel(cfg, *kernel_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                        bias is not None, dropout is not None, async_copy_ok(q, k, v), mods, **varlen)
-        q, k, v, out = (_bits(x) for x in (q, k, v, out))
-    else:
-        kernel = make_forward_kernel(cfg, *kernel_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                     bias is not None, dropout is not None, mods, **varlen)
-    batch, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    qmult, capmult = score_multipliers(softmax_scale, softcap)
-    seqs, blocks, grid_z = _blocks(packed, cfg.block_m, "q", sq, batch, stream)
-    if blocks == 0:
-        return
-    args = (q, k, v, out, lse, sq, sk, d, hq // hkv, window_left, window_right, qmult, capmult,
-            slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout), tiles, seqs, *tail)
-    with _compiling(mods):
-        launched = _run(kernel, (blocks, hq, grid_z), cfg, stream, args)
-    if not launched:
-        launch_forward(static_fallback(cfg), q, k, v, out, lse, softmax_scale=softmax_scale,
-                       window_left=window_left, window_right=window_right, softcap=softcap, bf16=bf16, alibi=alibi,
-                       bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, packed=packed, stream=stream)
+    """Launch the forward kernel of ``cfg`` (the SIMT one, or the tensor-core or TF32 one for such a config) as
+    it is, no self-check. Arrays as for ``flash.flash_forward``."""
+    _launch(cfg, dict(q=q, k=k, v=v, out=out, lse=lse),
+            _Scalars(softmax_scale, window_left, window_right, softcap, bf16, alibi, bias, dropout, mods, block_mask,
+                     packed, stream=stream))
 
 
 def launch_delta(dout: Any, out: Any, delta: Any, *, bf16: bool, stream: Any = 0) -> None:
@@ -375,39 +319,11 @@ def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, ls
                 alibi: Any = None, bias: Any = None, dropout: tuple | None = None, mods: CudaMods = NO_MODS,
                 block_mask: Any = None, packed: tuple | None = None, dbias: Any = None, stream: Any = 0) -> None:
     """Launch the dK/dV kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_backward_dkdv``
-    config) as it is, no self-check. Arrays as for ``flash_backward``; ``dbias``: None, or (B, Hq, 1, Sk) float32
-    zeros into which the SIMT kernel adds each key's gradient of a bias broadcast over the rows."""
-    mods, tiles = _block_tiles(mods, block_mask, cfg, stream)
-    switches = _varlen_kw(packed)   # the factory's keyword switches
-    extra = () if cfg.tensor_cores else (_bias_arg(dbias),)   # the SIMT kernel's dbias (placeholder: not read)
-    if dbias is not None:
-        if cfg.tensor_cores:
-            raise ValueError("dbias: the tensor-core dK/dV kernel does not compute attn_bias's gradient")
-        switches = dict(switches, dbias="per_key")
-    if cfg.tensor_cores:
-        kernel = make_tc_dkdv_kernel(cfg, *kernel_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                     bias is not None, dropout is not None, async_copy_ok(q, k, v, dout), mods,
-                                     **switches)
-        q, k, v, dout, dk, dv = (_bits(x) for x in (q, k, v, dout, dk, dv))
-    else:
-        kernel = make_dkdv_kernel(cfg, *kernel_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                  bias is not None, dropout is not None, mods, **switches)
-    batch, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    qmult, capmult = score_multipliers(softmax_scale, softcap)
-    seqs, blocks, grid_z = _blocks(packed, cfg.block_n, "k", sk, batch, stream)
-    if blocks == 0:
-        return
-    args = (q, k, v, dout, lse, delta, dk, dv, sq, sk, d, hq // hkv, window_left, window_right, qmult, capmult,
-            np.float32(softmax_scale), slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout), tiles,
-            seqs, *extra)
-    with _compiling(mods):
-        launched = _run(kernel, (blocks, hkv, grid_z), cfg, stream, args)
-    if not launched:
-        launch_dkdv(static_fallback(cfg), q, k, v, dout, lse, delta, dk, dv, softmax_scale=softmax_scale,
-                    window_left=window_left, window_right=window_right, softcap=softcap, bf16=bf16, alibi=alibi,
-                    bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, packed=packed, dbias=dbias,
-                    stream=stream)
+    config) as it is, no self-check. Arrays as for ``flash.flash_backward``; ``dbias``: None, or (B, Hq, 1, Sk)
+    float32 zeros into which the SIMT kernel adds each key's gradient of a bias broadcast over the rows."""
+    _launch(cfg, dict(q=q, k=k, v=v, dout=dout, lse=lse, delta=delta, dk=dk, dv=dv),
+            _Scalars(softmax_scale, window_left, window_right, softcap, bf16, alibi, bias, dropout, mods, block_mask,
+                     packed, dbias, stream=stream), "" if dbias is None else "per_key")
 
 
 def dq_dbias_mode(dbias: Any, seqlen_k: int) -> str:
@@ -422,39 +338,11 @@ def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse:
               block_mask: Any = None, packed: tuple | None = None, dbias: Any = None,
               base: tuple[int, int] = (0, 0), stream: Any = 0) -> None:
     """Launch the dQ kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_backward_dq`` config) as it
-    is, no self-check. Arrays as for ``flash_backward``; attn_bias's gradient is added into ``dbias`` (SIMT only):
-    each pair's when it has every key, (B or 1, Hq, Sq, Sk), or each row's sum over the keys into (B, Hq, Sq, 1).
-    ``base``: the call's (batch entry, query head) of the arrays' first, for a launch of one slice of a call: the
-    user's mods, the BlockMask and dropout's mask see the call's indices."""
-    mods, tiles = _block_tiles(mods, block_mask, cfg, stream)
-    varlen = _varlen_kw(packed)   # the factory's keyword switches
-    extra = () if cfg.tensor_cores else (_bias_arg(dbias), int(base[0]), int(base[1]))   # the SIMT kernel's
-    if tuple(base) != (0, 0) and cfg.tensor_cores:
-        raise ValueError("base: the tensor-core dQ kernel runs whole calls only")
-    if dbias is not None:
-        if cfg.tensor_cores:
-            raise ValueError("dbias: the tensor-core dQ kernel does not compute attn_bias's gradient")
-        varlen = dict(varlen, dbias=dq_dbias_mode(dbias, k.shape[1]))
-    if cfg.tensor_cores:
-        kernel = make_tc_dq_kernel(cfg, *kernel_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                   bias is not None, dropout is not None, async_copy_ok(q, k, v, dout), mods, **varlen)
-        q, k, v, dout, dq = (_bits(x) for x in (q, k, v, dout, dq))
-    else:
-        kernel = make_dq_kernel(cfg, *kernel_flags(window_left, window_right, softcap), bf16, alibi is not None,
-                                bias is not None, dropout is not None, mods, **varlen)
-    batch, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    qmult, capmult = score_multipliers(softmax_scale, softcap)
-    seqs, blocks, grid_z = _blocks(packed, cfg.block_m, "q", sq, batch, stream)
-    if blocks == 0:
-        return
-    args = (q, k, v, dout, lse, delta, dq, sq, sk, d, hq // hkv, window_left, window_right, qmult, capmult,
-            np.float32(softmax_scale), slopes_arg(alibi, lse), _bias_arg(bias), *_dropout_args(dropout), tiles,
-            seqs, *extra)
-    with _compiling(mods):
-        launched = _run(kernel, (blocks, hq, grid_z), cfg, stream, args)
-    if not launched:
-        launch_dq(static_fallback(cfg), q, k, v, dout, lse, delta, dq, softmax_scale=softmax_scale,
-                  window_left=window_left, window_right=window_right, softcap=softcap, bf16=bf16, alibi=alibi,
-                  bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, packed=packed, dbias=dbias,
-                  base=base, stream=stream)
+    is, no self-check. Arrays as for ``flash.flash_backward``; attn_bias's gradient is added into ``dbias`` (SIMT
+    only): each pair's when it has every key, (B or 1, Hq, Sq, Sk), or each row's sum over the keys into (B, Hq,
+    Sq, 1). ``base``: the call's (batch entry, query head) of the arrays' first, for a launch of one slice of a
+    call: the user's mods, the BlockMask and dropout's mask see the call's indices."""
+    _launch(cfg, dict(q=q, k=k, v=v, dout=dout, lse=lse, delta=delta, dq=dq),
+            _Scalars(softmax_scale, window_left, window_right, softcap, bf16, alibi, bias, dropout, mods, block_mask,
+                     packed, dbias, base, stream),
+            "" if dbias is None else dq_dbias_mode(dbias, k.shape[1]))

@@ -47,7 +47,7 @@ _PREFERRED: dict[str, dict[int, tuple[int, int, int]]] = {
                    256: (64, 16, 128)},
     # The tensor-core dQ kernel keeps Q's and dO's fragments in registers beside dQ's accumulators and three
     # arrays of scores per key tile (S, dP, softcap's factor), so key tiles stay at 32 or less (64 spilled at
-    # D = 32); K and V tiles in shared memory. D = 256 stays on the SIMT backward (launch.tensor_core_reason).
+    # D = 32); K and V tiles in shared memory. D = 256 stays on the SIMT backward (plan.tensor_core_reason).
     "tc_backward_dq": {16: (64, 32, 128), 32: (64, 32, 128), 64: (64, 32, 128), 128: (64, 16, 128)},
     # dK/dV: warps own 16 keys each (block_n = 16 x warps), block_m queries per step; K and V stay in shared
     # memory for the whole loop beside the step's Q and dO.

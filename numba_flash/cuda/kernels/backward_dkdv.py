@@ -50,6 +50,7 @@ from numba_flash.cuda.device.sequences import make_locate
 from numba_flash.cuda.device.smem import carve
 from numba_flash.cuda.device.tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
 from numba_flash.cuda.device.user_mods import NO_MODS, CudaMods
+from numba_flash.cuda.kernels.spec import KernelSpec, Variant
 
 __all__ = ["make_delta_kernel", "make_dkdv_kernel", "make_dq_kernel", "make_dbias_sum_kernel", "DELTA_ROWS_PER_BLOCK",
            "DBIAS_SUM_THREADS"]
@@ -474,3 +475,12 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                         dv[ab, k0 + key, hk, d] = STORE(nan_if_not_finite(dv_acc[i, j]))
 
     return cuda.jit(flash_dkdv_kernel)
+
+
+def _build(cfg: FlashAttentionConfig, v: Variant) -> Any:
+    return make_dkdv_kernel(cfg, v.has_left, v.has_right, v.softcap, v.bf16, v.alibi, v.bias, v.dropout, v.mods,
+                            **v.factory_switches())
+
+
+#: This kernel as the launch, the plan and the compile check know it (spec.py).
+SPEC = KernelSpec(name="backward_dkdv", role="dkdv", factory=_build, tail=('dbias',))

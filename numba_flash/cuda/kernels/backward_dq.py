@@ -24,6 +24,7 @@ from numba_flash.cuda.device.sequences import make_locate
 from numba_flash.cuda.device.smem import carve
 from numba_flash.cuda.device.tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
 from numba_flash.cuda.device.user_mods import NO_MODS, CudaMods
+from numba_flash.cuda.kernels.spec import KernelSpec, Variant
 
 
 @functools.lru_cache(maxsize=None)
@@ -357,3 +358,12 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                         dq[ab, q0 + row, h, d] = STORE(nan_if_not_finite(acc[i, j] * scale))
 
     return cuda.jit(flash_dq_kernel)
+
+
+def _build(cfg: FlashAttentionConfig, v: Variant) -> Any:
+    return make_dq_kernel(cfg, v.has_left, v.has_right, v.softcap, v.bf16, v.alibi, v.bias, v.dropout, v.mods,
+                          **v.factory_switches())
+
+
+#: This kernel as the launch, the plan and the compile check know it (spec.py).
+SPEC = KernelSpec(name="backward_dq", role="dq", factory=_build, tail=('dbias', 'base'))

@@ -36,6 +36,7 @@ from numba_flash.cuda.device.smem import carve
 from numba_flash.cuda.device.tiles import FETCH_VECTOR, make_tile_fetch, tile_passes
 from numba_flash.cuda.device.score_terms import make_pipeline
 from numba_flash.cuda.device.user_mods import NO_MODS, CudaMods
+from numba_flash.cuda.kernels.spec import KernelSpec, Variant
 
 LN2 = math.log(2.0)
 #: Alignment of the shared tiles: 16 bytes lets LLVM merge four consecutive float32 loads into one 128-bit load.
@@ -354,3 +355,12 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                     lse[ab, h, q0 + row] = float32(math.inf)
 
     return cuda.jit(flash_forward_kernel)
+
+
+def _build(cfg: FlashAttentionConfig, v: Variant) -> Any:
+    return make_forward_kernel(cfg, v.has_left, v.has_right, v.softcap, v.bf16, v.alibi, v.bias, v.dropout, v.mods,
+                               **v.factory_switches())
+
+
+#: This kernel as the launch, the plan and the compile check know it (spec.py).
+SPEC = KernelSpec(name="forward", role="forward", factory=_build)

@@ -36,6 +36,7 @@ from numba_flash.cuda.kernels.tc_forward import EXPONENT_BITS, QUIET_NAN_BITS, t
 from numba_flash.cuda.device.tc_scores import hidden_p, is_hidden, make_keep_bits, make_kept_factor, make_score
 from numba_flash.cuda.device.tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
 from numba_flash.cuda.device.user_mods import NO_MODS, CudaMods
+from numba_flash.cuda.kernels.spec import KernelSpec, Variant
 
 SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16
 
@@ -338,3 +339,13 @@ def make_tc_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
                         dv[ab, k0 + key, hk, d0 + e] = v_tile[at + uint32(e)]
 
     return cuda.jit(flash_tc_dkdv_kernel)
+
+
+def _build(cfg: FlashAttentionConfig, v: Variant) -> Any:
+    return make_tc_dkdv_kernel(cfg, v.has_left, v.has_right, v.softcap, v.bf16, v.alibi, v.bias, v.dropout,
+                               v.async_copy, v.mods, **v.factory_switches())
+
+
+#: This kernel as the launch, the plan and the compile check know it (spec.py).
+SPEC = KernelSpec(name="tc_backward_dkdv", role="dkdv", factory=_build,
+                  tensor_cores=True, bits=True, dtypes=('float16', 'bfloat16'))

@@ -35,6 +35,7 @@ from numba_flash.cuda.kernels.tc_forward import EXPONENT_BITS, tile_offset
 from numba_flash.cuda.device.tc_scores import hidden_p, is_hidden, make_keep_bits, make_kept_factor, make_score
 from numba_flash.cuda.device.tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
 from numba_flash.cuda.device.user_mods import NO_MODS, CudaMods
+from numba_flash.cuda.kernels.spec import KernelSpec, Variant
 
 SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16
 
@@ -318,3 +319,13 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
                         dq[ab, q0 + row, h, d0 + e] = x_tile[at + uint32(e)]
 
     return cuda.jit(flash_tc_dq_kernel)
+
+
+def _build(cfg: FlashAttentionConfig, v: Variant) -> Any:
+    return make_tc_dq_kernel(cfg, v.has_left, v.has_right, v.softcap, v.bf16, v.alibi, v.bias, v.dropout,
+                             v.async_copy, v.mods, **v.factory_switches())
+
+
+#: This kernel as the launch, the plan and the compile check know it (spec.py).
+SPEC = KernelSpec(name="tc_backward_dq", role="dq", factory=_build,
+                  tensor_cores=True, bits=True, dtypes=('float16', 'bfloat16'))

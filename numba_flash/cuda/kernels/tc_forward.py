@@ -41,6 +41,7 @@ from numba_flash.cuda.device.tc_softmax import (finish_rows, make_key_range, mak
                                                 make_tile_scores, make_tile_start)
 from numba_flash.cuda.device.tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
 from numba_flash.cuda.device.user_mods import NO_MODS, CudaMods
+from numba_flash.cuda.kernels.spec import KernelSpec, Variant
 
 SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16   # cp.async and ldmatrix move 16-byte aligned chunks
 #: Exponent bits of a 16-bit float: all set means inf or NaN.
@@ -309,3 +310,13 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                         out[ab, q0 + row, h, d0 + e] = q_tile[at + uint32(e)]
 
     return cuda.jit(flash_tc_forward_kernel)
+
+
+def _build(cfg: FlashAttentionConfig, v: Variant) -> Any:
+    return make_tc_forward_kernel(cfg, v.has_left, v.has_right, v.softcap, v.bf16, v.alibi, v.bias, v.dropout,
+                                  v.async_copy, v.mods, **v.factory_switches())
+
+
+#: This kernel as the launch, the plan and the compile check know it (spec.py).
+SPEC = KernelSpec(name="tc_forward", role="forward", factory=_build,
+                  tensor_cores=True, bits=True, dtypes=('float16', 'bfloat16'))

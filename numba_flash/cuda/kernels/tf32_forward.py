@@ -49,6 +49,7 @@ from numba_flash.cuda.device.tc_softmax import (finish_rows, make_key_range, mak
                                                 make_tile_scores, make_tile_start)
 from numba_flash.cuda.device.tc_tiles import CHUNK, copy_passes, copy_row_step, make_tile_copy
 from numba_flash.cuda.device.user_mods import NO_MODS, CudaMods
+from numba_flash.cuda.kernels.spec import KernelSpec, Variant
 
 SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16   # cp.async and ldmatrix move 16-byte aligned chunks
 #: Floats of padding per shared-memory tile row (``slot_stride``).
@@ -348,3 +349,13 @@ def make_tf32_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_righ
                             out[ab, q0 + row, h, d] = x + x * float32(0.0)
 
     return cuda.jit(flash_tf32_forward_kernel)
+
+
+def _build(cfg: FlashAttentionConfig, v: Variant) -> Any:
+    return make_tf32_forward_kernel(cfg, v.has_left, v.has_right, v.softcap, v.alibi, v.bias, v.dropout,
+                                    v.async_copy, v.mods, **v.factory_switches())
+
+
+#: This kernel as the launch, the plan and the compile check know it (spec.py).
+SPEC = KernelSpec(name="tf32_forward", role="forward", factory=_build,
+                  tensor_cores=True, dtypes=('float32',), tail=('kv_slots',))

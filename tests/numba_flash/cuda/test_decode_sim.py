@@ -153,8 +153,8 @@ def test_memory_outside_the_attended_keys_is_never_read(rng):
 @pytest.fixture
 def kernel_launches(monkeypatch):
     """The grid of every decode-kernel and merge launch, and the dense forward's launches (there should be none)."""
-    from numba_flash.cuda.host import launch
     from numba_flash.cuda.host import launch_decode
+    from numba_flash.cuda.kernels import forward
 
     seen = {"decode": [], "merge": [], "forward": []}
 
@@ -172,7 +172,7 @@ def kernel_launches(monkeypatch):
     monkeypatch.setattr(launch_decode, "make_decode_kernel", recording(launch_decode.make_decode_kernel, "decode"))
     monkeypatch.setattr(launch_decode, "make_split_merge_kernel",
                         recording(launch_decode.make_split_merge_kernel, "merge"))
-    monkeypatch.setattr(launch, "make_forward_kernel", recording(launch.make_forward_kernel, "forward"))
+    monkeypatch.setattr(forward, "make_forward_kernel", recording(forward.make_forward_kernel, "forward"))
     return seen
 
 

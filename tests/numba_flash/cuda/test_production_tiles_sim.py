@@ -43,18 +43,19 @@ class _Recorder:
 @pytest.fixture
 def launches(monkeypatch):
     """The (kernel, tile config, launch configuration) of every kernel launch.py starts, under the checker."""
-    import numba_flash.cuda.host.launch as launch   # imports numba.cuda: only in the simulator's process
+    from cuda_sim_cases import factory_home   # imports numba.cuda: only in the simulator's process
 
     seen = []
     for attr, name in (("make_forward_kernel", "forward"), ("make_dkdv_kernel", "backward_dkdv"),
                        ("make_dq_kernel", "backward_dq"), ("make_delta_kernel", "delta")):
-        factory = getattr(launch, attr)
+        home = factory_home(attr)
+        factory = getattr(home, attr)
 
         def recorded(*args, _factory=factory, _name=name):
             cfg = args[0] if _name != "delta" else None
             return _Recorder(_factory(*args), _name, cfg, seen)
 
-        monkeypatch.setattr(launch, attr, recorded)
+        monkeypatch.setattr(home, attr, recorded)
     with simcheck.checking():
         yield seen
 

@@ -32,17 +32,18 @@ TWO_WARPS_BOTH_WAYS = dict(block_m=32, block_n=32, threads=64, tensor_cores=True
 @pytest.fixture
 def tc_builds(monkeypatch):
     """The tensor-core kernels built, as (kernel, dropout) per factory call."""
-    from numba_flash.cuda.host import launch
+    from cuda_sim_cases import factory_home
 
     seen = []
     for name in ("make_tc_forward_kernel", "make_tc_dkdv_kernel", "make_tc_dq_kernel"):
-        real = getattr(launch, name)
+        home = factory_home(name)
+        real = getattr(home, name)
 
         def spy(cfg, *flags, _real=real):
             seen.append((cfg.kernel, flags[-3]))   # (..., dropout, async_copy, mods)
             return _real(cfg, *flags)
 
-        monkeypatch.setattr(launch, name, spy)
+        monkeypatch.setattr(home, name, spy)
     return seen
 
 

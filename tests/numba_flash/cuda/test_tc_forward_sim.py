@@ -27,16 +27,16 @@ from tc_sim_cases import (BOUND, ONE_WARP, TWO_WARPS, break_small_tiles, forward
 @pytest.fixture
 def tc_launches(monkeypatch):
     """The tensor-core kernels launched, as (config, async_copy) per factory call."""
-    from numba_flash.cuda.host import launch
+    from numba_flash.cuda.kernels import tc_forward
 
     seen = []
-    real = launch.make_tc_forward_kernel
+    real = tc_forward.make_tc_forward_kernel
 
     def spy(cfg, *flags):
         seen.append((cfg, flags[-2]))   # (..., async_copy, mods)
         return real(cfg, *flags)
 
-    monkeypatch.setattr(launch, "make_tc_forward_kernel", spy)
+    monkeypatch.setattr(tc_forward, "make_tc_forward_kernel", spy)
     return seen
 
 

@@ -41,16 +41,16 @@ def to_tf32(x: np.ndarray) -> np.ndarray:
 @pytest.fixture
 def tf32_launches(monkeypatch):
     """The TF32 kernel's builds, as (config, async_copy) per factory call."""
-    from numba_flash.cuda.host import launch
+    from numba_flash.cuda.kernels import tf32_forward
 
     seen = []
-    real = launch.make_tf32_forward_kernel
+    real = tf32_forward.make_tf32_forward_kernel
 
     def spy(cfg, *flags, **kw):
         seen.append((cfg, flags[6]))   # (has_left, has_right, softcap, alibi, bias, dropout, async_copy, mods)
         return real(cfg, *flags, **kw)
 
-    monkeypatch.setattr(launch, "make_tf32_forward_kernel", spy)
+    monkeypatch.setattr(tf32_forward, "make_tf32_forward_kernel", spy)
     return seen
 
 
@@ -229,7 +229,7 @@ def test_a_finite_v_that_rounds_to_inf_poisons_only_the_rows_that_see_it(rng):
 
 
 def test_which_kernel_runs_and_what_explain_says(rng, tf32_launches):
-    from numba_flash.cuda.host.launch import forward_kernel, tf32_reason
+    from numba_flash.cuda.host.plan import forward_kernel, tf32_reason
 
     q, k, v = inputs(rng, 1, 5, 6, 1, 1, 16)
     op = backend_registry.get("flash", backend="cuda")
