@@ -652,6 +652,9 @@ class RocmBackend(Backend):
         with torch.no_grad():
             new = [_as_torch(x) for x in (kv.k_new, kv.v_new)] if kv.seqlen_new else [None, None]
             q = kvcache.rotate_and_append_torch(kv, q, k_cache, v_cache, *new)
+            for theirs, mine in ((kv.k_cache, k_cache), (kv.v_cache, v_cache)):
+                if kv.seqlen_new and isinstance(theirs, np.ndarray) and any(s < 0 for s in theirs.strides):
+                    theirs[...] = mine.numpy()  # _as_torch copied it (torch has no negative strides): write back
             out = torch.empty(q.shape, dtype=cdt, device=dev)
             lse = torch.empty((kv.batch, kv.nheads_q, kv.seqlen_q), dtype=cdt, device=dev)
 
