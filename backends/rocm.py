@@ -28,6 +28,7 @@ torch is imported inside functions: importing this module or registering the bac
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from typing import Any
 
@@ -157,6 +158,43 @@ class _Band:
         if self.right >= 0:
             ok &= j <= i + self.right
         return ok
+
+
+def _results_shapes(call: AttentionCall) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype: "q" for q's, "lse" for the lse's) of a forward's results, out and lse."""
+    q_shape = tuple(int(s) for s in call.q.shape)
+    lse = (call.nheads_q, q_shape[0]) if call.is_varlen else (call.batch, call.nheads_q, call.seqlen_q)
+    return [("out", q_shape[:-1] + (call.head_dim_v,), "q"), ("lse", lse, "lse")]
+
+
+def _meta_like(q: Any, shape: tuple[int, ...], dtype: str) -> Any:
+    import torch
+
+    return torch.empty(shape, dtype=q.dtype if dtype == "q" else _compute_dtype(q.dtype), device="meta")
+
+
+def _check_fits(results: list[tuple[str, tuple[int, ...], str]], q: Any) -> None:
+    """MemoryError naming the size when the results cannot fit in the memory of q's device, raised before any
+    input is read: ``_clean`` reads every element, and broadcast views of a huge shape hold few bytes but take
+    minutes to scan before the allocation would fail anyway."""
+    import torch
+
+    sizes = {"q": q.element_size(), "lse": torch.empty((), dtype=_compute_dtype(q.dtype)).element_size()}
+    need = {name: math.prod(shape) * sizes[dt] for name, shape, dt in results}
+    if q.device.type == "cpu":
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):   # no sysconf (Windows): the allocation will tell
+            return
+    elif q.device.type == "cuda":
+        total = torch.cuda.get_device_properties(q.device).total_memory
+    else:
+        return
+    if sum(need.values()) > total:
+        name, shape, _ = max(results, key=lambda r: need[r[0]])
+        raise MemoryError(f"{name}: {shape} {str(q.dtype).replace('torch.', '')} needs "
+                          f"{need[name] / 2**30:.0f} GiB, and the results {sum(need.values()) / 2**30:.0f} GiB, "
+                          f"more than the {total / 2**30:.0f} GiB of memory of {q.device}")
 
 
 def _clean(call: AttentionCall, cdt: Any, *tensors: Any) -> bool:
@@ -617,6 +655,10 @@ class RocmBackend(Backend):
         import torch
 
         q, k, v = (_as_torch(x) for x in (call.q, call.k, call.v))
+        results = _results_shapes(call)
+        if q.device.type == "meta":   # shape inference: a meta tensor has no data, its results none either
+            return tuple(_meta_like(q, shape, dt) for _, shape, dt in results)
+        _check_fits(results, q)
         with torch.no_grad():
             clean = _clean(call, _compute_dtype(q.dtype), q, k, v) and _bias_finite(call)
             if call.is_varlen:
@@ -631,6 +673,10 @@ class RocmBackend(Backend):
         import torch
 
         dout, q, k, v, out, lse = (_as_torch(x) for x in (call.dout, call.q, call.k, call.v, call.out, call.lse))
+        results = [(("dq", "dk", "dv")[i], tuple(x.shape), "q") for i, x in enumerate((q, k, v))]
+        if q.device.type == "meta":
+            return tuple(_meta_like(q, shape, dt) for _, shape, dt in results)
+        _check_fits(results, q)
         with torch.no_grad():
             # lse is +inf for rows that see no key: only a NaN in it (a poisoned row) needs the careful path.
             clean = (_clean(call, _compute_dtype(q.dtype), q, k, v, dout, out) and not bool(torch.isnan(lse).any())
@@ -652,6 +698,9 @@ class RocmBackend(Backend):
         with torch.no_grad():
             new = [_as_torch(x) for x in (kv.k_new, kv.v_new)] if kv.seqlen_new else [None, None]
             q = kvcache.rotate_and_append_torch(kv, q, k_cache, v_cache, *new)
+            for theirs, mine in ((kv.k_cache, k_cache), (kv.v_cache, v_cache)):
+                if kv.seqlen_new and isinstance(theirs, np.ndarray) and any(s < 0 for s in theirs.strides):
+                    theirs[...] = mine.numpy()  # _as_torch copied it (torch has no negative strides): write back
             out = torch.empty(q.shape, dtype=cdt, device=dev)
             lse = torch.empty((kv.batch, kv.nheads_q, kv.seqlen_q), dtype=cdt, device=dev)
 

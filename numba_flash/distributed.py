@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from numba_flash.arguments import checked_arguments
+from numba_flash.errors import AttentionInputError
 from numba_flash import backend_registry
 from numba_flash.merge import merge_attention_states
 from numba_flash.validation import _bad, _short_repr, validate_forward
@@ -260,24 +261,68 @@ class RingAttentionFunc(torch.autograd.Function):
 # The public function
 
 
-def _check_ranks_agree(q: torch.Tensor, k: torch.Tensor, group: Any, causal: bool) -> None:
-    """Every rank must pass the same shapes, dtype and options: the receive buffers are allocated from this rank's
-    own shapes, and a mismatch would hang or mix garbage in. One small all_gather finds it, and every rank raises
-    the same error, so none is left waiting in the ring."""
+MESSAGE_BYTES = 1024  # of a rank's refusal, sent to every rank: enough for any AttentionInputError of the checks
+
+
+def _check_ranks_agree(q: torch.Tensor, k: torch.Tensor, group: Any, causal: bool,
+                       refusal: AttentionInputError | None = None) -> None:
+    """Every rank must pass valid input and the same shapes, dtype and options: the receive buffers are allocated
+    from this rank's own shapes, and a mismatch would hang or mix garbage in. One small all_gather carries each
+    rank's verdict on its own input (``refusal``: the error its checks raised, or None) and what the ranks must
+    agree on, so that every rank raises the same error and none is left waiting in a collective (until the
+    group's timeout) for a rank that has already raised."""
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-    meta = [*q.shape, *k.shape, dtypes.index(q.dtype), int(causal)]
-    device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    mine = torch.tensor(meta, dtype=torch.int64, device=device)
+    if refusal is None:
+        meta = [0, *q.shape, *k.shape, dtypes.index(q.dtype), int(causal)]
+        text = b""
+    else:  # this rank's shapes may not even exist: it sends its error instead
+        meta = [1] + [0] * 10
+        text = str(refusal).encode()[:MESSAGE_BYTES]
+    if dist.get_backend(group) == "nccl":
+        device = q.device if isinstance(q, torch.Tensor) and q.is_cuda else torch.device("cuda",
+                                                                                          torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    mine = torch.tensor(meta + list(text) + [0] * (MESSAGE_BYTES - len(text)), dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
+    every = [theirs.tolist() for theirs in every]
     for r, theirs in enumerate(every):
-        theirs = theirs.tolist()
+        if theirs[0]:   # the first rank that refused its input: its error, on every rank
+            message = bytes(c for c in theirs[11:] if c).decode(errors="replace")
+            raise AttentionInputError(f"{message} (on rank {r} of {len(every)}; every rank raises this)")
+    meta = meta[1:]
+    for r, theirs in enumerate(every):
+        theirs = theirs[1:11]
         if theirs != meta:
             what = (f"q {tuple(theirs[:4])}, k and v {tuple(theirs[4:8])}, {dtypes[theirs[8]]}, "
                     f"causal={bool(theirs[9])}")
             raise _bad("q, k, v", f"the same shapes, dtype and causal flag on every rank (this rank, "
                        f"{dist.get_rank(group)}: q {tuple(q.shape)}, k and v {tuple(k.shape)}, {q.dtype}, "
                        f"causal={causal})", f"on rank {r}: {what}")
+
+
+def _check_local(q: Any, k: Any, v: Any, causal: bool, softmax_scale: Any, window_size: Any, softcap: Any,
+                 return_lse: bool) -> None:
+    """ring_attention's checks of this rank's own input, which need no communication."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise _bad(name, "a torch.Tensor (ring_attention works on torch.distributed)", type(x).__name__)
+    if tuple(window_size) != (-1, -1):
+        raise _bad("window_size", "(-1, -1) (a sliding window is not supported by ring_attention)",
+                   _short_repr(window_size))
+    validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap, layout="bshd",
+                     return_lse=return_lse)
+    if v.shape[-1] != q.shape[-1]:
+        raise _bad("v", f"q's head dim {q.shape[-1]} (ring_attention does not take a different Dv yet)",
+                   f"head dim {v.shape[-1]}")
+    if causal:
+        if k.shape[1] != q.shape[1]:
+            raise _bad("k", f"the local sequence length of q ({q.shape[1]}) for causal ring attention "
+                       "(self-attention in the zigzag layout)", f"length {k.shape[1]}")
+        if q.shape[1] % 2:
+            raise _bad("q", "an even local sequence length for causal ring attention (two zigzag chunks, see "
+                       "shard_sequence)", f"length {q.shape[1]}")
 
 
 @checked_arguments
@@ -321,26 +366,19 @@ def ring_attention(
     float32 (float64 for float64 inputs). Raises ``numba_flash.AttentionInputError`` naming the argument for bad
     input, the same error on every rank when the ranks disagree on shapes, dtype or causal.
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise _bad(name, "a torch.Tensor (ring_attention works on torch.distributed)", type(x).__name__)
-    if tuple(window_size) != (-1, -1):
-        raise _bad("window_size", "(-1, -1) (a sliding window is not supported by ring_attention)",
-                   _short_repr(window_size))
-    validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap, layout="bshd",
-                     return_lse=return_lse)
-    if v.shape[-1] != q.shape[-1]:
-        raise _bad("v", f"q's head dim {q.shape[-1]} (ring_attention does not take a different Dv yet)",
-                   f"head dim {v.shape[-1]}")
-    if causal:
-        if k.shape[1] != q.shape[1]:
-            raise _bad("k", f"the local sequence length of q ({q.shape[1]}) for causal ring attention "
-                       "(self-attention in the zigzag layout)", f"length {k.shape[1]}")
-        if q.shape[1] % 2:
-            raise _bad("q", "an even local sequence length for causal ring attention (two zigzag chunks, see "
-                       "shard_sequence)", f"length {q.shape[1]}")
-    _check_group(group)
-    _check_ranks_agree(q, k, group, bool(causal))
+    try:
+        _check_local(q, k, v, causal, softmax_scale, window_size, softcap, return_lse)
+        refusal = None
+    except AttentionInputError as exc:
+        refusal = exc
+    try:
+        _check_group(group)
+    except AttentionInputError:
+        if refusal is not None:   # no group to tell: this rank's own error comes first
+            raise refusal from None
+        raise
+    # Never raise alone before this exchange: the other ranks would wait for this one in it.
+    _check_ranks_agree(q, k, group, bool(causal), refusal)
     if backend is None:
         # A backend forced with backend_registry.use() lives in this thread's context; autograd may run the
         # backward on another thread, so name it now.

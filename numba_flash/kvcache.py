@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from .append_target import check_append_target, shares_elements
 from .arrays import array_kind, device_of, dtype_name, to_numpy
 from .errors import AttentionInputError
 from .semantics import clamp_window_bound, compute_dtype_name, default_scale, effective_softcap, effective_window
@@ -176,17 +177,13 @@ MAX_NUM_SPLITS = 128  # flash-attn's limit; each part costs a partial output per
 
 
 def _share_elements(a: Any, b: Any, kind: str, device: str) -> bool:
-    """Whether two caches hold some element in common: exactly for host arrays (two halves of one packed KV buffer
-    share none), by the first element's address for device ones."""
+    """Whether two caches hold some element in common, exactly (two halves of one packed KV buffer share none)."""
     if kind in ("numpy", "dlpack") and device == "cpu":
         try:
             return bool(np.shares_memory(to_numpy(a), to_numpy(b), max_work=10**6))
         except np.exceptions.TooHardError:
             return bool(np.may_share_memory(to_numpy(a), to_numpy(b)))
-    if kind == "torch":
-        return a.data_ptr() == b.data_ptr()
-    interface = getattr(a, "__cuda_array_interface__", None), getattr(b, "__cuda_array_interface__", None)
-    return None not in interface and interface[0]["data"][0] == interface[1]["data"][0]
+    return shares_elements(a, b)  # torch and device arrays: exact from addresses and strides, not data_ptr() alone
 
 
 def _check_num_splits(num_splits: Any) -> int:
@@ -220,6 +217,8 @@ def validate_kvcache(
             raise _bad(name, f"4 dimensions {cache_dims}", f"shape {tuple(int(s) for s in x.shape)}")
         caches[name] = _check_array(name, x, "bshd")
         check_same_as_q(name, caches[name], q_info)
+        if k is not None:  # the caller's own cache, before _check_array resolves torch's lazy bits into a copy
+            check_append_target(name, x)
     k_cache, v_cache = caches["k_cache"][0], caches["v_cache"][0]
     kc_shape = caches["k_cache"][2]
     if caches["v_cache"][2] != kc_shape:

@@ -13,7 +13,16 @@ from its Python source). A mod may read global numpy arrays (document ids, a per
 per function object: to change a table, build a new function (a factory that returns a closure), do not edit the
 array in place. Mods are compiled with numpy's error model (1 / 0 is inf, which then poisons its row as any
 non-finite score does) and with bounds checks: an index outside a global array raises ``AttentionInputError``
-naming the mod instead of reading stray memory.
+naming the mod instead of reading stray memory. Any other exception a mod raises on the host (a RuntimeError, a
+failed ``assert``, a KeyError) becomes ``AttentionInputError`` too, naming the mod and its exception (and, from the
+CPU kernels, the tile where it raised).
+
+On a real GPU (the cuda backend) a mod is compiled for the device without bounds checks, as numba-cuda compiles
+every kernel: a table read past its end reads whatever memory lies there (or faults the context with an illegal
+address), and a ``raise`` in a mod cannot reach the host as that exception. Nothing names the mod there. To check a
+mod, run the same call once on the cpu backend (``backend="cpu"``, small sizes suffice when the indices the mod
+reads depend on them only as the call's do) or evaluate it with ``evaluate_block`` over the call's index ranges:
+both raise by name. A checked mode that runs the mods on the host before each GPU call is not built yet.
 
 ``compile_mod`` checks a mod once (``AttentionInputError`` naming the argument and numba's reason when numba cannot
 compile it), ``evaluate_block`` evaluates one over a block of indices, and ``block_mask`` precomputes which tiles a
@@ -130,10 +139,11 @@ def evaluate_block(fn: Any, name: str, batches: range, heads: range, rows: range
 
 @contextmanager
 def _raised_by(name: str, fn: Any):
-    """An exception a mod raises while it runs (an index out of bounds) as ``AttentionInputError`` naming it."""
+    """Any exception a mod raises while it runs (an index out of bounds, a RuntimeError, a failed assert) as
+    ``AttentionInputError`` naming it: whatever the mod's own error, the call's input (the mod) is at fault."""
     try:
         yield
-    except (IndexError, ValueError, ArithmeticError) as exc:
+    except Exception as exc:
         label = getattr(fn, "__name__", repr(fn))
         raise AttentionInputError(f"{name}: expected a function that runs on every (b, h, q_idx, kv_idx) of the "
                                   f"call; {label} raised {type(exc).__name__}: {exc}") from exc

@@ -452,8 +452,8 @@ def attention_ref_kvcache(
     page = kc.shape[1]
     capacity = table.shape[1] * page if paged else kc.shape[1]
     s_new = 0 if k is None else int(k.shape[1])
-    if cache_seqlens is None or isinstance(cache_seqlens, int):
-        lens = np.full(batch, capacity if cache_seqlens is None else cache_seqlens, dtype=np.int64)
+    if cache_seqlens is None or isinstance(cache_seqlens, (int, np.integer)):   # numpy's ints too, as validation
+        lens = np.full(batch, capacity if cache_seqlens is None else int(cache_seqlens), dtype=np.int64)
     else:
         lens = to_numpy(cache_seqlens).astype(np.int64)
     rows = np.arange(batch) if cache_batch_idx is None else to_numpy(cache_batch_idx).astype(np.int64)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from numba_flash.arguments import checked_arguments
+from numba_flash.arrays import to_numpy
 from numba_flash import backend_registry
 from numba_flash.errors import AttentionInputError
 from numba_flash.kvcache import validate_kvcache
@@ -471,7 +472,8 @@ def flash_attn_varlen_func(
                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                          alibi_slopes=alibi_slopes)
         # The ops' schema takes tensors; a numpy prefix sum (already checked) becomes one without a copy.
-        cu_seqlens_q, cu_seqlens_k = (c if isinstance(c, torch.Tensor) else torch.from_numpy(np.asarray(c))
+        # (a copy where its strides are negative, which torch tensors cannot have)
+        cu_seqlens_q, cu_seqlens_k = (c if isinstance(c, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(c))
                                       for c in (cu_seqlens_q, cu_seqlens_k))
         if backend is None:
             backend = backend_registry.get("flash")._forced_name(None)   # see flash_attn_func
@@ -508,6 +510,23 @@ def _flash_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache
                         rotary_interleaved, alibi_slopes, num_splits, backend):
     batch, seqlen_q, nheads, _ = q.shape
     return torch.empty_like(q), q.new_empty((batch, nheads, seqlen_q), dtype=_lse_dtype(q.dtype))
+
+
+class _KVCacheNoBackward(torch.autograd.Function):
+    """Passes flash_attn_with_kvcache's results through; a backward through them raises in our words. (The op
+    writes the caches in place, so torch takes no autograd formula for it.)"""
+
+    @staticmethod
+    def forward(ctx, out, lse):
+        out, lse = out.view_as(out), lse.view_as(lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("numba_flash: flash_attn_with_kvcache does not support backward (as in flash-attn: it "
+                           "serves decoding, and writes the caches in place); for gradients, attend with "
+                           "flash_attn_func over the cached keys")
 
 
 @checked_arguments
@@ -578,10 +597,17 @@ def flash_attn_with_kvcache(
         if isinstance(cache_seqlens, (int, np.integer)):
             # The op's schema takes a tensor; an int is every sequence's length.
             cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+        # The schema takes tensors; host index arrays (already checked) become tensors on q's device, like it.
+        cache_seqlens, cache_batch_idx, cache_leftpad, block_table = (
+            x if x is None or isinstance(x, torch.Tensor) else
+            torch.from_numpy(np.ascontiguousarray(to_numpy(x))).to(q.device)
+            for x in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
     if backend is None:
         backend = backend_registry.get("flash")._forced_name(None)
     scale = None if softmax_scale is None else float(softmax_scale)
     out, lse = flash_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                              cache_leftpad, block_table, scale, causal, int(window_size[0]), int(window_size[1]),
                              softcap, rotary_interleaved, alibi_slopes, int(num_splits), backend)
+    if out.requires_grad:   # torch's own words at backward() would name a missing formula, not the reason
+        out, lse = _KVCacheNoBackward.apply(out, lse)
     return (out, lse) if return_softmax_lse else out

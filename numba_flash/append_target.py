@@ -1,0 +1,103 @@
+"""Checks that ``with_kvcache``'s append lands in the caller's cache, and lands there once.
+
+The KV cache is the one argument written in place, so what is harmless for a read-only input is data loss for it:
+
+* torch's lazy negation (or conjugation) bit: validation resolves it into a copy, and the append would go there;
+* elements that share memory within a cache (a stride-0 axis from ``expand()`` or ``as_strided``, any other
+  self-overlapping layout): one sequence's or head's new key overwrites another's, as duplicate ``cache_batch_idx``
+  rows would;
+* k_cache and v_cache sharing elements: each new position is written twice, the value over the key. Whether they
+  do is decided from the arrays' addresses, shapes and strides, exactly and without reading either, for every
+  kind of array (a torch or device array's first address alone misses two views at an offset of one buffer).
+
+Each check raises ``AttentionInputError`` naming the cache; nothing is written before they pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .arrays import array_kind
+from .errors import AttentionInputError
+
+
+def _memory_layout(x: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], int] | None:
+    """(address of element 0, shape, strides in bytes, itemsize) of an array of any kind, or None where it cannot
+    be known without copying (the CUDA simulator's arrays, an exporter of DLPack alone)."""
+    kind = array_kind(x)
+    if kind == "numpy":
+        return x.__array_interface__["data"][0], tuple(x.shape), tuple(x.strides), x.itemsize
+    if kind == "torch":
+        size = x.element_size()
+        return x.data_ptr(), tuple(x.shape), tuple(s * size for s in x.stride()), size
+    interface = getattr(x, "__cuda_array_interface__", None)
+    if interface is None:
+        return None
+    size = np.dtype(interface["typestr"]).itemsize
+    shape = tuple(interface["shape"])
+    strides = interface.get("strides")
+    if strides is None:  # C-contiguous
+        strides, step = [], size
+        for n in reversed(shape):
+            strides.insert(0, step)
+            step *= n
+    return interface["data"][0], shape, tuple(strides), size
+
+
+class _AddressOnly:
+    """A numpy view description of memory at an address (host or device) that is never read: ``np.shares_memory``
+    decides overlap from bounds and strides alone."""
+
+    def __init__(self, address: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> None:
+        self.__array_interface__ = {"version": 3, "data": (address, True), "shape": shape, "strides": strides,
+                                    "typestr": f"|V{itemsize}"}
+
+
+def shares_elements(a: Any, b: Any) -> bool:
+    """Whether arrays ``a`` and ``b`` (of one kind, on one device) have some element's memory in common: exact,
+    from their addresses and strides (two interleaved halves of one packed buffer share none); where the layout is
+    unknown, whether their first elements coincide."""
+    la, lb = _memory_layout(a), _memory_layout(b)
+    if la is None or lb is None:
+        ia, ib = getattr(a, "__cuda_array_interface__", None), getattr(b, "__cuda_array_interface__", None)
+        return a is b or (None not in (ia, ib) and ia["data"][0] == ib["data"][0])
+    va, vb = (np.asarray(_AddressOnly(*layout)) for layout in (la, lb))
+    try:
+        return bool(np.shares_memory(va, vb, max_work=10**6))
+    except np.exceptions.TooHardError:  # bounds overlap and the exact answer is too costly: assume the worst
+        return bool(np.may_share_memory(va, vb))
+
+
+def overlaps_itself(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    """Whether two elements of an array may share memory. Axes in order of stride: each stride must step past
+    everything the smaller ones span; this holds for every slice, transpose or packed half, and fails for a stride
+    of 0 (``expand``, ``broadcast_to``) and other self-overlapping layouts (and for rare interleavings that would
+    not overlap, which are refused all the same)."""
+    span = itemsize
+    for stride, n in sorted((abs(s), n) for s, n in zip(strides, shape) if n > 1):
+        if stride < span:
+            return True
+        span += stride * (n - 1)
+    return False
+
+
+def check_append_target(name: str, x: Any) -> None:
+    """AttentionInputError unless the cache ``x`` (the caller's own array, before validation) can take an append
+    in place: no pending torch negation/conjugation bit, no two elements in one place."""
+    if array_kind(x) == "torch" and (x.is_neg() or x.is_conj()):
+        bit = "negation" if x.is_neg() else "conjugation"
+        raise AttentionInputError(
+            f"{name}: expected a tensor without torch's lazy {bit} bit when k/v are appended (the cache is written "
+            f"in place; resolving the bit makes a copy, which the caller would then have to keep as its cache), "
+            f"got a tensor with {name}.is_{bit[:3]}() True")
+    layout = _memory_layout(x)
+    if layout is None:  # the simulator's device arrays: numba's strides are in bytes
+        layout = (0, tuple(x.shape), getattr(x, "strides", None), getattr(getattr(x, "dtype", None), "itemsize", 0))
+    shape, strides, itemsize = layout[1:]
+    if strides is not None and itemsize and overlaps_itself(shape, strides, itemsize):
+        raise AttentionInputError(
+            f"{name}: expected a cache whose elements each have memory of their own when k/v are appended (an "
+            f"append to one would overwrite another's), got shape {shape} with strides {strides} (bytes), whose "
+            f"elements overlap (a stride of 0, from expand() or as_strided?)")
