@@ -344,7 +344,7 @@ def ring_attention(
     if backend is None:
         # A backend forced with backend_registry.use() lives in this thread's context; autograd may run the
         # backward on another thread, so name it now.
-        backend = backend_registry.get("flash")._forced_name(None)
+        backend = backend_registry.get("flash").forced_backend()
     scale = None if softmax_scale is None else float(softmax_scale)
     out, lse = RingAttentionFunc.apply(q, k, v, group, bool(causal), scale, float(softcap), backend)
     return (out, lse) if return_lse else out

@@ -292,7 +292,7 @@ def flash_attn_func(
         if backend is None:
             # A backend forced with backend_registry.use() lives in a context variable of this thread, and autograd
             # may run the backward on a thread of its own (one per GPU): name it now so both halves use it.
-            backend = backend_registry.get("flash")._forced_name(None)
+            backend = backend_registry.get("flash").forced_backend()
         if backend is None and attn_bias is not None and attn_bias.requires_grad and torch.is_grad_enabled():
             # The backward will need dbias, which not every backend that runs the forward computes: choose now,
             # for both halves, one that does (or say now, not after the forward, that none will).
@@ -474,7 +474,7 @@ def flash_attn_varlen_func(
         cu_seqlens_q, cu_seqlens_k = (c if isinstance(c, torch.Tensor) else torch.from_numpy(np.asarray(c))
                                       for c in (cu_seqlens_q, cu_seqlens_k))
         if backend is None:
-            backend = backend_registry.get("flash")._forced_name(None)   # see flash_attn_func
+            backend = backend_registry.get("flash").forced_backend()   # see flash_attn_func
     scale = None if softmax_scale is None else float(softmax_scale)
     mq, mk = (None if m is None else int(m) for m in (max_seqlen_q, max_seqlen_k))
     left, right = (int(w) for w in window_size)
@@ -579,7 +579,7 @@ def flash_attn_with_kvcache(
             # The op's schema takes a tensor; an int is every sequence's length.
             cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
     if backend is None:
-        backend = backend_registry.get("flash")._forced_name(None)
+        backend = backend_registry.get("flash").forced_backend()
     scale = None if softmax_scale is None else float(softmax_scale)
     out, lse = flash_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                              cache_leftpad, block_table, scale, causal, int(window_size[0]), int(window_size[1]),
