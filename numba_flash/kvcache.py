@@ -30,15 +30,11 @@ from typing import Any
 import numpy as np
 
 from .arrays import array_kind, device_of, dtype_name, to_numpy
-from .errors import AttentionInputError
+from .errors import bad_arg
 from .semantics import clamp_window_bound, compute_dtype_name, default_scale, effective_softcap, effective_window
-from .validation import MAX_HEAD_DIM, AttentionCall, _check_array, _check_options, check_alibi, check_same_as_q
+from .validation import MAX_HEAD_DIM, AttentionCall, check_alibi, check_array, check_options, check_same_as_q
 
 INDEX_DTYPES = ("int32", "int64")
-
-
-def _bad(arg: str, expected: str, got: Any) -> AttentionInputError:
-    return AttentionInputError(f"{arg}: expected {expected}, got {got}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -152,14 +148,14 @@ def _host_ints(name: str, x: Any, shape: tuple[int, ...], what: str) -> np.ndarr
     """``x`` (an integer array of any kind) as a read-only int64 host copy of ``shape``."""
     kind = array_kind(x)
     if kind is None:
-        raise _bad(name, f"an int32 array {what} (numpy, torch or a device array)", f"an object of type "
-                   f"{type(x).__name__}")
+        raise bad_arg(name, f"an int32 array {what} (numpy, torch or a device array)", f"an object of type "
+                      f"{type(x).__name__}")
     got = tuple(int(s) for s in x.shape)
     if got != shape:
-        raise _bad(name, f"shape {shape} {what}", f"shape {got}")
+        raise bad_arg(name, f"shape {shape} {what}", f"shape {got}")
     dt = dtype_name(x)
     if dt not in INDEX_DTYPES:
-        raise _bad(name, "dtype int32 (or int64)", f"dtype {dt}")
+        raise bad_arg(name, "dtype int32 (or int64)", f"dtype {dt}")
     values = np.array(to_numpy(x), dtype=np.int64, copy=True)
     values.flags.writeable = False
     return values
@@ -169,7 +165,7 @@ def _first_bad(name: str, values: np.ndarray, ok: np.ndarray, expected: str) -> 
     bad = np.flatnonzero(~ok)
     if bad.size:
         b = int(bad[0])
-        raise _bad(name, expected, f"{name}[{b}] = {int(values[b])}")
+        raise bad_arg(name, expected, f"{name}[{b}] = {int(values[b])}")
 
 
 MAX_NUM_SPLITS = 128  # flash-attn's limit; each part costs a partial output per row
@@ -192,7 +188,7 @@ def _share_elements(a: Any, b: Any, kind: str, device: str) -> bool:
 def _check_num_splits(num_splits: Any) -> int:
     if (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
             or not 0 <= num_splits <= MAX_NUM_SPLITS):
-        raise _bad("num_splits", f"an int from 0 to {MAX_NUM_SPLITS} (0 lets the backend choose)", repr(num_splits))
+        raise bad_arg("num_splits", f"an int from 0 to {MAX_NUM_SPLITS} (0 lets the backend choose)", repr(num_splits))
     return int(num_splits)
 
 
@@ -205,67 +201,67 @@ def validate_kvcache(
 ) -> KVCacheCall:
     """Check a ``with_kvcache`` call (shapes in the module docstring); raise ``AttentionInputError`` on the first
     violation, before anything is written."""
-    causal, softmax_scale, window_size, softcap, _, return_lse = _check_options(
+    causal, softmax_scale, window_size, softcap, _, return_lse = check_options(
         causal, softmax_scale, window_size, softcap, "bshd", return_lse)
     if not isinstance(rotary_interleaved, (bool, np.bool_)):
-        raise _bad("rotary_interleaved", "a bool", repr(rotary_interleaved))
+        raise bad_arg("rotary_interleaved", "a bool", repr(rotary_interleaved))
     num_splits = _check_num_splits(num_splits)
-    q_info = _check_array("q", q, "bshd")
+    q_info = check_array("q", q, "bshd")
     q, qkind, (batch, sq, hq, d), qdt, qdev = q_info
     paged = block_table is not None
     cache_dims = "(num_blocks, page_size, Hkv, D)" if paged else "(B_cache, capacity, Hkv, D)"
     caches = {}
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if array_kind(x) is not None and len(x.shape) != 4:
-            raise _bad(name, f"4 dimensions {cache_dims}", f"shape {tuple(int(s) for s in x.shape)}")
-        caches[name] = _check_array(name, x, "bshd")
+            raise bad_arg(name, f"4 dimensions {cache_dims}", f"shape {tuple(int(s) for s in x.shape)}")
+        caches[name] = check_array(name, x, "bshd")
         check_same_as_q(name, caches[name], q_info)
     k_cache, v_cache = caches["k_cache"][0], caches["v_cache"][0]
     kc_shape = caches["k_cache"][2]
     if caches["v_cache"][2] != kc_shape:
-        raise _bad("v_cache", f"the shape of k_cache {kc_shape}", f"shape {caches['v_cache'][2]}")
+        raise bad_arg("v_cache", f"the shape of k_cache {kc_shape}", f"shape {caches['v_cache'][2]}")
     hkv = kc_shape[2]
     if kc_shape[3] != d:
-        raise _bad("k_cache", f"head dim {d} like q", f"head dim {kc_shape[3]} (shape {kc_shape})")
+        raise bad_arg("k_cache", f"head dim {d} like q", f"head dim {kc_shape[3]} (shape {kc_shape})")
     if d > MAX_HEAD_DIM:
-        raise _bad("q", f"head dim D between 1 and {MAX_HEAD_DIM}", f"D={d} (shape {(batch, sq, hq, d)})")
+        raise bad_arg("q", f"head dim D between 1 and {MAX_HEAD_DIM}", f"D={d} (shape {(batch, sq, hq, d)})")
     if hq % hkv != 0:
-        raise _bad("k_cache", f"a number of heads that divides q's {hq} (grouped-query attention)",
-                   f"Hkv={hkv} (shape {kc_shape})")
+        raise bad_arg("k_cache", f"a number of heads that divides q's {hq} (grouped-query attention)",
+                      f"Hkv={hkv} (shape {kc_shape})")
 
     if (k is None) != (v is None):
-        raise _bad("k" if k is None else "v", "k and v both given (new keys and values to append) or both None",
-                   "None" if k is None else "an array")
+        raise bad_arg("k" if k is None else "v", "k and v both given (new keys and values to append) or both None",
+                      "None" if k is None else "an array")
     seqlen_new = 0
     if k is not None:
         news = {}
         for name, x in (("k", k), ("v", v)):
-            news[name] = _check_array(name, x, "bshd")
+            news[name] = check_array(name, x, "bshd")
             check_same_as_q(name, news[name], q_info)
         k, v = news["k"][0], news["v"][0]
         want = (batch, news["k"][2][1], hkv, d)
         for name in ("k", "v"):
             if news[name][2] != want:
-                raise _bad(name, f"shape (B, S_new, Hkv, D) = {want} (B of q, Hkv and D of the cache)",
-                           f"shape {news[name][2]}")
+                raise bad_arg(name, f"shape (B, S_new, Hkv, D) = {want} (B of q, Hkv and D of the cache)",
+                              f"shape {news[name][2]}")
         seqlen_new = want[1]
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
             if qkind in ("numpy", "dlpack") and qdev == "cpu" and not to_numpy(x).flags.writeable:
-                raise _bad(name, "a writable array (k/v are appended to it in place)", "a read-only array")
+                raise bad_arg(name, "a writable array (k/v are appended to it in place)", "a read-only array")
         if _share_elements(k_cache, v_cache, qkind, qdev):
-            raise _bad("v_cache", "an array apart from k_cache when k/v are appended (each new position would be "
-                       "written twice, the value over the key)", "an array sharing k_cache's memory")
+            raise bad_arg("v_cache", "an array apart from k_cache when k/v are appended (each new position would be "
+                          "written twice, the value over the key)", "an array sharing k_cache's memory")
 
     if paged:
         if cache_batch_idx is not None:
-            raise _bad("cache_batch_idx", "None with a paged cache (block_table picks each sequence's pages)",
-                       "an array")
+            raise bad_arg("cache_batch_idx", "None with a paged cache (block_table picks each sequence's pages)",
+                          "an array")
         if cache_leftpad is not None:
-            raise _bad("cache_leftpad", "None with a paged cache (as in flash-attn)", "an array")
+            raise bad_arg("cache_leftpad", "None with a paged cache (as in flash-attn)", "an array")
         kind = array_kind(block_table)
         if kind is None or len(block_table.shape) != 2 or int(block_table.shape[0]) != batch:
             got = f"shape {tuple(int(s) for s in block_table.shape)}" if kind else type(block_table).__name__
-            raise _bad("block_table", f"an int32 array (B, max_blocks) with B = {batch}", got)
+            raise bad_arg("block_table", f"an int32 array (B, max_blocks) with B = {batch}", got)
         table = _host_ints("block_table", block_table, (batch, int(block_table.shape[1])), "(B, max_blocks)")
         num_blocks, page_size = kc_shape[0], kc_shape[1]
         capacity = table.shape[1] * page_size
@@ -287,15 +283,15 @@ def validate_kvcache(
     if not paged:
         if cache_batch_idx is None:
             if kc_shape[0] < batch:
-                raise _bad("k_cache", f"at least B = {batch} cache rows (or cache_batch_idx)", f"shape {kc_shape}")
+                raise bad_arg("k_cache", f"at least B = {batch} cache rows (or cache_batch_idx)", f"shape {kc_shape}")
             rows = np.arange(batch, dtype=np.int64)
         else:
             rows = _host_ints("cache_batch_idx", cache_batch_idx, (batch,), "(B,)")
             _first_bad("cache_batch_idx", rows, (rows >= 0) & (rows < kc_shape[0]),
                        f"cache rows in [0, {kc_shape[0]})")
             if seqlen_new and len(np.unique(rows)) != batch:
-                raise _bad("cache_batch_idx", "distinct entries when k/v are appended (two sequences would write "
-                           "the same cache row)", np.asarray(rows).tolist())
+                raise bad_arg("cache_batch_idx", "distinct entries when k/v are appended (two sequences would write "
+                              "the same cache row)", np.asarray(rows).tolist())
     starts = np.zeros(batch, dtype=np.int64)
     if cache_leftpad is not None:
         starts = _host_ints("cache_leftpad", cache_leftpad, (batch,), "(B,)")
@@ -310,44 +306,45 @@ def validate_kvcache(
             out_of_range = np.flatnonzero((used < 0) | (used >= num_blocks))
             if out_of_range.size:
                 n = int(out_of_range[0])
-                raise _bad("block_table", f"block indices in [0, {num_blocks}) for the pages sequence {b} uses",
-                           f"block_table[{b}, {n}] = {int(used[n])}")
+                raise bad_arg("block_table", f"block indices in [0, {num_blocks}) for the pages sequence {b} uses",
+                              f"block_table[{b}, {n}] = {int(used[n])}")
         if seqlen_new:
             written = [table[b, seqlens[b] // page_size:pages_used[b]] for b in range(batch)]
             flat = np.concatenate(written)
             if len(np.unique(flat)) != len(flat):
-                raise _bad("block_table", "no page shared by two sequences where k/v are appended (it would be "
-                           "written twice)", "a block listed twice among the pages written")
+                raise bad_arg("block_table", "no page shared by two sequences where k/v are appended (it would be "
+                              "written twice)", "a block listed twice among the pages written")
 
     if rotary_cos is not None or rotary_sin is not None:
         if rotary_cos is None or rotary_sin is None:
-            raise _bad("rotary_sin" if rotary_sin is None else "rotary_cos", "rotary_cos and rotary_sin both given",
-                       "None")
+            raise bad_arg("rotary_sin" if rotary_sin is None else "rotary_cos", "rotary_cos and rotary_sin both given",
+                          "None")
         if k is None:
-            raise _bad("rotary_cos", "None when no new k/v are appended (rotary is applied to the new keys and q, "
-                       "as in flash-attn)", "a table")
+            raise bad_arg("rotary_cos", "None when no new k/v are appended (rotary is applied to the new keys and q, "
+                          "as in flash-attn)", "a table")
         tables = {}
         for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
             kind = array_kind(x)
             if kind is None or len(x.shape) != 2:
                 got = f"shape {tuple(int(s) for s in x.shape)}" if kind else type(x).__name__
-                raise _bad(name, "an array (seqlen_ro, rotary_dim / 2)", got)
+                raise bad_arg(name, "an array (seqlen_ro, rotary_dim / 2)", got)
             dt = dtype_name(x)
             if kind != qkind or device_of(x) != qdev or dt not in ("float16", "bfloat16", "float32", "float64"):
-                raise _bad(name, f"a floating {qkind} array on q's device ({qdev})",
-                           f"a {kind} array of dtype {dt} on {device_of(x)}")
+                raise bad_arg(name, f"a floating {qkind} array on q's device ({qdev})",
+                              f"a {kind} array of dtype {dt} on {device_of(x)}")
             tables[name] = tuple(int(s) for s in x.shape)
         if tables["rotary_sin"] != tables["rotary_cos"]:
-            raise _bad("rotary_sin", f"the shape of rotary_cos {tables['rotary_cos']}", f"shape {tables['rotary_sin']}")
+            raise bad_arg("rotary_sin", f"the shape of rotary_cos {tables['rotary_cos']}",
+                          f"shape {tables['rotary_sin']}")
         seqlen_ro, half = tables["rotary_cos"]
         if half < 1 or 2 * half > d:
-            raise _bad("rotary_cos", f"(seqlen_ro, rotary_dim / 2) with 2 <= rotary_dim <= D = {d}",
-                       f"shape {tables['rotary_cos']}")
+            raise bad_arg("rotary_cos", f"(seqlen_ro, rotary_dim / 2) with 2 <= rotary_dim <= D = {d}",
+                          f"shape {tables['rotary_cos']}")
         q_span = sq if (causal or tuple(window_size) != (-1, -1)) else 1
         needed = int(seqlens.max()) + max(seqlen_new, q_span)
         if seqlen_ro < needed:
-            raise _bad("rotary_cos", f"at least {needed} rows (the new keys' and q's positions reach "
-                       f"cache_seqlens + {max(seqlen_new, q_span) - 1})", f"{seqlen_ro} rows")
+            raise bad_arg("rotary_cos", f"at least {needed} rows (the new keys' and q's positions reach "
+                          f"cache_seqlens + {max(seqlen_new, q_span) - 1})", f"{seqlen_ro} rows")
 
     left, right = effective_window(causal, window_size)
     return KVCacheCall(

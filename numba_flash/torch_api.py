@@ -20,10 +20,10 @@ import torch
 
 from numba_flash.arguments import checked_arguments
 from numba_flash import backend_registry
-from numba_flash.errors import AttentionInputError
+from numba_flash.errors import AttentionInputError, bad_arg, short_repr
 from numba_flash.kvcache import validate_kvcache
-from numba_flash.validation import (_bad, _finite_real, _short_repr, check_deterministic, check_dropout,
-                                    check_precision, validate_forward)
+from numba_flash.validation import (check_deterministic, check_dropout, check_precision, is_finite_real,
+                                    validate_forward)
 
 __all__ = ["flash_attn_func", "FlashAttnFunc", "flash_attn_varlen_func", "FlashAttnVarlenFunc",
            "flash_attn_with_kvcache"]
@@ -163,19 +163,19 @@ def _check_flash_attn_extras(dropout_p: Any, dropout_seed: Any, alibi_slopes: An
 
     Returns ``(dropout_p, seed)`` for the ops: with dropout and no ``dropout_seed``, a seed drawn from torch's
     default generator (so ``torch.manual_seed`` makes it reproducible), as a signed int64 (``_seed_for_op``)."""
-    if dropout_seed is None and _finite_real(dropout_p) and float(dropout_p) > 0.0:
+    if dropout_seed is None and is_finite_real(dropout_p) and float(dropout_p) > 0.0:
         dropout_seed = int(torch.randint(-(1 << 63), (1 << 63) - 1, ())) % _SEEDS
     dropout_p, dropout_seed = check_dropout(dropout_p, dropout_seed)
     if alibi_slopes is not None and not alibi_ok:
-        got = f"shape {tuple(alibi_slopes.shape)}" if hasattr(alibi_slopes, "shape") else _short_repr(alibi_slopes)
-        raise _bad("alibi_slopes", "None (ALiBi is not implemented here yet)", got)
+        got = f"shape {tuple(alibi_slopes.shape)}" if hasattr(alibi_slopes, "shape") else short_repr(alibi_slopes)
+        raise bad_arg("alibi_slopes", "None (ALiBi is not implemented here yet)", got)
     check_deterministic(deterministic)
     if not isinstance(return_attn_probs, (bool, np.bool_)):
-        raise _bad("return_attn_probs", "a bool", _short_repr(return_attn_probs))
+        raise bad_arg("return_attn_probs", "a bool", short_repr(return_attn_probs))
     if return_attn_probs:
-        raise _bad("return_attn_probs",
-                   "False (returning the attention probabilities is not implemented yet; return_lse=True gives the "
-                   "log-sum-exp)", "True")
+        raise bad_arg("return_attn_probs",
+                      "False (returning the attention probabilities is not implemented yet; return_lse=True gives the "
+                      "log-sum-exp)", "True")
     return dropout_p, _seed_for_op(dropout_seed)
 
 
