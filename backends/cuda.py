@@ -29,13 +29,14 @@ from typing import Any
 
 import numpy as np
 
+from numba_flash.arrays import is_torch_tensor
 from numba_flash.cuda.host.config import MIN_COMPUTE_CAPABILITY, dtype_supported_on
 from numba_flash.errors import AttentionInputError
 from numba_flash.validation import AttentionCall
 
 from . import kvcache, varlen
 from .base import Backend
-from .cuda_io import _bshd, _dbias_like, _device_index, _is_numba_device_array, _is_torch, _lead_axis, _Session
+from .cuda_io import Session, bshd_view, dbias_like, device_index, is_numba_device_array, lead_axis
 
 HOST_REASON = "host (numpy) input: GPU backends take it only when forced, backend='cuda'"
 BF16_HOST_REASON = "bfloat16 numpy arrays not supported (numpy has no bfloat16: pass torch CUDA tensors)"
@@ -57,7 +58,7 @@ def _gpu_compute_capability(x: Any) -> tuple[int, int]:
     try:
         import torch
 
-        index = x.device if _is_torch(x) else int(x.__dlpack_device__()[1])
+        index = x.device if is_torch_tensor(x) else int(x.__dlpack_device__()[1])
         major, minor = torch.cuda.get_device_capability(index)
         return (int(major), int(minor))
     except Exception:  # no torch, or a DLPack exporter torch cannot place: numba knows the current device
@@ -127,7 +128,7 @@ class CudaBackend(Backend):
         if call.kind == "numpy":
             if not forced:
                 reasons.append(HOST_REASON)
-        elif _is_numba_device_array(call.q):
+        elif is_numba_device_array(call.q):
             pass  # a real or simulated numba device array
         elif call.kind not in self.SUPPORTED_KINDS:
             reasons.append(f"{call.kind} arrays not supported")
@@ -192,7 +193,7 @@ class CudaBackend(Backend):
         except AttentionInputError:       # a bad tile override: the call itself will say so
             return [], []
         used = kernels[1:] if call.is_backward else kernels[:1]
-        index = _device_index(call.q)
+        index = device_index(call.q)
         device = selfcheck.current_device() if index is None else index
         notes, reasons = [], []
         for kern, cfg in cfgs.items():
@@ -248,11 +249,11 @@ class CudaBackend(Backend):
 
     def forward(self, call: AttentionCall) -> tuple[Any, Any]:
         """out like q (same kind, dtype, layout); lse (B, Hq, Sq) float32."""
-        io = _Session(call)
+        io = Session(call)
         with io.on_device():
             return self._forward(call, io)
 
-    def _forward_runner(self, io: _Session) -> Any:
+    def _forward_runner(self, io: Session) -> Any:
         """``run(call, q, k, v, out, lse)``: the forward kernel on (B, S, H, D) device views, on io's stream."""
         from numba_flash.cuda.host.flash import flash_forward
         from numba_flash.cuda.host.launch import alibi_arg, dropout_arg
@@ -268,7 +269,7 @@ class CudaBackend(Backend):
 
         return run
 
-    def _forward(self, call: AttentionCall, io: _Session) -> tuple[Any, Any]:
+    def _forward(self, call: AttentionCall, io: Session) -> tuple[Any, Any]:
         q, k, v = (io.device(x, n) for x, n in ((call.q, "q"), (call.k, "k"), (call.v, "v")))
         out_shape = tuple(int(s) for s in call.q.shape[:-1]) + (call.head_dim_v,)
         out_user, out = io.empty(out_shape, call.dtype)
@@ -276,10 +277,10 @@ class CudaBackend(Backend):
         run = self._forward_runner(io)
 
         if call.is_varlen:   # one launch over every sequence's tiles
-            varlen.forward_once(call, run, q, k, v, out, lse, lead_axis=_lead_axis, fill=io.fill)
+            varlen.forward_once(call, run, q, k, v, out, lse, lead_axis=lead_axis, fill=io.fill)
         else:
             lay = call.layout
-            run(call, _bshd(q, lay), _bshd(k, lay), _bshd(v, lay), _bshd(out, lay), lse)
+            run(call, bshd_view(q, lay), bshd_view(k, lay), bshd_view(v, lay), bshd_view(out, lay), lse)
         result = io.result(out_user, out), io.result(lse_user, lse)
         io.finish()
         return result
@@ -295,7 +296,7 @@ class CudaBackend(Backend):
 
         kv = call.kvcache
         left, right = kv.window_for(max(1, int(kv.seqlens_k.max())))   # capped: the same mask for every sequence
-        io = _Session(call)
+        io = Session(call)
         with io.on_device():
             def device_caches() -> dict[str, Any]:
                 return {name: io.device(x, name) for name, x in (("k_cache", kv.k_cache), ("v_cache", kv.v_cache))}
@@ -337,7 +338,7 @@ class CudaBackend(Backend):
                 plain = [None if x is None else x.detach() for x in (kv.q, kv.k_cache, kv.v_cache, kv.k_new, kv.v_new)]
                 return kvcache.rotate_and_append_torch(kv, *plain)
         q_rot = kvcache.rotate_and_append_host(kv, np.float32)
-        if _is_torch(kv.q):
+        if is_torch_tensor(kv.q):
             import torch
 
             return torch.from_numpy(q_rot).to(kv.q.dtype)
@@ -355,14 +356,14 @@ class CudaBackend(Backend):
         """dq, dk, dv shaped like q, k, v (same kind and dtype as q); dk, dv summed over each GQA group; with
         ``call.return_dbias`` also dbias, shaped like attn_bias, of its kind and dtype (summed over the batch when
         the bias is shared by it)."""
-        io = _Session(call)
+        io = Session(call)
         with io.on_device():
             return self._backward(call, io)
 
-    def _backward(self, call: AttentionCall, io: _Session) -> tuple[Any, Any, Any]:
+    def _backward(self, call: AttentionCall, io: Session) -> tuple[Any, Any, Any]:
+        from numba_flash.cuda.device.user_mods import cuda_mods
         from numba_flash.cuda.host.flash import flash_backward
         from numba_flash.cuda.host.launch import alibi_arg, dropout_arg
-        from numba_flash.cuda.device.user_mods import cuda_mods
 
         names = ("dout", "q", "k", "v", "out")
         dout, q, k, v, out = (io.device(getattr(call, n), n) for n in names)
@@ -375,7 +376,7 @@ class CudaBackend(Backend):
         def run(c: AttentionCall, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: Any, dk: Any,
                 dv: Any) -> None:
             _, delta = io.empty(c.lse_shape, "float32")   # scratch, like lse: (B, Hq, Sq), or (1, Hq, total_q) packed
-            delta = _lead_axis(delta) if c.is_varlen else delta
+            delta = lead_axis(delta) if c.is_varlen else delta
             flash_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, softmax_scale=c.softmax_scale,
                            window_left=c.window_left, window_right=c.window_right, softcap=c.softcap,
                            dtype=c.dtype, alibi=alibi_arg(c.alibi, io.stream), bias=io.bias(c),
@@ -384,13 +385,14 @@ class CudaBackend(Backend):
                            packed=_packed(c), dbias=dbias, stream=io.stream)
 
         if call.is_varlen:   # one launch of each backward kernel over every sequence's tiles
-            varlen.backward_once(call, run, dout, q, k, v, out, lse, dq, dk, dv, lead_axis=_lead_axis, fill=io.fill)
+            varlen.backward_once(call, run, dout, q, k, v, out, lse, dq, dk, dv, lead_axis=lead_axis, fill=io.fill)
         else:
             lay = call.layout
-            run(call, *(_bshd(x, lay) for x in (dout, q, k, v, out)), lse, *(_bshd(x, lay) for x in (dq, dk, dv)))
+            run(call, *(bshd_view(x, lay) for x in (dout, q, k, v, out)), lse,
+                *(bshd_view(x, lay) for x in (dq, dk, dv)))
         result = tuple(io.result(u, d) for u, d in grads)
         if dbias is not None:
-            result += (_dbias_like(call.bias.array, dbias, io.stream),)
+            result += (dbias_like(call.bias.array, dbias, io.stream),)
         io.finish()
         return result
 

@@ -1,7 +1,7 @@
 """The arrays of one CUDA backend call: which GPU holds them, device views of them for the kernels, and results in
 the caller's kind (``backends/cuda.py`` says which kinds come in and go out).
 
-``_Session`` is one call: it picks the GPU its inputs share (refusing inputs on different GPUs), copies host inputs
+``Session`` is one call: it picks the GPU its inputs share (refusing inputs on different GPUs), copies host inputs
 in where the backend is forced to take them, allocates outputs there and hands them back as the caller's kind.
 """
 
@@ -17,7 +17,7 @@ from numba_flash.errors import AttentionInputError
 from numba_flash.validation import AttentionCall
 
 
-def _is_numba_device_array(x: Any) -> bool:
+def is_numba_device_array(x: Any) -> bool:
     # Real and simulated numba device arrays both carry this class attribute; the simulated ones export no
     # __cuda_array_interface__, so the generic array-kind test sees them as host DLPack arrays.
     return getattr(type(x), "__cuda_ndarray__", False) is True
@@ -31,7 +31,7 @@ def _is_cupy(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "cupy"
 
 
-def _torch_bits(t: Any) -> Any:
+def torch_bits(t: Any) -> Any:
     """``t`` as the kernels take it: a bfloat16 tensor viewed (zero-copy, any strides) as int16 bit patterns,
     since torch exports no bfloat16 through ``__cuda_array_interface__``; other dtypes unchanged."""
     import torch
@@ -52,7 +52,7 @@ def _pointer_device(ptr: int) -> int:
     return int(driver.cuPointerGetAttribute(attr, binding.CUdeviceptr(ptr)))
 
 
-def _device_index(x: Any) -> int | None:
+def device_index(x: Any) -> int | None:
     """Index of the GPU holding ``x``; None for host memory (numpy, CPU tensors, simulated device arrays) or an
     array with no data pointer, which then run on numba's current device."""
     if isinstance(x, np.ndarray):
@@ -85,7 +85,7 @@ def _device_index(x: Any) -> int | None:
     return None
 
 
-def _bshd(arr: Any, layout: str) -> Any:
+def bshd_view(arr: Any, layout: str) -> Any:
     """A (B, S, H, D) view of a numba device array in ``layout``, sharing its memory."""
     if layout == "bshd":
         return arr
@@ -98,7 +98,7 @@ def _bshd(arr: Any, layout: str) -> Any:
     return DeviceNDArray(shape, strides, arr.dtype, stream=arr.stream, gpu_data=arr.gpu_data)
 
 
-def _dbias_like(bias: Any, dbias: Any, stream: Any) -> Any:
+def dbias_like(bias: Any, dbias: Any, stream: Any) -> Any:
     """The float32 device gradient ``dbias`` (the bias's 4-dimensional shape) as the caller's bias is: same kind,
     device, dtype and shape."""
     shape = tuple(int(n) for n in bias.shape)
@@ -117,7 +117,7 @@ def _dbias_like(bias: Any, dbias: Any, stream: Any) -> Any:
     return cuda.to_device(host.astype(np.dtype(str(bias.dtype)), copy=False), stream=stream)
 
 
-def _lead_axis(arr: Any) -> Any:
+def lead_axis(arr: Any) -> Any:
     """A (1,) + shape view of a numba device array, sharing its memory (numba's indexing takes no None). The
     packed-sequence driver views each sequence as a batch of one this way."""
     if hasattr(arr, "_ary"):  # simulator array: a numpy wrapper that indexes like numpy
@@ -129,7 +129,7 @@ def _lead_axis(arr: Any) -> Any:
                          gpu_data=arr.gpu_data)
 
 
-class _Session:
+class Session:
     """Moves one call's arrays to numba device arrays and brings results back as the caller's array kind."""
 
     def __init__(self, call: AttentionCall):
@@ -140,7 +140,7 @@ class _Session:
         self.ref = call.q
         self.stream = 0
         self.index = self._common_device(call)
-        self.torch = _is_torch(self.ref) or (call.kind == "dlpack" and not _is_numba_device_array(self.ref))
+        self.torch = _is_torch(self.ref) or (call.kind == "dlpack" and not is_numba_device_array(self.ref))
         # Host arrays are copied to the device and back: numpy always, torch CPU tensors under the simulator.
         self.host = call.kind == "numpy" or (call.kind == "torch" and call.device == "cpu")
         if self.torch:
@@ -161,7 +161,7 @@ class _Session:
         names = ("q", "k", "v") + (("dout", "out", "lse") if call.is_backward else ())
         first = None
         for name in names:
-            index = _device_index(getattr(call, name))
+            index = device_index(getattr(call, name))
             if index is None:
                 continue
             if first is None:
@@ -190,9 +190,9 @@ class _Session:
         cuda = self.cuda
         if self.host:
             # to_device needs contiguous data; the copy is of the host array, never a write to it.
-            host = _torch_bits(x.detach()).numpy() if _is_torch(x) else x
+            host = torch_bits(x.detach()).numpy() if _is_torch(x) else x
             return cuda.to_device(np.ascontiguousarray(host), stream=self.stream)
-        if _is_numba_device_array(x):
+        if is_numba_device_array(x):
             return x
         if self.torch:
             import torch
@@ -201,7 +201,7 @@ class _Session:
             if self.torch_device is None:
                 self.torch_device = t.device
                 self.stream = cuda.external_stream(torch.cuda.current_stream(t.device).cuda_stream)
-            return cuda.as_cuda_array(_torch_bits(t.detach()), sync=False)
+            return cuda.as_cuda_array(torch_bits(t.detach()), sync=False)
         return cuda.as_cuda_array(x)
 
     def bias(self, call: AttentionCall) -> Any:
@@ -246,7 +246,7 @@ class _Session:
             import torch
 
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.torch_device)
-            return self._as_caller_kind(t), self.cuda.as_cuda_array(_torch_bits(t), sync=False)
+            return self._as_caller_kind(t), self.cuda.as_cuda_array(torch_bits(t), sync=False)
         arr = self.cuda.device_array(shape, dtype=np.dtype(storage_dtype(dtype)), stream=self.stream)
         if self.host:
             return dtype, arr

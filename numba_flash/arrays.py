@@ -48,6 +48,24 @@ def as_result_kind(ref: Any, t: Any) -> Any:
     return t if type(t) is cls else t.as_subclass(cls)
 
 
+def as_plain_tensor(x: Any) -> Any:
+    """``x`` (a numpy array or a torch tensor) as a plain ``torch.Tensor``, without copying where possible: numpy
+    arrays become CPU tensors sharing their memory, tensors are detached and lose any subclass."""
+    import torch
+    import warnings
+
+    if isinstance(x, np.ndarray):
+        if any(s < 0 for s in x.strides):  # torch.from_numpy refuses negative strides
+            x = np.ascontiguousarray(x)
+        with warnings.catch_warnings():
+            # A read-only array gives a warning about writes; nothing here writes to the inputs.
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(x)
+    x = x.detach()
+    # Compute on plain tensors: a subclass's __torch_function__ would run on every op of the blockwise loops.
+    return x if type(x) is torch.Tensor else x.as_subclass(torch.Tensor)
+
+
 def resolve_torch_bits(x: Any) -> Any:
     """A torch tensor with no lazy negation or conjugation pending (``x.conj().imag`` carries the negative bit,
     which ``numpy()``, ``__cuda_array_interface__`` and DLPack refuse); ``x`` itself when none is pending, else a

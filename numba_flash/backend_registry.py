@@ -184,7 +184,13 @@ class Dispatcher:
         self.op = op
         self.backend = backend
 
-    def _forced_name(self, backend: str | None) -> str | None:
+    def forced_backend(self, backend: str | None = None) -> str | None:
+        """The name of the backend a call through this dispatcher is forced to, or None when the registry may
+        choose: ``backend`` (the call's own ``backend=``), else this dispatcher's, else one set with ``use()`` in
+        this thread's context, else the environment variable ``NUMBA_FLASH_BACKEND``.
+
+        Callers that hand work to another thread (autograd may run the backward on a thread of its own) read it
+        once and pass it on, since ``use()``'s choice lives in a context variable of the calling thread."""
         for choice in (backend, self.backend, _forced.get(), os.environ.get(ENV_VAR) or None):
             if choice:
                 return choice
@@ -198,7 +204,7 @@ class Dispatcher:
             # A backend that declined this call while running is out of it, whatever it says now.
             return declined.get(be.name) or be.not_supported_reasons(call, forced=forced)
 
-        forced = self._forced_name(backend)
+        forced = self.forced_backend(backend)
         if forced is not None:
             be = _instance(self.op, forced)
             if be is None:

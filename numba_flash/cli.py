@@ -176,3 +176,19 @@ def _unknown_flags(parser: argparse.ArgumentParser, extras: list[str]) -> None:
         if near:
             hints.append(f"{word}: did you mean {' or '.join(near)}?")
     parser.error(f"unrecognized arguments: {' '.join(extras)}" + ("; " + "; ".join(hints) if hints else ""))
+
+
+def bench_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m numba_flash.bench [bench] ARGS``; another subcommand (``warmup``, ``explain``) goes to ``main``.
+    Returns the exit status (see ``numba_flash.bench.cli``'s docstring). It lives here, not in the bench package,
+    so that the bench never imports the command that imports it."""
+    from .bench.cli import EXIT_INTERRUPTED, parse_args, run_command
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] and argv[0] in SUBCOMMANDS and argv[0] != "bench":
+        return main(argv)
+    try:
+        return run_command(*parse_args(argv))
+    except KeyboardInterrupt:
+        print("numba-flash bench: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 
 from numba_flash.arguments import checked_arguments
-from numba_flash.errors import AttentionInputError
+from numba_flash.errors import AttentionInputError, bad_arg, short_repr
 from numba_flash import backend_registry
 from numba_flash.merge import merge_attention_states
-from numba_flash.validation import _bad, _short_repr, validate_forward
+from numba_flash.validation import validate_forward
 
 __all__ = ["ring_attention", "RingAttentionFunc", "shard_sequence", "unshard_sequence", "gather_sequence"]
 
@@ -51,7 +51,7 @@ def _chunks(length: int, world_size: int, causal: bool, arg: str, dim: int) -> i
     parts = 2 * world_size if causal else world_size
     if length % parts:
         layout = f"2 * world_size = {parts} zigzag chunks (causal)" if causal else f"world_size = {parts} slices"
-        raise _bad(arg, f"a length along dim {dim} divisible into {layout}", f"length {length}")
+        raise bad_arg(arg, f"a length along dim {dim} divisible into {layout}", f"length {length}")
     return length // parts
 
 
@@ -68,13 +68,13 @@ def shard_sequence(x: torch.Tensor, rank: int, world_size: int, causal: bool = F
         A new tensor, x's dtype and device, shaped like x with S / W along ``dim``.
     """
     if not isinstance(x, torch.Tensor):
-        raise _bad("x", "a torch.Tensor", type(x).__name__)
+        raise bad_arg("x", "a torch.Tensor", type(x).__name__)
     if not (isinstance(world_size, int) and world_size >= 1):
-        raise _bad("world_size", "an int >= 1", _short_repr(world_size))
+        raise bad_arg("world_size", "an int >= 1", short_repr(world_size))
     if not (isinstance(rank, int) and 0 <= rank < world_size):
-        raise _bad("rank", f"an int in [0, {world_size})", _short_repr(rank))
+        raise bad_arg("rank", f"an int in [0, {world_size})", short_repr(rank))
     if not (isinstance(dim, int) and -x.dim() <= dim < x.dim()):
-        raise _bad("dim", f"a dimension of x (shape {tuple(x.shape)})", _short_repr(dim))
+        raise bad_arg("dim", f"a dimension of x (shape {tuple(x.shape)})", short_repr(dim))
     c = _chunks(x.shape[dim], world_size, causal, "x", dim)
     if not causal:
         return x.narrow(dim, rank * c, c).clone()
@@ -86,11 +86,11 @@ def unshard_sequence(parts: Sequence[torch.Tensor], causal: bool = False, dim: i
     ``shard_sequence``. Parts: one shape, dtype and device; the result has W times their length along ``dim``."""
     parts = list(parts) if isinstance(parts, (list, tuple)) else parts
     if not isinstance(parts, list) or not parts or not all(isinstance(p, torch.Tensor) for p in parts):
-        raise _bad("parts", "a non-empty list of torch tensors, one per rank", _short_repr(parts))
+        raise bad_arg("parts", "a non-empty list of torch tensors, one per rank", short_repr(parts))
     shape = tuple(parts[0].shape)
     for r, p in enumerate(parts):
         if tuple(p.shape) != shape:
-            raise _bad(f"parts[{r}]", f"the shape of parts[0] {shape}", f"shape {tuple(p.shape)}")
+            raise bad_arg(f"parts[{r}]", f"the shape of parts[0] {shape}", f"shape {tuple(p.shape)}")
     if not causal:
         return torch.cat(parts, dim=dim)
     c = _chunks(shape[dim], 1, True, "parts[0]", dim)
@@ -114,15 +114,15 @@ def gather_sequence(x: torch.Tensor, *, group: Any = None, causal: bool = False,
 
 def _check_group(group: Any) -> None:
     if not dist.is_available():
-        raise _bad("group", "torch.distributed to be available", "a torch built without it")
+        raise bad_arg("group", "torch.distributed to be available", "a torch built without it")
     if not dist.is_initialized():
-        raise _bad("group", "an initialised process group (call torch.distributed.init_process_group first)",
-                   "no process group initialised")
+        raise bad_arg("group", "an initialised process group (call torch.distributed.init_process_group first)",
+                      "no process group initialised")
     if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise _bad("group", "a torch.distributed ProcessGroup or None (the default group)", _short_repr(group))
+        raise bad_arg("group", "a torch.distributed ProcessGroup or None (the default group)", short_repr(group))
     if dist.get_rank(group) < 0:
         # a rank outside the group gets -1 from get_rank and would address peers that are not its neighbours
-        raise _bad("group", f"a group this rank ({dist.get_rank()}) belongs to", "a group without it")
+        raise bad_arg("group", f"a group this rank ({dist.get_rank()}) belongs to", "a group without it")
 
 
 class _Ring:
@@ -297,9 +297,9 @@ def _check_ranks_agree(q: torch.Tensor, k: torch.Tensor, group: Any, causal: boo
         if theirs != meta:
             what = (f"q {tuple(theirs[:4])}, k and v {tuple(theirs[4:8])}, {dtypes[theirs[8]]}, "
                     f"causal={bool(theirs[9])}")
-            raise _bad("q, k, v", f"the same shapes, dtype and causal flag on every rank (this rank, "
-                       f"{dist.get_rank(group)}: q {tuple(q.shape)}, k and v {tuple(k.shape)}, {q.dtype}, "
-                       f"causal={causal})", f"on rank {r}: {what}")
+            raise bad_arg("q, k, v", f"the same shapes, dtype and causal flag on every rank (this rank, "
+                          f"{dist.get_rank(group)}: q {tuple(q.shape)}, k and v {tuple(k.shape)}, {q.dtype}, "
+                          f"causal={causal})", f"on rank {r}: {what}")
 
 
 def _check_local(q: Any, k: Any, v: Any, causal: bool, softmax_scale: Any, window_size: Any, softcap: Any,
@@ -307,22 +307,22 @@ def _check_local(q: Any, k: Any, v: Any, causal: bool, softmax_scale: Any, windo
     """ring_attention's checks of this rank's own input, which need no communication."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
-            raise _bad(name, "a torch.Tensor (ring_attention works on torch.distributed)", type(x).__name__)
+            raise bad_arg(name, "a torch.Tensor (ring_attention works on torch.distributed)", type(x).__name__)
     if tuple(window_size) != (-1, -1):
-        raise _bad("window_size", "(-1, -1) (a sliding window is not supported by ring_attention)",
-                   _short_repr(window_size))
+        raise bad_arg("window_size", "(-1, -1) (a sliding window is not supported by ring_attention)",
+                      short_repr(window_size))
     validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap, layout="bshd",
                      return_lse=return_lse)
     if v.shape[-1] != q.shape[-1]:
-        raise _bad("v", f"q's head dim {q.shape[-1]} (ring_attention does not take a different Dv yet)",
-                   f"head dim {v.shape[-1]}")
+        raise bad_arg("v", f"q's head dim {q.shape[-1]} (ring_attention does not take a different Dv yet)",
+                      f"head dim {v.shape[-1]}")
     if causal:
         if k.shape[1] != q.shape[1]:
-            raise _bad("k", f"the local sequence length of q ({q.shape[1]}) for causal ring attention "
-                       "(self-attention in the zigzag layout)", f"length {k.shape[1]}")
+            raise bad_arg("k", f"the local sequence length of q ({q.shape[1]}) for causal ring attention "
+                          "(self-attention in the zigzag layout)", f"length {k.shape[1]}")
         if q.shape[1] % 2:
-            raise _bad("q", "an even local sequence length for causal ring attention (two zigzag chunks, see "
-                       "shard_sequence)", f"length {q.shape[1]}")
+            raise bad_arg("q", "an even local sequence length for causal ring attention (two zigzag chunks, see "
+                          "shard_sequence)", f"length {q.shape[1]}")
 
 
 @checked_arguments
@@ -382,7 +382,7 @@ def ring_attention(
     if backend is None:
         # A backend forced with backend_registry.use() lives in this thread's context; autograd may run the
         # backward on another thread, so name it now.
-        backend = backend_registry.get("flash")._forced_name(None)
+        backend = backend_registry.get("flash").forced_backend()
     scale = None if softmax_scale is None else float(softmax_scale)
     out, lse = RingAttentionFunc.apply(q, k, v, group, bool(causal), scale, float(softcap), backend)
     return (out, lse) if return_lse else out

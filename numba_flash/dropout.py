@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from .validation import _bad, check_dropout
+from .errors import bad_arg
+from .validation import check_dropout
 
 # Random123's constants (philox.h): the multipliers and the Weyl key increments (golden ratio and sqrt(3) - 1).
 PHILOX_M0 = np.uint64(0xD2511F53)
@@ -133,7 +134,7 @@ def dropout_mask(seed: int, batch: int, nheads: int, seqlen_q: int, seqlen_k: in
     dropout_p, seed = check_dropout(dropout_p, seed)
     for name, n in (("batch", batch), ("nheads", nheads), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
         if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise _bad(name, "an int >= 0", repr(n))
+            raise bad_arg(name, "an int >= 0", repr(n))
     return dropout_words(seed, batch, nheads, seqlen_q, seqlen_k) < np.uint64(dropout_threshold(dropout_p))
 
 

@@ -6,6 +6,8 @@ numba.cuda.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class AttentionInputError(ValueError):
     """An argument breaks the attention contract.
@@ -14,6 +16,17 @@ class AttentionInputError(ValueError):
     ``k: expected 4 dimensions (B, Sk, Hkv, D) for layout 'bshd', got shape (2, 3, 4)``.
     Raised before any work is done; the inputs are never modified.
     """
+
+
+def bad_arg(arg: str, expected: str, got: Any) -> AttentionInputError:
+    """The contract's error for a bad argument: ``"<arg>: expected <expected>, got <got>"`` (raise it)."""
+    return AttentionInputError(f"{arg}: expected {expected}, got {got}")
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to about ``limit`` characters, for quoting a caller's value in an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-limit // 4:]} ({len(text)} characters)"
 
 
 class NoBackendError(RuntimeError):

@@ -31,15 +31,11 @@ import numpy as np
 
 from .append_target import check_append_target, shares_elements
 from .arrays import array_kind, device_of, dtype_name, to_numpy
-from .errors import AttentionInputError
+from .errors import bad_arg
 from .semantics import clamp_window_bound, compute_dtype_name, default_scale, effective_softcap, effective_window
-from .validation import MAX_HEAD_DIM, AttentionCall, _check_array, _check_options, check_alibi, check_same_as_q
+from .validation import MAX_HEAD_DIM, AttentionCall, check_alibi, check_array, check_options, check_same_as_q
 
 INDEX_DTYPES = ("int32", "int64")
-
-
-def _bad(arg: str, expected: str, got: Any) -> AttentionInputError:
-    return AttentionInputError(f"{arg}: expected {expected}, got {got}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -153,14 +149,14 @@ def _host_ints(name: str, x: Any, shape: tuple[int, ...], what: str) -> np.ndarr
     """``x`` (an integer array of any kind) as a read-only int64 host copy of ``shape``."""
     kind = array_kind(x)
     if kind is None:
-        raise _bad(name, f"an int32 array {what} (numpy, torch or a device array)", f"an object of type "
-                   f"{type(x).__name__}")
+        raise bad_arg(name, f"an int32 array {what} (numpy, torch or a device array)", f"an object of type "
+                      f"{type(x).__name__}")
     got = tuple(int(s) for s in x.shape)
     if got != shape:
-        raise _bad(name, f"shape {shape} {what}", f"shape {got}")
+        raise bad_arg(name, f"shape {shape} {what}", f"shape {got}")
     dt = dtype_name(x)
     if dt not in INDEX_DTYPES:
-        raise _bad(name, "dtype int32 (or int64)", f"dtype {dt}")
+        raise bad_arg(name, "dtype int32 (or int64)", f"dtype {dt}")
     values = np.array(to_numpy(x), dtype=np.int64, copy=True)
     values.flags.writeable = False
     return values
@@ -170,7 +166,7 @@ def _first_bad(name: str, values: np.ndarray, ok: np.ndarray, expected: str) -> 
     bad = np.flatnonzero(~ok)
     if bad.size:
         b = int(bad[0])
-        raise _bad(name, expected, f"{name}[{b}] = {int(values[b])}")
+        raise bad_arg(name, expected, f"{name}[{b}] = {int(values[b])}")
 
 
 MAX_NUM_SPLITS = 128  # flash-attn's limit; each part costs a partial output per row
@@ -189,8 +185,186 @@ def _share_elements(a: Any, b: Any, kind: str, device: str) -> bool:
 def _check_num_splits(num_splits: Any) -> int:
     if (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
             or not 0 <= num_splits <= MAX_NUM_SPLITS):
-        raise _bad("num_splits", f"an int from 0 to {MAX_NUM_SPLITS} (0 lets the backend choose)", repr(num_splits))
+        raise bad_arg("num_splits", f"an int from 0 to {MAX_NUM_SPLITS} (0 lets the backend choose)", repr(num_splits))
     return int(num_splits)
+
+
+def _check_caches(k_cache: Any, v_cache: Any, q_info: tuple, paged: bool,
+                  appending: bool) -> tuple[Any, Any, tuple[int, ...]]:
+    """The caches against q: 4 dimensions, q's kind, dtype and device, one shape, q's head dim, a head count that
+    divides q's; with ``appending`` (k and v given), caches the append can land in (``check_append_target``).
+    Returns (k_cache, v_cache, the caches' shape)."""
+    _, _, (batch, sq, hq, d), _, _ = q_info
+    cache_dims = "(num_blocks, page_size, Hkv, D)" if paged else "(B_cache, capacity, Hkv, D)"
+    caches = {}
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if array_kind(x) is not None and len(x.shape) != 4:
+            raise bad_arg(name, f"4 dimensions {cache_dims}", f"shape {tuple(int(s) for s in x.shape)}")
+        caches[name] = check_array(name, x, "bshd")
+        check_same_as_q(name, caches[name], q_info)
+        if appending:  # the caller's own cache, before check_array resolves torch's lazy bits into a copy
+            check_append_target(name, x)
+    k_cache, v_cache = caches["k_cache"][0], caches["v_cache"][0]
+    kc_shape = caches["k_cache"][2]
+    if caches["v_cache"][2] != kc_shape:
+        raise bad_arg("v_cache", f"the shape of k_cache {kc_shape}", f"shape {caches['v_cache'][2]}")
+    hkv = kc_shape[2]
+    if kc_shape[3] != d:
+        raise bad_arg("k_cache", f"head dim {d} like q", f"head dim {kc_shape[3]} (shape {kc_shape})")
+    if d > MAX_HEAD_DIM:
+        raise bad_arg("q", f"head dim D between 1 and {MAX_HEAD_DIM}", f"D={d} (shape {(batch, sq, hq, d)})")
+    if hq % hkv != 0:
+        raise bad_arg("k_cache", f"a number of heads that divides q's {hq} (grouped-query attention)",
+                      f"Hkv={hkv} (shape {kc_shape})")
+    return k_cache, v_cache, kc_shape
+
+
+def _check_new_keys(k: Any, v: Any, q_info: tuple, k_cache: Any, v_cache: Any,
+                    hkv: int) -> tuple[Any, Any, int]:
+    """The keys and values to append: both or neither, (B, S_new, Hkv, D) like q and the caches, into caches that
+    can be written and do not overlap. Returns (k, v, S_new), S_new 0 without them."""
+    _, qkind, (batch, _, _, d), _, qdev = q_info
+    if (k is None) != (v is None):
+        raise bad_arg("k" if k is None else "v", "k and v both given (new keys and values to append) or both None",
+                      "None" if k is None else "an array")
+    if k is None:
+        return k, v, 0
+    news = {}
+    for name, x in (("k", k), ("v", v)):
+        news[name] = check_array(name, x, "bshd")
+        check_same_as_q(name, news[name], q_info)
+    k, v = news["k"][0], news["v"][0]
+    want = (batch, news["k"][2][1], hkv, d)
+    for name in ("k", "v"):
+        if news[name][2] != want:
+            raise bad_arg(name, f"shape (B, S_new, Hkv, D) = {want} (B of q, Hkv and D of the cache)",
+                          f"shape {news[name][2]}")
+    seqlen_new = want[1]
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if qkind in ("numpy", "dlpack") and qdev == "cpu" and not to_numpy(x).flags.writeable:
+            raise bad_arg(name, "a writable array (k/v are appended to it in place)", "a read-only array")
+    if _share_elements(k_cache, v_cache, qkind, qdev):
+        raise bad_arg("v_cache", "an array apart from k_cache when k/v are appended (each new position would be "
+                      "written twice, the value over the key)", "an array sharing k_cache's memory")
+    return k, v, seqlen_new
+
+
+def _check_paging(block_table: Any, cache_batch_idx: Any, cache_leftpad: Any, batch: int,
+                  kc_shape: tuple[int, ...]) -> tuple[np.ndarray | None, int, int]:
+    """A paged cache's block table (and the arguments a paged cache refuses). Returns (the table as host int64
+    or None, page size or 0, keys each sequence can hold)."""
+    if block_table is None:
+        return None, 0, kc_shape[1]
+    if cache_batch_idx is not None:
+        raise bad_arg("cache_batch_idx", "None with a paged cache (block_table picks each sequence's pages)",
+                      "an array")
+    if cache_leftpad is not None:
+        raise bad_arg("cache_leftpad", "None with a paged cache (as in flash-attn)", "an array")
+    kind = array_kind(block_table)
+    if kind is None or len(block_table.shape) != 2 or int(block_table.shape[0]) != batch:
+        got = f"shape {tuple(int(s) for s in block_table.shape)}" if kind else type(block_table).__name__
+        raise bad_arg("block_table", f"an int32 array (B, max_blocks) with B = {batch}", got)
+    table = _host_ints("block_table", block_table, (batch, int(block_table.shape[1])), "(B, max_blocks)")
+    page_size = kc_shape[1]
+    return table, page_size, table.shape[1] * page_size
+
+
+def _cache_lengths(cache_seqlens: Any, batch: int, capacity: int, seqlen_new: int) -> np.ndarray:
+    """``cache_seqlens`` as (B,) host int64 (the whole capacity when None), with room for the new keys."""
+    if cache_seqlens is None:
+        seqlens = np.full(batch, capacity, dtype=np.int64)
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)
+    else:
+        seqlens = _host_ints("cache_seqlens", cache_seqlens, (batch,), "(B,) or an int")
+    _first_bad("cache_seqlens", seqlens, seqlens >= 0, "every entry >= 0")
+    _first_bad("cache_seqlens", seqlens, seqlens + seqlen_new <= capacity,
+               f"room for the {seqlen_new} new keys: cache_seqlens[b] + S_new <= the cache's capacity {capacity}")
+    return seqlens
+
+
+def _cache_rows(cache_batch_idx: Any, batch: int, kc_shape: tuple[int, ...], seqlen_new: int) -> np.ndarray:
+    """Each sequence's row of an unpaged cache, (B,) host int64: ``cache_batch_idx`` or b."""
+    if cache_batch_idx is None:
+        if kc_shape[0] < batch:
+            raise bad_arg("k_cache", f"at least B = {batch} cache rows (or cache_batch_idx)", f"shape {kc_shape}")
+        return np.arange(batch, dtype=np.int64)
+    rows = _host_ints("cache_batch_idx", cache_batch_idx, (batch,), "(B,)")
+    _first_bad("cache_batch_idx", rows, (rows >= 0) & (rows < kc_shape[0]),
+               f"cache rows in [0, {kc_shape[0]})")
+    if seqlen_new and len(np.unique(rows)) != batch:
+        raise bad_arg("cache_batch_idx", "distinct entries when k/v are appended (two sequences would write "
+                      "the same cache row)", np.asarray(rows).tolist())
+    return rows
+
+
+def _key_starts(cache_leftpad: Any, batch: int, seqlens: np.ndarray) -> np.ndarray:
+    """The first key each sequence attends to, (B,) host int64: ``cache_leftpad`` or 0."""
+    starts = np.zeros(batch, dtype=np.int64)
+    if cache_leftpad is not None:
+        starts = _host_ints("cache_leftpad", cache_leftpad, (batch,), "(B,)")
+        _first_bad("cache_leftpad", starts, (starts >= 0) & (starts <= seqlens), "0 <= cache_leftpad[b] <= "
+                   "cache_seqlens[b]")
+    return starts
+
+
+def _check_pages_used(table: np.ndarray, num_blocks: int, page_size: int, seqlens: np.ndarray,
+                      seqlen_new: int) -> None:
+    """Every page a sequence reads names a block of the cache, and no page written by the append is shared."""
+    batch = len(seqlens)
+    ends = seqlens + seqlen_new
+    pages_used = -(-ends // page_size)
+    for b in range(batch):
+        used = table[b, :pages_used[b]]
+        out_of_range = np.flatnonzero((used < 0) | (used >= num_blocks))
+        if out_of_range.size:
+            n = int(out_of_range[0])
+            raise bad_arg("block_table", f"block indices in [0, {num_blocks}) for the pages sequence {b} uses",
+                          f"block_table[{b}, {n}] = {int(used[n])}")
+    if seqlen_new:
+        written = [table[b, seqlens[b] // page_size:pages_used[b]] for b in range(batch)]
+        flat = np.concatenate(written)
+        if len(np.unique(flat)) != len(flat):
+            raise bad_arg("block_table", "no page shared by two sequences where k/v are appended (it would be "
+                          "written twice)", "a block listed twice among the pages written")
+
+
+def _check_rotary(rotary_cos: Any, rotary_sin: Any, k: Any, q_info: tuple, causal: bool,
+                  window_size: tuple[int, int], seqlens: np.ndarray, seqlen_new: int) -> None:
+    """The rotary tables, when given: both, only with new keys, (seqlen_ro, rotary_dim / 2) floating arrays like
+    q, long enough for every position rotated."""
+    if rotary_cos is None and rotary_sin is None:
+        return
+    _, qkind, (_, sq, _, d), _, qdev = q_info
+    if rotary_cos is None or rotary_sin is None:
+        raise bad_arg("rotary_sin" if rotary_sin is None else "rotary_cos", "rotary_cos and rotary_sin both given",
+                      "None")
+    if k is None:
+        raise bad_arg("rotary_cos", "None when no new k/v are appended (rotary is applied to the new keys and q, "
+                      "as in flash-attn)", "a table")
+    tables = {}
+    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        kind = array_kind(x)
+        if kind is None or len(x.shape) != 2:
+            got = f"shape {tuple(int(s) for s in x.shape)}" if kind else type(x).__name__
+            raise bad_arg(name, "an array (seqlen_ro, rotary_dim / 2)", got)
+        dt = dtype_name(x)
+        if kind != qkind or device_of(x) != qdev or dt not in ("float16", "bfloat16", "float32", "float64"):
+            raise bad_arg(name, f"a floating {qkind} array on q's device ({qdev})",
+                          f"a {kind} array of dtype {dt} on {device_of(x)}")
+        tables[name] = tuple(int(s) for s in x.shape)
+    if tables["rotary_sin"] != tables["rotary_cos"]:
+        raise bad_arg("rotary_sin", f"the shape of rotary_cos {tables['rotary_cos']}",
+                      f"shape {tables['rotary_sin']}")
+    seqlen_ro, half = tables["rotary_cos"]
+    if half < 1 or 2 * half > d:
+        raise bad_arg("rotary_cos", f"(seqlen_ro, rotary_dim / 2) with 2 <= rotary_dim <= D = {d}",
+                      f"shape {tables['rotary_cos']}")
+    q_span = sq if (causal or tuple(window_size) != (-1, -1)) else 1
+    needed = int(seqlens.max()) + max(seqlen_new, q_span)
+    if seqlen_ro < needed:
+        raise bad_arg("rotary_cos", f"at least {needed} rows (the new keys' and q's positions reach "
+                      f"cache_seqlens + {max(seqlen_new, q_span) - 1})", f"{seqlen_ro} rows")
 
 
 def validate_kvcache(
@@ -201,152 +375,27 @@ def validate_kvcache(
     return_lse: bool = False,
 ) -> KVCacheCall:
     """Check a ``with_kvcache`` call (shapes in the module docstring); raise ``AttentionInputError`` on the first
-    violation, before anything is written."""
-    causal, softmax_scale, window_size, softcap, _, return_lse = _check_options(
+    violation, before anything is written. The steps run in a fixed order, so the first violation is always the
+    same one: options, q, the caches, the new keys, paging, lengths, ALiBi, rows, left padding, pages, rotary."""
+    causal, softmax_scale, window_size, softcap, _, return_lse = check_options(
         causal, softmax_scale, window_size, softcap, "bshd", return_lse)
     if not isinstance(rotary_interleaved, (bool, np.bool_)):
-        raise _bad("rotary_interleaved", "a bool", repr(rotary_interleaved))
+        raise bad_arg("rotary_interleaved", "a bool", repr(rotary_interleaved))
     num_splits = _check_num_splits(num_splits)
-    q_info = _check_array("q", q, "bshd")
+    q_info = check_array("q", q, "bshd")
     q, qkind, (batch, sq, hq, d), qdt, qdev = q_info
     paged = block_table is not None
-    cache_dims = "(num_blocks, page_size, Hkv, D)" if paged else "(B_cache, capacity, Hkv, D)"
-    caches = {}
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if array_kind(x) is not None and len(x.shape) != 4:
-            raise _bad(name, f"4 dimensions {cache_dims}", f"shape {tuple(int(s) for s in x.shape)}")
-        caches[name] = _check_array(name, x, "bshd")
-        check_same_as_q(name, caches[name], q_info)
-        if k is not None:  # the caller's own cache, before _check_array resolves torch's lazy bits into a copy
-            check_append_target(name, x)
-    k_cache, v_cache = caches["k_cache"][0], caches["v_cache"][0]
-    kc_shape = caches["k_cache"][2]
-    if caches["v_cache"][2] != kc_shape:
-        raise _bad("v_cache", f"the shape of k_cache {kc_shape}", f"shape {caches['v_cache'][2]}")
+    k_cache, v_cache, kc_shape = _check_caches(k_cache, v_cache, q_info, paged, appending=k is not None)
     hkv = kc_shape[2]
-    if kc_shape[3] != d:
-        raise _bad("k_cache", f"head dim {d} like q", f"head dim {kc_shape[3]} (shape {kc_shape})")
-    if d > MAX_HEAD_DIM:
-        raise _bad("q", f"head dim D between 1 and {MAX_HEAD_DIM}", f"D={d} (shape {(batch, sq, hq, d)})")
-    if hq % hkv != 0:
-        raise _bad("k_cache", f"a number of heads that divides q's {hq} (grouped-query attention)",
-                   f"Hkv={hkv} (shape {kc_shape})")
-
-    if (k is None) != (v is None):
-        raise _bad("k" if k is None else "v", "k and v both given (new keys and values to append) or both None",
-                   "None" if k is None else "an array")
-    seqlen_new = 0
-    if k is not None:
-        news = {}
-        for name, x in (("k", k), ("v", v)):
-            news[name] = _check_array(name, x, "bshd")
-            check_same_as_q(name, news[name], q_info)
-        k, v = news["k"][0], news["v"][0]
-        want = (batch, news["k"][2][1], hkv, d)
-        for name in ("k", "v"):
-            if news[name][2] != want:
-                raise _bad(name, f"shape (B, S_new, Hkv, D) = {want} (B of q, Hkv and D of the cache)",
-                           f"shape {news[name][2]}")
-        seqlen_new = want[1]
-        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if qkind in ("numpy", "dlpack") and qdev == "cpu" and not to_numpy(x).flags.writeable:
-                raise _bad(name, "a writable array (k/v are appended to it in place)", "a read-only array")
-        if _share_elements(k_cache, v_cache, qkind, qdev):
-            raise _bad("v_cache", "an array apart from k_cache when k/v are appended (each new position would be "
-                       "written twice, the value over the key)", "an array sharing k_cache's memory")
-
-    if paged:
-        if cache_batch_idx is not None:
-            raise _bad("cache_batch_idx", "None with a paged cache (block_table picks each sequence's pages)",
-                       "an array")
-        if cache_leftpad is not None:
-            raise _bad("cache_leftpad", "None with a paged cache (as in flash-attn)", "an array")
-        kind = array_kind(block_table)
-        if kind is None or len(block_table.shape) != 2 or int(block_table.shape[0]) != batch:
-            got = f"shape {tuple(int(s) for s in block_table.shape)}" if kind else type(block_table).__name__
-            raise _bad("block_table", f"an int32 array (B, max_blocks) with B = {batch}", got)
-        table = _host_ints("block_table", block_table, (batch, int(block_table.shape[1])), "(B, max_blocks)")
-        num_blocks, page_size = kc_shape[0], kc_shape[1]
-        capacity = table.shape[1] * page_size
-    else:
-        table, page_size, capacity = None, 0, kc_shape[1]
-
-    if cache_seqlens is None:
-        seqlens = np.full(batch, capacity, dtype=np.int64)
-    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)
-    else:
-        seqlens = _host_ints("cache_seqlens", cache_seqlens, (batch,), "(B,) or an int")
-    _first_bad("cache_seqlens", seqlens, seqlens >= 0, "every entry >= 0")
-    _first_bad("cache_seqlens", seqlens, seqlens + seqlen_new <= capacity,
-               f"room for the {seqlen_new} new keys: cache_seqlens[b] + S_new <= the cache's capacity {capacity}")
+    k, v, seqlen_new = _check_new_keys(k, v, q_info, k_cache, v_cache, hkv)
+    table, page_size, capacity = _check_paging(block_table, cache_batch_idx, cache_leftpad, batch, kc_shape)
+    seqlens = _cache_lengths(cache_seqlens, batch, capacity, seqlen_new)
     alibi = check_alibi(alibi_slopes, qkind, qdev, batch, hq, sq, capacity, compute_dtype_name(qdt))
-
-    rows = None
-    if not paged:
-        if cache_batch_idx is None:
-            if kc_shape[0] < batch:
-                raise _bad("k_cache", f"at least B = {batch} cache rows (or cache_batch_idx)", f"shape {kc_shape}")
-            rows = np.arange(batch, dtype=np.int64)
-        else:
-            rows = _host_ints("cache_batch_idx", cache_batch_idx, (batch,), "(B,)")
-            _first_bad("cache_batch_idx", rows, (rows >= 0) & (rows < kc_shape[0]),
-                       f"cache rows in [0, {kc_shape[0]})")
-            if seqlen_new and len(np.unique(rows)) != batch:
-                raise _bad("cache_batch_idx", "distinct entries when k/v are appended (two sequences would write "
-                           "the same cache row)", np.asarray(rows).tolist())
-    starts = np.zeros(batch, dtype=np.int64)
-    if cache_leftpad is not None:
-        starts = _host_ints("cache_leftpad", cache_leftpad, (batch,), "(B,)")
-        _first_bad("cache_leftpad", starts, (starts >= 0) & (starts <= seqlens), "0 <= cache_leftpad[b] <= "
-                   "cache_seqlens[b]")
-
+    rows = None if paged else _cache_rows(cache_batch_idx, batch, kc_shape, seqlen_new)
+    starts = _key_starts(cache_leftpad, batch, seqlens)
     if paged:
-        ends = seqlens + seqlen_new
-        pages_used = -(-ends // page_size)
-        for b in range(batch):
-            used = table[b, :pages_used[b]]
-            out_of_range = np.flatnonzero((used < 0) | (used >= num_blocks))
-            if out_of_range.size:
-                n = int(out_of_range[0])
-                raise _bad("block_table", f"block indices in [0, {num_blocks}) for the pages sequence {b} uses",
-                           f"block_table[{b}, {n}] = {int(used[n])}")
-        if seqlen_new:
-            written = [table[b, seqlens[b] // page_size:pages_used[b]] for b in range(batch)]
-            flat = np.concatenate(written)
-            if len(np.unique(flat)) != len(flat):
-                raise _bad("block_table", "no page shared by two sequences where k/v are appended (it would be "
-                           "written twice)", "a block listed twice among the pages written")
-
-    if rotary_cos is not None or rotary_sin is not None:
-        if rotary_cos is None or rotary_sin is None:
-            raise _bad("rotary_sin" if rotary_sin is None else "rotary_cos", "rotary_cos and rotary_sin both given",
-                       "None")
-        if k is None:
-            raise _bad("rotary_cos", "None when no new k/v are appended (rotary is applied to the new keys and q, "
-                       "as in flash-attn)", "a table")
-        tables = {}
-        for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-            kind = array_kind(x)
-            if kind is None or len(x.shape) != 2:
-                got = f"shape {tuple(int(s) for s in x.shape)}" if kind else type(x).__name__
-                raise _bad(name, "an array (seqlen_ro, rotary_dim / 2)", got)
-            dt = dtype_name(x)
-            if kind != qkind or device_of(x) != qdev or dt not in ("float16", "bfloat16", "float32", "float64"):
-                raise _bad(name, f"a floating {qkind} array on q's device ({qdev})",
-                           f"a {kind} array of dtype {dt} on {device_of(x)}")
-            tables[name] = tuple(int(s) for s in x.shape)
-        if tables["rotary_sin"] != tables["rotary_cos"]:
-            raise _bad("rotary_sin", f"the shape of rotary_cos {tables['rotary_cos']}", f"shape {tables['rotary_sin']}")
-        seqlen_ro, half = tables["rotary_cos"]
-        if half < 1 or 2 * half > d:
-            raise _bad("rotary_cos", f"(seqlen_ro, rotary_dim / 2) with 2 <= rotary_dim <= D = {d}",
-                       f"shape {tables['rotary_cos']}")
-        q_span = sq if (causal or tuple(window_size) != (-1, -1)) else 1
-        needed = int(seqlens.max()) + max(seqlen_new, q_span)
-        if seqlen_ro < needed:
-            raise _bad("rotary_cos", f"at least {needed} rows (the new keys' and q's positions reach "
-                       f"cache_seqlens + {max(seqlen_new, q_span) - 1})", f"{seqlen_ro} rows")
+        _check_pages_used(table, kc_shape[0], page_size, seqlens, seqlen_new)
+    _check_rotary(rotary_cos, rotary_sin, k, q_info, causal, window_size, seqlens, seqlen_new)
 
     left, right = effective_window(causal, window_size)
     return KVCacheCall(

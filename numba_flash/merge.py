@@ -21,7 +21,7 @@ import numpy as np
 
 from .arguments import checked_arguments
 from .arrays import array_kind, dtype_name
-from .errors import AttentionInputError
+from .errors import bad_arg
 
 __all__ = ["merge_attention_states"]
 
@@ -29,9 +29,6 @@ _OUT_DTYPES = {"numpy": ("float16", "float32", "float64"),
                "torch": ("float16", "bfloat16", "float32", "float64")}
 _NAMES = ("out_a", "lse_a", "out_b", "lse_b")
 
-
-def _bad(arg: str, expected: str, got: str) -> AttentionInputError:
-    return AttentionInputError(f"{arg}: expected {expected}, got {got}")
 
 
 def _lse_shape(out_shape: tuple[int, ...]) -> tuple[tuple[int, ...], str, str]:
@@ -49,45 +46,45 @@ def _check(out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[str, str]:
     kind = array_kind(out_a)
     if kind not in _OUT_DTYPES:
         got = kind if kind is not None else f"an object of type {type(out_a).__name__}"
-        raise _bad("out_a", "a numpy array or a torch tensor", got)
+        raise bad_arg("out_a", "a numpy array or a torch tensor", got)
     for name, x in arrays.items():
         other = array_kind(x)
         if other != kind:
-            raise _bad(name, f"the same array kind as out_a ({kind})",
-                       other if other is not None else f"an object of type {type(x).__name__}")
+            raise bad_arg(name, f"the same array kind as out_a ({kind})",
+                          other if other is not None else f"an object of type {type(x).__name__}")
     if kind == "torch":
         import torch  # already imported by whoever made the tensor
 
         for name, x in arrays.items():
             if x.is_nested or x.layout != torch.strided:
                 got = "a nested tensor" if x.is_nested else f"layout {x.layout}"
-                raise _bad(name, "a dense (strided) tensor", got)
+                raise bad_arg(name, "a dense (strided) tensor", got)
         dev = out_a.device
         for name, x in arrays.items():
             if x.device != dev:
-                raise _bad(name, f"out_a's device ({dev})", f"device {x.device}")
+                raise bad_arg(name, f"out_a's device ({dev})", f"device {x.device}")
     shape = tuple(int(s) for s in out_a.shape)
     if len(shape) not in (3, 4):
-        raise _bad("out_a", "4 dimensions (B, S, H, D), or 3 (T, H, D) for packed sequences", f"shape {shape}")
+        raise bad_arg("out_a", "4 dimensions (B, S, H, D), or 3 (T, H, D) for packed sequences", f"shape {shape}")
     shape_b = tuple(int(s) for s in out_b.shape)
     if shape_b != shape:
-        raise _bad("out_b", f"the shape of out_a {shape}", f"shape {shape_b}")
+        raise bad_arg("out_b", f"the shape of out_a {shape}", f"shape {shape_b}")
     want, out_dims, lse_dims = _lse_shape(shape)
     for name in ("lse_a", "lse_b"):
         got = tuple(int(s) for s in arrays[name].shape)
         if got != want:
-            raise _bad(name, f"shape {lse_dims} = {want} for out of shape {out_dims} = {shape}", f"shape {got}")
+            raise bad_arg(name, f"shape {lse_dims} = {want} for out of shape {out_dims} = {shape}", f"shape {got}")
     allowed = _OUT_DTYPES[kind]
     out_dt = dtype_name(out_a)
     if out_dt not in allowed:
-        raise _bad("out_a", f"a floating dtype ({', '.join(allowed)})", f"dtype {out_dt}")
+        raise bad_arg("out_a", f"a floating dtype ({', '.join(allowed)})", f"dtype {out_dt}")
     if dtype_name(out_b) != out_dt:
-        raise _bad("out_b", f"the dtype of out_a ({out_dt})", f"dtype {dtype_name(out_b)}")
+        raise bad_arg("out_b", f"the dtype of out_a ({out_dt})", f"dtype {dtype_name(out_b)}")
     lse_dt = dtype_name(lse_a)
     if lse_dt not in allowed:
-        raise _bad("lse_a", f"a floating dtype ({', '.join(allowed)})", f"dtype {lse_dt}")
+        raise bad_arg("lse_a", f"a floating dtype ({', '.join(allowed)})", f"dtype {lse_dt}")
     if dtype_name(lse_b) != lse_dt:
-        raise _bad("lse_b", f"the dtype of lse_a ({lse_dt})", f"dtype {dtype_name(lse_b)}")
+        raise bad_arg("lse_b", f"the dtype of lse_a ({lse_dt})", f"dtype {dtype_name(lse_b)}")
     # float16 / bfloat16 cannot hold exp(lse) ratios and weighted sums to the precision the parts carry.
     return kind, "float64" if "float64" in (out_dt, lse_dt) else "float32"
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from .arguments import refuse_masked
 from .arrays import array_kind, as_float64, device_of, dtype_name, resolve_torch_bits
-from .errors import AttentionInputError
+from .errors import bad_arg, short_repr
 from .mods import check_mods
 from .semantics import clamp_window_bound, compute_dtype_name, default_scale, effective_softcap, effective_window
 from .varlen import check_arguments, check_packing
@@ -139,16 +139,7 @@ class AttentionCall:
         return " ".join(parts)
 
 
-def _bad(arg: str, expected: str, got: Any) -> AttentionInputError:
-    return AttentionInputError(f"{arg}: expected {expected}, got {got}")
-
-
-def _short_repr(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-limit // 4:]} ({len(text)} characters)"
-
-
-def _finite_real(value: Any) -> bool:
+def is_finite_real(value: Any) -> bool:
     """A real number (not a bool) that is finite as a float: an int beyond float64's range (10**400) is not."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return False
@@ -168,18 +159,21 @@ def _check_torch(name: str, x: Any) -> Any:
     import torch
 
     if x.is_nested:
-        raise _bad(name, "a dense (strided) tensor", "a nested tensor")
+        raise bad_arg(name, "a dense (strided) tensor", "a nested tensor")
     if x.layout != torch.strided:
-        raise _bad(name, "a dense (strided) tensor (call .to_dense() first)",
-                   f"a tensor with layout {str(x.layout).replace('torch.', '')}")
+        raise bad_arg(name, "a dense (strided) tensor (call .to_dense() first)",
+                      f"a tensor with layout {str(x.layout).replace('torch.', '')}")
     return resolve_torch_bits(x)
 
 
-def _check_array(name: str, x: Any, layout: str) -> tuple[Any, str, tuple[int, ...], str, str]:
+def check_array(name: str, x: Any, layout: str) -> tuple[Any, str, tuple[int, ...], str, str]:
+    """Check array argument ``name`` (q, k, v, dout, out, a cache, ...) for ``layout``: an array kind the library
+    reads, not masked, 4 dimensions (3 for "thd"), a floating dtype, no empty axis. Returns ``(x, kind, shape,
+    dtype name, device)``, ``x`` with any lazy torch bit resolved (``check_same_as_q`` compares two such infos)."""
     kind = array_kind(x)
     if kind is None:
-        raise _bad(name, "an array (numpy, torch, __cuda_array_interface__ or __dlpack__ exporter)",
-                   f"an object of type {type(x).__name__}")
+        raise bad_arg(name, "an array (numpy, torch, __cuda_array_interface__ or __dlpack__ exporter)",
+                      f"an object of type {type(x).__name__}")
     refuse_masked(name, x)
     if kind == "torch":
         x = _check_torch(name, x)
@@ -187,17 +181,17 @@ def _check_array(name: str, x: Any, layout: str) -> tuple[Any, str, tuple[int, .
     dims = _DIM_NAMES[layout].get(name, _DIM_NAMES[layout]["q"])
     ndim = 3 if layout == "thd" else 4
     if len(shape) != ndim:
-        raise _bad(name, f"{ndim} dimensions {dims} for layout {layout!r}", f"shape {shape}")
+        raise bad_arg(name, f"{ndim} dimensions {dims} for layout {layout!r}", f"shape {shape}")
     dt = dtype_name(x)
     if dt not in FLOAT_DTYPES:
         swapped = isinstance(x.dtype, np.dtype) and not x.dtype.isnative
         if swapped and x.dtype.newbyteorder("=").name in FLOAT_DTYPES:
-            raise _bad(name, f"a floating dtype ({', '.join(FLOAT_DTYPES)}) in this machine's byte order",
-                       f"dtype {dt}, {x.dtype.newbyteorder('=').name} with its bytes swapped (convert it: "
-                       f"{name}.astype({name}.dtype.newbyteorder('=')))")
-        raise _bad(name, f"a floating dtype ({', '.join(FLOAT_DTYPES)})", f"dtype {dt}")
+            raise bad_arg(name, f"a floating dtype ({', '.join(FLOAT_DTYPES)}) in this machine's byte order",
+                          f"dtype {dt}, {x.dtype.newbyteorder('=').name} with its bytes swapped (convert it: "
+                          f"{name}.astype({name}.dtype.newbyteorder('=')))")
+        raise bad_arg(name, f"a floating dtype ({', '.join(FLOAT_DTYPES)})", f"dtype {dt}")
     if 0 in shape:
-        raise _bad(name, f"every size >= 1 in {dims}", f"shape {shape}")
+        raise bad_arg(name, f"every size >= 1 in {dims}", f"shape {shape}")
     return x, kind, shape, dt, device_of(x)
 
 
@@ -209,21 +203,21 @@ def _result_kind_ok(kind: str, qkind: str) -> bool:
 
 
 def check_same_as_q(name: str, info: tuple, q_info: tuple) -> None:
-    """AttentionInputError unless array ``name`` has q's kind, dtype and device; both infos as ``_check_array``
+    """AttentionInputError unless array ``name`` has q's kind, dtype and device; both infos as ``check_array``
     returns them."""
     _, kind, _, dt, dev = info
     _, qkind, _, qdt, qdev = q_info
     if kind != qkind:
-        raise _bad(name, f"the same array kind as q ({qkind})", kind)
+        raise bad_arg(name, f"the same array kind as q ({qkind})", kind)
     if dt != qdt:
-        raise _bad(name, f"the same dtype as q ({qdt})", f"dtype {dt}")
+        raise bad_arg(name, f"the same dtype as q ({qdt})", f"dtype {dt}")
     if dev != qdev:
-        raise _bad(name, f"the same device as q ({qdev})", f"device {dev}")
+        raise bad_arg(name, f"the same device as q ({qdev})", f"device {dev}")
 
 
 def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
-        raise _bad(name, "a bool", repr(value))
+        raise bad_arg(name, "a bool", repr(value))
     return bool(value)
 
 
@@ -232,7 +226,7 @@ def check_deterministic(value: Any) -> bool:
     reproducible run to run already (no atomics), so True changes nothing; a value that is not a bool is refused
     (the same words from op.forward / op.backward and from flash_attn_func)."""
     if not isinstance(value, (bool, np.bool_)):
-        raise _bad("deterministic", "a bool", _short_repr(value))
+        raise bad_arg("deterministic", "a bool", short_repr(value))
     return bool(value)
 
 
@@ -245,29 +239,31 @@ def check_precision(value: Any) -> str:
     """``precision``: "ieee" (the default) or "tf32". A permission, not a demand: only float32 inputs are affected,
     and a backend without a TF32 kernel for the call computes in float32 (``explain()`` says which ran)."""
     if not isinstance(value, str) or value not in PRECISIONS:
-        raise _bad("precision", "'ieee' or 'tf32'", _short_repr(value))
+        raise bad_arg("precision", "'ieee' or 'tf32'", short_repr(value))
     return value
 
 
-def _check_options(causal: Any, softmax_scale: Any, window_size: Any, softcap: Any, layout: Any,
-                   return_lse: Any) -> tuple[bool, Any, tuple[int, int], float, str, bool]:
+def check_options(causal: Any, softmax_scale: Any, window_size: Any, softcap: Any, layout: Any,
+                  return_lse: Any) -> tuple[bool, Any, tuple[int, int], float, str, bool]:
+    """Check the scalar options every attention call takes; returns them as plain Python values, in this order:
+    ``(causal, softmax_scale or None, (left, right), softcap, layout, return_lse)``."""
     if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise _bad("layout", "'bshd' or 'bhsd', or 'thd' for packed sequences", repr(layout))
+        raise bad_arg("layout", "'bshd' or 'bhsd', or 'thd' for packed sequences", repr(layout))
     causal = _check_bool("causal", causal)
     return_lse = _check_bool("return_lse", return_lse)
     if softmax_scale is not None:
-        if not _finite_real(softmax_scale) or softmax_scale <= 0:
-            raise _bad("softmax_scale", "None or a finite number > 0", _short_repr(softmax_scale))
+        if not is_finite_real(softmax_scale) or softmax_scale <= 0:
+            raise bad_arg("softmax_scale", "None or a finite number > 0", short_repr(softmax_scale))
         if float(softmax_scale) == 0.0:  # 1e-400 as a Fraction, or a tiny int ratio: 0 once it is a float
-            raise _bad("softmax_scale", "None or a finite number > 0 (that is > 0 as a float64)",
-                       _short_repr(softmax_scale))
+            raise bad_arg("softmax_scale", "None or a finite number > 0 (that is > 0 as a float64)",
+                          short_repr(softmax_scale))
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in window_size)):
-        raise _bad("window_size", "a pair of ints (left, right)", _short_repr(window_size))
+        raise bad_arg("window_size", "a pair of ints (left, right)", short_repr(window_size))
     if any(w < -1 for w in window_size):
-        raise _bad("window_size", "each bound >= 0, or -1 for unbounded", _short_repr(tuple(window_size)))
-    if not _finite_real(softcap) or softcap < 0:
-        raise _bad("softcap", "a finite number >= 0 (0 disables it)", _short_repr(softcap))
+        raise bad_arg("window_size", "each bound >= 0, or -1 for unbounded", short_repr(tuple(window_size)))
+    if not is_finite_real(softcap) or softcap < 0:
+        raise bad_arg("softcap", "a finite number >= 0 (0 disables it)", short_repr(softcap))
     return causal, softmax_scale, (int(window_size[0]), int(window_size[1])), float(softcap), layout, return_lse
 
 
@@ -302,15 +298,15 @@ def validate_forward(
     """
     precision = check_precision(precision)
     layout = resolve_layout(layout, cu_seqlens_q, cu_seqlens_k)
-    causal, softmax_scale, window_size, softcap, layout, return_lse = _check_options(
+    causal, softmax_scale, window_size, softcap, layout, return_lse = check_options(
         causal, softmax_scale, window_size, softcap, layout, return_lse)
     check_arguments(layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    infos = {name: _check_array(name, x, layout) for name, x in (("q", q), ("k", k), ("v", v))}
+    infos = {name: check_array(name, x, layout) for name, x in (("q", q), ("k", k), ("v", v))}
     (q, qkind, qshape, qdt, qdev), (k, _, kshape, _, _), (v, _, vshape, _, _) = infos["q"], infos["k"], infos["v"]
     for name in ("k", "v"):
         check_same_as_q(name, infos[name], infos["q"])
     if vshape[:-1] != kshape[:-1]:
-        raise _bad("v", f"the shape of k {kshape} but for the head dim", f"shape {vshape}")
+        raise bad_arg("v", f"the shape of k {kshape} but for the head dim", f"shape {vshape}")
     packing = None
     if layout == "thd":
         packing = check_packing(qshape[0], kshape[0], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -321,16 +317,16 @@ def validate_forward(
         batch, sq, hq, d = qshape[0], qshape[s_axis], qshape[h_axis], qshape[3]
         sk, hkv = kshape[s_axis], kshape[h_axis]
     if packing is None and kshape[0] != batch:
-        raise _bad("k", f"batch size {batch} like q", f"batch size {kshape[0]} (shape {kshape})")
+        raise bad_arg("k", f"batch size {batch} like q", f"batch size {kshape[0]} (shape {kshape})")
     if kshape[-1] != d:
-        raise _bad("k", f"head dim {d} like q", f"head dim {kshape[-1]} (shape {kshape})")
+        raise bad_arg("k", f"head dim {d} like q", f"head dim {kshape[-1]} (shape {kshape})")
     if d > MAX_HEAD_DIM:
-        raise _bad("q", f"head dim D between 1 and {MAX_HEAD_DIM}", f"D={d} (shape {qshape})")
+        raise bad_arg("q", f"head dim D between 1 and {MAX_HEAD_DIM}", f"D={d} (shape {qshape})")
     if vshape[-1] > MAX_HEAD_DIM_V:
-        raise _bad("v", f"head dim Dv between 1 and {MAX_HEAD_DIM_V}", f"Dv={vshape[-1]} (shape {vshape})")
+        raise bad_arg("v", f"head dim Dv between 1 and {MAX_HEAD_DIM_V}", f"Dv={vshape[-1]} (shape {vshape})")
     if hq % hkv != 0:
-        raise _bad("k", f"a number of heads that divides q's {hq} (grouped-query attention)",
-                   f"Hkv={hkv} (shape {kshape})")
+        raise bad_arg("k", f"a number of heads that divides q's {hq} (grouped-query attention)",
+                      f"Hkv={hkv} (shape {kshape})")
     scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
     left, right = (clamp_window_bound(w, sq, sk) for w in effective_window(causal, window_size))
     softcap = effective_softcap(softcap, compute_dtype_name(qdt))
@@ -358,28 +354,28 @@ def check_alibi(alibi_slopes: Any, kind: str, device: str, batch: int, nheads_q:
     what = f"(Hq,) = ({nheads_q},) or (B, Hq) = ({batch}, {nheads_q}) slopes"
     akind = array_kind(alibi_slopes)
     if akind is None:
-        raise _bad("alibi_slopes", f"an array {what}", f"an object of type {type(alibi_slopes).__name__}")
+        raise bad_arg("alibi_slopes", f"an array {what}", f"an object of type {type(alibi_slopes).__name__}")
     refuse_masked("alibi_slopes", alibi_slopes)
     if akind != kind or device_of(alibi_slopes) != device:
-        raise _bad("alibi_slopes", f"a {kind} array on q's device ({device})",
-                   f"a {akind} array on {device_of(alibi_slopes)}")
+        raise bad_arg("alibi_slopes", f"a {kind} array on q's device ({device})",
+                      f"a {akind} array on {device_of(alibi_slopes)}")
     shape = tuple(int(n) for n in alibi_slopes.shape)
     if shape not in ((nheads_q,), (batch, nheads_q)):
-        raise _bad("alibi_slopes", what, f"shape {shape}")
+        raise bad_arg("alibi_slopes", what, f"shape {shape}")
     if dtype_name(alibi_slopes) not in FLOAT_DTYPES:
-        raise _bad("alibi_slopes", "a floating dtype (float32, as flash-attn takes)",
-                   f"dtype {dtype_name(alibi_slopes)}")
+        raise bad_arg("alibi_slopes", "a floating dtype (float32, as flash-attn takes)",
+                      f"dtype {dtype_name(alibi_slopes)}")
     slopes = np.array(np.broadcast_to(as_float64(alibi_slopes), (batch, nheads_q)))
     if not np.isfinite(slopes).all():
-        raise _bad("alibi_slopes", "finite values", "a NaN or an infinity")
+        raise bad_arg("alibi_slopes", "finite values", "a NaN or an infinity")
     reach = max(seqlen_q, seqlen_k) - 1
     limit = float(np.finfo(compute).max) / max(reach, 1)
     too_large = np.flatnonzero(np.abs(slopes).ravel() > limit)
     if too_large.size:
         b, h = divmod(int(too_large[0]), nheads_q)
-        raise _bad("alibi_slopes", f"|slope| <= {limit:.3g}, so that the bias slope * distance (distances up to "
+        raise bad_arg("alibi_slopes", f"|slope| <= {limit:.3g}, so that the bias slope * distance (distances up to "
                                    f"{reach} here) stays finite in {compute}",
-                   f"{float(slopes[b, h]):.4g} (batch {b}, head {h})")
+                      f"{float(slopes[b, h]):.4g} (batch {b}, head {h})")
     slopes.flags.writeable = False
     return slopes
 
@@ -405,22 +401,23 @@ def check_bias(attn_bias: Any, q_info: tuple, full: tuple[int, int, int, int], l
     what = f"an array broadcastable to (B, Hq, Sq, Sk) = {full}"
     kind = array_kind(attn_bias)
     if kind is None:
-        raise _bad("attn_bias", what, f"an object of type {type(attn_bias).__name__}")
+        raise bad_arg("attn_bias", what, f"an object of type {type(attn_bias).__name__}")
     refuse_masked("attn_bias", attn_bias)
     if layout == "thd":
-        raise _bad("attn_bias", "None for packed sequences (attn_bias with layout 'thd' is not implemented yet)",
-                   f"shape {tuple(attn_bias.shape)}")
+        raise bad_arg("attn_bias", "None for packed sequences (attn_bias with layout 'thd' is not implemented yet)",
+                      f"shape {tuple(attn_bias.shape)}")
     if kind == "torch":
         attn_bias = _check_torch("attn_bias", attn_bias)
     if kind != qkind or device_of(attn_bias) != qdev:
-        raise _bad("attn_bias", f"a {qkind} array on q's device ({qdev})", f"a {kind} array on {device_of(attn_bias)}")
+        raise bad_arg("attn_bias", f"a {qkind} array on q's device ({qdev})",
+                      f"a {kind} array on {device_of(attn_bias)}")
     shape = tuple(int(n) for n in attn_bias.shape)
     padded = (1,) * (4 - len(shape)) + shape
     if len(shape) > 4 or any(n not in (1, f) for n, f in zip(padded, full)):
-        raise _bad("attn_bias", what, f"shape {shape}")
+        raise bad_arg("attn_bias", what, f"shape {shape}")
     dt = dtype_name(attn_bias)
     if dt not in ("float32", qdt):
-        raise _bad("attn_bias", f"dtype float32 or q's dtype ({qdt})", f"dtype {dt}")
+        raise bad_arg("attn_bias", f"dtype float32 or q's dtype ({qdt})", f"dtype {dt}")
     return Bias(attn_bias, padded)
 
 
@@ -431,15 +428,15 @@ def check_dropout(dropout_p: Any, dropout_seed: Any) -> tuple[float, int]:
     """``(p, seed)`` as a float in [0, 1) and an int in [0, 2**64) (``numba_flash.dropout`` keys Philox with its
     two 32-bit halves); AttentionInputError naming the argument. ``dropout_seed`` None is taken as 0 when p is 0
     and refused otherwise: the backward must see the forward's seed, so it is never drawn here."""
-    if not _finite_real(dropout_p) or not 0.0 <= float(dropout_p) < 1.0:
-        raise _bad("dropout_p", "a real number in [0, 1)", _short_repr(dropout_p))
+    if not is_finite_real(dropout_p) or not 0.0 <= float(dropout_p) < 1.0:
+        raise bad_arg("dropout_p", "a real number in [0, 1)", short_repr(dropout_p))
     p = float(dropout_p)
     if dropout_seed is None and p == 0.0:
         return p, 0
     if (isinstance(dropout_seed, (bool, np.bool_)) or not isinstance(dropout_seed, numbers.Integral)
             or not 0 <= int(dropout_seed) < MAX_DROPOUT_SEED):
         need = " (dropout_p > 0 needs one, the same in forward and backward)" if dropout_seed is None else ""
-        raise _bad("dropout_seed", f"an int in [0, 2**64){need}", _short_repr(dropout_seed))
+        raise bad_arg("dropout_seed", f"an int in [0, 2**64){need}", short_repr(dropout_seed))
     return p, int(dropout_seed)
 
 
@@ -462,39 +459,39 @@ def validate_backward(
                       (call.batch, call.nheads_q, call.seqlen_q, call.seqlen_k), call.layout, True)
     return_dbias = _check_bool("return_dbias", return_dbias)
     if return_dbias and call.bias is None:
-        raise _bad("return_dbias", "False when no attn_bias is given (dbias is the gradient of attn_bias)", True)
+        raise bad_arg("return_dbias", "False when no attn_bias is given (dbias is the gradient of attn_bias)", True)
     layout = call.layout
     qshape = tuple(int(s) for s in q.shape)
     oshape = qshape[:-1] + (call.head_dim_v,)
     checked = {}
     for name, x in (("dout", dout), ("out", out)):
-        checked[name], kind, shape, dt, dev = _check_array(name, x, layout)
+        checked[name], kind, shape, dt, dev = check_array(name, x, layout)
         if not _result_kind_ok(kind, call.kind):
-            raise _bad(name, f"the same array kind as q ({call.kind})", kind)
+            raise bad_arg(name, f"the same array kind as q ({call.kind})", kind)
         if shape != oshape:
             what = f"the shape of q {qshape}" if oshape == qshape else f"q's shape with v's head dim, {oshape}"
-            raise _bad(name, what, f"shape {shape}")
+            raise bad_arg(name, what, f"shape {shape}")
         if dt != call.dtype:
-            raise _bad(name, f"the dtype of q ({call.dtype})", f"dtype {dt}")
+            raise bad_arg(name, f"the dtype of q ({call.dtype})", f"dtype {dt}")
         if dev != call.device:
-            raise _bad(name, f"the device of q ({call.device})", f"device {dev}")
+            raise bad_arg(name, f"the device of q ({call.device})", f"device {dev}")
     kind = array_kind(lse)
     if kind is None:
-        raise _bad("lse", "an array", f"an object of type {type(lse).__name__}")
+        raise bad_arg("lse", "an array", f"an object of type {type(lse).__name__}")
     refuse_masked("lse", lse)
     if not _result_kind_ok(kind, call.kind):
-        raise _bad("lse", f"the same array kind as q ({call.kind})", kind)
+        raise bad_arg("lse", f"the same array kind as q ({call.kind})", kind)
     if kind == "torch":
         lse = _check_torch("lse", lse)
     lshape = tuple(int(s) for s in lse.shape)
     want = call.lse_shape
     if lshape != want:
         dims = "(Hq, total_q)" if call.is_varlen else "(B, Hq, Sq)"
-        raise _bad("lse", f"shape {dims} = {want}", f"shape {lshape}")
+        raise bad_arg("lse", f"shape {dims} = {want}", f"shape {lshape}")
     ldt = dtype_name(lse)
     if ldt not in ("float32", "float64"):
-        raise _bad("lse", "dtype float32 (as the forward returns it)", f"dtype {ldt}")
+        raise bad_arg("lse", "dtype float32 (as the forward returns it)", f"dtype {ldt}")
     if device_of(lse) != call.device:
-        raise _bad("lse", f"the device of q ({call.device})", f"device {device_of(lse)}")
+        raise bad_arg("lse", f"the device of q ({call.device})", f"device {device_of(lse)}")
     return AttentionCall(**{**call.__dict__, "dout": checked["dout"], "out": checked["out"], "lse": lse,
                             "return_dbias": return_dbias, "mods": mods})

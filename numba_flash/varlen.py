@@ -27,13 +27,10 @@ from typing import Any, Iterator, NamedTuple
 import numpy as np
 
 from .arrays import array_kind, dtype_name, to_numpy
-from .errors import AttentionInputError
+from .errors import bad_arg
 
 CU_SEQLENS_DTYPES = ("int32", "int64")
 
-
-def _bad(arg: str, expected: str, got: Any) -> AttentionInputError:
-    return AttentionInputError(f"{arg}: expected {expected}, got {got}")
 
 
 class SequenceSpan(NamedTuple):
@@ -91,26 +88,26 @@ def _check_cu_seqlens(name: str, x: Any, total: int, total_name: str) -> np.ndar
     what = "a 1-D int32 array (B + 1,) of prefix sums"
     kind = array_kind(x)
     if kind is None:
-        raise _bad(name, f"{what} (numpy, torch, or a device array)", f"an object of type {type(x).__name__}")
+        raise bad_arg(name, f"{what} (numpy, torch, or a device array)", f"an object of type {type(x).__name__}")
     shape = tuple(int(s) for s in x.shape)
     if len(shape) != 1:
-        raise _bad(name, what, f"shape {shape}")
+        raise bad_arg(name, what, f"shape {shape}")
     dt = dtype_name(x)
     if dt not in CU_SEQLENS_DTYPES:
-        raise _bad(name, "dtype int32 (or int64)", f"dtype {dt}")
+        raise bad_arg(name, "dtype int32 (or int64)", f"dtype {dt}")
     if shape[0] < 2:
-        raise _bad(name, "at least 2 entries (B + 1 with B >= 1 sequences)", f"shape {shape}")
+        raise bad_arg(name, "at least 2 entries (B + 1 with B >= 1 sequences)", f"shape {shape}")
     values = np.array(to_numpy(x), dtype=np.int64, copy=True)
     values.flags.writeable = False
     if values[0] != 0:
-        raise _bad(name, f"{name}[0] == 0", f"{name}[0] = {values[0]}")
+        raise bad_arg(name, f"{name}[0] == 0", f"{name}[0] = {values[0]}")
     drops = np.flatnonzero(np.diff(values) < 0)
     if drops.size:
         b = int(drops[0])
-        raise _bad(name, "non-decreasing values (every sequence length >= 0)",
-                   f"{name}[{b + 1}] = {values[b + 1]} < {name}[{b}] = {values[b]}")
+        raise bad_arg(name, "non-decreasing values (every sequence length >= 0)",
+                      f"{name}[{b + 1}] = {values[b + 1]} < {name}[{b}] = {values[b]}")
     if values[-1] != total:
-        raise _bad(name, f"{name}[-1] == {total_name} = {total}", f"{name}[-1] = {values[-1]}")
+        raise bad_arg(name, f"{name}[-1] == {total_name} = {total}", f"{name}[-1] = {values[-1]}")
     return values
 
 
@@ -118,9 +115,9 @@ def _check_max_seqlen(name: str, value: Any, longest: int, side: str) -> None:
     if value is None:
         return
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise _bad(name, "None or an int", repr(value))
+        raise bad_arg(name, "None or an int", repr(value))
     if int(value) < longest:
-        raise _bad(name, f"an int >= the longest {side} sequence ({longest})", int(value))
+        raise bad_arg(name, f"an int >= the longest {side} sequence ({longest})", int(value))
 
 
 def check_arguments(layout: str, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any) -> None:
@@ -132,11 +129,11 @@ def check_arguments(layout: str, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqle
         for name, value in given.items():
             if value is not None:
                 got = f"shape {tuple(value.shape)}" if hasattr(value, "shape") else repr(value)
-                raise _bad(name, f"None for layout {layout!r} (packed sequences take layout 'thd')", got)
+                raise bad_arg(name, f"None for layout {layout!r} (packed sequences take layout 'thd')", got)
         return
     for name, other in (("cu_seqlens_q", "cu_seqlens_k"), ("cu_seqlens_k", "cu_seqlens_q")):
         if given[name] is None:
-            raise _bad(name, f"an int32 array of prefix sums (layout 'thd' needs both {name} and {other})", "None")
+            raise bad_arg(name, f"an int32 array of prefix sums (layout 'thd' needs both {name} and {other})", "None")
 
 
 def check_packing(total_q: int, total_k: int, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
@@ -146,8 +143,8 @@ def check_packing(total_q: int, total_k: int, cu_seqlens_q: Any, cu_seqlens_k: A
     cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q")
     ck = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "total_k")
     if len(ck) != len(cq):
-        raise _bad("cu_seqlens_k", f"B + 1 = {len(cq)} entries like cu_seqlens_q (one per sequence, plus one)",
-                   f"{len(ck)} entries")
+        raise bad_arg("cu_seqlens_k", f"B + 1 = {len(cq)} entries like cu_seqlens_q (one per sequence, plus one)",
+                      f"{len(ck)} entries")
     longest_q, longest_k = int(np.diff(cq).max()), int(np.diff(ck).max())
     _check_max_seqlen("max_seqlen_q", max_seqlen_q, longest_q, "query")
     _check_max_seqlen("max_seqlen_k", max_seqlen_k, longest_k, "key")

@@ -1,6 +1,6 @@
 """numba-flash's built-in backends (``base``, ``cpu``, ``cuda``, ``rocm``; ``varlen`` and ``kvcache``, their
-shared drivers for packed sequences and KV-cache decoding; ``cuda_io``, the cuda backend's arrays, and
-``torch_scores``, the torch path's score pipeline) under a name the library owns.
+shared drivers for packed sequences and KV-cache decoding; ``cuda_io``, the cuda backend's arrays) under a name the
+library owns.
 
 The modules themselves live in the top-level ``backends`` directory installed beside ``numba_flash``, where users
 and third-party backends know them as ``backends.cpu``, ``backends.base`` and so on. The library never imports them
@@ -17,4 +17,4 @@ import os
 BUILTIN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "backends")
 __path__.append(BUILTIN_DIR)  # noqa: F821 -- a package's __path__ is defined by the import system
 
-BUILTIN_MODULES = ("base", "varlen", "kvcache", "cpu", "cuda_io", "cuda", "rocm", "torch_scores")
+BUILTIN_MODULES = ("base", "varlen", "kvcache", "cpu", "cuda_io", "cuda", "rocm")

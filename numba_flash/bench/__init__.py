@@ -33,9 +33,11 @@ nor matplotlib, pandas, tqdm, tabulate or threadpoolctl; each is imported where 
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from .cases import (CONFIGS, DEFAULT_CONFIG, DTYPES, PASSES, BenchArgumentError, Case, Inputs, Reference, Skip,
                     make_cases, to_host64)
-from .cli import build_parser, main, parse_args
+from .cli import build_parser, parse_args
 from .decode import (DecodeCase, DecodeInputs, DecodeRow, Step, backend_step, copy_step, execute_decode,
                      make_decode_cases, run_decode_case, sdpa_step)
 from .engine import execute, resolve_runners, run, run_case, run_pass
@@ -44,10 +46,21 @@ from .memory import (available_host_bytes, fits_in_memory, host_memory_method, m
                      measure_host_peak, naive_bytes, reference_bytes)
 from .plot import plot_rows, write_plot
 from .report import format_table, machine_info, write_csv, write_json
-from .results import CSV_COLUMNS, BenchResults, NoisyTimingWarning, Row
+from .results import BenchResults, NoisyTimingWarning
+from .rows import CSV_COLUMNS, Row
 from .runners import BackendRunner, NaiveNumpyRunner, Runner, TorchRunner, make_runner, torch_cuda_available
 from .varlen import (VarlenCase, VarlenInputs, VarlenRow, draw_lengths, execute_varlen, make_varlen_case,
                      varlen_calls)
+
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m numba_flash.bench [bench] ARGS`` from Python; returns the exit status. The command line lives in
+    ``numba_flash.cli`` (``bench_main``), which builds on ``bench.cli``; this facade only hands over."""
+    from ..cli import bench_main
+
+    return bench_main(argv)
+
 
 __all__ = [
     "CONFIGS", "DEFAULT_CONFIG", "DTYPES", "PASSES", "CSV_COLUMNS", "BUSY_SPREAD",

@@ -3,6 +3,6 @@ subcommand)."""
 
 import sys
 
-from .cli import main
+from ..cli import bench_main
 
-sys.exit(main())
+sys.exit(bench_main())

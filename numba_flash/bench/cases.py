@@ -10,6 +10,7 @@ import numpy as np
 from ..reference import attention_ref, attention_ref_backward
 from ..semantics import attention_flops
 from ..validation import PRECISIONS
+from .harness import optional_torch
 
 # (batch, nheads, seqlen, headdim): FlashAttention's minimal_benchmark sizes plus two long sequences.
 CONFIGS: dict[str, tuple[int, int, int, int]] = {
@@ -106,14 +107,6 @@ def make_cases(config: str | None = None, *, batch: int | None = None, nheads: i
                  layout, precision) for sl in (seqlens or [s])]
 
 
-def _torch() -> Any:
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch
-
-
 class Inputs:
     """Fresh N(0, 1) q, k, v, dout for one case, drawn in float32 on the host and rounded once to the case's
     dtype; every runner and the float64 reference see the same rounded values."""
@@ -136,7 +129,7 @@ class Inputs:
 
     def torch(self, device: str) -> dict[str, Any]:
         """torch tensors on ``device`` in the case's dtype; Skip when torch is not installed."""
-        torch = _torch()
+        torch = optional_torch()
         if torch is None:
             raise Skip("torch not installed")
         key = ("torch", device)

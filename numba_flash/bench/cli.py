@@ -380,20 +380,3 @@ def run_command(args: argparse.Namespace, cases: list[Case], runner_specs: list[
                (args.json, lambda p: write_json(p, results.rows, results.meta)),
                (args.plot, lambda p: write_plot(p, results.rows, title_for(results.cases, results.meta))))
     return finish(args, results.rows, format_table(results.rows), results.notes, writers)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m numba_flash.bench [bench] ARGS``; another subcommand (``warmup``, ``explain``) goes to
-    ``numba_flash.cli``. Returns the exit status (see the module docstring)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    from ..cli import SUBCOMMANDS
-
-    if argv[:1] and argv[0] in SUBCOMMANDS and argv[0] != "bench":
-        from ..cli import main as cli_main
-
-        return cli_main(argv)
-    try:
-        return run_command(*parse_args(argv))
-    except KeyboardInterrupt:
-        print("numba-flash bench: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED

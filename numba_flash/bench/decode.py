@@ -21,8 +21,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .cases import DTYPES, MAX_HEAD_DIM, BenchArgumentError, Skip, _torch, to_host64
-from .harness import Clock, TimingStats, busy_note, matched_torch_threads, time_calls, timing_fields
+from .cases import DTYPES, MAX_HEAD_DIM, BenchArgumentError, Skip, to_host64
+from .harness import (Clock, TimingStats, busy_note, matched_torch_threads, optional_torch, time_calls,
+                      timing_fields)
 from .memory import available_host_bytes, fits_in_memory, gib
 
 # The issue's decode point: a Llama-style GQA model (32 query heads, 8 key/value heads, D = 128), one sequence.
@@ -166,7 +167,7 @@ class DecodeInputs:
         arrays = [rng.standard_normal(shape, dtype=np.float32) for shape in
                   ((b, 1, hq, d), (b, n, hkv, d), (b, n, hkv, d))]
         if case.dtype == "bfloat16":
-            torch = _torch()
+            torch = optional_torch()
             if torch is None:
                 raise Skip("bfloat16 needs torch (numpy has no bfloat16)")
             arrays = [torch.from_numpy(a).to(torch.bfloat16) for a in arrays]
@@ -184,7 +185,7 @@ class DecodeInputs:
 
     def torch_on(self, device: str) -> dict[str, Any]:
         """q and the caches as torch tensors on ``device``, sharing memory with the host arrays on the CPU."""
-        torch = _torch()
+        torch = optional_torch()
         if torch is None:
             raise Skip("torch not installed")
         conv = (lambda a: a) if not isinstance(self.q, np.ndarray) else torch.from_numpy
@@ -239,7 +240,7 @@ def backend_step(name: str, inputs: DecodeInputs) -> Step:
         except Skip as exc:
             why.append(str(exc))
             continue
-        sl = inputs.cache_seqlens if device == "cpu" else _torch().from_numpy(inputs.cache_seqlens).to(device)
+        sl = inputs.cache_seqlens if device == "cpu" else optional_torch().from_numpy(inputs.cache_seqlens).to(device)
 
         def fn(a: dict[str, Any] = a, sl: Any = sl) -> Any:
             return op.with_kvcache(a["q"], a["k_cache"], a["v_cache"], cache_seqlens=sl)
@@ -260,7 +261,7 @@ def sdpa_step(inputs: DecodeInputs) -> Step:
 
     device = "cuda" if torch_cuda_available() else "cpu"
     a = inputs.torch_on(device)
-    torch = _torch()
+    torch = optional_torch()
 
     def fn() -> Any:
         with torch.no_grad():
@@ -281,7 +282,7 @@ def copy_step(inputs: DecodeInputs, device: str = "cpu") -> Step:
             for d, x in zip(dst, src):
                 np.copyto(d, x)
     else:
-        torch = _torch()
+        torch = optional_torch()
         src = [torch.from_numpy(inputs.bytes_of(a)).to(device) for a in (inputs.k_cache, inputs.v_cache)]
         dst = [torch.empty_like(x) for x in src]
 

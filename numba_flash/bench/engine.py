@@ -14,7 +14,8 @@ from . import memory
 from .cases import PASSES, BenchArgumentError, Case, Inputs, Reference, Skip, make_cases, to_host64
 from .harness import Clock, busy_note, matched_torch_threads, time_calls
 from .memory import fits_in_memory, gib, measure_peak, reference_bytes
-from .results import BenchResults, Row
+from .results import BenchResults
+from .rows import Row
 from .runners import Runner, make_runner, torch_cuda_available
 
 

@@ -23,7 +23,8 @@ import numpy as np
 BUSY_SPREAD = 3.0
 
 
-def _torch() -> Any:
+def optional_torch() -> Any:
+    """The torch module, or None where torch is not installed (the bench runs its numpy and numba parts alone)."""
     try:
         import torch
     except ImportError:
@@ -41,7 +42,7 @@ class Clock:
     def sync(self) -> None:
         """Wait for the device's queued work (nothing on the host)."""
         if self.device_api == "torch-cuda":
-            _torch().cuda.synchronize()
+            optional_torch().cuda.synchronize()
         elif self.device_api == "numba-cuda":
             from numba import cuda
 
@@ -51,7 +52,7 @@ class Clock:
         """Milliseconds ``fn`` took, and its result."""
         self.sync()
         if self.device_api == "torch-cuda":
-            torch = _torch()
+            torch = optional_torch()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             result = fn()
@@ -145,7 +146,7 @@ def matched_torch_threads() -> Iterator[int | None]:
     """For the block, give torch as many intra-op threads as Numba uses, so both sides of a comparison get the
     same cores; torch's own setting comes back afterwards (a notebook keeps its thread count). Yields the count,
     or None when torch is not installed."""
-    torch = sys.modules.get("torch") or _torch()
+    torch = sys.modules.get("torch") or optional_torch()
     if torch is None:
         yield None
         return

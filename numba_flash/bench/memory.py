@@ -16,7 +16,7 @@ import sys
 from typing import Any, Callable
 
 from .cases import Case
-from .harness import Clock, _torch
+from .harness import Clock, optional_torch
 
 # Live (Sq, Sk) arrays at the peak of each S x S computation, counted from the code: the textbook backward keeps
 # P, dP and dS plus a temporary; the float64 reference's backward keeps scores, softcap factor, mask, P, dP, dS.
@@ -102,7 +102,7 @@ def numba_cuda_available() -> bool:
 
 def measure_gpu_peak(fn: Callable[[], Any], device_api: str) -> tuple[int, Any]:
     """Peak extra GPU bytes while ``fn`` runs: torch's allocator peak, or the fall of free device memory."""
-    torch = _torch()
+    torch = optional_torch()
     use_torch = torch is not None and torch.cuda.is_available()
     ctx = None
     if numba_cuda_available():

@@ -10,7 +10,7 @@ import os
 from typing import Any, Sequence
 
 from .cases import Case
-from .results import Row
+from .rows import Row
 
 
 def title_for(cases: Sequence[Case], meta: dict[str, Any]) -> str:

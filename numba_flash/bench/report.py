@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .memory import host_memory_method
-from .results import CSV_COLUMNS, Row
+from .rows import CSV_COLUMNS, Row
 
 HEADERS = ("seqlen", "name", "device", "pass", "min ms", "p50 ms", "p95 ms", "p99 ms", "max ms", "TFLOP/s",
            "peak MiB", "mem saved", "x naive", "x sdpa", "max err")

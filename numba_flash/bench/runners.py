@@ -9,13 +9,14 @@ from typing import Any, Callable, Iterator
 
 from .. import bench_peers
 from . import memory
-from .cases import Case, Inputs, Skip, _torch
+from .cases import Case, Inputs, Skip
+from .harness import optional_torch
 from .memory import fits_in_memory, gib, naive_bytes, numba_cuda_available
 
 
 def torch_cuda_available() -> bool:
     """Whether torch is installed and sees a GPU."""
-    torch = _torch()
+    torch = optional_torch()
     return bool(torch is not None and torch.cuda.is_available())
 
 
@@ -139,7 +140,7 @@ class TorchRunner(Runner):
         self.naive = naive
 
     def prepare(self, case: Case, inputs: Inputs) -> None:
-        torch = _torch()
+        torch = optional_torch()
         if torch is None:
             raise Skip("torch not installed")
         self.torch = torch

@@ -9,7 +9,7 @@ import pytest
 import backends.cuda as cuda_backend
 from backends import backend_registry
 from backends.cuda import BF16_CAI_REASON, BF16_CC_REASON, BF16_HOST_REASON, HOST_REASON, SIM_REASON, CudaBackend
-from backends.cuda_io import _torch_bits
+from backends.cuda_io import torch_bits
 from numba_flash import AttentionInputError, attention_ref, attention_ref_backward
 from numba_flash.cuda import TileOverride, tile_config_override
 from numba_flash.validation import validate_forward
@@ -81,12 +81,12 @@ def test_bfloat16_needs_compute_capability_8(rng, monkeypatch, cc, ok):
 def test_bfloat16_tensors_reach_kernels_as_int16_views():
     torch = pytest.importorskip("torch")
     t = torch.randn(2, 7, 3, 5).to(torch.bfloat16).transpose(1, 2)   # non-contiguous
-    bits = _torch_bits(t)
+    bits = torch_bits(t)
     assert bits.dtype == torch.int16 and bits.shape == t.shape and bits.stride() == t.stride()
     assert bits.data_ptr() == t.data_ptr()                              # zero-copy
     assert torch.equal(bits.view(torch.bfloat16), t)
     h = torch.randn(3, 4).half()
-    assert _torch_bits(h) is h
+    assert torch_bits(h) is h
 
 
 def test_explain_lists_cuda_reason(rng):

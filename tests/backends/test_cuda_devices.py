@@ -10,8 +10,8 @@ There is no GPU here, let alone two, so the GPU side is faked, in the normal pro
 - ``flash.flash_forward`` / ``flash_backward`` are replaced by recorders that note the current device and the
   devices of the arrays they got, and write the float64 reference's results into the outputs.
 The torch and CuPy kinds are recognised by their module name, so their fakes are classes named into a ``torch`` /
-``cupy`` module; they only carry a device. What is real: ``backends.cuda`` (``_Session``, ``CudaBackend.forward``
-and ``backward``, ``_device_index``) and validation.
+``cupy`` module; they only carry a device. What is real: ``backends.cuda`` (``Session``, ``CudaBackend.forward``
+and ``backward``, ``device_index``) and validation.
 """
 
 import contextlib
@@ -23,7 +23,7 @@ import pytest
 
 import backends.cuda_io as cuda_io
 from backends.cuda import CudaBackend
-from backends.cuda_io import _device_index, _Session
+from backends.cuda_io import device_index, Session
 from numba_flash import AttentionInputError, attention_ref, attention_ref_backward
 from numba_flash.validation import validate_backward, validate_forward
 
@@ -137,16 +137,16 @@ def test_device_index_of_every_kind(monkeypatch):
     dlpack_gpu = types.SimpleNamespace(__dlpack_device__=lambda: (2, 1))
     dlpack_host = types.SimpleNamespace(__dlpack_device__=lambda: (1, 0))
     null = types.SimpleNamespace(__cuda_array_interface__={"data": (0, False)})
-    assert _device_index(torch_like) == 1
-    assert _device_index(cupy_like) == 1
-    assert _device_index(FakeGpuArray(np.zeros(3), 1)) == 1
-    assert _device_index(FakeGpuArray(np.zeros(3), 0)) == 0
-    assert _device_index(dlpack_gpu) == 1
-    assert _device_index(dlpack_host) is None
-    assert _device_index(null) is None                     # an empty array has no pointer to ask about
-    assert _device_index(np.zeros(3)) is None
+    assert device_index(torch_like) == 1
+    assert device_index(cupy_like) == 1
+    assert device_index(FakeGpuArray(np.zeros(3), 1)) == 1
+    assert device_index(FakeGpuArray(np.zeros(3), 0)) == 0
+    assert device_index(dlpack_gpu) == 1
+    assert device_index(dlpack_host) is None
+    assert device_index(null) is None                     # an empty array has no pointer to ask about
+    assert device_index(np.zeros(3)) is None
     torch_like.device = types.SimpleNamespace(type="cpu", index=None)
-    assert _device_index(torch_like) is None
+    assert device_index(torch_like) is None
 
 
 def test_forward_runs_on_the_gpu_of_its_inputs(rng, gpus):
@@ -207,7 +207,7 @@ def test_backward_inputs_on_two_gpus_are_refused(rng, gpus, bad):
 def test_host_inputs_enter_no_gpu(rng, gpus):
     # numpy (and, under the simulator, CPU tensors) are copied to numba's current device: nothing to switch to.
     q, k, v = (x.arr for x in _inputs(rng))
-    io = _Session(validate_forward(q, k, v))
+    io = Session(validate_forward(q, k, v))
     assert io.index is None
     with io.on_device():
         pass

@@ -99,6 +99,20 @@ def test_forcing_precedence(rng, fakes, monkeypatch):
         assert backend_registry.get(OP, backend="fast").forward(q, k, v, backend="slow") == "slow"  # call beats get
 
 
+def test_forced_backend_names_the_forced_choice(fakes, monkeypatch):
+    """The public ``forced_backend`` (what flash_attn_func reads before autograd may switch threads) follows the
+    same precedence as dispatch: call > get > use() > env var, None when nothing forces one."""
+    assert fakes.forced_backend() is None
+    monkeypatch.setenv(backend_registry.ENV_VAR, "medium")
+    assert fakes.forced_backend() == "medium"
+    with backend_registry.use("slow"):
+        assert fakes.forced_backend() == "slow"
+        assert backend_registry.get(OP, backend="fast").forced_backend() == "fast"
+        assert backend_registry.get(OP, backend="fast").forced_backend("slow") == "slow"
+    monkeypatch.setenv(backend_registry.ENV_VAR, "")
+    assert fakes.forced_backend() is None
+
+
 def test_unknown_backend_and_op(rng, fakes, monkeypatch):
     monkeypatch.delenv(backend_registry.ENV_VAR, raising=False)
     with pytest.raises(NoBackendError, match=r"no such backend \(registered: fast, medium, slow\)\)$"):

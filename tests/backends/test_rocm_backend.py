@@ -13,6 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import backends.rocm as rocm  # noqa: E402
+import numba_flash.torch_path.blocks as tp_blocks  # noqa: E402
+import numba_flash.torch_path.scores as tp_scores  # noqa: E402
 from backends import backend_registry  # noqa: E402
 from numba_flash import AttentionInputError, attention_ref, attention_ref_backward, validate_forward  # noqa: E402
 from numba_flash.semantics import effective_window, visible_mask  # noqa: E402
@@ -32,7 +34,7 @@ def blocks(request, monkeypatch):
     """Run each case with the real block sizes (one block at these sizes) and with tiny ones, which make many
     query and key blocks, partial blocks at the edges, and key blocks skipped outside the band."""
     if request.param == "small_blocks":
-        monkeypatch.setattr(rocm, "block_sizes", lambda call: (5, 7))
+        monkeypatch.setattr(tp_blocks, "block_sizes", lambda call: (5, 7))
     return request.param
 
 
@@ -283,7 +285,7 @@ def test_band_visits_exactly_the_visible_blocks(rng, trial):
     q, k = rng.standard_normal((1, sq, 1, 4)), rng.standard_normal((1, sk, 1, 4))
     call = validate_forward(q, k, k, causal=bool(rng.integers(0, 2)), window_size=window)
     mask = visible_mask(sq, sk, call.window_left, call.window_right)
-    band = rocm._Band(call)
+    band = tp_blocks.Band(call)
     bq, bk = (int(x) for x in rng.integers(1, 12, size=2))
     for q0 in range(0, sq, bq):
         q1 = min(q0 + bq, sq)
@@ -302,17 +304,17 @@ def test_score_blocks_stay_small_and_band_is_skipped(rng, op, monkeypatch):
     computes about half the score matrix."""
     b, h, s = 1, 2, 150
     limit = b * h * 16 * 24
-    monkeypatch.setattr(rocm, "SCORE_BLOCK_ELEMENTS", limit)
-    monkeypatch.setattr(rocm, "CPU_BLOCK_K", 24)
+    monkeypatch.setattr(tp_blocks, "SCORE_BLOCK_ELEMENTS", limit)
+    monkeypatch.setattr(tp_blocks, "CPU_BLOCK_K", 24)
     sizes = []
-    real = rocm._scores
+    real = tp_scores.block_scores
 
     def spy(*args, **kwargs):
         res = real(*args, **kwargs)
         sizes.append(res[0].numel())
         return res
 
-    monkeypatch.setattr(rocm, "_scores", spy)
+    monkeypatch.setattr(tp_scores, "block_scores", spy)
     q, k, v = _qkv(rng, b, s, s, h, h, 8)
     out, lse = op.forward(q, k, v, causal=True, return_lse=True)
     assert max(sizes) <= limit

@@ -148,10 +148,10 @@ def test_seqlen_sweep_and_plot(tmp_path):
 def test_bad_arguments_give_a_clean_error(tmp_path, capsys, args, message):
     # In this process (a subprocess each cost a Python start and the imports, ~5 s): the command line's entry point
     # exits with status 2 and argparse's usage and message, and raises nothing else (which would be a traceback).
-    from numba_flash.bench.cli import main
+    from numba_flash.cli import bench_main
 
     try:
-        code = main([a.format(tmp=tmp_path) for a in args])
+        code = bench_main([a.format(tmp=tmp_path) for a in args])
     except SystemExit as exc:
         code = exc.code
     assert code == 2

@@ -217,10 +217,10 @@ def dropout_backend(request, monkeypatch):
     """The torch path with the whole problem in one block or cut into blocks of 8 x 8 (each makes its own mask),
     or the CPU kernels."""
     if request.param == "rocm-many-blocks":
-        from backends import rocm
+        from numba_flash.torch_path import blocks
 
-        monkeypatch.setattr(rocm, "CPU_BLOCK_Q", 8)
-        monkeypatch.setattr(rocm, "CPU_BLOCK_K", 8)
+        monkeypatch.setattr(blocks, "CPU_BLOCK_Q", 8)
+        monkeypatch.setattr(blocks, "CPU_BLOCK_K", 8)
     return request.param.split("-")[0]
 
 

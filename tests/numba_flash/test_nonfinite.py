@@ -28,11 +28,11 @@ def backend(request, monkeypatch):
     if name.startswith("rocm"):
         pytest.importorskip("torch")
         if name == "rocm_small_blocks":
-            import backends.rocm as rocm
+            from numba_flash.torch_path import blocks
 
             # Many query and key blocks, partial ones at the edges, the bad key inside a masked block for some
             # query blocks and inside a full one for others.
-            monkeypatch.setattr(rocm, "block_sizes", lambda call: (5, 7) if call.seqlen_q < 64 else (37, 29))
+            monkeypatch.setattr(blocks, "block_sizes", lambda call: (5, 7) if call.seqlen_q < 64 else (37, 29))
     return name
 
 

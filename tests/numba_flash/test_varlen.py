@@ -409,7 +409,7 @@ def test_varlen_ops_pass_opcheck_and_compile(rng):
     """Schema and fake implementations agree with the real ops; torch.compile runs them as opaque nodes."""
     torch = pytest.importorskip("torch")
     from numba_flash import flash_attn_varlen_func
-    from numba_flash.torch_api import flash_varlen_bwd, flash_varlen_fwd
+    from numba_flash.torch_varlen import flash_varlen_bwd, flash_varlen_fwd
 
     (q, k, v), dout, cu_q, cu_k = _torch_inputs(rng, ([3, 0, 5], [4, 2, 6]))
     args = (q.detach(), k.detach(), v.detach(), cu_q, cu_k, 5, 6, True, None, -1, 0, 0.0, "cpu")

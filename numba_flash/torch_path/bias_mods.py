@@ -1,7 +1,7 @@
-"""Score terms for the blockwise torch path (``backends.rocm``): ``attn_bias`` (the bias of one (query block, key
-block) laid out like that block's scores, and its gradient summed back to the bias's own shape) and the user mods
-of ``numba_flash.mods`` (bias_mod, mask_mod, score_mod and its gradient), evaluated on the host by the same
-numba-compiled functions the CPU kernels call, so every backend sees the same values.
+"""Score terms for the blockwise torch path (``numba_flash.torch_path``): ``attn_bias`` (the bias of one (query
+block, key block) laid out like that block's scores, and its gradient summed back to the bias's own shape) and the
+user mods of ``numba_flash.mods`` (bias_mod, mask_mod, score_mod and its gradient), evaluated on the host by the
+same numba-compiled functions the CPU kernels call, so every backend sees the same values.
 
 The blockwise loops hold scores as (B, Hkv, n * g, m): a query block of n queries, each row one of the g query heads
 of a kv head's group, query-major. The bias is (B, Hq, Sq, Sk) after broadcasting; it is never materialised at that
