@@ -154,7 +154,7 @@ def mod_error(name: str, fn: Any, exc: BaseException, where: str = "") -> Attent
     """The error for ``exc``, raised by the user's mod ``fn`` in the role ``name`` while it ran (an index out of
     bounds, a RuntimeError, a failed assert): whatever the mod's own error, the call's input (the mod) is at fault.
     ``where``: the element or tile it ran on, when the caller knows it. Every path that runs mods (the CPU kernels,
-    the torch path, ``block_mask``, the CUDA simulator's launches, ``check_mods_on_host``) words it so."""
+    the torch path, ``block_mask``, the CUDA simulator's launches) words it so."""
     label = getattr(fn, "__name__", repr(fn))
     return AttentionInputError(f"{name}: expected a function that runs on every (b, h, q_idx, kv_idx) of the call; "
                                f"{label} raised {type(exc).__name__}: {exc}" + (f" ({where})" if where else ""))

@@ -1,7 +1,7 @@
 """A mod that raises inside a CUDA kernel run by the simulator (issue 47, finding 3): an AttentionInputError naming
 the mod, its exception, the element, the kernel and its block, as on the host paths, rather than the simulator's
 raw exception (an IndexError from a table read out of range, whatever the mod raised). On a real GPU nothing comes
-back from a mod (numba_flash/mods.py's docstring; check_mods_on_host checks one on the host first).
+back from a mod (numba_flash/mods.py's docstring says how to check one on the host first).
 
 Run: NUMBA_ENABLE_CUDASIM=1 NUMBA_FLASH_SIMCHECK=1 .venv/bin/python -m pytest -q -m cudasim <this file>
 """
