@@ -28,13 +28,14 @@ Only torch is needed (imported with this module); ``import numba_flash`` does no
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from numba_flash.arguments import checked_arguments
-from numba_flash.errors import AttentionInputError, bad_arg, short_repr
+from numba_flash.errors import AttentionInputError, UnknownKeywordError, bad_arg, short_repr
 from numba_flash import backend_registry
 from numba_flash.merge import merge_attention_states
 from numba_flash.validation import validate_forward
@@ -262,22 +263,34 @@ class RingAttentionFunc(torch.autograd.Function):
 
 
 MESSAGE_BYTES = 1024  # of a rank's refusal, sent to every rank: enough for any AttentionInputError of the checks
+#: The errors a rank's refusal is raised as on every rank, most specific first (its index + 1 travels with it);
+#: any other exception is raised as RuntimeError, its type named in the message.
+_REFUSALS = (UnknownKeywordError, AttentionInputError, TypeError, ValueError, RuntimeError)
 
 
-def _check_ranks_agree(q: torch.Tensor, k: torch.Tensor, group: Any, causal: bool,
-                       refusal: AttentionInputError | None = None) -> None:
+def _refusal_code(refusal: BaseException) -> tuple[int, str]:
+    """(the index + 1 in _REFUSALS of the class every rank raises for ``refusal``, the message it carries)."""
+    for i, kind in enumerate(_REFUSALS):
+        if isinstance(refusal, kind) and kind is not RuntimeError:
+            return i + 1, str(refusal)
+    return len(_REFUSALS), f"{type(refusal).__name__}: {refusal}"
+
+
+def _check_ranks_agree(q: Any, k: Any, group: Any, causal: bool, refusal: BaseException | None = None) -> None:
     """Every rank must pass valid input and the same shapes, dtype and options: the receive buffers are allocated
     from this rank's own shapes, and a mismatch would hang or mix garbage in. One small all_gather carries each
-    rank's verdict on its own input (``refusal``: the error its checks raised, or None) and what the ranks must
-    agree on, so that every rank raises the same error and none is left waiting in a collective (until the
-    group's timeout) for a rank that has already raised."""
+    rank's verdict on its own input (``refusal``: the error its checks raised, or None: then q and k are its
+    tensors) and what the ranks must agree on, so that every rank raises the same error (of the same class, see
+    ``_REFUSALS``) and none is left waiting in a collective (until the group's timeout) for a rank that has
+    already raised."""
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     if refusal is None:
         meta = [0, *q.shape, *k.shape, dtypes.index(q.dtype), int(causal)]
         text = b""
     else:  # this rank's shapes may not even exist: it sends its error instead
-        meta = [1] + [0] * 10
-        text = str(refusal).encode()[:MESSAGE_BYTES]
+        code, message = _refusal_code(refusal)
+        meta = [code] + [0] * 10
+        text = message.encode()[:MESSAGE_BYTES]
     if dist.get_backend(group) == "nccl":
         device = q.device if isinstance(q, torch.Tensor) and q.is_cuda else torch.device("cuda",
                                                                                           torch.cuda.current_device())
@@ -290,7 +303,8 @@ def _check_ranks_agree(q: torch.Tensor, k: torch.Tensor, group: Any, causal: boo
     for r, theirs in enumerate(every):
         if theirs[0]:   # the first rank that refused its input: its error, on every rank
             message = bytes(c for c in theirs[11:] if c).decode(errors="replace")
-            raise AttentionInputError(f"{message} (on rank {r} of {len(every)}; every rank raises this)")
+            kind = _REFUSALS[min(max(theirs[0], 1), len(_REFUSALS)) - 1]
+            raise kind(f"{message} (on rank {r} of {len(every)}; every rank raises this)") from refusal
     meta = meta[1:]
     for r, theirs in enumerate(every):
         theirs = theirs[1:11]
@@ -308,7 +322,7 @@ def _check_local(q: Any, k: Any, v: Any, causal: bool, softmax_scale: Any, windo
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise bad_arg(name, "a torch.Tensor (ring_attention works on torch.distributed)", type(x).__name__)
-    if tuple(window_size) != (-1, -1):
+    if not isinstance(window_size, (tuple, list)) or tuple(window_size) != (-1, -1):
         raise bad_arg("window_size", "(-1, -1) (a sliding window is not supported by ring_attention)",
                       short_repr(window_size))
     validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap, layout="bshd",
@@ -325,8 +339,7 @@ def _check_local(q: Any, k: Any, v: Any, causal: bool, softmax_scale: Any, windo
                           "shard_sequence)", f"length {q.shape[1]}")
 
 
-@checked_arguments
-def ring_attention(
+def _ring_arguments(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -338,7 +351,45 @@ def ring_attention(
     softcap: float = 0.0,
     return_lse: bool = False,
     backend: Optional[str] = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> dict[str, Any]:
+    """ring_attention's arguments by name: the signature ``ring_attention`` shows and binds its call to."""
+    return dict(q=q, k=k, v=v, group=group, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                softcap=softcap, return_lse=return_lse, backend=backend)
+
+
+_ring_arguments.__qualname__ = "ring_attention"   # checked_arguments and Python's TypeError name the function so
+_bind = checked_arguments(_ring_arguments)
+
+
+def _verdict(args: Any, kwargs: Any) -> tuple[dict[str, Any] | None, BaseException | None, Any]:
+    """(the call's arguments by name or None, this rank's refusal or None, the group to exchange verdicts on). A
+    refusal is any error of the checks that need no communication: ``checked_arguments``' (an unknown keyword, a
+    MaskedTensor), Python's binding (a missing argument), the local checks (of any class); each goes through the
+    exchange. Raised here, alone, only where no rank can be told: no process group, or a group without this rank."""
+    try:
+        a = _bind(*args, **kwargs)
+        refusal = None
+    except Exception as exc:   # noqa: BLE001  every rank raises it, of its class, after the exchange
+        a, refusal = None, exc
+    if a is not None:
+        try:
+            _check_local(a["q"], a["k"], a["v"], a["causal"], a["softmax_scale"], a["window_size"], a["softcap"],
+                         a["return_lse"])
+        except Exception as exc:   # noqa: BLE001  likewise (a TypeError of a malformed option too)
+            refusal = exc
+    group = a["group"] if a is not None else kwargs.get("group")
+    try:
+        _check_group(group)
+    except AttentionInputError as exc:
+        reachable = dist.is_available() and dist.is_initialized() and not isinstance(group, dist.ProcessGroup)
+        if not reachable:   # no group to tell: this rank's own error comes first
+            raise (refusal or exc) from None
+        # Not a group at all: the other ranks, calling with group=None, wait in the default group's exchange.
+        refusal, group = refusal or exc, None
+    return a, refusal, group
+
+
+def ring_attention(*args: Any, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence split across the ranks of ``group``, differentiable.
 
     Every rank of the group calls it at once with its own part of the sequence (``shard_sequence`` makes the
@@ -364,25 +415,23 @@ def ring_attention(
 
     Gradients flow to q, k and v (dk, dv of this rank's keys, summed over every rank's queries), accumulated in
     float32 (float64 for float64 inputs). Raises ``numba_flash.AttentionInputError`` naming the argument for bad
-    input, the same error on every rank when the ranks disagree on shapes, dtype or causal.
+    input, the same error on every rank when the ranks disagree on shapes, dtype or causal. A rank whose own call
+    is refused (a bad argument, an unknown keyword, a missing one, a ``group`` that is not a group) sends its error
+    to the others first: every rank then raises it, of its class, naming the rank, and none waits alone.
     """
-    try:
-        _check_local(q, k, v, causal, softmax_scale, window_size, softcap, return_lse)
-        refusal = None
-    except AttentionInputError as exc:
-        refusal = exc
-    try:
-        _check_group(group)
-    except AttentionInputError:
-        if refusal is not None:   # no group to tell: this rank's own error comes first
-            raise refusal from None
-        raise
+    a, refusal, group = _verdict(args, kwargs)
+    q, k = (a["q"], a["k"]) if a is not None else (None, None)
     # Never raise alone before this exchange: the other ranks would wait for this one in it.
-    _check_ranks_agree(q, k, group, bool(causal), refusal)
+    _check_ranks_agree(q, k, group, bool(a["causal"]) if a is not None else False, refusal)
+    backend = a["backend"]
     if backend is None:
         # A backend forced with backend_registry.use() lives in this thread's context; autograd may run the
         # backward on another thread, so name it now.
         backend = backend_registry.get("flash").forced_backend()
-    scale = None if softmax_scale is None else float(softmax_scale)
-    out, lse = RingAttentionFunc.apply(q, k, v, group, bool(causal), scale, float(softcap), backend)
-    return (out, lse) if return_lse else out
+    scale = None if a["softmax_scale"] is None else float(a["softmax_scale"])
+    out, lse = RingAttentionFunc.apply(q, k, a["v"], group, bool(a["causal"]), scale, float(a["softcap"]), backend)
+    return (out, lse) if a["return_lse"] else out
+
+
+ring_attention.__signature__ = inspect.signature(_ring_arguments).replace(  # type: ignore[attr-defined]
+    return_annotation="torch.Tensor | tuple[torch.Tensor, torch.Tensor]")

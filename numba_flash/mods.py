@@ -14,8 +14,9 @@ per function object: to change a table, build a new function (a factory that ret
 array in place. Mods are compiled with numpy's error model (1 / 0 is inf, which then poisons its row as any
 non-finite score does) and with bounds checks: an index outside a global array raises ``AttentionInputError``
 naming the mod instead of reading stray memory. Any other exception a mod raises on the host (a RuntimeError, a
-failed ``assert``, a KeyError) becomes ``AttentionInputError`` too, naming the mod and its exception (and, from the
-CPU kernels, the tile where it raised).
+failed ``assert``, a KeyError) becomes ``AttentionInputError`` too, naming the mod, its exception and where it
+raised: the tile in the CPU kernels and ``block_mask``, the element and its block on the torch path
+(``evaluate_block``).
 
 On a real GPU (the cuda backend) a mod is compiled for the device without bounds checks, as numba-cuda compiles
 every kernel: a table read past its end reads whatever memory lies there (or faults the context with an illegal
@@ -33,7 +34,6 @@ mask_mod hides entirely (skipped), shows entirely (run without per-element mask 
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -100,23 +100,30 @@ def _check_returns(disp: Any, name: str, label: str) -> None:
 
 
 # The evaluation loops are serial: an exception raised inside a numba prange loop (a mod's IndexError) does not
-# reach the caller intact, and a plain loop reports it as it is.
+# reach the caller intact, and a plain loop reports it as it is. ``at[0]`` is the flat index of the element being
+# evaluated, so that an error can name it (a store per element, against a mod call per element).
 @njit
-def _index_block(fn, out, b0, h0, q0, k0):
+def _index_block(fn, out, b0, h0, q0, k0, at):
     nb, nh, nq, nk = out.shape
     for t in range(nb * nh * nq):
         b, h, i = t // (nh * nq), (t // nq) % nh, t % nq
         for j in range(nk):
+            at[0] = t * nk + j
             out[b, h, i, j] = fn(b0 + b, h0 + h, q0 + i, k0 + j)
 
 
 @njit
-def _score_block(fn, scores, out, b0, h0, q0, k0):
+def _score_block(fn, scores, out, b0, h0, q0, k0, at):
     nb, nh, nq, nk = out.shape
     for t in range(nb * nh * nq):
         b, h, i = t // (nh * nq), (t // nq) % nh, t % nq
         for j in range(nk):
+            at[0] = t * nk + j
             out[b, h, i, j] = fn(scores[b, h, i, j], b0 + b, h0 + h, q0 + i, k0 + j)
+
+
+def _span(r: range) -> str:
+    return f"{r.start}..{r.stop - 1}"
 
 
 def evaluate_block(fn: Any, name: str, batches: range, heads: range, rows: range, keys: range,
@@ -129,24 +136,28 @@ def evaluate_block(fn: Any, name: str, batches: range, heads: range, rows: range
     if 0 in shape:
         return out
     starts = (batches.start, heads.start, rows.start, keys.start)
-    with _raised_by(name, fn):
+    at = np.zeros(1, np.int64)
+    try:
         if name in ("score_mod", "score_mod_grad"):
-            _score_block(fn, np.ascontiguousarray(scores, dtype=np.float64), out, *starts)
+            _score_block(fn, np.ascontiguousarray(scores, dtype=np.float64), out, *starts, at)
         else:
-            _index_block(fn, out, *starts)
+            _index_block(fn, out, *starts, at)
+    except Exception as exc:
+        b, h, i, j = (int(x) + s0 for x, s0 in zip(np.unravel_index(int(at[0]), shape), starts))
+        raise mod_error(name, fn, exc, f"at b={b}, h={h}, q_idx={i}, kv_idx={j}, in the block of queries "
+                                       f"{_span(rows)} x keys {_span(keys)}, b {_span(batches)}, h {_span(heads)}"
+                        ) from exc
     return out
 
 
-@contextmanager
-def _raised_by(name: str, fn: Any):
-    """Any exception a mod raises while it runs (an index out of bounds, a RuntimeError, a failed assert) as
-    ``AttentionInputError`` naming it: whatever the mod's own error, the call's input (the mod) is at fault."""
-    try:
-        yield
-    except Exception as exc:
-        label = getattr(fn, "__name__", repr(fn))
-        raise AttentionInputError(f"{name}: expected a function that runs on every (b, h, q_idx, kv_idx) of the "
-                                  f"call; {label} raised {type(exc).__name__}: {exc}") from exc
+def mod_error(name: str, fn: Any, exc: BaseException, where: str = "") -> AttentionInputError:
+    """The error for ``exc``, raised by the user's mod ``fn`` in the role ``name`` while it ran (an index out of
+    bounds, a RuntimeError, a failed assert): whatever the mod's own error, the call's input (the mod) is at fault.
+    ``where``: the element or tile it ran on, when the caller knows it. Every path that runs mods (the CPU kernels,
+    the torch path, ``block_mask``, the CUDA simulator's launches) words it so."""
+    label = getattr(fn, "__name__", repr(fn))
+    return AttentionInputError(f"{name}: expected a function that runs on every (b, h, q_idx, kv_idx) of the call; "
+                               f"{label} raised {type(exc).__name__}: {exc}" + (f" ({where})" if where else ""))
 
 
 @njit
@@ -253,9 +264,15 @@ def block_mask(mask_mod: Callable, B: int, H: int, Sq: int, Sk: int, block_m: in
                                              ("block_n", block_n))]
     b, h, sq, sk, bm, bn = dims
     fn = compile_mod(mask_mod, "mask_mod")
-    states = np.empty((b, h, -(-sq // bm), -(-sk // bn)), dtype=np.int8)
-    with _raised_by("mask_mod", mask_mod):
+    # -1 until a tile is classified: the loop runs in order, so after an exception the first -1 is where it raised
+    states = np.full((b, h, -(-sq // bm), -(-sk // bn)), -1, dtype=np.int8)
+    try:
         _tile_states(fn, states, sq, sk, bm, bn)
+    except Exception as exc:
+        tb, th, qt, kt = (int(x) for x in np.argwhere(states < 0)[0])
+        rows, keys = range(qt * bm, min(qt * bm + bm, sq)), range(kt * bn, min(kt * bn + bn, sk))
+        raise mod_error("mask_mod", mask_mod, exc,
+                        f"in the tile of queries {_span(rows)} x keys {_span(keys)} of b={tb}, h={th}") from exc
     return BlockMask(mask_mod, states, sq, sk, bm, bn)
 
 
@@ -308,5 +325,5 @@ def check_mods(bias_mod: Any, mask_mod: Any, score_mod: Any, score_mod_grad: Any
     return Mods(**compiled, block_mask=block_mask)
 
 
-__all__ = ["BlockMask", "block_mask", "compile_mod", "evaluate_block", "check_mods", "Mods", "EMPTY", "PARTIAL",
+__all__ = ["BlockMask", "block_mask", "compile_mod", "evaluate_block", "check_mods", "mod_error", "Mods", "EMPTY", "PARTIAL",
            "FULL"]

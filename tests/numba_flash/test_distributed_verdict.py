@@ -26,10 +26,11 @@ LAUNCH_TIMEOUT_S = 180
 
 
 def _bad_on_rank_1(rank, case):
-    """(q, k, v, options): valid on rank 0; on rank 1 the case's defect."""
+    """(positional arguments, keyword arguments): valid on rank 0; on rank 1 the case's defect."""
     g = torch.Generator().manual_seed(rank)
     q = torch.randn(1, 6, 4, 8, generator=g)
     k, v = torch.randn(2, 1, 6, 2, 8, generator=g)
+    opts = dict(causal=case == "odd causal")
     if rank == 1:
         if case == "heads":          # Hkv = 3 does not divide Hq = 4
             k, v = torch.randn(2, 1, 6, 3, 8, generator=g)
@@ -37,13 +38,30 @@ def _bad_on_rank_1(rank, case):
             k = k.numpy()
         elif case == "odd causal":   # an odd local length with causal: refused before any communication
             q, k, v = (x[:, :5] for x in (q, k, v))
-    return q, k, v, dict(causal=case == "odd causal")
+        # refused before ring_attention's body runs (checked_arguments, Python's binding) or by the group check:
+        elif case == "unknown keyword":
+            opts["casual"] = True
+        elif case == "masked tensor":
+            from torch import masked
+
+            q = masked.masked_tensor(q, torch.rand(q.shape, generator=g) > 0.5)
+        elif case == "missing v":
+            return (q, k), opts
+        elif case == "bad group":
+            opts["group"] = "world"
+        elif case == "window not a pair":   # tuple(5) raised a TypeError in the local checks
+            opts["window_size"] = 5
+    return (q, k, v), opts
 
 
-CASES = ("heads", "not a tensor", "odd causal")
+CASES = ("heads", "not a tensor", "odd causal", "unknown keyword", "masked tensor", "missing v", "bad group",
+         "window not a pair")
 
 
 def _rank_main(rank, world, store, outdir):
+    import warnings
+
+    warnings.filterwarnings("ignore")   # torch.masked's prototype warning
     os.environ.setdefault("NUMBA_FLASH_QUIET", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -54,15 +72,14 @@ def _rank_main(rank, world, store, outdir):
     results = {}
     try:
         for case in CASES:
-            q, k, v, opts = _bad_on_rank_1(rank, case)
+            args, opts = _bad_on_rank_1(rank, case)
             try:
-                ring_attention(q, k, v, **opts)
+                ring_attention(*args, **opts)
                 results[case] = "returned"
-            except AttentionInputError as exc:
-                results[case] = f"AttentionInputError: {exc}"
-            except Exception as exc:  # noqa: BLE001  a timeout of the good rank, recorded for the test to show
+            except Exception as exc:  # noqa: BLE001  recorded for the test; a timeout of the good rank ends the loop
                 results[case] = f"{type(exc).__name__}: {exc}"
-                break
+                if not isinstance(exc, (AttentionInputError, TypeError)):
+                    break
     finally:
         torch.save(results, Path(outdir) / f"rank{rank}.pt")
         dist.destroy_process_group()
@@ -82,13 +99,16 @@ def test_every_rank_raises_the_bad_ranks_error_at_once(tmp_path):
                 p.kill()
             pytest.fail(f"the ranks did not finish in {LAUNCH_TIMEOUT_S} s")
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    expected = {"heads": "AttentionInputError: k_cache|AttentionInputError: k: expected a number of heads",
+                "not a tensor": "AttentionInputError: k: expected a torch.Tensor",
+                "odd causal": "AttentionInputError: q: expected an even local sequence length",
+                "unknown keyword": "UnknownKeywordError: casual: not an argument of ring_attention(); did you mean",
+                "masked tensor": "AttentionInputError: q: expected a plain tensor",
+                "missing v": "TypeError: ring_attention() missing 1 required",
+                "bad group": "AttentionInputError: group: expected a torch.distributed ProcessGroup or None",
+                "window not a pair": "AttentionInputError: window_size: expected (-1, -1)"}
     for case in CASES:
         mine, theirs = got[0].get(case), got[1].get(case)
-        assert theirs is not None and theirs.startswith("AttentionInputError: "), (case, got)
-        assert mine == theirs, (case, got)    # the same error, the bad rank named, on the good rank too
-        assert "rank 1" in mine, (case, mine)
-    expected = {"heads": "k_cache|k: expected a number of heads", "not a tensor": "k: expected a torch.Tensor",
-                "odd causal": "q: expected an even local sequence length"}
-    for case, start_of_message in expected.items():
-        assert any(got[0][case][len("AttentionInputError: "):].startswith(s)
-                   for s in start_of_message.split("|")), got[0][case]
+        assert theirs is not None and mine == theirs, (case, got)   # the same error on both ranks, none hung
+        assert "rank 1 of 2" in mine, (case, mine)                   # naming the bad rank
+        assert any(mine.startswith(s) for s in expected[case].split("|")), (case, mine)

@@ -40,3 +40,18 @@ def test_a_mask_mod_that_raises_is_named(backend, error, rng):
 def test_block_mask_names_a_mask_mod_that_raises(error):
     with pytest.raises(AttentionInputError, match=f"^mask_mod: .*{MODS[error].__name__} raised {error}"):
         block_mask(MODS[error], 1, 1, 7, 7)
+
+
+def test_the_torch_path_names_the_block_and_the_element(rng):
+    """backend="rocm" evaluates the mods per block on the host: the message says which block and which element."""
+    q, k, v = (rng.standard_normal((2, 7, 3, 8)).astype(np.float32) for _ in range(3))
+    with pytest.raises(AttentionInputError, match=r"_raises_runtime raised RuntimeError: no such document \(at b=0, "
+                                                  r"h=0, q_idx=3, kv_idx=2, in the block of queries 0\.\.6 x keys "
+                                                  r"0\.\.6, b 0\.\.1, h 0\.\.2\)"):
+        backend_registry.get("flash").forward(q, k, v, mask_mod=_raises_runtime, backend="rocm")
+
+
+def test_block_mask_names_the_tile():
+    with pytest.raises(AttentionInputError, match=r"_fails_assertion raised AssertionError: kv_idx < 4 \(in the "
+                                                  r"tile of queries 0\.\.2 x keys 3\.\.5 of b=0, h=0\)"):
+        block_mask(_fails_assertion, 1, 2, 7, 9, block_m=3, block_n=3)

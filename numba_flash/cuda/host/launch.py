@@ -28,6 +28,7 @@ from numba_flash.cuda.device.user_mods import MOD_NAMES, NO_MODS, CudaMods
 from numba_flash.cuda.host import smem
 from numba_flash.cuda.host.config import STATIC_SMEM_LIMIT, FlashAttentionConfig, storage_dtype
 from numba_flash.cuda.host.devices import compute_capability, current_device
+from numba_flash.cuda.host.mod_failures import named_mod_failures
 from numba_flash.cuda.host.picker import TileOverride, tile_config_for
 from numba_flash.cuda.kernels.backward_dkdv import DELTA_ROWS_PER_BLOCK, make_delta_kernel
 from numba_flash.cuda.kernels.registry import kernel_spec
@@ -289,10 +290,22 @@ def _launch(cfg: FlashAttentionConfig, arrays: dict[str, Any], c: _Scalars, dbia
     scale = () if spec.role == "forward" else (np.float32(c.softmax_scale),)
     args += (sq, sk, d, hq // hkv, c.window_left, c.window_right, qmult, capmult, *scale,
              slopes_arg(c.alibi, arrays["lse"]), _bias_arg(c.bias), *_dropout_args(c.dropout), tiles, seqs, *tail)
-    with _compiling(c.mods):
+    with _compiling(c.mods), named_mod_failures(c.mods, spec.name, functools.partial(
+            _tile_of, along, cfg.block_m if along == "q" else cfg.block_n, sq if along == "q" else sk, c.packed)):
         launched = _run(kernel, (blocks, hq if along == "q" else hkv, grid_z), cfg, c.stream, args)
     if not launched:
         _launch(static_fallback(cfg), arrays, c, dbias_mode)
+
+
+def _tile_of(along: str, block: int, seqlen: int, packed: tuple | None, ctaid: tuple[int, ...]) -> str:
+    """What block ``ctaid`` of a tiled launch covers (``_launch``'s grid: tiles along ``along``, heads, batch), for
+    an error message; packed sequences' blocks are entries of a block table, named by index only."""
+    x, y, z = ctaid
+    if packed is not None:
+        return f"entry {x} of the block table, head {y}"
+    rows = "queries" if along == "q" else "keys"
+    head = "h" if along == "q" else "kv head"
+    return f"{rows} {x * block}..{min(x * block + block, seqlen) - 1} of b={z}, {head}={y}"
 
 
 def launch_forward(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float,
