@@ -73,7 +73,14 @@ docs: $(STAMP)
 # Bootstrap from CDNs, so tools/asv_offline.py vendors them from their npm packages next to the HTML. The
 # tarballs are cached in .asv/npm-cache; `make dashboard-assets` fills that cache where the npm registry is
 # reachable, to copy to an offline machine.
+# A run that saved nothing (`asv run --python=same` without --set-commit-hash, --quick or not) is caught here and
+# named, rather than ending in asv's "benchmarks.json missing" or an empty page. The page opens from disk too:
+# tools/asv_offline.py inlines the JSON it would fetch, and prints the file:// address.
 dashboard: $(STAMP)
+	@ls .asv/results/*/*-*.json >/dev/null 2>&1 || { echo "make dashboard: no benchmark results in .asv/results:" \
+	  "run 'asv machine --yes' once, then 'asv run --python=same --set-commit-hash \$$(git rev-parse HEAD)' (add" \
+	  "--quick for a one-call-each run); with --python=same, a run without --set-commit-hash saves nothing" >&2; \
+	  exit 1; }
 	$(PY) -m asv publish
 	$(PY) tools/asv_offline.py .asv/html
 

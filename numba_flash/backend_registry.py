@@ -31,7 +31,7 @@ import threading
 from typing import Any, Iterator
 
 from numba_flash.arguments import checked_arguments
-from numba_flash.errors import BackendDeclined, NoBackendError
+from numba_flash.errors import AttentionInputError, BackendDeclined, NoBackendError
 from numba_flash.validation import (AttentionCall, check_deterministic, check_precision, validate_backward,
                                     validate_forward)
 
@@ -172,8 +172,19 @@ def use(backend: str | None) -> Iterator[None]:
 
 
 def get(op: str, backend: str | None = None) -> "Dispatcher":
-    """The dispatcher of ``op``; ``backend`` forces one backend for every call made through it."""
+    """The dispatcher of ``op``; ``backend`` forces one backend for every call made through it.
+    AttentionInputError for a ``backend`` nobody registered: refused here, where it is named, rather than at the
+    first call. A registered one this machine cannot run is accepted (its call says why it cannot)."""
     _known_op(op)
+    if backend is not None:
+        registered = names(op)
+        if backend not in registered:
+            from numba_flash.arguments import closest
+
+            near = closest(str(backend), registered)
+            hint = f"; did you mean {' or '.join(map(repr, near))}?" if near else ""
+            raise AttentionInputError(f"backend: expected one of the registered backends of {op!r} "
+                                      f"({', '.join(registered)}), got {backend!r}{hint}")
     return Dispatcher(op, backend)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
+import json
 import re
 import shutil
 import subprocess
@@ -125,8 +126,9 @@ def asset_for(url: str) -> Asset:
 
 
 def make_offline(html_dir: Path, cache: Path = DEFAULT_CACHE) -> list[str]:
-    """Vendor every CDN file ``html_dir/index.html`` loads and rewrite the page; returns one line per file.
-    Idempotent: a page already rewritten has nothing left to vendor."""
+    """Vendor every CDN file ``html_dir/index.html`` loads, inline its JSON (``inline_data``) and rewrite the page;
+    returns one line per vendored file, then the inlining's. Idempotent: a page already rewritten has nothing left
+    to vendor, and its JSON is inlined afresh."""
     index = html_dir / "index.html"
     if not index.is_file():
         raise OfflineError(f"{index} not found: run `asv publish` first")
@@ -149,9 +151,54 @@ def make_offline(html_dir: Path, cache: Path = DEFAULT_CACHE) -> list[str]:
         return DROP_ATTRS.sub("", match.group(0).replace(f'{attr}="{url}"', f'{attr}="{local}"'))
 
     new = TAG.sub(replace, text)
+    report.append(inline_data(html_dir))
+    if OFFLINE_TAG not in new:
+        jquery = re.search(r"<script\b[^>]*src=\"vendor/jquery-[^\"]*\"[^>]*></script>", new)
+        if jquery is None:
+            raise OfflineError(f"{index}: no vendored jQuery tag to load {OFFLINE_JS} after")
+        new = new[:jquery.end()] + "\n    " + OFFLINE_TAG + new[jquery.end():]
     if new != text:
         index.write_text(new)
     return report
+
+
+# The page fetches its JSON (info.json, index.json, graphs/...) with jQuery's ajax, which a browser refuses for a
+# page opened from disk (file://), so a double-clicked index.html showed only "Error fetching content". The JSON
+# files go into one script, and a jQuery transport answers the page's requests from it; a file it lacks still goes
+# to the network, so a served page behaves as before.
+OFFLINE_JS = "asv_offline_data.js"
+OFFLINE_TAG = f'<script src="{OFFLINE_JS}"></script>'
+TRANSPORT = """
+(function ($) {
+  var files = window.ASV_OFFLINE_FILES;
+  $.ajaxTransport("+*", function (options) {
+    var name = options.url.split("?")[0].split("#")[0];
+    if (!Object.prototype.hasOwnProperty.call(files, name)) return;
+    return {
+      send: function (headers, complete) {
+        var body = files[name];
+        setTimeout(function () {
+          complete(200, "OK", typeof body === "string" ? {text: body} : {json: body});
+        }, 0);
+      },
+      abort: function () {}
+    };
+  });
+})(jQuery);
+"""
+
+
+def inline_data(html_dir: Path) -> str:
+    """Write ``asv_offline_data.js``: every JSON file of the published page (vendor/ aside) and the transport that
+    serves them. Rewritten on each call, so that it follows a new ``asv publish``."""
+    files: dict[str, object] = {"swallow.ico": ""}   # the page's "is the server up?" probe, a text request
+    for path in sorted(html_dir.rglob("*.json")):
+        rel = path.relative_to(html_dir).as_posix()
+        if not rel.startswith("vendor/"):
+            files[rel] = json.loads(path.read_text())
+    data = json.dumps(files, separators=(",", ":"))
+    (html_dir / OFFLINE_JS).write_text(f"window.ASV_OFFLINE_FILES = {data};\n{TRANSPORT}")
+    return f"{len(files) - 1} JSON file(s) -> {OFFLINE_JS} (the page opens from disk, file://, too)"
 
 
 def fetch_all(cache: Path = DEFAULT_CACHE) -> list[Path]:
@@ -177,8 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for line in lines:
         print(line)
-    print(f"{args.html_dir}: {len(lines)} file(s) vendored; the dashboard needs no network"
-          if lines else f"{args.html_dir}: nothing loads from a CDN any more")
+    vendored = len(lines) - 1
+    print(f"{args.html_dir}: {vendored} file(s) vendored; the dashboard needs no network"
+          if vendored else f"{args.html_dir}: nothing loads from a CDN any more")
+    print(f"open {(Path(args.html_dir) / 'index.html').resolve().as_uri()} in a browser (or serve it: asv preview)")
     return 0
 
 

@@ -23,8 +23,10 @@ CONFIGS: dict[str, tuple[int, int, int, int]] = {
     "s4096": (1, 8, 4096, 64),
 }
 DEFAULT_CONFIG = "llama_small"
-DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
-          "float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+# float64 too: the cpu backend and the peers run it; a backend named with --backend that does not is refused before
+# the run (bench.cli.unrunnable), one that is not named is skipped with its reason, as for bfloat16.
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64",
+          "float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "float64": "float64"}
 LAYOUTS = ("bshd", "bhsd")
 PASSES = ("fwd", "bwd")
 MAX_HEAD_DIM = 256
@@ -49,7 +51,7 @@ class Case:
     seqlen: int
     headdim: int
     causal: bool
-    dtype: str      # 'float32', 'float16', 'bfloat16'
+    dtype: str      # 'float32', 'float16', 'bfloat16', 'float64'
     layout: str
     precision: str = "ieee"   # "tf32": the backends' and torch's float32 products may run in TF32
 

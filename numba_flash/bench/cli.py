@@ -363,8 +363,45 @@ def _run_variants(args: argparse.Namespace, case: Any, runner_specs: list[tuple[
     return finish(args, rows, format_variants_table(rows), notes, _writers(args, rows, meta, VARIANTS_COLUMNS))
 
 
+def unrunnable(args: argparse.Namespace, cases: list[Any], runner_specs: list[tuple[str, str]]) -> list[str]:
+    """``name: why`` for each backend named with --backend that cannot run: this machine lacks what it needs (no
+    GPU), or, in the plain sweep, it turns down the smallest case's arrays (their dtype). Asked before anything is
+    timed, so that a run which is to end in exit 3 does not first spend minutes on the peers."""
+    if args.backend is None:
+        return []
+    from numba_flash import backend_registry
+
+    from .cases import Inputs, Skip
+    from .runners import BackendRunner
+
+    problems = []
+    for name, kind in runner_specs:
+        be = next((b for b in backend_registry.backends("flash") if b.name == name), None)
+        if kind != "backend" or be is None:
+            continue
+        reasons = be.unavailable_reasons(forced=True)
+        if not reasons and not _mode(args):
+            case = min(cases, key=lambda c: c.seqlen)
+            runner = BackendRunner(name)
+            try:
+                runner.prepare(case, Inputs(case, np.random.default_rng(0)))
+            except Skip as exc:
+                reasons = [str(exc)]
+            finally:
+                runner.release()
+        if reasons:
+            problems.append(f"{name}: {'; '.join(reasons)}")
+    return problems
+
+
 def run_command(args: argparse.Namespace, cases: list[Case], runner_specs: list[tuple[str, str]]) -> int:
     """Run the bench the arguments describe, print the report, write the files; returns the exit status."""
+    problems = unrunnable(args, cases, runner_specs)
+    if problems:
+        names = ", ".join(p.split(":", 1)[0] for p in problems)
+        print(f"numba-flash bench: error: {names} named with --backend cannot run ({'; '.join(problems)}); "
+              "nothing was run", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     if _mode(args):
         return run_mode_command(args, cases, runner_specs)
 
