@@ -130,17 +130,17 @@ def test_calls_launch_without_numba_low_occupancy_warnings_and_restore_the_switc
     # shape, not theirs to tune. numba reads its switch at each launch; the backend's calls hold it off.
     from numba.core import config as numba_config
 
-    import numba_flash.cuda.host.launch as launch
+    import numba_flash.cuda.host.flash as flash
 
     seen = []
     for name in ("flash_forward", "flash_backward"):
-        real = getattr(launch, name)
+        real = getattr(flash, name)
 
         def spy(*args, _real=real, **kw):
             seen.append(numba_config.CUDA_LOW_OCCUPANCY_WARNINGS)
             return _real(*args, **kw)
 
-        monkeypatch.setattr(launch, name, spy)
+        monkeypatch.setattr(flash, name, spy)
     before = numba_config.CUDA_LOW_OCCUPANCY_WARNINGS
     assert before   # numba-cuda's default: on
     q, k, v = _qkv(rng, sq=9, sk=7)

@@ -26,6 +26,7 @@ def _rel_l2(a, b):
 @pytest.fixture
 def dynamic_launches(monkeypatch):
     """(kernel, tile config, dynamic bytes) of every tiled launch, the simulator planning for sm_90 (227 KiB)."""
+    import numba_flash.cuda.host.devices as devices
     import numba_flash.cuda.host.launch as launch
 
     seen = []
@@ -36,7 +37,7 @@ def dynamic_launches(monkeypatch):
         return real(kernel, grid, cfg, stream, args)
 
     monkeypatch.setattr(launch, "_run", recorded)
-    monkeypatch.setattr(launch, "smem_limit", lambda: smem_limit_for((9, 0)))
+    monkeypatch.setattr(devices, "smem_limit", lambda: smem_limit_for((9, 0)))
     with simcheck.checking():
         yield seen
 

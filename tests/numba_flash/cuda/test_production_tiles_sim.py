@@ -75,11 +75,11 @@ def _check_lse(lse, ref_lse):
 
 @pytest.mark.parametrize("b,sq,sk,hq,hkv,d,kw", CASES)
 def test_production_tiles_match_reference(rng, launches, monkeypatch, b, sq, sk, hq, hkv, d, kw):
-    import numba_flash.cuda.host.launch as launch
+    import numba_flash.cuda.host.devices as devices
 
     kw = dict(kw)
     limit = kw.pop("smem_limit", smem_limit_for((9, 0)))
-    monkeypatch.setattr(launch, "smem_limit", lambda: limit)
+    monkeypatch.setattr(devices, "smem_limit", lambda: limit)
     q = rng.standard_normal((b, sq, hq, d)).astype(np.float32)
     k = rng.standard_normal((b, sk, hkv, d)).astype(np.float32)
     v = rng.standard_normal((b, sk, hkv, d)).astype(np.float32)
