@@ -41,10 +41,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from numba_flash.cpu.cache_stamp import stamp_kernels
-from numba_flash.cpu.score_terms import _score_terms
-from numba_flash.cpu.simd import _FASTMATH, _LANES, _LN2, _LOG2E, _as_dtype_of, _fast_exp2
-from numba_flash.cpu.tiles import _row_key_range
-from numba_flash.cpu.workspace import _slopes
+from numba_flash.cpu.score_terms import apply_score_terms
+from numba_flash.cpu.simd import FASTMATH, LANES, LN2, LOG2E, as_dtype_of, fast_exp2
+from numba_flash.cpu.tiles import row_key_range
+from numba_flash.cpu.workspace import kernel_slopes
 from numba_flash.kvcache import MAX_SPLITS, MIN_KEYS_PER_SPLIT, choose_num_splits  # noqa: F401 (re-exported)
 from numba_flash.semantics import clamp_window_bound, effective_softcap
 
@@ -80,7 +80,7 @@ def _dot_codegen(context, builder, signature, args):
     many vectors, then single vectors, then a scalar tail. Only 'contract' flags: products fuse into FMAs, and no
     NaN or inf is assumed away."""
     f32, i64 = ir.FloatType(), ir.IntType(64)
-    vty = ir.VectorType(f32, _LANES)
+    vty = ir.VectorType(f32, LANES)
     a_ty, a_off_ty, b_ty, b_off_ty, n_ty = signature.args
     pa = _f32_ptr(context, builder, a_ty, args[0], a_off_ty, args[1])
     pb = _f32_ptr(context, builder, b_ty, args[2], b_off_ty, args[3])
@@ -92,7 +92,7 @@ def _dot_codegen(context, builder, signature, args):
         builder.store(builder.fadd(builder.load(acc), builder.fmul(x, y, flags=("contract",)),
                                    flags=("contract",)), acc)
 
-    n_vec = builder.udiv(n, ir.Constant(i64, _LANES))
+    n_vec = builder.udiv(n, ir.Constant(i64, LANES))
     n_blk = builder.udiv(n_vec, ir.Constant(i64, _DOT_CHAINS))
     with cgutils.for_range(builder, n_blk) as loop:
         first = builder.mul(loop.index, ir.Constant(i64, _DOT_CHAINS))
@@ -103,14 +103,14 @@ def _dot_codegen(context, builder, signature, args):
     with cgutils.for_range_slice(builder, done, n_vec, ir.Constant(i64, 1)) as (i, _):
         fma(accs[0], builder.load(builder.gep(va, [i]), align=4), builder.load(builder.gep(vb, [i]), align=4))
     acc_s = cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0))
-    with cgutils.for_range_slice(builder, builder.mul(n_vec, ir.Constant(i64, _LANES)), n,
+    with cgutils.for_range_slice(builder, builder.mul(n_vec, ir.Constant(i64, LANES)), n,
                                  ir.Constant(i64, 1)) as (i, _):
         fma(acc_s, builder.load(builder.gep(pa, [i])), builder.load(builder.gep(pb, [i])))
     vec = builder.load(accs[0])
     for h in range(1, _DOT_CHAINS):
         vec = builder.fadd(vec, builder.load(accs[h]))
     # Tree sum of the lanes, halving the vector each step: 4 dependent adds for 16 lanes rather than 16.
-    width = _LANES
+    width = LANES
     while width > 1:
         width //= 2
         i32 = ir.IntType(32)
@@ -125,7 +125,7 @@ def _pv_codegen(context, builder, signature, args):
     of up to _PV_BLOCK vectors of acc stays in registers while the run of keys streams past (one broadcast, one
     load and one FMA per vector per key, no load or store of acc), then the next block; a scalar tail last."""
     f32, i64 = ir.FloatType(), ir.IntType(64)
-    vty = ir.VectorType(f32, _LANES)
+    vty = ir.VectorType(f32, LANES)
     acc_ty, acc_off_ty, p_ty, p_off_ty, flat_ty, offs_ty, extra_ty, lo_ty, hi_ty, n_ty = signature.args
     pacc = _f32_ptr(context, builder, acc_ty, args[0], acc_off_ty, args[1])
     pp = _f32_ptr(context, builder, p_ty, args[2], p_off_ty, args[3])
@@ -138,7 +138,7 @@ def _pv_codegen(context, builder, signature, args):
 
     def block(col, nvec, ty):
         """acc[col : col + nvec vectors (or 1 scalar)] += the run's p-weighted rows, accumulated in registers."""
-        width = _LANES if ty is vty else 1
+        width = LANES if ty is vty else 1
         ptrs = [builder.bitcast(builder.gep(pacc, [builder.add(col, ir.Constant(i64, h * width))]),
                                 ty.as_pointer()) for h in range(nvec)]
         regs = [cgutils.alloca_once_value(builder, builder.load(x, align=4)) for x in ptrs]
@@ -154,15 +154,15 @@ def _pv_codegen(context, builder, signature, args):
         for x, reg in zip(ptrs, regs):
             builder.store(builder.load(reg), x, align=4)
 
-    blk = _PV_BLOCK * _LANES
+    blk = _PV_BLOCK * LANES
     n_blk = builder.udiv(n, ir.Constant(i64, blk))
     with cgutils.for_range(builder, n_blk) as loop:
         block(builder.mul(loop.index, ir.Constant(i64, blk)), _PV_BLOCK, vty)
-    n_vec = builder.udiv(n, ir.Constant(i64, _LANES))
+    n_vec = builder.udiv(n, ir.Constant(i64, LANES))
     with cgutils.for_range_slice(builder, builder.mul(n_blk, ir.Constant(i64, _PV_BLOCK)), n_vec,
                                  ir.Constant(i64, 1)) as (v, _):
-        block(builder.mul(v, ir.Constant(i64, _LANES)), 1, vty)
-    with cgutils.for_range_slice(builder, builder.mul(n_vec, ir.Constant(i64, _LANES)), n,
+        block(builder.mul(v, ir.Constant(i64, LANES)), 1, vty)
+    with cgutils.for_range_slice(builder, builder.mul(n_vec, ir.Constant(i64, LANES)), n,
                                  ir.Constant(i64, 1)) as (d, _):
         block(d, 1, f32)
     return context.get_dummy_value()
@@ -189,15 +189,15 @@ def _pv_run_f32(typingctx, acc, acc_off, p, p_off, flat, offs, extra, c_lo, c_hi
     return types.none(acc, acc_off, p, p_off, flat, offs, extra, c_lo, c_hi, n), _pv_codegen
 
 
-@njit(inline="always", fastmath=_FASTMATH, cache=True)
+@njit(inline="always", fastmath=FASTMATH, cache=True)
 def _row_dot_loop(qs, r, flat, off, step):
-    total = _as_dtype_of(qs, 0.0)
+    total = as_dtype_of(qs, 0.0)
     for d in range(qs.shape[1]):
         total += qs[r, d] * flat[off + d * step]
     return total
 
 
-@njit(inline="always", fastmath=_FASTMATH, cache=True)
+@njit(inline="always", fastmath=FASTMATH, cache=True)
 def _row_pv_loop(acc, r, s, flat, offs, extra, c_lo, c_hi, step):
     for c in range(c_lo, c_hi):
         p = s[r, c]
@@ -245,7 +245,7 @@ def _row_pv_impl(acc, r, s, flat, offs, extra, c_lo, c_hi, step):
     return impl
 
 
-@njit(fastmath=_FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=True)
 def _tile_scores(qs, flat, offs, head_off, step, nk, run_lo, run_hi, s):
     """s[r, c] = qs[r] . (cache row at offs[c] + head_off[r]) for every row r and key c < nk with
     run_lo[r] <= c < run_hi[r]. qs (rows, D) C-contiguous, s (rows, BLOCK_N); the cache row is D elements
@@ -257,7 +257,7 @@ def _tile_scores(qs, flat, offs, head_off, step, nk, run_lo, run_hi, s):
                 s[r, c] = _row_dot(qs, r, flat, offs[c] + head_off[r], step)
 
 
-@njit(fastmath=_FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=True)
 def _tile_pv(acc, s, flat, offs, head_off, step, run_lo, run_hi):
     """acc[r] += s[r, c] * (cache row at offs[c] + head_off[r]) over the (row, key) pairs of ``_tile_scores``:
     only keys a row sees, so a non-finite v row reaches exactly the rows that see it (through p * nan, also where
@@ -269,17 +269,17 @@ def _tile_pv(acc, s, flat, offs, head_off, step, run_lo, run_hi):
             _row_pv(acc, r, s, flat, offs, head_off[r], run_lo[r], run_hi[r], step)
 
 
-@njit(fastmath=_FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=True)
 def _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, softcap, slope2, shift):
     """The online-softmax step of one tile: for each row, over its run [run_lo, run_hi) of scores (base 2),
     apply the softcap, then ALiBi (score -= slope2[r] * |shift[r] - c| for column c: slope2 in base 2, 0 without
     ALiBi, shift[r] = i + Sk - Sq - j0), update m_i and l_i, rescale acc, and turn the scores into
     p = exp2(s - m_i) in place. A row with a score that is not finite is marked poisoned and its run emptied, so
     ``_tile_pv`` skips it."""
-    inf = _as_dtype_of(s, np.inf)
-    neg_inf = _as_dtype_of(s, -np.inf)
-    zero = _as_dtype_of(s, 0.0)
-    one = _as_dtype_of(s, 1.0)
+    inf = as_dtype_of(s, np.inf)
+    neg_inf = as_dtype_of(s, -np.inf)
+    zero = as_dtype_of(s, 0.0)
+    one = as_dtype_of(s, 1.0)
     for r in range(s.shape[0]):
         a, e = run_lo[r], run_hi[r]
         if a >= e:
@@ -288,22 +288,22 @@ def _tile_softmax(s, run_lo, run_hi, m_i, l_i, acc, poisoned, softcap, slope2, s
         # Separate simple passes: the exp2 pass vectorises only with no branch in it. Softcap and ALiBi: the
         # pipeline's pass (a score whose raw value is not finite comes out NaN; nothing without either), with the
         # distance at - c as query at, key c.
-        _score_terms(s[r:r + 1, a:e], 1, e - a, False, softcap, slope2[r], shift[r], a, 0, s, 0.0, False, _LOG2E)
+        apply_score_terms(s[r:r + 1, a:e], 1, e - a, False, softcap, slope2[r], shift[r], a, 0, s, 0.0, False, LOG2E)
         finite = True
         tile_max = neg_inf
         for c in range(a, e):
             x = s_r[c]
-            finite &= abs(x) < inf  # kept under fastmath: _FASTMATH has no 'nnan'/'ninf'
+            finite &= abs(x) < inf  # kept under fastmath: FASTMATH has no 'nnan'/'ninf'
             tile_max = x if x > tile_max else tile_max
         if not finite:
             poisoned[r] = True
             run_hi[r] = a
             continue
         m_new = max(m_i[r], tile_max)
-        alpha = _fast_exp2(m_i[r] - m_new)  # exactly 0 while m_i is still -inf
+        alpha = fast_exp2(m_i[r] - m_new)  # exactly 0 while m_i is still -inf
         p_sum = zero
         for c in range(a, e):
-            p = _fast_exp2(s_r[c] - m_new)
+            p = fast_exp2(s_r[c] - m_new)
             s_r[c] = p
             p_sum += p
         l_i[r] = l_i[r] * alpha + p_sum
@@ -325,7 +325,7 @@ def _cache_offset(strides, b, pos, hk, cache_rows, key_start, block_table, page_
     return strides[0] + cache_rows[b] * strides[1] + p * strides[2] + hk * strides[3]
 
 
-@njit(parallel=True, fastmath=_FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
 def _decode_kernel(q, k_flat, k_str, v_flat, v_str, cache_rows, key_start, key_end, block_table, page_size,
                    nheads_kv, heads_per_unit, out, lse, part_acc, part_m, part_l, scale, left, right, softcap,
                    num_splits, alibi):
@@ -344,12 +344,12 @@ def _decode_kernel(q, k_flat, k_str, v_flat, v_str, cache_rows, key_start, key_e
     k_step, v_step = k_str[4], v_str[4]
     # Scores in base 2 (log2 e folded into the scale) for exp2. With softcap the raw score keeps the scale alone
     # and is checked for finiteness before tanh, which would turn an inf from q or k into a finite +-1.
-    qscale = _as_dtype_of(q, scale if softcap > 0 else scale * _LOG2E)
-    neg_inf = _as_dtype_of(q, -np.inf)
-    inf = _as_dtype_of(q, np.inf)
-    nan = _as_dtype_of(q, np.nan)
-    zero = _as_dtype_of(q, 0.0)
-    one = _as_dtype_of(q, 1.0)
+    qscale = as_dtype_of(q, scale if softcap > 0 else scale * LOG2E)
+    neg_inf = as_dtype_of(q, -np.inf)
+    inf = as_dtype_of(q, np.inf)
+    nan = as_dtype_of(q, np.nan)
+    zero = as_dtype_of(q, 0.0)
+    one = as_dtype_of(q, 1.0)
     has_alibi = alibi.shape[0] > 0
     for u in prange(batch * n_blocks * num_splits):
         b = u // (n_blocks * num_splits)
@@ -361,7 +361,7 @@ def _decode_kernel(q, k_flat, k_str, v_flat, v_str, cache_rows, key_start, key_e
         row_hi = np.empty(n_rows, np.int64)
         span_lo, span_hi = seqlen_k, 0
         for r in range(n_rows):
-            lo, hi = _row_key_range(r % seqlen_q, seqlen_q, seqlen_k, left, right)
+            lo, hi = row_key_range(r % seqlen_q, seqlen_q, seqlen_k, left, right)
             row_lo[r], row_hi[r] = lo, hi
             if lo < hi:
                 span_lo, span_hi = min(span_lo, lo), max(span_hi, hi)
@@ -379,7 +379,7 @@ def _decode_kernel(q, k_flat, k_str, v_flat, v_str, cache_rows, key_start, key_e
             v_head[r] = r // rows_per_head * v_str[3]
             h = hk0 * group + r // seqlen_q
             if has_alibi:
-                slope2[r] = _as_dtype_of(q, alibi[b, h] * _LOG2E)
+                slope2[r] = as_dtype_of(q, alibi[b, h] * LOG2E)
             for d in range(head_dim):
                 qs[r, d] = q[b, r % seqlen_q, h, d] * qscale
         m_i = np.full(n_rows, neg_inf, q.dtype)
@@ -411,7 +411,7 @@ def _decode_kernel(q, k_flat, k_str, v_flat, v_str, cache_rows, key_start, key_e
                 part_acc[u, r, d] = acc[r, d]
 
     # Merge the splits of each row by their log-sum-exps.
-    ln2 = _as_dtype_of(q, _LN2)
+    ln2 = as_dtype_of(q, LN2)
     for w in prange(batch * n_blocks * n_rows):
         b = w // (n_blocks * n_rows)
         blk = (w // n_rows) % n_blocks
@@ -420,7 +420,7 @@ def _decode_kernel(q, k_flat, k_str, v_flat, v_str, cache_rows, key_start, key_e
         h = blk * heads_per_unit * group + r // seqlen_q
         u0 = (b * n_blocks + blk) * num_splits
         seqlen_k = max(0, key_end[b] - key_start[b])
-        lo, hi = _row_key_range(i, seqlen_q, seqlen_k, left, right)
+        lo, hi = row_key_range(i, seqlen_q, seqlen_k, left, right)
         if lo >= hi:  # sees no key: 0 and lse = +inf, whatever its q holds (it reads nothing)
             for d in range(head_dim):
                 out[b, i, h, d] = zero
@@ -439,12 +439,12 @@ def _decode_kernel(q, k_flat, k_str, v_flat, v_str, cache_rows, key_start, key_e
             continue
         l_all = zero
         for sp in range(num_splits):
-            l_all += part_l[u0 + sp, r] * _fast_exp2(part_m[u0 + sp, r] - m_all)
+            l_all += part_l[u0 + sp, r] * fast_exp2(part_m[u0 + sp, r] - m_all)
         inv = one / l_all
         for d in range(head_dim):
             o = zero
             for sp in range(num_splits):
-                o += part_acc[u0 + sp, r, d] * _fast_exp2(part_m[u0 + sp, r] - m_all)
+                o += part_acc[u0 + sp, r, d] * fast_exp2(part_m[u0 + sp, r] - m_all)
             o *= inv
             out[b, i, h, d] = o if abs(o) < inf else nan
         lse[b, h, i] = m_all * ln2 + math.log(l_all)
@@ -567,7 +567,7 @@ def decode_forward(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, cach
     part_l = np.empty((units, n_rows), dtype)
     _kernel_for(dtype)(_readonly(q), k_flat, k_str, v_flat, v_str, *ints, table, int(page_size), nheads_kv,
                        heads_per_unit, out, lse, part_acc, part_m, part_l, float(scale), left, right, softcap, splits,
-                       _readonly(np.ascontiguousarray(_slopes(alibi_slopes))))
+                       _readonly(np.ascontiguousarray(kernel_slopes(alibi_slopes))))
 
 
 # Recompile when any file the kernels inline from changes, not only this one (see cache_stamp).
