@@ -63,6 +63,89 @@ from ..mods import EMPTY
 # Forward
 
 
+# The worker's steps, inlined into it (``inline="always"``: numba splices their IR into the caller before typing,
+# so the compiled worker is the one with their code written in place).
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True)
+def _load_q_tile(q_t, q, bi, row0, h, nq, head_dim, qscale):
+    """q_t (D, BLOCK_M) = Q^T of query rows row0..row0 + nq of q[bi, :, h] (q: (B, S, Hq, D)) times ``qscale``,
+    with 0 in the padding columns nq..BLOCK_M."""
+    q_t[:] = as_dtype_of(q_t, 0.0)
+    for r in range(nq):
+        for d in range(head_dim):
+            q_t[d, r] = q[bi, row0 + r, h, d] * qscale
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True)
+def _online_softmax(st, nk, masked, m_run, l_run, m_use, l_tile, alpha):
+    """One key tile's step of the online softmax, per query (a column of st, (BLOCK_N, BLOCK_M) scores): m_run
+    (BLOCK_M,) takes the tile's max, alpha the factor exp(old max - new max) the query's earlier sums are rescaled
+    by, st[:nk] becomes P = exp(score - max), and l_run (BLOCK_M,) float64 = l_run * alpha + the tile's row sum
+    (summed in ``l_tile`` first). m_use, l_tile: (BLOCK_M,) scratch. ``masked``: the block may hold -inf."""
+    zero = as_dtype_of(st, 0.0)
+    neg_inf = as_dtype_of(st, -np.inf)
+    for r in range(BLOCK_M):
+        m_use[r] = m_run[r]
+    column_max(st, nk, m_use, not masked)
+    for r in range(BLOCK_M):
+        m_new = m_use[r]
+        # A query that has seen no key yet keeps max -inf; shifting by 0 makes its exp2 0, never NaN.
+        # A poisoned query has max NaN: its alpha, sum and accumulator become NaN and stay so. (A select,
+        # not a branch: the loop vectorises.)
+        shift = zero if m_new == neg_inf else m_new
+        m_use[r] = shift
+        alpha[r] = fast_exp(m_run[r] - shift)
+        m_run[r] = m_new
+        l_tile[r] = zero
+    column_exp2_sum(st, nk, l_tile, m_use)
+    for r in range(BLOCK_M):
+        l_run[r] = l_run[r] * alpha[r] + l_tile[r]
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True)
+def _store_row_stats(row_max, row_inv, m_run, l_run):
+    """row_max[r], row_inv[r] = the query tile's row max and 1 / sum for r < BLOCK_M (views from its first
+    statistics row), with +inf and 0 for a row that sees no key (P = 0 there). The stats-only pass writes them,
+    and a forward too when given arrays for them (the backward reuses them, see stash_stats)."""
+    inf = as_dtype_of(row_max, np.inf)
+    for r in range(BLOCK_M):
+        seen = l_run[r] != 0
+        row_max[r] = m_run[r] if seen else inf
+        row_inv[r] = 1.0 / l_run[r] if seen else 0.0
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True)
+def _store_rows_out(out, lse, bi, row0, h, nq, acc, m_run, l_run, row_lo, row_hi):
+    """out[bi, row0 + r, h] = acc[r] / l_run[r] and lse[bi, h, row0 + r] = m_run[r] + log(l_run[r]) for the
+    query tile's nq rows; 0 and +inf for a row that sees no key, NaN and NaN for a poisoned one."""
+    zero = as_dtype_of(acc, 0.0)
+    inf = as_dtype_of(acc, np.inf)
+    neg_inf = as_dtype_of(acc, -np.inf)
+    nan = as_dtype_of(acc, np.nan)
+    for r in range(nq):
+        if row_lo[r] >= row_hi[r]:
+            # Sees no key: 0 and lse = +inf, whatever its q holds (it reads nothing).
+            for d in range(out.shape[3]):
+                out[bi, row0 + r, h, d] = zero
+            lse[bi, h, row0 + r] = inf
+        elif l_run[r] > 0 and m_run[r] == m_run[r]:
+            inv = as_dtype_of(acc, 1.0 / l_run[r])
+            for d in range(out.shape[3]):
+                o = acc[r, d] * inv
+                out[bi, row0 + r, h, d] = o if abs(o) < inf else nan
+            # in float64, rounded once
+            lse[bi, h, row0 + r] = np.float64(m_run[r]) + math.log(l_run[r])
+        elif m_run[r] == neg_inf:   # every key it could see is hidden by the bias: as if it saw none
+            for d in range(out.shape[3]):
+                out[bi, row0 + r, h, d] = zero
+            lse[bi, h, row0 + r] = inf
+        else:  # poisoned by a score that is not finite
+            for d in range(out.shape[3]):
+                out[bi, row0 + r, h, d] = nan
+            lse[bi, h, row0 + r] = nan
+
+
 @njit(fastmath=FASTMATH, cache=True)
 def _forward_worker(q, k, v, out, lse, head_dim, scale, left, right, softcap, row_max, row_inv, stats_only, alibi,
                     bias, drop, tile_states, seqs, units, counter, hooks):
@@ -84,8 +167,6 @@ def _forward_worker(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
     # an inf in q or k, which tanh would turn into a finite +-1, visible as a non-finite raw score.
     qscale = as_dtype_of(q, scale)
     neg_inf = as_dtype_of(q, -np.inf)
-    inf = as_dtype_of(q, np.inf)
-    nan = as_dtype_of(q, np.nan)
     zero = as_dtype_of(q, 0.0)
     # a thread's scratch, reused by its units (a packed batch of short sequences has thousands of units)
     bias_tile = np.empty((BLOCK_N, BLOCK_M) if bias.shape[0] > 0 else (0, 0), q.dtype)
@@ -126,10 +207,7 @@ def _forward_worker(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
         bias_bh = bias[b, h] if bias.shape[0] > 0 else bias[0:0, 0:0, 0, 0]
         span_lo, span_hi, full_lo, full_hi = tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo,
                                                            row_hi)
-        q_t[:] = zero   # padding rows stay 0
-        for r in range(nq):
-            for d in range(head_dim):
-                q_t[d, r] = q[bi, q0 + i0 + r, h, d] * qscale
+        _load_q_tile(q_t, q, bi, q0 + i0, h, nq, head_dim, qscale)
         acc[:] = zero
         m_run[:] = neg_inf
         l_run[:] = 0.0
@@ -159,22 +237,7 @@ def _forward_worker(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
             elif masked:
                 mask_scores(st, j0, nk, row_lo, row_hi)
             mod_scores(hooks, st, vis, no_grad, state, b, h, i0, j0, nq, nk, True)
-            for r in range(BLOCK_M):
-                m_use[r] = m_run[r]
-            column_max(st, nk, m_use, not masked)
-            for r in range(BLOCK_M):
-                m_new = m_use[r]
-                # A query that has seen no key yet keeps max -inf; shifting by 0 makes its exp2 0, never NaN.
-                # A poisoned query has max NaN: its alpha, sum and accumulator become NaN and stay so. (A select,
-                # not a branch: the loop vectorises.)
-                shift = zero if m_new == neg_inf else m_new
-                m_use[r] = shift
-                alpha[r] = fast_exp(m_run[r] - shift)
-                m_run[r] = m_new
-                l_tile[r] = zero
-            column_exp2_sum(st, nk, l_tile, m_use)
-            for r in range(BLOCK_M):
-                l_run[r] = l_run[r] * alpha[r] + l_tile[r]
+            _online_softmax(st, nk, masked, m_run, l_run, m_use, l_tile, alpha)
             if not stats_only:
                 dropout_block(st, drop, b, h, i0, j0, nk, True)
                 v_rows = v_seq[j0:j0 + nk, hk]
@@ -190,34 +253,9 @@ def _forward_worker(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
                 else:
                     mm_at_rescale(acc, st, v_rows, nk, alpha)
         if stats_only or row_max.shape[2] > 1:
-            # the row max and 1 / sum, with +inf and 0 for a row that sees no key (P = 0 there); a forward keeps
-            # them too when given arrays for them (the backward reuses them, see stash_stats)
-            for r in range(BLOCK_M):
-                seen = l_run[r] != 0
-                row_max[bi, h, p0 + i0 + r] = m_run[r] if seen else inf
-                row_inv[bi, h, p0 + i0 + r] = 1.0 / l_run[r] if seen else 0.0
+            _store_row_stats(row_max[bi, h, p0 + i0:], row_inv[bi, h, p0 + i0:], m_run, l_run)
         if not stats_only:
-            for r in range(nq):
-                if row_lo[r] >= row_hi[r]:
-                    # Sees no key: 0 and lse = +inf, whatever its q holds (it reads nothing).
-                    for d in range(out.shape[3]):
-                        out[bi, q0 + i0 + r, h, d] = zero
-                    lse[bi, h, q0 + i0 + r] = inf
-                elif l_run[r] > 0 and m_run[r] == m_run[r]:
-                    inv = as_dtype_of(acc, 1.0 / l_run[r])
-                    for d in range(out.shape[3]):
-                        o = acc[r, d] * inv
-                        out[bi, q0 + i0 + r, h, d] = o if abs(o) < inf else nan
-                    # in float64, rounded once
-                    lse[bi, h, q0 + i0 + r] = np.float64(m_run[r]) + math.log(l_run[r])
-                elif m_run[r] == neg_inf:   # every key it could see is hidden by the bias: as if it saw none
-                    for d in range(out.shape[3]):
-                        out[bi, q0 + i0 + r, h, d] = zero
-                    lse[bi, h, q0 + i0 + r] = inf
-                else:  # poisoned by a score that is not finite
-                    for d in range(out.shape[3]):
-                        out[bi, q0 + i0 + r, h, d] = nan
-                    lse[bi, h, q0 + i0 + r] = nan
+            _store_rows_out(out, lse, bi, q0 + i0, h, nq, acc, m_run, l_run, row_lo, row_hi)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
