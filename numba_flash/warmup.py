@@ -79,7 +79,7 @@ def cache_location() -> str:
     try:
         from numba_flash.cpu import forward
 
-        path = forward._forward_kernel._cache._cache_path  # numba's own answer; private, so only for display
+        path = forward.forward_kernel._cache._cache_path  # numba's own answer; private, so only for display
         return str(path)
     except Exception:  # an older or newer numba without that attribute: say what numba documents
         return "numba's cache directory (NUMBA_CACHE_DIR, else __pycache__ beside the sources)"

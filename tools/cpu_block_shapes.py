@@ -2,8 +2,8 @@
 
     NUMBA_FLASH_CPU_SIMD=256 NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=... python tools/cpu_block_shapes.py 128
 
-Each shape (rows x vectors of columns) is built from ``_mm_block_codegen`` with the head-dim chunking of
-``_mm_dot`` and covers one C of 96 x 12 vectors of columns, which every shape tiles exactly (a C it does not
+Each shape (rows x vectors of columns) is built from ``mm_block_codegen`` with the head-dim chunking of
+``mm_dot`` and covers one C of 96 x 12 vectors of columns, which every shape tiles exactly (a C it does not
 would be written past its end).
 Repeats interleave the shapes. Prints each shape's stack moves in the compiled code (the copies of the arguments
 give a baseline; more is a spill) and its max / median GFLOP/s. Set ``NUMBA_CPU_FEATURES`` to the target's
@@ -20,8 +20,8 @@ import numpy as np
 from numba import njit
 from numba.extending import intrinsic
 
-from numba_flash.cpu.microkernels import _DOT_CHUNK, _block_sig, _mm_block_codegen
-from numba_flash.cpu.simd import _LANES
+from numba_flash.cpu.microkernels import DOT_CHUNK, _block_sig, mm_block_codegen
+from numba_flash.cpu.simd import LANES
 
 SHAPES = [(4, 2), (6, 2), (4, 3), (8, 2), (3, 4)]
 
@@ -30,9 +30,9 @@ def _timed_loop(rows: int, nvec: int):
     """A jitted ``loop(c, a, b, kdim, n)``: n times C = A @ B over the whole of C in rows x nvec-vector blocks."""
     @intrinsic
     def block(typingctx, c, a, b, i, j, kdim, accumulate):
-        return _block_sig(c, a, b, i, j, kdim, accumulate), _mm_block_codegen(False, nvec, rows, chunk=_DOT_CHUNK)
+        return _block_sig(c, a, b, i, j, kdim, accumulate), mm_block_codegen(False, nvec, rows, chunk=DOT_CHUNK)
 
-    width = nvec * _LANES
+    width = nvec * LANES
 
     @njit
     def loop(c, a, b, kdim, n):
@@ -45,7 +45,7 @@ def _timed_loop(rows: int, nvec: int):
 
 def main() -> None:
     kdim = int(sys.argv[1]) if len(sys.argv) > 1 else 128
-    rows, cols, calls, repeats = 96, 12 * _LANES, 500, 11
+    rows, cols, calls, repeats = 96, 12 * LANES, 500, 11
     rng = np.random.default_rng(0)
     a = rng.standard_normal((rows, kdim)).astype(np.float32)
     b = rng.standard_normal((kdim, cols)).astype(np.float32)
@@ -54,7 +54,7 @@ def main() -> None:
         loop(np.zeros((rows, cols), np.float32), a, b, kdim, 1)
         asm = next(iter(loop.inspect_asm().values()))
         moves = len(re.findall(r"[yz]mm\d+, -?\d*\(%rsp\)|\(%rsp\), %[yz]mm", asm))
-        print(f"{shape[0]} x {shape[1] * _LANES}: {moves} stack moves")
+        print(f"{shape[0]} x {shape[1] * LANES}: {moves} stack moves")
     rates = {shape: [] for shape in SHAPES}
     for _ in range(repeats):
         for shape, loop in loops.items():
@@ -64,7 +64,7 @@ def main() -> None:
             rates[shape].append(2 * rows * cols * kdim * calls / (time.perf_counter() - t0) / 1e9)
     for (r, nvec), got in rates.items():
         got.sort()
-        print(f"{r} x {nvec * _LANES}, kdim {kdim}: max {got[-1]:.1f}, median {got[len(got) // 2]:.1f} GFLOP/s")
+        print(f"{r} x {nvec * LANES}, kdim {kdim}: max {got[-1]:.1f}, median {got[len(got) // 2]:.1f} GFLOP/s")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ revision: what a new user waits for at first use, what each new mod costs, and m
     python tools/cpu_compile_times.py --rev 05876ae --dtype float32 --repeats 2
 
 Each (tree, kernel, repeat) runs in a fresh process with an empty ``NUMBA_CACHE_DIR``, compiling that one kernel
-for the dtype (``workspace._entry``) and nothing else first, so the time includes the helpers it inlines. The
+for the dtype (``workspace.kernel_entry``) and nothing else first, so the time includes the helpers it inlines. The
 revision's ``numba_flash`` and ``backends`` are extracted with ``git archive`` and put first on ``sys.path``. Runs
 alternate between the trees, so that the machine's load hits both alike. Prints min / median seconds per kernel.
 """
@@ -22,15 +22,15 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = {"forward": "forward._forward_kernel", "backward_kv": "backward._backward_kv_kernel",
-           "backward_dq": "backward._backward_dq_kernel"}
+KERNELS = {"forward": "forward.forward_kernel", "backward_kv": "backward.backward_kv_kernel",
+           "backward_dq": "backward.backward_dq_kernel"}
 _CHILD = """
 import sys, time
 import numpy as np
 from numba_flash.cpu import forward, backward, workspace
 kernel = eval(sys.argv[1])
 t0 = time.perf_counter()
-workspace._entry(kernel, np.dtype(sys.argv[2]))
+workspace.kernel_entry(kernel, np.dtype(sys.argv[2]))
 print(time.perf_counter() - t0)
 """
 

@@ -7,7 +7,7 @@ Part 1: copies of ``cpu/forward.py`` with one step left out (the score product K
 softmax's max and exp passes), compiled side by side (not cached) and timed in turns on the same inputs, float32,
 numba's threads. What a copy saves against the whole forward is what that step costs in place (the results of a
 copy are wrong, of course: they are timings only).
-Part 2: the same products (``_mm_dot`` 64 x 64 x D, ``_mm_at_rescale``), one thread, on K and V tiles that stay hot
+Part 2: the same products (``mm_dot`` 64 x 64 x D, ``mm_at_rescale``), one thread, on K and V tiles that stay hot
 in L1, on one head's K/V (L2-sized at S = 512, D = 128), and on every head's in turn (as the forward walks them from
 L3): the rate a product keeps when its operands come from further away.
 """
@@ -28,12 +28,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 STEPS = {
-    "score product": [("_mm_dot(st, k_seq[j0:j0 + BLOCK_N, hk], q_t, head_dim)", "pass"),
+    "score product": [("mm_dot(st, k_seq[j0:j0 + BLOCK_N, hk], q_t, head_dim)", "pass"),
                       # without the product the block keeps its last exp values; start it finite
                       ("st = np.empty((BLOCK_N, BLOCK_M), q.dtype)", "st = np.full((BLOCK_N, BLOCK_M), 0.5, q.dtype)")],
-    "P V product": [("_mm_at_rescale(acc, st, v_rows, nk, alpha)", "pass")],
-    "softmax passes": [("_column_max(st, nk, m_use, not masked)", "pass"),
-                       ("_column_exp2_sum(st, nk, l_tile, m_use)", "pass")],
+    "P V product": [("mm_at_rescale(acc, st, v_rows, nk, alpha)", "pass")],
+    "softmax passes": [("column_max(st, nk, m_use, not masked)", "pass"),
+                       ("column_exp2_sum(st, nk, l_tile, m_use)", "pass")],
 }
 
 
@@ -82,7 +82,7 @@ def products(head_dim: int, seqlen: int, heads: int, repeats: int) -> None:
     import numba
     from numba import njit
 
-    from numba_flash.cpu.microkernels import _mm_at_rescale, _mm_dot
+    from numba_flash.cpu.microkernels import mm_at_rescale, mm_dot
 
     numba.set_num_threads(1)
     rng = np.random.default_rng(0)
@@ -101,7 +101,7 @@ def products(head_dim: int, seqlen: int, heads: int, repeats: int) -> None:
             for h in range(n_heads):
                 for j0 in range(0, kbuf.shape[1], 64):
                     j = 0 if hot else j0
-                    _mm_dot(st, kbuf[h, j:j + 64], q_t, q_t.shape[0])
+                    mm_dot(st, kbuf[h, j:j + 64], q_t, q_t.shape[0])
 
     @njit
     def pv_loop(kbuf, n_heads, reps, hot, st, q_t, acc, alpha):
@@ -109,7 +109,7 @@ def products(head_dim: int, seqlen: int, heads: int, repeats: int) -> None:
             for h in range(n_heads):
                 for j0 in range(0, kbuf.shape[1], 64):
                     j = 0 if hot else j0
-                    _mm_at_rescale(acc, st, kbuf[h, j:j + 64], 64, alpha)
+                    mm_at_rescale(acc, st, kbuf[h, j:j + 64], 64, alpha)
 
     flop = 2 * 64 * 64 * head_dim
     print(f"products, 1 thread, 64 x 64 x {head_dim} tiles over K/V of {heads} heads x {seqlen} keys, GFLOP/s (best)")

@@ -1,4 +1,4 @@
-"""Fit the CPU kernels' exp2 polynomial (``numba_flash.cpu.simd._P1`` .. ``_P6``) and measure it in float32.
+"""Fit the CPU kernels' exp2 polynomial (``numba_flash.cpu.simd.EXP2_P1`` .. ``EXP2_P6``) and measure it in float32.
 
     python tools/exp2_poly_fit.py --degree 6
 

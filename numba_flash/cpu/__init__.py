@@ -18,7 +18,7 @@ Modules: ``simd`` (tile sizes, vector width, inlined arithmetic), ``microkernels
 products), ``passes`` (softmax column passes, row copies), ``tiles`` (the causal/window band), ``workspace``
 (compiled entries, scratch, packing), ``schedule`` (the sequences a call covers, dense or packed, and the order
 its threads take the work in), ``forward``, ``backward`` (the kernels and the host side) with ``backward_blocks``
-(their block steps), ``stash``, and ``decode`` (KV-cache decoding).
+(their block steps), ``stash``, and ``decode`` (KV-cache decoding) with ``decode_tile`` (its per-tile steps).
 """
 
 from .. import compile_notice

@@ -9,27 +9,27 @@ import numpy as np
 from numba import njit
 
 from .cache_stamp import stamp_kernels
-from .score_terms import _score_terms
-from .simd import _FASTMATH, _as_dtype_of, _fast_exp
-from .microkernels import _mm_add, _mm_at_add
-from .passes import _rows_finite
-from .tiles import _bias_scores, _dropout_block, _mask_block, _visible_product, _zero_bias_hidden
+from .score_terms import apply_score_terms
+from .simd import FASTMATH, as_dtype_of, fast_exp
+from .microkernels import mm_add, mm_at_add
+from .passes import rows_finite
+from .tiles import bias_scores, dropout_block, mask_block, visible_product, zero_bias_hidden
 
 
-@njit(inline="always", fastmath=_FASTMATH, cache=True)
+@njit(inline="always", fastmath=FASTMATH, cache=True)
 def _gradient_terms(score, dp, row_max, inv_l, delta, dscore):
     """(P, dS) for one score (as the forward computed it) and dp = dO.v, given the row's max and 1 / sum of the
-    forward's last pass (``_forward_kernel`` with ``stats_only``) and delta = dO . O: P is exp(score - max) / sum,
+    forward's last pass (``forward_kernel`` with ``stats_only``) and delta = dO . O: P is exp(score - max) / sum,
     dS the gradient with respect to q.k, ``P * (dP - delta) * dscore`` (dscore: scale, times 1 - tanh^2 with
     softcap). A poisoned row has max NaN, which makes P and dS NaN; a row that sees no key has max +inf and
     1 / sum = 0, which make P = 0."""
-    prob = _fast_exp(score - row_max) * inv_l
+    prob = fast_exp(score - row_max) * inv_l
     return prob, prob * (dp - delta) * dscore
 
 
-@njit(inline="always", fastmath=_FASTMATH, cache=True)
-def _block_scores(s, dcap, i0, j0, nk, keys_are_rows, scale, softcap, per_pair, slope, diag, bias_bh, bias_tile,
-                  row_lo, row_hi, mods_on):
+@njit(inline="always", fastmath=FASTMATH, cache=True)
+def block_scores(s, dcap, i0, j0, nk, keys_are_rows, scale, softcap, per_pair, slope, diag, bias_bh, bias_tile,
+                 row_lo, row_hi, mods_on):
     """The forward's scores of a block from its q.k (Q pre-scaled as in the forward): softcap, ALiBi, attn_bias
     (-inf where it hides a pair; the band is masked later). Keys are the rows of s when ``keys_are_rows`` (a
     (BN, BM) block), else its columns. ``per_pair``: dcap (the block's shape) receives d score / d q.k (scale,
@@ -39,28 +39,28 @@ def _block_scores(s, dcap, i0, j0, nk, keys_are_rows, scale, softcap, per_pair, 
     a product that is not finite becomes NaN first (as softcap and ALiBi make it): it poisons, as in the forward."""
     nrows = nk if keys_are_rows else s.shape[0]
     if per_pair and softcap <= 0:
-        dcap[:] = _as_dtype_of(dcap, scale)
-    _score_terms(s, nrows, s.shape[1], keys_are_rows, softcap, slope, i0, j0, diag, dcap, scale, per_pair)
+        dcap[:] = as_dtype_of(dcap, scale)
+    apply_score_terms(s, nrows, s.shape[1], keys_are_rows, softcap, slope, i0, j0, diag, dcap, scale, per_pair)
     if mods_on and softcap <= 0 and slope == 0.0:
-        inf, nan = _as_dtype_of(s, np.inf), _as_dtype_of(s, np.nan)
+        inf, nan = as_dtype_of(s, np.inf), as_dtype_of(s, np.nan)
         for a in range(nrows):
             for e in range(s.shape[1]):
                 x = s[a, e]
                 s[a, e] = x if abs(x) < inf else nan
     if bias_bh.shape[0] > 0:
-        _bias_scores(s, bias_bh, i0, j0, nk, keys_are_rows, row_lo, row_hi, False, bias_tile)
+        bias_scores(s, bias_bh, i0, j0, nk, keys_are_rows, row_lo, row_hi, False, bias_tile)
 
 
-@njit(inline="always", fastmath=_FASTMATH, cache=True)
-def _probs_and_dscores_rows(s, dps, dcap, row_max, row_inv, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
-                            scale, per_pair, bias_bh):
-    """A (BM, BN) block with queries as rows: s holds the scores (``_block_scores``) on entry and P on exit, dps
+@njit(inline="always", fastmath=FASTMATH, cache=True)
+def probs_and_dscores_rows(s, dps, dcap, row_max, row_inv, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
+                           scale, per_pair, bias_bh):
+    """A (BM, BN) block with queries as rows: s holds the scores (``block_scores``) on entry and P on exit, dps
     holds dO.v on entry and dS on exit. row_max, row_inv (the forward's row max and 1 / sum, see
     ``_gradient_terms``) and delta are indexed by query. Masked entries and key columns past nk become 0 in both.
     dcap: d score / d q.k per pair where ``per_pair``, else the scale is. bias_bh: this head's attn_bias (Sq, Sk)
-    (``_bias_scores``) or a (0, 0) array."""
-    zero = _as_dtype_of(s, 0.0)
-    sc = _as_dtype_of(s, scale)
+    (``bias_scores``) or a (0, 0) array."""
+    zero = as_dtype_of(s, 0.0)
+    sc = as_dtype_of(s, scale)
     if per_pair:
         for r in range(s.shape[0]):
             mr = row_max[i0 + r]
@@ -76,7 +76,7 @@ def _probs_and_dscores_rows(s, dps, dcap, row_max, row_inv, delta, i0, j0, nk, r
             for c in range(s.shape[1]):
                 s[r, c], dps[r, c] = _gradient_terms(s[r, c], dps[r, c], mr, il, dl, sc)
     if bias_bh.shape[0] > 0:
-        _zero_bias_hidden(s, dps, bias_bh, i0, j0, nk, False)
+        zero_bias_hidden(s, dps, bias_bh, i0, j0, nk, False)
     if not (full_lo <= j0 and j0 + nk <= full_hi):
         for r in range(s.shape[0]):
             lo = row_lo[r] - j0
@@ -92,14 +92,14 @@ def _probs_and_dscores_rows(s, dps, dcap, row_max, row_inv, delta, i0, j0, nk, r
                 dps[r, c] = zero
 
 
-@njit(inline="always", fastmath=_FASTMATH, cache=True)
-def _probs_and_dscores_cols(st, dpt, dcap, row_max, row_inv, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
-                            scale, per_pair, bias_bh):
+@njit(inline="always", fastmath=FASTMATH, cache=True)
+def probs_and_dscores_cols(st, dpt, dcap, row_max, row_inv, delta, i0, j0, nk, row_lo, row_hi, full_lo, full_hi,
+                           scale, per_pair, bias_bh):
     """The same on a transposed (BN, BM) block, keys as rows: st holds the scores and becomes P^T, dpt holds v.dO
     and becomes dS^T; row_max, row_inv and delta are indexed by column. Key rows past nk and masked entries
     become 0."""
-    zero = _as_dtype_of(st, 0.0)
-    sc = _as_dtype_of(st, scale)
+    zero = as_dtype_of(st, 0.0)
+    sc = as_dtype_of(st, scale)
     if per_pair:
         for c in range(nk):
             for r in range(st.shape[1]):
@@ -111,10 +111,10 @@ def _probs_and_dscores_cols(st, dpt, dcap, row_max, row_inv, delta, i0, j0, nk, 
                 st[c, r], dpt[c, r] = _gradient_terms(st[c, r], dpt[c, r], row_max[i0 + r], row_inv[i0 + r],
                                                       delta[i0 + r], sc)
     if bias_bh.shape[0] > 0:
-        _zero_bias_hidden(st, dpt, bias_bh, i0, j0, nk, True)
+        zero_bias_hidden(st, dpt, bias_bh, i0, j0, nk, True)
     if not (full_lo <= j0 and j0 + nk <= full_hi):
-        _mask_block(st, j0, nk, row_lo, row_hi, zero)
-        _mask_block(dpt, j0, nk, row_lo, row_hi, zero)
+        mask_block(st, j0, nk, row_lo, row_hi, zero)
+        mask_block(dpt, j0, nk, row_lo, row_hi, zero)
     for c in range(nk, st.shape[0]):
         for r in range(st.shape[1]):
             st[c, r] = zero
@@ -122,18 +122,18 @@ def _probs_and_dscores_cols(st, dpt, dcap, row_max, row_inv, delta, i0, j0, nk, 
 
 
 @njit(inline="always", cache=True)
-def _dropout_factors(factors, drop, b, h, i0, j0, nk):
-    """factors (BM, BN), queries as rows, = the dropout factors of the block at (i0, j0) (``_dropout_block``), 1
+def dropout_factors(factors, drop, b, h, i0, j0, nk):
+    """factors (BM, BN), queries as rows, = the dropout factors of the block at (i0, j0) (``dropout_block``), 1
     past nk."""
-    one = _as_dtype_of(factors, 1.0)
+    one = as_dtype_of(factors, 1.0)
     for r in range(factors.shape[0]):
         for c in range(factors.shape[1]):
             factors[r, c] = one
-    _dropout_block(factors, drop, b, h, i0, j0, nk, False)
+    dropout_block(factors, drop, b, h, i0, j0, nk, False)
 
 
-@njit(inline="always", fastmath=_FASTMATH, cache=True)
-def _scale_block(block, factors):
+@njit(inline="always", fastmath=FASTMATH, cache=True)
+def scale_block(block, factors):
     """block *= factors, elementwise."""
     for r in range(block.shape[0]):
         for c in range(block.shape[1]):
@@ -141,26 +141,26 @@ def _scale_block(block, factors):
 
 
 @njit(inline="always", cache=True)
-def _tile_product_add(acc, tile, a, b_rows, n, a_transposed, b_is_keys, masked, j0, row_lo, row_hi, bias_bh, i0,
-                      vis):
+def tile_product_add(acc, tile, a, b_rows, n, a_transposed, b_is_keys, masked, j0, row_lo, row_hi, bias_bh, i0,
+                     vis):
     """acc += A @ b_rows[:n] (A = a[:n].T with ``a_transposed``, else a[:, :n]), the tile's product summed first and
     then added: a gradient summed over a long sequence then takes one rounding per tile, not one per row of the
     sequence (dK and dV at Sq = 20000 erred 10x torch's). A masked block whose b_rows hold a non-finite value goes
-    through ``_visible_product`` (with bias_bh, i0 and vis) into ``tile``, scratch of acc's shape."""
-    if masked and not _rows_finite(b_rows, n):
-        tile[:] = _as_dtype_of(acc, 0.0)
-        _visible_product(tile, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, row_hi, bias_bh, i0, vis)
+    through ``visible_product`` (with bias_bh, i0 and vis) into ``tile``, scratch of acc's shape."""
+    if masked and not rows_finite(b_rows, n):
+        tile[:] = as_dtype_of(acc, 0.0)
+        visible_product(tile, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, row_hi, bias_bh, i0, vis)
         for r in range(acc.shape[0]):
             for d in range(acc.shape[1]):
                 acc[r, d] += tile[r, d]
     elif a_transposed:   # the product summed in registers, then added: no store and reload through ``tile``
-        _mm_at_add(acc, a, b_rows, n)
+        mm_at_add(acc, a, b_rows, n)
     else:
-        _mm_add(acc, a, b_rows, n)
+        mm_add(acc, a, b_rows, n)
 
 
 @njit(inline="always", cache=True)
-def _add_dbias(dbias_bh, ds, i0, j0, nq, nk, keys_are_rows):
+def add_dbias(dbias_bh, ds, i0, j0, nq, nk, keys_are_rows):
     """dbias_bh[i, j] += the score gradient of query i = i0 + r and key j = j0 + c in block ``ds``: ds[c, r] when
     ``keys_are_rows`` (a transposed (BN, BM) block), else ds[r, c]; over nq queries and nk keys. dbias_bh: this
     head's (Sq', Sk') slice of the bias's own shape, where an axis of length 1 (broadcast along queries or keys)
@@ -181,8 +181,8 @@ def _add_dbias(dbias_bh, ds, i0, j0, nq, nk, keys_are_rows):
                 dbias_bh[i, 0] += ds[c, r] if keys_are_rows else ds[r, c]
 
 
-@njit(inline="always", fastmath=_FASTMATH, cache=True)
-def _chain_factor(dst, dcap, scale, per_pair):
+@njit(inline="always", fastmath=FASTMATH, cache=True)
+def chain_factor(dst, dcap, scale, per_pair):
     """dst *= d score / d q.k, over the whole block: dcap per pair where ``per_pair``, else the scale. A 0 stays 0:
     dcap is NaN where a raw score is, also at pairs a mask hid (a non-finite k row a query does not see), which
     must keep their 0."""
@@ -192,7 +192,7 @@ def _chain_factor(dst, dcap, scale, per_pair):
                 x = dst[c, r]
                 dst[c, r] = x * dcap[c, r] if x != 0 else x
     else:
-        sc = _as_dtype_of(dst, scale)
+        sc = as_dtype_of(dst, scale)
         for c in range(dst.shape[0]):
             for r in range(dst.shape[1]):
                 dst[c, r] *= sc

@@ -4,7 +4,7 @@ numba invalidates a cached function when the file that defines it changes, but t
 from other files (``tiles``, ``passes``, ``microkernels``, ``numba_flash.dropout``...): edit one of those and numba
 would go on loading the kernels compiled from the old helper, silently. ``stamp_kernels`` gives each kernel's cache
 a stamp made from the contents of all of those files instead, so that any edit recompiles every kernel once.
-The stamp also carries the vector width the kernels are written for (``simd._LANES``): numba keys its cache by
+The stamp also carries the vector width the kernels are written for (``simd.LANES``): numba keys its cache by
 the CPU it compiles for, not by that choice, so ``NUMBA_FLASH_CPU_SIMD=256`` on an AVX-512 CPU would otherwise load
 the 512-bit kernels an earlier process left and silently run them.
 This sets a private attribute of numba's cache (``_cache._cache_file._source_stamp``, numba 0.5x-0.6x); where a
@@ -35,7 +35,7 @@ def sources_stamp() -> tuple[str, str]:
     for path in source_files():
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
-    return ("numba_flash.cpu sources", f"{digest.hexdigest()} lanes={simd._LANES}")
+    return ("numba_flash.cpu sources", f"{digest.hexdigest()} lanes={simd.LANES}")
 
 
 _process_stamp: tuple[str, str] | None = None

@@ -14,28 +14,28 @@ How the work is laid out:
   Only Q^T and dO^T tiles are built (the forward transposes each query tile once; the backward packs them once per
   call). K, V (and, for the backward, Q and dO) are read in place from a head-major ``(B, H, S, D_pad)`` buffer:
   the caller's own array when it already is one (contiguous "bhsd" with D a multiple of 16), else a copy made once
-  per call (``_head_major``). Extra memory is O(B*H*S*D); the S x S matrix is never stored: per thread there is one
+  per call (``head_major``). Extra memory is O(B*H*S*D); the S x S matrix is never stored: per thread there is one
   score block and one accumulator tile.
-* Every product is ``C (+)= A @ B`` (``_mm``) or ``C (+)= A^T @ B`` (``_mm_at``) with row-major B and C, run by a
-  register-blocked outer-product micro-kernel written in LLVM IR (``_mm_block_codegen``): MR rows of C times two
+* Every product is ``C (+)= A @ B`` (``mm``) or ``C (+)= A^T @ B`` (``mm_at``) with row-major B and C, run by a
+  register-blocked outer-product micro-kernel written in LLVM IR (``mm_block_codegen``): MR rows of C times two
   vectors of columns stay in registers for the whole reduction, each step broadcasting MR values of A, loading two
   vectors of B and issuing 2*MR fused multiply-adds. On CPUs with AVX-512 the block is 8 x 32 in 512-bit vectors,
   elsewhere 6 x 16 in 256-bit vectors, 4 x 16 for a tile's last 4 rows (LLVM splits those where vectors are
-  narrower; ``_MR_TALL`` in ``simd`` says why 6). Python loop nests for these
+  narrower; ``MR_TALL`` in ``simd`` says why 6). Python loop nests for these
   shapes compile to dot products with a horizontal sum each, at about half the speed of the 256-bit block and a
   third of the 512-bit one.
-* ``exp`` is a polynomial on the bits of the float (``_fast_exp2``) because ``math.exp`` is a scalar libm call that
-  LLVM cannot vectorise. Scores stay in natural-log units; ``_fast_exp`` turns score - max into base 2.
+* ``exp`` is a polynomial on the bits of the float (``fast_exp2``) because ``math.exp`` is a scalar libm call that
+  LLVM cannot vectorise. Scores stay in natural-log units; ``fast_exp`` turns score - max into base 2.
 * Tiles entirely outside the causal/window band are never visited (loop bounds); only tiles that straddle the
   band's edge are masked.
 * Accuracy, float32 against torch's (issue 16; ``tools/accuracy_vs_torch.py``): the backward recomputes P as
   exp(score - row max) / row sum with the statistics of a stats-only forward pass over the forward's own scores,
-  not from the float32 lse; head-dim dot products are summed in chunks of ``_DOT_CHUNK``; sums across tiles
+  not from the float32 lse; head-dim dot products are summed in chunks of ``DOT_CHUNK``; sums across tiles
   (P V and row sums over key tiles, dK / dV / dQ over query or key tiles) are formed per tile and then added (in
-  the micro-kernel's registers: ``_mm_at_rescale``, ``_mm_at_add``).
+  the micro-kernel's registers: ``mm_at_rescale``, ``mm_at_add``).
 
 The kernels take (B, S, H, D) views with any strides and are compiled once per dtype (float32, float64) with
-layout-generic array types (``_entry``), so "bshd", "bhsd" and strided inputs share one cached compilation.
+layout-generic array types (``kernel_entry``), so "bshd", "bhsd" and strided inputs share one cached compilation.
 """
 
 from __future__ import annotations
@@ -47,53 +47,133 @@ import numpy as np
 from numba import njit, prange
 
 from .cache_stamp import stamp_kernels
-from .score_terms import _score_terms
-from .simd import BLOCK_M, BLOCK_N, _FASTMATH, _as_dtype_of, _fast_exp
-from .microkernels import _mm_at_rescale, _mm_dot
-from .passes import _column_exp2_sum, _column_max, _rows_finite
-from .tiles import (_bias_scores, _dropout_block, _load_rows, _mask_scores, _tile_key_span,
-                    _visible_product)
-from .workspace import _bias_view, _dropout_args, _slopes, _check_dtypes, _head_major, _kernel_options
-from .stash import _stash_stats
-from .schedule import (BATCH, K0, P0, Q0, SK, SQ, _max_tiles, call_sequences, next_unit, query_tile_units,
-                        work_counter)
-from .modhooks import _mod_scores, _mods_on, _tile_state, kernel_with_mods, mod_errors, states_for_call
+from .score_terms import apply_score_terms
+from .simd import BLOCK_M, BLOCK_N, FASTMATH, as_dtype_of, fast_exp
+from .microkernels import mm_at_rescale, mm_dot
+from .passes import column_exp2_sum, column_max, rows_finite
+from .tiles import bias_scores, dropout_block, load_rows, mask_scores, tile_key_span, visible_product
+from .workspace import bias_view, check_dtypes, dropout_args, head_major, kernel_options, kernel_slopes
+from .stash import stash_stats
+from .schedule import (BATCH, K0, P0, Q0, SK, SQ, call_sequences, max_tiles, next_unit, query_tile_units,
+                       work_counter)
+from .modhooks import has_mods, kernel_with_mods, mod_errors, mod_scores, states_for_call, tile_state
 from ..mods import EMPTY
 
 # ---------------------------------------------------------------------------------------------------------------
 # Forward
 
 
-@njit(fastmath=_FASTMATH, cache=True)
+# The worker's steps, inlined into it (``inline="always"``: numba splices their IR into the caller before typing,
+# so the compiled worker is the one with their code written in place).
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True)
+def _load_q_tile(q_t, q, bi, row0, h, nq, head_dim, qscale):
+    """q_t (D, BLOCK_M) = Q^T of query rows row0..row0 + nq of q[bi, :, h] (q: (B, S, Hq, D)) times ``qscale``,
+    with 0 in the padding columns nq..BLOCK_M."""
+    q_t[:] = as_dtype_of(q_t, 0.0)
+    for r in range(nq):
+        for d in range(head_dim):
+            q_t[d, r] = q[bi, row0 + r, h, d] * qscale
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True)
+def _online_softmax(st, nk, masked, m_run, l_run, m_use, l_tile, alpha):
+    """One key tile's step of the online softmax, per query (a column of st, (BLOCK_N, BLOCK_M) scores): m_run
+    (BLOCK_M,) takes the tile's max, alpha the factor exp(old max - new max) the query's earlier sums are rescaled
+    by, st[:nk] becomes P = exp(score - max), and l_run (BLOCK_M,) float64 = l_run * alpha + the tile's row sum
+    (summed in ``l_tile`` first). m_use, l_tile: (BLOCK_M,) scratch. ``masked``: the block may hold -inf."""
+    zero = as_dtype_of(st, 0.0)
+    neg_inf = as_dtype_of(st, -np.inf)
+    for r in range(BLOCK_M):
+        m_use[r] = m_run[r]
+    column_max(st, nk, m_use, not masked)
+    for r in range(BLOCK_M):
+        m_new = m_use[r]
+        # A query that has seen no key yet keeps max -inf; shifting by 0 makes its exp2 0, never NaN.
+        # A poisoned query has max NaN: its alpha, sum and accumulator become NaN and stay so. (A select,
+        # not a branch: the loop vectorises.)
+        shift = zero if m_new == neg_inf else m_new
+        m_use[r] = shift
+        alpha[r] = fast_exp(m_run[r] - shift)
+        m_run[r] = m_new
+        l_tile[r] = zero
+    column_exp2_sum(st, nk, l_tile, m_use)
+    for r in range(BLOCK_M):
+        l_run[r] = l_run[r] * alpha[r] + l_tile[r]
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True)
+def _store_row_stats(row_max, row_inv, m_run, l_run):
+    """row_max[r], row_inv[r] = the query tile's row max and 1 / sum for r < BLOCK_M (views from its first
+    statistics row), with +inf and 0 for a row that sees no key (P = 0 there). The stats-only pass writes them,
+    and a forward too when given arrays for them (the backward reuses them, see stash_stats)."""
+    inf = as_dtype_of(row_max, np.inf)
+    for r in range(BLOCK_M):
+        seen = l_run[r] != 0
+        row_max[r] = m_run[r] if seen else inf
+        row_inv[r] = 1.0 / l_run[r] if seen else 0.0
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True)
+def _store_rows_out(out, lse, bi, row0, h, nq, acc, m_run, l_run, row_lo, row_hi):
+    """out[bi, row0 + r, h] = acc[r] / l_run[r] and lse[bi, h, row0 + r] = m_run[r] + log(l_run[r]) for the
+    query tile's nq rows; 0 and +inf for a row that sees no key, NaN and NaN for a poisoned one."""
+    zero = as_dtype_of(acc, 0.0)
+    inf = as_dtype_of(acc, np.inf)
+    neg_inf = as_dtype_of(acc, -np.inf)
+    nan = as_dtype_of(acc, np.nan)
+    for r in range(nq):
+        if row_lo[r] >= row_hi[r]:
+            # Sees no key: 0 and lse = +inf, whatever its q holds (it reads nothing).
+            for d in range(out.shape[3]):
+                out[bi, row0 + r, h, d] = zero
+            lse[bi, h, row0 + r] = inf
+        elif l_run[r] > 0 and m_run[r] == m_run[r]:
+            inv = as_dtype_of(acc, 1.0 / l_run[r])
+            for d in range(out.shape[3]):
+                o = acc[r, d] * inv
+                out[bi, row0 + r, h, d] = o if abs(o) < inf else nan
+            # in float64, rounded once
+            lse[bi, h, row0 + r] = np.float64(m_run[r]) + math.log(l_run[r])
+        elif m_run[r] == neg_inf:   # every key it could see is hidden by the bias: as if it saw none
+            for d in range(out.shape[3]):
+                out[bi, row0 + r, h, d] = zero
+            lse[bi, h, row0 + r] = inf
+        else:  # poisoned by a score that is not finite
+            for d in range(out.shape[3]):
+                out[bi, row0 + r, h, d] = nan
+            lse[bi, h, row0 + r] = nan
+
+
+@njit(fastmath=FASTMATH, cache=True)
 def _forward_worker(q, k, v, out, lse, head_dim, scale, left, right, softcap, row_max, row_inv, stats_only, alibi,
                     bias, drop, tile_states, seqs, units, counter, hooks):
-    """One thread's share of ``_forward_kernel`` (arguments and units as there): claims units until none is left.
+    """One thread's share of ``forward_kernel`` (arguments and units as there): claims units until none is left.
 
     The kernels' parallel loops call a worker like this one instead of holding its code: numba's parfor passes
     (fusion, lowering, a gufunc compiled around the body) then see a loop of one call, where they took over half of
     a kernel's compile time with the body inside. The compiled code is the same (forward and backward within noise
     of the inlined body, BENCHMARKS.md); float32 with a cold cache, one kernel at a time on the 2-vCPU VM beside
-    other work: _forward_kernel 64 -> 40 s, _backward_kv_kernel 128 -> 88 s, _backward_dq_kernel 87 -> 62 s."""
+    other work: forward_kernel 64 -> 40 s, backward_kv_kernel 128 -> 88 s, backward_dq_kernel 87 -> 62 s."""
     nheads_q = q.shape[2]
     nheads_kv = k.shape[2]
     group = nheads_q // nheads_kv
     dp = v.shape[3]
-    n_qt = _max_tiles(seqs, SQ, BLOCK_M)
+    n_qt = max_tiles(seqs, SQ, BLOCK_M)
     n_units = units.shape[0] if units.shape[0] > 0 else seqs.shape[0] * nheads_q * n_qt
     # Scores in natural-log units, as torch's: Q carries the scale, and exp(score - max) converts the difference
-    # to base 2 (_fast_exp). With softcap, the raw score is divided by the softcap after the product: that keeps
+    # to base 2 (fast_exp). With softcap, the raw score is divided by the softcap after the product: that keeps
     # an inf in q or k, which tanh would turn into a finite +-1, visible as a non-finite raw score.
-    qscale = _as_dtype_of(q, scale)
-    neg_inf = _as_dtype_of(q, -np.inf)
-    inf = _as_dtype_of(q, np.inf)
-    nan = _as_dtype_of(q, np.nan)
-    zero = _as_dtype_of(q, 0.0)
+    qscale = as_dtype_of(q, scale)
+    neg_inf = as_dtype_of(q, -np.inf)
+    zero = as_dtype_of(q, 0.0)
     # a thread's scratch, reused by its units (a packed batch of short sequences has thousands of units)
     bias_tile = np.empty((BLOCK_N, BLOCK_M) if bias.shape[0] > 0 else (0, 0), q.dtype)
     row_lo = np.empty(BLOCK_M, np.int64)
     row_hi = np.empty(BLOCK_M, np.int64)
     q_t = np.empty((head_dim, BLOCK_M), q.dtype)  # scaled Q^T
-    mods_on = _mods_on(hooks)   # a constant: hooks is None, or the mods' hooks
+    mods_on = has_mods(hooks)   # a constant: hooks is None, or the mods' hooks
     vis = np.empty((BLOCK_N, BLOCK_M) if mods_on else (0, 0), np.bool_)
     no_grad = np.empty((0, 0), q.dtype)
     k_tail = np.empty((BLOCK_N, head_dim), q.dtype)  # a last, partial key tile, zero-padded
@@ -125,12 +205,9 @@ def _forward_worker(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
         nq = min(BLOCK_M, seqlen_q - i0)
         slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
         bias_bh = bias[b, h] if bias.shape[0] > 0 else bias[0:0, 0:0, 0, 0]
-        span_lo, span_hi, full_lo, full_hi = _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo,
-                                                            row_hi)
-        q_t[:] = zero   # padding rows stay 0
-        for r in range(nq):
-            for d in range(head_dim):
-                q_t[d, r] = q[bi, q0 + i0 + r, h, d] * qscale
+        span_lo, span_hi, full_lo, full_hi = tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo,
+                                                           row_hi)
+        _load_q_tile(q_t, q, bi, q0 + i0, h, nq, head_dim, qscale)
         acc[:] = zero
         m_run[:] = neg_inf
         l_run[:] = 0.0
@@ -141,94 +218,54 @@ def _forward_worker(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
         for kt in range(kt_first, kt_end):
             j0 = kt * BLOCK_N
             nk = min(BLOCK_N, seqlen_k - j0)
-            state = _tile_state(hooks, tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, True)
+            state = tile_state(hooks, tile_states, vis, b, h, qt, kt, i0, j0, nq, nk, True)
             if state == EMPTY:
                 continue
             if nk == BLOCK_N:
-                _mm_dot(st, k_seq[j0:j0 + BLOCK_N, hk], q_t, head_dim)
+                mm_dot(st, k_seq[j0:j0 + BLOCK_N, hk], q_t, head_dim)
             else:
-                _load_rows(k_tail, k_seq[j0:j0 + nk, hk], nk, head_dim)
-                _mm_dot(st, k_tail, q_t, head_dim)
-            _score_terms(st, nk, BLOCK_M, True, softcap, slope, i0, j0, seqlen_k - seqlen_q, no_grad, 1.0, False)
+                load_rows(k_tail, k_seq[j0:j0 + nk, hk], nk, head_dim)
+                mm_dot(st, k_tail, q_t, head_dim)
+            apply_score_terms(st, nk, BLOCK_M, True, softcap, slope, i0, j0, seqlen_k - seqlen_q, no_grad, 1.0, False)
             # Every block that no mask touches is all visible: there any non-finite score poisons its query. A bias
             # may hide any pair (-inf), so with one every block is masked.
             band_masked = not (full_lo <= j0 and j0 + nk <= full_hi)
             masked = mods_on or bias_bh.shape[0] > 0 or band_masked
             bias_hides = False
             if bias_bh.shape[0] > 0:
-                bias_hides = _bias_scores(st, bias_bh, i0, j0, nk, True, row_lo, row_hi, True, bias_tile)
+                bias_hides = bias_scores(st, bias_bh, i0, j0, nk, True, row_lo, row_hi, True, bias_tile)
             elif masked:
-                _mask_scores(st, j0, nk, row_lo, row_hi)
-            _mod_scores(hooks, st, vis, no_grad, state, b, h, i0, j0, nq, nk, True)
-            for r in range(BLOCK_M):
-                m_use[r] = m_run[r]
-            _column_max(st, nk, m_use, not masked)
-            for r in range(BLOCK_M):
-                m_new = m_use[r]
-                # A query that has seen no key yet keeps max -inf; shifting by 0 makes its exp2 0, never NaN.
-                # A poisoned query has max NaN: its alpha, sum and accumulator become NaN and stay so. (A select,
-                # not a branch: the loop vectorises.)
-                shift = zero if m_new == neg_inf else m_new
-                m_use[r] = shift
-                alpha[r] = _fast_exp(m_run[r] - shift)
-                m_run[r] = m_new
-                l_tile[r] = zero
-            _column_exp2_sum(st, nk, l_tile, m_use)
-            for r in range(BLOCK_M):
-                l_run[r] = l_run[r] * alpha[r] + l_tile[r]
+                mask_scores(st, j0, nk, row_lo, row_hi)
+            mod_scores(hooks, st, vis, no_grad, state, b, h, i0, j0, nq, nk, True)
+            _online_softmax(st, nk, masked, m_run, l_run, m_use, l_tile, alpha)
             if not stats_only:
-                _dropout_block(st, drop, b, h, i0, j0, nk, True)
+                dropout_block(st, drop, b, h, i0, j0, nk, True)
                 v_rows = v_seq[j0:j0 + nk, hk]
                 # a non-finite v row must reach only the queries that see it: where nothing hides a pair of the
                 # block, that is every query, and the plain product does it
-                if (mods_on or band_masked or bias_hides) and not _rows_finite(v_rows, nk):
+                if (mods_on or band_masked or bias_hides) and not rows_finite(v_rows, nk):
                     pv[:] = zero
-                    _visible_product(pv, st, v_rows, nk, True, True, j0, row_lo, row_hi, bias_bh, i0, vis)
+                    visible_product(pv, st, v_rows, nk, True, True, j0, row_lo, row_hi, bias_bh, i0, vis)
                     for r in range(BLOCK_M):
                         a = alpha[r]
                         for d in range(dp):
                             acc[r, d] = acc[r, d] * a + pv[r, d]
                 else:
-                    _mm_at_rescale(acc, st, v_rows, nk, alpha)
+                    mm_at_rescale(acc, st, v_rows, nk, alpha)
         if stats_only or row_max.shape[2] > 1:
-            # the row max and 1 / sum, with +inf and 0 for a row that sees no key (P = 0 there); a forward keeps
-            # them too when given arrays for them (the backward reuses them, see _stash_stats)
-            for r in range(BLOCK_M):
-                seen = l_run[r] != 0
-                row_max[bi, h, p0 + i0 + r] = m_run[r] if seen else inf
-                row_inv[bi, h, p0 + i0 + r] = 1.0 / l_run[r] if seen else 0.0
+            _store_row_stats(row_max[bi, h, p0 + i0:], row_inv[bi, h, p0 + i0:], m_run, l_run)
         if not stats_only:
-            for r in range(nq):
-                if row_lo[r] >= row_hi[r]:
-                    # Sees no key: 0 and lse = +inf, whatever its q holds (it reads nothing).
-                    for d in range(out.shape[3]):
-                        out[bi, q0 + i0 + r, h, d] = zero
-                    lse[bi, h, q0 + i0 + r] = inf
-                elif l_run[r] > 0 and m_run[r] == m_run[r]:
-                    inv = _as_dtype_of(acc, 1.0 / l_run[r])
-                    for d in range(out.shape[3]):
-                        o = acc[r, d] * inv
-                        out[bi, q0 + i0 + r, h, d] = o if abs(o) < inf else nan
-                    # in float64, rounded once
-                    lse[bi, h, q0 + i0 + r] = np.float64(m_run[r]) + math.log(l_run[r])
-                elif m_run[r] == neg_inf:   # every key it could see is hidden by the bias: as if it saw none
-                    for d in range(out.shape[3]):
-                        out[bi, q0 + i0 + r, h, d] = zero
-                    lse[bi, h, q0 + i0 + r] = inf
-                else:  # poisoned by a score that is not finite
-                    for d in range(out.shape[3]):
-                        out[bi, q0 + i0 + r, h, d] = nan
-                    lse[bi, h, q0 + i0 + r] = nan
+            _store_rows_out(out, lse, bi, q0 + i0, h, nq, acc, m_run, l_run, row_lo, row_hi)
 
 
-@njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, row_max, row_inv, stats_only, alibi,
-                    bias, drop, tile_states, seqs, units, counter, hooks):
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, row_max, row_inv, stats_only, alibi,
+                   bias, drop, tile_states, seqs, units, counter, hooks):
     """Online-softmax forward. A unit is a (sequence, query head, query tile); each writes only its own rows of
     out and lse. The prange runs one iteration per thread, each claiming units until none is left (``schedule``).
 
     q: (B, Sq, Hq, D), out: (B, Sq, Hq, Dv), any strides; lse: (B, Hq, Sq), any strides; head_dim: D;
-    k, v: (B, Sk, Hkv, D_pad) and (B, Sk, Hkv, Dv_pad), views of head-major buffers (``_head_major``), each head dim
+    k, v: (B, Sk, Hkv, D_pad) and (B, Sk, Hkv, Dv_pad), views of head-major buffers (``head_major``), each head dim
     rounded up to 16, zero past it.
     All one float dtype.
     seqs: the sequences (``schedule.Sequences.table``): B dense ones, or packed ones at their offsets in a batch of
@@ -240,9 +277,10 @@ def _forward_kernel(q, k, v, out, lse, head_dim, scale, left, right, softcap, ro
     statistics rows (+inf and 0 for padding rows and rows that see no key): the backward then recomputes
     P = exp(score - max) / sum from the very scores of the forward (P = 1 exactly for the max of a row with one
     key), where exp(score - lse) carried the rounding of lse, as large as lse itself.
-    alibi: (sequences, Hq) float64 ALiBi slopes, added after softcap (``score_terms._score_terms``); (0, 0) for none.
-    bias: attn_bias broadcast to (B, Hq, Sq, Sk), read in place (``_bias_scores``), or a (0, 0, 0, 0) array.
-    drop: dropout (``_dropout_block``), keyed by sequence, applied to P after its row sums (lse is the softmax's
+    alibi: (sequences, Hq) float64 ALiBi slopes, added after softcap (``score_terms.apply_score_terms``); (0, 0)
+    for none.
+    bias: attn_bias broadcast to (B, Hq, Sq, Sk), read in place (``bias_scores``), or a (0, 0, 0, 0) array.
+    drop: dropout (``dropout_block``), keyed by sequence, applied to P after its row sums (lse is the softmax's
     before dropout), or an empty array for none; the stats-only pass ignores it.
     tile_states, hooks: the user's mods' tiles and their compiled hooks, or None for no mods (``modhooks``).
     """
@@ -282,19 +320,19 @@ def flash_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
     seqs = call_sequences(q, k, cu_seqlens_q, cu_seqlens_k)
     if seqs.packed:
         q, k, v, out, lse = (x[None] for x in (q, k, v, out, lse))
-    dtype = _check_dtypes(q, k, v, out, lse)
+    dtype = check_dtypes(q, k, v, out, lse)
     head_dim = q.shape[3]
-    left, right, softcap = _kernel_options(q.shape[1], k.shape[1], window_left, window_right, softcap, dtype)
+    left, right, softcap = kernel_options(q.shape[1], k.shape[1], window_left, window_right, softcap, dtype)
     stats_shape = (q.shape[0], q.shape[2], seqs.stat_len)
     row_max, row_inv = np.empty(stats_shape, dtype), np.empty(stats_shape, dtype)
-    kernel = kernel_with_mods(_forward_kernel, dtype, mods)
+    kernel = kernel_with_mods(forward_kernel, dtype, mods)
     with mod_errors(mods):
-        kernel(q, _head_major(k, head_dim, "k"), _head_major(v, v.shape[3], "v"), out, lse, head_dim, float(scale),
-               left, right, softcap, row_max, row_inv, False, _slopes(alibi), _bias_view(attn_bias, q, k),
-               _dropout_args(dropout_p, dropout_seed, dropout_batch0),
+        kernel(q, head_major(k, head_dim, "k"), head_major(v, v.shape[3], "v"), out, lse, head_dim, float(scale),
+               left, right, softcap, row_max, row_inv, False, kernel_slopes(alibi), bias_view(attn_bias, q, k),
+               dropout_args(dropout_p, dropout_seed, dropout_batch0),
                states_for_call(mods, q.shape[0], q.shape[2], q.shape[1], k.shape[1]), seqs.table,
                query_tile_units(seqs, q.shape[2], left, right), work_counter())
-    _stash_stats(lse, row_max, row_inv, seqs.stash_tag)
+    stash_stats(lse, row_max, row_inv, seqs.stash_tag)
 
 
 # Recompile when any file the kernels inline from changes, not only this one (see cache_stamp).

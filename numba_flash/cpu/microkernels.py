@@ -1,9 +1,9 @@
-"""The register-blocked matrix products every CPU kernel is built from: ``_mm`` (C (+)= A @ B), ``_mm_at``
-(C (+)= A^T @ B) and ``_mm_dot`` (the score block S^T = K Q^T, head-dim sums in chunks of ``_DOT_CHUNK``), each an
-outer-product micro-kernel written in LLVM IR (``_mm_block_codegen``): MR rows of C times two vectors of columns
+"""The register-blocked matrix products every CPU kernel is built from: ``mm`` (C (+)= A @ B), ``mm_at``
+(C (+)= A^T @ B) and ``mm_dot`` (the score block S^T = K Q^T, head-dim sums in chunks of ``DOT_CHUNK``), each an
+outer-product micro-kernel written in LLVM IR (``mm_block_codegen``): MR rows of C times two vectors of columns
 stay in registers for the whole reduction, each step broadcasting MR values of A, loading two vectors of B and
 issuing 2 * MR fused multiply-adds. The fused variants add the tile's product, summed from 0 in registers, into C
-as they store it: ``_mm_add`` and ``_mm_at_add`` (the backward's gradient sums) and ``_mm_at_rescale`` (the
+as they store it: ``mm_add`` and ``mm_at_add`` (the backward's gradient sums) and ``mm_at_rescale`` (the
 forward's O = O * alpha + P^T V), where a product stored to a buffer and added in a second pass took a store, a
 reload and a pass per tile for the same bits.
 """
@@ -18,13 +18,13 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .simd import _LANES, _MR, _MR_TALL, _NR
+from .simd import LANES, MR, MR_TALL, NR
 
 # ---------------------------------------------------------------------------------------------------------------
 # The micro-kernel
 
 
-def _mm_block_codegen(a_transposed: bool, nvec: int, mr: int = _MR, chunk: int = 0, epilogue: str = "") -> Callable:
+def mm_block_codegen(a_transposed: bool, nvec: int, mr: int = MR, chunk: int = 0, epilogue: str = "") -> Callable:
     """LLVM IR for C[i:i+MR, j:j+nvec*LANES] (+)= A[i:i+MR, :kdim] @ B[:kdim, j:j+nvec*LANES] on float32 2-D arrays
     whose last axis is unit-stride, A given as is or (``a_transposed``) as A^T, shape (kdim, >= i+MR).
 
@@ -33,14 +33,14 @@ def _mm_block_codegen(a_transposed: bool, nvec: int, mr: int = _MR, chunk: int =
     of B and issuing MR * nvec multiply-adds, so loads stay below FMAs and no horizontal sum is ever needed.
 
     With ``chunk`` (the accumulate flag is then ignored: C is written), the reduction runs in chunks of that many
-    steps, each from fresh accumulators, and C = chunk 0, then C = C + chunk i in order (see ``_mm_dot``).
+    steps, each from fresh accumulators, and C = chunk 0, then C = C + chunk i in order (see ``mm_dot``).
 
     ``epilogue`` 'add' (the accumulate flag ignored): C = C + (A @ B), the product summed in registers from 0 and then
     added, one rounding per element, as forming the tile's product in a buffer and adding it in, without the store
-    and the reload (the backward's gradient sums, ``_mm_at_add``). 'rescale': the last argument is a float32 vector
+    and the reload (the backward's gradient sums, ``mm_at_add``). 'rescale': the last argument is a float32 vector
     ``alpha`` instead of the flag, and C[r] = C[r] * alpha[r] + (A @ B)[r], one fused multiply-add per element (the
-    forward's online-softmax update of its accumulator, ``_mm_at_rescale``)."""
-    lanes = _LANES
+    forward's online-softmax update of its accumulator, ``mm_at_rescale``)."""
+    lanes = LANES
 
     def codegen(context, builder, signature, args):
         cty, aty, bty, ity, jty, kty, accty = signature.args
@@ -145,25 +145,25 @@ def _mm_block_codegen(a_transposed: bool, nvec: int, mr: int = _MR, chunk: int =
     return codegen
 
 
-def _rows_f32(*arrays) -> bool:
+def rows_f32(*arrays) -> bool:
     """Whether every array is a 2-D float32 array: what the IR micro-kernels take. They also assume a unit-stride
     last axis, which numba's types cannot state for a strided view; the host code guarantees it."""
     return all(isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 2 for x in arrays)
 
 
-def _block(a_transposed: bool, nvec: int, mr: int = _MR, chunk: int = 0, epilogue: str = ""):
+def _block(a_transposed: bool, nvec: int, mr: int = MR, chunk: int = 0, epilogue: str = ""):
     """The intrinsic for one register block, (c, a, b, i, j, kdim, extra) -> None on float32 2-D arrays:
     C[i:i+mr, j:j+nvec*LANES] (+)= A[i:i+mr, :kdim] @ B[:kdim, j:j+nvec*LANES], A given as A^T (shape (kdim, >= i+mr))
-    where ``a_transposed``; ``chunk`` and ``epilogue`` as in ``_mm_block_codegen``. ``extra`` is the accumulate flag
+    where ``a_transposed``; ``chunk`` and ``epilogue`` as in ``mm_block_codegen``. ``extra`` is the accumulate flag
     (ignored with a chunk or the 'add' epilogue), or alpha, a float32 vector, for 'rescale'."""
 
     def typer(typingctx, c, a, b, i, j, kdim, extra):
-        ok = _rows_f32(c, a, b) and (epilogue != "rescale" or (
+        ok = rows_f32(c, a, b) and (epilogue != "rescale" or (
             isinstance(extra, types.Array) and extra.dtype == types.float32 and extra.ndim == 1))
         if not ok:
             return None
         return (types.none(c, a, b, i, j, kdim, extra),
-                _mm_block_codegen(a_transposed, nvec, mr, chunk=chunk, epilogue=epilogue))
+                mm_block_codegen(a_transposed, nvec, mr, chunk=chunk, epilogue=epilogue))
 
     # numba names an intrinsic after its function: one name per kind of block
     typer.__name__ = typer.__qualname__ = (f"_block{mr}x{nvec}{'_at' if a_transposed else ''}{'_dot' if chunk else ''}"
@@ -175,37 +175,37 @@ def _block(a_transposed: bool, nvec: int, mr: int = _MR, chunk: int = 0, epilogu
 def _tall_rows(rows):
     """How many of ``rows`` (a multiple of MR) the MR_TALL-row blocks take, leaving a multiple of MR to MR-row
     blocks: all of them where MR_TALL is MR; 60 of 64 for 6 and 4."""
-    n = rows // _MR_TALL * _MR_TALL
-    while (rows - n) % _MR != 0:
-        n -= _MR_TALL
+    n = rows // MR_TALL * MR_TALL
+    while (rows - n) % MR != 0:
+        n -= MR_TALL
     return n
 
 
 # Head-dim products (scores q.k and dP = dO.v) sum their reduction in chunks of this many terms, each chunk a
 # fresh chain of multiply-adds, the chunks then added in order: a chain over all of D = 256 erred 2-10x torch's
 # vectorised dot products at Sq = 1 and 3 with large scores (softcap 50), and at D = 256.
-_DOT_CHUNK = 32
+DOT_CHUNK = 32
 
 # The 4 x 64 block issues fewer instructions per FMA than 8 x 32 (four broadcasts and four loads for sixteen FMAs
 # against eight and two) and measured faster for long reductions: 349 vs 308 GFLOP/s at kdim 128, 295 vs 303 at 64.
 _WIDE_BLOCK_MIN_KDIM = 96
 
 
-def _mm(c, a, b, kdim, accumulate):  # pragma: no cover - typed by the overload below
+def mm(c, a, b, kdim, accumulate):  # pragma: no cover - typed by the overload below
     """c (=|+=) a[:, :kdim] @ b[:kdim, :c.shape[1]] for 2-D arrays with unit-stride rows: c (R, N), a (R, >= kdim),
     b (>= kdim, >= N); R % 8 == 0 and N % 16 == 0."""
     raise NotImplementedError
 
 
-def _mm_at(c, at, b, kdim, accumulate):  # pragma: no cover - typed by the overload below
+def mm_at(c, at, b, kdim, accumulate):  # pragma: no cover - typed by the overload below
     """c (=|+=) at[:kdim].T @ b[:kdim, :c.shape[1]] for 2-D arrays with unit-stride rows: c (R, N),
     at (>= kdim, R), b (>= kdim, >= N); R % 8 == 0 and N % 16 == 0. Saves transposing P and dS."""
     raise NotImplementedError
 
 
-@overload(_mm, inline="never")
+@overload(mm, inline="never")
 def _mm_impl(c, a, b, kdim, accumulate):
-    if _rows_f32(c, a, b):
+    if rows_f32(c, a, b):
         return lambda c, a, b, kdim, accumulate: _MM_PANELS(c, a, b, kdim, accumulate)
 
     def impl(c, a, b, kdim, accumulate):
@@ -220,7 +220,7 @@ def _mm_impl(c, a, b, kdim, accumulate):
 
 
 def _panels(tall_block, block, narrow_block, wide_block=None) -> Callable:
-    """The loop of ``_mm``, ``_mm_at``, ``_mm_dot`` and the fused variants over register blocks: column panels
+    """The loop of ``mm``, ``mm_at``, ``mm_dot`` and the fused variants over register blocks: column panels
     outermost (the (kdim x NR) panel of B in use stays in L1 while A streams as broadcasts), MR_TALL-row blocks then
     MR-row ones down each, a last LANES-wide panel where the columns leave one; with ``wide_block`` (not A^T) the
     4 x 64 block where it pays (``_WIDE_BLOCK_MIN_KDIM``). ``extra`` goes to every block."""
@@ -230,20 +230,20 @@ def _panels(tall_block, block, narrow_block, wide_block=None) -> Callable:
     @njit(inline="always")
     def panels(c, a, b, kdim, extra):
         n = c.shape[1]
-        if wide and n == 4 * _LANES and _LANES == 16 and kdim >= _WIDE_BLOCK_MIN_KDIM:
+        if wide and n == 4 * LANES and LANES == 16 and kdim >= _WIDE_BLOCK_MIN_KDIM:
             for i in range(0, c.shape[0], 4):
                 wide_block(c, a, b, i, 0, kdim, extra)
             return
         tall = _tall_rows(c.shape[0])
         j = 0
-        while j + _NR <= n:
-            for i in range(0, tall, _MR_TALL):
+        while j + NR <= n:
+            for i in range(0, tall, MR_TALL):
                 tall_block(c, a, b, i, j, kdim, extra)
-            for i in range(tall, c.shape[0], _MR):
+            for i in range(tall, c.shape[0], MR):
                 block(c, a, b, i, j, kdim, extra)
-            j += _NR
+            j += NR
         if j < n:  # a last 16 columns (512-bit vectors, D_pad % 32 == 16)
-            for i in range(0, c.shape[0], _MR):
+            for i in range(0, c.shape[0], MR):
                 narrow_block(c, a, b, i, j, kdim, extra)
 
     return panels
@@ -254,20 +254,20 @@ def _block_panels(a_transposed: bool, chunk: int = 0, epilogue: str = "", wide: 
     the 4 x 64 one."""
     def kind(nvec, mr):
         return _block(a_transposed, nvec, mr, chunk=chunk, epilogue=epilogue)
-    return _panels(kind(2, _MR_TALL), kind(2, _MR), kind(1, _MR), wide_block=kind(4, 4) if wide else None)
+    return _panels(kind(2, MR_TALL), kind(2, MR), kind(1, MR), wide_block=kind(4, 4) if wide else None)
 
 
 _MM_PANELS = _block_panels(False, wide=True)
 _AT_PANELS = _block_panels(True)
-_DOT_PANELS = _block_panels(False, chunk=_DOT_CHUNK, wide=True)
+_DOT_PANELS = _block_panels(False, chunk=DOT_CHUNK, wide=True)
 _AT_RESCALE_PANELS = _block_panels(True, epilogue="rescale")
 _AT_ADD_PANELS = _block_panels(True, epilogue="add")
 _MM_ADD_PANELS = _block_panels(False, epilogue="add", wide=True)
 
 
-@overload(_mm_at, inline="never")
+@overload(mm_at, inline="never")
 def _mm_at_impl(c, at, b, kdim, accumulate):
-    if _rows_f32(c, at, b):
+    if rows_f32(c, at, b):
         return lambda c, at, b, kdim, accumulate: _AT_PANELS(c, at, b, kdim, accumulate)
 
     def impl(c, at, b, kdim, accumulate):
@@ -281,26 +281,26 @@ def _mm_at_impl(c, at, b, kdim, accumulate):
     return impl
 
 
-def _mm_at_rescale(c, at, b, kdim, alpha):  # pragma: no cover - typed by the overload below
-    """c = c * alpha[:, None] + at[:kdim].T @ b[:kdim, :c.shape[1]], shapes as ``_mm_at``, alpha (R,) contiguous:
+def mm_at_rescale(c, at, b, kdim, alpha):  # pragma: no cover - typed by the overload below
+    """c = c * alpha[:, None] + at[:kdim].T @ b[:kdim, :c.shape[1]], shapes as ``mm_at``, alpha (R,) contiguous:
     the forward's accumulator update O = O * alpha + P^T V, the tile's product summed before it is added."""
     raise NotImplementedError
 
 
-def _mm_at_add(c, at, b, kdim):  # pragma: no cover - typed by the overload below
-    """c += at[:kdim].T @ b[:kdim, :c.shape[1]], shapes as ``_mm_at``, the product summed before it is added (one
+def mm_at_add(c, at, b, kdim):  # pragma: no cover - typed by the overload below
+    """c += at[:kdim].T @ b[:kdim, :c.shape[1]], shapes as ``mm_at``, the product summed before it is added (one
     rounding per element and call): the backward's gradient sums over tiles."""
     raise NotImplementedError
 
 
-def _mm_add(c, a, b, kdim):  # pragma: no cover - typed by the overload below
-    """c += a[:, :kdim] @ b[:kdim, :c.shape[1]], shapes as ``_mm``, the product summed before it is added."""
+def mm_add(c, a, b, kdim):  # pragma: no cover - typed by the overload below
+    """c += a[:, :kdim] @ b[:kdim, :c.shape[1]], shapes as ``mm``, the product summed before it is added."""
     raise NotImplementedError
 
 
 @njit(inline="always")
 def _at_then_update(c, at, b, kdim, alpha, rescale):
-    """The plain-loop ``_mm_at_rescale`` (``rescale``) or ``_mm_at_add`` for float64: each row's product summed in
+    """The plain-loop ``mm_at_rescale`` (``rescale``) or ``mm_at_add`` for float64: each row's product summed in
     a row buffer, then added."""
     part = np.empty(c.shape[1], c.dtype)
     for i in range(c.shape[0]):
@@ -314,46 +314,46 @@ def _at_then_update(c, at, b, kdim, alpha, rescale):
             c[i, j] = c[i, j] * a + part[j] if rescale else c[i, j] + part[j]
 
 
-@overload(_mm_at_rescale, inline="never")
+@overload(mm_at_rescale, inline="never")
 def _mm_at_rescale_impl(c, at, b, kdim, alpha):
-    if _rows_f32(c, at, b) and alpha.dtype == types.float32:
+    if rows_f32(c, at, b) and alpha.dtype == types.float32:
         return lambda c, at, b, kdim, alpha: _AT_RESCALE_PANELS(c, at, b, kdim, alpha)
     return lambda c, at, b, kdim, alpha: _at_then_update(c, at, b, kdim, alpha, True)
 
 
-@overload(_mm_at_add, inline="never")
+@overload(mm_at_add, inline="never")
 def _mm_at_add_impl(c, at, b, kdim):
-    if _rows_f32(c, at, b):
+    if rows_f32(c, at, b):
         return lambda c, at, b, kdim: _AT_ADD_PANELS(c, at, b, kdim, False)
     return lambda c, at, b, kdim: _at_then_update(c, at, b, kdim, c[0], False)
 
 
-@overload(_mm_add, inline="never")
+@overload(mm_add, inline="never")
 def _mm_add_impl(c, a, b, kdim):
-    if _rows_f32(c, a, b):
+    if rows_f32(c, a, b):
         return lambda c, a, b, kdim: _MM_ADD_PANELS(c, a, b, kdim, False)
     return lambda c, a, b, kdim: _at_then_update(c, a.T, b, kdim, c[0], False)
 
 
-def _mm_dot(c, a, b, kdim):  # pragma: no cover - typed by the overload below
-    """c = a[:, :kdim] @ b[:kdim, :c.shape[1]] as ``_mm``, the reduction in chunks of ``_DOT_CHUNK``: C = chunk 0,
-    then C = C + chunk i in order. ``_row_dot_kernel`` sums the same way, so that a row's delta = dO . O equals its
+def mm_dot(c, a, b, kdim):  # pragma: no cover - typed by the overload below
+    """c = a[:, :kdim] @ b[:kdim, :c.shape[1]] as ``mm``, the reduction in chunks of ``DOT_CHUNK``: C = chunk 0,
+    then C = C + chunk i in order. ``row_dot_kernel`` sums the same way, so that a row's delta = dO . O equals its
     dP = dO . v to the bit where O = v."""
     raise NotImplementedError
 
 
-@overload(_mm_dot, inline="never")
+@overload(mm_dot, inline="never")
 def _mm_dot_impl(c, a, b, kdim):
-    if _rows_f32(c, a, b):
+    if rows_f32(c, a, b):
         return lambda c, a, b, kdim: _DOT_PANELS(c, a, b, kdim, False)
 
     def impl(c, a, b, kdim):
         c[:] = 0
-        for k0 in range(0, kdim, _DOT_CHUNK):
+        for k0 in range(0, kdim, DOT_CHUNK):
             for i in range(c.shape[0]):
                 for j in range(c.shape[1]):
                     part = c[i, j] * 0
-                    for k in range(k0, min(kdim, k0 + _DOT_CHUNK)):
+                    for k in range(k0, min(kdim, k0 + DOT_CHUNK)):
                         part += a[i, k] * b[k, j]
                     c[i, j] = part if k0 == 0 else c[i, j] + part
     return impl
@@ -405,9 +405,9 @@ def _transpose_codegen(lanes: int) -> Callable:
 
 
 @intrinsic
-def _transpose_lanes(typingctx, dst, src, src_row, src_col, dst_row, dst_col):
+def transpose_lanes(typingctx, dst, src, src_row, src_col, dst_row, dst_col):
     """dst[dst_row + a, dst_col + b] = src[src_row + b, src_col + a] for a, b < LANES (16 with AVX-512, else 8);
     float32 2-D arrays whose rows are unit-stride (the caller checks: numba's types cannot say it of a view)."""
-    if not _rows_f32(dst, src):
+    if not rows_f32(dst, src):
         return None
-    return types.none(dst, src, src_row, src_col, dst_row, dst_col), _transpose_codegen(_LANES)
+    return types.none(dst, src, src_row, src_col, dst_row, dst_col), _transpose_codegen(LANES)

@@ -3,17 +3,17 @@
 The forward and backward kernels take a last argument, ``hooks``, and reach the mods only through four functions
 of this module:
 
-    _tile_state(hooks, states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows) -> EMPTY, PARTIAL or FULL
+    tile_state(hooks, states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows) -> EMPTY, PARTIAL or FULL
         before a tile's products: EMPTY skips the tile (the mask_mod hides all of it), PARTIAL fills ``vis``
-    _mod_scores(hooks, block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows)
+    mod_scores(hooks, block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows)
         after softcap, ALiBi and attn_bias: bias_mod, score_mod (times score_mod_grad into ``grad``), mask_mod
-    _mod_zero_hidden(hooks, p, ds, vis, nq, nk, keys_are_rows)
+    mod_zero_hidden(hooks, p, ds, vis, nq, nk, keys_are_rows)
         the backward's P and dS = 0 where a mod hides the pair
-    _mods_on(hooks): whether any of this is on (every block then counts as masked)
+    has_mods(hooks): whether any of this is on (every block then counts as masked)
 
 ``hooks`` is None for a call without mods: the four are then constants and no-ops inlined into the kernel, which is
 the plain kernel and pays nothing. With mods it is a tuple of three compiled functions (numba's first-class
-function type, ``workspace._hooks_type``) that ``_make_hooks`` builds around the call's mods, which numba inlines
+function type, ``workspace.hooks_type``) that ``_make_hooks`` builds around the call's mods, which numba inlines
 into them, so a mod costs what its body costs. The kernels are compiled once per dtype for that tuple type and kept
 in numba's disk cache like the plain ones: a new mod compiles its three hooks (seconds), not three kernels (about a
 minute each on 2 cores), and the kernels run as fast as with the mods inlined into them (BENCHMARKS.md).
@@ -45,8 +45,8 @@ from numba.extending import overload
 from .. import compile_notice
 from ..errors import AttentionInputError
 from ..mods import ARGUMENTS, EMPTY, FULL, PARTIAL, BlockMask, evaluate_block
-from .simd import BLOCK_M, BLOCK_N, _FASTMATH
-from .workspace import _entry, _hooks_type
+from .simd import BLOCK_M, BLOCK_N, FASTMATH
+from .workspace import hooks_type, kernel_entry
 
 UNKNOWN = 3   # a tile state no pass has evaluated yet (``states_for_call``)
 FAILED = -1   # a hook's answer when a mod raised
@@ -57,22 +57,22 @@ class ModRaised(Exception):
     first key and sizes. ``mod_errors`` turns it into the mod's own exception."""
 
 
-def _tile_state(hooks, states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows):
+def tile_state(hooks, states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows):
     """In a kernel: the tile's state (EMPTY, PARTIAL, FULL), FULL without mods (see the module docstring)."""
     raise NotImplementedError("a numba kernel helper")
 
 
-def _mod_scores(hooks, block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows):
+def mod_scores(hooks, block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows):
     """In a kernel: the mods applied to a block of scores; nothing without mods."""
     raise NotImplementedError("a numba kernel helper")
 
 
-def _mod_zero_hidden(hooks, p, ds, vis, nq, nk, keys_are_rows):
+def mod_zero_hidden(hooks, p, ds, vis, nq, nk, keys_are_rows):
     """In a kernel: P and dS zeroed where the mods hide a pair; nothing without mods."""
     raise NotImplementedError("a numba kernel helper")
 
 
-def _mods_on(hooks):
+def has_mods(hooks):
     """In a kernel: whether the call has mods (a compile-time constant)."""
     raise NotImplementedError("a numba kernel helper")
 
@@ -81,7 +81,7 @@ def _plain(hooks: Any) -> bool:
     return isinstance(hooks, types.NoneType)
 
 
-@overload(_tile_state, inline="always")
+@overload(tile_state, inline="always")
 def _tile_state_impl(hooks, states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows):
     if _plain(hooks):
         return lambda hooks, states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows: FULL
@@ -94,7 +94,7 @@ def _tile_state_impl(hooks, states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_
     return call
 
 
-@overload(_mod_scores, inline="always")
+@overload(mod_scores, inline="always")
 def _mod_scores_impl(hooks, block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows):
     if _plain(hooks):
         return lambda hooks, block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows: None
@@ -105,22 +105,22 @@ def _mod_scores_impl(hooks, block, vis, grad, state, b, h, i0, j0, nq, nk, keys_
     return call
 
 
-@overload(_mod_zero_hidden, inline="always")
+@overload(mod_zero_hidden, inline="always")
 def _mod_zero_hidden_impl(hooks, p, ds, vis, nq, nk, keys_are_rows):
     if _plain(hooks):
         return lambda hooks, p, ds, vis, nq, nk, keys_are_rows: None
     return lambda hooks, p, ds, vis, nq, nk, keys_are_rows: hooks[2](p, ds, vis, nq, nk, keys_are_rows)
 
 
-@overload(_mods_on, inline="always")
-def _mods_on_impl(hooks):
+@overload(has_mods, inline="always")
+def _has_mods_impl(hooks):
     on = not _plain(hooks)
     return lambda hooks: on
 
 
 def _make_hooks(bias_mod: Any, mask_mod: Any, score_mod: Any, score_mod_grad: Any, dtype: np.dtype) -> tuple:
     """The hooks for these compiled mods (each a numba dispatcher or None) and ``dtype``: (tile_state, mod_scores,
-    zero_hidden), compiled with the argument types of ``workspace._hooks_type``."""
+    zero_hidden), compiled with the argument types of ``workspace.hooks_type``."""
     has_bias, has_mask, has_score = bias_mod is not None, mask_mod is not None, score_mod is not None
     has_grad = score_mod_grad is not None
     # numba types a closure's free variables from their values: stand-ins for the absent mods, never called
@@ -128,7 +128,7 @@ def _make_hooks(bias_mod: Any, mask_mod: Any, score_mod: Any, score_mod_grad: An
     mask_fn = mask_mod if has_mask else _no_mask_mod
     score_fn = score_mod if has_score else _no_score_mod
     grad_fn = score_mod_grad if has_grad else _no_score_mod
-    tile_state_type, mod_scores_type, _ = _hooks_type(dtype).types
+    tile_state_type, mod_scores_type, _ = hooks_type(dtype).types
 
     @njit(inline="always")
     def find_state(states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows):
@@ -155,7 +155,7 @@ def _make_hooks(bias_mod: Any, mask_mod: Any, score_mod: Any, score_mod_grad: An
         return state
 
     @_hook(tile_state_type)
-    def tile_state(states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows):
+    def tile_state_hook(states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows):
         state = FAILED
         try:
             state = find_state(states, vis, b, h, qt, kt, i0, j0, nq, nk, keys_are_rows)
@@ -202,7 +202,7 @@ def _make_hooks(bias_mod: Any, mask_mod: Any, score_mod: Any, score_mod_grad: An
                 vis[a, e] = not hidden
 
     @_hook(mod_scores_type)
-    def mod_scores(block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows):
+    def mod_scores_hook(block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows):
         status = FAILED
         try:
             apply_mods(block, vis, grad, state, b, h, i0, j0, nq, nk, keys_are_rows)
@@ -211,15 +211,15 @@ def _make_hooks(bias_mod: Any, mask_mod: Any, score_mod: Any, score_mod_grad: An
             status = FAILED
         return status
 
-    return tile_state, mod_scores, _zero_hidden_hook(dtype)
+    return tile_state_hook, mod_scores_hook, _zero_hidden_hook(dtype)
 
 
 def _hook(function_type: Any) -> Callable[[Callable], Any]:
-    """A decorator compiling a hook now with the argument types of ``function_type`` (one of ``_hooks_type``'s).
+    """A decorator compiling a hook now with the argument types of ``function_type`` (one of ``hooks_type``'s).
     The name ends in "[mods]" so that ``compile_notice`` leaves its compilation to our own announcement."""
     def compile_hook(fn: Callable) -> Any:
         fn.__qualname__ = f"{fn.__qualname__}[mods]"
-        return njit(function_type.signature, fastmath=_FASTMATH)(fn)
+        return njit(function_type.signature, fastmath=FASTMATH)(fn)
     return compile_hook
 
 
@@ -231,7 +231,7 @@ def _zero_hidden_hook(dtype: np.dtype) -> Any:
     name = np.dtype(dtype).name
     hook = _zero_hidden_hooks.get(name)
     if hook is None:
-        @_hook(_hooks_type(dtype).types[2])
+        @_hook(hooks_type(dtype).types[2])
         def zero_hidden(p, ds, vis, nq, nk, keys_are_rows):
             n0, n1 = (nk, nq) if keys_are_rows else (nq, nk)
             for a in range(n0):
@@ -268,10 +268,10 @@ def kernel_with_mods(kernel: Any, dtype: np.dtype, mods: Any) -> Callable[..., N
     kept in numba's disk cache) with the hooks of ``mods`` (``numba_flash.mods.Mods``), which are compiled once per
     (mods, dtype) in this process."""
     if mods is None:
-        plain = _entry(kernel, dtype)
+        plain = kernel_entry(kernel, dtype)
         return lambda *args: plain(*args, None)
     # the forward (also the backward's statistics pass) has no use for score_mod_grad: its hooks serve both
-    grad = None if kernel.py_func.__name__ == "_forward_kernel" else mods.score_mod_grad
+    grad = None if kernel.py_func.__name__ == "forward_kernel" else mods.score_mod_grad
     fns = (mods.bias_mod, mods.mask_mod, mods.score_mod, grad)
     dtype = np.dtype(dtype)
     key = (dtype.name, *fns)
@@ -283,7 +283,7 @@ def kernel_with_mods(kernel: Any, dtype: np.dtype, mods: Any) -> Callable[..., N
                 compile_notice.announce(f"numba-flash: compiling the CPU kernels' hooks for {mods.describe()} "
                                         f"({dtype.name}): a few seconds, once per mod in a process")
                 hooks = _hooks[key] = _make_hooks(*fns, dtype)
-    with_hooks = _entry(kernel, dtype, hooks=True)
+    with_hooks = kernel_entry(kernel, dtype, hooks=True)
     return lambda *args: with_hooks(*args, hooks)
 
 

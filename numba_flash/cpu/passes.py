@@ -1,6 +1,6 @@
 """Vector passes over a score block and over tile rows, in LLVM IR for float32 (plain loops for float64): the
 online softmax's column max and column sum of exp2 over a (keys x queries) block, the finiteness check of a tile's
-rows, and the row copies that load tiles and store results (``_store_rows`` turns non-finite values into NaN).
+rows, and the row copies that load tiles and store results (``store_rows`` turns non-finite values into NaN).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .simd import (BLOCK_M, _EXP2_MIN, _LANES, _LOG2E_F32, _ONE, _P1, _P2, _P3, _P4, _P5, _P6, _as_dtype_of,
-                   _exp2_split_codegen, _fast_exp)
-from .microkernels import _rows_f32
+from .simd import (BLOCK_M, EXP2_MIN, EXP2_P1, EXP2_P2, EXP2_P3, EXP2_P4, EXP2_P5, EXP2_P6, LANES, LOG2E_F32, ONE_F32,
+                   as_dtype_of, exp2_split_codegen, fast_exp)
+from .microkernels import rows_f32
 
 # ---------------------------------------------------------------------------------------------------------------
 # Column passes of the forward's online softmax
@@ -32,12 +32,12 @@ def _column_pass_codegen(kind: str) -> Callable:
 
     kind 'max_strict' / 'max_nan': stat = max(stat, max_c st[c]), except that stat becomes NaN, and stays NaN, for
     a column holding a score that is not finite ('max_strict': a block no mask touched, where every score is
-    visible and -inf can only come from the data) or a NaN ('max_nan': a block ``_mask_scores`` has been through,
+    visible and -inf can only come from the data) or a NaN ('max_nan': a block ``mask_scores`` has been through,
     where -inf means masked and a visible non-finite score is already NaN). A NaN max poisons the query: its
     exp2s, sum and output become NaN. kind 'exp2': st[c] = 2 ** (st[c] - shift) for every c < nk and
     stat += sum_c st[c], where shift (BLOCK_M,) is the third array and every st[c] - shift <= 0 or NaN (clamped
     at -127, which comes out as exactly 0; a NaN stays NaN)."""
-    lanes = _LANES
+    lanes = LANES
 
     def codegen(context, builder, signature, args):
         f32 = ir.FloatType()
@@ -68,13 +68,13 @@ def _column_pass_codegen(kind: str) -> Callable:
         nan = splat(float("nan"))
 
         def exp2_nonpos(x):
-            # 2^x as _fast_exp2 computes it: n = x rounded to nearest, f = x - n, the degree-6 polynomial in f
+            # 2^x as fast_exp2 computes it: n = x rounded to nearest, f = x - n, the degree-6 polynomial in f
             # times 2^n. The clamp is a compare that a NaN fails (llvm.maxnum would turn a NaN into -127, i.e.
             # p = 0).
-            x = builder.select(builder.fcmp_ordered("<", x, splat(float(_EXP2_MIN))), splat(float(_EXP2_MIN)), x)
-            f, scale = _exp2_split_codegen(builder, x, vty, ity)
-            poly = splat(float(_P6))
-            for coef in (_P5, _P4, _P3, _P2, _P1, _ONE):
+            x = builder.select(builder.fcmp_ordered("<", x, splat(float(EXP2_MIN))), splat(float(EXP2_MIN)), x)
+            f, scale = exp2_split_codegen(builder, x, vty, ity)
+            poly = splat(float(EXP2_P6))
+            for coef in (EXP2_P5, EXP2_P4, EXP2_P3, EXP2_P2, EXP2_P1, ONE_F32):
                 poly = builder.fadd(builder.fmul(poly, f, flags=flags), splat(float(coef)), flags=flags)
             return builder.fmul(poly, scale)
 
@@ -92,8 +92,8 @@ def _column_pass_codegen(kind: str) -> Callable:
                 p = st_ptr(loop.index, ir.Constant(i64, ch))
                 x = builder.load(p, align=4)
                 if kind == "exp2":
-                    # exp(x - shift) = 2^((x - shift) log2 e): scores are natural-log units (see _fast_exp)
-                    prob = exp2_nonpos(builder.fmul(builder.fsub(x, shift[ch]), splat(float(_LOG2E_F32))))
+                    # exp(x - shift) = 2^((x - shift) log2 e): scores are natural-log units (see fast_exp)
+                    prob = exp2_nonpos(builder.fmul(builder.fsub(x, shift[ch]), splat(float(LOG2E_F32))))
                     builder.store(prob, p, align=4)
                     builder.store(builder.fadd(builder.load(stat[ch]), prob, flags=flags), stat[ch])
                     continue
@@ -119,7 +119,7 @@ def _column_pass_codegen(kind: str) -> Callable:
 
 
 def _column_pass_ok(st, nk, *stats) -> bool:
-    return (_rows_f32(st) and isinstance(nk, types.Integer)
+    return (rows_f32(st) and isinstance(nk, types.Integer)
             and all(isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 1 and x.layout == "C"
                     for x in stats))
 
@@ -144,15 +144,15 @@ def _column_exp2_sum_f32(typingctx, st, nk, total, shift):
     return types.none(st, nk, total, shift), _column_pass_codegen("exp2")
 
 
-def _column_max(st, nk, m, strict):  # pragma: no cover - typed by the overload below
+def column_max(st, nk, m, strict):  # pragma: no cover - typed by the overload below
     raise NotImplementedError
 
 
-def _column_exp2_sum(st, nk, total, shift):  # pragma: no cover - typed by the overload below
+def column_exp2_sum(st, nk, total, shift):  # pragma: no cover - typed by the overload below
     raise NotImplementedError
 
 
-@overload(_column_max, inline="always")
+@overload(column_max, inline="always")
 def _column_max_impl(st, nk, m, strict):
     """The 'max_strict' (``strict``) or 'max_nan' pass of ``_column_pass_codegen``."""
     if _column_pass_ok(st, nk, m):
@@ -164,8 +164,8 @@ def _column_max_impl(st, nk, m, strict):
         return impl
 
     def impl(st, nk, m, strict):
-        nan = _as_dtype_of(m, np.nan)
-        inf = _as_dtype_of(m, np.inf)
+        nan = as_dtype_of(m, np.nan)
+        inf = as_dtype_of(m, np.inf)
         for c in range(nk):
             for r in range(st.shape[1]):
                 x = st[c, r]
@@ -176,7 +176,7 @@ def _column_max_impl(st, nk, m, strict):
     return impl
 
 
-@overload(_column_exp2_sum, inline="always")
+@overload(column_exp2_sum, inline="always")
 def _column_exp2_sum_impl(st, nk, total, shift):
     if _column_pass_ok(st, nk, total, shift):
         return lambda st, nk, total, shift: _column_exp2_sum_f32(st, nk, total, shift)
@@ -184,28 +184,28 @@ def _column_exp2_sum_impl(st, nk, total, shift):
     def impl(st, nk, total, shift):
         for c in range(nk):
             for r in range(st.shape[1]):
-                p = _fast_exp(st[c, r] - shift[r])
+                p = fast_exp(st[c, r] - shift[r])
                 st[c, r] = p
                 total[r] += p
     return impl
 
 
-def _rows_finite(rows, n):  # pragma: no cover - typed by the overload below
+def rows_finite(rows, n):  # pragma: no cover - typed by the overload below
     """Whether rows[:n] (a 2-D view with unit-stride rows) holds only finite numbers."""
     raise NotImplementedError
 
 
-@overload(_rows_finite, inline="always")
+@overload(rows_finite, inline="always")
 def _rows_finite_impl(rows, n):
-    if _rows_f32(rows):
+    if rows_f32(rows):
         return lambda rows, n: _rows_finite_f32(rows, n)
     return lambda rows, n: _rows_finite_any(rows, n)
 
 
 @njit(cache=True)  # a call, not inlined: inlined, its loops tripped numba's SSA check (4 warnings per float64 build)
 def _rows_finite_any(rows, n):
-    """``_rows_finite`` for any dtype: x * 0 summed over rows[:n], 0 unless some x is inf or NaN."""
-    zero = _as_dtype_of(rows, 0.0)
+    """``rows_finite`` for any dtype: x * 0 summed over rows[:n], 0 unless some x is inf or NaN."""
+    zero = as_dtype_of(rows, 0.0)
     acc = zero
     for c in range(n):
         for d in range(rows.shape[1]):
@@ -215,25 +215,25 @@ def _rows_finite_any(rows, n):
 
 @intrinsic
 def _rows_finite_f32(typingctx, rows, n):
-    """float32 ``_rows_finite``: a vector sum of x * 0 along each row, which is 0 unless some x is inf or NaN.
+    """float32 ``rows_finite``: a vector sum of x * 0 along each row, which is 0 unless some x is inf or NaN.
     Written as IR because numba types the rows as strided ('A'), and the loop it compiles then runs one element at
     a time: 8192 of them per masked tile at D = 128 cost the causal forward 10%."""
-    if not _rows_f32(rows):
+    if not rows_f32(rows):
         return None
 
     def codegen(context, builder, signature, args):
         f32 = ir.FloatType()
-        vty = ir.VectorType(f32, _LANES)
+        vty = ir.VectorType(f32, LANES)
         i64 = ir.IntType(64)
         arr = context.make_array(signature.args[0])(context, builder, args[0])
         nrows = context.cast(builder, args[1], signature.args[1], types.int64)
         width = cgutils.unpack_tuple(builder, arr.shape, 2)[1]
         stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
         base = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
-        zero_v = ir.Constant(vty, [0.0] * _LANES)
+        zero_v = ir.Constant(vty, [0.0] * LANES)
         acc_v = cgutils.alloca_once_value(builder, zero_v)
         acc_s = cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0))
-        n_vec = builder.udiv(width, ir.Constant(i64, _LANES))
+        n_vec = builder.udiv(width, ir.Constant(i64, LANES))
         # no fast-math flags: x * 0 must stay NaN for an inf or NaN x
         with cgutils.for_range(builder, nrows) as row:
             row_p = builder.gep(base, [builder.mul(row.index, stride)])
@@ -242,13 +242,13 @@ def _rows_finite_f32(typingctx, rows, n):
                 x = builder.load(builder.gep(vec_p, [col.index]), align=4)
                 builder.store(builder.fadd(builder.load(acc_v), builder.fmul(x, zero_v)), acc_v)
             flt_p = builder.bitcast(row_p, f32.as_pointer())
-            tail = builder.mul(n_vec, ir.Constant(i64, _LANES))
+            tail = builder.mul(n_vec, ir.Constant(i64, LANES))
             with cgutils.for_range_slice(builder, tail, width, ir.Constant(i64, 1)) as (col, _):
                 x = builder.load(builder.gep(flt_p, [col]))
                 builder.store(builder.fadd(builder.load(acc_s), builder.fmul(x, ir.Constant(f32, 0.0))), acc_s)
         total = builder.load(acc_s)
         acc = builder.load(acc_v)
-        for lane in range(_LANES):
+        for lane in range(LANES):
             total = builder.fadd(total, builder.extract_element(acc, ir.Constant(ir.IntType(32), lane)))
         return builder.fcmp_ordered("==", total, ir.Constant(f32, 0.0))
 
@@ -260,10 +260,10 @@ def _rows_finite_f32(typingctx, rows, n):
 
 
 @njit(inline="always", cache=True)
-def _load_transposed(dst, src, n, head_dim):
+def load_transposed(dst, src, n, head_dim):
     """dst[:head_dim, :n] = src[:n, :head_dim].T and zero in dst's columns n..; dst (D, BN), src a 2-D view
     (the backward's K^T, V^T, Q^T and dO^T tiles; a partial bias tile of the forward)."""
-    zero = _as_dtype_of(dst, 0.0)
+    zero = as_dtype_of(dst, 0.0)
     for c in range(n):
         for d in range(head_dim):
             dst[d, c] = src[c, d]
@@ -272,13 +272,13 @@ def _load_transposed(dst, src, n, head_dim):
             dst[d, c] = zero
 
 
-def _copy_rows(dst, src, n, width):  # pragma: no cover - typed by the overload below
+def copy_rows(dst, src, n, width):  # pragma: no cover - typed by the overload below
     raise NotImplementedError
 
 
-@overload(_copy_rows, inline="always")
+@overload(copy_rows, inline="always")
 def _copy_rows_impl(dst, src, n, width):
-    if _rows_f32(dst, src):
+    if rows_f32(dst, src):
         return lambda dst, src, n, width: _copy_rows_f32(dst, src, n, width)
 
     def impl(dst, src, n, width):
@@ -295,7 +295,7 @@ def _rows_codegen(nan_nonfinite: bool) -> Callable:
 
     def codegen(context, builder, signature, args):
         f32 = ir.FloatType()
-        vty = ir.VectorType(f32, _LANES)
+        vty = ir.VectorType(f32, LANES)
         i64 = ir.IntType(64)
         i8p = ir.IntType(8).as_pointer()
         dst_a, src_a = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:2], args[:2]))
@@ -305,7 +305,7 @@ def _rows_codegen(nan_nonfinite: bool) -> Callable:
         s_stride = cgutils.unpack_tuple(builder, src_a.strides, 2)[0]
         d_base = builder.bitcast(dst_a.data, i8p)
         s_base = builder.bitcast(src_a.data, i8p)
-        n_vec = builder.udiv(width, ir.Constant(i64, _LANES))
+        n_vec = builder.udiv(width, ir.Constant(i64, LANES))
 
         def value(x, ty, lanes):
             if not nan_nonfinite:
@@ -321,10 +321,10 @@ def _rows_codegen(nan_nonfinite: bool) -> Callable:
             s_row = builder.gep(s_base, [builder.mul(row.index, s_stride)])
             d_vec, s_vec = (builder.bitcast(p, vty.as_pointer()) for p in (d_row, s_row))
             with cgutils.for_range(builder, n_vec) as col:
-                x = value(builder.load(builder.gep(s_vec, [col.index]), align=4), vty, _LANES)
+                x = value(builder.load(builder.gep(s_vec, [col.index]), align=4), vty, LANES)
                 builder.store(x, builder.gep(d_vec, [col.index]), align=4)
             d_flt, s_flt = (builder.bitcast(p, f32.as_pointer()) for p in (d_row, s_row))
-            tail = builder.mul(n_vec, ir.Constant(i64, _LANES))
+            tail = builder.mul(n_vec, ir.Constant(i64, LANES))
             with cgutils.for_range_slice(builder, tail, width, ir.Constant(i64, 1)) as (col, _):
                 x = value(builder.load(builder.gep(s_flt, [col])), f32, None)
                 builder.store(x, builder.gep(d_flt, [col]))
@@ -336,7 +336,7 @@ def _rows_codegen(nan_nonfinite: bool) -> Callable:
 @intrinsic
 def _copy_rows_f32(typingctx, dst, src, n, width):
     """dst[:n, :width] = src[:n, :width] for float32 2-D arrays with unit-stride rows, a vector at a time."""
-    if not _rows_f32(dst, src):
+    if not rows_f32(dst, src):
         return None
     return types.none(dst, src, n, width), _rows_codegen(False)
 
@@ -344,12 +344,12 @@ def _copy_rows_f32(typingctx, dst, src, n, width):
 @intrinsic
 def _store_rows_f32(typingctx, dst, src, n, width):
     """The same, storing every non-finite value as NaN."""
-    if not _rows_f32(dst, src):
+    if not rows_f32(dst, src):
         return None
     return types.none(dst, src, n, width), _rows_codegen(True)
 
 
-def _store_rows(dst, src, n, width):  # pragma: no cover - typed by the overload below
+def store_rows(dst, src, n, width):  # pragma: no cover - typed by the overload below
     """dst[:n, :width] = src[:n, :width], every non-finite value stored as NaN; dst and src 2-D, src with
     unit-stride rows, dst any strides (vectorised where its rows are unit-stride, which the backend's are)."""
     raise NotImplementedError
@@ -357,17 +357,17 @@ def _store_rows(dst, src, n, width):  # pragma: no cover - typed by the overload
 
 @njit(cache=True)  # a call, not inlined: only strided outputs take it (and inlining it tripped numba's SSA check)
 def _store_rows_loop(dst, src, n, width):
-    inf = _as_dtype_of(dst, np.inf)
-    nan = _as_dtype_of(dst, np.nan)
+    inf = as_dtype_of(dst, np.inf)
+    nan = as_dtype_of(dst, np.nan)
     for r in range(n):
         for d in range(width):
             g = src[r, d]
             dst[r, d] = g if abs(g) < inf else nan
 
 
-@overload(_store_rows, inline="always")
+@overload(store_rows, inline="always")
 def _store_rows_impl(dst, src, n, width):
-    if _rows_f32(dst, src):
+    if rows_f32(dst, src):
         def impl(dst, src, n, width):
             if dst.strides[1] == 4:
                 _store_rows_f32(dst, src, n, width)

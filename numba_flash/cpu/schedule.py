@@ -67,7 +67,7 @@ def next_unit(counter, units, n_units):
 
 
 @njit(inline="always", cache=True)
-def _max_tiles(seqs, column, size):
+def max_tiles(seqs, column, size):
     """The most tiles of ``size`` any sequence has along ``column`` (SQ or SK) of a ``Sequences.table``."""
     longest = 0
     for s in range(seqs.shape[0]):

@@ -1,6 +1,6 @@
 """What the CPU kernels inline everywhere: tile sizes, the SIMD width the micro-kernels are written for (512-bit
 vectors where the CPU numba compiles for has AVX-512, else 256-bit; ``NUMBA_FLASH_CPU_SIMD`` forces one), and the
-scalar arithmetic of the online softmax: ``exp2`` as a polynomial on the float's bits (``_fast_exp2``; ``math.exp``
+scalar arithmetic of the online softmax: ``exp2`` as a polynomial on the float's bits (``fast_exp2``; ``math.exp``
 is a libm call LLVM cannot vectorise), fused multiply-add, softcap, and constants in the array's own dtype.
 """
 
@@ -19,10 +19,10 @@ from numba.extending import intrinsic, overload
 
 BLOCK_M = 64  # query rows per tile
 BLOCK_N = 64  # keys per tile
-_D_ALIGN = 16  # head dims are padded to a multiple of this in the accumulators (a 512-bit vector of float32)
+D_ALIGN = 16  # head dims are padded to a multiple of this in the accumulators (a 512-bit vector of float32)
 
 # No 'nnan'/'ninf': the online softmax relies on -inf and +inf comparing correctly.
-_FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
+FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
 
 SIMD_ENV = "NUMBA_FLASH_CPU_SIMD"
 
@@ -49,30 +49,31 @@ def _simd_lanes() -> int:
     return 16 if "+avx512f" in features.split(",") else 8
 
 
-_LANES = _simd_lanes()
-_MR = 8 if _LANES == 16 else 4  # rows of C per register block: 2 * MR accumulators, 16 of the 32 zmm / 8 of 16 ymm
-_NR = 2 * _LANES  # columns of C per register block
+LANES = _simd_lanes()
+MR = 8 if LANES == 16 else 4  # rows of C per register block: 2 * MR accumulators, 16 of the 32 zmm / 8 of 16 ymm
+NR = 2 * LANES  # columns of C per register block
 # Rows of the tall register block the products run on before a last MR-row one. With 256-bit vectors 4 x 16
 # keeps 8 FMA chains in flight, just the 2 ports x 4 cycles of FMA latency, and loads 6 values per 8 FMAs; 6 x 16
 # keeps 12 (2 loads per 3 FMAs) in 15 of Haswell's 16 ymm registers (8 rows would spill). 512-bit: MR itself.
-_MR_TALL = _MR if _LANES == 16 else 6
+MR_TALL = MR if LANES == 16 else 6
 
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
-_EXP2_MIN = np.float32(-127.0)  # 2^-127 comes out of _pow2 as exactly 0: masked scores give p = 0, not ~1e-38
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+EXP2_MIN = np.float32(-127.0)  # 2^-127 comes out of _pow2 as exactly 0: masked scores give p = 0, not ~1e-38
 _EXP2_MAX = np.float32(127.0)
-_ONE = np.float32(1.0)
-# 2^f = 1 + f (P1 + f (P2 + ... + f P6)) on |f| <= 1/2: a degree-6 polynomial fitted to 2^f by minimising the
-# largest relative error (``tools/exp2_poly_fit.py``: Lawson's iteration on weighted least squares in float64, then
-# rounded to float32), where Taylor's series of exp(f ln 2) needs degree 7 for the same accuracy. Evaluated in
-# float32 by Horner's rule with fused multiply-adds it is within 0.94 ulp of 2^f on a 2-million-point grid
-# (Taylor's degree 7: 0.86, degree 6: 2.6); test_simd_math holds both builds of exp2 to 1 ulp. P0 = 1, so 2^0 = 1.
-_P1 = np.float32(0.6931471824645996)
-_P2 = np.float32(0.24022646248340607)
-_P3 = np.float32(0.05550328642129898)
-_P4 = np.float32(0.009618489071726799)
-_P5 = np.float32(0.0013399930903688073)
-_P6 = np.float32(0.0001534581242594868)
+ONE_F32 = np.float32(1.0)
+# 2^f = 1 + f (P1 + f (P2 + ... + f P6)) on |f| <= 1/2 (EXP2_P1 .. EXP2_P6): a degree-6 polynomial fitted to 2^f
+# by minimising the largest relative error (``tools/exp2_poly_fit.py``: Lawson's iteration on weighted least squares
+# in float64, then rounded to float32), where Taylor's series of exp(f ln 2) needs degree 7 for the same accuracy.
+# Evaluated in float32 by Horner's rule with fused multiply-adds it is within 0.94 ulp of 2^f on a 2-million-point
+# grid (Taylor's degree 7: 0.86, degree 6: 2.6); test_simd_math holds both builds of exp2 to 1 ulp. P0 = 1, so
+# 2^0 = 1.
+EXP2_P1 = np.float32(0.6931471824645996)
+EXP2_P2 = np.float32(0.24022646248340607)
+EXP2_P3 = np.float32(0.05550328642129898)
+EXP2_P4 = np.float32(0.009618489071726799)
+EXP2_P5 = np.float32(0.0013399930903688073)
+EXP2_P6 = np.float32(0.0001534581242594868)
 
 
 # n + 1.5 * 2**m (m mantissa bits) holds the integer n in its low mantissa bits (for |n| < 2**(m - 1)): bitcast,
@@ -111,7 +112,7 @@ def _pow2(typingctx, n):
     return n(n), codegen
 
 
-def _exp2_split_codegen(builder, x, fty, ity):
+def exp2_split_codegen(builder, x, fty, ity):
     """IR: (f, 2**n) for float32 x (scalar or vector) in [-127, 127]: n = x rounded to the nearest integer (ties to
     even; ``llvm.rint``, one instruction where floor(x + 1/2) took two, and one that fast-math cannot fold away as it
     would (x + 1.5 * 2**23) - 1.5 * 2**23), f = x - n in [-1/2, 1/2], 2**n from the exponent bits."""
@@ -123,23 +124,23 @@ def _exp2_split_codegen(builder, x, fty, ity):
 
 @intrinsic
 def _exp2_split(typingctx, x):
-    """(f, 2**n) of ``_exp2_split_codegen`` for a float32 x in [-127, 127]: the split the vectorised pass
-    (``passes``) and the scalar ``_fast_exp2`` share, so that both give the same bits."""
+    """(f, 2**n) of ``exp2_split_codegen`` for a float32 x in [-127, 127]: the split the vectorised pass
+    (``passes``) and the scalar ``fast_exp2`` share, so that both give the same bits."""
     if x != types.float32:
         return None
 
     def codegen(context, builder, signature, args):
-        pair = _exp2_split_codegen(builder, args[0], ir.FloatType(), ir.IntType(32))
+        pair = exp2_split_codegen(builder, args[0], ir.FloatType(), ir.IntType(32))
         return context.make_tuple(builder, signature.return_type, pair)
 
     return types.UniTuple(types.float32, 2)(x), codegen
 
 
-def _fast_exp2(x):  # pragma: no cover - typed by the overload below
+def fast_exp2(x):  # pragma: no cover - typed by the overload below
     raise NotImplementedError
 
 
-@overload(_fast_exp2, inline="always")
+@overload(fast_exp2, inline="always")
 def _fast_exp2_impl(x):
     if x == types.float32:
         def impl(x):
@@ -148,14 +149,14 @@ def _fast_exp2_impl(x):
             # key) clamps to -127 and comes out as exactly 0. A NaN (a poisoned row's lse) stays NaN, never a
             # probability of 0: max and min return their first argument unless the second compares larger/smaller
             # (Python's semantics, which numba keeps), so x must stay first.
-            c = min(max(x, _EXP2_MIN), _EXP2_MAX)
+            c = min(max(x, EXP2_MIN), _EXP2_MAX)
             f, scale = _exp2_split(c)
-            p = _ONE + f * (_P1 + f * (_P2 + f * (_P3 + f * (_P4 + f * (_P5 + f * _P6)))))
+            p = ONE_F32 + f * (EXP2_P1 + f * (EXP2_P2 + f * (EXP2_P3 + f * (EXP2_P4 + f * (EXP2_P5 + f * EXP2_P6)))))
             return p * scale
         return impl
     if x == types.float64:
         def impl(x):
-            return math.exp(x * _LN2)
+            return math.exp(x * LN2)
         return impl
     return None
 
@@ -184,7 +185,7 @@ _T2, _T3, _T4, _T5, _T6, _T7, _T8, _T9, _T10, _T11, _T12, _T13 = (
 
 
 @njit(inline="always", cache=True)
-def _tanh64(y):
+def tanh64(y):
     """tanh of a float64 in arithmetic only, so that loops over it vectorise (``math.tanh`` is a scalar libm call:
     with it a forward with softcap took 4.15x the plain one at S=4096, D=64, with this 1.40x).
     tanh |y| = e / (e + 2) with e = expm1(2 |y|) = 2**n (1 + p(r)) - 1, r = 2|y| - n ln 2 in [-ln2/2, ln2/2] and
@@ -214,7 +215,7 @@ def _tanh64(y):
     return -t if y < 0 else t
 
 
-def _fma(a, b, c):  # pragma: no cover - typed by the intrinsic below
+def fma(a, b, c):  # pragma: no cover - typed by the intrinsic below
     raise NotImplementedError
 
 
@@ -234,36 +235,36 @@ def _fma_intrinsic(typingctx, a, b, c):
     return sig, codegen
 
 
-@overload(_fma, inline="always")
+@overload(fma, inline="always")
 def _fma_impl(a, b, c):
     return lambda a, b, c: _fma_intrinsic(a, b, c)
 
 
-def _fast_exp(x):  # pragma: no cover - typed by the overload below
+def fast_exp(x):  # pragma: no cover - typed by the overload below
     raise NotImplementedError
 
 
-_LOG2E_F32 = np.float32(_LOG2E)
+LOG2E_F32 = np.float32(LOG2E)
 
 
-@overload(_fast_exp, inline="always")
+@overload(fast_exp, inline="always")
 def _fast_exp_impl(x):
-    """exp(x) for x <= 0 (or -inf, NaN): ``_fast_exp2(x * log2 e)`` in float32. The kernels apply it to differences
+    """exp(x) for x <= 0 (or -inf, NaN): ``fast_exp2(x * log2 e)`` in float32. The kernels apply it to differences
     score - row max only, so that the rounding of log2 e (1.3e-8 relative) scales |score - max|, which is small
     wherever P is not, rather than the score itself: scores kept in base 2 carried that rounding, and the one of
     the base-2 scale, into every score, an error as large as the scores (at softcap 50, 4e-6 in P)."""
     if x == types.float32:
-        return lambda x: _fast_exp2(x * _LOG2E_F32)
+        return lambda x: fast_exp2(x * LOG2E_F32)
     if x == types.float64:
         return lambda x: math.exp(x)
     return None
 
 
-def _as_dtype_of(a, x):  # pragma: no cover - typed by the overload below
+def as_dtype_of(a, x):  # pragma: no cover - typed by the overload below
     raise NotImplementedError
 
 
-@overload(_as_dtype_of, inline="always")
+@overload(as_dtype_of, inline="always")
 def _as_dtype_of_impl(a, x):
     """``x`` converted to the element type of array ``a``: keeps float32 kernels from drifting to float64 through
     Python-float arguments."""

@@ -20,7 +20,7 @@ def _stash_key(lse: np.ndarray, tag: bytes | None) -> tuple:
     return (lse.__array_interface__["data"][0], lse.shape, lse.strides, lse.dtype.str, tag)
 
 
-def _stash_stats(lse: np.ndarray, row_max: np.ndarray, row_inv: np.ndarray, tag: bytes | None = None) -> None:
+def stash_stats(lse: np.ndarray, row_max: np.ndarray, row_inv: np.ndarray, tag: bytes | None = None) -> None:
     """Keep a forward's row max and 1 / sum (B, Hq, statistics rows) with a copy of the lse (B, Hq, Sq) they gave,
     the most recent first, within ``STASH_MAX_BYTES``. ``tag``: where the statistics rows of packed sequences lie
     (``schedule.Sequences.stash_tag``), None for a dense call; only a backward with the same tag finds them."""
@@ -36,7 +36,7 @@ def _stash_stats(lse: np.ndarray, row_max: np.ndarray, row_inv: np.ndarray, tag:
             _stash.popitem(last=True)
 
 
-def _stashed_stats(lse: np.ndarray, tag: bytes | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+def stashed_stats(lse: np.ndarray, tag: bytes | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """Copies of the row statistics of the forward that wrote ``lse``, if it is bit for bit what that forward
     wrote; else None. Safe whatever the caller did in between: statistics whose lse equals the given one bit for bit
     give P = exp(score - max) / sum = exp(score - lse) up to lse's own rounding, so at worst they are what
@@ -52,7 +52,7 @@ def _stashed_stats(lse: np.ndarray, tag: bytes | None = None) -> tuple[np.ndarra
     return row_max.copy(), row_inv.copy()
 
 
-def _defer_to_caller_lse(lse: np.ndarray, row_max: np.ndarray, row_inv: np.ndarray) -> bool:
+def defer_to_caller_lse(lse: np.ndarray, row_max: np.ndarray, row_inv: np.ndarray) -> bool:
     """Where the caller's lse (B, Hq, Sq) is not these keys' own, make P = exp(score - lse) instead of the
     recomputed statistics, in place on row_max and row_inv (B, Hq, Sq).
 

@@ -11,16 +11,16 @@ from numba import njit, types
 from numba.extending import overload
 
 from ..dropout import philox4x32_10_jit
-from .simd import BLOCK_M, _FASTMATH, _LANES, _as_dtype_of
-from .microkernels import _mm, _mm_at, _transpose_lanes
-from .passes import _copy_rows, _load_transposed
+from .simd import BLOCK_M, FASTMATH, LANES, as_dtype_of
+from .microkernels import mm, mm_at, transpose_lanes
+from .passes import copy_rows, load_transposed
 
 # ---------------------------------------------------------------------------------------------------------------
 # Masks
 
 
 @njit(inline="always", cache=True)
-def _row_key_range(i, seqlen_q, seqlen_k, left, right):
+def row_key_range(i, seqlen_q, seqlen_k, left, right):
     """Half-open range of keys query row ``i`` sees (numba twin of ``numba_flash.semantics.key_range``); rows past
     the end of the sequence (tile padding) see nothing."""
     if i >= seqlen_q:
@@ -32,7 +32,7 @@ def _row_key_range(i, seqlen_q, seqlen_k, left, right):
 
 
 @njit(inline="always", cache=True)
-def _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi):
+def tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi):
     """Fill the per-row key ranges of the query tile starting at ``i0`` and return ``(lo, hi, full_lo, full_hi)``:
     the union ``[lo, hi)`` of the ranges of its rows (empty when no row sees a key), and the keys
     ``[full_lo, full_hi)`` that every real row sees (a key tile inside it needs no mask)."""
@@ -41,7 +41,7 @@ def _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi):
     full_lo = 0
     full_hi = seqlen_k
     for r in range(row_lo.shape[0]):
-        a, e = _row_key_range(i0 + r, seqlen_q, seqlen_k, left, right)
+        a, e = row_key_range(i0 + r, seqlen_q, seqlen_k, left, right)
         row_lo[r] = a
         row_hi[r] = e
         if i0 + r < seqlen_q:
@@ -54,7 +54,7 @@ def _tile_key_span(i0, seqlen_q, seqlen_k, left, right, row_lo, row_hi):
 
 
 @njit(inline="always", cache=True)
-def _query_tiles_seeing(j0, j1, seqlen_q, seqlen_k, left, right):
+def query_tiles_seeing(j0, j1, seqlen_q, seqlen_k, left, right):
     """Query tiles ``[first, end)`` containing a row that may see a key in ``[j0, j1)``: key j is visible to row i
     iff ``j - off - right <= i <= j - off + left`` (off = Sk - Sq), each bound dropped when unbounded."""
     off = seqlen_k - seqlen_q
@@ -66,7 +66,7 @@ def _query_tiles_seeing(j0, j1, seqlen_q, seqlen_k, left, right):
 
 
 @njit(inline="always", cache=True)
-def _mask_block(st, j0, nk, row_lo, row_hi, fill):
+def mask_block(st, j0, nk, row_lo, row_hi, fill):
     """st[c, r] = fill where query r does not see key j0 + c, for the first nk key rows of a (BN, BM) block."""
     for c in range(nk):
         j = j0 + c
@@ -76,14 +76,14 @@ def _mask_block(st, j0, nk, row_lo, row_hi, fill):
 
 
 @njit(inline="always", cache=True)
-def _mask_scores(st, j0, nk, row_lo, row_hi):
+def mask_scores(st, j0, nk, row_lo, row_hi):
     """The forward's mask on the first nk key rows of a (BN, BM) block of scores: -inf where query r does not see
     key j0 + c, and NaN where it does but the score is not finite. After it, -inf means "masked" and nothing else,
     so the max pass ('max_nan') can poison a query for a visible -inf (an inf in q or k, or an overflow) instead of
     dropping that key."""
-    neg_inf = _as_dtype_of(st, -np.inf)
-    inf = _as_dtype_of(st, np.inf)
-    nan = _as_dtype_of(st, np.nan)
+    neg_inf = as_dtype_of(st, -np.inf)
+    inf = as_dtype_of(st, np.inf)
+    nan = as_dtype_of(st, np.nan)
     for c in range(nk):
         j = j0 + c
         for r in range(st.shape[1]):
@@ -94,7 +94,7 @@ def _mask_scores(st, j0, nk, row_lo, row_hi):
 
 
 @njit(inline="always", cache=True)
-def _visible_product(c_arr, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, row_hi, bias_bh, i0, vis):
+def visible_product(c_arr, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, row_hi, bias_bh, i0, vis):
     """c += A @ b_rows[:n] with A = a[:n].T (``a_transposed``) or a[:, :n], counting only the (query, key) pairs a
     query sees, for a block whose mask hides some pairs (A is 0 there) and whose b_rows hold a value that is not
     finite: a plain product adds 0 * nan = nan to every row of c, also to queries that do not see that key.
@@ -103,11 +103,11 @@ def _visible_product(c_arr, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, r
     (c's rows are the keys j0 + r). The finite rows go through the same micro-kernel as the fast path, from a copy
     with the non-finite rows zeroed, so that rows of c that see none of those get exactly the result of a run
     without them; the non-finite rows are then added pair by pair where a query sees the key. bias_bh: this
-    head's (Sq, Sk) attn_bias, whose -inf hides a pair as the band does (``_bias_scores``), or a (0, 0) array; i0:
+    head's (Sq, Sk) attn_bias, whose -inf hides a pair as the band does (``bias_scores``), or a (0, 0) array; i0:
     the first query of c's rows (``b_is_keys``) or of b_rows; vis: bool in a's layout, False where the user's mods
     hide the pair (``modhooks``), or a (0, 0) array without mods."""
-    inf = _as_dtype_of(b_rows, np.inf)
-    zero = _as_dtype_of(b_rows, 0.0)
+    inf = as_dtype_of(b_rows, np.inf)
+    zero = as_dtype_of(b_rows, 0.0)
     width = b_rows.shape[1]
     clean = np.empty((n, width), b_rows.dtype)
     bad = np.zeros(n, np.bool_)
@@ -121,9 +121,9 @@ def _visible_product(c_arr, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, r
             for d in range(width):
                 clean[c, d] = zero
     if a_transposed:
-        _mm_at(c_arr, a, clean, n, True)
+        mm_at(c_arr, a, clean, n, True)
     else:
-        _mm(c_arr, a, clean, n, True)
+        mm(c_arr, a, clean, n, True)
     for c in range(n):
         if not bad[c]:
             continue
@@ -144,29 +144,29 @@ def _visible_product(c_arr, a, b_rows, n, a_transposed, b_is_keys, j0, row_lo, r
 
 
 @njit(inline="always", cache=True)
-def _load_rows(dst, src, n, head_dim):
+def load_rows(dst, src, n, head_dim):
     """dst[:n, :head_dim] = src[:n, :head_dim] and zero in dst's rows n..; columns past head_dim keep their
     (zero) contents. src is a 2-D view of a head-major buffer (unit-stride rows)."""
-    zero = _as_dtype_of(dst, 0.0)
-    _copy_rows(dst, src, n, head_dim)
+    zero = as_dtype_of(dst, 0.0)
+    copy_rows(dst, src, n, head_dim)
     for c in range(n, dst.shape[0]):
         for d in range(dst.shape[1]):
             dst[c, d] = zero
 
 
-@njit(inline="always", fastmath=_FASTMATH, cache=True)
-def _dropout_block(block, drop, b, h, i0, j0, nk, keys_are_rows):
+@njit(inline="always", fastmath=FASTMATH, cache=True)
+def dropout_block(block, drop, b, h, i0, j0, nk, keys_are_rows):
     """Dropout: block *= 1 / (1 - p) where ``numba_flash.dropout`` keeps (b, h, i, j) and 0 where it drops it, for
     query i = i0 + (column or row) and key j = j0 + (row or column) < j0 + nk, keys indexing the rows of ``block``
     when ``keys_are_rows``. drop: (seed_lo, seed_hi, threshold, 1 / (1 - p), b of this call's first batch row) as
-    float64 (each exact), or an empty array for no dropout (``workspace._dropout_args``). j0 is a multiple of 4, so
+    float64 (each exact), or an empty array for no dropout (``workspace.dropout_args``). j0 is a multiple of 4, so
     each Philox call serves four neighbouring keys of one query, and the loop over queries is the vectorised one."""
     if drop.shape[0] == 0:
         return
     u = np.uint64
     seed_lo, seed_hi, threshold = u(drop[0]), u(drop[1]), u(drop[2])
-    kept = _as_dtype_of(block, drop[3])
-    zero = _as_dtype_of(block, 0.0)
+    kept = as_dtype_of(block, drop[3])
+    zero = as_dtype_of(block, 0.0)
     bb = u(b + np.int64(drop[4]))
     hh = u(h)
     nq = block.shape[1] if keys_are_rows else block.shape[0]
@@ -210,27 +210,27 @@ def _bias_tile_t(tile_t, bias_bh, i0, j0, nq, nk):  # pragma: no cover - typed b
 @overload(_bias_tile_t, inline="always")
 def _bias_tile_t_impl(tile_t, bias_bh, i0, j0, nq, nk):
     """tile_t[c, r] = bias_bh[i0 + r, j0 + c] for r < nq, c < nk. float32 tiles whose bias rows are unit-stride
-    go through registers, LANES x LANES at a time (``_transpose_lanes``): the scalar copy's one strided store per
+    go through registers, LANES x LANES at a time (``transpose_lanes``): the scalar copy's one strided store per
     element made a forward with a bias 1.45x the plain one. Partial tiles, float64 and strided rows: the scalar
-    copy (``_load_transposed``), which reads along the bias's rows and scatters its writes in L1."""
+    copy (``load_transposed``), which reads along the bias's rows and scatters its writes in L1."""
     if not (tile_t.dtype == types.float32 and bias_bh.dtype == types.float32):
         def impl_scalar(tile_t, bias_bh, i0, j0, nq, nk):
-            _load_transposed(tile_t, bias_bh[i0:i0 + nq, j0:j0 + nk], nq, nk)
+            load_transposed(tile_t, bias_bh[i0:i0 + nq, j0:j0 + nk], nq, nk)
         return impl_scalar
 
     def impl(tile_t, bias_bh, i0, j0, nq, nk):
-        if (nq == tile_t.shape[1] and nk == tile_t.shape[0] and nq % _LANES == 0 and nk % _LANES == 0
+        if (nq == tile_t.shape[1] and nk == tile_t.shape[0] and nq % LANES == 0 and nk % LANES == 0
                 and bias_bh.strides[1] == 4):
-            for rb in range(0, nq, _LANES):
-                for cb in range(0, nk, _LANES):
-                    _transpose_lanes(tile_t, bias_bh, i0 + rb, j0 + cb, cb, rb)
+            for rb in range(0, nq, LANES):
+                for cb in range(0, nk, LANES):
+                    transpose_lanes(tile_t, bias_bh, i0 + rb, j0 + cb, cb, rb)
         else:
-            _load_transposed(tile_t, bias_bh[i0:i0 + nq, j0:j0 + nk], nq, nk)
+            load_transposed(tile_t, bias_bh[i0:i0 + nq, j0:j0 + nk], nq, nk)
     return impl
 
 
-@njit(inline="always", fastmath=_FASTMATH, cache=True)
-def _bias_scores(block, bias_bh, i0, j0, nk, keys_are_rows, row_lo, row_hi, forward, tile_t):
+@njit(inline="always", fastmath=FASTMATH, cache=True)
+def bias_scores(block, bias_bh, i0, j0, nk, keys_are_rows, row_lo, row_hi, forward, tile_t):
     """attn_bias on a block of scores after softcap and ALiBi, for query i = i0 + (column or row) and key j = j0 +
     (row or column) < j0 + nk, keys indexing the rows of ``block`` when ``keys_are_rows``. bias_bh: this head's
     (Sq, Sk) bias, read in place. Where the bias is -inf the pair is hidden, as the band hides it, whatever the
@@ -238,15 +238,15 @@ def _bias_scores(block, bias_bh, i0, j0, nk, keys_are_rows, row_lo, row_hi, forw
     become -inf. With keys as rows, the bias tile is first copied transposed into ``tile_t`` (BN, BM)
     (``_bias_tile_t``), so that the pass over the block reads both along rows.
 
-    With ``forward`` this also is the forward's ``_mask_scores`` for the block (every block with a bias goes
+    With ``forward`` this also is the forward's ``mask_scores`` for the block (every block with a bias goes
     through it): -inf for pairs outside the band, NaN for a visible score that is not finite, so that -inf means
     hidden and nothing else.
 
     Returns whether the bias hides any pair of the block (is -inf there): where it does not, the block hides no
     more than the band does."""
-    neg_inf = _as_dtype_of(block, -np.inf)
-    inf = _as_dtype_of(block, np.inf)
-    nan = _as_dtype_of(block, np.nan)
+    neg_inf = as_dtype_of(block, -np.inf)
+    inf = as_dtype_of(block, np.inf)
+    nan = as_dtype_of(block, np.nan)
     nq = min(block.shape[1] if keys_are_rows else block.shape[0], bias_bh.shape[0] - i0)
     hidden = 0
     if keys_are_rows:
@@ -277,7 +277,7 @@ def _bias_scores(block, bias_bh, i0, j0, nk, keys_are_rows, row_lo, row_hi, forw
     else:   # the backward's (BM, BN) blocks, which mask the band themselves
         for r in range(nq):
             for c in range(nk):
-                bv = _as_dtype_of(block, bias_bh[i0 + r, j0 + c])
+                bv = as_dtype_of(block, bias_bh[i0 + r, j0 + c])
                 s = block[r, c] + bv
                 hidden |= bv == neg_inf
                 block[r, c] = s if bv != neg_inf else neg_inf
@@ -287,16 +287,16 @@ def _bias_scores(block, bias_bh, i0, j0, nk, keys_are_rows, row_lo, row_hi, forw
     return hidden != 0
 
 
-@njit(inline="always", fastmath=_FASTMATH, cache=True)
-def _zero_bias_hidden(s, dps, bias_bh, i0, j0, nk, keys_are_rows):
-    """s and dps (P and dS of a backward block, laid out as in ``_bias_scores``) = 0 where the (Sq, Sk) bias
+@njit(inline="always", fastmath=FASTMATH, cache=True)
+def zero_bias_hidden(s, dps, bias_bh, i0, j0, nk, keys_are_rows):
+    """s and dps (P and dS of a backward block, laid out as in ``bias_scores``) = 0 where the (Sq, Sk) bias
     bias_bh is -inf and so hides the pair: P is 0 there already, but dS may be 0 * NaN."""
-    zero = _as_dtype_of(s, 0.0)
-    neg_inf = _as_dtype_of(s, -np.inf)
+    zero = as_dtype_of(s, 0.0)
+    neg_inf = as_dtype_of(s, -np.inf)
     nq = min(s.shape[1] if keys_are_rows else s.shape[0], bias_bh.shape[0] - i0)
     for r in range(nq):
         for c in range(nk):
-            if _as_dtype_of(s, bias_bh[i0 + r, j0 + c]) == neg_inf:
+            if as_dtype_of(s, bias_bh[i0 + r, j0 + c]) == neg_inf:
                 if keys_are_rows:
                     s[c, r] = zero
                     dps[c, r] = zero

@@ -1,4 +1,4 @@
-"""Host side of the CPU kernels: the compiled kernel per dtype (``_entry``), the per-thread scratch buffers kept
+"""Host side of the CPU kernels: the compiled kernel per dtype (``kernel_entry``), the per-thread scratch buffers kept
 between calls (``clear_workspace``, ``set_workspace_limit``, ``workspace_bytes``), the kernels that pack K, V, Q and
 dO head-major, and the options every kernel takes.
 """
@@ -18,9 +18,9 @@ from numba.core.errors import NumbaExperimentalFeatureWarning
 
 from numba_flash.semantics import clamp_window_bound, effective_softcap
 from .cache_stamp import stamp_kernels
-from .simd import BLOCK_M, _D_ALIGN, _as_dtype_of, _fma
-from .microkernels import _DOT_CHUNK
-from .passes import _copy_rows, _store_rows
+from .simd import BLOCK_M, D_ALIGN, as_dtype_of, fma
+from .microkernels import DOT_CHUNK
+from .passes import copy_rows, store_rows
 from .schedule import BATCH, P0, Q0, SQ
 
 @njit(parallel=True, cache=True)
@@ -29,7 +29,7 @@ def _pack_kernel(src, dst, head_dim, unit_stride):
     src (B, S, H, D) any strides (``unit_stride``: its last axis is); dst (B, H, S, D_pad) C-contiguous."""
     batch, seqlen, nheads = src.shape[0], src.shape[1], src.shape[2]
     n_runs = (seqlen + 255) // 256
-    zero = _as_dtype_of(dst, 0.0)
+    zero = as_dtype_of(dst, 0.0)
     for u in prange(batch * nheads * n_runs):
         b = u // (nheads * n_runs)
         h = (u // n_runs) % nheads
@@ -38,7 +38,7 @@ def _pack_kernel(src, dst, head_dim, unit_stride):
         d_rows = dst[b, h, s0:s0 + n]
         s_rows = src[b, s0:s0 + n, h]
         if unit_stride:  # else the IR copy (float32) would read the wrong elements
-            _copy_rows(d_rows, s_rows, n, head_dim)
+            copy_rows(d_rows, s_rows, n, head_dim)
         else:
             for r in range(n):
                 for d in range(head_dim):
@@ -49,13 +49,13 @@ def _pack_kernel(src, dst, head_dim, unit_stride):
 
 
 @njit(parallel=True, cache=True)
-def _pack_scaled_kernel(src, dst, head_dim, factor):
+def pack_scaled_kernel(src, dst, head_dim, factor):
     """dst[b, h, s, :D] = src[b, s, h, :D] * factor (one rounding, as the forward scales Q) and zero in dst's columns
     D..; src (B, S, H, D) any strides, dst (B, H, S, D_pad) C-contiguous."""
     batch, seqlen, nheads = src.shape[0], src.shape[1], src.shape[2]
     n_runs = (seqlen + 255) // 256
-    zero = _as_dtype_of(dst, 0.0)
-    f = _as_dtype_of(dst, factor)
+    zero = as_dtype_of(dst, 0.0)
+    f = as_dtype_of(dst, factor)
     for u in prange(batch * nheads * n_runs):
         b = u // (nheads * n_runs)
         h = (u // n_runs) % nheads
@@ -74,33 +74,33 @@ def _dot_chunk4(a, b, r0, r1, r2, r3, d0, d1, zero):
     order of d. Four independent chains: one chain alone waits on each multiply-add's latency."""
     c0 = c1 = c2 = c3 = zero
     for d in range(d0, d1):
-        c0 = _fma(a[r0, d], b[r0, d], c0)
-        c1 = _fma(a[r1, d], b[r1, d], c1)
-        c2 = _fma(a[r2, d], b[r2, d], c2)
-        c3 = _fma(a[r3, d], b[r3, d], c3)
+        c0 = fma(a[r0, d], b[r0, d], c0)
+        c1 = fma(a[r1, d], b[r1, d], c1)
+        c2 = fma(a[r2, d], b[r2, d], c2)
+        c3 = fma(a[r3, d], b[r3, d], c3)
     return c0, c1, c2, c3
 
 
 @njit(inline="always", cache=True)
 def _row_dots4(a, b, r0, r1, r2, r3, width, zero):
-    """``_row_dot_kernel``'s sums for rows r0..r3: chunks of ``_DOT_CHUNK`` (``_dot_chunk4``) added in order."""
-    t0, t1, t2, t3 = _dot_chunk4(a, b, r0, r1, r2, r3, 0, min(width, _DOT_CHUNK), zero)
-    for k0 in range(_DOT_CHUNK, width, _DOT_CHUNK):
-        c0, c1, c2, c3 = _dot_chunk4(a, b, r0, r1, r2, r3, k0, min(width, k0 + _DOT_CHUNK), zero)
+    """``row_dot_kernel``'s sums for rows r0..r3: chunks of ``DOT_CHUNK`` (``_dot_chunk4``) added in order."""
+    t0, t1, t2, t3 = _dot_chunk4(a, b, r0, r1, r2, r3, 0, min(width, DOT_CHUNK), zero)
+    for k0 in range(DOT_CHUNK, width, DOT_CHUNK):
+        c0, c1, c2, c3 = _dot_chunk4(a, b, r0, r1, r2, r3, k0, min(width, k0 + DOT_CHUNK), zero)
         t0, t1, t2, t3 = t0 + c0, t1 + c1, t2 + c2, t3 + c3
     return t0, t1, t2, t3
 
 
 @njit(parallel=True, cache=True)
-def _row_dot_kernel(a, b, res, seqs):
+def row_dot_kernel(a, b, res, seqs):
     """res[b, h, p] = a[b, s, h, :] . b[b, s, h, :] at each row's statistics row p (``schedule``; 0 in the padding
-    up to whole query tiles), summed as ``_mm_dot`` sums (chains of fused multiply-adds from 0, in order of d, in
-    chunks of ``_DOT_CHUNK`` added in order): delta = dO . O then cancels dP = dO . v exactly where a row sees one
+    up to whole query tiles), summed as ``mm_dot`` sums (chains of fused multiply-adds from 0, in order of d, in
+    chunks of ``DOT_CHUNK`` added in order): delta = dO . O then cancels dP = dO . v exactly where a row sees one
     key (O = v), so dS = P (dP - delta) is exactly 0 there, as torch's is. Rows go four at a time (``_row_dots4``),
     twice as fast as one at a time, with the same bits; the last 1-3 rows of a sequence repeat its last row.
     a, b (B, S, H, D) any strides; res (B, H, statistics rows); seqs: ``schedule.Sequences.table``."""
     nheads, width = a.shape[2], a.shape[3]
-    zero = _as_dtype_of(res, 0.0)
+    zero = as_dtype_of(res, 0.0)
     for u in prange(seqs.shape[0] * nheads):
         seq = seqs[u // nheads]
         bi, q0, p0, seqlen = seq[BATCH], seq[Q0], seq[P0], seq[SQ]
@@ -127,7 +127,7 @@ def _row_dot_kernel(a, b, res, seqs):
 
 
 @njit(parallel=True, cache=True)
-def _store_dq_kernel(dq_acc, dq, head_dim, seqs):
+def store_dq_kernel(dq_acc, dq, head_dim, seqs):
     """dq[b, s, h, :D] = dq_acc[b, h, p, :D] (p: row s's statistics row) for the fused backward, NaN where not
     finite (the contract reports every non-finite result as NaN). dq_acc (B, H, statistics rows, D_pad)
     C-contiguous; dq (B, S, H, >= D) any strides; seqs: ``schedule.Sequences.table``."""
@@ -136,7 +136,7 @@ def _store_dq_kernel(dq_acc, dq, head_dim, seqs):
         seq = seqs[u // nheads]
         bi, q0, p0, seqlen = seq[BATCH], seq[Q0], seq[P0], seq[SQ]
         h = u % nheads
-        _store_rows(dq[bi, q0:q0 + seqlen, h], dq_acc[bi, h, p0:p0 + seqlen], seqlen, head_dim)
+        store_rows(dq[bi, q0:q0 + seqlen, h], dq_acc[bi, h, p0:p0 + seqlen], seqlen, head_dim)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -156,7 +156,7 @@ def _signature(name: str, dtype: np.dtype, hooks: bool = False) -> tuple[Any, ..
     layout-generic ('A'), so that C-contiguous, transposed and strided views share one compilation (numba would
     otherwise compile, and cache, one per layout combination); the buffers this module allocates are typed
     C-contiguous, which lets LLVM vectorise the loops that read them (lse, delta). The forward and backward kernels
-    take ``hooks`` last (``modhooks``): None, or with ``hooks`` the mods' hooks (``_hooks_type``)."""
+    take ``hooks`` last (``modhooks``): None, or with ``hooks`` the mods' hooks (``hooks_type``)."""
     nb = numba.from_dtype(np.dtype(dtype))
     user = {n: types.Array(nb, n, "A") for n in (3, 4)}
     own = {n: types.Array(nb, n, "C") for n in (3, 4, 5)}
@@ -166,27 +166,27 @@ def _signature(name: str, dtype: np.dtype, hooks: bool = False) -> tuple[Any, ..
     tiles = types.Array(types.int8, 4, "A")   # modhooks.states_for_call
     seqs, units, counter = types.Array(i64, 2, "C"), types.Array(i64, 1, "C"), types.Array(i64, 1, "C")
     sigs = {
-        "_forward_kernel": (user[4], user[4], user[4], user[4], user[3], i64, f64, i64, i64, f64, own[3], own[3],
-                            boolean, slopes, user[4], drop, tiles, seqs, units, counter),
-        "_backward_kv_kernel": (user[4], user[4], user[4], user[4], user[4], own[3], own[3], own[3], own[4],
-                                user[4], user[4], i64, f64, i64, i64, f64, i64, boolean, slopes, user[4], drop,
-                                tiles, boolean, own[5], seqs, units, counter),
-        "_backward_dq_kernel": (user[4], user[4], user[4], user[4], own[3], own[3], own[3], user[4], i64, i64, f64,
-                                i64, i64, f64, slopes, user[4], drop, tiles, boolean, own[5], seqs, units, counter),
+        "forward_kernel": (user[4], user[4], user[4], user[4], user[3], i64, f64, i64, i64, f64, own[3], own[3],
+                           boolean, slopes, user[4], drop, tiles, seqs, units, counter),
+        "backward_kv_kernel": (user[4], user[4], user[4], user[4], user[4], own[3], own[3], own[3], own[4],
+                               user[4], user[4], i64, f64, i64, i64, f64, i64, boolean, slopes, user[4], drop,
+                               tiles, boolean, own[5], seqs, units, counter),
+        "backward_dq_kernel": (user[4], user[4], user[4], user[4], own[3], own[3], own[3], user[4], i64, i64, f64,
+                               i64, i64, f64, slopes, user[4], drop, tiles, boolean, own[5], seqs, units, counter),
         "_pack_kernel": (user[4], own[4], i64, boolean),
-        "_pack_scaled_kernel": (user[4], own[4], i64, f64),
-        "_row_dot_kernel": (user[4], user[4], own[3], seqs),
-        "_store_dq_kernel": (own[4], user[4], i64, seqs),
+        "pack_scaled_kernel": (user[4], own[4], i64, f64),
+        "row_dot_kernel": (user[4], user[4], own[3], seqs),
+        "store_dq_kernel": (own[4], user[4], i64, seqs),
     }
-    if name in ("_forward_kernel", "_backward_kv_kernel", "_backward_dq_kernel"):
-        return sigs[name] + (_hooks_type(dtype) if hooks else types.none,)
+    if name in ("forward_kernel", "backward_kv_kernel", "backward_dq_kernel"):
+        return sigs[name] + (hooks_type(dtype) if hooks else types.none,)
     return sigs[name]
 
 
 _hook_types: dict[str, Any] = {}
 
 
-def _hooks_type(dtype: np.dtype) -> Any:
+def hooks_type(dtype: np.dtype) -> Any:
     """numba's type of the mods' hooks (``modhooks``) for ``dtype``: a tuple of three first-class functions,
     (tile_state, mod_scores, zero_hidden), with the argument types the kernels call them with."""
     name = np.dtype(dtype).name
@@ -204,7 +204,7 @@ def _hooks_type(dtype: np.dtype) -> Any:
     return found
 
 
-def _entry(kernel: Any, dtype: np.dtype, hooks: bool = False) -> Any:
+def kernel_entry(kernel: Any, dtype: np.dtype, hooks: bool = False) -> Any:
     """The compiled ``kernel`` for ``dtype``, with the argument types of ``_signature``. The first call of a
     process loads the kernel from numba's on-disk cache."""
     key = (kernel, dtype, hooks)
@@ -213,7 +213,7 @@ def _entry(kernel: Any, dtype: np.dtype, hooks: bool = False) -> Any:
         with _entries_lock:
             fn = _entries.get(key)
             if fn is None:
-                with warnings.catch_warnings():   # as in _hooks_type
+                with warnings.catch_warnings():   # as in hooks_type
                     warnings.simplefilter("ignore", NumbaExperimentalFeatureWarning)
                     fn = _entries[key] = kernel.compile(_signature(kernel.py_func.__name__, dtype, hooks))
     return fn
@@ -240,7 +240,7 @@ WORKSPACE_MAX_BYTES = _workspace_cap_from_env()
 _workspace = threading.local()
 
 
-def _scratch(slot: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+def scratch(slot: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised C-contiguous array of ``shape`` for use inside one call, backed by this thread's buffer
     for ``slot`` (grown as needed) when it fits ``WORKSPACE_MAX_BYTES``."""
     dtype = np.dtype(dtype)
@@ -280,7 +280,7 @@ def workspace_bytes() -> int:
     return sum(b.nbytes for b in _workspace.__dict__.get("buffers", {}).values())
 
 
-def _head_major(x: np.ndarray, head_dim: int, slot: str) -> np.ndarray:
+def head_major(x: np.ndarray, head_dim: int, slot: str) -> np.ndarray:
     """A (B, S, H, D_pad) view of a C-contiguous (B, H, S, D_pad) buffer holding ``x`` (zero-padded to D_pad = D
     rounded up to 16): ``x`` itself when it already is one (a contiguous "bhsd" array, or "bshd" with H = 1), else a
     copy, in this thread's scratch buffer ``slot``.
@@ -290,16 +290,16 @@ def _head_major(x: np.ndarray, head_dim: int, slot: str) -> np.ndarray:
     maps them onto a few L1 sets and made the products about 1.4x slower in a microbenchmark (2 cores, D = 64,
     H = 8). The copy is O(B * H * S * D) against O(S^2) work: about 0.4 ms per 8 MiB here, on two threads."""
     t = x.transpose(0, 2, 1, 3)
-    if t.flags.c_contiguous and head_dim % _D_ALIGN == 0:
+    if t.flags.c_contiguous and head_dim % D_ALIGN == 0:
         return x
     batch, seqlen, nheads, _ = x.shape
-    buf = _scratch(slot, (batch, nheads, seqlen, _padded(head_dim, _D_ALIGN)), x.dtype)
-    _entry(_pack_kernel, x.dtype)(x, buf, head_dim, x.strides[3] == x.itemsize)
+    buf = scratch(slot, (batch, nheads, seqlen, _padded(head_dim, D_ALIGN)), x.dtype)
+    kernel_entry(_pack_kernel, x.dtype)(x, buf, head_dim, x.strides[3] == x.itemsize)
     return buf.transpose(0, 2, 1, 3)
 
 
-def _kernel_options(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int, softcap: float,
-                    dtype: np.dtype) -> tuple[int, int, float]:
+def kernel_options(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int, softcap: float,
+                   dtype: np.dtype) -> tuple[int, int, float]:
     """Window bounds and softcap as the kernels take them: bounds capped at Sq + Sk (the same mask, and int64
     arithmetic that cannot overflow), the softcap as ``semantics.effective_softcap`` defines it for ``dtype``.
     ``validate_forward`` has done both for calls through a backend; this covers direct calls."""
@@ -307,12 +307,12 @@ def _kernel_options(seqlen_q: int, seqlen_k: int, window_left: int, window_right
     return left, right, effective_softcap(float(softcap), np.dtype(dtype).name)
 
 
-def _score_scale(scale: float, softcap: float) -> float:
-    """The factor the forward multiplies Q by (``qscale`` in ``_forward_kernel``)."""
+def score_scale(scale: float, softcap: float) -> float:
+    """The factor the forward multiplies Q by (``qscale`` in ``forward_kernel``)."""
     return float(scale)
 
 
-def _check_dtypes(*arrays: np.ndarray) -> np.dtype:
+def check_dtypes(*arrays: np.ndarray) -> np.dtype:
     dtype = arrays[0].dtype
     if dtype not in (np.float32, np.float64) or any(a.dtype != dtype for a in arrays):
         raise TypeError(f"numba_flash.cpu kernels need all arrays float32 or all float64, got "
@@ -323,12 +323,12 @@ def _check_dtypes(*arrays: np.ndarray) -> np.dtype:
 _NO_SLOPES = np.zeros((0, 0))
 
 
-def _slopes(alibi: np.ndarray | None) -> np.ndarray:
+def kernel_slopes(alibi: np.ndarray | None) -> np.ndarray:
     """ALiBi slopes as the kernels take them: (B, Hq) float64, or a (0, 0) array for none."""
     return _NO_SLOPES if alibi is None else np.asarray(alibi, dtype=np.float64)
 
 
-def _bias_view(attn_bias: np.ndarray | None, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+def bias_view(attn_bias: np.ndarray | None, q: np.ndarray, k: np.ndarray) -> np.ndarray:
     """attn_bias as the kernels take it: a read-only view broadcast to (B, Hq, Sq, Sk) (stride 0 along the
     broadcast dimensions, so no copy), or a (0, 0, 0, 0) array for none. q (B, Sq, Hq, D), k (B, Sk, Hkv, D)."""
     if attn_bias is None:
@@ -341,8 +341,8 @@ def _bias_view(attn_bias: np.ndarray | None, q: np.ndarray, k: np.ndarray) -> np
 _NO_DROPOUT = np.zeros(0)
 
 
-def _dropout_args(dropout_p: float, seed: int, batch0: int) -> np.ndarray:
-    """Dropout as the kernels take it (``tiles._dropout_block``): float64 (seed_lo, seed_hi, threshold,
+def dropout_args(dropout_p: float, seed: int, batch0: int) -> np.ndarray:
+    """Dropout as the kernels take it (``tiles.dropout_block``): float64 (seed_lo, seed_hi, threshold,
     1 / (1 - p), batch0), every value an integer below 2**33 or the scale, so exact; an empty array for p = 0."""
     if not dropout_p:
         return _NO_DROPOUT

@@ -181,7 +181,7 @@ def kernel_calls(monkeypatch):
 
     for module in (forward, backward):
         monkeypatch.setattr(module, "kernel_with_mods", counting(module.kernel_with_mods))
-    monkeypatch.setattr(backward, "_entry", counting(backward._entry))
+    monkeypatch.setattr(backward, "kernel_entry", counting(backward.kernel_entry))
     return calls
 
 
@@ -190,14 +190,14 @@ def test_one_kernel_call_per_pass(op, rng, kernel_calls):
     q, k, v, dout, cu_q, cu_k = packed_inputs(rng, lens, lens[::-1], 4, 2, d=16)
     packing = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
     out, lse = op.forward(q, k, v, return_lse=True, **packing)
-    assert kernel_calls == {"_forward_kernel": 1}
+    assert kernel_calls == {"forward_kernel": 1}
     kernel_calls.clear()
     passes = stash.stats_passes
     op.backward(dout, q, k, v, out, lse, **packing)
     assert stash.stats_passes == passes   # the forward's statistics, found by its lse and its sequences
     # 25 sequences x 2 kv heads: dQ fused into the key-tile pass, stored once
-    assert kernel_calls == {"_row_dot_kernel": 1, "_pack_scaled_kernel": 1, "_backward_kv_kernel": 1,
-                            "_store_dq_kernel": 1}
+    assert kernel_calls == {"row_dot_kernel": 1, "pack_scaled_kernel": 1, "backward_kv_kernel": 1,
+                            "store_dq_kernel": 1}
 
 
 def test_one_long_sequence_does_not_fuse_dq(op, rng, kernel_calls):
@@ -206,7 +206,7 @@ def test_one_long_sequence_does_not_fuse_dq(op, rng, kernel_calls):
     lens_q, lens_k = [300, 3, 5, 2, 7, 1], [290, 4, 5, 2, 6, 1]
     q, k, v, dout, cu_q, cu_k = packed_inputs(rng, lens_q, lens_k, 2, 1, d=8)
     got = _run(op, q, k, v, dout, cu_q, cu_k, causal=True)
-    assert kernel_calls["_backward_kv_kernel"] == 1 and kernel_calls["_backward_dq_kernel"] == 1
+    assert kernel_calls["backward_kv_kernel"] == 1 and kernel_calls["backward_dq_kernel"] == 1
     check_float32(got, reference(q, k, v, dout, cu_q, cu_k, causal=True))
 
 

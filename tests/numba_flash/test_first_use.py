@@ -25,7 +25,7 @@ PROBE = textwrap.dedent("""
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="LOG %(name)s %(message)s")
     from numba_flash.cpu import workspace
     if "kernel" in sys.argv[1:]:
-        workspace._entry(workspace._pack_kernel, np.float32)
+        workspace.kernel_entry(workspace._pack_kernel, np.float32)
     def probe(x):
         return x + 1
     probe.__module__ = "numba_flash.probe"
@@ -78,8 +78,8 @@ def test_warmup_makes_every_parallel_kernel_ready(rng):
              if np.dtype(dtype) == np.float32}
     assert {(name, False) for name in parallel} <= ready, parallel
     # and the variant of the forward and backward kernels that runs any mods (``modhooks``)
-    assert {name for name, hooks in ready if hooks} == {"_forward_kernel", "_backward_kv_kernel",
-                                                       "_backward_dq_kernel"}, ready
+    assert {name for name, hooks in ready if hooks} == {"forward_kernel", "backward_kv_kernel",
+                                                       "backward_dq_kernel"}, ready
     with pytest.raises(ValueError, match="float16"):
         warmup(["float16"])
 

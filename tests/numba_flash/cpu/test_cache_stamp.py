@@ -9,8 +9,8 @@ import pytest
 from numba_flash.cpu import backward, cache_stamp, decode, forward, workspace
 
 
-@pytest.mark.parametrize("kernel", [forward._forward_kernel, backward._backward_kv_kernel,
-                                    backward._backward_dq_kernel, workspace._pack_kernel, decode._decode_kernel],
+@pytest.mark.parametrize("kernel", [forward.forward_kernel, backward.backward_kv_kernel,
+                                    backward.backward_dq_kernel, workspace._pack_kernel, decode._decode_kernel],
                          ids=lambda k: k.py_func.__name__)
 def test_every_kernel_cache_carries_the_package_stamp(kernel):
     assert kernel._cache._cache_file._source_stamp == cache_stamp.sources_stamp()
@@ -40,5 +40,5 @@ def test_the_vector_width_changes_the_stamp(monkeypatch):
     from numba_flash.cpu import simd
 
     before = cache_stamp.sources_stamp()
-    monkeypatch.setattr(simd, "_LANES", 24 - simd._LANES)   # 8 <-> 16
+    monkeypatch.setattr(simd, "LANES", 24 - simd.LANES)   # 8 <-> 16
     assert cache_stamp.sources_stamp() != before

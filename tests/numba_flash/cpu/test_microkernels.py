@@ -9,21 +9,21 @@ import numpy as np
 import pytest
 from numba import njit
 
-from numba_flash.cpu.microkernels import _mm, _mm_add, _mm_at, _mm_at_add, _mm_at_rescale, _mm_dot
+from numba_flash.cpu.microkernels import mm, mm_add, mm_at, mm_at_add, mm_at_rescale, mm_dot
 from numba_flash.cpu.schedule import call_sequences
-from numba_flash.cpu.simd import _FASTMATH
-from numba_flash.cpu.workspace import _entry, _row_dot_kernel
+from numba_flash.cpu.simd import FASTMATH
+from numba_flash.cpu.workspace import kernel_entry, row_dot_kernel
 
 
 @njit
 def _rescale(c, at, b, kdim, alpha):
-    _mm_at_rescale(c, at, b, kdim, alpha)
+    mm_at_rescale(c, at, b, kdim, alpha)
 
 
-@njit(fastmath=_FASTMATH)
+@njit(fastmath=FASTMATH)
 def _two_steps(c, at, b, kdim, alpha, tile):
     # what the forward did before the fusion: the tile's product first, then O = O * alpha + P^T V
-    _mm_at(tile, at, b, kdim, False)
+    mm_at(tile, at, b, kdim, False)
     for r in range(c.shape[0]):
         for d in range(c.shape[1]):
             c[r, d] = c[r, d] * alpha[r] + tile[r, d]
@@ -52,17 +52,17 @@ def test_rescaled_product_is_the_accumulator_update(rng, dtype, rows, cols, kdim
 @njit
 def _add(c, a, b, kdim, transposed):
     if transposed:
-        _mm_at_add(c, a, b, kdim)
+        mm_at_add(c, a, b, kdim)
     else:
-        _mm_add(c, a, b, kdim)
+        mm_add(c, a, b, kdim)
 
 
-@njit(fastmath=_FASTMATH)
+@njit(fastmath=FASTMATH)
 def _add_two_steps(c, a, b, kdim, transposed, tile):
     if transposed:
-        _mm_at(tile, a, b, kdim, False)
+        mm_at(tile, a, b, kdim, False)
     else:
-        _mm(tile, a, b, kdim, False)
+        mm(tile, a, b, kdim, False)
     for r in range(c.shape[0]):
         for d in range(c.shape[1]):
             c[r, d] += tile[r, d]
@@ -90,14 +90,14 @@ def test_added_product_is_the_gradient_sum(rng, dtype, transposed, rows, cols, k
 
 @njit
 def _dot(c, a, bt, kdim):
-    _mm_dot(c, a, bt, kdim)
+    mm_dot(c, a, bt, kdim)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("seqlen, head_dim", [(61, 40), (64, 200), (3, 16), (1, 112)])
 def test_row_dots_are_the_score_products_diagonal(rng, dtype, seqlen, head_dim):
-    """delta = rowsum(dO * O) (``_row_dot_kernel``, four rows at a time) must be summed exactly as the product dP =
-    dO V^T is (``_mm_dot``, chunks of the head dim): where a row sees one key, O = v and delta cancels dP to 0, as
+    """delta = rowsum(dO * O) (``row_dot_kernel``, four rows at a time) must be summed exactly as the product dP =
+    dO V^T is (``mm_dot``, chunks of the head dim): where a row sees one key, O = v and delta cancels dP to 0, as
     torch's does. So in float32 (the micro-kernels' products; float64 has plain loops) each row's delta is bit for
     bit the diagonal of the product of the same rows, for every row of a sequence whose length leaves 1-3 rows after
     the groups of four."""
@@ -105,7 +105,7 @@ def test_row_dots_are_the_score_products_diagonal(rng, dtype, seqlen, head_dim):
     b = rng.standard_normal((1, seqlen, 2, head_dim)).astype(dtype)
     seqs = call_sequences(a, a, None, None)
     delta = np.full((1, 2, seqs.stat_len), np.nan, dtype)
-    _entry(_row_dot_kernel, np.dtype(dtype))(a, b, delta, seqs.table)
+    kernel_entry(row_dot_kernel, np.dtype(dtype))(a, b, delta, seqs.table)
     rows = -(-seqlen // 16) * 16
     for h in range(2 if dtype == np.float32 else 0):
         a_rows = np.zeros((rows, head_dim), dtype)

@@ -74,7 +74,7 @@ _SCRIPT = textwrap.dedent(
         return kv_idx <= q_idx + reach
 
     out = backend_registry.get("flash", backend="cpu").forward(q, k, v, mask_mod=near)
-    kernel = forward._forward_kernel
+    kernel = forward.forward_kernel
     with_hooks = [sig for sig in kernel.signatures if str(sig[-1]) != "none"]
     print(json.dumps({"err": float(np.abs(out - attention_ref(q, k, v, mask_mod=near)[0]).max()),
                       "hits": sum(n for sig, n in kernel.stats.cache_hits.items() if str(sig[-1]) != "none"),

@@ -48,9 +48,9 @@ _SCRIPT = textwrap.dedent(
                                            softcap=cap)
         errors.append(float(np.abs(out - ref_out).max()))
         errors.extend(float(np.linalg.norm(g - r) / np.linalg.norm(r)) for g, r in zip(grads, ref_grads))
-    kernels = (forward._forward_kernel, backward._backward_kv_kernel, backward._backward_dq_kernel)
+    kernels = (forward.forward_kernel, backward.backward_kv_kernel, backward.backward_dq_kernel)
     print(json.dumps({
-        "lanes": simd._LANES,
+        "lanes": simd.LANES,
         "errors": errors,
         "hits": sum(sum(f.stats.cache_hits.values()) for f in kernels),
         "misses": sum(sum(f.stats.cache_misses.values()) for f in kernels),
@@ -77,7 +77,7 @@ def _check(run: dict) -> None:
 
 @pytest.mark.slow
 def test_256_bit_kernel_matches_reference_and_second_process_hits_the_cache(tmp_path, rng):
-    native = simd._LANES == 8    # this process's width: the CPU's, or NUMBA_FLASH_CPU_SIMD's if it is set to 256
+    native = simd.LANES == 8    # this process's width: the CPU's, or NUMBA_FLASH_CPU_SIMD's if it is set to 256
     cache_dir = None if native else tmp_path
     first = _run(cache_dir, int(rng.integers(2**32)))
     _check(first)

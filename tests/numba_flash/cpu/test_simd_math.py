@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from numba_flash.cpu.score_terms import _score_terms
-from numba_flash.cpu.passes import _column_exp2_sum
-from numba_flash.cpu.simd import _FASTMATH, _P1, _P2, _P3, _P4, _P5, _P6, _fast_exp2, _tanh64
+from numba_flash.cpu.score_terms import apply_score_terms
+from numba_flash.cpu.passes import column_exp2_sum
+from numba_flash.cpu.simd import EXP2_P1, EXP2_P2, EXP2_P3, EXP2_P4, EXP2_P5, EXP2_P6, FASTMATH, fast_exp2, tanh64
 
 
 @njit
 def _tanh_all(x, out):
     for i in range(x.shape[0]):
-        out[i] = _tanh64(x[i])
+        out[i] = tanh64(x[i])
 
 
 def test_tanh64_within_a_few_ulp_of_libm(rng):
@@ -47,7 +47,7 @@ def test_tanh64_special_values():
 @njit
 def _score_terms_row(x, softcap, slope, dcap):
     s = x.reshape((1, x.shape[0])).copy()
-    _score_terms(s, 1, x.shape[0], False, softcap, slope, 5, 0, 3, dcap.reshape((1, x.shape[0])), 1.0, True)
+    apply_score_terms(s, 1, x.shape[0], False, softcap, slope, 5, 0, 3, dcap.reshape((1, x.shape[0])), 1.0, True)
     return s[0]
 
 
@@ -74,16 +74,16 @@ def test_capped_scores_of_a_non_finite_raw_score_are_nan():
     assert np.isnan(out[:3]).all() and np.isfinite(out[3])
 
 
-@njit(fastmath=_FASTMATH)
+@njit(fastmath=FASTMATH)
 def _exp2_scalar(x, out):
     for i in range(x.shape[0]):
-        out[i] = _fast_exp2(x[i])
+        out[i] = fast_exp2(x[i])
 
 
-@njit(fastmath=_FASTMATH)
+@njit(fastmath=FASTMATH)
 def _exp2_pass(st, total):
     # the forward's vectorised pass: st = exp(st - shift) in natural-log units, shift 0
-    _column_exp2_sum(st, st.shape[0], total, np.zeros(st.shape[1], np.float32))
+    column_exp2_sum(st, st.shape[0], total, np.zeros(st.shape[1], np.float32))
 
 
 def _ulps(got, want):
@@ -126,5 +126,6 @@ def test_exp2_coefficients_are_the_fit_of_the_tool():
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     fitted = tool.fit(6).astype(np.float32)
-    np.testing.assert_array_equal(fitted, np.array([1.0, _P1, _P2, _P3, _P4, _P5, _P6], np.float32))
+    coefficients = [1.0, EXP2_P1, EXP2_P2, EXP2_P3, EXP2_P4, EXP2_P5, EXP2_P6]
+    np.testing.assert_array_equal(fitted, np.array(coefficients, np.float32))
     assert tool.float32_ulps(tool.fit(6))[0] < 1.0
