@@ -135,6 +135,25 @@ def test_progress_goes_through_tqdm_auto(rng, monkeypatch):
     assert len(made) == 1 and made[0].total == 2 and made[0].n == 2
 
 
+def test_a_notebook_bar_leaves_its_final_state_in_text(rng, monkeypatch, capsys):
+    """In Jupyter tqdm.auto gives a widget, whose text form, the one a saved notebook keeps (nbclient, GitHub and the
+    docs keep no widget state), is the state it was first shown in: 0/n. The bar's end must reach the text too."""
+    pytest.importorskip("ipywidgets")
+    tqdm_notebook = pytest.importorskip("tqdm.notebook")
+    tqdm_auto = pytest.importorskip("tqdm.auto")
+    from numba_flash.bench.engine import progress_bar
+
+    monkeypatch.setattr(tqdm_auto, "tqdm", tqdm_notebook.tqdm)
+    total = int(rng.integers(3, 12))
+    with progress_bar(total, enabled=True) as tick:
+        for _ in range(total):
+            tick()
+    out, err = capsys.readouterr()
+    assert f"0/{total}" in out + err        # the widget's text form, as a notebook saves it
+    last = [line for line in err.splitlines() if line.strip()][-1:]
+    assert last and f"{total}/{total}" in last[0], (out, err)
+
+
 def test_torch_threads_are_matched_during_the_run_and_restored_after(rng, capsys):
     torch = pytest.importorskip("torch")
     import numba
