@@ -8,6 +8,7 @@
     o = numba_flash.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)   # packed sequences
     o = numba_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens)  # decode step
     out, lse = numba_flash.merge_attention_states(out_a, lse_a, out_b, lse_b)   # two key sets' partial results
+    numba_flash.check_mods_on_host(q, k, mask_mod=fn)   # a mod run on the host everywhere, before a GPU runs it
     keep = numba_flash.dropout_mask(seed, B, Hq, Sq, Sk, dropout_p)   # the dropout mask every backend applies
     o = numba_flash.ring_attention(q, k, v, causal=True)   # sequence split over torch.distributed ranks
 
@@ -22,6 +23,7 @@ from . import mods as _mods
 from .arguments import checked_arguments
 from .errors import AttentionInputError, NoBackendError
 from .merge import merge_attention_states
+from .mod_check import check_mods_on_host
 from .mods import BlockMask
 from .reference import (attention_ref, attention_ref_backward, attention_ref_kvcache, attention_ref_varlen,
                         attention_ref_varlen_backward)
@@ -46,6 +48,7 @@ __all__ = [
     "merge_attention_states",
     "block_mask",
     "BlockMask",
+    "check_mods_on_host",
     "validate_forward",
     "validate_backward",
     "flash_attn_func",

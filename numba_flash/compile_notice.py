@@ -4,8 +4,11 @@ With a cold cache the CPU kernels take about 2 minutes per dtype to compile on f
 with the 2-vCPU Intel VM to itself, 2026-11-28: float32 119 s, float64 102 s; 188 s and 210 s before the kernels'
 parallel loops called their workers, ``cpu.forward._forward_worker``); numba then caches them on disk
 (``__pycache__`` beside the sources, or ``NUMBA_CACHE_DIR``) and later processes load them in a fraction of a
-second. The first compilation of a process logs one INFO line on the ``numba_flash`` logger and prints one note on
-stderr; every compiled kernel then logs its time at INFO.
+second. The first compilation of a CPU kernel in a process (and likewise of a CUDA kernel) logs one INFO line on the
+``numba_flash`` logger and prints one note on stderr naming it; the 2-minute estimate is given only there, for the
+CPU kernel set. numba-flash's small helpers (``mods``' evaluation loops, ``block_mask``'s tile states: a fraction
+of a second each) print nothing, since no estimate of the kernels is true of them. Every compiled function then logs
+its time at INFO.
 
 The trigger is numba's own ``numba:compile`` event, which numba fires only for a real compilation, never for a
 load from its cache, so a warm cache prints nothing. ``NUMBA_FLASH_QUIET=1`` (or ``quiet()``) drops the stderr
@@ -24,14 +27,15 @@ import time
 from typing import Any
 
 QUIET_ENV = "NUMBA_FLASH_QUIET"
-NOTE = ("numba-flash: compiling the {what} for this machine (first use with a cold cache: about 2 min per dtype "
-        "on 2 cores, once; numba caches them on disk). `numba-flash warmup` compiles everything ahead of time; "
-        "{quiet}=1 silences this note.")
+NOTE = ("numba-flash: compiling the CPU kernels for this machine, starting with {name} (first use with a cold "
+        "cache; the full set takes about 2 min per dtype on 2 cores, once: numba caches it on disk). "
+        "`numba-flash warmup` compiles everything ahead of time; {quiet}=1 silences this note.")
+CUDA_NOTE = "numba-flash: compiling the CUDA kernels for this GPU, starting with {name}; {quiet}=1 silences this note."
 
 logger = logging.getLogger("numba_flash")
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {"installed": False, "announced": False, "quiet": False, "compiled": []}
+_state: dict[str, Any] = {"installed": False, "announced": set(), "quiet": False, "compiled": []}
 
 
 def quiet(value: bool = True) -> None:
@@ -67,8 +71,22 @@ def announce(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-def _what(name: str) -> str:
-    return "CUDA kernels" if name.startswith("numba_flash.cuda") else "CPU kernels"
+def _what(name: str) -> str | None:
+    """Which kernel set the function ``name`` belongs to ("CPU kernels", "CUDA kernels"), or None for a helper."""
+    if name.startswith("numba_flash.cpu."):
+        return "CPU kernels"
+    if name.startswith("numba_flash.cuda."):
+        return "CUDA kernels"
+    return None
+
+
+def note_for(name: str) -> str | None:
+    """The stderr note for the first compilation of numba-flash's function ``name`` in its kernel set, naming it;
+    None for a helper, which is only logged."""
+    what = _what(name)
+    if what is None:
+        return None
+    return (NOTE if what == "CPU kernels" else CUDA_NOTE).format(name=name, quiet=QUIET_ENV)
 
 
 def _install_listener() -> None:
@@ -85,13 +103,16 @@ def _install_listener() -> None:
             self._started[id(ev.data)] = time.perf_counter()
             if name.endswith("[mods]"):   # a mod's hooks: announced by modhooks; never in numba's disk cache
                 return
+            what = _what(name)
+            if what is None:   # a helper: its time is logged at the end, and no kernel estimate is true of it
+                return
             with _lock:
-                first = not _state["announced"]
-                _state["announced"] = True
+                first = what not in _state["announced"]
+                _state["announced"].add(what)
             if first:
-                logger.info("compiling %s (%s): first use with a cold numba cache", _what(name), name)
+                logger.info("compiling %s (%s): first use with a cold numba cache", what, name)
                 if not _is_quiet():
-                    print(NOTE.format(what=_what(name), quiet=QUIET_ENV), file=sys.stderr, flush=True)
+                    print(note_for(name), file=sys.stderr, flush=True)
 
         def on_end(self, ev: Any) -> None:
             name = _ours(ev)

@@ -21,9 +21,9 @@ raised: the tile in the CPU kernels and ``block_mask``, the element and its bloc
 On a real GPU (the cuda backend) a mod is compiled for the device without bounds checks, as numba-cuda compiles
 every kernel: a table read past its end reads whatever memory lies there (or faults the context with an illegal
 address), and a ``raise`` in a mod cannot reach the host as that exception. Nothing names the mod there. To check a
-mod, run the same call once on the cpu backend (``backend="cpu"``, small sizes suffice when the indices the mod
-reads depend on them only as the call's do) or evaluate it with ``evaluate_block`` over the call's index ranges:
-both raise by name. A checked mode that runs the mods on the host before each GPU call is not built yet.
+mod, run ``numba_flash.check_mods_on_host(q, k, mask_mod=...)`` (``mod_check``: the checked mode, which runs the
+mods on the host over every element of the call, in bounded chunks, reading only q's and k's shapes) or the same
+call once on the cpu backend (``backend="cpu"``): both raise by name.
 
 ``compile_mod`` checks a mod once (``AttentionInputError`` naming the argument and numba's reason when numba cannot
 compile it), ``evaluate_block`` evaluates one over a block of indices, and ``block_mask`` precomputes which tiles a

@@ -100,7 +100,7 @@ def _add_ratios(rows: list[Row]) -> None:
 @contextlib.contextmanager
 def progress_bar(total: int, enabled: bool) -> Iterator[Callable[[], None]]:
     """A ``tqdm.auto`` bar (a widget in Jupyter, text on stderr elsewhere) ticked once per pass; a no-op when
-    disabled or when tqdm is missing."""
+    disabled or when tqdm is missing. A widget also prints its final state as a line of text when it closes."""
     bar = None
     if enabled:
         try:
@@ -114,6 +114,17 @@ def progress_bar(total: int, enabled: bool) -> Iterator[Callable[[], None]]:
     finally:
         if bar is not None:
             bar.close()
+            if _is_widget(bar):
+                # A saved notebook keeps a widget's text form as it was first shown (0/total): its later states
+                # travel as widget messages, which nbclient, GitHub and the docs do not keep. One line of text
+                # keeps where the bar ended.
+                print(str(bar), file=sys.stderr, flush=True)
+
+
+def _is_widget(bar: Any) -> bool:
+    """Whether ``bar`` is tqdm's notebook widget (asked without importing tqdm.notebook, which imports IPython)."""
+    notebook = sys.modules.get("tqdm.notebook")
+    return notebook is not None and isinstance(bar, notebook.tqdm)
 
 
 def _names(value: str | Sequence[str] | None) -> list[str] | None:

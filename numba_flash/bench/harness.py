@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -133,12 +134,28 @@ def timing_fields(stats: TimingStats | None) -> dict[str, Any]:
             "p99_ms": stats.p99_ms, "max_ms": stats.max_ms, "spread": stats.spread}
 
 
+#: What a disturbed measurement means and what to do about it, said once however many measurements were disturbed.
+BUSY_ADVICE = ("the machine was probably busy (another process on these cores stalls OpenMP's spin-waiting "
+               "threads). Trust min and P50 over P95/P99 and max, or rerun on an idle machine.")
+
+
+def busy_measurement(label: str, stats: TimingStats) -> str:
+    """What was disturbed in one measurement, about 90 characters: its label, spread and range."""
+    return (f"{label}: the slowest of {stats.n} calls took {stats.spread:.1f}x the fastest "
+            f"({stats.min_ms:.3g} ms to {stats.max_ms:.3g} ms)")
+
+
 def busy_note(label: str, stats: TimingStats) -> str:
     """The warning printed under the table for a disturbed measurement."""
-    return (f"noisy: {label}: the slowest of {stats.n} calls took {stats.spread:.1f}x the fastest "
-            f"({stats.min_ms:.3g} ms to {stats.max_ms:.3g} ms); the machine was probably busy (another process on "
-            f"these cores stalls OpenMP's spin-waiting threads). Trust min and P50 over P95/P99 and max, or rerun "
-            f"on an idle machine.")
+    return f"noisy: {busy_measurement(label, stats)}; {BUSY_ADVICE}"
+
+
+def busy_warning(measurements: Sequence[tuple[str, TimingStats]]) -> str:
+    """One message for every disturbed ``(label, stats)``: the advice once, wrapped, then a line per measurement
+    (a warning prints its message as it is, and one line per measurement joined together ran to ~1000
+    characters)."""
+    head = f"{len(measurements)} noisy measurement{'s' if len(measurements) > 1 else ''}: {BUSY_ADVICE}"
+    return "\n".join(textwrap.wrap(head, width=100) + [f"  {busy_measurement(*m)}" for m in measurements])
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ import warnings
 from typing import Any, Iterator, Sequence, overload
 
 from .cases import Case
-from .harness import busy_note
+from .harness import busy_warning
 from .rows import CSV_COLUMNS, Row
 
 
@@ -108,7 +108,7 @@ class BenchResults(Sequence[Row]):
         """A ``NoisyTimingWarning`` naming the disturbed measurements, if any."""
         noisy = self.noisy
         if noisy:
-            warnings.warn("; ".join(busy_note(r.label, r.stats) for r in noisy), NoisyTimingWarning, stacklevel=3)
+            warnings.warn(busy_warning([(r.label, r.stats) for r in noisy]), NoisyTimingWarning, stacklevel=3)
 
     def __repr__(self) -> str:
         lines = [f"BenchResults: {len(self.rows)} rows, {self.title()}", self.table()]

@@ -5,6 +5,7 @@ and after the bench, no errors."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,11 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
         by_source = {c.source.splitlines()[-1]: c for c in code}
         assert _outputs(by_source["op.explain(q, k, v, causal=True)"], "text/html"), "explain shows no table"
         assert _outputs(by_source["res"], "text/html"), "the bench results show no table"
+        # The progress bar's text, what a saved notebook shows of its widget, reaches its total (not "0/9").
+        printed = "".join(o.get("text", "") for o in by_source["res"].get("outputs", [])
+                          if o.get("output_type") == "stream")
+        ends = re.findall(r"\b(\d+)/(\d+) \[", printed)
+        assert ends and ends[-1][0] == ends[-1][1], printed
         # The bench's figure and the user's pyplot figure after it both render inline.
         assert _outputs(by_source["res.plot()"], "image/png")
         mask = next(c for c in code if "block_mask(same_doc_causal" in c.source)

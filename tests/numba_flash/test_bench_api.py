@@ -91,6 +91,28 @@ def test_noisy_timings_are_flagged(rng):
         res.warn_if_noisy()
 
 
+def test_noisy_timing_warning_reads_as_short_lines(rng):
+    """Several disturbed passes give one warning of short lines, a measurement each, with the advice said once
+    (it was one line of about 300 characters per measurement, joined by semicolons)."""
+    base = float(rng.uniform(0.05, 5.0))
+    seqlens = sorted(int(s) for s in rng.choice(np.arange(9, 4000), size=int(rng.integers(3, 6)), replace=False))
+    rows = []
+    for s in seqlens:
+        case = bench.Case("custom", 1, 2, 2, s, 16, False, "float32", "bshd")
+        times = list(base * rng.uniform(1.0, 1.3, size=7)) + [base * BUSY_SPREAD * float(rng.uniform(2.0, 200.0))]
+        rows += [bench.Row(case, name, "peer", "cpu", "fwd", times_ms=times) for name in ("naive", "torch")]
+    res = bench.BenchResults(rows, {"numba_threads": 2, "cpu": "test"})
+    with pytest.warns(bench.NoisyTimingWarning) as caught:
+        res.warn_if_noisy()
+    (warning,) = caught
+    text = str(warning.message)
+    assert max(len(line) for line in text.splitlines()) <= 100, text
+    for r in rows:   # every measurement keeps its label, its spread and its range
+        line = next(line for line in text.splitlines() if f"{r.label}:" in line)
+        assert f"{r.stats.spread:.1f}x" in line and f"{r.stats.max_ms:.3g} ms" in line, (r.label, text)
+    assert text.count("rerun on an idle machine") == 1 and text.count("OpenMP") == 1, text
+
+
 def test_progress_goes_through_tqdm_auto(rng, monkeypatch):
     """tqdm.auto picks a notebook widget in Jupyter and text elsewhere; the bench must ask it, not tqdm.tqdm."""
     tqdm_auto = pytest.importorskip("tqdm.auto")
@@ -111,6 +133,25 @@ def test_progress_goes_through_tqdm_auto(rng, monkeypatch):
     bench.run("tiny", seqlen=[5, 6], backends="cpu", compare="none", grad=False, repeats=1, check=False,
               seed=_seed(rng), progress=True)
     assert len(made) == 1 and made[0].total == 2 and made[0].n == 2
+
+
+def test_a_notebook_bar_leaves_its_final_state_in_text(rng, monkeypatch, capsys):
+    """In Jupyter tqdm.auto gives a widget, whose text form, the one a saved notebook keeps (nbclient, GitHub and the
+    docs keep no widget state), is the state it was first shown in: 0/n. The bar's end must reach the text too."""
+    pytest.importorskip("ipywidgets")
+    tqdm_notebook = pytest.importorskip("tqdm.notebook")
+    tqdm_auto = pytest.importorskip("tqdm.auto")
+    from numba_flash.bench.engine import progress_bar
+
+    monkeypatch.setattr(tqdm_auto, "tqdm", tqdm_notebook.tqdm)
+    total = int(rng.integers(3, 12))
+    with progress_bar(total, enabled=True) as tick:
+        for _ in range(total):
+            tick()
+    out, err = capsys.readouterr()
+    assert f"0/{total}" in out + err        # the widget's text form, as a notebook saves it
+    last = [line for line in err.splitlines() if line.strip()][-1:]
+    assert last and f"{total}/{total}" in last[0], (out, err)
 
 
 def test_torch_threads_are_matched_during_the_run_and_restored_after(rng, capsys):

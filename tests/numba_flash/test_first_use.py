@@ -45,6 +45,7 @@ def _run(cache_dir: Path, *args: str, **env: str) -> subprocess.CompletedProcess
 def test_a_cold_cache_says_so_once_and_a_warm_one_says_nothing(tmp_path):
     cold = _run(tmp_path, "kernel")
     assert cold.stderr.count("numba-flash: compiling the CPU kernels") == 1, cold.stderr   # two compiles, one note
+    assert "starting with numba_flash.cpu.workspace._pack_kernel" in cold.stderr, cold.stderr   # what compiles
     assert "numba-flash warmup" in cold.stderr and compile_notice.QUIET_ENV in cold.stderr
     assert cold.stdout.count("LOG numba_flash compiling CPU kernels") == 1, cold.stdout
     assert "LOG numba_flash compiled numba_flash.cpu.workspace._pack_kernel in" in cold.stdout
@@ -56,9 +57,28 @@ def test_a_cold_cache_says_so_once_and_a_warm_one_says_nothing(tmp_path):
 
 
 def test_quiet_drops_the_note_but_keeps_the_log(tmp_path):
-    proc = _run(tmp_path, **{compile_notice.QUIET_ENV: "1"})
+    proc = _run(tmp_path, "kernel", **{compile_notice.QUIET_ENV: "1"})
     assert "numba-flash: compiling" not in proc.stderr, proc.stderr
     assert "LOG numba_flash compiling CPU kernels" in proc.stdout, proc.stdout
+
+
+def test_a_helper_compiling_is_not_announced_as_the_kernels(tmp_path):
+    """A small numba-flash function (block_mask's tile states, a mod's evaluation loop: a fraction of a second)
+    compiling alone, with the kernels loaded from the cache or not used, was announced as the CPU kernels' "about
+    2 min per dtype". It is logged with its time, and nothing is printed."""
+    proc = _run(tmp_path)
+    assert "numba-flash: compiling" not in proc.stderr, proc.stderr
+    assert "compiling CPU kernels" not in proc.stdout, proc.stdout
+    assert "LOG numba_flash compiled numba_flash.probe.probe in" in proc.stdout, proc.stdout
+
+
+def test_the_note_names_what_compiles_and_estimates_only_the_kernel_set():
+    cpu = compile_notice.note_for("numba_flash.cpu.forward._forward_kernel")
+    assert "CPU kernels" in cpu and "_forward_kernel" in cpu and "2 min per dtype" in cpu, cpu
+    cuda = compile_notice.note_for("numba_flash.cuda.kernels.forward.flash_fwd")
+    assert "CUDA kernels" in cuda and "flash_fwd" in cuda and "min" not in cuda, cuda
+    for helper in ("numba_flash.mods._tile_states", "numba_flash.mods._index_block", "numba_flash.probe.probe"):
+        assert compile_notice.note_for(helper) is None, helper
 
 
 def test_warmup_makes_every_parallel_kernel_ready(rng):
