@@ -72,7 +72,7 @@ def backward_blockwise(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
             dp = dob @ vb.transpose(-1, -2)
             if drop is not None:
                 dp.mul_(drop)
-            ds = dp.sub_(delta[..., None]).mul_(p)
+            ds = dp.sub_(delta_where_p_is_one(p, dp, delta)[..., None]).mul_(p)
             if dmod is not None:
                 ds.mul_(dmod)  # through score_mod, to the biased score
             if careful_block:
@@ -103,6 +103,27 @@ def backward_blockwise(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
         return dq, dk, dv
     return dq, dk, dv, nan_if_not_finite_(dbias).reshape(tuple(call.bias.array.shape)).to(terms.bias.grouped.dtype)
 
+
+def delta_where_p_is_one(p: Any, dp: Any, delta: Any) -> Any:
+    """delta (B, Hkv, rows) for one block of P and dP (B, Hkv, rows, keys), with dP itself on the rows where P
+    is exactly 1 at some key of the block.
+
+    A row that sees one key has P = 1 and dS = P (dP - dO . O) = 0 exactly, since O = v; but dO . O, summed
+    elementwise, and the matmul's dP = dO . v add the same products in different orders, which left dq and dk of
+    1e-6 there (issue 47). torch's softmax backward forms delta as sum_j P dP, which is exactly dP on such a row,
+    and so is this. Where P is 1 beside other keys whose P underflows or is below 2^-24, that delta differs from
+    dO . O by at most 2^-23 |dP|, under the rounding of dO . O itself. Only the rows that have such a 1 pay more
+    than the one read of P (amax); on a GPU the test costs one host synchronisation per block."""
+    import torch
+
+    one = p.amax(dim=-1) == 1.0   # NaN (a poisoned row) compares False
+    if not bool(one.any()):
+        return delta
+    # P sums to 1, so a row's 1 is its only entry past 1/2: argmax finds it. Only those rows are read again.
+    p_one, dp_one = p[one], dp[one]
+    fixed = delta.clone()
+    fixed[one] = torch.gather(dp_one, -1, p_one.argmax(dim=-1, keepdim=True)).squeeze(-1)
+    return fixed
 
 
 __all__ = ["backward_blockwise"]
