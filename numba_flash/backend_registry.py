@@ -177,8 +177,10 @@ def get(op: str, backend: str | None = None) -> "Dispatcher":
     first call. A registered one this machine cannot run is accepted (its call says why it cannot)."""
     _known_op(op)
     if backend is not None:
-        registered = names(op)
-        if backend not in registered:
+        # Registered keys count, not only the backends' own names: one backend class may be registered under
+        # several keys (a CudaBackend with small tiles as "cuda_small_tiles", say).
+        registered = list(dict.fromkeys(list(_targets.get(op, {})) + names(op)))
+        if backend not in registered and _instance(op, backend) is None:
             from numba_flash.arguments import closest
 
             near = closest(str(backend), registered)

@@ -10,7 +10,7 @@ import pytest
 
 from backends import backend_registry
 from backends.base import Backend
-from numba_flash import NoBackendError
+from numba_flash import NoBackendError, attention_ref
 
 OP = "flash_registry_test"
 
@@ -224,3 +224,17 @@ def test_explain_returns_text_that_reads_well_and_the_decision_as_data(rng, fake
     assert pickle.loads(pickle.dumps(exp)) == exp
     forced = fakes.explain(*_qkv(rng), backend="fast")
     assert forced.chosen is None and forced.forced == "fast" and "NoBackendError" in forced
+
+
+def test_a_backend_registered_under_another_key_is_forced_by_that_key(rng):
+    """get() refuses names nobody registered, but a registered key counts even where the backend's own name
+    differs (one backend class registered twice, with other settings)."""
+    from backends.cpu import CpuBackend
+
+    backend_registry.register("flash", "cpu_alias_for_test", CpuBackend())
+    try:
+        q, k, v = (rng.standard_normal((1, 7, 2, 8)).astype(np.float32) for _ in range(3))
+        out = backend_registry.get("flash", backend="cpu_alias_for_test").forward(q, k, v)
+    finally:
+        backend_registry.unregister("flash", "cpu_alias_for_test")
+    assert np.max(np.abs(out - attention_ref(q, k, v)[0])) <= 1e-5

@@ -29,12 +29,13 @@ def _never_called(*args, **kwargs):
 def test_a_named_backend_that_cannot_run_is_refused_before_any_work(monkeypatch, capsys):
     """On a machine without a GPU, ``--backend cuda`` used to time the peers first and exit 3 at the end."""
     from numba_flash.bench import cli
+    from numba_flash.cli import bench_main
 
     be = next(b for b in backend_registry.backends("flash") if b.name == "cuda")
     if not be.unavailable_reasons(forced=True):
         pytest.skip("this machine can run the cuda backend")
     monkeypatch.setattr(cli, "execute", _never_called)
-    code = cli.main(["--config", "tiny", "--backend", "cuda", "--no-grad", "--repeats", "1"])
+    code = bench_main(["--config", "tiny", "--backend", "cuda", "--no-grad", "--repeats", "1"])
     assert code == cli.EXIT_UNAVAILABLE
     err = capsys.readouterr().err
     assert "cuda named with --backend cannot run" in err and "nothing was run" in err, err
@@ -44,11 +45,13 @@ def test_a_named_backend_that_turns_the_arrays_down_is_refused_before_any_work(m
     """As the cuda backend turns float64 down: here the cpu backend, made to turn every call down, stands in (on
     this machine no real backend both runs and refuses a dtype)."""
     from numba_flash.bench import cli
+    from numba_flash.cli import bench_main
 
     be = next(b for b in backend_registry.backends("flash") if b.name == "cpu")
     monkeypatch.setattr(type(be), "not_supported_reasons", lambda self, call, forced=False: ["float64 not supported"])
     monkeypatch.setattr(cli, "execute", _never_called)
-    code = cli.main(["--config", "tiny", "--backend", "cpu", "--dtype", "float64", "--no-grad", "--repeats", "1"])
+    code = bench_main(["--config", "tiny", "--backend", "cpu", "--dtype", "float64", "--no-grad", "--repeats",
+                       "1"])
     assert code == cli.EXIT_UNAVAILABLE
     assert "cpu named with --backend cannot run (cpu: float64 not supported" in capsys.readouterr().err
 
