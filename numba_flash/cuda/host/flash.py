@@ -14,7 +14,7 @@ from numba_flash.cuda.device.user_mods import NO_MODS, CudaMods
 from numba_flash.cuda.host.config import FlashAttentionConfig
 from numba_flash.cuda.host.devices import configs_for
 from numba_flash.cuda.host import launch
-from numba_flash.cuda.host.launch import async_copy_ok, check_storage, dq_dbias_mode, kernel_flags
+from numba_flash.cuda.host.launch import async_copy_ok, check_storage, copied_arrays, dq_dbias_mode, kernel_flags
 from numba_flash.cuda.host.plan import backward_kernels, forward_kernel
 from numba_flash.cuda.kernels.registry import kernel_spec
 from numba_flash.cuda.host.launch_dbias import dbias_targets, dq_per_shared_slice, launch_dbias_sum
@@ -51,8 +51,7 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
     kernel = forward_kernel(dtype, d, override, head_dim_v=dv, precision=precision, bias=bias is not None)
     picked = configs_for(max(d, dv), dtype, override, (kernel,))[kernel]
     flags = kernel_flags(window_left, window_right, softcap)
-    copied = (k, v) if kernel_spec(kernel).tail == ("kv_slots",) else (q, k, v)   # TF32 copies K and V only
-    copies = not picked.tensor_cores or async_copy_ok(*copied)
+    copies = not picked.tensor_cores or async_copy_ok(*copied_arrays(kernel_spec(kernel), dict(q=q, k=k, v=v)))
     cfg = selfcheck.choose(picked, *flags, dtype, like=dict(q=q, k=k, v=v, out=out, lse=lse, bias=bias),
                            alibi=alibi is not None, bias=bias is not None, dropout=dropout is not None,
                            async_copy=copies, varlen=packed is not None)
@@ -91,8 +90,9 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
     flags = kernel_flags(window_left, window_right, softcap)
     like = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv, delta=delta, bias=bias)
     # Both kernels are vouched for before either runs, so that a refusal leaves every output untouched.
-    variant = dict(alibi=alibi is not None, bias=bias is not None, dropout=dropout is not None,
-                   async_copy=not tc or async_copy_ok(q, k, v, dout), varlen=packed is not None)
+    copies = not tc or async_copy_ok(*copied_arrays(kernel_spec(dkdv_kernel), dict(q=q, k=k, v=v, dout=dout)))
+    variant = dict(alibi=alibi is not None, bias=bias is not None, dropout=dropout is not None, async_copy=copies,
+                   varlen=packed is not None)
     dkdv_cfg = selfcheck.choose(picked[dkdv_kernel], *flags, dtype, like=like,
                                 dbias="" if dkdv_dbias is None else "per_key", **variant)
     dq_cfg = selfcheck.choose(picked[dq_kernel], *flags, dtype, like=like,

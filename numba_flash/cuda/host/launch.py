@@ -237,13 +237,20 @@ class _Scalars:
     stream: Any = 0
 
 
+def copied_arrays(spec: KernelSpec, arrays: dict[str, Any]) -> tuple[Any, ...]:
+    """The arrays among ``arrays`` (by name, ``spec.ROLE_ARRAYS``) that ``spec``'s tensor-core kernel stages in
+    shared memory with cp.async when their layout allows it (``async_copy_ok``): the TF32 kernel copies K and V
+    only, the 16-bit ones every (B, S, H, D) input."""
+    names = ("k", "v") if "kv_slots" in spec.tail else ("q", "k", "v", "dout")
+    return tuple(arrays[n] for n in names if n in arrays)
+
+
 def _variant(spec: KernelSpec, arrays: dict[str, Any], c: _Scalars, dbias_mode: str) -> Variant:
     """The variant ``spec``'s kernel is built for on this call (the BlockMask's switch is set by ``_launch``)."""
-    data = ("k", "v") if spec.tail == ("kv_slots",) else tuple(n for n in ("q", "k", "v", "dout") if n in arrays)
     left, right, cap = kernel_flags(c.window_left, c.window_right, c.softcap)
     return Variant(has_left=left, has_right=right, softcap=cap, bf16=c.bf16, alibi=c.alibi is not None,
                    bias=c.bias is not None, dropout=c.dropout is not None,
-                   async_copy=spec.tensor_cores and async_copy_ok(*(arrays[n] for n in data)), mods=c.mods,
+                   async_copy=spec.tensor_cores and async_copy_ok(*copied_arrays(spec, arrays)), mods=c.mods,
                    varlen=c.packed is not None, dbias=dbias_mode)
 
 
@@ -282,16 +289,16 @@ def _launch(cfg: FlashAttentionConfig, arrays: dict[str, Any], c: _Scalars, dbia
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     along = ROLE_TILES[spec.role]
-    seqs, blocks, grid_z = _blocks(c.packed, cfg.block_m if along == "q" else cfg.block_n, along,
-                                   sq if along == "q" else sk, batch, c.stream)
+    block, seqlen = (cfg.block_m, sq) if along == "q" else (cfg.block_n, sk)
+    seqs, blocks, grid_z = _blocks(c.packed, block, along, seqlen, batch, c.stream)
     if blocks == 0:
         return
     qmult, capmult = score_multipliers(c.softmax_scale, c.softcap)
     scale = () if spec.role == "forward" else (np.float32(c.softmax_scale),)
     args += (sq, sk, d, hq // hkv, c.window_left, c.window_right, qmult, capmult, *scale,
              slopes_arg(c.alibi, arrays["lse"]), _bias_arg(c.bias), *_dropout_args(c.dropout), tiles, seqs, *tail)
-    with _compiling(c.mods), named_mod_failures(c.mods, spec.name, functools.partial(
-            _tile_of, along, cfg.block_m if along == "q" else cfg.block_n, sq if along == "q" else sk, c.packed)):
+    with _compiling(c.mods), named_mod_failures(c.mods, spec.name,
+                                                functools.partial(_tile_of, along, block, seqlen, c.packed)):
         launched = _run(kernel, (blocks, hq if along == "q" else hkv, grid_z), cfg, c.stream, args)
     if not launched:
         _launch(static_fallback(cfg), arrays, c, dbias_mode)
