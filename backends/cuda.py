@@ -162,9 +162,11 @@ class CudaBackend(Backend):
                 reasons.append(BF16_CC_REASON.format(need=f"{need[0]}.{need[1]}", have=f"{have[0]}.{have[1]}"))
         if not reasons and call.kvcache is None and max(call.head_dim, call.head_dim_v) > 256:
             from numba_flash.cuda.host.config import head_dim_reason, smem_limit_for
+            from numba_flash.cuda.kernels.registry import kernel_name
 
             limit = smem_limit_for(_gpu_compute_capability(call.q))
-            kernels = ("backward_dkdv", "backward_dq") if call.is_backward else ("forward",)
+            roles = ("dkdv", "dq") if call.is_backward else ("forward",)
+            kernels = tuple(kernel_name(role) for role in roles)
             why = (head_dim_reason(max(call.head_dim, call.head_dim_v), kern, limit) for kern in kernels)
             reasons.extend(dict.fromkeys(w for w in why if w))
         return reasons
@@ -178,11 +180,12 @@ class CudaBackend(Backend):
             return [], []
         from numba_flash.cuda.host.devices import configs_for
         from numba_flash.cuda.host.plan import backward_kernels, forward_kernel
+        from numba_flash.cuda.kernels.registry import kernel_name
 
         flags = (call.window_left >= 0, call.window_right >= 0, call.softcap > 0)
         try:
             if call.kvcache is not None:
-                kernels = ("decode",)
+                kernels = (kernel_name("decode"),)
             else:
                 cc = _gpu_compute_capability(call.q)
                 dims = dict(head_dim_v=call.head_dim_v)

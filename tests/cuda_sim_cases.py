@@ -45,14 +45,15 @@ def rel_l2(got, want, floor=0.0):
 
 def factory_home(factory_name: str) -> Any:
     """The module whose global ``factory_name`` the launches call, for tests that wrap a kernel factory: a tiled
-    kernel's factory is called by its spec's builder in the kernel's own file (kernels/<file>.py); the delta
-    pre-pass's by host/launch.py; the decode kernels' by host/launch_decode.py."""
+    kernel's factory (the decode kernel's too) is called by its registry entry's builder in the kernel's own file
+    (kernels/<file>.py); the delta pre-pass's by host/launch.py; the split merge's by host/launch_decode.py."""
     import importlib
 
     from numba_flash.cuda.host import launch, launch_decode
     from numba_flash.cuda.kernels.registry import REGISTRY
 
     for spec in REGISTRY.values():
-        if factory_name in spec.factory.__code__.co_names:   # the spec's builder calls it by this global name
-            return importlib.import_module(spec.factory.__module__)
+        home = importlib.import_module(f"numba_flash.cuda.kernels.{spec.module}")
+        if factory_name in home.build.__code__.co_names:   # the spec's builder calls it by this global name
+            return home
     return launch_decode if hasattr(launch_decode, factory_name) else launch

@@ -15,12 +15,14 @@ import argparse
 from numba_flash.cuda import compile_check as cc
 from numba_flash.cuda.host.config import STATIC_SMEM_LIMIT
 from numba_flash.cuda.host.picker import tile_config_for
+from numba_flash.cuda.kernels.registry import SPECS
 
 #: (has_left, has_right, softcap, alibi, attn_bias, dropout)
 VARIANTS = {"plain": (False,) * 6, "alibi": (False, False, False, True, False, False),
             "attn_bias": (False, False, False, False, True, False), "dropout": (False,) * 5 + (True,),
             "all six": (True,) * 6}
-KERNELS = ("forward", "backward_dkdv", "backward_dq")
+#: The SIMT kernels with a tile config, decoding aside.
+KERNELS = tuple(spec.name for spec in SPECS if spec.kind == "simt" and spec.role != "decode")
 
 
 def main() -> None:

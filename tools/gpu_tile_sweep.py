@@ -5,7 +5,7 @@
 The static model (numba_flash/cuda/perf_model/__init__.py) says the D = 128 tensor-core kernels are latency-bound: 2 warps
 a scheduler at 240 registers cannot hide their chains. Which tile or register cap moves them is a question for the
 hardware, so each candidate below runs in its own spawned process with the picker's preferred tile of one kernel
-replaced (picker._PREFERRED) and, for a cap, ``max_registers`` given to that kernel's ``cuda.jit``. Every process
+replaced (the kernel's registry entry's ``tiles``) and, for a cap, ``max_registers`` given to that kernel's ``cuda.jit``. Every process
 first compiles its kernels and checks its answer (two heads of the timed inputs against float64 SDPA on the
 device), then all wait at a barrier and time one at a time: float16, S = 4096, B = 8 (--batch), H = 2048 / D, non-causal and
 causal, per-call time of 10 calls queued back to back (5 batches, min / median), the forward or, for a backward
@@ -113,10 +113,11 @@ def worker(cand: tuple, out_dir: str, barrier: Any, lock: Any, deadline: float, 
         from numba import cuda
 
         from numba_flash.cuda.host import config, picker
+        from numba_flash.cuda.kernels.registry import REGISTRY
 
         made: list = []
         cuda.jit = _jit_shim(cuda.jit, KERNEL_FUNCTIONS[kernel], cap, made)
-        picker._PREFERRED[kernel][d] = tile
+        REGISTRY[kernel].tiles[d] = tile
         import numba_flash
 
         cc = cuda.get_current_device().compute_capability

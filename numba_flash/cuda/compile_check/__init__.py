@@ -25,14 +25,25 @@ import numpy as np
 from numba_flash.cuda.host.config import (COMPUTE_CAPABILITIES, TC_DTYPES, TC_MIN_COMPUTE_CAPABILITY,
                                           FlashAttentionConfig, head_dim_bucket, storage_dtype)
 from numba_flash.cuda.host.picker import TileOverride, all_tile_configs, tile_config_for
-from numba_flash.cuda.compile_check.resources import UNTILED_THREADS, KernelResources, parse_resources
-from numba_flash.cuda.kernels.spec import Variant
+from numba_flash.cuda.compile_check.resources import KernelResources, parse_resources
+from numba_flash.cuda.kernels.registry import AUX_KERNELS, REGISTRY, SPECS, kernel_spec
+from numba_flash.cuda.kernels.spec import ROLE_ARRAYS, ROW_ARRAYS
+from numba_flash.cuda.kernels.variant import Variant
 
-#: The tensor-core forward kernel's two tile-copy paths, compiled as separate rows: cp.async, and plain loads for
-#: inputs cp.async cannot read (launch.async_copy_ok).
-TC_COPY_PATHS: dict[str, bool] = {"tc_forward": True, "tc_forward_loads": False,
-                                  "tc_backward_dkdv": True, "tc_backward_dkdv_loads": False,
-                                  "tc_backward_dq": True, "tc_backward_dq_loads": False}
+#: A row of a tensor-core kernel compiled for plain loads carries this suffix; the row without it is the cp.async
+#: path (the kernels copy with cp.async where launch.async_copy_ok says they can).
+LOADS_SUFFIX = "_loads"
+
+
+def _copy_paths(kind: str) -> dict[str, bool]:
+    """Rows of the ``kind`` kernels, each compiled for its two tile-copy paths: row name -> cp.async."""
+    return {spec.name + suffix: async_copy for spec in SPECS if spec.kind == kind
+            for suffix, async_copy in (("", True), (LOADS_SUFFIX, False))}
+
+
+#: The tensor-core kernels' two tile-copy paths, compiled as separate rows: cp.async, and plain loads for inputs
+#: cp.async cannot read (launch.async_copy_ok).
+TC_COPY_PATHS: dict[str, bool] = _copy_paths("mma")
 #: Rows of kernels compiled with user mods (the SAMPLE_* functions below, through numba_flash/cuda/device/user_mods.py)
 #: carry this suffix: the forward and both backward kernels, SIMT in float32 and tensor-core in float16, at head
 #: dim MODS_HEAD_DIM, reading a BlockMask's table (``CudaMods.block_tiles``). A mod compiles into every call site
@@ -41,13 +52,9 @@ TC_COPY_PATHS: dict[str, bool] = {"tc_forward": True, "tc_forward_loads": False,
 #: three mods at once take the sm_90 dK/dV tensor-core kernel to 255 registers and an 8-byte spill (218 without
 #: attn_bias, 222 with ALiBi too; both measured before the table).
 MODS_SUFFIX = "+mods"
-MODS_KERNELS = {"forward": "float32", "backward_dkdv": "float32", "backward_dq": "float32",
-                "tc_forward": "float16", "tc_backward_dkdv": "float16", "tc_backward_dq": "float16",
-                "tf32_forward": "float32"}
+MODS_KERNELS = {spec.name: "float16" if spec.kind == "mma" else "float32" for spec in SPECS if spec.role != "decode"}
 #: The TF32 forward's two copy paths, as TC_COPY_PATHS.
-TF32_COPY_PATHS: dict[str, bool] = {"tf32_forward": True, "tf32_forward_loads": False}
-#: Kernels built only from compute capability 8.0 on (mma.sync).
-MMA_PREFIXES = ("tc_", "tf32_")
+TF32_COPY_PATHS: dict[str, bool] = _copy_paths("tf32")
 MODS_HEAD_DIM = 64
 #: Rows of the same kernels built for packed sequences in one launch (``varlen``: the block table of
 #: numba_flash/cuda/device/sequences.py locates each block's sequence), at head dim VARLEN_HEAD_DIM, with every option a
@@ -57,7 +64,7 @@ VARLEN_SUFFIX = "+varlen"
 #: the rows (dK/dV, ``"per_key"``), for a bias broadcast over them: every tile config, every option on. Their
 #: partial sums live in registers across the tile loop, so they are compiled apart from the plain rows.
 DBIAS_SUMS_SUFFIX = "+dbias-sums"
-DBIAS_SUMS = {"backward_dkdv": "per_key", "backward_dq": "per_row"}
+DBIAS_SUMS = {spec.name: spec.dbias_sum for spec in SPECS if spec.dbias_sum}
 VARLEN_HEAD_DIM = 128
 #: A document-id table as a mask_mod reads one (4096 int32 entries: 16 KiB of the GPU's 64 KiB of constant
 #: memory per read), a per-head table as a bias_mod reads one, and a score_mod written in float32.
@@ -94,60 +101,60 @@ def sample_mods() -> Any:
     return replace(mods, block_tiles=True)
 
 
+def base_kernel(kernel: str) -> str:
+    """The registered kernel a compile-table row (``kernel``: a name with the row suffixes above) was built from."""
+    kernel = kernel.removesuffix(MODS_SUFFIX).removesuffix(VARLEN_SUFFIX).removesuffix(DBIAS_SUMS_SUFFIX)
+    return kernel.removesuffix(LOADS_SUFFIX) if kernel.removesuffix(LOADS_SUFFIX) in REGISTRY else kernel
+
+
 def kernel_signature(kernel: str, dtype: str) -> Any:
-    """The numba signature the backend launches ``kernel`` with: any-stride arrays ('A' layout, which also covers
-    contiguous inputs) of the dtype's storage type (int16 for bfloat16), int64 sizes, float32 multipliers, and last
-    the (B, Hq) float32 ALiBi slopes, the 4-dimensional float32 attn_bias and dropout's scalars (decoding: the
-    slopes only; its int32 sequence table and block table, and its float32 partials, come from the backend
+    """The numba signature the backend launches ``kernel`` (a compile-table row) with: any-stride arrays ('A'
+    layout, which also covers contiguous inputs) of the dtype's storage type (int16 for bfloat16; uint16 bits for
+    the kernels whose spec says ``bits``), int64 sizes, float32 multipliers, and last the (B, Hq) float32 ALiBi
+    slopes, the 4-dimensional float32 attn_bias and dropout's scalars, then the spec's tail (decoding: the slopes
+    only; its int32 sequence table and block table, and its float32 partials, come from the backend
     C-contiguous)."""
     from numba import types
 
-    kernel = kernel.removesuffix(MODS_SUFFIX).removesuffix(VARLEN_SUFFIX).removesuffix(DBIAS_SUMS_SUFFIX)
+    name = base_kernel(kernel)
     x = types.Array(getattr(types, storage_dtype(dtype)), 4, "A")
     rows = types.Array(types.float32, 3, "A")
     slopes = types.Array(types.float32, 2, "A")
-    if kernel in ("decode", "decode_merge"):
+    i64, f32, u64 = types.int64, types.float32, types.uint64
+    dbias = types.Array(types.float32, 4, "C")   # attn_bias's gradient or its sums, allocated C-contiguous
+    if name in AUX_KERNELS:
+        role = AUX_KERNELS[name].role
+        if role == "merge":
+            return types.void(types.Array(types.float32, 5, "C"), types.Array(types.float32, 4, "C"), x, rows)
+        if role == "bias_grad_sum":   # the sums, then the caller's gradient (any strides)
+            return types.void(dbias, types.Array(types.float32, 4, "A"))
+        return types.void(x, x, rows, i64, i64, i64, i64)   # the delta pre-pass
+    spec = kernel_spec(name)
+    if spec.role == "decode":
         ints = types.Array(types.int32, 2, "C")
         part_out, part_lse = types.Array(types.float32, 5, "C"), types.Array(types.float32, 4, "C")
-        if kernel == "decode_merge":
-            return types.void(part_out, part_lse, x, rows)
-        i64, f32 = types.int64, types.float32
         # The slopes: a (B, Hq) view of part_lse[0] without ALiBi, hence 'A'.
         return types.void(x, x, x, ints, ints, part_out, part_lse, i64, i64, i64, i64, i64, i64, i64, f32, f32,
                           slopes)
-    bias = types.Array(types.float32, 4, "A")
-    u64 = types.uint64
-    i64, f32 = types.int64, types.float32
+    bits = types.Array(types.uint16, 4, "A")
+    data = bits if spec.bits else x
+    arrays = tuple(rows if a in ROW_ARRAYS else data for a in ROLE_ARRAYS[spec.role])
+    scalars = (i64,) * 6 + (f32,) * (2 if spec.role == "forward" else 3)   # sizes, multipliers[, scale]
     tiles = types.Array(types.int8, 4, "C")                # the BlockMask's table (block_tiles.py)
     seqs = types.Array(types.int32, 2, "C")                # packed sequences' block table (sequences.py)
     # ALiBi, attn_bias, dropout's five scalars, tiles, seqs
-    variants = (slopes, bias, u64, u64, u64, f32, i64, tiles, seqs)
-    if kernel in TC_COPY_PATHS:   # the SIMT kernel's arguments, with the data as uint16 bit patterns
-        bits = types.Array(types.uint16, 4, "A")
-        if kernel.startswith("tc_backward_dkdv"):
-            return types.void(bits, bits, bits, bits, rows, rows, bits, bits, i64, i64, i64, i64, i64, i64, f32,
-                              f32, f32, *variants)
-        if kernel.startswith("tc_backward_dq"):
-            return types.void(bits, bits, bits, bits, rows, rows, bits, i64, i64, i64, i64, i64, i64, f32, f32, f32,
-                              *variants)
-        return types.void(bits, bits, bits, bits, rows, i64, i64, i64, i64, i64, i64, f32, f32, *variants)
-    if kernel in TF32_COPY_PATHS:   # and K and V as 16-bit slots for cp.async
-        bits = types.Array(types.uint16, 4, "A")
-        return types.void(x, x, x, x, rows, i64, i64, i64, i64, i64, i64, f32, f32, *variants, bits, bits)
-    if kernel == "forward":
-        return types.void(x, x, x, x, rows, i64, i64, i64, i64, i64, i64, f32, f32, *variants)
-    dbias = types.Array(types.float32, 4, "C")   # attn_bias's gradient or its sums, allocated C-contiguous
-    if kernel == "backward_dkdv":
-        return types.void(x, x, x, x, rows, rows, x, x, i64, i64, i64, i64, i64, i64, f32, f32, f32, *variants,
-                          dbias)
-    if kernel == "backward_dq":
-        return types.void(x, x, x, x, rows, rows, x, i64, i64, i64, i64, i64, i64, f32, f32, f32, *variants, dbias,
-                          i64, i64)   # and the call's batch entry and head of the launch's first
-    if kernel == "dbias_sum":   # the sums, then the caller's gradient (any strides)
-        return types.void(dbias, types.Array(types.float32, 4, "A"))
-    if kernel == "backward_delta":
-        return types.void(x, x, rows, i64, i64, i64, i64)
-    raise ValueError(kernel)
+    variants = (slopes, bias_type(), u64, u64, u64, f32, i64, tiles, seqs)
+    # K and V as 16-bit slots; attn_bias's gradient; the call's batch entry and head of the launch's first
+    tail_types = {"kv_slots": (bits, bits), "dbias": (dbias,), "base": (i64, i64)}
+    tail = tuple(t for arg in spec.tail for t in tail_types[arg])
+    return types.void(*arrays, *scalars, *variants, *tail)
+
+
+def bias_type() -> Any:
+    """attn_bias as the kernels take it: 4-dimensional float32, any strides."""
+    from numba import types
+
+    return types.Array(types.float32, 4, "A")
 
 
 def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
@@ -157,21 +164,15 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
     four). The compile check builds every flag on: the variant with the most live values, so the worst case for
     registers. A ``MODS_SUFFIX`` kernel is built with ``sample_mods()`` as well, a tensor-core one without attn_bias
     (see there); a ``VARLEN_SUFFIX`` one for packed sequences, without attn_bias."""
-    from numba_flash.cuda.kernels.backward_dkdv import make_dbias_sum_kernel, make_delta_kernel
-    from numba_flash.cuda.kernels.decode import make_decode_kernel, make_split_merge_kernel
-    from numba_flash.cuda.kernels.registry import kernel_spec
-
-    if kernel == "backward_delta":
-        return make_delta_kernel(dtype == "bfloat16").py_func
-    if kernel == "decode_merge":
-        return make_split_merge_kernel(dtype == "bfloat16").py_func
-    if kernel == "dbias_sum":
-        return make_dbias_sum_kernel().py_func
-    if kernel == "decode":
-        return make_decode_kernel(cfg, *flags[:3], dtype == "bfloat16", *flags[3:4]).py_func
+    if kernel in AUX_KERNELS:
+        return AUX_KERNELS[kernel].build(dtype == "bfloat16").py_func
     spec = kernel_spec(cfg.kernel)
+    if spec.role == "decode":   # no attn_bias or dropout
+        flags = flags[:4]
     switches = dict(zip(("has_left", "has_right", "softcap", "alibi", "bias", "dropout"), flags))
     variant = Variant(bf16=dtype == "bfloat16", **switches)
+    if spec.role == "decode":
+        return spec.build(cfg, variant).py_func
     if kernel.endswith(MODS_SUFFIX):
         variant = replace(variant, mods=sample_mods())
         if spec.tensor_cores:   # no attn_bias beside the mods (above)
@@ -290,18 +291,18 @@ def compile_jobs(ccs: tuple[tuple[int, int], ...] | None = None) -> list[Job]:
             targets.setdefault((cfg.kernel + DBIAS_SUMS_SUFFIX, dtype, cfg), []).append(cc)
     for cc in sorted({cc for cc, _, _ in configs}):
         for dtype in sorted({dt for c, dt, _ in configs if c == cc}):
-            for kernel in UNTILED_THREADS:
+            for kernel in AUX_KERNELS:
                 targets.setdefault((kernel, dtype, None), []).append(cc)
     for cc, dtype, cfg in tensor_core_configs(ccs):
         for kernel in TC_COPY_PATHS:
-            if kernel.startswith(cfg.kernel):
+            if base_kernel(kernel) == cfg.kernel:
                 targets.setdefault((kernel, dtype, cfg), []).append(cc)
     for cc, dtype, cfg in tf32_configs(ccs):
         for kernel in TF32_COPY_PATHS:
             targets.setdefault((kernel, dtype, cfg), []).append(cc)
     for cc in ccs:
         for kernel, dtype in MODS_KERNELS.items():
-            if not kernel.startswith(MMA_PREFIXES) or tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY:
+            if not REGISTRY[kernel].tensor_cores or tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY:
                 cfg = tile_config_for(MODS_HEAD_DIM, dtype, cc, kernel=kernel, override=TileOverride())
                 targets.setdefault((kernel + MODS_SUFFIX, dtype, cfg), []).append(cc)
                 cfg = tile_config_for(VARLEN_HEAD_DIM, dtype, cc, kernel=kernel, override=TileOverride())
@@ -342,26 +343,25 @@ def _compile_for_targets(job: tuple) -> list[KernelResources]:
 def tensor_core_configs(ccs: tuple[tuple[int, int], ...] = COMPUTE_CAPABILITIES,
                         ) -> list[tuple[tuple[int, int], str, FlashAttentionConfig]]:
     """Every (compute capability, dtype, config) of the tensor-core kernels the picker makes: float16 and bfloat16
-    from compute capability 8.0 on, one config per head-dim bucket (the backward's up to
-    ``TC_BACKWARD_MAX_HEAD_DIM``)."""
-    from numba_flash.cuda.host.config import HEAD_DIM_BUCKETS, TC_BACKWARD_MAX_HEAD_DIM, TC_KERNELS, TC_MAX_HEAD_DIM
-
-    return [(cc, dtype, tile_config_for(bucket, dtype, cc, kernel=kernel, override=TileOverride()))
-            for cc in ccs if tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY for dtype in TC_DTYPES for kernel in TC_KERNELS
-            for bucket in HEAD_DIM_BUCKETS
-            if head_dim_bucket(bucket) == bucket
-            and bucket <= (TC_MAX_HEAD_DIM if kernel == "tc_forward" else TC_BACKWARD_MAX_HEAD_DIM)]
+    from compute capability 8.0 on, one config per head-dim bucket up to each kernel's ``max_head_dim``."""
+    return _mma_configs("mma", TC_DTYPES, ccs)
 
 
 def tf32_configs(ccs: tuple[tuple[int, int], ...] = COMPUTE_CAPABILITIES,
                  ) -> list[tuple[tuple[int, int], str, FlashAttentionConfig]]:
     """Every (compute capability, "float32", config) of the TF32 forward the picker makes: from compute capability
-    8.0 on, one config per head-dim bucket up to ``TF32_MAX_HEAD_DIM``."""
-    from numba_flash.cuda.host.config import HEAD_DIM_BUCKETS, TF32_MAX_HEAD_DIM
+    8.0 on, one config per head-dim bucket up to its ``max_head_dim``."""
+    return _mma_configs("tf32", ("float32",), ccs)
 
-    return [(cc, "float32", tile_config_for(bucket, "float32", cc, kernel="tf32_forward", override=TileOverride()))
-            for cc in ccs if tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY for bucket in HEAD_DIM_BUCKETS
-            if bucket <= TF32_MAX_HEAD_DIM]
+
+def _mma_configs(kind: str, dtypes: tuple[str, ...], ccs: tuple[tuple[int, int], ...],
+                 ) -> list[tuple[tuple[int, int], str, FlashAttentionConfig]]:
+    from numba_flash.cuda.host.config import HEAD_DIM_BUCKETS
+
+    return [(cc, dtype, tile_config_for(bucket, dtype, cc, kernel=spec.name, override=TileOverride()))
+            for cc in ccs if tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY for dtype in dtypes
+            for spec in SPECS if spec.kind == kind
+            for bucket in HEAD_DIM_BUCKETS if bucket <= spec.max_head_dim]
 
 
 def format_table(results: list[KernelResources]) -> str:

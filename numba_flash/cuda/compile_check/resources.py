@@ -8,13 +8,12 @@ from dataclasses import dataclass
 
 from numba_flash.cuda.host.config import STATIC_SMEM_LIMIT, FlashAttentionConfig, smem_limit_for
 from numba_flash.cuda.host.gpus import Occupancy, gpu_spec, occupancy
+from numba_flash.cuda.kernels.registry import AUX_KERNELS
 
-#: Threads per block of the delta pre-pass (launch.py launches it with this many).
-DELTA_THREADS = 128
-#: Kernels without a tile config, one specialisation per dtype, and their threads per block: the delta pre-pass of
-#: the backward, the merge of decoding's splits (``decode.MERGE_THREADS``) and the sum of a broadcast bias's
-#: gradient (``backward.DBIAS_SUM_THREADS``), repeated here so that importing this module imports no numba.cuda.
-UNTILED_THREADS = {"backward_delta": DELTA_THREADS, "decode_merge": 64, "dbias_sum": 128}
+#: Kernels without a tile config, one specialisation per dtype, and their threads per block (their registry
+#: entries'): the delta pre-pass of the backward, the merge of decoding's splits and the sum of a broadcast bias's
+#: gradient.
+UNTILED_THREADS = {name: aux.threads for name, aux in AUX_KERNELS.items()}
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from numba_flash.cuda.host.config import STATIC_SMEM_LIMIT, FlashAttentionConfig, smem_limit_for
 from numba_flash.cuda.host.picker import TileOverride, tile_config_for
 from numba_flash.cuda.host.smem import device_optin_limit
+from numba_flash.cuda.kernels.registry import kernel_name
 
 
 def compute_capability() -> tuple[int, int]:
@@ -39,9 +40,11 @@ def smem_limit() -> int:
 
 
 def configs_for(head_dim: int, dtype: str, override: TileOverride | None = None,
-                kernels: tuple[str, ...] = ("forward",)) -> dict[str, FlashAttentionConfig]:
-    """Tile configs of ``kernels`` for this device; a bad override raises AttentionInputError."""
+                kernels: tuple[str, ...] | None = None) -> dict[str, FlashAttentionConfig]:
+    """Tile configs of ``kernels`` (registered names; the SIMT forward by default) for this device, by name; a bad
+    override raises AttentionInputError."""
     cc, limit = compute_capability(), smem_limit()
+    kernels = kernels if kernels is not None else (kernel_name("forward"),)
     return {kern: tile_config_for(head_dim, dtype, cc, limit, kern, override) for kern in kernels}
 
 

@@ -16,7 +16,7 @@ from numba_flash.cuda.host.devices import configs_for
 from numba_flash.cuda.host import launch
 from numba_flash.cuda.host.launch import async_copy_ok, check_storage, copied_arrays, dq_dbias_mode, kernel_flags
 from numba_flash.cuda.host.plan import backward_kernels, forward_kernel
-from numba_flash.cuda.kernels.registry import kernel_spec
+from numba_flash.cuda.kernels.registry import kernel_name, kernel_spec
 from numba_flash.cuda.host.launch_dbias import dbias_targets, dq_per_shared_slice, launch_dbias_sum
 from numba_flash.cuda.host.picker import TileOverride
 from numba_flash.cuda.simcheck import install_from_env
@@ -119,5 +119,6 @@ def decode_config(head_dim: int, dtype: str, *, window_left: int, window_right: 
     with arrays laid out like ``like``'s). Raises ``selfcheck.SelfCheckFailed`` when no config passes, and
     AttentionInputError for a bad tile override."""
     install_from_env()   # under the simulator with NUMBA_FLASH_SIMCHECK=1, check this and every later launch
-    picked = configs_for(head_dim, dtype, override, ("decode",))["decode"]
+    name = kernel_name("decode")
+    picked = configs_for(head_dim, dtype, override, (name,))[name]
     return selfcheck.choose(picked, *kernel_flags(window_left, window_right, softcap), dtype, like=like, alibi=alibi)

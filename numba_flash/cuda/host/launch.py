@@ -32,7 +32,8 @@ from numba_flash.cuda.host.mod_failures import named_mod_failures
 from numba_flash.cuda.host.picker import TileOverride, tile_config_for
 from numba_flash.cuda.kernels.backward_dkdv import DELTA_ROWS_PER_BLOCK, make_delta_kernel
 from numba_flash.cuda.kernels.registry import kernel_spec
-from numba_flash.cuda.kernels.spec import ROLE_ARRAYS, ROLE_TILES, ROW_ARRAYS, KernelSpec, Variant
+from numba_flash.cuda.kernels.spec import ROLE_ARRAYS, ROLE_TILES, ROW_ARRAYS, KernelSpec
+from numba_flash.cuda.kernels.variant import Variant
 
 
 def _run(kernel: Any, grid: tuple[int, ...], cfg: FlashAttentionConfig, stream: Any, args: tuple) -> bool:

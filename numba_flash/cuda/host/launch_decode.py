@@ -11,7 +11,8 @@ import math
 from typing import Any
 
 from numba_flash.cuda.host.config import FlashAttentionConfig
-from numba_flash.cuda.kernels.decode import MERGE_THREADS, make_decode_kernel, make_split_merge_kernel
+from numba_flash.cuda.kernels.decode import MERGE_THREADS, make_split_merge_kernel
+from numba_flash.cuda.kernels.variant import Variant
 from numba_flash.cuda.host.launch import check_storage, kernel_flags, score_multipliers, slopes_arg
 
 
@@ -20,7 +21,9 @@ def launch_decode(cfg: FlashAttentionConfig, q: Any, k_cache: Any, v_cache: Any,
                   window_right: int, softcap: float, bf16: bool, alibi: Any = None, stream: Any = 0) -> None:
     """Launch the decode kernel of ``cfg`` as it is, no self-check: every split's partial output. Arrays as for
     ``flash_decode``; part_out (num_splits, B, Hq, Sq, D) and part_lse (num_splits, B, Hq, Sq) float32."""
-    kernel = make_decode_kernel(cfg, *kernel_flags(window_left, window_right, softcap), bf16, alibi is not None)
+    has_left, has_right, has_softcap = kernel_flags(window_left, window_right, softcap)
+    variant = Variant(has_left=has_left, has_right=has_right, softcap=has_softcap, bf16=bf16, alibi=alibi is not None)
+    kernel = cfg.spec.build(cfg, variant)
     num_splits, batch, hq, sq, d = part_out.shape
     hkv = k_cache.shape[2]
     group = hq // hkv

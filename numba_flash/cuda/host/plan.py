@@ -13,19 +13,8 @@ from numba_flash.cuda.host.config import (STATIC_SMEM_LIMIT, TC_BACKWARD_MAX_HEA
                                           TC_MIN_COMPUTE_CAPABILITY, TF32_BIAS_MAX_HEAD_DIM, TF32_MAX_HEAD_DIM)
 from numba_flash.cuda.host.devices import compute_capability
 from numba_flash.cuda.host.picker import TileOverride, active_override, tile_config_for
+from numba_flash.cuda.kernels.registry import kernel_name
 from numba_flash.errors import AttentionInputError
-
-
-def kernel_name(role: str, kind: str) -> str:
-    """The registered kernel of ``role`` ("forward", "dkdv", "dq") and ``kind``: "simt" (float32 SIMT),
-    "mma" (tensor cores on 16-bit data) or "tf32" (tensor cores on float32)."""
-    from numba_flash.cuda.kernels.registry import REGISTRY
-
-    for spec in REGISTRY.values():
-        spec_kind = "simt" if not spec.tensor_cores else ("tf32" if spec.dtypes == ("float32",) else "mma")
-        if spec.role == role and spec_kind == kind:
-            return spec.name
-    raise ValueError(f"no {kind} kernel of role {role!r} is registered")
 
 
 def forward_kernel(dtype: str, head_dim: int, override: TileOverride | None = None,

@@ -41,7 +41,8 @@ from numba import cuda, float32, int32, uint32, uint64
 
 from numba_flash.cuda.kernels.backward_dq import make_dq_kernel
 from numba_flash.cuda.device.block_tiles import make_tile_skip
-from numba_flash.cuda.host.config import FlashAttentionConfig, padded_stride
+from numba_flash.cuda.host.config import FlashAttentionConfig
+from numba_flash.cuda.kernels.layout import padded_stride
 from numba_flash.cuda.device.dtypes import element_io
 from numba_flash.cuda.kernels.forward import SMEM_ALIGN
 from numba_flash.cuda.device.masks import (LOG2E, bias_head, make_bias_tile, make_dropout_tile, make_score_grads,
@@ -50,7 +51,7 @@ from numba_flash.cuda.device.sequences import make_locate
 from numba_flash.cuda.device.smem import carve
 from numba_flash.cuda.device.tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
 from numba_flash.cuda.device.user_mods import NO_MODS, CudaMods
-from numba_flash.cuda.kernels.spec import KernelSpec, Variant
+from numba_flash.cuda.kernels.variant import Variant
 
 __all__ = ["make_delta_kernel", "make_dkdv_kernel", "make_dq_kernel", "make_dbias_sum_kernel", "DELTA_ROWS_PER_BLOCK",
            "DBIAS_SUM_THREADS"]
@@ -477,10 +478,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     return cuda.jit(flash_dkdv_kernel)
 
 
-def _build(cfg: FlashAttentionConfig, v: Variant) -> Any:
+def build(cfg: FlashAttentionConfig, v: Variant) -> Any:
+    """This kernel for ``cfg`` and ``v`` (its registry entry's builder, kernels/registry.py)."""
     return make_dkdv_kernel(cfg, v.has_left, v.has_right, v.softcap, v.bf16, v.alibi, v.bias, v.dropout, v.mods,
                             **v.factory_switches())
-
-
-#: This kernel as the launch, the plan and the compile check know it (spec.py).
-SPEC = KernelSpec(name="backward_dkdv", role="dkdv", factory=_build, tail=('dbias',))

@@ -50,6 +50,7 @@ from typing import Any
 from numba import cuda, float32, int32, int64, uint32
 
 from numba_flash.cuda.host.config import FlashAttentionConfig
+from numba_flash.cuda.kernels.variant import Variant
 from numba_flash.cuda.device.dtypes import element_io
 from numba_flash.cuda.device.masks import make_visible, nan_if_not_finite
 from numba_flash.cuda.device.score_terms import make_pipeline
@@ -141,7 +142,7 @@ def make_key_tile_load(block_n: int, head_dim_bucket: int, threads: int, bf16: b
 @functools.lru_cache(maxsize=None)
 def make_decode_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, softcap: bool, bf16: bool,
                        alibi: bool = False) -> Any:
-    """The decode kernel for one tile config (``cfg.kernel == 'decode'``), mask kind, softcap, ALiBi and element
+    """The decode kernel for one tile config (the decode kernel's), mask kind, softcap, ALiBi and element
     kind (a ``numba.cuda`` dispatcher, compiled lazily).
 
     Launch with grid ``(num_splits * ceil(group * Sq / block_m), Hkv, B)`` and ``cfg.threads`` threads, arguments:
@@ -366,6 +367,12 @@ def make_decode_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: boo
             part_lse[split, b, row_h[sr], row_q[sr]] = lse2
 
     return cuda.jit(flash_decode_kernel)
+
+
+def build(cfg: FlashAttentionConfig, v: Variant) -> Any:
+    """This kernel for ``cfg`` and ``v`` (its registry entry's builder, kernels/registry.py): the masks, softcap,
+    bfloat16 and ALiBi; decoding takes no attn_bias, dropout or mods."""
+    return make_decode_kernel(cfg, v.has_left, v.has_right, v.softcap, v.bf16, v.alibi)
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,7 +27,8 @@ from typing import Any
 from numba import config, cuda, float32, int32, uint32, uint64
 
 from numba_flash.cuda.device.block_tiles import make_tile_skip
-from numba_flash.cuda.host.config import FlashAttentionConfig, transposed_stride
+from numba_flash.cuda.host.config import FlashAttentionConfig
+from numba_flash.cuda.kernels.layout import transposed_stride
 from numba_flash.cuda.device.dtypes import element_io
 from numba_flash.cuda.device.masks import (bias_head, dropout_factor, make_bias_tile, make_score_mod_hides,
                                            make_visible, nan_if_not_finite)
@@ -36,7 +37,7 @@ from numba_flash.cuda.device.smem import carve
 from numba_flash.cuda.device.tiles import FETCH_VECTOR, make_tile_fetch, tile_passes
 from numba_flash.cuda.device.score_terms import make_pipeline
 from numba_flash.cuda.device.user_mods import NO_MODS, CudaMods
-from numba_flash.cuda.kernels.spec import KernelSpec, Variant
+from numba_flash.cuda.kernels.variant import Variant
 
 LN2 = math.log(2.0)
 #: Alignment of the shared tiles: 16 bytes lets LLVM merge four consecutive float32 loads into one 128-bit load.
@@ -357,10 +358,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     return cuda.jit(flash_forward_kernel)
 
 
-def _build(cfg: FlashAttentionConfig, v: Variant) -> Any:
+def build(cfg: FlashAttentionConfig, v: Variant) -> Any:
+    """This kernel for ``cfg`` and ``v`` (its registry entry's builder, kernels/registry.py)."""
     return make_forward_kernel(cfg, v.has_left, v.has_right, v.softcap, v.bf16, v.alibi, v.bias, v.dropout, v.mods,
                                **v.factory_switches())
-
-
-#: This kernel as the launch, the plan and the compile check know it (spec.py).
-SPEC = KernelSpec(name="forward", role="forward", factory=_build)

@@ -1,6 +1,8 @@
-"""What a kernel is, declared once: ``KernelSpec`` (one per tiled kernel, beside its factory) and ``Variant`` (what
-a specialisation is compiled for beyond its tile config). The launch (host/launch.py), the plan of a call
-(host/plan.py) and the compile check read a kernel's spec instead of knowing each kernel by name.
+"""What a kernel is, declared once: a ``KernelSpec`` per kernel, its registry entry (registry.py). The launch
+(host/launch.py), the tile config and picker (host/config.py, host/picker.py), the plan of a call (host/plan.py),
+the compile check, the self-check, the performance model and the backend read a kernel's spec instead of knowing
+each kernel by name. A spec imports no ``numba.cuda``: its kernel's file (``module``) is imported when the kernel
+is first built.
 
 Every tiled kernel takes the same argument list but for its arrays and its tail::
 
@@ -13,11 +15,9 @@ Every tiled kernel takes the same argument list but for its arrays and its tail:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
-
-from numba_flash.cuda.device.user_mods import NO_MODS, CudaMods
-from numba_flash.cuda.host.config import FlashAttentionConfig
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 #: Per role: the arrays the kernel reads and writes, in argument order, and what its blocks tile: query tiles
 #: (grid: tiles x query heads x batch) or key tiles (tiles x kv heads x batch).
@@ -34,57 +34,79 @@ ROLE_TILES: dict[str, str] = {"forward": "q", "dkdv": "k", "dq": "q"}
 #: placeholder without one); the call's (batch entry, query head) of the arrays' first, two int64, for a launch of
 #: one slice of a call.
 TAIL_ARGS = ("kv_slots", "dbias", "base")
+#: What a kernel runs on: float32 FMAs ("simt"), mma.sync on 16-bit data ("mma"), mma.sync's TF32 ("tf32").
+KINDS = ("simt", "mma", "tf32")
+#: Roles of kernels without a tile config (``AuxKernel``): the backward's delta pre-pass, the sums of attn_bias's
+#: gradient, decoding's split merge.
+AUX_ROLES = ("delta", "bias_grad_sum", "merge")
+
+#: (block_m, block_n, threads)
+Tiles = tuple[int, int, int]
 
 
-@dataclass(frozen=True)
-class Variant:
-    """One specialisation's switches beside its tile config: the masks (``has_left``, ``has_right``: a sliding
-    window's sides; causal is a right window of 0), softcap, bfloat16 data (``bf16``; float16 and float32 otherwise,
-    told apart by the arrays' types), ALiBi slopes, attn_bias, dropout, the tensor-core kernels' copy path
-    (``async_copy``: cp.async, else plain loads), the user's mods (with ``mods.block_tiles`` when a BlockMask
-    skips tiles), packed sequences (``varlen``) and attn_bias's gradient (``dbias``: "" none, "per_key",
-    "per_row" or "pairs"; SIMT backward kernels only)."""
-
-    has_left: bool = False
-    has_right: bool = False
-    softcap: bool = False
-    bf16: bool = False
-    alibi: bool = False
-    bias: bool = False
-    dropout: bool = False
-    async_copy: bool = True
-    mods: CudaMods = NO_MODS
-    varlen: bool = False
-    dbias: str = ""
-
-    def factory_switches(self) -> dict[str, Any]:
-        """The factories' keyword switches that are off by default, passed only when on: a call without them
-        builds (and caches) the kernel it always did, under the same factory arguments."""
-        switches: dict[str, Any] = {}
-        if self.varlen:
-            switches["varlen"] = True
-        if self.dbias:
-            switches["dbias"] = self.dbias
-        return switches
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class KernelSpec:
-    """One tiled kernel: its ``name`` (a tile config's ``kernel``), its ``role`` (``ROLE_ARRAYS``), whether it
-    runs on tensor cores, whether its 16-bit data travels as uint16 bits (``bits``), the ``factory`` that builds
-    it for a config and a variant, and ``tail``: the arguments it takes past the common list, by name
-    (``TAIL_ARGS``)."""
+    """One tiled kernel.
+
+    ``name``: what a tile config's ``kernel`` says; ``role``: "forward", "dkdv", "dq" (``ROLE_ARRAYS``) or
+    "decode"; ``kind``: ``KINDS``; ``module``: its file in kernels/, whose ``build(cfg, variant)`` makes it (a
+    ``numba.cuda`` dispatcher, cached by the kernel's factory); ``smem_words(cfg)``: float32 words of shared memory
+    it declares for a tile config (16-bit tiles: half as many bytes per element, rounded up); ``tiles``: the
+    picker's preferred (block_m, block_n, threads) per head-dim bucket within 48 KiB; ``wide_tiles``: best first,
+    those past 48 KiB (dynamic shared memory, host/smem.py; a kernel without them never takes it); ``bits``: its
+    16-bit data travels as uint16 bits; ``dtypes``: what it is built for; ``tail``: the arguments it takes past
+    the common list (``TAIL_ARGS``); ``max_head_dim``: its largest bucket; ``warp_rows``: tensor-core kernels run
+    one warp per 16 of these (a tile config's field); ``products``: matrix products per tile pair (the performance
+    model); ``dbias_sum``: the gradient sum it can build for a broadcast attn_bias ("per_key", "per_row"; the
+    compile check builds those apart)."""
 
     name: str
     role: str
-    factory: Callable[[FlashAttentionConfig, Variant], Any]
-    tensor_cores: bool = False
+    kind: str
+    module: str
+    smem_words: Callable[[Any], int]
+    tiles: Mapping[int, Tiles]
+    wide_tiles: Mapping[int, tuple[Tiles, ...]] = field(default_factory=dict)
     bits: bool = False
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
     tail: tuple[str, ...] = ()
+    max_head_dim: int = 576
+    warp_rows: str = "block_m"
+    products: int = 0
+    dbias_sum: str = ""
 
-    def build(self, cfg: FlashAttentionConfig, variant: Variant) -> Any:
-        """The ``numba.cuda`` dispatcher of this kernel for ``cfg`` and ``variant`` (cached by the factory)."""
+    @property
+    def tensor_cores(self) -> bool:
+        """Whether it runs on tensor cores (one warp per 16 rows of ``warp_rows``; 16-bit or TF32 tiles)."""
+        return self.kind != "simt"
+
+    @property
+    def dynamic_smem(self) -> bool:
+        """Whether it can take its shared memory as one dynamic buffer, past 48 KiB."""
+        return bool(self.wide_tiles)
+
+    def build(self, cfg: Any, variant: Any) -> Any:
+        """The ``numba.cuda`` dispatcher of this kernel for ``cfg`` (a ``FlashAttentionConfig``) and ``variant``
+        (a ``Variant``), cached by the kernel's factory."""
         if cfg.kernel != self.name:
             raise ValueError(f"cfg: expected a {self.name} tile config, got one for {cfg.kernel}")
-        return self.factory(cfg, variant)
+        return importlib.import_module(f"numba_flash.cuda.kernels.{self.module}").build(cfg, variant)
+
+
+@dataclass(frozen=True, eq=False)
+class AuxKernel:
+    """A kernel without a tile config: ``name``, ``role`` (``AUX_ROLES``), the ``threads`` of its blocks, and the
+    factory (``module``'s ``factory``) that builds it for the 16-bit flag it takes (bfloat16 data; the dbias sum
+    takes none)."""
+
+    name: str
+    role: str
+    module: str
+    factory: str
+    threads: int
+    takes_bf16: bool = True
+
+    def build(self, bf16: bool = False) -> Any:
+        """The ``numba.cuda`` dispatcher of this kernel (for bfloat16 data with ``bf16``)."""
+        make = getattr(importlib.import_module(f"numba_flash.cuda.kernels.{self.module}"), self.factory)
+        return make(bf16) if self.takes_bf16 else make()

@@ -35,7 +35,7 @@ from numba_flash.cuda.kernels.tc_forward import EXPONENT_BITS, tile_offset
 from numba_flash.cuda.device.tc_scores import hidden_p, is_hidden, make_keep_bits, make_kept_factor, make_score
 from numba_flash.cuda.device.tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
 from numba_flash.cuda.device.user_mods import NO_MODS, CudaMods
-from numba_flash.cuda.kernels.spec import KernelSpec, Variant
+from numba_flash.cuda.kernels.variant import Variant
 
 SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16
 
@@ -53,8 +53,8 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
     With ``mods.block_tiles`` the key-tile loop skips the tiles the BlockMask's table (``tiles``) calls EMPTY,
     never copying their keys, and scores FULL ones without mask_mod."""
     why = cfg.problems(1 << 62)
-    if why or cfg.kernel != "tc_backward_dq":
-        raise ValueError(f"{cfg}: " + ("; ".join(why) or "not a tc_backward_dq config"))
+    if why or (cfg.spec.role, cfg.spec.kind) != ("dq", "mma"):
+        raise ValueError(f"{cfg}: " + ("; ".join(why) or "not a tensor-core dQ config"))
     BLOCK_M, BLOCK_N, HEAD_DIM, NT = cfg.block_m, cfg.block_n, cfg.head_dim_bucket, cfg.threads
     D_STEPS, N_TILES, KEY_STEPS, D_TILES = HEAD_DIM // 16, BLOCK_N // 8, BLOCK_N // 16, HEAD_DIM // 8
     X_WORDS, KV_WORDS = BLOCK_M * HEAD_DIM, BLOCK_N * HEAD_DIM
@@ -321,11 +321,7 @@ def make_tc_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool
     return cuda.jit(flash_tc_dq_kernel)
 
 
-def _build(cfg: FlashAttentionConfig, v: Variant) -> Any:
+def build(cfg: FlashAttentionConfig, v: Variant) -> Any:
+    """This kernel for ``cfg`` and ``v`` (its registry entry's builder, kernels/registry.py)."""
     return make_tc_dq_kernel(cfg, v.has_left, v.has_right, v.softcap, v.bf16, v.alibi, v.bias, v.dropout,
                              v.async_copy, v.mods, **v.factory_switches())
-
-
-#: This kernel as the launch, the plan and the compile check know it (spec.py).
-SPEC = KernelSpec(name="tc_backward_dq", role="dq", factory=_build,
-                  tensor_cores=True, bits=True, dtypes=('float16', 'bfloat16'))

@@ -41,7 +41,7 @@ from numba_flash.cuda.device.tc_softmax import (finish_rows, make_key_range, mak
                                                 make_tile_scores, make_tile_start)
 from numba_flash.cuda.device.tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
 from numba_flash.cuda.device.user_mods import NO_MODS, CudaMods
-from numba_flash.cuda.kernels.spec import KernelSpec, Variant
+from numba_flash.cuda.kernels.variant import Variant
 
 SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16   # cp.async and ldmatrix move 16-byte aligned chunks
 #: Exponent bits of a 16-bit float: all set means inf or NaN.
@@ -51,8 +51,8 @@ QUIET_NAN_BITS = {False: 0x7E00, True: 0x7FC0}
 
 def _checked(cfg: FlashAttentionConfig) -> None:
     why = cfg.problems(1 << 62)
-    if why or cfg.kernel != "tc_forward":
-        raise ValueError(f"{cfg}: " + ("; ".join(why) or "not a tc_forward config"))
+    if why or (cfg.spec.role, cfg.spec.kind) != ("forward", "mma"):
+        raise ValueError(f"{cfg}: " + ("; ".join(why) or "not a tensor-core forward config"))
 
 
 @cuda.jit(device=True, inline="always")
@@ -312,11 +312,7 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
     return cuda.jit(flash_tc_forward_kernel)
 
 
-def _build(cfg: FlashAttentionConfig, v: Variant) -> Any:
+def build(cfg: FlashAttentionConfig, v: Variant) -> Any:
+    """This kernel for ``cfg`` and ``v`` (its registry entry's builder, kernels/registry.py)."""
     return make_tc_forward_kernel(cfg, v.has_left, v.has_right, v.softcap, v.bf16, v.alibi, v.bias, v.dropout,
                                   v.async_copy, v.mods, **v.factory_switches())
-
-
-#: This kernel as the launch, the plan and the compile check know it (spec.py).
-SPEC = KernelSpec(name="tc_forward", role="forward", factory=_build,
-                  tensor_cores=True, bits=True, dtypes=('float16', 'bfloat16'))

@@ -49,7 +49,7 @@ from numba_flash.cuda.device.tc_softmax import (finish_rows, make_key_range, mak
                                                 make_tile_scores, make_tile_start)
 from numba_flash.cuda.device.tc_tiles import CHUNK, copy_passes, copy_row_step, make_tile_copy
 from numba_flash.cuda.device.user_mods import NO_MODS, CudaMods
-from numba_flash.cuda.kernels.spec import KernelSpec, Variant
+from numba_flash.cuda.kernels.variant import Variant
 
 SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16   # cp.async and ldmatrix move 16-byte aligned chunks
 #: Floats of padding per shared-memory tile row (``slot_stride``).
@@ -60,8 +60,8 @@ EXPONENT_BITS = 0x7F800000
 
 def _checked(cfg: FlashAttentionConfig) -> None:
     why = cfg.problems(1 << 62)
-    if why or cfg.kernel != "tf32_forward":
-        raise ValueError(f"{cfg}: " + ("; ".join(why) or "not a tf32_forward config"))
+    if why or (cfg.spec.role, cfg.spec.kind) != ("forward", "tf32"):
+        raise ValueError(f"{cfg}: " + ("; ".join(why) or "not a TF32 forward config"))
 
 
 def slot_stride(head_dim_bucket: int) -> int:
@@ -351,11 +351,7 @@ def make_tf32_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_righ
     return cuda.jit(flash_tf32_forward_kernel)
 
 
-def _build(cfg: FlashAttentionConfig, v: Variant) -> Any:
+def build(cfg: FlashAttentionConfig, v: Variant) -> Any:
+    """This kernel for ``cfg`` and ``v`` (its registry entry's builder, kernels/registry.py)."""
     return make_tf32_forward_kernel(cfg, v.has_left, v.has_right, v.softcap, v.alibi, v.bias, v.dropout,
                                     v.async_copy, v.mods, **v.factory_switches())
-
-
-#: This kernel as the launch, the plan and the compile check know it (spec.py).
-SPEC = KernelSpec(name="tf32_forward", role="forward", factory=_build,
-                  tensor_cores=True, dtypes=('float32',), tail=('kv_slots',))

@@ -58,6 +58,7 @@ from numba_flash.cuda.host.picker import TileOverride, tile_config_for
 from numba_flash.cuda.host.gpus import GPUS, GpuSpec, gpu_spec, occupancy
 from numba_flash.cuda.perf_model.counts import LATENCY_KEY, dynamic_counts, loop_counts
 from numba_flash.cuda.compile_check.sass import FP32_PIPE, disassemble, kernel_function, link, parse
+from numba_flash.cuda.kernels.registry import REGISTRY, SPECS, kernel_name
 
 #: Variants: (has_left, has_right, softcap[, alibi, attn_bias, dropout]) flags of the kernel factories. "dropout" is
 #: causal with dropout on: the Philox words of every score (numba_flash.dropout) priced beside the products.
@@ -66,18 +67,20 @@ VARIANTS: dict[str, tuple[bool, ...]] = {
     "window": (True, True, False), "softcap": (False, False, True),
     "dropout": (False, True, False, False, False, True),
 }
-MODEL_KERNELS: tuple[str, ...] = ("forward", "backward_dkdv", "backward_dq", "tc_forward", "tc_backward_dkdv",
-                                  "tc_backward_dq", "tf32_forward")
-#: Products (matrix multiplies over the tile) each kernel executes per main-loop iteration, and how many of the
-#: contract's FLOP they are worth: the forward's QK^T and PV; dK/dV recomputes QK^T and dP, then dV and dK; dQ
-#: recomputes QK^T and dP, then dQ. The backward's useful work is five products per score element.
-PRODUCTS = {"forward": 2, "backward_dkdv": 4, "backward_dq": 3, "tc_forward": 2, "tc_backward_dkdv": 4,
-            "tc_backward_dq": 3, "tf32_forward": 2}
+#: The kernels modelled: those whose registry entry counts their products.
+MODEL_KERNELS: tuple[str, ...] = tuple(spec.name for spec in SPECS if spec.products)
+#: Products (matrix multiplies over the tile) each kernel executes per main-loop iteration (its registry entry's
+#: ``products``): the forward's QK^T and PV; dK/dV recomputes QK^T and dP, then dV and dK; dQ recomputes QK^T and
+#: dP, then dQ. A single kernel's products all count as useful; the backward's useful work is five products per
+#: score element.
+PRODUCTS = {name: REGISTRY[name].products for name in MODEL_KERNELS}
+#: The backward pairs, by the name their combined records take, and the kind of their kernels.
+BACKWARD_PAIRS = {"backward": "simt", "tc_backward": "mma"}
 #: The dense TF32 tensor-core peak is half the float16 one (A100: 156 against 312 TFLOP/s; H100 SXM: 495 against
 #: 989): an m16n8k8 TF32 mma has half the multiply-adds of an m16n8k16 and takes as long, so the "tensor pipe"
 #: bound prices every HMMA alike and a TF32 kernel's ceiling is against this fraction of ``tensor_fma``.
 TF32_PEAK_FRACTION = 0.5
-USEFUL_PRODUCTS = {"forward": 2, "backward": 5}
+USEFUL_BACKWARD_PRODUCTS = 5
 DEFAULT_CCS: tuple[tuple[int, int], ...] = ((8, 0), (9, 0))
 
 
@@ -155,18 +158,18 @@ def model_kernel(kernel: str, cfg: FlashAttentionConfig, dtype: str, variant: st
     bound = max(cycles, key=lambda k: cycles[k])
     tensor = sum(w.get("hmma", 0.0) for w in per_warp) > 0
     peak = spec.tensor_fma if tensor else spec.fp32_lanes
-    if tensor and kernel == "tf32_forward":
+    if tensor and REGISTRY[kernel].kind == "tf32":
         peak *= TF32_PEAK_FRACTION
     area = cfg.block_m * cfg.block_n * blocks                      # score elements per iteration of the SM
     executed = PRODUCTS[kernel] * area * cfg.head_dim_bucket       # multiply-adds
-    useful = USEFUL_PRODUCTS.get(kernel, PRODUCTS[kernel]) * area * cfg.head_dim_bucket
+    useful = executed   # a single kernel's products all count; the backward pair's are priced in combine_backward
     ceiling = min(1.0, useful / (cycles[bound] * peak)) if occ.launchable else 0.0
     per_iter = {c: sum(w.get(c, 0.0) for w in per_warp) for c in per_warp[0] if c != LATENCY_KEY}
     smem_bytes_moved = per_iter["smem_wavefronts"] * spec.smem_bytes_per_clock
     ffma_thread = per_iter.get("ffma", 0.0) * 32
     return ModelRecord(
         kernel=kernel, dtype=dtype, cc=f"{cc[0]}.{cc[1]}", head_dim=cfg.head_dim_bucket, variant=variant,
-        unit=("tensor_tf32" if kernel == "tf32_forward" else "tensor") if tensor else "simt_fp32",
+        unit=("tensor_tf32" if REGISTRY[kernel].kind == "tf32" else "tensor") if tensor else "simt_fp32",
         ceiling=round(ceiling, 4), bound=bound,
         registers=res["registers"], spills=res["spill_stores"] + res["spill_loads"], smem_bytes=smem,
         threads=cfg.threads, tiles=f"{cfg.block_m}x{cfg.block_n}", blocks_per_sm=occ.blocks_per_sm,
@@ -186,10 +189,10 @@ def combine_backward(dkdv: ModelRecord, dq: ModelRecord) -> ModelRecord:
     spec = gpu_spec(tuple(int(x) for x in dkdv.cc.split(".")))
     peak = spec.tensor_fma if dkdv.unit == "tensor" else spec.fp32_lanes
     cps = dkdv.cycles_per_score + dq.cycles_per_score
-    ceiling = min(1.0, USEFUL_PRODUCTS["backward"] / (cps * peak)) if cps != float("inf") else 0.0
+    ceiling = min(1.0, USEFUL_BACKWARD_PRODUCTS / (cps * peak)) if cps != float("inf") else 0.0
     worse = dkdv if dkdv.ceiling <= dq.ceiling else dq
     return ModelRecord(
-        kernel="tc_backward" if dkdv.kernel.startswith("tc_") else "backward", dtype=dkdv.dtype, cc=dkdv.cc, head_dim=dkdv.head_dim, variant=dkdv.variant,
+        kernel=pair_name(dkdv.kernel), dtype=dkdv.dtype, cc=dkdv.cc, head_dim=dkdv.head_dim, variant=dkdv.variant,
         unit=dkdv.unit, ceiling=round(ceiling, 4), bound=f"{worse.kernel}: {worse.bound}",
         registers=max(dkdv.registers, dq.registers), spills=dkdv.spills + dq.spills,
         smem_bytes=max(dkdv.smem_bytes, dq.smem_bytes), threads=dkdv.threads,
@@ -266,7 +269,17 @@ def model_specialisation(kernel: str, dtype: str, head_dim: int, variant: str,
     return records
 
 
-def run_model(kernels: Iterable[str] = ("forward", "backward"), dtypes: Iterable[str] = KERNEL_DTYPES,
+def pair_name(dkdv: str) -> str:
+    """The name of the backward pair whose dK/dV kernel is ``dkdv`` (``BACKWARD_PAIRS``)."""
+    return next(pair for pair, kind in BACKWARD_PAIRS.items() if kind == REGISTRY[dkdv].kind)
+
+
+def pair_kernels(pair: str) -> tuple[str, str]:
+    """The (dK/dV, dQ) kernels of a backward pair (``BACKWARD_PAIRS``)."""
+    return kernel_name("dkdv", BACKWARD_PAIRS[pair]), kernel_name("dq", BACKWARD_PAIRS[pair])
+
+
+def run_model(kernels: Iterable[str] = (kernel_name("forward"), "backward"), dtypes: Iterable[str] = KERNEL_DTYPES,
               head_dims: Iterable[int] = HEAD_DIM_BUCKETS, variants: Iterable[str] = tuple(VARIANTS),
               ccs: Iterable[tuple[int, int]] = DEFAULT_CCS, use_cache: bool = True,
               progress: Callable[[str], None] | None = None) -> list[ModelRecord]:
@@ -276,9 +289,8 @@ def run_model(kernels: Iterable[str] = ("forward", "backward"), dtypes: Iterable
 
     wanted = []
     for k in kernels:
-        if k in ("backward", "tc_backward"):
-            prefix = "tc_" if k == "tc_backward" else ""
-            wanted.extend([f"{prefix}backward_dkdv", f"{prefix}backward_dq", k])
+        if k in BACKWARD_PAIRS:
+            wanted.extend([*pair_kernels(k), k])
         else:
             wanted.append(k)
     records: list[ModelRecord] = []
@@ -292,9 +304,8 @@ def run_model(kernels: Iterable[str] = ("forward", "backward"), dtypes: Iterable
             for variant in variants:
                 done: dict[str, list[ModelRecord]] = {}
                 for kernel in wanted:
-                    if kernel in ("backward", "tc_backward"):
-                        prefix = "tc_" if kernel == "tc_backward" else ""
-                        parts = (f"{prefix}backward_dkdv", f"{prefix}backward_dq")
+                    if kernel in BACKWARD_PAIRS:
+                        parts = pair_kernels(kernel)
                         for k in parts:
                             if k not in done:
                                 done[k] = _model_or_none(k, dtype, head_dim, variant, cc_ok, cc_tc, use_cache)
@@ -313,17 +324,16 @@ def _model_or_none(kernel: str, dtype: str, head_dim: int, variant: str, cc_ok: 
     """``model_specialisation`` for the compute capabilities the kernel exists on; [] where it does not (a
     tensor-core kernel for float32 or before sm_80, the tensor-core kernels past their head dims, the SIMT ones
     where ``config.head_dim_reason`` says they are not offered)."""
-    from numba_flash.cuda.host.config import (TC_BACKWARD_MAX_HEAD_DIM, TC_MAX_HEAD_DIM, TC_MIN_COMPUTE_CAPABILITY,
-                                              TF32_MAX_HEAD_DIM)
-    from numba_flash.cuda.host.config import head_dim_reason
+    from numba_flash.cuda.host.config import TC_MIN_COMPUTE_CAPABILITY, head_dim_reason
 
-    if kernel == "tf32_forward":   # float32 that allows TF32, from sm_80 on
+    spec = REGISTRY[kernel]
+    if spec.kind == "tf32":   # float32 that allows TF32, from sm_80 on
         ccs = [cc for cc in cc_ok if tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY]
-        if dtype != "float32" or head_dim > TF32_MAX_HEAD_DIM or not ccs:
+        if dtype != "float32" or head_dim > spec.max_head_dim or not ccs:
             return []
         return model_specialisation(kernel, dtype, head_dim, variant, ccs, use_cache)
-    if kernel.startswith("tc_"):
-        if head_dim > (TC_MAX_HEAD_DIM if kernel == "tc_forward" else TC_BACKWARD_MAX_HEAD_DIM):
+    if spec.kind == "mma":
+        if head_dim > spec.max_head_dim:
             return []
         return model_specialisation(kernel, dtype, head_dim, variant, cc_tc, use_cache) if cc_tc else []
     cc_ok = [cc for cc in cc_ok if not head_dim_reason(head_dim, kernel, smem_limit_for(cc))]
@@ -340,7 +350,7 @@ def format_table(records: list[ModelRecord]) -> str:
                      f"{100 * r.ffma_share:>6.1f}%"
                      f"{r.flop_per_smem_byte:>7.2f}{100 * r.ceiling:>8.1f}%  {r.bound}")
     lines.append("ceiling: modelled upper bound on useful FLOP/s as a fraction of the float32 CUDA-core peak "
-                 "(tensor-core peak for HMMA kernels: the TF32 one for tf32_forward); not a measurement.")
+                 "(tensor-core peak for HMMA kernels: the TF32 one for the TF32 kernel); not a measurement.")
     return "\n".join(lines)
 
 
@@ -383,8 +393,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  "counts and occupancy; no GPU needed). Figures are upper bounds.")
     parser.add_argument("--json", action="store_true", help="print the records as JSON")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table, GPUs side by side")
-    parser.add_argument("--kernel", nargs="+", default=["forward", "backward"],
-                        choices=["forward", "backward", "tc_backward", *MODEL_KERNELS])
+    parser.add_argument("--kernel", nargs="+", default=[kernel_name("forward"), "backward"],
+                        choices=list(dict.fromkeys([kernel_name("forward"), *BACKWARD_PAIRS, *MODEL_KERNELS])))
     parser.add_argument("--dtype", nargs="+", default=list(KERNEL_DTYPES), choices=list(KERNEL_DTYPES))
     parser.add_argument("--head-dim", nargs="+", type=int, default=list(HEAD_DIM_BUCKETS),
                         choices=list(HEAD_DIM_BUCKETS))
@@ -404,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             from tqdm.auto import tqdm
 
             total = len(args.dtype) * len(args.head_dim) * len(args.variant) * sum(
-                3 if k in ("backward", "tc_backward") else 1 for k in args.kernel)
+                3 if k in BACKWARD_PAIRS else 1 for k in args.kernel)
             bar = tqdm(total=total, desc="perf model", unit="kernel", file=sys.stderr)
         except ImportError:
             pass

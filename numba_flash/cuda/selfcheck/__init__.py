@@ -303,7 +303,7 @@ def _run(spec: Specialisation, like: dict[str, Any]) -> Verdict:
     """Run the check of ``spec`` on the current GPU: a verdict, never an exception."""
     try:
         with small_grids_unannounced():
-            failed, measured = _CHECKS[spec.cfg.kernel](spec, like)
+            failed, measured = _CHECKS[spec.cfg.spec.role](spec, like)
     except Exception as exc:  # any failure to compile or run is a failure of the specialisation
         text = " ".join(str(exc).split())
         return Verdict(spec, False, f"raised {type(exc).__name__}: {text[:300]}")
@@ -351,7 +351,7 @@ def _check_forward(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str
                                      dropout_p=p.dropout_p, dropout_seed=SEED)
     tb_out, tb_lse = textbook_float32(p)
     lse_bound = max(FLOAT32_MAX_ABS, TEXTBOOK_FACTOR * max_abs(tb_lse, ref_lse))
-    if spec.cfg.kernel == "tf32_forward":   # TF32 has float16's mantissa: judged as float16 is
+    if spec.cfg.spec.kind == "tf32":   # TF32 has float16's mantissa: judged as float16 is
         measured = [("out", "relative L2 error", rel_l2(got_out, ref_out), LOW_PRECISION_REL_L2["tf32"])]
         lse_bound = max(lse_bound, TF32_LSE_MAX_ABS)
     elif spec.dtype == "float32":
@@ -443,13 +443,10 @@ def _check_decode(spec: Specialisation, like: dict[str, Any]) -> tuple[list[str]
     return check_decode(spec, like)
 
 
+#: The check of a kernel, by its registry entry's role.
 _CHECKS: dict[str, Callable[[Specialisation, dict[str, Any]], tuple[list[str], list[str]]]] = {
     "forward": _check_forward,
-    "tc_forward": _check_forward,
-    "tf32_forward": _check_forward,
-    "tc_backward_dkdv": _check_dkdv,
-    "tc_backward_dq": _check_dq,
-    "backward_dkdv": _check_dkdv,
-    "backward_dq": _check_dq,
+    "dkdv": _check_dkdv,
+    "dq": _check_dq,
     "decode": _check_decode,
 }

@@ -219,7 +219,7 @@ def test_tables_past_the_constant_memory_are_named_in_the_error():
 
 
 def test_dynamic_shared_memory_configs_compile_and_fit():
-    """The configs past 48 KiB (picker._PREFERRED_DYNAMIC, D = 256, float32, sm_80 on) with every switch on: no
+    """The configs past 48 KiB (the registry's wide_tiles, D = 256, float32, sm_80 on) with every switch on: no
     spills, no static shared array left beside the dynamic buffer, and a block of static plus dynamic shared memory
     that fits an SM (the compile check's rows for them; its full matrix test covers every dtype)."""
     _needs_toolchain()

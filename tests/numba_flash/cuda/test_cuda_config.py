@@ -59,7 +59,7 @@ def test_wide_head_dims_say_where_they_do_not_run():
     for kernel in ("backward_dkdv", "backward_dq"):
         for head_dim in (512, 513, 576):   # MLA's 576 too, within sm_86's 99 KiB
             assert head_dim_reason(head_dim, kernel, smem_limit_for((8, 6))) is None
-    with pytest.raises(AttentionInputError, match="tensor-core kernels take D <= 256"):
+    with pytest.raises(AttentionInputError, match="tc_forward kernel takes D <= 256"):
         tile_config_for(300, "float16", kernel="tc_forward")
 
 

@@ -1,4 +1,4 @@
-"""The kernels with their shared memory past 48 KiB taken dynamically (smem.py, picker._PREFERRED_DYNAMIC), under
+"""The kernels with their shared memory past 48 KiB taken dynamically (smem.py, the registry's wide_tiles), under
 the simulator with the race and bounds checker, against the float64 reference; and the launcher's fallback to the
 48 KiB tiles when a GPU refuses the opt-in. The picker's sm_90 configs run in test_production_tiles_sim.py; here the
 ones it gives sm_80 and the 99 KiB GPUs, through tile_config_override (which applies one size to every kernel).
