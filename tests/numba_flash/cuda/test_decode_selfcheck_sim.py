@@ -34,8 +34,8 @@ def runs(monkeypatch):
 
 
 def _break(monkeypatch, broken):
-    """``launch_decode.make_decode_kernel`` returns, for configs whose tiles are in ``broken``, the real kernel followed by
-    its part_out (argument 5) scaled by 1.001."""
+    """The decode kernel's factory (``make_decode_kernel``) returns, for configs whose tiles are in ``broken``, the
+    real kernel followed by its part_out (argument 5) scaled by 1.001."""
     spoil(monkeypatch, "make_decode_kernel", 5, lambda cfg, kw: _tiles(cfg) in broken)
 
 

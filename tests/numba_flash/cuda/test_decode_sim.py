@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cuda_sim_cases import factory_home
 from kvcache_cases import as_torch, copy_args, random_case
 
 from backends import backend_registry
@@ -169,7 +170,8 @@ def kernel_launches(monkeypatch):
             return Recorder()
         return make
 
-    monkeypatch.setattr(launch_decode, "make_decode_kernel", recording(launch_decode.make_decode_kernel, "decode"))
+    decode_home = factory_home("make_decode_kernel")   # the decode kernel's file: its registry entry builds it
+    monkeypatch.setattr(decode_home, "make_decode_kernel", recording(decode_home.make_decode_kernel, "decode"))
     monkeypatch.setattr(launch_decode, "make_split_merge_kernel",
                         recording(launch_decode.make_split_merge_kernel, "merge"))
     monkeypatch.setattr(forward, "make_forward_kernel", recording(forward.make_forward_kernel, "forward"))
