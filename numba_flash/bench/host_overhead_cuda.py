@@ -1,0 +1,174 @@
+"""Host cost of a planned cuda call, measured without a GPU: the thin launch path with the driver's launch replaced
+by a recording stub.
+
+The plans are the real ones (``numba_flash.cuda.host.launch_plan``), built the way the backend builds them: the
+dispatcher path of one call runs under the recorder (here under the CUDA simulator, recording without running
+the kernels), on torch CPU tensors that the simulator's arrays wrap in place, so that the recorded arguments
+point into them and bind by address as a GPU's would. Each timed call then does what a planned call does on a
+GPU: allocate the outputs (and the backward's delta scratch, the decode's split partials) with torch, check the
+inputs against the plan, write pointers, and call the driver's ``cuLaunchKernel`` (the stub, which counts), once
+per kernel: 1 for a forward, 3 for a backward (delta, dK/dV, dQ), 2 for a decode step (decode, merge).
+
+Not timed, because only a GPU has them: torch's current-stream lookup (~1 us) and the real ``cuLaunchKernel``
+(~3 us per launch through cuda-bindings, issue 44).
+
+    python -m numba_flash.bench.host_overhead_cuda [--calls N] [--json]
+
+``host_overhead_records()`` runs that in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (the simulator must be on
+before numba.cuda is first imported) and returns its records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+#: The tiny call of the contract's host-path goal: B = 1, H = 8, D = 64, Sq = 64 (forward, backward) and a decode
+#: step of one query over a cache of CACHE_LEN keys; float16.
+BATCH, HEADS, HEAD_DIM, SEQLEN, CACHE_LEN, DTYPE = 1, 8, 64, 64, 1024, "float16"
+#: P95 goals in microseconds (design.md, host path).
+GOALS_US = {"forward": 20.0, "backward": 50.0, "decode": 20.0}
+
+
+def _sim(t: Any) -> Any:
+    """A simulator device array over torch CPU tensor ``t``'s memory (no copy)."""
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    return FakeCUDAArray(t.numpy())
+
+
+def planned_calls(driver: Any) -> dict[str, Callable[[], None]]:
+    """One timed-call function per call kind, each with its plan built (under the simulator) and bound to
+    ``driver``. Each call allocates its outputs and launches through the plan on stream 0."""
+    import torch
+
+    from numba_flash.cuda.host.flash import decode_config, flash_backward, flash_forward
+    from numba_flash.cuda.host.launch_decode import flash_decode
+    from numba_flash.cuda.host.launch_plan import record_plan
+
+    dt = getattr(torch, DTYPE)
+    b, h, s, d = BATCH, HEADS, SEQLEN, HEAD_DIM
+    q, k, v, out, dout = (torch.randn(b, s, h, d, dtype=dt) for _ in range(5))
+    lse, delta = torch.zeros(b, h, s), torch.zeros(b, h, s)
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    scalars = dict(softmax_scale=1 / math.sqrt(d), window_left=-1, window_right=0, softcap=0.0, dtype=DTYPE)
+    fwd, _ = record_plan(lambda: flash_forward(*map(_sim, (q, k, v, out, lse)), **scalars),
+                         dict(q=q, k=k, v=v, out=out, lse=lse), driver, execute=False)
+    bwd, _ = record_plan(lambda: flash_backward(*map(_sim, (dout, q, k, v, out, lse, dq, dk, dv, delta)),
+                                                **scalars),
+                         dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv, delta=delta),
+                         driver, execute=False)
+    # decode step: one query, a cache of CACHE_LEN keys, two splits, not paged
+    qd, kc, vc = torch.randn(b, 1, h, d, dtype=dt), torch.randn(b, CACHE_LEN, h, d, dtype=dt), \
+        torch.randn(b, CACHE_LEN, h, d, dtype=dt)
+    seqinfo = torch.tensor([[0, 0, CACHE_LEN]] * b, dtype=torch.int32)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    outd, lsed = torch.empty_like(qd), torch.zeros(b, h, 1)
+    splits = 2
+    part_out, part_lse = torch.zeros(splits, b, h, 1, d), torch.zeros(splits, b, h, 1)
+    cfg = decode_config(d, DTYPE, window_left=-1, window_right=-1, softcap=0.0, alibi=False)
+    dec_arrays = dict(q=qd, k_cache=kc, v_cache=vc, seqinfo=seqinfo, block_table=table, out=outd, lse=lsed,
+                      part_out=part_out, part_lse=part_lse)
+    dec, _ = record_plan(lambda: flash_decode(cfg, *map(_sim, dec_arrays.values()), page_size=0,
+                                              softmax_scale=1 / math.sqrt(d), window_left=-1, window_right=-1,
+                                              softcap=0.0, dtype=DTYPE),
+                         dec_arrays, driver, execute=False)
+    empty = torch.empty_strided
+
+    def forward() -> None:
+        o = empty(out.shape, out.stride(), dtype=dt)
+        lo = empty(lse.shape, lse.stride())
+        fwd.run(q, k, v, o, lo, stream=0)
+
+    def backward() -> None:
+        gq, gk, gv = empty(q.shape, q.stride(), dtype=dt), empty(k.shape, k.stride(), dtype=dt), \
+            empty(v.shape, v.stride(), dtype=dt)
+        dl = empty(delta.shape, delta.stride())
+        bwd.run(dout, q, k, v, out, lse, gq, gk, gv, dl, stream=0)
+
+    def decode() -> None:
+        o = empty(outd.shape, outd.stride(), dtype=dt)
+        lo = empty(lsed.shape, lsed.stride())
+        po, pl = empty(part_out.shape, part_out.stride()), empty(part_lse.shape, part_lse.stride())
+        dec.run(qd, kc, vc, seqinfo, table, o, lo, po, pl, stream=0)
+
+    return {"forward": forward, "backward": backward, "decode": decode}
+
+
+def time_calls(fn: Callable[[], None], calls: int, warmup: int = 200) -> list[float]:
+    """Per-call times of ``fn`` in microseconds, ``calls`` of them after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    clock = time.perf_counter_ns
+    times = []
+    for _ in range(calls):
+        t0 = clock()
+        fn()
+        times.append((clock() - t0) / 1000.0)
+    return times
+
+
+def _percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(p / 100.0 * (len(ordered) - 1))))]
+
+
+def measure(calls: int = 2000) -> list[dict[str, Any]]:
+    """Records ``{"backend": "cuda", "call", "p50_us", "p95_us", "launches", "goal_p95_us"}`` per call kind, in
+    this process (which must run the simulator)."""
+    from numba_flash.cuda.host.driver_launch import RecordingDriver
+
+    driver = RecordingDriver(keep=False)
+    records = []
+    for name, fn in planned_calls(driver).items():
+        before = driver.count
+        fn()
+        launches = driver.count - before
+        times = time_calls(fn, calls)
+        records.append({"backend": "cuda", "call": name, "p50_us": round(_percentile(times, 50), 2),
+                        "p95_us": round(_percentile(times, 95), 2), "launches": launches,
+                        "goal_p95_us": GOALS_US[name], "stub": "RecordingDriver.cuLaunchKernel"})
+    if driver.others:
+        raise RuntimeError(f"the planned calls touched the driver beyond cuLaunchKernel: {sorted(set(driver.others))}")
+    return records
+
+
+def host_overhead_records(calls: int = 2000, timeout: float = 600.0) -> list[dict[str, Any]]:
+    """``measure(calls)`` in a fresh process under the CUDA simulator; its records. Raises RuntimeError with the
+    child's output when it fails."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    proc = subprocess.run([sys.executable, "-m", "numba_flash.bench.host_overhead_cuda", "--json",
+                           "--calls", str(calls)], env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        raise RuntimeError(f"host overhead (cuda, stub) failed: {proc.stderr.strip()[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--json", action="store_true", help="one JSON list of records on the last line")
+    args = parser.parse_args(argv)
+    from numba import config
+
+    if not config.ENABLE_CUDASIM:
+        print("run with NUMBA_ENABLE_CUDASIM=1 (or call host_overhead_records())", file=sys.stderr)
+        return 2
+    records = measure(args.calls)
+    if args.json:
+        print(json.dumps(records))
+    else:
+        for r in records:
+            print(f"cuda {r['call']:<9} p50 {r['p50_us']:7.2f} us  p95 {r['p95_us']:7.2f} us  "
+                  f"({r['launches']} launches; goal p95 <= {r['goal_p95_us']:.0f} us)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
