@@ -5,9 +5,11 @@ The plans are the real ones (``numba_flash.cuda.host.launch_plan``), built the w
 dispatcher path of one call runs under the recorder (here under the CUDA simulator, recording without running
 the kernels), on torch CPU tensors that the simulator's arrays wrap in place, so that the recorded arguments
 point into them and bind by address as a GPU's would. Each timed call then does what a planned call does on a
-GPU: allocate the outputs (and the backward's delta scratch, the decode's split partials) with torch, check the
-inputs against the plan, write pointers, and call the driver's ``cuLaunchKernel`` (the stub, which counts), once
-per kernel: 1 for a forward, 3 for a backward (delta, dK/dV, dQ), 2 for a decode step (decode, merge).
+GPU: allocate the outputs with torch, check the arrays against the plan, write pointers, and call the driver's ``cuLaunchKernel`` (the stub, which counts), once
+per kernel: 1 for a forward, 3 for a backward (delta, dK/dV, dQ), 2 for a decode step (decode, merge). Scratch
+(the backward's delta, the decode's split partials) is the plan's workspace, allocated once with it, as
+FlashInfer's plans hold theirs: a plan serves one stream at a time, which the backend's plan key (with the stream)
+ensures.
 
 Not timed, because only a GPU has them: torch's current-stream lookup (~1 us) and the real ``cuLaunchKernel``
 (~3 us per launch through cuda-bindings, issue 44).
@@ -62,7 +64,7 @@ def planned_calls(driver: Any) -> dict[str, Callable[[], None]]:
                          dict(q=q, k=k, v=v, out=out, lse=lse), driver, execute=False)
     bwd, _ = record_plan(lambda: flash_backward(*map(_sim, (dout, q, k, v, out, lse, dq, dk, dv, delta)),
                                                 **scalars),
-                         dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv, delta=delta),
+                         dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv),
                          driver, execute=False)
     # decode step: one query, a cache of CACHE_LEN keys, two splits, not paged
     qd, kc, vc = torch.randn(b, 1, h, d, dtype=dt), torch.randn(b, CACHE_LEN, h, d, dtype=dt), \
@@ -73,9 +75,9 @@ def planned_calls(driver: Any) -> dict[str, Callable[[], None]]:
     splits = 2
     part_out, part_lse = torch.zeros(splits, b, h, 1, d), torch.zeros(splits, b, h, 1)
     cfg = decode_config(d, DTYPE, window_left=-1, window_right=-1, softcap=0.0, alibi=False)
-    dec_arrays = dict(q=qd, k_cache=kc, v_cache=vc, seqinfo=seqinfo, block_table=table, out=outd, lse=lsed,
-                      part_out=part_out, part_lse=part_lse)
-    dec, _ = record_plan(lambda: flash_decode(cfg, *map(_sim, dec_arrays.values()), page_size=0,
+    dec_arrays = dict(q=qd, k_cache=kc, v_cache=vc, seqinfo=seqinfo, block_table=table, out=outd, lse=lsed)
+    dec, _ = record_plan(lambda: flash_decode(cfg, *map(_sim, (*dec_arrays.values(), part_out, part_lse)),
+                                              page_size=0,
                                               softmax_scale=1 / math.sqrt(d), window_left=-1, window_right=-1,
                                               softcap=0.0, dtype=DTYPE),
                          dec_arrays, driver, execute=False)
@@ -89,14 +91,12 @@ def planned_calls(driver: Any) -> dict[str, Callable[[], None]]:
     def backward() -> None:
         gq, gk, gv = empty(q.shape, q.stride(), dtype=dt), empty(k.shape, k.stride(), dtype=dt), \
             empty(v.shape, v.stride(), dtype=dt)
-        dl = empty(delta.shape, delta.stride())
-        bwd.run(dout, q, k, v, out, lse, gq, gk, gv, dl, stream=0)
+        bwd.run(dout, q, k, v, out, lse, gq, gk, gv, stream=0)
 
     def decode() -> None:
         o = empty(outd.shape, outd.stride(), dtype=dt)
         lo = empty(lsed.shape, lsed.stride())
-        po, pl = empty(part_out.shape, part_out.stride()), empty(part_lse.shape, part_lse.stride())
-        dec.run(qd, kc, vc, seqinfo, table, o, lo, po, pl, stream=0)
+        dec.run(qd, kc, vc, seqinfo, table, o, lo, stream=0)
 
     return {"forward": forward, "backward": backward, "decode": decode}
 

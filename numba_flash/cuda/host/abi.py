@@ -125,6 +125,8 @@ class ArgBuffer:
         # uint64 elements: the buffer itself 8-byte aligned, so every naturally aligned offset is aligned in memory
         self._raw = (ctypes.c_uint64 * ((self.nbytes + 7) // 8))()
         self.view = memoryview(self._raw).cast("B")
+        #: the buffer as 8-byte words: ``words[offset >> 3] = pointer`` rewrites a data pointer (the hot path)
+        self.words = self._raw
         base = ctypes.addressof(self._raw)
         self._params = (ctypes.c_void_p * max(1, len(self.slots)))(*(base + off for off in self.offsets))
         #: ``kernelParams`` for cuda.bindings' cuLaunchKernel: the address of the pointer array

@@ -191,7 +191,7 @@ class CallPlan:
         self.driver = driver
         self.torch = torch
         # (shape, strides, dtype, device) per array, compared as one tuple on the hot path
-        self._expect = tuple((s.shape, s.strides, s.dtype, s.device) for s in self.sigs)
+        self._expect = tuple((s.shape, s.strides, s.dtype, _device_index(s.device)) for s in self.sigs)
         self._aligned = tuple(s.aligned for s in self.sigs)
         self._lock = threading.Lock()   # one packed buffer per launch: two threads must not write it at once
 
@@ -211,13 +211,18 @@ class CallPlan:
                                       f"got {len(arrays)}")
         ptrs = []
         if self.torch:
-            for i, (x, want, aligned) in enumerate(zip(arrays, self._expect, self._aligned)):
+            # one comparison at a time, cheapest first; get_device() is an int (-1 on the CPU) where .device would
+            # build a torch.device per call
+            for i, x in enumerate(arrays):
+                shape, strides, dtype, device = self._expect[i]
                 try:
-                    ok = (x.shape, x.stride(), x.dtype, x.device) == want
+                    if (x.shape != shape or x.stride() != strides or x.dtype is not dtype
+                            or x.get_device() != device):
+                        raise self._mismatch(i, x)
                     p = x.data_ptr()
                 except AttributeError:
                     raise self._mismatch(i, x) from None
-                if not ok or (aligned and p & 15):
+                if p & 15 and self._aligned[i]:
                     raise self._mismatch(i, x)
                 ptrs.append(p)
             return ptrs
@@ -235,11 +240,18 @@ class CallPlan:
         driver = self.driver
         with self._lock:
             for launch in self.launches:
-                put = launch.buffer.put_pointer
+                words = launch.buffer.words
                 for index, offset, delta in launch.bindings:
-                    put(offset, ptrs[index] + delta)
+                    words[offset >> 3] = ptrs[index] + delta   # data pointers: 8-byte slots at 8-aligned offsets
                 driver_launch(driver, launch.handle, launch.grid, launch.block, launch.shared, stream,
                               launch.buffer.params_address)
+
+
+def _device_index(device: Any) -> int:
+    """A torch device as ``Tensor.get_device()`` gives it: its index on a GPU, -1 on the CPU."""
+    if getattr(device, "type", "cpu") == "cpu":
+        return -1
+    return int(device.index or 0)
 
 
 def _aligned_twin(sig: ArraySig) -> ArraySig:
