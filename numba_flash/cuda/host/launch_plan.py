@@ -233,6 +233,16 @@ class CallPlan:
             ptrs.append(device_pointer(x))
         return ptrs
 
+    def unbound(self) -> str | None:
+        """Why the plan cannot be trusted, or None: a call array bound to no launch argument was copied by the
+        dispatcher path (a layout it cannot take in place), and replaying the copy's address would read stale
+        data or write where nobody looks."""
+        bound = {index for launch in self.launches for index, _, _ in launch.bindings}
+        names = [name for i, name in enumerate(self.names) if i not in bound]
+        if not names:
+            return None
+        return f"{', '.join(names)}: not passed to any kernel in place (the dispatcher path copied it)"
+
     def run(self, *arrays: Any, stream: Any = 0) -> None:
         """Launch the planned kernels on ``arrays`` (``names``' order) on ``stream`` (a CUstream or its integer
         handle; 0 the default stream). Writes only pointers; makes no synchronising driver call."""
@@ -278,17 +288,14 @@ def build_plan(records: Sequence[Any], arrays: dict[str, Any], driver: Any) -> C
 
 def record_plan(run: Any, arrays: dict[str, Any], driver: Any, execute: bool = True) -> tuple[CallPlan, Any]:
     """Run ``run()`` (the dispatcher path of one call, on ``arrays`` or views of them) while recording its
-    launches, and plan them: (plan, what ``run`` returned). Every call array must be bound to some launch
-    argument: one that is not was copied by the dispatcher path (a layout it cannot take in place), and replaying
-    the copy's address would read stale data. ``execute=False`` (simulator only) records without running."""
+    launches, and plan them: (plan, what ``run`` returned). Raises NotPlannable as ``build_plan`` does, and when a
+    call array is bound to no launch argument (``CallPlan.unbound``). ``execute=False`` (simulator only) records without running."""
     from numba_flash.cuda.host.launch_record import recording
 
     with recording(execute) as records:
         result = run()
     plan = build_plan(records, arrays, driver)
-    bound = {index for launch in plan.launches for index, _, _ in launch.bindings}
-    unbound = [name for i, name in enumerate(plan.names) if i not in bound]
+    unbound = plan.unbound()
     if unbound:
-        raise NotPlannable(f"{', '.join(unbound)}: not passed to any kernel in place (the dispatcher path copied "
-                           f"it), so a replay could not follow it")
+        raise NotPlannable(unbound)
     return plan, result
