@@ -45,60 +45,66 @@ def _sim(t: Any) -> Any:
     return FakeCUDAArray(t.numpy())
 
 
-def planned_calls(driver: Any) -> dict[str, Callable[[], None]]:
-    """One timed-call function per call kind, each with its plan built (under the simulator) and bound to
-    ``driver``. Each call allocates its outputs and launches through the plan on stream 0."""
+def sim_plans(driver: Any, dtype: str = DTYPE, head_dim: int = HEAD_DIM, seqlen: int = SEQLEN,
+              cache_len: int = CACHE_LEN) -> dict[str, tuple[Any, dict[str, Any]]]:
+    """{"forward" | "backward" | "decode": (plan, its call arrays by name)}: the dispatcher path of each call kind
+    recorded (without running) under the simulator on torch CPU tensors of ``dtype`` (float32 or float16), B = 1,
+    H = 8, planned with ``driver``. Workspace (the backward's delta, the decode's two split partials) is held by
+    the plan, not passed per call. The decode step: one query over ``cache_len`` keys, two splits, not paged."""
     import torch
 
     from numba_flash.cuda.host.flash import decode_config, flash_backward, flash_forward
     from numba_flash.cuda.host.launch_decode import flash_decode
     from numba_flash.cuda.host.launch_plan import record_plan
 
-    dt = getattr(torch, DTYPE)
-    b, h, s, d = BATCH, HEADS, SEQLEN, HEAD_DIM
+    dt = getattr(torch, dtype)
+    b, h, s, d = BATCH, HEADS, seqlen, head_dim
     q, k, v, out, dout = (torch.randn(b, s, h, d, dtype=dt) for _ in range(5))
     lse, delta = torch.zeros(b, h, s), torch.zeros(b, h, s)
     dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
-    scalars = dict(softmax_scale=1 / math.sqrt(d), window_left=-1, window_right=0, softcap=0.0, dtype=DTYPE)
-    fwd, _ = record_plan(lambda: flash_forward(*map(_sim, (q, k, v, out, lse)), **scalars),
-                         dict(q=q, k=k, v=v, out=out, lse=lse), driver, execute=False)
-    bwd, _ = record_plan(lambda: flash_backward(*map(_sim, (dout, q, k, v, out, lse, dq, dk, dv, delta)),
-                                                **scalars),
-                         dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv),
+    scalars = dict(softmax_scale=1 / math.sqrt(d), window_left=-1, window_right=0, softcap=0.0, dtype=dtype)
+    fwd_arrays = dict(q=q, k=k, v=v, out=out, lse=lse)
+    fwd, _ = record_plan(lambda: flash_forward(*map(_sim, fwd_arrays.values()), **scalars), fwd_arrays, driver,
+                         execute=False)
+    bwd_arrays = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    bwd, _ = record_plan(lambda: flash_backward(*map(_sim, (*bwd_arrays.values(), delta)), **scalars), bwd_arrays,
                          driver, execute=False)
-    # decode step: one query, a cache of CACHE_LEN keys, two splits, not paged
-    qd, kc, vc = torch.randn(b, 1, h, d, dtype=dt), torch.randn(b, CACHE_LEN, h, d, dtype=dt), \
-        torch.randn(b, CACHE_LEN, h, d, dtype=dt)
-    seqinfo = torch.tensor([[0, 0, CACHE_LEN]] * b, dtype=torch.int32)
-    table = torch.zeros(1, 1, dtype=torch.int32)
-    outd, lsed = torch.empty_like(qd), torch.zeros(b, h, 1)
+    qd = torch.randn(b, 1, h, d, dtype=dt)
+    kc, vc = torch.randn(b, cache_len, h, d, dtype=dt), torch.randn(b, cache_len, h, d, dtype=dt)
+    seqinfo = torch.tensor([[0, 0, cache_len]] * b, dtype=torch.int32)   # cache row, first key, end key
     splits = 2
     part_out, part_lse = torch.zeros(splits, b, h, 1, d), torch.zeros(splits, b, h, 1)
-    cfg = decode_config(d, DTYPE, window_left=-1, window_right=-1, softcap=0.0, alibi=False)
-    dec_arrays = dict(q=qd, k_cache=kc, v_cache=vc, seqinfo=seqinfo, block_table=table, out=outd, lse=lsed)
+    cfg = decode_config(d, dtype, window_left=-1, window_right=-1, softcap=0.0, alibi=False)
+    dec_arrays = dict(q=qd, k_cache=kc, v_cache=vc, seqinfo=seqinfo, block_table=torch.zeros(1, 1, dtype=torch.int32),
+                      out=torch.empty_like(qd), lse=torch.zeros(b, h, 1))
     dec, _ = record_plan(lambda: flash_decode(cfg, *map(_sim, (*dec_arrays.values(), part_out, part_lse)),
-                                              page_size=0,
-                                              softmax_scale=1 / math.sqrt(d), window_left=-1, window_right=-1,
-                                              softcap=0.0, dtype=DTYPE),
+                                              page_size=0, softmax_scale=1 / math.sqrt(d), window_left=-1,
+                                              window_right=-1, softcap=0.0, dtype=dtype),
                          dec_arrays, driver, execute=False)
+    return {"forward": (fwd, fwd_arrays), "backward": (bwd, bwd_arrays), "decode": (dec, dec_arrays)}
+
+
+#: Per call kind, how many of its plan's arrays (the last ones) are outputs, allocated per call.
+OUTPUTS = {"forward": 2, "backward": 3, "decode": 2}
+
+
+def planned_calls(driver: Any) -> dict[str, Callable[[], None]]:
+    """One timed-call function per call kind (``sim_plans``' plans, bound to ``driver``): each allocates its
+    outputs with torch, as the planned call does on a GPU, and runs the plan on stream 0."""
+    import torch
+
     empty = torch.empty_strided
+    calls = {}
+    for name, (plan, arrays) in sim_plans(driver).items():
+        tensors = tuple(arrays.values())
+        n_out = OUTPUTS[name]
+        inputs, outs = tensors[:-n_out], tuple((t.shape, t.stride(), t.dtype) for t in tensors[-n_out:])
 
-    def forward() -> None:
-        o = empty(out.shape, out.stride(), dtype=dt)
-        lo = empty(lse.shape, lse.stride())
-        fwd.run(q, k, v, o, lo, stream=0)
+        def call(plan: Any = plan, inputs: tuple = inputs, outs: tuple = outs) -> None:
+            plan.run(*inputs, *(empty(shape, stride, dtype=dtype) for shape, stride, dtype in outs), stream=0)
 
-    def backward() -> None:
-        gq, gk, gv = empty(q.shape, q.stride(), dtype=dt), empty(k.shape, k.stride(), dtype=dt), \
-            empty(v.shape, v.stride(), dtype=dt)
-        bwd.run(dout, q, k, v, out, lse, gq, gk, gv, stream=0)
-
-    def decode() -> None:
-        o = empty(outd.shape, outd.stride(), dtype=dt)
-        lo = empty(lsed.shape, lsed.stride())
-        dec.run(qd, kc, vc, seqinfo, table, o, lo, stream=0)
-
-    return {"forward": forward, "backward": backward, "decode": decode}
+        calls[name] = call
+    return calls
 
 
 def time_calls(fn: Callable[[], None], calls: int, warmup: int = 200) -> list[float]:

@@ -35,9 +35,9 @@ class RecordingDriver:
     counts them, ``keep=False``, for timing) and returns success as the real one does (a one-tuple of CUresult 0);
     any other attribute is a driver function that records its name when called (``others``).
 
-    ``launches``: (handle, grid, block, shared bytes, stream, kernelParams address) per launch, and with
-    ``snapshot`` the parameter bytes read through the kernelParams pointers as the driver would copy them:
-    ``snapshot(params_address, sizes) -> bytes``."""
+    ``launches``: (handle, grid, block, shared bytes, stream, kernelParams address, snapshot) per launch, where
+    snapshot is ``snapshot(kernelParams address)`` when given (the parameter bytes as the driver would copy them
+    at that moment: a test's way to see what each launch really got), else None."""
 
     def __init__(self, keep: bool = True, snapshot: Any = None):
         self.keep = keep
@@ -50,7 +50,8 @@ class RecordingDriver:
                        stream: Any, params: int, extra: Any) -> tuple[int]:
         self.count += 1
         if self.keep:
-            self.launches.append((f, (gx, gy, gz), (bx, by, bz), shared, stream, params))
+            taken = self.snapshot(params) if self.snapshot is not None else None
+            self.launches.append((f, (gx, gy, gz), (bx, by, bz), shared, stream, params, taken))
         return (0,)
 
     def __getattr__(self, name: str) -> Any:
