@@ -135,6 +135,12 @@ def backward(call: AttentionCall, config: Any, dispatch: Callable[[AttentionCall
     return _serve("backward", call, config, dispatch, ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv"))
 
 
+def stats() -> dict[str, Any]:
+    """How many signatures are planned, and why the others are not (for tools/gpu_check.py's record)."""
+    reasons = [p for p in _PLANS.values() if isinstance(p, str)]
+    return {"planned": len(_PLANS) - len(reasons), "not_planned": sorted(set(reasons))}
+
+
 def note(call: AttentionCall) -> str | None:
     """What ``explain()`` says about the thin path for ``call``: off, why it cannot serve, or None when it
     serves (or will plan the call on its first run)."""
