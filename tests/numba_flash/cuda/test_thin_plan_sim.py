@@ -142,3 +142,21 @@ def test_an_unaligned_input_is_refused_by_a_plan_made_for_aligned_ones():
     q = base[1:].view(arrays["q"].shape)   # 2 bytes past an aligned address
     with pytest.raises(AttentionInputError, match="^q: expected .*16-byte aligned"):
         plan.run(q, *list(arrays.values())[1:])
+
+
+def test_the_backend_falls_back_to_the_dispatcher_under_the_simulator_and_explain_says_why(monkeypatch):
+    import numpy as np
+
+    import numba_flash
+    from backends import cuda_thin
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 5, 2, 16)).astype(np.float32) for _ in range(3))
+    op = numba_flash.backend_registry.get("flash", backend="cuda")
+    monkeypatch.delenv(cuda_thin.ENV_VAR, raising=False)
+    want = op.forward(q, k, v, causal=True)
+    assert "thin launch" not in str(op.explain(q, k, v, causal=True, backend="cuda"))
+    monkeypatch.setenv(cuda_thin.ENV_VAR, "1")
+    np.testing.assert_array_equal(op.forward(q, k, v, causal=True), want)
+    text = str(op.explain(q, k, v, causal=True, backend="cuda"))
+    assert "thin launch not used: the CUDA simulator runs kernels through numba's dispatcher" in text
