@@ -145,6 +145,68 @@ def measure(calls: int = 2000) -> list[dict[str, Any]]:
     return records
 
 
+#: The kernels each call kind launches, as compile_check's ``kernel_signature`` names them (float16, head dim 64).
+KERNELS = {"forward": ("tc_forward",), "backward": ("backward_delta", "tc_backward_dkdv", "tc_backward_dq"),
+           "decode": ("decode", "decode_merge")}
+
+
+def numba_argument_records(calls: int = 300) -> list[dict[str, Any]]:
+    """For comparison: the time numba-cuda's dispatcher spends per call in its own argument preparation alone
+    (``_Kernel._prepare_args`` for every argument of every launch of the call), on numba device arrays over host
+    memory (no driver: their ``gpu_data`` is a stand-in with a ``device_ctypes_pointer``). It leaves out the rest
+    of numba's dispatch (typing, context checks, ``as_cuda_array`` per tensor, the launch itself), so it is a
+    lower bound of the dispatcher path's host cost. Run without the simulator (``--numba-args``)."""
+    import ctypes
+
+    import numpy as np
+    from numba.core import types
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    from numba.cuda.dispatcher import _Kernel
+
+    from numba_flash.cuda.compile_check import kernel_signature
+
+    class Memory:   # what DeviceNDArray reads of its gpu_data: the address, and an owner
+        def __init__(self, host: np.ndarray):
+            self.host, self.owner = host, None
+            self.device_ctypes_pointer = ctypes.c_void_p(host.ctypes.data)
+
+        def __int__(self) -> int:
+            return int(self.device_ctypes_pointer.value)
+
+    def device_array(ty: Any) -> Any:
+        shape = {4: (BATCH, SEQLEN, HEADS, HEAD_DIM), 3: (BATCH, HEADS, SEQLEN), 2: (BATCH, HEADS)}.get(ty.ndim,
+                                                                                                     (1,) * ty.ndim)
+        host = np.zeros(shape, np.dtype(str(ty.dtype)))
+        return DeviceNDArray(host.shape, host.strides, host.dtype, stream=0, gpu_data=Memory(host))
+
+    def value(ty: Any) -> Any:
+        if isinstance(ty, types.Array):
+            return device_array(ty)
+        return {types.float32: np.float32(0.5), types.uint64: np.uint64(1)}.get(ty, 64)
+
+    kernel = _Kernel.__new__(_Kernel)   # only _prepare_args is called, which reads ``extensions``
+    kernel.extensions = []
+    records = []
+    for name, kernels in KERNELS.items():
+        launches = []
+        for k in kernels:
+            argtypes = kernel_signature(k, DTYPE).args
+            launches.append((argtypes, [value(t) for t in argtypes]))
+
+        def prepare(launches: list = launches) -> None:
+            for argtypes, args in launches:
+                flat: list = []
+                retr: list = []
+                for ty, v in zip(argtypes, args):
+                    kernel._prepare_args(ty, v, 0, retr, flat)
+
+        times = time_calls(prepare, calls, warmup=20)
+        records.append({"backend": "cuda", "call": name, "path": "numba _prepare_args only",
+                        "p50_us": round(_percentile(times, 50), 2), "p95_us": round(_percentile(times, 95), 2),
+                        "launches": len(kernels)})
+    return records
+
+
 def host_overhead_records(calls: int = 2000, timeout: float = 600.0) -> list[dict[str, Any]]:
     """``measure(calls)`` in a fresh process under the CUDA simulator; its records. Raises RuntimeError with the
     child's output when it fails."""
@@ -160,8 +222,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--json", action="store_true", help="one JSON list of records on the last line")
+    parser.add_argument("--numba-args", action="store_true",
+                        help="time numba's own per-launch argument preparation instead (without the simulator)")
     args = parser.parse_args(argv)
     from numba import config
+
+    if args.numba_args:
+        if config.ENABLE_CUDASIM:
+            print("--numba-args runs without the simulator", file=sys.stderr)
+            return 2
+        records = numba_argument_records(min(args.calls, 1000))
+        if args.json:
+            print(json.dumps(records))
+        else:
+            for r in records:
+                print(f"cuda {r['call']:<9} p50 {r['p50_us']:9.2f} us  p95 {r['p95_us']:9.2f} us  "
+                      f"({r['launches']} launches; {r['path']})")
+        return 0
 
     if not config.ENABLE_CUDASIM:
         print("run with NUMBA_ENABLE_CUDASIM=1 (or call host_overhead_records())", file=sys.stderr)

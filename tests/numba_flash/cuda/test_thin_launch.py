@@ -133,3 +133,12 @@ def test_host_overhead_records():
     assert [r["launches"] for r in records] == [1, 3, 2]
     for r in records:
         assert r["backend"] == "cuda" and 0 < r["p50_us"] <= r["p95_us"]
+
+
+def test_numba_argument_records_time_numbas_own_argument_preparation():
+    pytest.importorskip("numba.cuda")
+    from numba_flash.bench.host_overhead_cuda import numba_argument_records
+
+    records = numba_argument_records(calls=3)
+    assert [(r["call"], r["launches"]) for r in records] == [("forward", 1), ("backward", 3), ("decode", 2)]
+    assert all(0 < r["p50_us"] <= r["p95_us"] for r in records)
