@@ -25,6 +25,9 @@ from numba_flash.validation import AttentionCall
 ENV_VAR = "NUMBA_FLASH_THIN_LAUNCH"
 
 _PLANS: dict[tuple, Any] = {}       # signature -> CallPlan, or the reason (str) it could not be planned
+#: Signatures kept at most: a plan holds its workspace (the backward's delta, B x Hq x Sq float32), and a model
+#: with ever-changing shapes must not grow it without bound; the oldest signature goes first.
+MAX_PLANS = 256
 _LOCK = threading.Lock()
 
 
@@ -118,6 +121,8 @@ def _serve(role: str, call: AttentionCall, config: Any, dispatch: Callable[[Atte
         new_plan = str(exc)
     with _LOCK:
         _PLANS[key] = new_plan
+        while len(_PLANS) > MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)))
     return result
 
 

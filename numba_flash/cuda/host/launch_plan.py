@@ -92,8 +92,9 @@ def _extent(sig: ArraySig) -> int:
 class KernelLaunch:
     """One planned launch: the compiled function's ``handle``, ``grid``, ``block``, dynamic ``shared`` bytes,
     its packed ``buffer``, ``bindings`` ((call array index, byte offset of the data pointer in the buffer, byte
-    offset from the call array's pointer), ...), ``keep`` (the recorded arguments: the constants the buffer
-    points at stay alive with the plan), and ``name`` (the kernel's, for messages)."""
+    offset from the call array's pointer), ...), ``keep`` (the compiled kernel and the arrays bound to no call array:
+    placeholders and workspace the buffer points at stay alive with the plan, while the first call's own arrays
+    are not pinned by it), and ``name`` (the kernel's, for messages)."""
 
     handle: Any
     grid: tuple[int, int, int]
@@ -159,6 +160,7 @@ def plan_launch(record: Any, starts: Sequence[int], extents: Sequence[int]) -> K
     buffer = ArgBuffer(slots_of(argtypes))
     values: list[Any] = []
     bindings = []
+    constants: list[Any] = [compiled]   # what the plan keeps alive: the compiled kernel, the arrays bound to none
     for index, (value, ty) in enumerate(zip(record.args, argtypes)):
         if _is_array(value):
             pointer = device_pointer(value)
@@ -167,6 +169,8 @@ def plan_launch(record: Any, starts: Sequence[int], extents: Sequence[int]) -> K
             if bound is not None:
                 slot = len(values) - 2 * len(value.shape) - len(ARRAY_HEAD) + DATA_FIELD
                 bindings.append((bound[0], buffer.offsets[slot], bound[1]))
+            else:   # a placeholder or the call's workspace; the call's own arrays are not pinned by the plan
+                constants.append(value)
         else:
             first = len(values)
             for slot in buffer.slots[first:first + len(slots_of((ty,)))]:
@@ -175,8 +179,8 @@ def plan_launch(record: Any, starts: Sequence[int], extents: Sequence[int]) -> K
     if not bindings:
         return None
     handle = compiled._codelibrary.get_cufunc().handle if compiled is not None else ("simulated", name)
-    return KernelLaunch(handle, record.grid, record.block, record.shared, buffer, tuple(bindings), record.args,
-                        name)
+    return KernelLaunch(handle, record.grid, record.block, record.shared, buffer, tuple(bindings),
+                        tuple(constants), name)
 
 
 class CallPlan:

@@ -160,3 +160,17 @@ def test_the_backend_falls_back_to_the_dispatcher_under_the_simulator_and_explai
     np.testing.assert_array_equal(op.forward(q, k, v, causal=True), want)
     text = str(op.explain(q, k, v, causal=True, backend="cuda"))
     assert "thin launch not used: the CUDA simulator runs kernels through numba's dispatcher" in text
+
+
+def test_a_plan_keeps_its_placeholders_and_workspace_but_not_the_arrays_it_was_recorded_from():
+    # kept: what the packed buffers point at besides the call's arrays; not kept: the first call's own tensors
+    # (a plan cached for the process would otherwise pin them, and their GPU memory, for good)
+    from numba_flash.cuda.host.launch_plan import device_pointer
+
+    _, plans = _plans()
+    for plan, arrays in plans.values():
+        call = {device_pointer(t) for t in arrays.values()}
+        for launch in plan.launches:
+            kept = [device_pointer(x) for x in launch.keep if hasattr(x, "shape") and hasattr(x, "dtype")]
+            assert not call & set(kept), launch.name
+        assert any(len(launch.keep) > 1 for launch in plan.launches)   # the placeholders are there
