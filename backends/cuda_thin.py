@@ -82,7 +82,7 @@ def _empty_like_sig(sig: Any) -> Any:
     return torch.empty_strided(sig.shape, sig.strides, dtype=sig.dtype, device=sig.device)
 
 
-def _serve(role: str, call: AttentionCall, config: Any, dispatch: Callable[[AttentionCall], tuple],
+def serve(role: str, call: AttentionCall, config: Any, dispatch: Callable[[AttentionCall], tuple],
            names: tuple[str, ...]) -> tuple:
     """The thin path of one call: a planned replay, else the dispatcher path (recorded into a plan the first
     time). ``names``: the call arrays in plan order, inputs then outputs; the outputs are ``dispatch``'s result."""
@@ -130,14 +130,14 @@ def forward(call: AttentionCall, config: Any, dispatch: Callable[[AttentionCall]
     """(out, lse) of a forward call, planned where it can be (``dispatch``: the backend's dispatcher path)."""
     if unplannable_reason(call):
         return dispatch(call)
-    return _serve("forward", call, config, dispatch, ("q", "k", "v", "out", "lse"))
+    return serve("forward", call, config, dispatch, ("q", "k", "v", "out", "lse"))
 
 
 def backward(call: AttentionCall, config: Any, dispatch: Callable[[AttentionCall], tuple]) -> tuple:
     """(dq, dk, dv) of a backward call, planned where it can be."""
     if unplannable_reason(call):
         return dispatch(call)
-    return _serve("backward", call, config, dispatch, ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv"))
+    return serve("backward", call, config, dispatch, ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv"))
 
 
 def stats() -> dict[str, Any]:

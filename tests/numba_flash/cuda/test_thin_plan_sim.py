@@ -174,3 +174,54 @@ def test_a_plan_keeps_its_placeholders_and_workspace_but_not_the_arrays_it_was_r
             kept = [device_pointer(x) for x in launch.keep if hasattr(x, "shape") and hasattr(x, "dtype")]
             assert not call & set(kept), launch.name
         assert any(len(launch.keep) > 1 for launch in plan.launches)   # the placeholders are there
+
+
+def test_the_backend_plans_on_the_first_call_replays_on_the_next_and_replans_a_changed_signature(monkeypatch):
+    # backends/cuda_thin.serve with the simulator standing in for the GPU: the dispatcher path runs (and is
+    # recorded) on simulator arrays over torch CPU tensors; the driver is the recording stub.
+    import math
+    import types
+
+    import numpy as np
+
+    from backends import cuda_thin
+    from numba_flash.bench.host_overhead_cuda import _sim
+    from numba_flash.cuda.host import driver_launch
+    from numba_flash.cuda.host.flash import flash_forward
+
+    stub = driver_launch.RecordingDriver()
+    monkeypatch.setattr(driver_launch, "real_driver", lambda: stub)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)   # a CPU tensor's device index
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(cuda_thin, "_PLANS", {})
+    dispatched = []
+
+    def dispatch(call):
+        dispatched.append(call)
+        out = torch.empty(call.q.shape)
+        lse = torch.empty(call.q.shape[0], call.q.shape[2], call.q.shape[1])
+        flash_forward(*map(_sim, (call.q, call.k, call.v, out, lse)), softmax_scale=call.softmax_scale,
+                      window_left=-1, window_right=0, softcap=0.0, dtype="float32")
+        return out, lse
+
+    def call_of(q, k, v):
+        return types.SimpleNamespace(q=q, k=k, v=v, layout="bshd", causal=True, softmax_scale=1 / math.sqrt(16),
+                                     window_left=-1, window_right=0, softcap=0.0, precision="ieee")
+
+    q, k, v = (torch.randn(1, 16, 2, 16) for _ in range(3))
+    want = cuda_thin.serve("forward", call_of(q, k, v), None, dispatch, ("q", "k", "v", "out", "lse"))
+    assert len(dispatched) == 1 and stub.launches == [] and cuda_thin.stats()["planned"] == 1
+    out, lse = cuda_thin.serve("forward", call_of(q, k, v), None, dispatch, ("q", "k", "v", "out", "lse"))
+    assert len(dispatched) == 1 and len(stub.launches) == 1        # replayed: one launch, no dispatch
+    assert out.shape == want[0].shape and out.stride() == want[0].stride() and lse.shape == want[1].shape
+    changed = [(q.transpose(1, 2).contiguous().transpose(1, 2), k, v),    # strides
+               (q[:, :15], k, v),                                      # shape
+               (q.double(), k, v)]                                     # dtype
+    for i, tensors in enumerate(changed):
+        if tensors[0].dtype == torch.float64:
+            with pytest.raises(ValueError, match="expected float32"):   # the dispatcher refuses it, no plan does
+                cuda_thin.serve("forward", call_of(*tensors), None, dispatch, ("q", "k", "v", "out", "lse"))
+        else:
+            cuda_thin.serve("forward", call_of(*tensors), None, dispatch, ("q", "k", "v", "out", "lse"))
+        assert len(dispatched) == 2 + i and len(stub.launches) == 1   # a new signature: the dispatcher again
+    np.testing.assert_array_equal(want[0].numpy(), dispatch(call_of(q, k, v))[0].numpy())   # deterministic ref
