@@ -76,12 +76,6 @@ def _key_tensors(call: AttentionCall, role: str) -> tuple:
     return (call.dout, call.q, call.k, call.v, call.out, call.lse)
 
 
-def _empty_like_sig(sig: Any) -> Any:
-    import torch
-
-    return torch.empty_strided(sig.shape, sig.strides, dtype=sig.dtype, device=sig.device)
-
-
 def serve(role: str, call: AttentionCall, config: Any, dispatch: Callable[[AttentionCall], tuple],
            names: tuple[str, ...]) -> tuple:
     """The thin path of one call: a planned replay, else the dispatcher path (recorded into a plan the first
@@ -99,10 +93,8 @@ def serve(role: str, call: AttentionCall, config: Any, dispatch: Callable[[Atten
     key = plan_key(role, call, inputs, config, stream)
     plan = _PLANS.get(key)
     if isinstance(plan, CallPlan):
-        outputs = tuple(_empty_like_sig(sig) for sig in plan.sigs[len(inputs):])
         try:
-            plan.run(*inputs, *outputs, stream=stream)
-            return outputs
+            return plan.run_new_outputs(*inputs, outputs=len(names) - len(inputs), stream=stream)
         except LaunchFailed as exc:   # launched nothing (e.g. no current context on this thread): numba's way
             with _LOCK:
                 _PLANS[key] = str(exc)

@@ -66,7 +66,7 @@ def per_call_us(fn: Callable[[], Any], calls: int, sync: Callable[[], None]) -> 
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def _judge(measured: dict[str, float], host_us: dict[str, float]) -> dict[str, Any]:
+def judge(measured: dict[str, float], host_us: dict[str, float]) -> dict[str, Any]:
     failed = [n for n, e in measured.items() if e != 0.0]
     return {"errors": measured, "bounds": {n: 0.0 for n in measured}, "ok": not failed, "failed": failed,
             "host_us": {n: round(t, 2) for n, t in host_us.items()}}
@@ -107,7 +107,7 @@ def thin_launch(ctx: Any, dtype: str, calls: int = 200) -> dict[str, Any]:
     measured.update(differences(bhsd, ref_bhsd))
     measured.update(_decode_bits(ctx, dtype))
     host = _host_costs(ctx, dtype, calls, sync)
-    result = _judge(measured, host)
+    result = judge(measured, host)
     result["thin_note"] = cuda_thin.stats()
     return result
 

@@ -38,7 +38,7 @@ BATCH, HEADS, HEAD_DIM, SEQLEN, CACHE_LEN, DTYPE = 1, 8, 64, 64, 1024, "float16"
 GOALS_US = {"forward": 20.0, "backward": 50.0, "decode": 20.0}
 
 
-def _sim(t: Any) -> Any:
+def sim_array(t: Any) -> Any:
     """A simulator device array over torch CPU tensor ``t``'s memory (no copy)."""
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
@@ -64,10 +64,10 @@ def sim_plans(driver: Any, dtype: str = DTYPE, head_dim: int = HEAD_DIM, seqlen:
     dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
     scalars = dict(softmax_scale=1 / math.sqrt(d), window_left=-1, window_right=0, softcap=0.0, dtype=dtype)
     fwd_arrays = dict(q=q, k=k, v=v, out=out, lse=lse)
-    fwd, _ = record_plan(lambda: flash_forward(*map(_sim, fwd_arrays.values()), **scalars), fwd_arrays, driver,
+    fwd, _ = record_plan(lambda: flash_forward(*map(sim_array, fwd_arrays.values()), **scalars), fwd_arrays, driver,
                          execute=False)
     bwd_arrays = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
-    bwd, _ = record_plan(lambda: flash_backward(*map(_sim, (*bwd_arrays.values(), delta)), **scalars), bwd_arrays,
+    bwd, _ = record_plan(lambda: flash_backward(*map(sim_array, (*bwd_arrays.values(), delta)), **scalars), bwd_arrays,
                          driver, execute=False)
     qd = torch.randn(b, 1, h, d, dtype=dt)
     kc, vc = torch.randn(b, cache_len, h, d, dtype=dt), torch.randn(b, cache_len, h, d, dtype=dt)
@@ -77,7 +77,7 @@ def sim_plans(driver: Any, dtype: str = DTYPE, head_dim: int = HEAD_DIM, seqlen:
     cfg = decode_config(d, dtype, window_left=-1, window_right=-1, softcap=0.0, alibi=False)
     dec_arrays = dict(q=qd, k_cache=kc, v_cache=vc, seqinfo=seqinfo, block_table=torch.zeros(1, 1, dtype=torch.int32),
                       out=torch.empty_like(qd), lse=torch.zeros(b, h, 1))
-    dec, _ = record_plan(lambda: flash_decode(cfg, *map(_sim, (*dec_arrays.values(), part_out, part_lse)),
+    dec, _ = record_plan(lambda: flash_decode(cfg, *map(sim_array, (*dec_arrays.values(), part_out, part_lse)),
                                               page_size=0, softmax_scale=1 / math.sqrt(d), window_left=-1,
                                               window_right=-1, softcap=0.0, dtype=dtype),
                          dec_arrays, driver, execute=False)
@@ -88,26 +88,22 @@ def sim_plans(driver: Any, dtype: str = DTYPE, head_dim: int = HEAD_DIM, seqlen:
 OUTPUTS = {"forward": 2, "backward": 3, "decode": 2}
 
 
-def planned_calls(driver: Any) -> dict[str, Callable[[], None]]:
-    """One timed-call function per call kind (``sim_plans``' plans, bound to ``driver``): each allocates its
-    outputs with torch, as the planned call does on a GPU, and runs the plan on stream 0."""
-    import torch
-
-    empty = torch.empty_strided
+def planned_calls(driver: Any) -> dict[str, Callable[[], Any]]:
+    """One timed-call function per call kind (``sim_plans``' plans, bound to ``driver``): each runs its plan on
+    stream 0 with its outputs allocated by torch as planned (``CallPlan.run_new_outputs``), as the backend's planned
+    call does on a GPU."""
     calls = {}
     for name, (plan, arrays) in sim_plans(driver).items():
-        tensors = tuple(arrays.values())
-        n_out = OUTPUTS[name]
-        inputs, outs = tensors[:-n_out], tuple((t.shape, t.stride(), t.dtype) for t in tensors[-n_out:])
+        inputs = tuple(arrays.values())[:-OUTPUTS[name]]
 
-        def call(plan: Any = plan, inputs: tuple = inputs, outs: tuple = outs) -> None:
-            plan.run(*inputs, *(empty(shape, stride, dtype=dtype) for shape, stride, dtype in outs), stream=0)
+        def call(plan: Any = plan, inputs: tuple = inputs, n_out: int = OUTPUTS[name]) -> Any:
+            return plan.run_new_outputs(*inputs, outputs=n_out, stream=0)
 
         calls[name] = call
     return calls
 
 
-def time_calls(fn: Callable[[], None], calls: int, warmup: int = 200) -> list[float]:
+def time_calls(fn: Callable[[], Any], calls: int, warmup: int = 200) -> list[float]:
     """Per-call times of ``fn`` in microseconds, ``calls`` of them after ``warmup`` untimed ones."""
     for _ in range(warmup):
         fn()

@@ -47,7 +47,7 @@ def test_per_call_us_and_the_record(cases):
     n = []
     assert cases.per_call_us(lambda: n.append(1), 10, lambda: None) >= 0
     assert len(n) == 11   # one untimed call first
-    rec = cases._judge({"a": 0.0, "b": 1.0}, {"forward_thin": 3.14159})
+    rec = cases.judge({"a": 0.0, "b": 1.0}, {"forward_thin": 3.14159})
     assert rec["ok"] is False and rec["failed"] == ["b"] and rec["host_us"] == {"forward_thin": 3.14}
 
 

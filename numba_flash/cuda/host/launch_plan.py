@@ -207,11 +207,13 @@ class CallPlan:
             got = f"{type(x).__name__}"
         return AttentionInputError(f"{name}: expected {want.describe()} as planned, got {got}")
 
-    def pointers(self, arrays: Sequence[Any]) -> list[int]:
+    def pointers(self, arrays: Sequence[Any], count: int | None = None) -> list[int]:
         """The arrays' data pointers, having checked each against the plan; raises AttentionInputError naming the
-        first that differs (another shape, strides, dtype or device, or lost alignment)."""
-        if len(arrays) != len(self.names):
-            raise AttentionInputError(f"arrays: expected {len(self.names)} ({', '.join(self.names)}), "
+        first that differs (another shape, strides, dtype or device, or lost alignment). ``count``: how many of
+        the plan's arrays are given (the first ones; default all)."""
+        count = len(self.names) if count is None else count
+        if len(arrays) != count:
+            raise AttentionInputError(f"arrays: expected {count} ({', '.join(self.names[:count])}), "
                                       f"got {len(arrays)}")
         ptrs = []
         if self.torch:
@@ -250,7 +252,22 @@ class CallPlan:
     def run(self, *arrays: Any, stream: Any = 0) -> None:
         """Launch the planned kernels on ``arrays`` (``names``' order) on ``stream`` (a CUstream or its integer
         handle; 0 the default stream). Writes only pointers; makes no synchronising driver call."""
-        ptrs = self.pointers(arrays)
+        self._launch(self.pointers(arrays), stream)
+
+    def run_new_outputs(self, *inputs: Any, outputs: int, stream: Any = 0) -> tuple:
+        """``run`` with the last ``outputs`` arrays allocated here (torch plans: ``torch.empty_strided`` as
+        planned, through torch's caching allocator) rather than passed and checked; returns them."""
+        import torch
+
+        count = len(self.names) - outputs
+        ptrs = self.pointers(inputs, count)
+        made = tuple(torch.empty_strided(s.shape, s.strides, dtype=s.dtype, device=s.device)
+                     for s in self.sigs[count:])
+        ptrs.extend(t.data_ptr() for t in made)
+        self._launch(ptrs, stream)
+        return made
+
+    def _launch(self, ptrs: list[int], stream: Any) -> None:
         driver = self.driver
         with self._lock:
             for launch in self.launches:

@@ -185,7 +185,7 @@ def test_the_backend_plans_on_the_first_call_replays_on_the_next_and_replans_a_c
     import numpy as np
 
     from backends import cuda_thin
-    from numba_flash.bench.host_overhead_cuda import _sim
+    from numba_flash.bench.host_overhead_cuda import sim_array
     from numba_flash.cuda.host import driver_launch
     from numba_flash.cuda.host.flash import flash_forward
 
@@ -200,7 +200,7 @@ def test_the_backend_plans_on_the_first_call_replays_on_the_next_and_replans_a_c
         dispatched.append(call)
         out = torch.empty(call.q.shape)
         lse = torch.empty(call.q.shape[0], call.q.shape[2], call.q.shape[1])
-        flash_forward(*map(_sim, (call.q, call.k, call.v, out, lse)), softmax_scale=call.softmax_scale,
+        flash_forward(*map(sim_array, (call.q, call.k, call.v, out, lse)), softmax_scale=call.softmax_scale,
                       window_left=-1, window_right=0, softcap=0.0, dtype="float32")
         return out, lse
 
@@ -225,3 +225,22 @@ def test_the_backend_plans_on_the_first_call_replays_on_the_next_and_replans_a_c
             cuda_thin.serve("forward", call_of(*tensors), None, dispatch, ("q", "k", "v", "out", "lse"))
         assert len(dispatched) == 2 + i and len(stub.launches) == 1   # a new signature: the dispatcher again
     np.testing.assert_array_equal(want[0].numpy(), dispatch(call_of(q, k, v))[0].numpy())   # deterministic ref
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_run_new_outputs_allocates_them_as_planned_and_launches_like_run(kind):
+    from numba_flash import AttentionInputError
+    from numba_flash.bench.host_overhead_cuda import OUTPUTS
+
+    driver, plans = _plans()
+    plan, arrays = plans[kind]
+    tensors = tuple(arrays.values())
+    n_out = OUTPUTS[kind]
+    made = plan.run_new_outputs(*tensors[:-n_out], outputs=n_out)
+    assert [(t.shape, t.stride(), t.dtype) for t in made] == [(t.shape, t.stride(), t.dtype) for t in tensors[-n_out:]]
+    assert len(driver.launches) == len(plan.launches)
+    plan.run(*tensors[:-n_out], *made)           # the same launches, the same packed bytes
+    half = len(plan.launches)
+    assert [l[-1] for l in driver.launches[:half]] == [l[-1] for l in driver.launches[half:]]
+    with pytest.raises(AttentionInputError, match="^arrays: expected"):
+        plan.run_new_outputs(*tensors, outputs=n_out)
