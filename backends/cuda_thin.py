@@ -111,6 +111,8 @@ def serve(role: str, call: AttentionCall, config: Any, dispatch: Callable[[Atten
             raise NotPlannable(unbound)
     except NotPlannable as exc:
         new_plan = str(exc)
+    except Exception as exc:   # unproven path: a planning bug costs the plan, never the call (its result stands)
+        new_plan = f"planning failed: {type(exc).__name__}: {exc}"
     with _LOCK:
         _PLANS[key] = new_plan
         while len(_PLANS) > MAX_PLANS:

@@ -152,6 +152,8 @@ def plan_launch(record: Any, starts: Sequence[int], extents: Sequence[int]) -> K
     None when no argument lies in any call array (a launch of the self-check's own arrays, not the call's)."""
     compiled = record.compiled
     name = getattr(getattr(record.dispatcher, "py_func", None), "__name__", "kernel")
+    if getattr(record, "problem", None):
+        raise NotPlannable(f"{name}: {record.problem}")
     if compiled is not None and (getattr(compiled, "debug", False) or getattr(compiled, "cooperative", False)):
         raise NotPlannable(f"{name}: compiled with debug or as a cooperative kernel, which numba launches its way")
     if getattr(record.dispatcher, "extensions", None):

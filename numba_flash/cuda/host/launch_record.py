@@ -20,7 +20,7 @@ import dataclasses
 import threading
 from typing import Any, Iterator
 
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()   # re-entrant: a recorded call that records again must not deadlock
 
 
 @dataclasses.dataclass
@@ -35,6 +35,7 @@ class RecordedLaunch:
     stream: Any
     args: tuple
     compiled: Any = None
+    problem: str | None = None   # why the compiled kernel could not be found (the launch itself went ahead)
 
 
 def _dims(dims: Any) -> tuple[int, int, int]:
@@ -85,8 +86,14 @@ def recording(execute: bool = True) -> Iterator[list[RecordedLaunch]]:
             def hook(self: Any, args: tuple, griddim: Any, blockdim: Any, stream: Any, sharedmem: int) -> Any:
                 result = real(self, args, griddim, blockdim, stream, sharedmem)
                 if threading.get_ident() == me:
-                    records.append(RecordedLaunch(self, _dims(griddim), _dims(blockdim), int(sharedmem), stream,
-                                                  tuple(args), compiled_overload(self, tuple(args))))
+                    # never let the watching break the call: a kernel not found is a reason not to plan, only
+                    record = RecordedLaunch(self, _dims(griddim), _dims(blockdim), int(sharedmem), stream,
+                                            tuple(args))
+                    try:
+                        record.compiled = compiled_overload(self, tuple(args))
+                    except Exception as exc:
+                        record.problem = f"the compiled kernel numba launched was not found ({exc!r})"
+                    records.append(record)
                 return result
 
             name = "call"

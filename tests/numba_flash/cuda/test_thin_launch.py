@@ -142,3 +142,13 @@ def test_numba_argument_records_time_numbas_own_argument_preparation():
     records = numba_argument_records(calls=3)
     assert [(r["call"], r["launches"]) for r in records] == [("forward", 1), ("backward", 3), ("decode", 2)]
     assert all(0 < r["p50_us"] <= r["p95_us"] for r in records)
+
+
+def test_a_launch_whose_kernel_was_not_found_is_not_plannable():
+    from numba_flash.cuda.host.launch_plan import NotPlannable, plan_launch
+    from numba_flash.cuda.host.launch_record import RecordedLaunch
+
+    record = RecordedLaunch(types.SimpleNamespace(py_func=types.SimpleNamespace(__name__="k")), (1, 1, 1),
+                            (32, 1, 1), 0, 0, (), problem="the compiled kernel numba launched was not found")
+    with pytest.raises(NotPlannable, match="^k: the compiled kernel numba launched was not found"):
+        plan_launch(record, (), ())
