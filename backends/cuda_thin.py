@@ -29,6 +29,10 @@ _PLANS: dict[tuple, Any] = {}       # signature -> CallPlan, or the reason (str)
 #: with ever-changing shapes must not grow it without bound; the oldest signature goes first.
 MAX_PLANS = 256
 _LOCK = threading.Lock()
+_ATTEMPTS: dict[tuple, int] = {}    # signature -> plans tried that may succeed on a later call (NotPlannable.retry)
+#: Tries before such a signature is left to the dispatcher for good: the first call of a specialisation runs its
+#: self-check (which copies its own inputs to the GPU), the second is the first plain one.
+RETRIES = 3
 
 
 def enabled() -> bool:
@@ -110,11 +114,16 @@ def serve(role: str, call: AttentionCall, config: Any, dispatch: Callable[[Atten
         if unbound:
             raise NotPlannable(unbound)
     except NotPlannable as exc:
+        with _LOCK:
+            _ATTEMPTS[key] = _ATTEMPTS.get(key, 0) + 1
+            if exc.retry and _ATTEMPTS[key] < RETRIES:
+                return result                  # nothing stored: the next call records again
         new_plan = str(exc)
     except Exception as exc:   # unproven path: a planning bug costs the plan, never the call (its result stands)
         new_plan = f"planning failed: {type(exc).__name__}: {exc}"
     with _LOCK:
         _PLANS[key] = new_plan
+        _ATTEMPTS.pop(key, None)
         while len(_PLANS) > MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
     return result

@@ -5,8 +5,8 @@ The plans are the real ones (``numba_flash.cuda.host.launch_plan``), built the w
 dispatcher path of one call runs under the recorder (here under the CUDA simulator, recording without running
 the kernels), on torch CPU tensors that the simulator's arrays wrap in place, so that the recorded arguments
 point into them and bind by address as a GPU's would. Each timed call then does what a planned call does on a
-GPU: allocate the outputs with torch, check the arrays against the plan, write pointers, and call the driver's ``cuLaunchKernel`` (the stub, which counts), once
-per kernel: 1 for a forward, 3 for a backward (delta, dK/dV, dQ), 2 for a decode step (decode, merge). Scratch
+GPU: allocate the outputs with torch, check the arrays against the plan, write pointers, and call the driver's
+``cuLaunchKernel`` (the stub, which counts), once per kernel: 1 for a forward, 3 for a backward (delta, dK/dV, dQ), 2 for a decode step (decode, merge). Scratch
 (the backward's delta, the decode's split partials) is the plan's workspace, allocated once with it, as
 FlashInfer's plans hold theirs: a plan serves one stream at a time, which the backend's plan key (with the stream)
 ensures.
@@ -14,7 +14,8 @@ ensures.
 Not timed, because only a GPU has them: torch's current-stream lookup (~1 us) and the real ``cuLaunchKernel``
 (~3 us per launch through cuda-bindings, issue 44).
 
-    python -m numba_flash.bench.host_overhead_cuda [--calls N] [--json]
+    NUMBA_ENABLE_CUDASIM=1 python -m numba_flash.bench.host_overhead_cuda [--calls N] [--json]
+    python -m numba_flash.bench.host_overhead_cuda --numba-args     # numba's own argument preparation, to compare
 
 ``host_overhead_records()`` runs that in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (the simulator must be on
 before numba.cuda is first imported) and returns its records.

@@ -30,7 +30,12 @@ from numba_flash.cuda.host.driver_launch import launch as driver_launch
 
 
 class NotPlannable(Exception):
-    """The thin path cannot replay this call; ``str()`` says why (shown by ``explain()``)."""
+    """The thin path cannot replay this call; ``str()`` says why (shown by ``explain()``). ``retry``: the next call
+    of the signature may plan (what stood in the way may have been the first call's alone, e.g. a self-check)."""
+
+    def __init__(self, reason: str, retry: bool = False):
+        super().__init__(reason)
+        self.retry = retry
 
 
 def is_torch(x: Any) -> bool:
@@ -295,6 +300,11 @@ def _aligned_twin(sig: ArraySig) -> ArraySig:
 def build_plan(records: Sequence[Any], arrays: dict[str, Any], driver: Any) -> CallPlan:
     """The plan of the call whose launches are ``records``, its arrays ``arrays`` (name -> array, all torch
     tensors or none). Raises NotPlannable with the reason when a launch cannot be replayed."""
+    transfers = getattr(records, "transfers", None)
+    if transfers:   # a copy or memset a replay of the launches would leave out (or a first call's self-check)
+        moved = ", ".join(sorted(set(transfers)))
+        raise NotPlannable(f"the dispatcher path moved device memory during the call ({moved}), which launches "
+                           f"alone do not replay", retry=True)
     names = tuple(arrays)
     values = tuple(arrays.values())
     torch = all(is_torch(x) for x in values)
@@ -312,7 +322,8 @@ def build_plan(records: Sequence[Any], arrays: dict[str, Any], driver: Any) -> C
 def record_plan(run: Any, arrays: dict[str, Any], driver: Any, execute: bool = True) -> tuple[CallPlan, Any]:
     """Run ``run()`` (the dispatcher path of one call, on ``arrays`` or views of them) while recording its
     launches, and plan them: (plan, what ``run`` returned). Raises NotPlannable as ``build_plan`` does, and when a
-    call array is bound to no launch argument (``CallPlan.unbound``). ``execute=False`` (simulator only) records without running."""
+    call array is bound to no launch argument (``CallPlan.unbound``). ``execute=False`` (simulator only) records
+    without running."""
     from numba_flash.cuda.host.launch_record import recording
 
     with recording(execute) as records:

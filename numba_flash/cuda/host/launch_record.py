@@ -54,13 +54,50 @@ def compiled_overload(dispatcher: Any, args: tuple) -> Any:
     return dispatcher.overloads[tuple(dispatcher.typeof_pyval(a) for a in args)]
 
 
+#: numba's device-memory transfers: a call whose dispatcher path makes one (other than a self-check's) cannot be
+#: replayed by launches alone.
+TRANSFERS = ("host_to_device", "device_to_host", "device_to_device", "device_memset")
+
+
+class Recording(list):
+    """The recorded launches, in order, and ``transfers``: the names of numba's memory transfers this thread made
+    meanwhile (a GPU only; the simulator's are plain numpy)."""
+
+    transfers: list[str]
+
+
 @contextlib.contextmanager
-def recording(execute: bool = True) -> Iterator[list[RecordedLaunch]]:
-    """Within the block, every kernel launch of this thread is appended to the yielded list; ``execute=False``
-    (simulator only) records without running the kernels."""
+def _transfers_watched(into: list[str], me: int) -> Iterator[None]:
+    """numba's transfer functions, each noting its name in ``into`` when thread ``me`` calls it."""
+    from numba.cuda.cudadrv import driver as numba_driver
+
+    real = {name: getattr(numba_driver, name) for name in TRANSFERS}
+
+    def watch(name: str, fn: Any) -> Any:
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == me:
+                into.append(name)
+            return fn(*args, **kwargs)
+        return watched
+
+    for name, fn in real.items():
+        setattr(numba_driver, name, watch(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in real.items():
+            setattr(numba_driver, name, fn)
+
+
+@contextlib.contextmanager
+def recording(execute: bool = True) -> Iterator[Recording]:
+    """Within the block, every kernel launch of this thread is appended to the yielded list (and every numba
+    memory transfer to its ``transfers``); ``execute=False`` (simulator only) records without running the
+    kernels."""
     from numba import config
 
-    records: list[RecordedLaunch] = []
+    records = Recording()
+    records.transfers = []
     me = threading.get_ident()
     with _LOCK:
         if config.ENABLE_CUDASIM:
@@ -99,6 +136,7 @@ def recording(execute: bool = True) -> Iterator[list[RecordedLaunch]]:
             name = "call"
         setattr(owner, name, hook)
         try:
-            yield records
+            with contextlib.nullcontext() if config.ENABLE_CUDASIM else _transfers_watched(records.transfers, me):
+                yield records
         finally:
             setattr(owner, name, real)

@@ -152,3 +152,53 @@ def test_a_launch_whose_kernel_was_not_found_is_not_plannable():
                             (32, 1, 1), 0, 0, (), problem="the compiled kernel numba launched was not found")
     with pytest.raises(NotPlannable, match="^k: the compiled kernel numba launched was not found"):
         plan_launch(record, (), ())
+
+
+def test_a_call_that_moved_device_memory_is_not_planned_and_is_retried_a_few_times(monkeypatch):
+    # the first call of a specialisation runs its self-check, which copies its own inputs: a later call may plan
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("numba.cuda")
+    from backends import cuda_thin
+    from numba_flash.cuda.host import launch_plan
+    from numba_flash.cuda.host.launch_record import Recording
+
+    records = Recording()
+    records.transfers = ["host_to_device"]
+    with pytest.raises(launch_plan.NotPlannable, match="moved device memory .*host_to_device") as info:
+        launch_plan.build_plan(records, {}, None)
+    assert info.value.retry
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(cuda_thin, "_PLANS", {})
+    monkeypatch.setattr(cuda_thin, "_ATTEMPTS", {})
+
+    def refuse(*args, **kwargs):
+        raise launch_plan.NotPlannable("moved device memory", retry=True)
+
+    monkeypatch.setattr(launch_plan, "build_plan", refuse)
+    q = torch.zeros(1, 4, 2, 8)
+    call = _call(q=q, k=q, v=q)
+    served = []
+    for attempt in range(cuda_thin.RETRIES + 2):
+        assert cuda_thin.serve("forward", call, None, lambda c: served.append(c) or (q, q),
+                               ("q", "k", "v", "out", "lse")) == (q, q)
+        stored = cuda_thin.stats()["not_planned"]
+        assert stored == ([] if attempt < cuda_thin.RETRIES - 1 else ["moved device memory"])
+    assert len(served) == cuda_thin.RETRIES + 2   # the dispatcher served every call
+
+
+def test_recording_notes_numbas_memory_transfers_and_restores_everything(monkeypatch):
+    pytest.importorskip("numba.cuda")
+    from numba.cuda.cudadrv import driver as numba_driver
+    from numba.cuda.dispatcher import CUDADispatcher
+
+    from numba_flash.cuda.host.launch_record import recording
+
+    done = []
+    monkeypatch.setattr(numba_driver, "device_memset", lambda *a, **k: done.append(a))
+    fake, call = numba_driver.device_memset, CUDADispatcher.call
+    with recording() as records:
+        numba_driver.device_memset(1, 0, 8)
+    assert records.transfers == ["device_memset"] and done == [(1, 0, 8)] and list(records) == []
+    assert numba_driver.device_memset is fake and CUDADispatcher.call is call
