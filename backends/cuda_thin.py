@@ -16,10 +16,14 @@ could not bind (``NotPlannable``). Until a GPU run proves it bit for bit against
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from typing import Any, Callable
 
+# None of these import numba.cuda, cuda.bindings or torch (``import numba_flash`` needs numpy and numba alone); at
+# module level, because an import inside ``serve`` costs about a microsecond per call on the hot path.
+from numba_flash.cuda.host import driver_launch, launch_plan, launch_record
 from numba_flash.validation import AttentionCall
 
 ENV_VAR = "NUMBA_FLASH_THIN_LAUNCH"
@@ -61,15 +65,23 @@ def unplannable_reason(call: AttentionCall) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _torch() -> Any:
+    """torch, imported on the first planned call."""
+    import torch
+
+    return torch
+
+
 def _sig(x: Any) -> tuple:
-    return (tuple(x.shape), x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
+    # get_device(): an int, where .device builds a torch.device per call (a hot path: every planned call keys)
+    return (x.shape, x.stride(), x.dtype, x.get_device(), not x.data_ptr() & 15)
 
 
 def plan_key(role: str, call: AttentionCall, tensors: tuple, config: Any, stream: int) -> tuple:
     """Everything a plan holds fixed: the role, each tensor's shape, strides, dtype, device and alignment, the
     call's scalars and switches, the tile override and the stream (a plan's workspace serves one stream)."""
-    import torch
-
+    torch = _torch()
     return (role, tuple(_sig(x) for x in tensors), call.layout, call.causal, call.softmax_scale, call.window_left,
             call.window_right, call.softcap, call.precision, repr(config), stream, torch.cuda.current_device())
 
@@ -84,36 +96,31 @@ def serve(role: str, call: AttentionCall, config: Any, dispatch: Callable[[Atten
            names: tuple[str, ...]) -> tuple:
     """The thin path of one call: a planned replay, else the dispatcher path (recorded into a plan the first
     time). ``names``: the call arrays in plan order, inputs then outputs; the outputs are ``dispatch``'s result."""
-    import torch
-
-    from numba_flash.cuda.host.driver_launch import LaunchFailed, real_driver
-    from numba_flash.cuda.host.launch_plan import CallPlan, NotPlannable, build_plan
-    from numba_flash.cuda.host.launch_record import recording
-
-    if call.q.device.index != torch.cuda.current_device():   # the launch goes to the current context
+    torch = _torch()
+    if call.q.get_device() != torch.cuda.current_device():   # the launch goes to the current context
         return dispatch(call)
     inputs = _key_tensors(call, role)
     stream = torch.cuda.current_stream(call.q.device).cuda_stream
     key = plan_key(role, call, inputs, config, stream)
     plan = _PLANS.get(key)
-    if isinstance(plan, CallPlan):
+    if isinstance(plan, launch_plan.CallPlan):
         try:
             return plan.run_new_outputs(*inputs, outputs=len(names) - len(inputs), stream=stream)
-        except LaunchFailed as exc:   # launched nothing (e.g. no current context on this thread): numba's way
+        except driver_launch.LaunchFailed as exc:   # launched nothing (no current context here?): numba's way
             with _LOCK:
                 _PLANS[key] = str(exc)
             return dispatch(call)
     if plan is not None:                       # known not plannable: the dispatcher, as always
         return dispatch(call)
-    with recording() as records:     # the dispatcher path, watched: its launches become the plan
+    with launch_record.recording() as records:     # the dispatcher path, watched: its launches become the plan
         result = dispatch(call)
     arrays = dict(zip(names, (*inputs, *result[:len(names) - len(inputs)])))
     try:
-        new_plan = build_plan(records, arrays, real_driver())
+        new_plan = launch_plan.build_plan(records, arrays, driver_launch.real_driver())
         unbound = new_plan.unbound()
         if unbound:
-            raise NotPlannable(unbound)
-    except NotPlannable as exc:
+            raise launch_plan.NotPlannable(unbound)
+    except launch_plan.NotPlannable as exc:
         with _LOCK:
             _ATTEMPTS[key] = _ATTEMPTS.get(key, 0) + 1
             if exc.retry and _ATTEMPTS[key] < RETRIES:

@@ -168,7 +168,7 @@ def test_a_call_that_moved_device_memory_is_not_planned_and_is_retried_a_few_tim
         launch_plan.build_plan(records, {}, None)
     assert info.value.retry
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)   # a CPU tensor's get_device()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
     monkeypatch.setattr(cuda_thin, "_PLANS", {})
     monkeypatch.setattr(cuda_thin, "_ATTEMPTS", {})

@@ -191,7 +191,7 @@ def test_the_backend_plans_on_the_first_call_replays_on_the_next_and_replans_a_c
 
     stub = driver_launch.RecordingDriver()
     monkeypatch.setattr(driver_launch, "real_driver", lambda: stub)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)   # a CPU tensor's device index
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)   # a CPU tensor's get_device()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
     monkeypatch.setattr(cuda_thin, "_PLANS", {})
     dispatched = []
