@@ -11,7 +11,7 @@ Where the thin path cannot serve, numba's dispatcher does, and ``note(call)`` sa
 anything but plain torch CUDA tensors, the simulator, features whose arguments are made per call on the host
 (ALiBi slopes, attn_bias and its gradient, dropout, mods, packed sequences, the KV cache), or a launch the plan
 could not bind (``NotPlannable``). Until a GPU run proves it bit for bit against the dispatcher
-(``tools/gpu_check.py``, case ``thin_launch``), it stays off by default.
+(``tools/gpu_check.py``, jobs ``thin-<dtype>``), it stays off by default.
 """
 
 from __future__ import annotations

@@ -54,8 +54,9 @@ def jobs(device: str) -> list[dict[str, Any]]:
             dict(name="dbias-b", extra=["dbias-float32-full-mods", "dbias-float32-rows-mods"]),
             dict(name="dbias-c", extra=["dbias-float32-keys-mods", "dbias-bfloat16-heads-mods-dropout"]),
             dict(name="tf32", extra=["tf32-d64", "tf32-d128", "tf32-d64-noncausal"]),
-            # thin launch path vs numba's dispatcher, bit for bit, and host us per call (tools/gpu_thin_cases.py)
-            dict(name="thin", extra=["thin-float16", "thin-float32", "thin-bfloat16"])]
+            # thin launch path vs numba's dispatcher, bit for bit, and host us per call (tools/gpu_thin_cases.py);
+            # one worker per dtype: each compiles its own forward, backward and decode kernels (~2 min)
+            *(dict(name=f"thin-{dt}", extra=[f"thin-{dt}"]) for dt in ("float16", "float32", "bfloat16"))]
     return out
 
 

@@ -1,6 +1,6 @@
 """GPU cases for the thin launch path (``backends/cuda_thin.py``, ``numba_flash/cuda/host/launch_plan.py``), run by
-``tools/gpu_check.py`` (job ``thin``): planned launches against numba's dispatcher, bit for bit, and the host's
-per-call cost of each.
+``tools/gpu_check.py`` (jobs ``thin-<dtype>``; ``--only thin-float16`` runs one): planned launches against numba's
+dispatcher, bit for bit, and the host's per-call cost of each.
 
 - forward and backward through the backend with ``NUMBA_FLASH_THIN_LAUNCH`` off, then on (the first call records
   and plans, the next ones replay, one of them on fresh tensors of the same values, one in layout "bhsd"): every

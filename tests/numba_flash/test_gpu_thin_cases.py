@@ -54,11 +54,11 @@ def test_per_call_us_and_the_record(cases):
 def test_gpu_check_runs_the_thin_cases_and_skips_them_on_cpu(cases):
     import gpu_check
 
-    thin_jobs = [j for j in gpu_check.jobs("cuda") if j["name"] == "thin"]
-    assert thin_jobs and all(n.startswith("thin-") for n in thin_jobs[0]["extra"])
+    names = [n for j in gpu_check.jobs("cuda") if j["name"].startswith("thin-") for n in j["extra"]]
+    assert names == ["thin-float16", "thin-float32", "thin-bfloat16"]
 
     class Ctx:
         device = "cpu"
 
-    for name in thin_jobs[0]["extra"]:
+    for name in names:
         assert gpu_check.extra_case(name)(Ctx()) == {"ok": None, "skipped": "thin launch: cuda backend only"}
