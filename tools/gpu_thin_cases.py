@@ -11,8 +11,9 @@ dispatcher, bit for bit, and the host's per-call cost of each.
   ``op.forward`` / ``op.backward`` with the thin path off and on, and a bare ``plan.run`` (forward, decode), each
   as the mean of N calls queued without synchronising (the GPU runs them behind the host), in microseconds.
 
-Each case returns gpu_cases' record shape: ``errors`` (here: 1.0 for a tensor that differs, else 0.0), ``bounds``
-(all 0), ``ok``, ``failed``, and ``host_us`` with the timings. On ``--device cpu`` it says it was skipped.
+Each case returns gpu_cases' record shape: ``errors`` (here: 1.0 for a tensor that differs, else 0.0; and
+``unplanned``: how many of the three signatures the thin path failed to plan, whose reasons ``thin_plans`` lists),
+``bounds`` (all 0), ``ok``, ``failed``, and ``host_us`` with the timings. On ``--device cpu`` it says it was skipped.
 """
 
 from __future__ import annotations
@@ -105,10 +106,13 @@ def thin_launch(ctx: Any, dtype: str, calls: int = 200) -> dict[str, Any]:
     with thin(False):
         ref_bhsd = ctx.op.forward(*t, layout="bhsd", **kw)
     measured.update(differences(bhsd, ref_bhsd))
+    # the comparisons above are vacuous unless the thin path served: forward, backward and "bhsd" planned
+    planned = cuda_thin.stats()
+    measured["unplanned"] = float(max(0, 3 - planned["planned"]))
     measured.update(_decode_bits(ctx, dtype))
     host = _host_costs(ctx, dtype, calls, sync)
     result = judge(measured, host)
-    result["thin_note"] = cuda_thin.stats()
+    result["thin_plans"] = cuda_thin.stats()
     return result
 
 
