@@ -201,7 +201,7 @@ class CallPlan:
         self.launches = tuple(launches)
         self.driver = driver
         self.torch = torch
-        # (shape, strides, dtype, device) per array, compared as one tuple on the hot path
+        # (shape, strides, dtype, device index) per array, what the hot path compares
         self._expect = tuple((s.shape, s.strides, s.dtype, _device_index(s.device)) for s in self.sigs)
         self._aligned = tuple(s.aligned for s in self.sigs)
         self._lock = threading.Lock()   # one packed buffer per launch: two threads must not write it at once
