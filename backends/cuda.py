@@ -34,7 +34,7 @@ from numba_flash.cuda.host.config import MIN_COMPUTE_CAPABILITY, dtype_supported
 from numba_flash.errors import AttentionInputError
 from numba_flash.validation import AttentionCall
 
-from . import kvcache, varlen
+from . import cuda_thin, kvcache, varlen
 from .base import Backend
 from .cuda_io import Session, bshd_view, dbias_like, device_index, is_numba_device_array, lead_axis
 
@@ -211,7 +211,8 @@ class CudaBackend(Backend):
         self-check failures that it works around (a fallback tile config serves instead)."""
         if self._probe()[1]:    # no GPU, nothing was checked
             return []
-        return self._kernels_note(call) + self._selfcheck_problems(call)[0]
+        thin = cuda_thin.note(call)
+        return self._kernels_note(call) + self._selfcheck_problems(call)[0] + ([thin] if thin else [])
 
     def _kernels_note(self, call: AttentionCall) -> list[str]:
         """For float16 and bfloat16, which kernels run the call, and its backward (explain() describes forward
@@ -252,6 +253,12 @@ class CudaBackend(Backend):
 
     def forward(self, call: AttentionCall) -> tuple[Any, Any]:
         """out like q (same kind, dtype, layout); lse (B, Hq, Sq) float32."""
+        if cuda_thin.enabled():   # opt-in: launches planned per call signature, replayed through the driver
+            return cuda_thin.forward(call, self.config, self._dispatch_forward)
+        return self._dispatch_forward(call)
+
+    def _dispatch_forward(self, call: AttentionCall) -> tuple[Any, Any]:
+        """``forward`` through numba's dispatcher."""
         io = Session(call)
         with io.on_device():
             return self._forward(call, io)
@@ -359,6 +366,12 @@ class CudaBackend(Backend):
         """dq, dk, dv shaped like q, k, v (same kind and dtype as q); dk, dv summed over each GQA group; with
         ``call.return_dbias`` also dbias, shaped like attn_bias, of its kind and dtype (summed over the batch when
         the bias is shared by it)."""
+        if cuda_thin.enabled():   # opt-in, as in forward
+            return cuda_thin.backward(call, self.config, self._dispatch_backward)
+        return self._dispatch_backward(call)
+
+    def _dispatch_backward(self, call: AttentionCall) -> tuple[Any, ...]:
+        """``backward`` through numba's dispatcher."""
         io = Session(call)
         with io.on_device():
             return self._backward(call, io)

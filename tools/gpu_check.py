@@ -53,7 +53,10 @@ def jobs(device: str) -> list[dict[str, Any]]:
                                         "dbias-float32-heads-dropout", "dbias-float16-full"]),
             dict(name="dbias-b", extra=["dbias-float32-full-mods", "dbias-float32-rows-mods"]),
             dict(name="dbias-c", extra=["dbias-float32-keys-mods", "dbias-bfloat16-heads-mods-dropout"]),
-            dict(name="tf32", extra=["tf32-d64", "tf32-d128", "tf32-d64-noncausal"])]
+            dict(name="tf32", extra=["tf32-d64", "tf32-d128", "tf32-d64-noncausal"]),
+            # thin launch path vs numba's dispatcher, bit for bit, and host us per call (tools/gpu_thin_cases.py);
+            # one worker per dtype: each compiles its own forward, backward and decode kernels (~2 min)
+            *(dict(name=f"thin-{dt}", extra=[f"thin-{dt}"]) for dt in ("float16", "float32", "bfloat16"))]
     return out
 
 
@@ -75,6 +78,10 @@ def extra_case(name: str):
              "foreign": lambda c: gc.foreign_arrays(c, dtype),
              # Dv != D below 256: the tensor cores' forward for 16-bit inputs
              "dv": lambda c: gc.big_head_dims(c, dtype, 128, 96)}
+    if what == "thin":
+        import gpu_thin_cases
+
+        return lambda c: gpu_thin_cases.thin_launch(c, dtype)
     if what == "tf32":   # float32 inputs with precision="tf32"
         d, *opts = dtype.split("-")
         return lambda c: gc.tf32(c, int(d[1:]), causal="noncausal" not in opts)
@@ -315,6 +322,8 @@ def summary(out_dir: str) -> str:
         flag = "ok  " if r.get("ok") else ("skip" if r.get("ok") is None else "FAIL")
         errs = " ".join(f"{k}={v:.2e}" for k, v in (r.get("errors") or {}).items())
         lines.append(f"{flag} {r['case']:<42} {errs} {r.get('failed') or ''} {(r.get('error') or '')[-200:]}")
+        if r.get("host_us"):   # thin-launch cases: host us per call
+            lines.append(f"     host us/call: " + " ".join(f"{k}={v}" for k, v in r["host_us"].items()))
     lines.append(f"{sum(1 for r in checks if r.get('ok'))} ok of {len(checks)}")
     for r in rows:
         if r.get("kind") in ("selfcheck", "worker_error") and (r.get("failures") or r.get("error")):
