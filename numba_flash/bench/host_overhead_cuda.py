@@ -32,6 +32,8 @@ import sys
 import time
 from typing import Any, Callable
 
+from numba_flash.cuda.kernels.registry import AUX_KERNELS, kernel_name
+
 #: The tiny call of the contract's host-path goal: B = 1, H = 8, D = 64, Sq = 64 (forward, backward) and a decode
 #: step of one query over a cache of CACHE_LEN keys; float16.
 BATCH, HEADS, HEAD_DIM, SEQLEN, CACHE_LEN, DTYPE = 1, 8, 64, 64, 1024, "float16"
@@ -142,9 +144,12 @@ def measure(calls: int = 2000) -> list[dict[str, Any]]:
     return records
 
 
-#: The kernels each call kind launches, as compile_check's ``kernel_signature`` names them (float16, head dim 64).
-KERNELS = {"forward": ("tc_forward",), "backward": ("backward_delta", "tc_backward_dkdv", "tc_backward_dq"),
-           "decode": ("decode", "decode_merge")}
+AUX_BY_ROLE = {aux.role: aux.name for aux in AUX_KERNELS.values()}
+#: The kernels each call kind launches (float16, head dim 64), by their registry roles and kinds, with the names
+#: compile_check's ``kernel_signature`` takes.
+KERNELS = {"forward": (kernel_name("forward", "mma"),),
+           "backward": (AUX_BY_ROLE["delta"], kernel_name("dkdv", "mma"), kernel_name("dq", "mma")),
+           "decode": (kernel_name("decode"), AUX_BY_ROLE["merge"])}
 
 
 def numba_argument_records(calls: int = 300) -> list[dict[str, Any]]:
