@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from numba_flash.cuda.host.config import FlashAttentionConfig
+from numba_flash.cuda.host.kernel_cache import disk_cached
 from numba_flash.cuda.kernels.decode import MERGE_THREADS, make_decode_kernel, make_split_merge_kernel
 from numba_flash.cuda.host.launch import check_storage, kernel_flags, score_multipliers, slopes_arg
 
@@ -20,7 +21,8 @@ def launch_decode(cfg: FlashAttentionConfig, q: Any, k_cache: Any, v_cache: Any,
                   window_right: int, softcap: float, bf16: bool, alibi: Any = None, stream: Any = 0) -> None:
     """Launch the decode kernel of ``cfg`` as it is, no self-check: every split's partial output. Arrays as for
     ``flash_decode``; part_out (num_splits, B, Hq, Sq, D) and part_lse (num_splits, B, Hq, Sq) float32."""
-    kernel = make_decode_kernel(cfg, *kernel_flags(window_left, window_right, softcap), bf16, alibi is not None)
+    switches = (*kernel_flags(window_left, window_right, softcap), bf16, alibi is not None)
+    kernel = disk_cached(make_decode_kernel(cfg, *switches), "decode", cfg, *switches)
     num_splits, batch, hq, sq, d = part_out.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
@@ -34,7 +36,8 @@ def launch_decode(cfg: FlashAttentionConfig, q: Any, k_cache: Any, v_cache: Any,
 def launch_split_merge(part_out: Any, part_lse: Any, out: Any, lse: Any, *, bf16: bool, stream: Any = 0) -> None:
     """Launch the merge of the decode kernel's splits into out (B, Sq, Hq, D) and lse (B, Hq, Sq)."""
     _, batch, hq, sq, _ = part_out.shape
-    make_split_merge_kernel(bf16)[batch * hq * sq, MERGE_THREADS, stream](part_out, part_lse, out, lse)
+    kernel = disk_cached(make_split_merge_kernel(bf16), "decode_merge", bf16)
+    kernel[batch * hq * sq, MERGE_THREADS, stream](part_out, part_lse, out, lse)
 
 
 def flash_decode(cfg: FlashAttentionConfig, q: Any, k_cache: Any, v_cache: Any, seqinfo: Any, block_table: Any,
