@@ -73,29 +73,33 @@ def enabled() -> bool:
     return not config.ENABLE_CUDASIM and os.environ.get("NUMBA_FLASH_KERNEL_CACHE", "1") != "0"
 
 
-def code_fingerprint() -> dict[str, Any]:
-    """``kernel_sources.fingerprint()``, once per process and, while no source file's size or modification time
-    changes, read back from the cache directory: parsing the sources takes 0.1-0.2 s, too much of a warm first
-    call's budget."""
+def code_fingerprint(package: Path | None = None) -> dict[str, Any]:
+    """``kernel_sources.fingerprint()`` (of ``package``, default numba_flash's), once per process and, while no
+    source file's size or modification time changes, read back from the cache directory: parsing the sources takes
+    0.1-0.2 s, too much of a warm first call's budget. The toolchain's versions are read afresh (cheap)."""
     stats = hashlib.sha256()
-    for path in kernel_sources():
+    for path in kernel_sources(*([package] if package else [])):
         st = path.stat()
         stats.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-    return _memo_fingerprint(stats.hexdigest())
+    return _memo_fingerprint(stats.hexdigest(), package)
 
 
-@functools.lru_cache(maxsize=4)
-def _memo_fingerprint(stats: str) -> dict[str, Any]:
+def reset_fingerprint() -> None:
+    """Forget this process's memo of ``code_fingerprint`` (for tests, and a process that upgrades its toolchain)."""
+    _memo_fingerprint.cache_clear()
+
+
+@functools.lru_cache(maxsize=8)
+def _memo_fingerprint(stats: str, package: Path | None) -> dict[str, Any]:
     memo = cache_dir() / f"fingerprint-{stats[:32]}.json"
     try:
         found = json.loads(memo.read_text(encoding="utf-8"))
-        if isinstance(found, dict) and "kernel_code_sha256" in found:
-            # The source stat is keyed; the toolchain is not, so it is checked (cheap: package metadata).
-            if found.get("toolchain") == toolchain_versions():
-                return found
+        # The sources' stat is in the name; the toolchain is not, so it is compared.
+        if isinstance(found, dict) and "kernel_code_sha256" in found and found.get("toolchain") == toolchain_versions():
+            return found
     except (OSError, ValueError):
         pass
-    found = fingerprint()
+    found = fingerprint(*([package] if package else []))
     _write_atomic(memo, json.dumps(found, sort_keys=True).encode())
     return found
 
