@@ -123,6 +123,7 @@ def _write_atomic(path: Path, data: bytes) -> bool:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        os.fchmod(fd, 0o644)   # mkstemp's 0600 would hide a cache built in a container step from its other users
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
