@@ -127,7 +127,8 @@ def _warmup_cuda(args: argparse.Namespace) -> int:
     if missing:
         args.parser.error(f"--cc: the installed CUDA toolchain cannot build for {', '.join(missing)}")
     if not head_dims or any(not 1 <= d <= 256 for d in head_dims):
-        args.parser.error(f"--head-dim: expected head dims from 1 to 256, got {args.head_dim!r}")
+        args.parser.error(f"--head-dim: expected head dims from 1 to 256 (wider heads compile on first use), "
+                          f"got {args.head_dim!r}")
     dtypes = tuple(d.strip() for d in (args.dtype or ",".join(DTYPES)).split(",") if d.strip())
     if not dtypes or any(d not in DTYPES for d in dtypes):
         args.parser.error(f"--dtype: with --cuda expected some of {', '.join(DTYPES)}, got {args.dtype!r}")

@@ -118,9 +118,12 @@ def compile_job(job: WarmJob) -> tuple[WarmJob, bool, float]:
 
 
 def warm(jobs: list[WarmJob], report: Callable[[str], None] | None = None, workers: int = 1,
-         compile_one: Callable[[WarmJob], tuple[WarmJob, bool, float]] = compile_job) -> list[tuple[WarmJob, bool, float]]:
-    """Compile ``jobs`` into the disk cache, in ``workers`` spawned processes (numba's and NVVM's state are no
-    fork-safe promise); ``report`` gets one line per kernel as it finishes. Returns each job's result in order."""
+         compile_one: Callable[[WarmJob], tuple[WarmJob, bool, float]] | None = None,
+         ) -> list[tuple[WarmJob, bool, float]]:
+    """Compile ``jobs`` into the disk cache (``compile_one``, default ``compile_job``) in ``workers`` spawned
+    processes (numba's and NVVM's state are no fork-safe promise); ``report`` gets one line per kernel as it
+    finishes. Returns each job's result in order."""
+    compile_one = compile_one or compile_job
     results: list[tuple[WarmJob, bool, float]] = []
     pool: Any = None
     if workers > 1 and len(jobs) > 1:
