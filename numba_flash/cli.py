@@ -122,7 +122,8 @@ def _warmup_cuda(args: argparse.Namespace) -> int:
         ccs = tuple(tuple(int(x) for x in c.split(".")) for c in args.cc)
         head_dims = tuple(int(x) for x in args.head_dim.split(",") if x.strip())
     except ValueError:
-        args.parser.error(f"--cc / --head-dim: expected versions like 8.0 and integers, got {args.cc} {args.head_dim!r}")
+        args.parser.error(f"--cc / --head-dim: expected versions like 8.0 and integers, got {args.cc} "
+                          f"{args.head_dim!r}")
     missing = [f"{a}.{b}" for a, b in ccs if (a, b) not in toolchain_ccs()]
     if missing:
         args.parser.error(f"--cc: the installed CUDA toolchain cannot build for {', '.join(missing)}")

@@ -60,7 +60,8 @@ def warm_jobs(ccs: tuple[tuple[int, int], ...] = COMPUTE_CAPABILITIES, dtypes: t
             if not dtype_supported_on(dtype, cc):
                 continue
             for d in head_dims:
-                kernels = (forward_kernel(dtype, d, TileOverride(), cc), *backward_kernels(dtype, d, TileOverride(), cc))
+                kernels = (forward_kernel(dtype, d, TileOverride(), cc),
+                           *backward_kernels(dtype, d, TileOverride(), cc))
                 for causal in (False, True):
                     for name in kernels:
                         cfg = tile_config_for(d, dtype, cc, smem_limit_for(cc), name, override=TileOverride())
