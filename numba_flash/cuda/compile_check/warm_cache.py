@@ -4,9 +4,10 @@ them without compiling.
 
 What is compiled: for each compute capability, dtype (float16, bfloat16 where offered, float32) and head dim (64
 and 128 by default), causal and not, the kernels the picker gives a plain call (no window, softcap, ALiBi,
-attn_bias or dropout): the forward, the backward's dK/dV and dQ kernels, and its delta pre-pass; each for the
-argument types of a launch on contiguous "bshd" inputs (``launch_argtypes``). A call of another layout or variant
-compiles on its first use, once per machine: the cache keeps it for the next process.
+attn_bias or dropout): the forward, the backward's dK/dV and dQ kernels, and its delta pre-pass; and a decoding
+step's kernel (one query row, a contiguous cache, paged or not) and its merge of the splits. Each for the argument
+types of a launch on contiguous "bshd" inputs (``launch_argtypes``). A call of another layout or variant compiles
+on its first use, once per machine: the cache keeps it for the next process.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from numba_flash.cuda.kernels.spec import ROLE_ARRAYS, ROW_ARRAYS, Variant
 
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (64, 128)
-#: The delta pre-pass of the backward has no tile config; its jobs carry this name instead of a spec's.
-DELTA = "backward_delta"
+#: Kernels that are not a spec's (their jobs carry these names): the delta pre-pass of the backward (no tile
+#: config), decoding's kernel and its merge of the splits (no config).
+DELTA, DECODE, MERGE = "backward_delta", "decode", "decode_merge"
 
 
 @dataclass(frozen=True)
@@ -63,20 +65,20 @@ def warm_jobs(ccs: tuple[tuple[int, int], ...] = COMPUTE_CAPABILITIES, dtypes: t
                 kernels = (forward_kernel(dtype, d, TileOverride(), cc),
                            *backward_kernels(dtype, d, TileOverride(), cc))
                 for causal in (False, True):
-                    for name in kernels:
+                    for name in kernels + (DECODE,):
                         cfg = tile_config_for(d, dtype, cc, smem_limit_for(cc), name, override=TileOverride())
                         variant = Variant(has_right=causal, bf16=dtype == "bfloat16", async_copy=cfg.tensor_cores)
                         jobs.append(WarmJob(name, cfg, variant, dtype, d, causal, cc))
-            # The delta pre-pass depends on the dtype only: one job per compute capability and dtype.
-            jobs.append(WarmJob(DELTA, None, None, dtype, 0, False, cc))
+            # The delta pre-pass and the merge depend on the dtype only: one job each per compute capability and dtype.
+            jobs += [WarmJob(name, None, None, dtype, 0, False, cc) for name in (DELTA, MERGE)]
     return list(dict.fromkeys(jobs))
 
 
 def launch_argtypes(label: str, variant: Variant | None, dtype: str) -> tuple:
     """The numba argument types of a launch of kernel ``label`` (launch.py's ``_launch``, or ``launch_delta`` for
-    ``DELTA``) on C-contiguous (B, S, H, D) inputs with Sq > 1, no ALiBi, attn_bias, BlockMask or packed sequences:
-    the placeholders launch.py passes instead are C-contiguous, and the slopes' placeholder, a (B, Hq) view of lse,
-    is not."""
+    ``DELTA``; launch_decode.py's for ``DECODE`` and ``MERGE``) on C-contiguous (B, S, H, D) inputs with Sq > 1
+    (decoding: Sq = 1), no ALiBi, attn_bias, BlockMask or packed sequences: the placeholders launch.py passes
+    instead are C-contiguous, and the slopes' placeholder, a (B, Hq) view of lse, is not (but for Sq = 1)."""
     from numba import types
 
     from numba_flash.cuda.kernels.registry import kernel_spec
@@ -86,6 +88,12 @@ def launch_argtypes(label: str, variant: Variant | None, dtype: str) -> tuple:
     i64, f32, u64 = types.int64, types.float32, types.uint64
     if label == DELTA:
         return (data, data, rows, i64, i64, i64, i64)
+    part_out, part_lse = types.Array(f32, 5, "C"), types.Array(f32, 4, "C")
+    if label == MERGE:
+        return (part_out, part_lse, data, rows)
+    if label == DECODE:   # the sequence table and the block table are int32 (B, 3) and (B or 1, pages)
+        ints = types.Array(types.int32, 2, "C")
+        return (data, data, data, ints, ints, part_out, part_lse) + (i64,) * 7 + (f32, f32, types.Array(f32, 2, "C"))
     spec = kernel_spec(label)
     if spec.bits:
         data = types.Array(types.uint16, 4, "C")
@@ -104,17 +112,25 @@ def compile_job(job: WarmJob) -> tuple[WarmJob, bool, float]:
     from numba_flash.cuda.host.kernel_cache import precompile
 
     t0 = time.perf_counter()
-    if job.label == DELTA:
+    bf16 = job.dtype == "bfloat16"
+    argtypes = launch_argtypes(job.label, job.variant, job.dtype)
+    if job.label in (DELTA, MERGE):   # their factories take bf16 alone, as launch.py and launch_decode.py key them
         from numba_flash.cuda.kernels.backward_dkdv import make_delta_kernel
+        from numba_flash.cuda.kernels.decode import make_split_merge_kernel
 
-        bf16 = job.dtype == "bfloat16"
-        compiled = precompile(make_delta_kernel(bf16), DELTA, (bf16,), launch_argtypes(DELTA, None, job.dtype), job.cc)
+        make = make_delta_kernel if job.label == DELTA else make_split_merge_kernel
+        compiled = precompile(make(bf16), job.label, (bf16,), argtypes, job.cc)
+    elif job.label == DECODE:
+        from numba_flash.cuda.kernels.decode import make_decode_kernel
+
+        v = job.variant
+        switches = (v.has_left, v.has_right, v.softcap, v.bf16, v.alibi)
+        compiled = precompile(make_decode_kernel(job.cfg, *switches), DECODE, (job.cfg, *switches), argtypes, job.cc)
     else:
         from numba_flash.cuda.kernels.registry import kernel_spec
 
         dispatcher = kernel_spec(job.label).build(job.cfg, job.variant)
-        compiled = precompile(dispatcher, job.label, (job.cfg, job.variant),
-                              launch_argtypes(job.label, job.variant, job.dtype), job.cc)
+        compiled = precompile(dispatcher, job.label, (job.cfg, job.variant), argtypes, job.cc)
     return job, compiled, time.perf_counter() - t0
 
 

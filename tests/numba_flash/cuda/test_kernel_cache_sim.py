@@ -56,7 +56,7 @@ def test_the_warmups_argument_types_are_the_launches(monkeypatch, dtype):
     batch, s, h, d = 2, 16, 2, 64
     data = np.zeros((batch, s, h, d), dtype)
     rows = np.zeros((batch, h, s), np.float32)
-    jobs = [j for j in warm_jobs((CC,), (dtype,), (d,)) if j.causal and j.cfg is not None]
+    jobs = [j for j in warm_jobs((CC,), (dtype,), (d,)) if j.causal and j.cfg is not None and j.label != "decode"]
     assert {j.cfg.kernel for j in jobs} == ({"forward", "backward_dkdv", "backward_dq"} if dtype == "float32"
                                              else {"tc_forward", "tc_backward_dkdv", "tc_backward_dq"})
     for job in jobs:
@@ -87,3 +87,41 @@ def test_the_delta_argument_types_are_the_launches(monkeypatch):
     launch.launch_delta(data, data, cuda.to_device(np.zeros((2, 2, 16), np.float32)), bf16=False)
     got = tuple(typeof(getattr(a, "_ary", a), Purpose.argument) for a in seen[0])
     assert got == launch_argtypes(DELTA, None, "float16")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_decoding_steps_argument_types_are_the_warmups(monkeypatch, dtype):
+    """One query row on a contiguous cache: the decode kernel's and the merge's launches take the warmup's types."""
+    from numba import cuda, typeof
+    from numba.core.typing.typeof import Purpose
+
+    from numba_flash.cuda.compile_check.warm_cache import DECODE, MERGE, launch_argtypes, warm_jobs
+    from numba_flash.cuda.host import launch_decode
+    from numba_flash.cuda.host.config import storage_dtype
+
+    seen = {}
+
+    def recorder(name):
+        class Recorder:
+            def __getitem__(self, config):
+                return lambda *args: seen.setdefault(name, args)
+        return lambda *a, **k: Recorder()
+
+    monkeypatch.setattr(launch_decode, "make_decode_kernel", recorder(DECODE))
+    monkeypatch.setattr(launch_decode, "make_split_merge_kernel", recorder(MERGE))
+    (job,) = [j for j in warm_jobs((CC,), (dtype,), (128,)) if j.label == DECODE and j.causal]
+    batch, hq, hkv, d, splits = 2, 8, 2, 128, 3
+    store = storage_dtype(dtype)
+    q, out = (cuda.to_device(np.zeros((batch, 1, hq, d), store)) for _ in range(2))
+    k_cache, v_cache = (cuda.to_device(np.zeros((batch, 64, hkv, d), store)) for _ in range(2))
+    seqinfo = cuda.to_device(np.zeros((batch, 3), np.int32))
+    table = cuda.to_device(np.zeros((1, 1), np.int32))
+    lse = cuda.to_device(np.zeros((batch, hq, 1), np.float32))
+    part_out = cuda.to_device(np.zeros((splits, batch, hq, 1, d), np.float32))
+    part_lse = cuda.to_device(np.zeros((splits, batch, hq, 1), np.float32))
+    launch_decode.flash_decode(job.cfg, q, k_cache, v_cache, seqinfo, table, out, lse, part_out, part_lse,
+                               page_size=0, softmax_scale=0.1, window_left=-1, window_right=0, softcap=0.0,
+                               dtype=dtype)
+    for name, variant in ((DECODE, job.variant), (MERGE, None)):
+        got = tuple(typeof(getattr(a, "_ary", a), Purpose.argument) for a in seen[name])
+        assert got == launch_argtypes(name, variant, dtype), name

@@ -15,11 +15,12 @@ def test_the_jobs_follow_the_picker_per_compute_capability():
     # sm_75: no bfloat16, no tensor-core kernels; sm_90: mma.sync for 16-bit data, SIMT for float32
     assert all(dtype != "bfloat16" and not label.startswith("tc_") for label, dtype in by_cc[(7, 5)])
     assert {("tc_forward", "bfloat16"), ("tc_backward_dq", "float16"), ("forward", "float32")} <= by_cc[(9, 0)]
-    assert (DELTA, "bfloat16") in by_cc[(9, 0)]
-    tiled = [j for j in jobs if j.label != DELTA]
+    assert {(DELTA, "bfloat16"), ("decode", "float32"), ("decode_merge", "float16")} <= by_cc[(9, 0)]
+    tiled = [j for j in jobs if j.cfg is not None]
     assert {j.causal for j in tiled} == {False, True}
     assert all(j.variant.has_right == j.causal and not j.variant.has_left for j in tiled)
     assert all(j.variant.async_copy == j.cfg.tensor_cores for j in tiled)
+    assert {j.cfg.kernel for j in jobs if j.label == "decode"} == {"decode"}
 
 
 def test_the_command_prints_a_line_per_kernel(monkeypatch, capsys, tmp_path):
@@ -30,10 +31,10 @@ def test_the_command_prints_a_line_per_kernel(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(warm_cache, "compile_job", lambda job: (job, job.causal, 1.5))
     assert cli.main(["warmup", "--cuda", "--cc", "8.0", "--dtype", "float16", "--head-dim", "64", "--jobs", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == f"numba-flash warmup: 7 CUDA kernels into {tmp_path}"
-    assert out[1] == "  [1/7] sm_80 tc_forward 64x32/128 float16 D=64 full: cached already"
-    assert "  [4/7] sm_80 tc_forward 64x32/128 float16 D=64 causal: compiled in 1.5 s" in out
-    assert out[-1] == "done: 3 compiled, 4 cached already"
+    assert out[0] == f"numba-flash warmup: 10 CUDA kernels into {tmp_path}"
+    assert out[1] == "  [1/10] sm_80 tc_forward 64x32/128 float16 D=64 full: cached already"
+    assert "  [5/10] sm_80 tc_forward 64x32/128 float16 D=64 causal: compiled in 1.5 s" in out
+    assert out[-1] == "done: 4 compiled, 6 cached already"
 
 
 @pytest.mark.parametrize("argv, message", [
