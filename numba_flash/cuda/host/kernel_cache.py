@@ -100,7 +100,8 @@ def _memo_fingerprint(stats: str, package: Path | None) -> dict[str, Any]:
     except (OSError, ValueError):
         pass
     found = fingerprint(*([package] if package else []))
-    _write_atomic(memo, json.dumps(found, sort_keys=True).encode())
+    # Quietly: a read-only cache (built in an image, used by another user) would otherwise warn in every process.
+    _write_atomic(memo, json.dumps(found, sort_keys=True).encode(), note=False)
     return found
 
 
@@ -116,9 +117,10 @@ def entry_path(label: str, key: str) -> Path:
     return cache_dir() / f"{label}-{hashlib.sha256(key.encode()).hexdigest()[:32]}{SUFFIX}"
 
 
-def _write_atomic(path: Path, data: bytes) -> bool:
+def _write_atomic(path: Path, data: bytes, note: bool = True) -> bool:
     """Write ``data`` to ``path`` through a temporary file in the same directory and a rename: readers and other
-    writers see the old file or the new one, never a part. False (with a warning) where it cannot write."""
+    writers see the old file or the new one, never a part. False where it cannot write (with a warning if
+    ``note``)."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -129,8 +131,9 @@ def _write_atomic(path: Path, data: bytes) -> bool:
         os.replace(tmp, path)
         return True
     except OSError as exc:
-        warnings.warn(f"numba-flash: could not write {path} ({exc}); the kernel stays in memory only",
-                      KernelCacheWarning, stacklevel=3)
+        if note:
+            warnings.warn(f"numba-flash: could not write {path} ({exc}); the kernel stays in memory only",
+                          KernelCacheWarning, stacklevel=3)
         if tmp is not None:
             try:
                 os.unlink(tmp)

@@ -314,3 +314,21 @@ def test_an_unwritable_directory_warns_and_goes_on(fresh, monkeypatch, tmp_path)
     monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(blocker / "cache"))
     with compiling_for(CC), pytest.warns(KernelCacheWarning, match="could not write"):
         _cache().save_overload(_signature(), fresh)
+
+
+def test_a_read_only_cache_loads_without_a_word(fresh, cache_dir, monkeypatch):
+    """A cache filled in an image and read by a user who cannot write it: hits, and no warning per process."""
+    from numba_flash.cuda.host import kernel_cache
+
+    _store(fresh)
+    for memo in cache_dir.glob("fingerprint-*.json"):
+        memo.unlink()   # the memo too is then never written: it must not warn either
+    kernel_cache.reset_fingerprint()
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(kernel_cache.tempfile, "mkstemp", refused)   # as a directory this user cannot write
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _cubin(_load()) == _cubin(fresh)
