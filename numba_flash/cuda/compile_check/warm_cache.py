@@ -44,8 +44,10 @@ class WarmJob:
 
     def describe(self) -> str:
         """How the progress line names it."""
-        tiles = f" {self.cfg.block_m}x{self.cfg.block_n}/{self.cfg.threads}" if self.cfg else ""
-        return (f"sm_{self.cc[0]}{self.cc[1]} {self.label}{tiles} {self.dtype} D={self.head_dim} "
+        where = f"sm_{self.cc[0]}{self.cc[1]} {self.label}"
+        if self.cfg is None:   # the delta pre-pass and the merge: any head dim, no mask
+            return f"{where} {self.dtype}"
+        return (f"{where} {self.cfg.block_m}x{self.cfg.block_n}/{self.cfg.threads} {self.dtype} D={self.head_dim} "
                 f"{'causal' if self.causal else 'full'}")
 
 

@@ -34,6 +34,7 @@ def test_the_command_prints_a_line_per_kernel(monkeypatch, capsys, tmp_path):
     assert out[0] == f"numba-flash warmup: 10 CUDA kernels into {tmp_path}"
     assert out[1] == "  [1/10] sm_80 tc_forward 64x32/128 float16 D=64 full: cached already"
     assert "  [5/10] sm_80 tc_forward 64x32/128 float16 D=64 causal: compiled in 1.5 s" in out
+    assert "  [9/10] sm_80 backward_delta float16: cached already" in out
     assert out[-1] == "done: 4 compiled, 6 cached already"
 
 
