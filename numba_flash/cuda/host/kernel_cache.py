@@ -6,9 +6,9 @@ arguments (tile config, ``Variant``), the argument types of the launch, the comp
 numba-cuda and the CUDA compiler packages). A changed kernel or toolchain makes a new key, so an old file is never
 read for it.
 
-numba-cuda's own ``cache=True`` is no use here: it keys a kernel by its function's source file and name, and our
-kernels are closures built by factories whose tile sizes and switches live in the closure, so two specialisations
-would share one entry. Instead the dispatcher's cache slot (what ``Dispatcher.compile`` asks before compiling and
+numba-cuda's own ``cache=True`` is not used: its entries are stamped with the kernel function's own source file
+only, so an edit to a device helper in another module (device/*.py, which every kernel inlines) would go unnoticed
+and a stale kernel be loaded; and it is filled only by a launch on a GPU. Instead the dispatcher's cache slot (what ``Dispatcher.compile`` asks before compiling and
 tells after, the same slot ``cache=True`` fills) gets a ``DiskCache`` that knows the specialisation's key: on a
 launch of a new signature numba asks it, and a hit installs the stored kernel (its cubin for this GPU) without
 lowering anything. The file holds what numba-cuda's own cache stores (``_Kernel``'s reduced state: PTX and cubins).
