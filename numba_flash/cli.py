@@ -118,6 +118,12 @@ def _warmup_cuda(args: argparse.Namespace) -> int:
 
     if not args.cc:
         args.parser.error("--cuda: expected --cc with compute capabilities, e.g. --cc 8.0 9.0")
+    try:   # the compiler itself: NVVM through numba-cuda, nvJitLink through cuda-bindings
+        import numba.cuda  # noqa: F401
+        from cuda.bindings import nvjitlink  # noqa: F401
+    except ImportError as exc:
+        args.parser.error(f"--cuda: needs numba-cuda and the CUDA compiler packages (pip install "
+                          f"'numba-flash[cuda]'): {exc}")
     try:
         ccs = tuple(tuple(int(x) for x in c.split(".")) for c in args.cc)
         head_dims = tuple(int(x) for x in args.head_dim.split(",") if x.strip())
