@@ -271,7 +271,9 @@ def test_two_processes_writing_one_entry_at_once(fresh, cache_dir):
         assert w.exitcode == 0
     assert reads > 0
     assert [p.name for p in cache_dir.iterdir() if p.suffix != ".json"] == [_entries()[0].name]   # no temp left
-    assert _cubin(_load()) == _cubin(fresh)
+    # A writer's own compile: its bytes are not ``fresh``'s, as numba numbers each compile's function in a process.
+    loaded = _load()
+    assert loaded is not None and _cubin(loaded).startswith(b"\x7fELF") and loaded.argument_types == _signature()
 
 
 def test_disk_cached_attaches_once_and_not_for_mods_or_when_off(monkeypatch):
