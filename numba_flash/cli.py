@@ -2,7 +2,8 @@
 
     numba-flash bench [...]      time the backends against naive attention and torch SDPA (the default: a
                                  command line without a subcommand, ``numba-flash --config tiny``, means bench)
-    numba-flash warmup           compile (or load from numba's cache) every CPU kernel ahead of first use
+    numba-flash warmup           compile (or load from numba's cache) every CPU kernel ahead of first use;
+                                 with --cuda --cc 8.0 9.0, the common CUDA kernels into the disk cache (no GPU needed)
     numba-flash explain [...]    which backend a call of that shape would use, and why the others would not
     numba-flash --version
 
@@ -50,9 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
                                       "run on a machine takes about 2 minutes per dtype on 2 cores (twice that with "
                                       "--mods); later ones well under a second. "
                                       "Exit status 1 when a kernel disagrees with the reference.")
-    warm.add_argument("--dtype", default="float32,float64",
+    warm.add_argument("--dtype", default=None,
                       help="comma-separated compute dtypes: float32 (also serves float16 and bfloat16 inputs), "
-                           "float64 (default: both)")
+                           "float64 (default: both); with --cuda: float16, bfloat16, float32 (default: all three)")
+    warm.add_argument("--cuda", action="store_true",
+                      help="instead, compile the CUDA kernels common models use (forward and backward, causal and "
+                           "not) into the kernel cache (NUMBA_FLASH_CACHE_DIR, else NUMBA_CACHE_DIR), for the "
+                           "compute capabilities of --cc; no GPU needed")
+    warm.add_argument("--cc", nargs="+", default=None, metavar="X.Y",
+                      help="with --cuda: compute capabilities, e.g. 8.0 9.0 (required)")
+    warm.add_argument("--head-dim", default="64,128", help="with --cuda: comma-separated head dims (default: 64,128)")
+    warm.add_argument("--jobs", type=int, default=None,
+                      help="with --cuda: processes compiling at once (default: one per CPU core)")
     warm.add_argument("--mods", action="store_true",
                       help="also the forward and backward kernels' variant for bias_mod, mask_mod and score_mod "
                            "(one for any mods; about as long again to compile)")
@@ -84,15 +94,59 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _warmup(args: argparse.Namespace) -> int:
+    if args.cuda:
+        return _warmup_cuda(args)
     from .warmup import DTYPES, cache_location, warmup
 
-    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    text = args.dtype or ",".join(DTYPES)
+    dtypes = [d.strip() for d in text.split(",") if d.strip()]
     bad = [d for d in dtypes if d not in DTYPES]
     if bad or not dtypes:
-        args.parser.error(f"--dtype: expected some of {', '.join(DTYPES)}, got {args.dtype!r}")
+        args.parser.error(f"--dtype: expected some of {', '.join(DTYPES)}, got {text!r}")
     print(f"numba-flash warmup: CPU kernels; numba's cache: {cache_location()}", flush=True)
     steps = warmup(dtypes, mods=args.mods, report=lambda line: print("  " + line, flush=True))
     return 0 if all(s.ok for s in steps) else 1
+
+
+def _warmup_cuda(args: argparse.Namespace) -> int:
+    """``warmup --cuda``: the CUDA kernels into the disk cache (compile_check/warm_cache.py)."""
+    import os
+
+    from numba_flash.cuda.compile_check import toolchain_ccs
+    from numba_flash.cuda.compile_check.warm_cache import DTYPES, warm, warm_jobs
+    from numba_flash.cuda.host.kernel_cache import cache_dir, enabled
+
+    if not args.cc:
+        args.parser.error("--cuda: expected --cc with compute capabilities, e.g. --cc 8.0 9.0")
+    try:   # the compiler itself: NVVM through numba-cuda, nvJitLink through cuda-bindings
+        import numba.cuda  # noqa: F401
+        from cuda.bindings import nvjitlink  # noqa: F401
+    except ImportError as exc:
+        args.parser.error(f"--cuda: needs numba-cuda and the CUDA compiler packages (pip install "
+                          f"'numba-flash[cuda]'): {exc}")
+    try:
+        ccs = tuple(tuple(int(x) for x in c.split(".")) for c in args.cc)
+        head_dims = tuple(int(x) for x in args.head_dim.split(",") if x.strip())
+    except ValueError:
+        args.parser.error(f"--cc / --head-dim: expected versions like 8.0 and integers, got {args.cc} "
+                          f"{args.head_dim!r}")
+    missing = [f"{a}.{b}" for a, b in ccs if (a, b) not in toolchain_ccs()]
+    if missing:
+        args.parser.error(f"--cc: the installed CUDA toolchain cannot build for {', '.join(missing)}")
+    if not head_dims or any(not 1 <= d <= 256 for d in head_dims):
+        args.parser.error(f"--head-dim: expected head dims from 1 to 256 (wider heads compile on first use), "
+                          f"got {args.head_dim!r}")
+    dtypes = tuple(d.strip() for d in (args.dtype or ",".join(DTYPES)).split(",") if d.strip())
+    if not dtypes or any(d not in DTYPES for d in dtypes):
+        args.parser.error(f"--dtype: with --cuda expected some of {', '.join(DTYPES)}, got {args.dtype!r}")
+    if not enabled():
+        args.parser.error("--cuda: the kernel cache is off (the CUDA simulator, or NUMBA_FLASH_KERNEL_CACHE=0)")
+    jobs = warm_jobs(ccs, dtypes, head_dims)
+    print(f"numba-flash warmup: {len(jobs)} CUDA kernels into {cache_dir()}", flush=True)
+    results = warm(jobs, report=lambda line: print("  " + line, flush=True), workers=args.jobs or os.cpu_count() or 1)
+    compiled = sum(1 for _, c, _ in results if c)
+    print(f"done: {compiled} compiled, {len(results) - compiled} cached already", flush=True)
+    return 0
 
 
 def _window(parser: argparse.ArgumentParser, text: str | None) -> tuple[int, int]:

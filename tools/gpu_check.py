@@ -15,7 +15,9 @@ queued back to back (the host's work overlaps the GPU's, as in a training loop; 
 4 B H S^2 D (half with causal; backward 2.5x the forward), the error of the first two heads against float64 on the
 device, and the peak memory torch's allocator saw. Results go to DIR/results.jsonl line by line as they come
 (nothing is lost when the lease ends), a log to DIR/log.txt, a summary table to stdout at the end.
-``--device cpu`` runs the same code on the cpu backend (a dry run).
+``--device cpu`` runs the same code on the cpu backend (a dry run). ``--warm-cache`` first measures a new process's
+first call with a warm disk cache of compiled kernels (``tools/gpu_warm_cache.py``; ``--only warm-cache`` for that
+alone).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import threading
 import time
 import traceback
 from typing import Any
+
+import gpu_warm_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH, SEQLEN, MODEL_DIM = 4, 4096, 2048
@@ -328,6 +332,7 @@ def summary(out_dir: str) -> str:
     for r in rows:
         if r.get("kind") in ("selfcheck", "worker_error") and (r.get("failures") or r.get("error")):
             lines.append(f"{r['job']}: {r}")
+    lines += [gpu_warm_cache.describe(r) for r in rows if r.get("kind") == "warm_cache"]
     lines.append("== timings: median ms (TFLOP/s), B=%d H=2048/D ==" % BATCH)
     for r in sorted((r for r in rows if r.get("kind") == "perf"), key=lambda r: (r["dtype"], r["D"], r["causal"])):
         def cell(name: str, factor: float = 1.0) -> str:
@@ -378,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--perf-only", action="store_true",
                    help="timings only (each worker first runs its plain and causal dense cases, which compile them)")
     p.add_argument("--checks-only", action="store_true", help="correctness only, no timings")
+    p.add_argument("--warm-cache", action="store_true",
+                   help="first, a new process's first call with a cold, then a warm disk cache of compiled kernels "
+                        "(goal <= 0.5 s warm, self-check included), and one after numba-flash warmup --cuda")
     a = p.parse_args(argv)
     if a.markdown:
         print(markdown(a.markdown))
@@ -389,11 +397,24 @@ def main(argv: list[str] | None = None) -> int:
              and (not a.perf_only or "perf" in s)]
     if a.checks_only:
         specs = [{k: v for k, v in s.items() if k != "perf"} for s in specs]
+    if a.warm_cache or "warm-cache" in (a.only or "").split(","):
+        run_warm_cache(a.out, a.device)
     deadline = time.time() + a.budget
-    run_workers(worker, [lambda barrier, lock, s=s: (s, a.out, a.device, barrier, lock, deadline, a.seqlen,
-                                                      a.perf_only) for s in specs])
+    if specs:
+        run_workers(worker, [lambda barrier, lock, s=s: (s, a.out, a.device, barrier, lock, deadline, a.seqlen,
+                                                          a.perf_only) for s in specs])
     write_summary(os.path.join(a.out, "summary.txt"), summary(a.out))
     return 0
+
+
+def run_warm_cache(out_dir: str, device: str) -> list[dict[str, Any]]:
+    """The warm-cache case (tools/gpu_warm_cache.py: cold, warm, after a warmup), its records in results.jsonl."""
+    sink = Sink(out_dir, "warm-cache")
+    records = gpu_warm_cache.measure(out_dir, device=device, warmup=device == "cuda")
+    for rec in records:
+        sink.put(rec)
+        sink.say(gpu_warm_cache.describe(rec))
+    return records
 
 
 def run_workers(target: Any, args_of: list) -> None:

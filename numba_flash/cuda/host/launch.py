@@ -28,12 +28,16 @@ from numba_flash.cuda.device.user_mods import MOD_NAMES, NO_MODS, CudaMods
 from numba_flash.cuda.host import smem
 from numba_flash.cuda.host.config import STATIC_SMEM_LIMIT, FlashAttentionConfig, storage_dtype
 from numba_flash.cuda.host.devices import compute_capability, current_device
+from numba_flash.cuda.host.kernel_cache import disk_cached
 from numba_flash.cuda.host.mod_failures import named_mod_failures
 from numba_flash.cuda.host.picker import TileOverride, tile_config_for
 from numba_flash.cuda.kernels.backward_dkdv import DELTA_ROWS_PER_BLOCK, make_delta_kernel
-from numba_flash.cuda.kernels.registry import kernel_spec
+from numba_flash.cuda.kernels.registry import AUX_KERNELS, kernel_spec
 from numba_flash.cuda.kernels.spec import ROLE_ARRAYS, ROLE_TILES, ROW_ARRAYS, KernelSpec
 from numba_flash.cuda.kernels.variant import Variant
+
+#: The delta pre-pass's registry name, which its disk-cache entries carry.
+DELTA_NAME = next(aux.name for aux in AUX_KERNELS.values() if aux.role == "delta")
 
 
 def _run(kernel: Any, grid: tuple[int, ...], cfg: FlashAttentionConfig, stream: Any, args: tuple) -> bool:
@@ -282,7 +286,7 @@ def _launch(cfg: FlashAttentionConfig, arrays: dict[str, Any], c: _Scalars, dbia
     variant = _variant(spec, arrays, c, dbias_mode)
     mods, tiles = _block_tiles(c.mods, c.block_mask, cfg, c.stream)
     variant = dataclasses.replace(variant, mods=mods)
-    kernel = spec.build(cfg, variant)
+    kernel = disk_cached(spec.build(cfg, variant), spec.name, cfg, variant)   # compiled once per machine
     tail = _tail(spec, arrays, variant, c)
     args = tuple(_bits(arrays[n]) if spec.bits and n not in ROW_ARRAYS else arrays[n]
                  for n in ROLE_ARRAYS[spec.role])
@@ -332,7 +336,8 @@ def launch_delta(dout: Any, out: Any, delta: Any, *, bf16: bool, stream: Any = 0
     batch, sq, hq, d = dout.shape
     rows = batch * hq * sq
     blocks = math.ceil(rows / DELTA_ROWS_PER_BLOCK)   # a warp per row
-    make_delta_kernel(bf16)[blocks, 32 * DELTA_ROWS_PER_BLOCK, stream](dout, out, delta, sq, hq, d, rows)
+    kernel = disk_cached(make_delta_kernel(bf16), DELTA_NAME, bf16)
+    kernel[blocks, 32 * DELTA_ROWS_PER_BLOCK, stream](dout, out, delta, sq, hq, d, rows)
 
 
 def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dk: Any,

@@ -11,9 +11,14 @@ import math
 from typing import Any
 
 from numba_flash.cuda.host.config import FlashAttentionConfig
+from numba_flash.cuda.host.kernel_cache import disk_cached
 from numba_flash.cuda.kernels.decode import MERGE_THREADS, make_split_merge_kernel
+from numba_flash.cuda.kernels.registry import AUX_KERNELS
 from numba_flash.cuda.kernels.variant import Variant
 from numba_flash.cuda.host.launch import check_storage, kernel_flags, score_multipliers, slopes_arg
+
+#: The split merge's registry name, which its disk-cache entries carry.
+MERGE_NAME = next(aux.name for aux in AUX_KERNELS.values() if aux.role == "merge")
 
 
 def launch_decode(cfg: FlashAttentionConfig, q: Any, k_cache: Any, v_cache: Any, seqinfo: Any, block_table: Any,
@@ -22,8 +27,10 @@ def launch_decode(cfg: FlashAttentionConfig, q: Any, k_cache: Any, v_cache: Any,
     """Launch the decode kernel of ``cfg`` as it is, no self-check: every split's partial output. Arrays as for
     ``flash_decode``; part_out (num_splits, B, Hq, Sq, D) and part_lse (num_splits, B, Hq, Sq) float32."""
     has_left, has_right, has_softcap = kernel_flags(window_left, window_right, softcap)
-    variant = Variant(has_left=has_left, has_right=has_right, softcap=has_softcap, bf16=bf16, alibi=alibi is not None)
-    kernel = cfg.spec.build(cfg, variant)
+    # async_copy off, as for every SIMT kernel (launch.py): the disk cache's key is the variant's repr
+    variant = Variant(has_left=has_left, has_right=has_right, softcap=has_softcap, bf16=bf16, alibi=alibi is not None,
+                      async_copy=False)
+    kernel = disk_cached(cfg.spec.build(cfg, variant), cfg.kernel, cfg, variant)   # compiled once per machine
     num_splits, batch, hq, sq, d = part_out.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
@@ -37,7 +44,8 @@ def launch_decode(cfg: FlashAttentionConfig, q: Any, k_cache: Any, v_cache: Any,
 def launch_split_merge(part_out: Any, part_lse: Any, out: Any, lse: Any, *, bf16: bool, stream: Any = 0) -> None:
     """Launch the merge of the decode kernel's splits into out (B, Sq, Hq, D) and lse (B, Hq, Sq)."""
     _, batch, hq, sq, _ = part_out.shape
-    make_split_merge_kernel(bf16)[batch * hq * sq, MERGE_THREADS, stream](part_out, part_lse, out, lse)
+    kernel = disk_cached(make_split_merge_kernel(bf16), MERGE_NAME, bf16)
+    kernel[batch * hq * sq, MERGE_THREADS, stream](part_out, part_lse, out, lse)
 
 
 def flash_decode(cfg: FlashAttentionConfig, q: Any, k_cache: Any, v_cache: Any, seqinfo: Any, block_table: Any,

@@ -75,10 +75,12 @@ def launch(kernel: Any, grid: tuple[int, ...], threads: int, stream: Any, dynami
            args: tuple) -> bool:
     """Launch the numba-cuda dispatcher ``kernel`` with ``dynamic_bytes`` of dynamic shared memory (0: none).
 
-    Above 48 KiB the attribute must be set on the very function that runs, so the kernel is specialised on these
-    arguments first (``Dispatcher.specialize``: exactly one compiled overload, the one the launch uses); launch
-    callbacks may not call the driver, per numba-cuda's documentation. Returns False, launching nothing, when
-    ``allow_dynamic_smem`` refuses; under the simulator (which has no attribute) it just launches.
+    Above 48 KiB the attribute must be set on the very function that runs: the overload for these arguments' types,
+    which ``Dispatcher.compile`` returns (loading it from the disk cache, host/kernel_cache.py, or compiling it) and
+    the launch then picks, numba matching argument types exactly. ``Dispatcher.specialize`` would do the same
+    through a fresh dispatcher, which has no disk cache. Launch callbacks may not call the driver, per numba-cuda's
+    documentation, so the attribute is set here. Returns False, launching nothing, when ``allow_dynamic_smem``
+    refuses; under the simulator (which has no attribute) it just launches.
     """
     from numba import config
 
@@ -88,9 +90,8 @@ def launch(kernel: Any, grid: tuple[int, ...], threads: int, stream: Any, dynami
         else:
             kernel[grid, threads, stream](*args)
         return True
-    special = kernel.specialize(*args)
-    compiled = next(iter(special.overloads.values()))
+    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
     if not allow_dynamic_smem(compiled._codelibrary.get_cufunc(), dynamic_bytes):
         return False
-    special[grid, threads, stream, dynamic_bytes](*args)
+    kernel[grid, threads, stream, dynamic_bytes](*args)
     return True

@@ -71,20 +71,23 @@ def test_the_real_bindings_have_the_attributes_it_names():
 
 
 class FakeDispatcher:
-    """A numba-cuda dispatcher as smem.launch uses it: ``specialize`` (one compiled overload), ``[config](*args)``."""
+    """A numba-cuda dispatcher as smem.launch uses it: ``typeof_pyval``, ``compile`` (the overload for those
+    types), ``[config](*args)``."""
 
     def __init__(self, events):
         self.events, self.overloads = events, {}
 
-    def specialize(self, *args):
-        special = FakeDispatcher(self.events)
+    def typeof_pyval(self, value):
+        return f"type of {value}"
+
+    def compile(self, argtypes):
         cufunc = fake_cufunc()
-        special.overloads = {"sig": SimpleNamespace(_codelibrary=SimpleNamespace(get_cufunc=lambda: cufunc))}
-        self.events.append(("specialize", args))
-        return special
+        self.overloads[argtypes] = SimpleNamespace(_codelibrary=SimpleNamespace(get_cufunc=lambda: cufunc))
+        self.events.append(("compile", argtypes))
+        return self.overloads[argtypes]
 
     def __getitem__(self, launch_config):
-        # bool(self.overloads): True for the specialised dispatcher, False for the plain one
+        # bool(self.overloads): whether the overload (the one whose function got the attribute) exists at launch
         return lambda *args: self.events.append(("launch", bool(self.overloads),
                                                  launch_config, args))
 
@@ -98,11 +101,12 @@ def test_launch_opts_in_the_function_it_then_launches(monkeypatch, allowed):
                         lambda cufunc, nbytes: events.append(("allow", cufunc.handle, nbytes)) or allowed)
     kernel = FakeDispatcher(events)
     assert smem.launch(kernel, (3, 2, 1), 128, 0, 100_000, ("q", 7)) is allowed
-    want = [("specialize", ("q", 7)), ("allow", "kernel-handle", 100_000)]
-    # The specialised dispatcher (the one whose function got the attribute) runs, with the bytes as 4th element.
+    want = [("compile", ("type of q", "type of 7")), ("allow", "kernel-handle", 100_000)]
+    # The dispatcher whose overload for these types got the attribute runs, with the bytes as 4th element.
     want += [("launch", True, ((3, 2, 1), 128, 0, 100_000), ("q", 7))] if allowed else []
     assert events == want
-    # Within 48 KiB nothing is specialised or set: the plain dispatcher launches.
+    # Within 48 KiB nothing is compiled ahead or set: the dispatcher just launches.
     events.clear()
+    kernel = FakeDispatcher(events)
     assert smem.launch(kernel, (1, 1, 1), 64, 0, 0, ("q",))
     assert events == [("launch", False, ((1, 1, 1), 64, 0), ("q",))]
