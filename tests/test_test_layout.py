@@ -1,6 +1,6 @@
-"""The test tree has no __init__.py files, so pytest imports each test file as a top-level module named after
-the file (its default "prepend" import mode): two files with one name in different folders stop the whole collection. Caught here with
-the names, before pytest's own error hides which run it came from."""
+"""The test tree has no __init__.py files, so pytest imports each test file as a top-level module named after the
+file (its default "prepend" import mode): two files with one name in different folders stop the whole collection.
+Caught here with the names, before pytest's own error hides which run it came from."""
 from collections import defaultdict
 from pathlib import Path
 
