@@ -73,6 +73,11 @@ class CpuBackend(Backend):
         lse = np.empty(call.lse_shape, dtype=compute)
         if call.is_varlen:   # one kernel call for every sequence (no attn_bias or mods: validation)
             _run_forward(call, q, k, v, out, lse, packing=call.packing)
+        elif _is_tiny(call):   # decode steps and short sequences: one thread, no packing, no padded tiles
+            from numba_flash.cpu.tiny import tiny_forward
+
+            tiny_forward(*(_bshd(x, call.layout) for x in (q, k, v, out)), lse, call.softmax_scale,
+                         call.window_left, call.window_right, call.softcap, call.alibi)
         else:
             _run_forward(call, *(_bshd(x, call.layout) for x in (q, k, v, out)), lse)
         lse_dtype = "float64" if call.dtype == "float64" else "float32"
@@ -114,6 +119,14 @@ class CpuBackend(Backend):
                        kv.softmax_scale, kv.window_left, kv.window_right, kv.softcap, splits, kv.alibi)
         lse_dtype = "float64" if kv.dtype == "float64" else "float32"
         return _like(kv.q, out, kv.dtype), _like(kv.q, lse, lse_dtype)
+
+
+def _is_tiny(call: AttentionCall) -> bool:
+    """Whether ``numba_flash.cpu.tiny`` serves this forward (small, and no feature only the tiled kernels have)."""
+    from numba_flash.cpu.tiny import fits_tiny, tiny_work
+
+    work = tiny_work(call.batch, call.seqlen_q, call.seqlen_k, call.nheads_q, call.head_dim, call.head_dim_v)
+    return fits_tiny(work, call.bias is not None, call.mods is not None, call.dropout_p, call.is_varlen)
 
 
 def _bias(call: AttentionCall, compute: np.dtype) -> np.ndarray | None:

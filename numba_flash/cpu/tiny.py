@@ -1,0 +1,141 @@
+"""Tiny forward calls on one thread: decode steps (Sq = 1), short sequences, small heads.
+
+The tiled kernels (``forward``) pay for their shape on such calls: a query tile is ``BLOCK_M`` = 64 rows however
+few are real, so a decode step computes 64x the products it needs; K and V are packed head-major first; and each
+of the two is a parallel region. Below ``TINY_WORK`` multiply-adds a plain loop nest on the calling thread is
+faster than all of that (issue 44: 1 x 16 keys x 8 heads went from ~100 us in the kernel to a few us), so
+``tiny_forward`` serves those calls: one row at a time, its visible scores, then the exact softmax over them,
+reading q, k and v in place with any strides. No parallel region, so no thread pool is woken (and none competes
+with torch's).
+
+Semantics are the tiled kernel's (``numba_flash.reference.attention_ref``): scores ``scale * q.k``, then softcap,
+then ALiBi; bottom-right aligned causal/window bounds; a row that sees no key gets 0 and lse = +inf; a visible
+score that is not finite (a NaN or inf in q or in a visible k row, or a product that overflows) makes the row's
+out and lse NaN; a non-finite v row that a row sees makes that row's out non-finite, written as NaN. The exponents
+and sums run in float64, so the result is at least as accurate as the tiled kernel's. Calls with attn_bias, mods
+or dropout go to the tiled kernels (``fits_tiny``).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import numba
+import numpy as np
+from numba import njit, types
+
+from .simd import as_dtype_of
+
+# Multiply-adds (B * Hq * Sq * Sk * (D + Dv)) up to which ``tiny_forward`` beats the tiled kernel on this class of
+# machine; measured on 2 cores (AMD EPYC, AVX2): 1 x 16 keys, 8 heads, D = 64 is 16k; Sq = Sk = 64 (2.1M) is the
+# tiled kernel's. Past ~0.5M the loop nest, which reads each k row once per query row, loses to the tiles.
+TINY_WORK = 1 << 19
+
+
+@njit(fastmath={"contract", "reassoc"}, cache=True)
+def tiny_forward_kernel(q, k, v, out, lse, scale, left, right, softcap, alibi):
+    """Exact attention forward, written into out and lse; serial.
+
+    q: (B, Sq, Hq, D), k: (B, Sk, Hkv, D), v: (B, Sk, Hkv, Dv), out: (B, Sq, Hq, Dv), lse: (B, Hq, Sq), any
+    strides, one float dtype (float32 or float64); Hq % Hkv == 0. scale > 0; left, right: window bounds, -1 for
+    unbounded (causal is right = 0), already clamped at Sq + Sk; softcap: 0 for off; alibi: (B, Hq) float64
+    slopes, or (0, 0) for none."""
+    batch, seqlen_q, nheads_q, head_dim = q.shape
+    seqlen_k, nheads_kv, dv = k.shape[1], k.shape[2], v.shape[3]
+    group = nheads_q // nheads_kv
+    shift = seqlen_k - seqlen_q
+    zero = as_dtype_of(q, 0.0)   # products summed in the inputs' dtype, as the tiled kernel does
+    scores = np.empty(seqlen_k, np.float64)
+    acc = np.empty(dv, np.float64)
+    for b in range(batch):
+        for h in range(nheads_q):
+            hk = h // group
+            slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
+            for i in range(seqlen_q):
+                centre = i + shift
+                lo = 0 if left < 0 else max(0, centre - left)
+                hi = seqlen_k if right < 0 else min(seqlen_k, centre + right + 1)
+                if lo >= hi:   # sees no key
+                    for d in range(dv):
+                        out[b, i, h, d] = 0.0
+                    lse[b, h, i] = np.inf
+                    continue
+                poisoned = False
+                m = -np.inf
+                for j in range(lo, hi):
+                    dot = zero
+                    for d in range(head_dim):
+                        dot += q[b, i, h, d] * k[b, j, hk, d]
+                    raw = np.float64(dot) * scale
+                    if not math.isfinite(raw):
+                        poisoned = True
+                        break
+                    s = softcap * math.tanh(raw / softcap) if softcap > 0.0 else raw
+                    s -= slope * abs(centre - j)
+                    scores[j] = s
+                    m = max(m, s)
+                if poisoned:
+                    for d in range(dv):
+                        out[b, i, h, d] = np.nan
+                    lse[b, h, i] = np.nan
+                    continue
+                total = 0.0
+                for d in range(dv):
+                    acc[d] = 0.0
+                for j in range(lo, hi):
+                    p = math.exp(scores[j] - m)
+                    total += p
+                    for d in range(dv):
+                        acc[d] += p * v[b, j, hk, d]
+                inv = 1.0 / total
+                for d in range(dv):
+                    o = acc[d] * inv
+                    out[b, i, h, d] = o if abs(o) < np.inf else np.nan
+                lse[b, h, i] = m + math.log(total)
+
+
+def tiny_work(batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_dim: int, head_dim_v: int) -> int:
+    """Multiply-adds of a dense forward with these sizes, the measure ``TINY_WORK`` bounds."""
+    return batch * nheads_q * seqlen_q * seqlen_k * (head_dim + head_dim_v)
+
+
+def fits_tiny(work: int, has_bias: bool, has_mods: bool, dropout_p: float, packed: bool) -> bool:
+    """Whether ``tiny_forward`` serves a forward of ``work`` multiply-adds (``tiny_work``): small enough, and
+    none of the features only the tiled kernels have (attn_bias, mods, dropout, packed sequences)."""
+    return work <= TINY_WORK and not (has_bias or has_mods or dropout_p or packed)
+
+
+_NO_SLOPES = np.zeros((0, 0))
+_entries: dict[str, Any] = {}
+_entries_lock = threading.Lock()
+
+
+def _entry(dtype: np.dtype) -> Any:
+    """``tiny_forward_kernel`` compiled for ``dtype`` with layout-generic ('A') arrays, so that contiguous,
+    transposed ("bhsd") and strided inputs share one compilation (kept in numba's disk cache)."""
+    name = np.dtype(dtype).name
+    fn = _entries.get(name)
+    if fn is None:
+        with _entries_lock:
+            fn = _entries.get(name)
+            if fn is None:
+                nb = numba.from_dtype(np.dtype(dtype))
+                a4, a3 = types.Array(nb, 4, "A"), types.Array(nb, 3, "A")
+                f64, i64 = types.float64, types.int64
+                sig = (a4, a4, a4, a4, a3, f64, i64, i64, f64, types.Array(f64, 2, "A"))
+                fn = _entries[name] = tiny_forward_kernel.compile(sig)
+    return fn
+
+
+def tiny_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: np.ndarray, scale: float,
+                 window_left: int, window_right: int, softcap: float, alibi: np.ndarray | None = None) -> None:
+    """Attention forward on the calling thread, written into ``out`` and ``lse``.
+
+    q: (B, Sq, Hq, D); k: (B, Sk, Hkv, D); v: (B, Sk, Hkv, Dv); out: (B, Sq, Hq, Dv); lse: (B, Hq, Sq); any strides,
+    all float32 or all float64; not modified (but out and lse). scale multiplies q.k; window bounds as validated
+    (-1 unbounded, clamped at Sq + Sk); softcap as ``semantics.effective_softcap`` gives it (0 = off); alibi: None
+    or (B, Hq) float64 slopes."""
+    slopes = _NO_SLOPES if alibi is None else alibi
+    _entry(q.dtype)(q, k, v, out, lse, float(scale), int(window_left), int(window_right), float(softcap), slopes)
