@@ -74,10 +74,8 @@ class CpuBackend(Backend):
         if call.is_varlen:   # one kernel call for every sequence (no attn_bias or mods: validation)
             _run_forward(call, q, k, v, out, lse, packing=call.packing)
         elif _is_tiny(call):   # decode steps and short sequences: one thread, no packing, no padded tiles
-            from numba_flash.cpu.tiny import tiny_forward
-
-            tiny_forward(*(_bshd(x, call.layout) for x in (q, k, v, out)), lse, call.softmax_scale,
-                         call.window_left, call.window_right, call.softcap, call.alibi)
+            _tiny().tiny_forward(q, k, v, out, lse, call.softmax_scale, call.window_left, call.window_right, call.softcap,
+                         call.alibi, call.layout)
         else:
             _run_forward(call, *(_bshd(x, call.layout) for x in (q, k, v, out)), lse)
         lse_dtype = "float64" if call.dtype == "float64" else "float32"
@@ -121,12 +119,24 @@ class CpuBackend(Backend):
         return _like(kv.q, out, kv.dtype), _like(kv.q, lse, lse_dtype)
 
 
+_tiny_module: Any = None
+
+
+def _tiny() -> Any:
+    """``numba_flash.cpu.tiny``, imported on first use (an import statement per call costs a microsecond)."""
+    global _tiny_module
+    if _tiny_module is None:
+        from numba_flash.cpu import tiny
+
+        _tiny_module = tiny
+    return _tiny_module
+
+
 def _is_tiny(call: AttentionCall) -> bool:
     """Whether ``numba_flash.cpu.tiny`` serves this forward (small, and no feature only the tiled kernels have)."""
-    from numba_flash.cpu.tiny import fits_tiny, tiny_work
-
-    work = tiny_work(call.batch, call.seqlen_q, call.seqlen_k, call.nheads_q, call.head_dim, call.head_dim_v)
-    return fits_tiny(work, call.bias is not None, call.mods is not None, call.dropout_p, call.is_varlen)
+    tiny = _tiny()
+    work = tiny.tiny_work(call.batch, call.seqlen_q, call.seqlen_k, call.nheads_q, call.head_dim, call.head_dim_v)
+    return tiny.fits_tiny(work, call.bias is not None, call.mods is not None, call.dropout_p, call.is_varlen)
 
 
 def _bias(call: AttentionCall, compute: np.dtype) -> np.ndarray | None:

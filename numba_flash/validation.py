@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from .arguments import refuse_masked
+from .call_signature import forward_signature, remember, remembered
 from .arrays import array_kind, as_float64, device_of, dtype_name, resolve_torch_bits
 from .errors import bad_arg, short_repr
 from .mods import check_mods
@@ -294,8 +295,18 @@ def validate_forward(
     broadcastable to (B, Hq, Sq, Sk), float32 or q's dtype, the array kind and device of q (see ``check_bias``).
     ``bias_mod``, ``mask_mod``, ``score_mod``, ``block_mask``: see ``numba_flash.mods`` (compiled here, once per
     function). ``dropout_p`` in [0, 1) with ``dropout_seed`` an int in [0, 2**64) (needed when dropout_p > 0; see
-    ``numba_flash.dropout``). ``precision``: ``check_precision``.
+    ``numba_flash.dropout``). ``precision``: ``check_precision``. A plain call's checks run once per signature
+    (``call_signature``).
     """
+    signature = forward_signature(q, k, v, (causal, softmax_scale, window_size, softcap, layout, return_lse, dropout_p,
+                                            dropout_seed, precision),
+                                  (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, attn_bias,
+                                   bias_mod, mask_mod, score_mod, block_mask))
+    fields = remembered(signature)
+    if fields is not None:   # checked already for this signature: the same call but for the arrays
+        call = object.__new__(AttentionCall)
+        call.__dict__.update(fields, q=q, k=k, v=v, extra={})
+        return call
     precision = check_precision(precision)
     layout = resolve_layout(layout, cu_seqlens_q, cu_seqlens_k)
     causal, softmax_scale, window_size, softcap, layout, return_lse = check_options(
@@ -334,11 +345,13 @@ def validate_forward(
     bias = check_bias(attn_bias, infos["q"], (batch, hq, sq, sk), layout)
     mods = check_mods(bias_mod, mask_mod, score_mod, None, block_mask, (batch, hq, sq, sk), layout, False)
     dropout_p, dropout_seed = check_dropout(dropout_p, dropout_seed)
-    return AttentionCall(q=q, k=k, v=v, kind=qkind, device=qdev, dtype=qdt, layout=layout, batch=batch,
+    call = AttentionCall(q=q, k=k, v=v, kind=qkind, device=qdev, dtype=qdt, layout=layout, batch=batch,
                          seqlen_q=sq, seqlen_k=sk, nheads_q=hq, nheads_kv=hkv, head_dim=d, causal=causal,
                          softmax_scale=scale, window_left=left, window_right=right, softcap=softcap,
                          return_lse=return_lse, packing=packing, alibi=alibi, bias=bias, head_dim_v=vshape[-1],
                          mods=mods, dropout_p=dropout_p, dropout_seed=dropout_seed, precision=precision)
+    remember(signature, call.__dict__)
+    return call
 
 
 def check_alibi(alibi_slopes: Any, kind: str, device: str, batch: int, nheads_q: int, seqlen_q: int = 1,

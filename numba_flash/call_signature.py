@@ -1,0 +1,83 @@
+"""Validated calls remembered per signature, so that a loop of calls (decode steps, layers, training steps) pays
+for the contract's checks once per signature instead of once per call.
+
+A signature is everything the checks of a plain dense call look at: each array's exact type, shape, strides, dtype
+and device (torch tensors only when strided, not nested and with no lazy negation or conjugation bit), and every option as an
+exact plain Python value (``bool``, ``int``, ``float``, ``str``, ``None``). Two calls with one signature pass or
+fail the checks alike and derive the same ``AttentionCall`` but for the arrays themselves, so the second one only
+puts its own arrays into a copy of the first's. Calls with anything else (alibi slopes, attn_bias, mods, packed
+sequences, dropout, numpy masked arrays, other array kinds, option values of other types) have no signature and
+are checked in full every time; a call that fails its checks is never remembered.
+
+Imports neither torch nor numba; ``validation`` uses it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+MAX_SIGNATURES = 256   # calls of a process rarely have more; past it the memo starts again
+_memo: dict[tuple, dict[str, Any]] = {}
+_PLAIN_NUMBERS = (int, float)
+
+
+def array_signature(x: Any) -> tuple | None:
+    """The facts of array ``x`` the checks read, as a hashable tuple: a plain ``np.ndarray`` or a torch tensor;
+    None for anything else (a masked array's mask is content, not signature)."""
+    if type(x) is np.ndarray:
+        return (np.ndarray, x.shape, x.strides, x.dtype)
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(x, torch.Tensor) or x.is_nested or x.layout is not torch.strided:
+        return None
+    if x.is_neg() or x.is_conj():   # validation hands on a resolved copy of such a tensor, not the tensor
+        return None
+    return (type(x), x.shape, x.stride(), x.dtype, x.device)
+
+
+def forward_signature(q: Any, k: Any, v: Any, options: tuple, unused: tuple) -> tuple | None:
+    """The signature of a forward call, or None when it has none (see the module's docstring).
+
+    options: (causal, softmax_scale, window_size, softcap, layout, return_lse, dropout_p, dropout_seed,
+    precision) as given; unused: the arguments a plain call leaves None (cu_seqlens, alibi, attn_bias, mods)."""
+    causal, scale, window, softcap, layout, return_lse, dropout_p, dropout_seed, precision = options
+    if any(u is not None for u in unused):
+        return None
+    if type(causal) is not bool or type(return_lse) is not bool or type(precision) is not str:
+        return None
+    if not (scale is None or type(scale) in _PLAIN_NUMBERS) or type(softcap) not in _PLAIN_NUMBERS:
+        return None
+    if type(window) is not tuple or len(window) != 2 or type(window[0]) is not int or type(window[1]) is not int:
+        return None
+    if not (layout is None or type(layout) is str) or type(dropout_p) not in _PLAIN_NUMBERS or dropout_p != 0:
+        return None
+    if not (dropout_seed is None or type(dropout_seed) is int):
+        return None
+    arrays = (array_signature(q), array_signature(k), array_signature(v))
+    if None in arrays:
+        return None
+    return arrays + options
+
+
+def remembered(signature: tuple | None) -> dict[str, Any] | None:
+    """The fields of the call validated with ``signature`` (arrays included: replace them), or None."""
+    return None if signature is None else _memo.get(signature)
+
+
+def remember(signature: tuple | None, fields: dict[str, Any]) -> None:
+    """Keep a validated call's fields for ``signature`` (nothing for None)."""
+    if signature is None:
+        return
+    if len(_memo) >= MAX_SIGNATURES:
+        _memo.clear()
+    _memo[signature] = dict(fields)
+
+
+def forget_all() -> None:
+    """Drop every remembered call (tests; a process needs no reason to)."""
+    _memo.clear()
+
+
+__all__ = ["array_signature", "forward_signature", "remembered", "remember", "forget_all", "MAX_SIGNATURES"]
