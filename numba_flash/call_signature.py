@@ -37,14 +37,22 @@ def array_signature(x: Any) -> tuple | None:
     return (type(x), x.shape, x.stride(), x.dtype, x.device)
 
 
-def forward_signature(q: Any, k: Any, v: Any, options: tuple, unused: tuple) -> tuple | None:
+_OPTIONS = ("causal", "softmax_scale", "window_size", "softcap", "layout", "return_lse", "dropout_p", "dropout_seed",
+            "precision")
+_UNUSED = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "alibi_slopes", "attn_bias", "bias_mod",
+           "mask_mod", "score_mod", "block_mask")
+
+
+def forward_signature(arguments: dict[str, Any]) -> tuple | None:
     """The signature of a forward call, or None when it has none (see the module's docstring).
 
-    options: (causal, softmax_scale, window_size, softcap, layout, return_lse, dropout_p, dropout_seed,
-    precision) as given; unused: the arguments a plain call leaves None (cu_seqlens, alibi, attn_bias, mods)."""
-    causal, scale, window, softcap, layout, return_lse, dropout_p, dropout_seed, precision = options
-    if any(u is not None for u in unused):
+    arguments: ``validate_forward``'s arguments by name, as given: q, k, v, the options (causal, softmax_scale,
+    window_size, softcap, layout, return_lse, dropout_p, dropout_seed, precision) and those a plain call leaves None
+    (cu_seqlens, max_seqlen, alibi_slopes, attn_bias, the mods)."""
+    if any(arguments[name] is not None for name in _UNUSED):
         return None
+    options = tuple(arguments[name] for name in _OPTIONS)
+    causal, scale, window, softcap, layout, return_lse, dropout_p, dropout_seed, precision = options
     if type(causal) is not bool or type(return_lse) is not bool or type(precision) is not str:
         return None
     if not (scale is None or type(scale) in _PLAIN_NUMBERS) or type(softcap) not in _PLAIN_NUMBERS:
@@ -55,15 +63,21 @@ def forward_signature(q: Any, k: Any, v: Any, options: tuple, unused: tuple) -> 
         return None
     if not (dropout_seed is None or type(dropout_seed) is int):
         return None
-    arrays = (array_signature(q), array_signature(k), array_signature(v))
+    arrays = tuple(array_signature(arguments[name]) for name in ("q", "k", "v"))
     if None in arrays:
         return None
     return arrays + options
 
 
-def remembered(signature: tuple | None) -> dict[str, Any] | None:
-    """The fields of the call validated with ``signature`` (arrays included: replace them), or None."""
-    return None if signature is None else _memo.get(signature)
+def recalled(signature: tuple | None, cls: type, q: Any, k: Any, v: Any) -> Any:
+    """The call validated before with ``signature``, as a new ``cls`` (``validation.AttentionCall``) holding the
+    arrays q, k, v of this call (and a fresh ``extra``); None when there is none."""
+    fields = None if signature is None else _memo.get(signature)
+    if fields is None:
+        return None
+    call = object.__new__(cls)   # a frozen dataclass: its fields are set as __init__ would, without re-deriving
+    call.__dict__.update(fields, q=q, k=k, v=v, extra={})
+    return call
 
 
 def remember(signature: tuple | None, fields: dict[str, Any]) -> None:
@@ -80,4 +94,4 @@ def forget_all() -> None:
     _memo.clear()
 
 
-__all__ = ["array_signature", "forward_signature", "remembered", "remember", "forget_all", "MAX_SIGNATURES"]
+__all__ = ["array_signature", "forward_signature", "recalled", "remember", "forget_all", "MAX_SIGNATURES"]
