@@ -9,7 +9,8 @@ has no bfloat16 dtype.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import numba
 import numpy as np
@@ -31,12 +32,32 @@ def _compute_dtype(dtype: str) -> type:
 
 
 def _host(x: Any, compute: type) -> np.ndarray:
-    a = to_numpy(x)
+    """``x`` (validated: no lazy torch bit left) as a host array of the ``compute`` dtype; a view where it can be."""
+    if type(x) is np.ndarray:
+        a = x
+    elif _is_plain_cpu_tensor(x):   # a tiny call's microseconds: skip to_numpy's general case
+        a = x.detach().numpy()
+    else:
+        a = to_numpy(x)
     return a if a.dtype == compute else a.astype(compute)
+
+
+def _is_plain_cpu_tensor(x: Any) -> bool:
+    torch = _torch_if_imported()
+    return torch is not None and type(x) is torch.Tensor and x.device.type == "cpu" and x.dtype in (torch.float32,
+                                                                                                   torch.float64)
+
+
+def _torch_if_imported() -> Any:
+    import sys
+
+    return sys.modules.get("torch")
 
 
 def _like(ref: Any, a: np.ndarray, dtype: str) -> Any:
     """``a`` as the same array kind and dtype as ``ref`` (numpy for anything but torch)."""
+    if _is_plain_cpu_tensor(ref) and a.dtype == np.dtype(dtype):
+        return _torch_if_imported().from_numpy(a)
     if is_torch_tensor(ref):
         import torch
 
@@ -77,7 +98,8 @@ class CpuBackend(Backend):
             _tiny().tiny_forward(q, k, v, out, lse, call.softmax_scale, call.window_left, call.window_right, call.softcap,
                          call.alibi, call.layout)
         else:
-            _run_forward(call, *(_bshd(x, call.layout) for x in (q, k, v, out)), lse)
+            with _serial_if_small(_call_work(call)):
+                _run_forward(call, *(_bshd(x, call.layout) for x in (q, k, v, out)), lse)
         lse_dtype = "float64" if call.dtype == "float64" else "float32"
         return _like(call.q, out, call.dtype), _like(call.q, lse, lse_dtype)
 
@@ -91,8 +113,9 @@ class CpuBackend(Backend):
             _run_backward(call, dout, q, k, v, out, lse, dq, dk, dv, packing=call.packing)
         else:
             lay = call.layout
-            dbias = _run_backward(call, *(_bshd(x, lay) for x in (dout, q, k, v, out)), lse,
-                                  *(_bshd(x, lay) for x in (dq, dk, dv)))
+            with _serial_if_small(_call_work(call)):
+                dbias = _run_backward(call, *(_bshd(x, lay) for x in (dout, q, k, v, out)), lse,
+                                      *(_bshd(x, lay) for x in (dq, dk, dv)))
         grads = tuple(_like(call.q, g, call.dtype) for g in (dq, dk, dv))
         if not call.return_dbias:
             return grads
@@ -110,11 +133,13 @@ class CpuBackend(Backend):
         lse = np.empty((kv.batch, kv.nheads_q, kv.seqlen_q), dtype=compute)
         from numba_flash.cpu.decode import decode_forward
 
-        splits = kvcache.choose_num_splits(kv, numba.get_num_threads())
         rows = kv.cache_rows if kv.cache_rows is not None else np.zeros(kv.batch, np.int64)
         table = kv.block_table if kv.paged else np.zeros((1, 1), np.int64)
-        decode_forward(q, k_cache, v_cache, rows, kv.key_start, kv.key_end, table, kv.page_size, out, lse,
-                       kv.softmax_scale, kv.window_left, kv.window_right, kv.softcap, splits, kv.alibi)
+        work = kv.batch * kv.nheads_q * kv.seqlen_q * kv.capacity * 2 * kv.head_dim   # at most; the keys held
+        with _serial_if_small(work):
+            splits = kvcache.choose_num_splits(kv, numba.get_num_threads())
+            decode_forward(q, k_cache, v_cache, rows, kv.key_start, kv.key_end, table, kv.page_size, out, lse,
+                           kv.softmax_scale, kv.window_left, kv.window_right, kv.softcap, splits, kv.alibi)
         lse_dtype = "float64" if kv.dtype == "float64" else "float32"
         return _like(kv.q, out, kv.dtype), _like(kv.q, lse, lse_dtype)
 
@@ -132,11 +157,37 @@ def _tiny() -> Any:
     return _tiny_module
 
 
+# Calls up to this many multiply-adds (B * Hq * Sq * Sk * (D + Dv), a forward's) run their kernels on one thread:
+# a parallel region's fork and join cost more than they save there, and on a machine whose cores are busy with other
+# work each join waits for a descheduled thread (a 64 x 64 backward, H = 8, took 124 ms on 2 threads with 2.8
+# other processes per core, 0.5 ms on 1). Also the torch pool and numba's then never contend for a tiny call.
+SERIAL_WORK = 1 << 22
+
+
+@contextlib.contextmanager
+def _serial_if_small(work: int) -> Iterator[None]:
+    """Run the block's numba kernels on this thread alone when ``work`` <= ``SERIAL_WORK`` (numba's thread count
+    is per calling thread; restored after)."""
+    before = numba.get_num_threads()
+    if work > SERIAL_WORK or before == 1:
+        yield
+        return
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
+
+
+def _call_work(call: AttentionCall) -> int:
+    return _tiny().tiny_work(call.batch, call.seqlen_q, call.seqlen_k, call.nheads_q, call.head_dim,
+                             call.head_dim_v)
+
+
 def _is_tiny(call: AttentionCall) -> bool:
     """Whether ``numba_flash.cpu.tiny`` serves this forward (small, and no feature only the tiled kernels have)."""
-    tiny = _tiny()
-    work = tiny.tiny_work(call.batch, call.seqlen_q, call.seqlen_k, call.nheads_q, call.head_dim, call.head_dim_v)
-    return tiny.fits_tiny(work, call.bias is not None, call.mods is not None, call.dropout_p, call.is_varlen)
+    return _tiny().fits_tiny(_call_work(call), call.bias is not None, call.mods is not None, call.dropout_p,
+                             call.is_varlen)
 
 
 def _bias(call: AttentionCall, compute: np.dtype) -> np.ndarray | None:

@@ -37,8 +37,6 @@ def array_signature(x: Any) -> tuple | None:
     return (type(x), x.shape, x.stride(), x.dtype, x.device)
 
 
-_OPTIONS = ("causal", "softmax_scale", "window_size", "softcap", "layout", "return_lse", "dropout_p", "dropout_seed",
-            "precision")
 _UNUSED = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "alibi_slopes", "attn_bias", "bias_mod",
            "mask_mod", "score_mod", "block_mask")
 
@@ -49,10 +47,13 @@ def forward_signature(arguments: dict[str, Any]) -> tuple | None:
     arguments: ``validate_forward``'s arguments by name, as given: q, k, v, the options (causal, softmax_scale,
     window_size, softcap, layout, return_lse, dropout_p, dropout_seed, precision) and those a plain call leaves None
     (cu_seqlens, max_seqlen, alibi_slopes, attn_bias, the mods)."""
-    if any(arguments[name] is not None for name in _UNUSED):
-        return None
-    options = tuple(arguments[name] for name in _OPTIONS)
-    causal, scale, window, softcap, layout, return_lse, dropout_p, dropout_seed, precision = options
+    for name in _UNUSED:
+        if arguments[name] is not None:
+            return None
+    causal, scale, window, softcap, layout, return_lse, dropout_p, dropout_seed, precision = options = (
+        arguments["causal"], arguments["softmax_scale"], arguments["window_size"], arguments["softcap"],
+        arguments["layout"], arguments["return_lse"], arguments["dropout_p"], arguments["dropout_seed"],
+        arguments["precision"])
     if type(causal) is not bool or type(return_lse) is not bool or type(precision) is not str:
         return None
     if not (scale is None or type(scale) in _PLAIN_NUMBERS) or type(softcap) not in _PLAIN_NUMBERS:
@@ -63,8 +64,8 @@ def forward_signature(arguments: dict[str, Any]) -> tuple | None:
         return None
     if not (dropout_seed is None or type(dropout_seed) is int):
         return None
-    arrays = tuple(array_signature(arguments[name]) for name in ("q", "k", "v"))
-    if None in arrays:
+    arrays = (array_signature(arguments["q"]), array_signature(arguments["k"]), array_signature(arguments["v"]))
+    if arrays[0] is None or arrays[1] is None or arrays[2] is None:
         return None
     return arrays + options
 
