@@ -90,9 +90,14 @@ def remember(signature: tuple | None, fields: dict[str, Any]) -> None:
     _memo[signature] = dict(fields)
 
 
+def remembered_count() -> int:
+    """How many signatures are remembered now (at most ``MAX_SIGNATURES``)."""
+    return len(_memo)
+
+
 def forget_all() -> None:
     """Drop every remembered call (tests; a process needs no reason to)."""
     _memo.clear()
 
 
-__all__ = ["array_signature", "forward_signature", "recalled", "remember", "forget_all", "MAX_SIGNATURES"]
+__all__ = ["array_signature", "forward_signature", "recalled", "remember", "remembered_count", "forget_all", "MAX_SIGNATURES"]
