@@ -16,6 +16,7 @@ import numba
 import numpy as np
 
 from numba_flash.arrays import as_result_kind, dtype_name, is_torch_tensor, to_numpy
+from numba_flash.semantics import clamp_window_bound
 from numba_flash.validation import AttentionCall
 
 from . import kvcache
@@ -136,6 +137,10 @@ class CpuBackend(Backend):
         rows = kv.cache_rows if kv.cache_rows is not None else np.zeros(kv.batch, np.int64)
         table = kv.block_table if kv.paged else np.zeros((1, 1), np.int64)
         work = kv.batch * kv.nheads_q * kv.seqlen_q * kv.capacity * 2 * kv.head_dim   # at most; the keys held
+        if not kv.paged and _tiny().fits_tiny(work, False, False, 0.0, False):
+            _tiny_decode(kv, q, k_cache, v_cache, rows, out, lse)
+            lse_dtype = "float64" if kv.dtype == "float64" else "float32"
+            return _like(kv.q, out, kv.dtype), _like(kv.q, lse, lse_dtype)
         with _serial_if_small(work):
             splits = kvcache.choose_num_splits(kv, numba.get_num_threads())
             decode_forward(q, k_cache, v_cache, rows, kv.key_start, kv.key_end, table, kv.page_size, out, lse,
@@ -177,6 +182,21 @@ def _serial_if_small(work: int) -> Iterator[None]:
         yield
     finally:
         numba.set_num_threads(before)
+
+
+def _tiny_decode(kv: Any, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, rows: np.ndarray,
+                 out: np.ndarray, lse: np.ndarray) -> None:
+    """A small decode step (not paged) as one tiny forward per sequence, ``decode_forward``'s semantics: batch b
+    attends to positions [key_start[b], key_end[b]) of cache row rows[b], bottom-right aligned. q, out (B, Sq, Hq,
+    D); caches (B_cache, capacity, Hkv, D); lse (B, Hq, Sq); all of the compute dtype. Window bounds are capped per
+    sequence, as ``decode_forward`` caps them."""
+    tiny = _tiny()
+    for b in range(kv.batch):
+        r, k0, k1 = int(rows[b]), int(kv.key_start[b]), int(kv.key_end[b])
+        left, right = (clamp_window_bound(int(w), kv.seqlen_q, k1 - k0) for w in (kv.window_left, kv.window_right))
+        slopes = None if kv.alibi is None else kv.alibi[b:b + 1]
+        tiny.tiny_forward(q[b:b + 1], k_cache[r:r + 1, k0:k1], v_cache[r:r + 1, k0:k1], out[b:b + 1], lse[b:b + 1],
+                          kv.softmax_scale, left, right, kv.softcap, slopes)
 
 
 def _call_work(call: AttentionCall) -> int:
