@@ -142,3 +142,24 @@ def test_small_tiled_calls_run_on_one_thread_and_give_numba_its_thread_count_bac
     out, lse = OP.forward(q, k, v, return_lse=True)
     OP.backward(dout, q, k, v, out, lse)
     assert seen == [1] and numba.get_num_threads() == before
+
+
+def test_small_decode_steps_run_one_tiny_forward_per_sequence(served):
+    rng = np.random.default_rng()
+    q = rng.standard_normal((3, 2, 6, 33)).astype(np.float32)
+    k_cache = rng.standard_normal((4, 40, 3, 33)).astype(np.float32)
+    v_cache = rng.standard_normal((4, 40, 3, 33)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((3, 2, 3, 33)).astype(np.float32) for _ in range(2))
+    held = np.array([0, 5, 17], np.int32)   # the first sequence sees only its two new keys
+    rows = np.array([2, 0, 3], np.int32)
+    expect_k, expect_v = k_cache.copy(), v_cache.copy()
+    for b, (r, n) in enumerate(zip(rows, held)):
+        expect_k[r, n:n + 2], expect_v[r, n:n + 2] = k_new[b], v_new[b]
+    out = OP.with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=held, cache_batch_idx=rows, causal=True,
+                          window_size=(3, -1))
+    assert len(served) == 3
+    np.testing.assert_array_equal(k_cache, expect_k)   # the append, the only modification
+    for b, (r, n) in enumerate(zip(rows, held)):
+        ref, _ = attention_ref(q[b:b + 1].astype(np.float64), expect_k[r:r + 1, :n + 2].astype(np.float64),
+                               expect_v[r:r + 1, :n + 2].astype(np.float64), causal=True, window_size=(3, -1))
+        assert np.abs(out[b:b + 1] - ref).max() <= 1e-5
