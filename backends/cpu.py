@@ -114,6 +114,12 @@ class CpuBackend(Backend):
             _run_backward(call, dout, q, k, v, out, lse, dq, dk, dv, packing=call.packing)
         else:
             lay = call.layout
+            if _is_tiny(call) and not call.return_dbias:
+                _tiny().tiny_backward(*(_bshd(x, lay) for x in (dout, q, k, v, out)), lse,
+                                      *(_bshd(x, lay) for x in (dq, dk, dv)), call.softmax_scale, call.window_left,
+                                      call.window_right, call.softcap, call.alibi)
+                grads = tuple(_like(call.q, g, call.dtype) for g in (dq, dk, dv))
+                return grads
             with _serial_if_small(_call_work(call)):
                 dbias = _run_backward(call, *(_bshd(x, lay) for x in (dout, q, k, v, out)), lse,
                                       *(_bshd(x, lay) for x in (dq, dk, dv)))

@@ -12,7 +12,8 @@ Semantics are the tiled kernel's (``numba_flash.reference.attention_ref``): scor
 then ALiBi; bottom-right aligned causal/window bounds; a row that sees no key gets 0 and lse = +inf; a visible
 score that is not finite (a NaN or inf in q or in a visible k row, or a product that overflows) makes the row's
 out and lse NaN; a non-finite v row that a row sees makes that row's out non-finite, written as NaN. The exponents
-and sums run in float64, so the result is at least as accurate as the tiled kernel's. Calls with attn_bias, mods
+and sums run in float64, so the result is at least as accurate as the tiled kernel's; the scaled scores are
+rounded to the inputs' dtype first, so that a score float32 cannot hold poisons its row as in the tiled kernel. Calls with attn_bias, mods
 or dropout go to the tiled kernels (``fits_tiny``).
 """
 
@@ -53,6 +54,7 @@ def tiny_forward_kernel(q, k, v, out, lse, scale, left, right, softcap, alibi, h
     group = nheads_q // nheads_kv
     shift = seqlen_k - seqlen_q
     zero = as_dtype_of(q, 0.0)   # products summed in the inputs' dtype, as the tiled kernel does
+    qscale = as_dtype_of(q, scale)
     scores = np.empty(seqlen_k, np.float64)
     acc = np.empty(dv, np.float64)
     for b in range(batch):
@@ -76,7 +78,7 @@ def tiny_forward_kernel(q, k, v, out, lse, scale, left, right, softcap, alibi, h
                     dot = zero
                     for d in range(head_dim):
                         dot += q_row[d] * k_row[d]
-                    raw = np.float64(dot) * scale
+                    raw = np.float64(dot * qscale)   # in the inputs' dtype: a float32 overflow is inf
                     if not math.isfinite(raw):   # a non-finite q or k, or an overflow: the row is poisoned
                         poisoned = True
                         break
@@ -101,6 +103,97 @@ def tiny_forward_kernel(q, k, v, out, lse, scale, left, right, softcap, alibi, h
                     o = acc[d] * inv
                     o_row[d] = o if abs(o) < np.inf else np.nan
                 lse[b, h, i] = m + math.log(total)
+
+
+@njit(fastmath={"contract", "reassoc"}, cache=True)
+def tiny_backward_kernel(dout, q, k, v, out, lse, dq, dk, dv, scale, left, right, softcap, alibi, eps):
+    """Exact attention backward, written into dq, dk and dv; serial. FlashAttention-2's formulas per query row:
+    P from the scores (the row's own max and sum, or exp(score - lse) where the given lse is not this row's own:
+    ring attention, as ``stash.defer_to_caller_lse`` decides, within 8 ``eps`` of it), delta = dout . out,
+    dS = P (dout . v - delta) (times the softcap's derivative), dq = scale dS k, dk = scale dS^T q, dv = P^T dout;
+    dk and dv summed over each group's query heads, in float64. A non-finite gradient value is written as NaN.
+
+    dout, q: (B, Sq, Hq, D); k: (B, Sk, Hkv, D); v, dv: (B, Sk, Hkv, Dv); out: (B, Sq, Hq, Dv); dq like q, dk like
+    k; lse: (B, Hq, Sq); any strides, one float dtype. Options as ``tiny_forward_kernel``'s."""
+    batch, seqlen_q, nheads_q, head_dim = q.shape
+    seqlen_k, nheads_kv, dvh = k.shape[1], k.shape[2], v.shape[3]
+    group = nheads_q // nheads_kv
+    shift = seqlen_k - seqlen_q
+    zero = as_dtype_of(q, 0.0)
+    qscale = as_dtype_of(q, scale)
+    scores = np.empty(seqlen_k, np.float64)
+    cap_grad = np.ones(seqlen_k, np.float64)
+    probs = np.empty(seqlen_k, np.float64)
+    dq_row = np.empty(head_dim, np.float64)
+    dk_acc = np.zeros((batch, seqlen_k, nheads_kv, head_dim), np.float64)
+    dv_acc = np.zeros((batch, seqlen_k, nheads_kv, dvh), np.float64)
+    for b in range(batch):
+        for h in range(nheads_q):
+            hk = h // group
+            slope = alibi[b, h] if alibi.shape[0] > 0 else 0.0
+            for i in range(seqlen_q):
+                centre = i + shift
+                lo = 0 if left < 0 else max(0, centre - left)
+                hi = seqlen_k if right < 0 else min(seqlen_k, centre + right + 1)
+                dq_row[:] = 0.0
+                poisoned = False
+                m = -np.inf
+                for j in range(lo, hi):
+                    dot = zero
+                    for d in range(head_dim):
+                        dot += q[b, i, h, d] * k[b, j, hk, d]
+                    raw = np.float64(dot * qscale)   # in the inputs' dtype: a float32 overflow is inf
+                    if not math.isfinite(raw):
+                        poisoned = True
+                    if softcap > 0.0:
+                        t = math.tanh(raw / softcap)
+                        cap_grad[j] = 1.0 - t * t
+                        raw = softcap * t
+                    scores[j] = raw - slope * abs(centre - j)
+                    m = max(m, scores[j])
+                if lo < hi:
+                    given = np.float64(lse[b, h, i])
+                    total = 0.0
+                    if not poisoned:
+                        for j in range(lo, hi):
+                            total += math.exp(scores[j] - m)
+                    own = m + math.log(total) if not poisoned else np.nan
+                    near = abs(own - given) <= 8.0 * eps * max(1.0, abs(given))
+                    for j in range(lo, hi):
+                        if poisoned:
+                            probs[j] = np.nan
+                        elif near:
+                            probs[j] = math.exp(scores[j] - m) / total
+                        else:   # the caller's softmax (over more keys, or a poisoned row elsewhere)
+                            probs[j] = math.exp(scores[j] - given)
+                    delta = 0.0
+                    for d in range(dvh):
+                        delta += np.float64(dout[b, i, h, d]) * np.float64(out[b, i, h, d])
+                    for j in range(lo, hi):
+                        p = probs[j]
+                        dp = 0.0
+                        for d in range(dvh):
+                            g = np.float64(dout[b, i, h, d])
+                            dp += g * v[b, j, hk, d]
+                            dv_acc[b, j, hk, d] += p * g
+                        ds = p * (dp - delta) * scale
+                        if softcap > 0.0:
+                            ds *= cap_grad[j]
+                        for d in range(head_dim):
+                            dq_row[d] += ds * k[b, j, hk, d]
+                            dk_acc[b, j, hk, d] += ds * q[b, i, h, d]
+                for d in range(head_dim):
+                    g = dq_row[d]
+                    dq[b, i, h, d] = g if abs(g) < np.inf else np.nan
+    for b in range(batch):
+        for j in range(seqlen_k):
+            for hk in range(nheads_kv):
+                for d in range(head_dim):
+                    g = dk_acc[b, j, hk, d]
+                    dk[b, j, hk, d] = g if abs(g) < np.inf else np.nan
+                for d in range(dvh):
+                    g = dv_acc[b, j, hk, d]
+                    dv[b, j, hk, d] = g if abs(g) < np.inf else np.nan
 
 
 def tiny_work(batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_dim: int, head_dim_v: int) -> int:
@@ -135,6 +228,32 @@ def _entry(dtype: np.dtype, layout: str) -> Any:
                 sig = (a4, a4, a4, a4, a3, f64, i64, i64, f64, types.Array(f64, 2, "A"), types.boolean)
                 fn = _entries[key] = tiny_forward_kernel.compile(sig)
     return fn
+
+
+_backward_entries: dict[str, Any] = {}
+
+
+def tiny_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: np.ndarray,
+                  dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, scale: float, window_left: int, window_right: int,
+                  softcap: float, alibi: np.ndarray | None = None) -> None:
+    """Attention backward on the calling thread, written into dq, dk and dv (``tiny_backward_kernel``).
+
+    dout, q, dq: (B, Sq, Hq, D / Dv); k, dk: (B, Sk, Hkv, D); v, dv: (B, Sk, Hkv, Dv); out: (B, Sq, Hq, Dv);
+    lse: (B, Hq, Sq) as the forward wrote it; (B, S, H, D) views with any strides, all float32 or all float64.
+    Options as ``tiny_forward``'s. Inputs not modified."""
+    name = q.dtype.name
+    fn = _backward_entries.get(name)
+    if fn is None:
+        with _entries_lock:
+            fn = _backward_entries.get(name)
+            if fn is None:
+                nb = numba.from_dtype(q.dtype)
+                a4, a3, f64, i64 = types.Array(nb, 4, "A"), types.Array(nb, 3, "A"), types.float64, types.int64
+                sig = (a4,) * 5 + (a3,) + (a4,) * 3 + (f64, i64, i64, f64, types.Array(f64, 2, "A"), f64)
+                fn = _backward_entries[name] = tiny_backward_kernel.compile(sig)
+    slopes = _NO_SLOPES if alibi is None else alibi
+    fn(dout, q, k, v, out, lse, dq, dk, dv, float(scale), int(window_left), int(window_right), float(softcap), slopes,
+       float(np.finfo(q.dtype).eps))
 
 
 def tiny_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: np.ndarray, scale: float,
