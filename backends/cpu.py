@@ -96,8 +96,8 @@ class CpuBackend(Backend):
         if call.is_varlen:   # one kernel call for every sequence (no attn_bias or mods: validation)
             _run_forward(call, q, k, v, out, lse, packing=call.packing)
         elif _is_tiny(call):   # decode steps and short sequences: one thread, no packing, no padded tiles
-            _tiny().tiny_forward(q, k, v, out, lse, call.softmax_scale, call.window_left, call.window_right, call.softcap,
-                         call.alibi, call.layout)
+            _tiny().tiny_forward(q, k, v, out, lse, call.softmax_scale, call.window_left, call.window_right,
+                                 call.softcap, call.alibi, call.layout)
         else:
             with _serial_if_small(_call_work(call)):
                 _run_forward(call, *(_bshd(x, call.layout) for x in (q, k, v, out)), lse)

@@ -2,10 +2,11 @@
 for the contract's checks once per signature instead of once per call.
 
 A signature is everything the checks of a plain dense call look at: each array's exact type, shape, strides, dtype
-and device (torch tensors only when strided, not nested and with no lazy negation or conjugation bit), and every option as an
-exact plain Python value (``bool``, ``int``, ``float``, ``str``, ``None``). Two calls with one signature pass or
-fail the checks alike and derive the same ``AttentionCall`` but for the arrays themselves, so the second one only
-puts its own arrays into a copy of the first's. Calls with anything else (alibi slopes, attn_bias, mods, packed
+and device (torch tensors only when strided, not nested and with no lazy negation or conjugation bit), and every
+option as an exact plain Python value (``bool``, ``int``, ``float``, ``str``, ``None``). Two calls with one
+signature pass or fail the checks alike and derive the same ``AttentionCall`` but for the arrays themselves, so the
+second one only puts its own arrays into a copy of the first's. (No validated field depends on strides; they are
+in the signature all the same, so that nothing a later check might read is left out.) Calls with anything else (alibi slopes, attn_bias, mods, packed
 sequences, dropout, numpy masked arrays, other array kinds, option values of other types) have no signature and
 are checked in full every time; a call that fails its checks is never remembered.
 
@@ -100,4 +101,5 @@ def forget_all() -> None:
     _memo.clear()
 
 
-__all__ = ["array_signature", "forward_signature", "recalled", "remember", "remembered_count", "forget_all", "MAX_SIGNATURES"]
+__all__ = ["array_signature", "forward_signature", "recalled", "remember", "remembered_count", "forget_all",
+           "MAX_SIGNATURES"]

@@ -1,4 +1,4 @@
-"""Tiny forward calls on one thread: decode steps (Sq = 1), short sequences, small heads.
+"""Tiny calls on one thread, forward and backward: decode steps (Sq = 1), short sequences, small heads.
 
 The tiled kernels (``forward``) pay for their shape on such calls: a query tile is ``BLOCK_M`` = 64 rows however
 few are real, so a decode step computes 64x the products it needs; K and V are packed head-major first; and each
@@ -13,8 +13,9 @@ then ALiBi; bottom-right aligned causal/window bounds; a row that sees no key ge
 score that is not finite (a NaN or inf in q or in a visible k row, or a product that overflows) makes the row's
 out and lse NaN; a non-finite v row that a row sees makes that row's out non-finite, written as NaN. The exponents
 and sums run in float64, so the result is at least as accurate as the tiled kernel's; the scaled scores are
-rounded to the inputs' dtype first, so that a score float32 cannot hold poisons its row as in the tiled kernel. Calls with attn_bias, mods
-or dropout go to the tiled kernels (``fits_tiny``).
+rounded to the inputs' dtype first, so that a score float32 cannot hold poisons its row as in the tiled kernel.
+Calls with attn_bias, mods or dropout go to the tiled kernels (``fits_tiny``). ``tiny_backward`` is the same loop
+nest for the gradients (FlashAttention-2's formulas per row; see ``tiny_backward_kernel``).
 """
 
 from __future__ import annotations

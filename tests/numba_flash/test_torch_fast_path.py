@@ -4,7 +4,6 @@ reference's forward and gradients on fresh odd-size inputs without modifying the
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
