@@ -6,9 +6,10 @@ and device (torch tensors only when strided, not nested and with no lazy negatio
 option as an exact plain Python value (``bool``, ``int``, ``float``, ``str``, ``None``). Two calls with one
 signature pass or fail the checks alike and derive the same ``AttentionCall`` but for the arrays themselves, so the
 second one only puts its own arrays into a copy of the first's. (No validated field depends on strides; they are
-in the signature all the same, so that nothing a later check might read is left out.) Calls with anything else (alibi slopes, attn_bias, mods, packed
-sequences, dropout, numpy masked arrays, other array kinds, option values of other types) have no signature and
-are checked in full every time; a call that fails its checks is never remembered.
+in the signature all the same, so that nothing a later check might read is left out.) Calls with anything else
+(alibi slopes, attn_bias, mods, packed sequences, dropout, numpy masked arrays, other array kinds, option values of
+other types) have no signature and are checked in full every time; a call that fails its checks is never
+remembered.
 
 Imports neither torch nor numba; ``validation`` uses it.
 """
