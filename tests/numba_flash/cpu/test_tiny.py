@@ -11,7 +11,7 @@ import pytest
 import backends.cpu as cpu_backend
 from numba_flash import backend_registry
 from numba_flash.cpu import tiny
-from numba_flash.reference import attention_ref
+from numba_flash.reference import attention_ref, attention_ref_backward
 
 OP = backend_registry.get("flash", backend="cpu")
 
@@ -163,3 +163,43 @@ def test_small_decode_steps_run_one_tiny_forward_per_sequence(served):
         ref, _ = attention_ref(q[b:b + 1].astype(np.float64), expect_k[r:r + 1, :n + 2].astype(np.float64),
                                expect_v[r:r + 1, :n + 2].astype(np.float64), causal=True, window_size=(3, -1))
         assert np.abs(out[b:b + 1] - ref).max() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:7])))
+def test_backward_matches_the_float64_reference(case, dtype, monkeypatch):
+    b, sq, sk, hq, hkv, d, dv, options = case
+    calls = []
+    real = tiny.tiny_backward
+    monkeypatch.setattr(tiny, "tiny_backward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rng = np.random.default_rng()
+    q, k = rng.standard_normal((b, sq, hq, d)).astype(dtype), rng.standard_normal((b, sk, hkv, d)).astype(dtype)
+    v, dout = rng.standard_normal((b, sk, hkv, dv)).astype(dtype), rng.standard_normal((b, sq, hq, dv)).astype(dtype)
+    options = dict(options)
+    slopes = rng.uniform(0.1, 1.0, hq).astype(np.float32) if options.pop("alibi", False) else None
+    out, lse = OP.forward(q, k, v, return_lse=True, alibi_slopes=slopes, **options)
+    before = [x.copy() for x in (dout, q, k, v, out, lse)]
+    grads = OP.backward(dout, q, k, v, out, lse, alibi_slopes=slopes, **options)
+    assert calls, "the tiny path did not serve this call"
+    for x, was in zip((dout, q, k, v, out, lse), before):
+        np.testing.assert_array_equal(x, was)
+    want = attention_ref_backward(*(x.astype(np.float64) for x in (dout, q, k, v)), alibi_slopes=slopes, **options)
+    for got, want in zip(grads, want):
+        assert got.shape == want.shape and got.dtype == dtype
+        rel = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-300)
+        assert rel <= (1e-5 if dtype == np.float32 else 1e-12), rel
+
+
+def test_backward_with_another_softmax_s_lse_takes_it():
+    """Ring attention's blocks: the lse of a softmax over more keys than this call holds gives that softmax's share
+    of the gradients, exp(score - lse), as the tiled backward does."""
+    rng = np.random.default_rng()
+    q, k, v, dout = (rng.standard_normal((1, 4, 2, 8)).astype(np.float64) for _ in range(4))
+    out, lse = OP.forward(q, k, v, return_lse=True)
+    wider = lse + 0.7   # as if other keys held e^0.7 - 1 of the mass
+    got = OP.backward(dout, q, k, v, out, wider)
+    numba_flash_cpu = pytest.importorskip("numba_flash.cpu")
+    want = [np.empty_like(x) for x in (q, k, v)]
+    numba_flash_cpu.flash_backward(dout, q, k, v, out, wider, *want, 8 ** -0.5, -1, -1, 0.0)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
