@@ -83,9 +83,11 @@ def recalled(signature: tuple | None, cls: type, q: Any, k: Any, v: Any) -> Any:
     return call
 
 
-def remember(signature: tuple | None, fields: dict[str, Any]) -> None:
-    """Keep a validated call's fields for ``signature`` (nothing for None)."""
-    if signature is None:
+def remember(signature: tuple | None, fields: dict[str, Any], given: tuple[Any, Any, Any]) -> None:
+    """Keep a validated call's fields for ``signature`` (nothing for None). ``given``: q, k, v as the caller gave
+    them; a call whose checks put other arrays in their place (a converted copy) is not kept, since ``recalled``
+    hands on the caller's own arrays."""
+    if signature is None or any(fields[name] is not x for name, x in zip("qkv", given)):
         return
     if len(_memo) >= MAX_SIGNATURES:
         _memo.clear()

@@ -296,6 +296,7 @@ def validate_forward(
     signature = forward_signature(locals())   # before any check, of the arguments as given
     if (known := recalled(signature, AttentionCall, q, k, v)) is not None:
         return known
+    given = (q, k, v)
     precision = check_precision(precision)
     layout = resolve_layout(layout, cu_seqlens_q, cu_seqlens_k)
     causal, softmax_scale, window_size, softcap, layout, return_lse = check_options(
@@ -339,7 +340,7 @@ def validate_forward(
                          softmax_scale=scale, window_left=left, window_right=right, softcap=softcap,
                          return_lse=return_lse, packing=packing, alibi=alibi, bias=bias, head_dim_v=vshape[-1],
                          mods=mods, dropout_p=dropout_p, dropout_seed=dropout_seed, precision=precision)
-    remember(signature, call.__dict__)
+    remember(signature, call.__dict__, given)
     return call
 
 

@@ -110,3 +110,22 @@ def test_the_memo_is_bounded(monkeypatch):
     for d in range(1, 8):
         validate_forward(*_qkv(rng, d=d))
     assert call_signature.remembered_count() <= 3
+
+
+def test_a_call_whose_checks_replaced_an_array_is_not_remembered(monkeypatch):
+    """Were a check to hand on a converted copy of q, a recalled call would run on the caller's unconverted q."""
+    import numba_flash.validation as validation
+
+    real = validation.check_array
+
+    def copying(name, x, layout):
+        info = real(name, x, layout)
+        return (info[0].copy(),) + tuple(info[1:]) if name == "q" else info
+
+    monkeypatch.setattr(validation, "check_array", copying)
+    rng = np.random.default_rng()
+    q, k, v = _qkv(rng)
+    validate_forward(q, k, v)
+    assert call_signature.remembered_count() == 0
+    q2, k2, v2 = _qkv(rng)
+    assert validate_forward(q2, k2, v2).q is not q2   # checked again, through the copying check
