@@ -9,12 +9,14 @@ has no bfloat16 dtype.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import numba
 import numpy as np
 
 from numba_flash.arrays import as_result_kind, dtype_name, is_torch_tensor, to_numpy
+from numba_flash.semantics import clamp_window_bound
 from numba_flash.validation import AttentionCall
 
 from . import kvcache
@@ -31,12 +33,32 @@ def _compute_dtype(dtype: str) -> type:
 
 
 def _host(x: Any, compute: type) -> np.ndarray:
-    a = to_numpy(x)
+    """``x`` (validated: no lazy torch bit left) as a host array of the ``compute`` dtype; a view where it can be."""
+    if type(x) is np.ndarray:
+        a = x
+    elif _is_plain_cpu_tensor(x):   # a tiny call's microseconds: skip to_numpy's general case
+        a = x.detach().numpy()
+    else:
+        a = to_numpy(x)
     return a if a.dtype == compute else a.astype(compute)
+
+
+def _is_plain_cpu_tensor(x: Any) -> bool:
+    torch = _torch_if_imported()
+    return torch is not None and type(x) is torch.Tensor and x.device.type == "cpu" and x.dtype in (torch.float32,
+                                                                                                   torch.float64)
+
+
+def _torch_if_imported() -> Any:
+    import sys
+
+    return sys.modules.get("torch")
 
 
 def _like(ref: Any, a: np.ndarray, dtype: str) -> Any:
     """``a`` as the same array kind and dtype as ``ref`` (numpy for anything but torch)."""
+    if _is_plain_cpu_tensor(ref) and a.dtype == np.dtype(dtype):
+        return _torch_if_imported().from_numpy(a)
     if is_torch_tensor(ref):
         import torch
 
@@ -73,8 +95,12 @@ class CpuBackend(Backend):
         lse = np.empty(call.lse_shape, dtype=compute)
         if call.is_varlen:   # one kernel call for every sequence (no attn_bias or mods: validation)
             _run_forward(call, q, k, v, out, lse, packing=call.packing)
+        elif _is_tiny(call):   # decode steps and short sequences: one thread, no packing, no padded tiles
+            _tiny().tiny_forward(q, k, v, out, lse, call.softmax_scale, call.window_left, call.window_right,
+                                 call.softcap, call.alibi, call.layout)
         else:
-            _run_forward(call, *(_bshd(x, call.layout) for x in (q, k, v, out)), lse)
+            with _serial_if_small(_call_work(call)):
+                _run_forward(call, *(_bshd(x, call.layout) for x in (q, k, v, out)), lse)
         lse_dtype = "float64" if call.dtype == "float64" else "float32"
         return _like(call.q, out, call.dtype), _like(call.q, lse, lse_dtype)
 
@@ -88,8 +114,15 @@ class CpuBackend(Backend):
             _run_backward(call, dout, q, k, v, out, lse, dq, dk, dv, packing=call.packing)
         else:
             lay = call.layout
-            dbias = _run_backward(call, *(_bshd(x, lay) for x in (dout, q, k, v, out)), lse,
-                                  *(_bshd(x, lay) for x in (dq, dk, dv)))
+            if _is_tiny(call) and not call.return_dbias:
+                _tiny().tiny_backward(*(_bshd(x, lay) for x in (dout, q, k, v, out)), lse,
+                                      *(_bshd(x, lay) for x in (dq, dk, dv)), call.softmax_scale, call.window_left,
+                                      call.window_right, call.softcap, call.alibi)
+                grads = tuple(_like(call.q, g, call.dtype) for g in (dq, dk, dv))
+                return grads
+            with _serial_if_small(_call_work(call)):
+                dbias = _run_backward(call, *(_bshd(x, lay) for x in (dout, q, k, v, out)), lse,
+                                      *(_bshd(x, lay) for x in (dq, dk, dv)))
         grads = tuple(_like(call.q, g, call.dtype) for g in (dq, dk, dv))
         if not call.return_dbias:
             return grads
@@ -107,13 +140,80 @@ class CpuBackend(Backend):
         lse = np.empty((kv.batch, kv.nheads_q, kv.seqlen_q), dtype=compute)
         from numba_flash.cpu.decode import decode_forward
 
-        splits = kvcache.choose_num_splits(kv, numba.get_num_threads())
         rows = kv.cache_rows if kv.cache_rows is not None else np.zeros(kv.batch, np.int64)
         table = kv.block_table if kv.paged else np.zeros((1, 1), np.int64)
-        decode_forward(q, k_cache, v_cache, rows, kv.key_start, kv.key_end, table, kv.page_size, out, lse,
-                       kv.softmax_scale, kv.window_left, kv.window_right, kv.softcap, splits, kv.alibi)
+        work = kv.batch * kv.nheads_q * kv.seqlen_q * kv.capacity * 2 * kv.head_dim   # at most; the keys held
+        if not kv.paged and _tiny().fits_tiny(work, False, False, 0.0, False):
+            _tiny_decode(kv, q, k_cache, v_cache, rows, out, lse)
+            lse_dtype = "float64" if kv.dtype == "float64" else "float32"
+            return _like(kv.q, out, kv.dtype), _like(kv.q, lse, lse_dtype)
+        with _serial_if_small(work):
+            splits = kvcache.choose_num_splits(kv, numba.get_num_threads())
+            decode_forward(q, k_cache, v_cache, rows, kv.key_start, kv.key_end, table, kv.page_size, out, lse,
+                           kv.softmax_scale, kv.window_left, kv.window_right, kv.softcap, splits, kv.alibi)
         lse_dtype = "float64" if kv.dtype == "float64" else "float32"
         return _like(kv.q, out, kv.dtype), _like(kv.q, lse, lse_dtype)
+
+
+_tiny_module: Any = None
+
+
+def _tiny() -> Any:
+    """``numba_flash.cpu.tiny``, imported on first use (an import statement per call costs a microsecond)."""
+    global _tiny_module
+    if _tiny_module is None:
+        from numba_flash.cpu import tiny
+
+        _tiny_module = tiny
+    return _tiny_module
+
+
+# Calls up to this many multiply-adds (B * Hq * Sq * Sk * (D + Dv), a forward's) run their kernels on one thread:
+# a parallel region's fork and join cost more than they save there, and on a machine whose cores are busy with other
+# work each join waits for a descheduled thread (a 64 x 64 backward, H = 8, took 124 ms on 2 threads with 2.8
+# other processes per core, 0.5 ms on 1). Also the torch pool and numba's then never contend for a tiny call.
+SERIAL_WORK = 1 << 22
+
+
+@contextlib.contextmanager
+def _serial_if_small(work: int) -> Iterator[None]:
+    """Run the block's numba kernels on this thread alone when ``work`` <= ``SERIAL_WORK`` (numba's thread count
+    is per calling thread; restored after)."""
+    before = numba.get_num_threads()
+    if work > SERIAL_WORK or before == 1:
+        yield
+        return
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
+
+
+def _tiny_decode(kv: Any, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, rows: np.ndarray,
+                 out: np.ndarray, lse: np.ndarray) -> None:
+    """A small decode step (not paged) as one tiny forward per sequence, ``decode_forward``'s semantics: batch b
+    attends to positions [key_start[b], key_end[b]) of cache row rows[b], bottom-right aligned. q, out (B, Sq, Hq,
+    D); caches (B_cache, capacity, Hkv, D); lse (B, Hq, Sq); all of the compute dtype. Window bounds are capped per
+    sequence, as ``decode_forward`` caps them."""
+    tiny = _tiny()
+    for b in range(kv.batch):
+        r, k0, k1 = int(rows[b]), int(kv.key_start[b]), int(kv.key_end[b])
+        left, right = (clamp_window_bound(int(w), kv.seqlen_q, k1 - k0) for w in (kv.window_left, kv.window_right))
+        slopes = None if kv.alibi is None else kv.alibi[b:b + 1]
+        tiny.tiny_forward(q[b:b + 1], k_cache[r:r + 1, k0:k1], v_cache[r:r + 1, k0:k1], out[b:b + 1], lse[b:b + 1],
+                          kv.softmax_scale, left, right, kv.softcap, slopes)
+
+
+def _call_work(call: AttentionCall) -> int:
+    return _tiny().tiny_work(call.batch, call.seqlen_q, call.seqlen_k, call.nheads_q, call.head_dim,
+                             call.head_dim_v)
+
+
+def _is_tiny(call: AttentionCall) -> bool:
+    """Whether ``numba_flash.cpu.tiny`` serves this forward (small, and no feature only the tiled kernels have)."""
+    return _tiny().fits_tiny(_call_work(call), call.bias is not None, call.mods is not None, call.dropout_p,
+                             call.is_varlen)
 
 
 def _bias(call: AttentionCall, compute: np.dtype) -> np.ndarray | None:

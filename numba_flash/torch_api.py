@@ -16,9 +16,11 @@ import dataclasses
 from typing import Any, Optional
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from numba_flash.arguments import checked_arguments
 from numba_flash import backend_registry
+from numba_flash.errors import BackendDeclined
 from numba_flash.torch_common import (SEEDS, check_flash_attn_extras, check_tensors, lse_dtype, no_double_backward,
                                       owned_output)
 # The packed and KV-cache faces live in modules of their own; importing them here registers their ops whenever
@@ -35,8 +37,7 @@ def _q_heads_seq(q: torch.Tensor, layout: str) -> tuple[int, int]:
     return (q.shape[2], q.shape[1]) if layout == "bshd" else (q.shape[1], q.shape[2])
 
 
-@torch.library.custom_op("numba_flash::flash_fwd", mutates_args=())
-def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
+def _flash_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
               window_left: int, window_right: int, softcap: float, layout: str, backend: Optional[str],
               alibi_slopes: Optional[torch.Tensor] = None, attn_bias: Optional[torch.Tensor] = None,
               dropout_p: float = 0.0, dropout_seed: int = 0,
@@ -50,6 +51,9 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
     return owned_output(out, q, q.dtype, (q, k, v)), owned_output(lse, q, lse_dtype(q.dtype), (q, k, v))
 
 
+flash_fwd = torch.library.custom_op("numba_flash::flash_fwd", mutates_args=())(_flash_fwd_impl)
+
+
 @flash_fwd.register_fake
 def _flash_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, softcap, layout, backend,
                     alibi_slopes=None, attn_bias=None, dropout_p=0.0, dropout_seed=0, precision="ieee"):
@@ -59,8 +63,7 @@ def _flash_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, s
     return out, lse
 
 
-@torch.library.custom_op("numba_flash::flash_bwd", mutates_args=())
-def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+def _flash_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
               softcap: float, layout: str, backend: Optional[str],
               alibi_slopes: Optional[torch.Tensor] = None, attn_bias: Optional[torch.Tensor] = None,
@@ -80,6 +83,9 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return dq, dk, dv, dbias
 
 
+flash_bwd = torch.library.custom_op("numba_flash::flash_bwd", mutates_args=())(_flash_bwd_impl)
+
+
 @flash_bwd.register_fake
 def _flash_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap, layout,
                     backend, alibi_slopes=None, attn_bias=None, return_dbias=False, dropout_p=0.0, dropout_seed=0):
@@ -97,10 +103,12 @@ class FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, window_left, window_right, softcap, layout, backend,
-                alibi_slopes=None, attn_bias=None, dropout_p=0.0, dropout_seed=0, precision="ieee"):
-        out, lse = torch.ops.numba_flash.flash_fwd(q, k, v, causal, softmax_scale, window_left, window_right,
-                                                   softcap, layout, backend, alibi_slopes, attn_bias, dropout_p,
-                                                   dropout_seed, precision)
+                alibi_slopes=None, attn_bias=None, dropout_p=0.0, dropout_seed=0, precision="ieee", call=None):
+        args = (q, k, v, causal, softmax_scale, window_left, window_right, softcap, layout, backend, alibi_slopes,
+                attn_bias, dropout_p, dropout_seed, precision)
+        found = _forward_validated(call, backend, q, k, v) if call is not None and _eager(q, k, v) else None
+        out, lse = found if found is not None else torch.ops.numba_flash.flash_fwd(*args)
+        ctx.eager = found is not None
         ctx.save_for_backward(q, k, v, out, lse, attn_bias)
         ctx.params = (causal, softmax_scale, window_left, window_right, softcap, layout, backend, alibi_slopes)
         # the seed is kept, not the mask: the backward makes the same mask again from it
@@ -114,9 +122,31 @@ class FlashAttnFunc(torch.autograd.Function):
         return_dbias = attn_bias is not None and ctx.needs_input_grad[11]
         # Gradients arriving from a sum() or an expand() are broadcast views (stride 0); one contiguous copy of
         # dout, the size of q, spares every backend that case.
-        dq, dk, dv, dbias = torch.ops.numba_flash.flash_bwd(dout.contiguous(), q, k, v, out, lse, *ctx.params,
-                                                            attn_bias, return_dbias, *ctx.dropout)
-        return (dq, dk, dv) + (None,) * 8 + (dbias if return_dbias else None, None, None, None)
+        args = (dout.contiguous(), q, k, v, out, lse, *ctx.params, attn_bias, return_dbias, *ctx.dropout)
+        # The op's dispatch costs ~140 us a call on the CPU; eager calls need none of what it does (see _eager).
+        run = _flash_bwd_impl if ctx.eager and _eager(dout, q, k, v) else torch.ops.numba_flash.flash_bwd
+        dq, dk, dv, dbias = run(*args)
+        return (dq, dk, dv) + (None,) * 8 + (dbias if return_dbias else None, None, None, None, None)
+
+
+def _eager(*tensors: torch.Tensor) -> bool:
+    """Whether a call may skip the custom ops' dispatcher and run their implementation directly: not traced by
+    torch.compile, no torch dispatch mode active (FakeTensorMode, FlopCounterMode...: they must see the op), and
+    plain tensors (a subclass may dispatch on the op). The ops stay what torch.compile and opcheck see."""
+    return (not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode()
+            and all(type(t) is torch.Tensor for t in tensors))
+
+
+def _forward_validated(call: Any, backend: Optional[str], q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``flash_fwd``'s work for a call ``flash_attn_func`` validated already (checks run once per call): out and
+    lse as the op returns them, or None when the chosen backend declines (the op then runs it, and picks again)."""
+    be = backend_registry.get("flash").select(call, backend)
+    try:
+        out, lse = be.forward(call)
+    except BackendDeclined:
+        return None
+    return owned_output(out, q, q.dtype, (q, k, v)), owned_output(lse, q, lse_dtype(q.dtype), (q, k, v))
 
 
 @checked_arguments
@@ -215,11 +245,16 @@ def flash_attn_func(
     if not torch.compiler.is_compiling():
         # Fail fast, naming the argument, before autograd records anything. Under torch.compile the ops validate
         # when they run, and this Python-level check would only cost graph breaks.
-        call = _validated_call(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                               softcap=softcap, layout=layout, return_lse=return_lse, alibi_slopes=alibi_slopes,
-                               attn_bias=attn_bias, bias_mod=bias_mod, mask_mod=mask_mod, score_mod=score_mod,
-                               block_mask=block_mask)
+        # The ops' own arguments (window_size as a tuple of ints, the seed the ops take), so that the call is the
+        # one the forward runs (passed on: validated once) and its checks are remembered per signature.
+        call = _validated_call(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                               window_size=tuple(int(w) for w in window_size), softcap=softcap, layout=layout,
+                               return_lse=True, alibi_slopes=alibi_slopes, attn_bias=attn_bias, bias_mod=bias_mod,
+                               mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask, dropout_p=dropout_p,
+                               dropout_seed=seed % SEEDS if dropout_p else None, precision=precision)
         backend = _backend_for_both_halves(call, backend, attn_bias)
+    else:
+        call = None
     scale = None if softmax_scale is None else float(softmax_scale)
     left, right = (int(w) for w in window_size)
     mods = dict(bias_mod=bias_mod, mask_mod=mask_mod, score_mod=score_mod, score_mod_grad=score_mod_grad,
@@ -231,7 +266,7 @@ def flash_attn_func(
         out, lse = _forward_with_mods(q, k, v, attn_bias, params, mods)
     else:
         out, lse = FlashAttnFunc.apply(q, k, v, bool(causal), scale, left, right, float(softcap), layout, backend,
-                                       alibi_slopes, attn_bias, dropout_p, seed, precision)
+                                       alibi_slopes, attn_bias, dropout_p, seed, precision, call)
     return (out, lse) if return_lse else out
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from .arguments import refuse_masked
+from .call_signature import forward_signature, recalled, remember
 from .arrays import array_kind, as_float64, device_of, dtype_name, resolve_torch_bits
 from .errors import bad_arg, short_repr
 from .mods import check_mods
@@ -153,9 +154,7 @@ def _check_torch(name: str, x: Any) -> Any:
     """Refuse torch layouts no backend reads; resolve lazy negation/conjugation bits (see ``resolve_torch_bits``).
 
     Sparse (and other non-strided) tensors are refused rather than densified: every kernel reads strided memory,
-    attention is dense in q, k and v anyway, and a silent ``to_dense()`` of a large sparse tensor could allocate
-    without bound; the caller chooses to pay for it. A MaskedTensor is refused before this, by ``refuse_masked``,
-    which every caller runs first."""
+    and a silent ``to_dense()`` could allocate without bound. (``refuse_masked`` has refused a MaskedTensor.)"""
     import torch
 
     if x.is_nested:
@@ -197,8 +196,7 @@ def check_array(name: str, x: Any, layout: str) -> tuple[Any, str, tuple[int, ..
 
 def _result_kind_ok(kind: str, qkind: str) -> bool:
     """Whether an array of ``kind`` may stand beside inputs of ``qkind`` as a forward's result (out, lse) or dout:
-    the same kind, or for DLPack inputs (JAX, ...) the numpy arrays or torch tensors the forward returned for them
-    (no library can build the exporter's own type); the device is checked apart."""
+    the same kind, or for DLPack inputs the numpy arrays or torch tensors the forward returned (device apart)."""
     return kind == qkind or (qkind == "dlpack" and kind in ("numpy", "torch"))
 
 
@@ -223,8 +221,7 @@ def _check_bool(name: str, value: Any) -> bool:
 
 def check_deterministic(value: Any) -> bool:
     """``deterministic``, accepted by every entry point as the contract says: every backend's backward is bitwise
-    reproducible run to run already (no atomics), so True changes nothing; a value that is not a bool is refused
-    (the same words from op.forward / op.backward and from flash_attn_func)."""
+    reproducible already (no atomics), so True changes nothing; a value that is not a bool is refused."""
     if not isinstance(value, (bool, np.bool_)):
         raise bad_arg("deterministic", "a bool", short_repr(value))
     return bool(value)
@@ -268,9 +265,8 @@ def check_options(causal: Any, softmax_scale: Any, window_size: Any, softcap: An
 
 
 def resolve_layout(layout: Any, cu_seqlens_q: Any, cu_seqlens_k: Any) -> Any:
-    """``layout`` as given, or for None (the default) "thd" when cumulative sequence lengths are given, else
-    "bshd": the packed call of the contract, ``forward(q, k, v, cu_seqlens_q=..., cu_seqlens_k=...)``, needs no
-    layout. A layout given explicitly is kept, and checked against the other arguments."""
+    """``layout`` as given (kept, and checked against the other arguments), or for None (the default) "thd" when
+    cumulative sequence lengths are given, else "bshd": ``forward(q, k, v, cu_seqlens_q=...)`` needs no layout."""
     if layout is None:
         return "thd" if cu_seqlens_q is not None or cu_seqlens_k is not None else "bshd"
     return layout
@@ -294,8 +290,13 @@ def validate_forward(
     broadcastable to (B, Hq, Sq, Sk), float32 or q's dtype, the array kind and device of q (see ``check_bias``).
     ``bias_mod``, ``mask_mod``, ``score_mod``, ``block_mask``: see ``numba_flash.mods`` (compiled here, once per
     function). ``dropout_p`` in [0, 1) with ``dropout_seed`` an int in [0, 2**64) (needed when dropout_p > 0; see
-    ``numba_flash.dropout``). ``precision``: ``check_precision``.
+    ``numba_flash.dropout``). ``precision``: ``check_precision``. Plain calls: checked once per signature
+    (``call_signature``).
     """
+    signature = forward_signature(locals())   # before any check, of the arguments as given
+    if (known := recalled(signature, AttentionCall, q, k, v)) is not None:
+        return known
+    given = (q, k, v)
     precision = check_precision(precision)
     layout = resolve_layout(layout, cu_seqlens_q, cu_seqlens_k)
     causal, softmax_scale, window_size, softcap, layout, return_lse = check_options(
@@ -334,11 +335,13 @@ def validate_forward(
     bias = check_bias(attn_bias, infos["q"], (batch, hq, sq, sk), layout)
     mods = check_mods(bias_mod, mask_mod, score_mod, None, block_mask, (batch, hq, sq, sk), layout, False)
     dropout_p, dropout_seed = check_dropout(dropout_p, dropout_seed)
-    return AttentionCall(q=q, k=k, v=v, kind=qkind, device=qdev, dtype=qdt, layout=layout, batch=batch,
+    call = AttentionCall(q=q, k=k, v=v, kind=qkind, device=qdev, dtype=qdt, layout=layout, batch=batch,
                          seqlen_q=sq, seqlen_k=sk, nheads_q=hq, nheads_kv=hkv, head_dim=d, causal=causal,
                          softmax_scale=scale, window_left=left, window_right=right, softcap=softcap,
                          return_lse=return_lse, packing=packing, alibi=alibi, bias=bias, head_dim_v=vshape[-1],
                          mods=mods, dropout_p=dropout_p, dropout_seed=dropout_seed, precision=precision)
+    remember(signature, call.__dict__, given)
+    return call
 
 
 def check_alibi(alibi_slopes: Any, kind: str, device: str, batch: int, nheads_q: int, seqlen_q: int = 1,

@@ -120,6 +120,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                           "and torch's flex_attention where it compiles (--compare none leaves it out). Defaults "
                           f"B={VARIANTS_DEFAULTS['batch']} H={VARIANTS_DEFAULTS['nheads']} "
                           f"S={VARIANTS_DEFAULTS['seqlen']} D={VARIANTS_DEFAULTS['headdim']}")
+    one.add_argument("--host-overhead", action="store_true",
+                     help="the host cost of tiny calls (B=1 H=8 D=64, Sq x Sk = 1x16 and 64x64): forward, "
+                          "forward+backward and a KV-cache decode step on the cpu backend (numpy) and the torch "
+                          "faces (CPU tensors), each against torch SDPA on the same call: P50/P95 us and the "
+                          "ratio. 30 x --repeats calls per row; --backend cpu,torch; --json")
     modes.add_argument("--cache-lens", type=_positive_ints, metavar="L1,L2,...",
                        help="--decode's cache lengths (default " + ",".join(map(str, DEFAULT_CACHE_LENS)) + ")")
     modes.add_argument("--total-tokens", type=positive_int, metavar="N",
@@ -158,9 +163,9 @@ def _flag_message(exc: BenchArgumentError) -> str:
 
 def _mode(args: argparse.Namespace) -> str | None:
     """'--decode', '--varlen' or '--variants' when one of those modes replaces the sweep, else None."""
-    for mode in ("decode", "varlen", "variants"):
+    for mode in ("decode", "varlen", "variants", "host_overhead"):
         if getattr(args, mode, False):
-            return "--" + mode
+            return "--" + mode.replace("_", "-")
     return None
 
 
@@ -192,6 +197,27 @@ def _variants_cases(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     return [case], runners
 
 
+def _host_overhead_cases(parser: argparse.ArgumentParser, args: argparse.Namespace
+                         ) -> tuple[list[Any], list[Any]]:
+    """--host-overhead's rows are fixed (``host_overhead.host_cases``); only --backend, --repeats, --seed and
+    --json apply."""
+    from .host_overhead import host_backends
+
+    given = {"--config": args.config, "--seqlen": args.seqlen, "--batch": args.batch, "--nheads": args.nheads,
+             "--nheads-kv": args.nheads_kv, "--headdim": args.headdim, "--causal": args.causal,
+             "--compare": args.compare, "--csv": args.csv, "--plot": args.plot, "--no-grad": args.no_grad,
+             "--layout": args.layout if args.layout != "bshd" else None,
+             "--dtype": args.dtype if args.dtype != "fp32" else None, "--cache-lens": args.cache_lens,
+             "--total-tokens": args.total_tokens}
+    for flag, value in given.items():
+        if value:
+            parser.error(f"{flag} does not apply to --host-overhead")
+    try:
+        return [], [(n, "backend") for n in host_backends(args.backend)]
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def _mode_cases(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
     """--decode's cases and (name, kind) runners, or --varlen's one case and backends; flags that have no meaning
     in the mode are refused rather than ignored."""
@@ -200,6 +226,8 @@ def _mode_cases(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tu
 
     if args.variants:
         return _variants_cases(parser, args)
+    if args.host_overhead:
+        return _host_overhead_cases(parser, args)
     mode = "--decode" if args.decode else "--varlen"
     unused = {"--config": args.config, "--seqlen": args.seqlen, "--plot": args.plot,
               "--layout": args.layout if args.layout != "bshd" else None,
@@ -322,6 +350,10 @@ def run_mode_command(args: argparse.Namespace, cases: list[Any], runner_specs: l
 
     if args.variants:
         return _run_variants(args, cases[0], runner_specs)
+    if args.host_overhead:
+        from .host_overhead import run_command as run_host_overhead
+
+        return run_host_overhead(args)
     if args.decode:
         peers = [n for n, kind in runner_specs if kind == "peer"]
         rows, meta, notes = execute_decode(

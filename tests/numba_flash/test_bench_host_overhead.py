@@ -1,0 +1,78 @@
+"""``numba-flash bench --host-overhead``: its table of rows, the records' keys and their consistency, a failing row
+reported rather than lost, the command end to end with --json, and the flags that do not apply refused (exit 2).
+Performance goals live in the bench's output, never here."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from numba_flash import cli
+from numba_flash.bench import host_overhead
+from numba_flash.bench.host_overhead import HostCase, host_cases, measure
+
+
+def test_the_table_covers_every_backend_call_and_size():
+    rows = host_cases(torch_available=True)
+    keys = {(r.backend, r.call, r.seqlen_q, r.seqlen_k) for r in rows}
+    assert ("cpu", "forward", 1, 16) in keys and ("torch", "forward_backward", 64, 64) in keys
+    assert ("cpu", "decode", 1, 64) in keys and not any(c == "decode" and sq != 1 for _, c, sq, _ in keys)
+    assert len(keys) == len(rows) == 2 * (2 * 2 + 2)
+    assert all(r.sdpa is not None for r in rows)
+    assert {r.backend for r in host_cases(torch_available=False)} == {"cpu"}
+    assert all(r.sdpa is None for r in host_cases(torch_available=False))
+
+
+def test_a_record_s_figures_agree_with_each_other():
+    pytest.importorskip("torch")
+    (case,) = host_cases(["cpu"], ["forward"], [(1, 16)])
+    r = measure(case, repeats=20, rounds=2, warmup=2)
+    assert r["status"] == "ok" and (r["backend"], r["call"], r["seqlen_q"], r["seqlen_k"]) == ("cpu", "forward", 1, 16)
+    assert 0 < r["min_us"] <= r["p50_us"] <= r["p95_us"]
+    assert 0 < r["torch_sdpa_min_us"] <= r["torch_sdpa_p50_us"]
+    assert math.isclose(r["ratio"], r["p50_us"] / r["torch_sdpa_p50_us"])
+
+
+def test_a_row_without_sdpa_and_a_failing_row():
+    """A stub device's row (no SDPA to compare with) gets no ratio; a row that raises reports why."""
+    stub = HostCase("stub", "forward", 1, 16, setup=lambda rng: (lambda: None))
+    r = measure(stub, repeats=10, rounds=2, warmup=1)
+    assert r["status"] == "ok" and "ratio" not in r and r["p50_us"] >= 0
+
+    def broken(rng):
+        raise RuntimeError("no device")
+    r = measure(HostCase("stub", "decode", 1, 16, setup=broken), repeats=10)
+    assert r["status"] == "error: RuntimeError: no device" and "p50_us" not in r
+    assert "error: RuntimeError" in host_overhead.format_host_table([r])
+
+
+def test_the_command_writes_one_record_per_row(tmp_path, monkeypatch, capsys):
+    # the same command on fewer rows: the table's first two, as the command builds them
+    real = host_overhead.host_cases
+    monkeypatch.setattr(host_overhead, "host_cases",
+                        lambda *a, **k: [r for r in real(*a, **k) if r.seqlen_k == 16][:2])
+    path = tmp_path / "host.json"
+    rc = cli.main(["bench", "--host-overhead", "--backend", "cpu", "--repeats", "1", "--json", str(path)])
+    assert rc == 0
+    data = json.loads(path.read_text())
+    assert data["meta"]["mode"] == "host-overhead"
+    records = data["results"]
+    assert [(r["backend"], r["call"]) for r in records] == [("cpu", "forward"), ("cpu", "forward_backward")]
+    for r in records:
+        assert {"backend", "call", "p50_us", "p95_us"} <= set(r) and r["status"] == "ok"
+    out = capsys.readouterr().out
+    assert "x sdpa" in out and "forward_backward" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seqlen", "5"], "--seqlen does not apply to --host-overhead"),
+    (["--causal"], "--causal does not apply to --host-overhead"),
+    (["--backend", "cuda"], "--host-overhead times cpu and torch"),
+    (["--decode"], "not allowed with argument"),
+])
+def test_flags_that_do_not_apply_exit_2(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--host-overhead", *args])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
