@@ -139,8 +139,9 @@ def test_small_tiled_calls_run_on_one_thread_and_give_numba_its_thread_count_bac
     before = numba.get_num_threads()
     rng = np.random.default_rng()
     q, k, v, dout = (rng.standard_normal((1, 3, 2, 8)).astype(np.float32) for _ in range(4))
-    out, lse = OP.forward(q, k, v, return_lse=True)
-    OP.backward(dout, q, k, v, out, lse)
+    drop = dict(dropout_p=0.25, dropout_seed=int(rng.integers(1 << 62)))   # a feature only the tiled kernels have
+    out, lse = OP.forward(q, k, v, return_lse=True, **drop)
+    OP.backward(dout, q, k, v, out, lse, **drop)
     assert seen == [1] and numba.get_num_threads() == before
 
 
