@@ -123,8 +123,10 @@ class FlashAttnFunc(torch.autograd.Function):
         # Gradients arriving from a sum() or an expand() are broadcast views (stride 0); one contiguous copy of
         # dout, the size of q, spares every backend that case.
         args = (dout.contiguous(), q, k, v, out, lse, *ctx.params, attn_bias, return_dbias, *ctx.dropout)
-        # The op's dispatch costs ~140 us a call on the CPU; eager calls need none of what it does (see _eager).
-        run = _flash_bwd_impl if ctx.eager and _eager(dout, q, k, v) else torch.ops.numba_flash.flash_bwd
+        # The op's dispatch costs ~140 us a call on the CPU; eager calls need none of what it does (see _eager),
+        # but create_graph=True (grad mode on here) needs the op's autograd entry, which refuses a second derivative.
+        eager = ctx.eager and not torch.is_grad_enabled() and _eager(dout, q, k, v)
+        run = _flash_bwd_impl if eager else torch.ops.numba_flash.flash_bwd
         dq, dk, dv, dbias = run(*args)
         return (dq, dk, dv) + (None,) * 8 + (dbias if return_dbias else None, None, None, None, None)
 
