@@ -58,7 +58,7 @@ class PagedKeys:
         if array_kind(x) == "torch":
             import torch
 
-            return tuple(torch.from_numpy(i).to(x.device) for i in (self.blocks, self.offsets))
+            return tuple(torch.tensor(i, device=x.device) for i in (self.blocks, self.offsets))  # a copy: i is read-only
         return self.blocks, self.offsets
 
     def gather(self, x: Any) -> Any:
