@@ -58,7 +58,8 @@ class PagedKeys:
         if array_kind(x) == "torch":
             import torch
 
-            return tuple(torch.tensor(i, device=x.device) for i in (self.blocks, self.offsets))  # a copy: i is read-only
+            # torch.tensor copies: the index arrays are read-only, which torch.from_numpy warns about
+            return tuple(torch.tensor(i, device=x.device) for i in (self.blocks, self.offsets))
         return self.blocks, self.offsets
 
     def gather(self, x: Any) -> Any:
