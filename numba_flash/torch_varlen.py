@@ -198,9 +198,9 @@ def flash_attn_varlen_func(
         check_tensors("flash_attn_varlen_func", q, k, v)
         paged = None if block_table is None else check_paged_keys(k, v, block_table, cu_seqlens_k)
         validate_forward(q, *_packed_stand_ins(paged, k, v), causal=causal, softmax_scale=softmax_scale,
-                         window_size=window_size, softcap=softcap, layout="thd", return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
-                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                         alibi_slopes=alibi_slopes)
+                         window_size=window_size, softcap=softcap, layout="thd", return_lse=return_lse,
+                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                         max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes)
         # The ops' schema takes tensors; a numpy prefix sum (already checked) becomes one without a copy.
         # (a copy where its strides are negative, which torch tensors cannot have)
         cu_seqlens_q, cu_seqlens_k, block_table = (
