@@ -297,3 +297,29 @@ def test_varlen_paged_ops_pass_opcheck_and_compile(rng):
     assert torch.allclose(got, want, rtol=1e-6)
     for g, x in zip(grads, (tq, tkc, tvc)):
         assert g.shape == x.shape and torch.allclose(g, x.grad, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_shared_page_gets_the_sum_of_its_gradients(rng, backend):
+    """Two sequences with one prompt prefix on the same page (prefix caching) read it both; its gradient is the sum
+    of what each read got, through op.backward (numpy) and through autograd (torch)."""
+    torch = pytest.importorskip("torch")
+    from numba_flash import flash_attn_varlen_func
+
+    q, k, v, dout, cu_q, cu_k = packed_inputs(rng, [3, 4], [7, 6], 2, 1, 5)
+    k[7:11], v[7:11] = k[0:4], v[0:4]                    # the same first 4 keys
+    kc, vc, table = page_keys(rng, k, v, cu_k, 4, fill="garbage")
+    shared, spare = table[0, 0], table[1, 0]
+    table[1, 0] = shared
+    packed = _run(backend, q, k, v, dout, cu_q, cu_k, causal=True)
+    paged = _run(backend, q, kc, vc, dout, cu_q, cu_k, causal=True, block_table=table)
+    tq, tkc, tvc = _tensors(torch, (q, kc, vc))
+    out = flash_attn_varlen_func(tq, tkc, tvc, torch.from_numpy(cu_q), torch.from_numpy(cu_k), 4, 7, causal=True,
+                                 block_table=torch.from_numpy(table), backend=backend)
+    out.backward(torch.from_numpy(dout))
+    np.testing.assert_array_equal(f64(out), f64(packed["out"]))
+    for name, grad in (("dk", tkc.grad), ("dv", tvc.grad)):
+        for got in (f64(paged[name]), f64(grad)):
+            np.testing.assert_allclose(got[shared], f64(packed[name][0:4]) + f64(packed[name][7:11]), rtol=1e-6,
+                                       atol=1e-6)
+            assert not got[spare].any()
