@@ -33,10 +33,10 @@ def _no_env_backend(monkeypatch):
     monkeypatch.delenv(backend_registry.ENV_VAR, raising=False)
 
 
-def _inputs(rng, page_size, fill=np.nan, hq=4, hkv=2, d=7, lens=(LENS_Q, LENS_K)):
+def _inputs(rng, page_size, fill=np.nan, hq=4, hkv=2, d=7, lens=(LENS_Q, LENS_K), extra_columns=1):
     """q, packed k and v, dout, cu_q, cu_k, and the paged k_cache, v_cache and block_table of the same keys."""
     q, k, v, dout, cu_q, cu_k = packed_inputs(rng, *lens, hq, hkv, d)
-    k_cache, v_cache, table = page_keys(rng, k, v, cu_k, page_size, fill=fill)
+    k_cache, v_cache, table = page_keys(rng, k, v, cu_k, page_size, fill=fill, extra_columns=extra_columns)
     return q, k, v, dout, cu_q, cu_k, k_cache, v_cache, table
 
 
@@ -105,8 +105,9 @@ def test_float32_matches_reference(rng, backend, opts, page_size):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_same_as_the_packed_call(rng, backend):
     """The paged call gives what the call with the keys already packed gives, bit for bit (garbage, not NaN, in the
-    rows nobody reads; a page size of 1 and an unbalanced mix of heads)."""
-    q, k, v, dout, cu_q, cu_k, kc, vc, table = _inputs(rng, 1, fill="garbage", hq=3, hkv=1, d=5)
+    rows nobody reads; a page size of 1, a table row with exactly the pages its sequence needs, and an unbalanced
+    mix of heads)."""
+    q, k, v, dout, cu_q, cu_k, kc, vc, table = _inputs(rng, 1, fill="garbage", hq=3, hkv=1, d=5, extra_columns=0)
     packed = _run(backend, q, k, v, dout, cu_q, cu_k, causal=True)
     paged = _run(backend, q, kc, vc, dout, cu_q, cu_k, causal=True, block_table=table)
     for name in ("out", "lse", "dq"):
