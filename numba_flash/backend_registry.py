@@ -394,12 +394,13 @@ class Dispatcher:
                 max_seqlen_k: int | None = None, alibi_slopes: Any = None, attn_bias: Any = None,
                 bias_mod: Any = None, mask_mod: Any = None, score_mod: Any = None,
                 block_mask: Any = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
-                deterministic: bool = False, precision: str = "ieee") -> "Explanation":
+                deterministic: bool = False, precision: str = "ieee", block_table: Any = None) -> "Explanation":
         """Which backend a forward call would use and why each other one was passed over.
 
         Returns an ``Explanation``: a ``str`` of a few lines (``print`` it, or search it with ``in``) that also
         carries the decision as data (``.chosen``, ``.forced``, ``.candidates``) and shows as a table in a notebook.
         """
+        _, k, v = gather_paged_keys(k, v, block_table, cu_seqlens_k, layout)   # the packed call the backends see
         call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                 softcap=softcap, layout=layout, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,

@@ -324,3 +324,9 @@ def test_a_shared_page_gets_the_sum_of_its_gradients(rng, backend):
             np.testing.assert_allclose(got[shared], f64(packed[name][0:4]) + f64(packed[name][7:11]), rtol=1e-6,
                                        atol=1e-6)
             assert not got[spare].any()
+
+
+def test_explain_takes_the_paged_call(rng):
+    q, k, v, dout, cu_q, cu_k, kc, vc, table = _inputs(rng, 5)
+    op = backend_registry.get("flash")
+    assert op.explain(q, kc, vc, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, block_table=table, backend="cpu").chosen == "cpu"
