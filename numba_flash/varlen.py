@@ -5,7 +5,9 @@ A packed batch stores B sequences one after another: q is ``(total_q, Hq, D)``, 
 sequence b holds rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q and keys ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``
 of k and v. Each sequence attends only within itself, with causal masks and windows aligned to the bottom-right
 corner of its own ``(Sq_b, Sk_b)`` block; lse is ``(Hq, total_q)``. A sequence may be empty on either side: with no
-rows it has nothing to compute, with no keys its rows see nothing (out 0, lse +inf, gradients 0).
+rows it has nothing to compute, with no keys its rows see nothing (out 0, lse +inf, gradients 0). With
+``block_table`` the keys are read from paged caches instead (``numba_flash.paged_keys``, which gathers them into
+this layout before any backend sees the call).
 
 What is accepted, and why:
 
