@@ -313,13 +313,12 @@ def check_block_indices(table: np.ndarray, pages_used: np.ndarray, num_blocks: i
     """AttentionInputError naming ``block_table`` unless the first ``pages_used[b]`` entries of each row b of
     ``table`` (B, max_blocks) int64 name blocks of a paged cache of ``num_blocks``. Entries past them are never
     read and may hold anything (-1 padding, as vLLM's tables do)."""
-    for b in range(len(pages_used)):
-        used = table[b, :pages_used[b]]
-        out_of_range = np.flatnonzero((used < 0) | (used >= num_blocks))
-        if out_of_range.size:
-            n = int(out_of_range[0])
-            raise bad_arg("block_table", f"block indices in [0, {num_blocks}) for the pages sequence {b} uses",
-                          f"block_table[{b}, {n}] = {int(used[n])}")
+    used = np.arange(table.shape[1]) < np.asarray(pages_used)[:, None]   # one pass, not one per sequence
+    bad = np.argwhere(used & ((table < 0) | (table >= num_blocks)))       # row-major: the first sequence's first
+    if len(bad):
+        b, n = (int(i) for i in bad[0])
+        raise bad_arg("block_table", f"block indices in [0, {num_blocks}) for the pages sequence {b} uses",
+                      f"block_table[{b}, {n}] = {int(table[b, n])}")
 
 
 def _check_pages_used(table: np.ndarray, num_blocks: int, page_size: int, seqlens: np.ndarray,
