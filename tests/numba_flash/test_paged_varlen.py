@@ -330,3 +330,21 @@ def test_explain_takes_the_paged_call(rng):
     q, k, v, dout, cu_q, cu_k, kc, vc, table = _inputs(rng, 5)
     op = backend_registry.get("flash")
     assert op.explain(q, kc, vc, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, block_table=table, backend="cpu").chosen == "cpu"
+
+
+def test_float16_keeps_its_dtype_and_equals_the_packed_call(rng):
+    """float16 on the torch path: the gathered keys and the paged gradients keep the dtype, and the paged call
+    gives the packed call's bits."""
+    torch = pytest.importorskip("torch")
+    from numba_flash import flash_attn_varlen_func
+
+    q, k, v, dout, cu_q, cu_k, kc, vc, table = _inputs(rng, 5, fill="garbage")
+    t_cu_q, t_cu_k, t_table = (torch.from_numpy(x) for x in (cu_q, cu_k, table))
+    paged, packed = _tensors(torch, (q, kc, vc), "float16"), _tensors(torch, (q, k, v), "float16")
+    outs = [flash_attn_varlen_func(*args, t_cu_q, t_cu_k, 9, 21, causal=True, block_table=bt, backend="rocm")
+            for args, bt in ((paged, t_table), (packed, None))]
+    for out in outs:
+        out.backward(torch.from_numpy(dout).half())
+    assert torch.equal(outs[0], outs[1]) and torch.equal(paged[0].grad, packed[0].grad)
+    assert paged[1].grad.dtype == torch.float16 and paged[1].grad.shape == kc.shape
+    _check_paged_grads(dict(dk=paged[1].grad, dv=paged[2].grad), (packed[1].grad, packed[2].grad), table, cu_k)
