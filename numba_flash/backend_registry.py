@@ -32,6 +32,7 @@ from typing import Any, Iterator
 
 from numba_flash.arguments import checked_arguments
 from numba_flash.errors import AttentionInputError, BackendDeclined, NoBackendError
+from numba_flash.paged_keys import gather_paged_keys
 from numba_flash.validation import (AttentionCall, check_deterministic, check_precision, validate_backward,
                                     validate_forward)
 
@@ -289,13 +290,16 @@ class Dispatcher:
                 cu_seqlens_k: Any = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                 alibi_slopes: Any = None, attn_bias: Any = None, bias_mod: Any = None, mask_mod: Any = None,
                 score_mod: Any = None, block_mask: Any = None, dropout_p: float = 0.0,
-                dropout_seed: int | None = None, deterministic: bool = False, precision: str = "ieee") -> Any:
+                dropout_seed: int | None = None, deterministic: bool = False, precision: str = "ieee",
+                block_table: Any = None) -> Any:
         """Attention forward.
 
         q: (B, Sq, Hq, D) for layout "bshd" (the default) or (B, Hq, Sq, D) for "bhsd"; k, v: (B, Sk, Hkv, D) /
         (B, Hkv, Sk, D). Packed sequences, layout "thd" (the default when cu_seqlens are given): q (total_q, Hq, D),
         k, v (total_k, Hkv, D), ``cu_seqlens_q`` / ``cu_seqlens_k`` (B + 1,) int32 prefix sums, ``max_seqlen_q`` /
-        ``max_seqlen_k`` optional upper bounds on the sequence lengths.
+        ``max_seqlen_k`` optional upper bounds on the sequence lengths. Paged keys (flash-attn's paged prefill):
+        with ``block_table`` (B, max_blocks) int32, k and v are caches (num_blocks, page_size, Hkv, D) and
+        sequence b's keys are the first Sk_b rows of its pages in table order (``numba_flash.paged_keys``).
         ``alibi_slopes`` (Hq,) or (B, Hq): adds ``-slope * |i + Sk - Sq - j|`` to the scores (flash-attn's ALiBi).
         ``attn_bias``: an array broadcastable to (B, Hq, Sq, Sk), float32 or q's dtype, added to the scores after
         softcap; -inf hides a key. ``bias_mod``, ``mask_mod``, ``score_mod``: plain Python functions numba compiles
@@ -310,6 +314,7 @@ class Dispatcher:
         Returns out shaped like q (same array kind, device, dtype), and with ``return_lse`` also lse (B, Hq, Sq),
         or (Hq, total_q) for "thd", float32.
         """
+        paged, k, v = gather_paged_keys(k, v, block_table, cu_seqlens_k, layout)
         call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                 softcap=softcap, layout=layout, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -329,15 +334,17 @@ class Dispatcher:
                  return_dbias: bool = False, bias_mod: Any = None, mask_mod: Any = None, score_mod: Any = None,
                  score_mod_grad: Any = None, block_mask: Any = None, dropout_p: float = 0.0,
                  dropout_seed: int | None = None, deterministic: bool = False,
-                 precision: str = "ieee") -> tuple[Any, ...]:
+                 precision: str = "ieee", block_table: Any = None) -> tuple[Any, ...]:
         """Attention backward. dout and out are shaped like q; lse is (B, Hq, Sq), or (Hq, total_q) for packed
-        sequences, as ``forward`` returned it. Packed sequences take the forward's cu_seqlens and max_seqlen.
+        sequences, as ``forward`` returned it. Packed sequences take the forward's cu_seqlens and max_seqlen, and
+        paged keys its block_table: dk and dv are then shaped like the paged k and v, 0 in rows no sequence reads.
         Returns dq, dk, dv shaped like q, k, v; with GQA dk and dv are summed over each group of query heads.
         With ``return_dbias`` (needs the forward's ``attn_bias``) also dbias shaped like attn_bias, float32 (float64
         for float64 inputs), summed over the dimensions the bias was broadcast along. The forward's mods again, and
         for a ``score_mod`` its derivative ``score_mod_grad(score, b, h, q_idx, kv_idx)``. ``deterministic`` is
         accepted: the result has the same bits on every run whatever it says. ``precision`` is accepted as the
         forward takes it; the backward computes float32 in float32 on every backend (no TF32 backward kernel)."""
+        paged, k, v = gather_paged_keys(k, v, block_table, cu_seqlens_k, layout)
         call = validate_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                                  window_size=window_size, softcap=softcap, layout=layout, cu_seqlens_q=cu_seqlens_q,
                                  cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -347,7 +354,11 @@ class Dispatcher:
                                  dropout_seed=dropout_seed)
         check_deterministic(deterministic)
         check_precision(precision)
-        return self._run(call, backend, "backward")
+        grads = self._run(call, backend, "backward")
+        if paged is None:
+            return grads
+        dq, dk, dv, *rest = grads
+        return (dq, paged.scatter(dk, paged.shape_k), paged.scatter(dv, paged.shape_v), *rest)
 
     @checked_arguments
     def with_kvcache(self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, rotary_cos: Any = None,
@@ -383,12 +394,13 @@ class Dispatcher:
                 max_seqlen_k: int | None = None, alibi_slopes: Any = None, attn_bias: Any = None,
                 bias_mod: Any = None, mask_mod: Any = None, score_mod: Any = None,
                 block_mask: Any = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
-                deterministic: bool = False, precision: str = "ieee") -> "Explanation":
+                deterministic: bool = False, precision: str = "ieee", block_table: Any = None) -> "Explanation":
         """Which backend a forward call would use and why each other one was passed over.
 
         Returns an ``Explanation``: a ``str`` of a few lines (``print`` it, or search it with ``in``) that also
         carries the decision as data (``.chosen``, ``.forced``, ``.candidates``) and shows as a table in a notebook.
         """
+        _, k, v = gather_paged_keys(k, v, block_table, cu_seqlens_k, layout)   # the packed call the backends see
         call = validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                 softcap=softcap, layout=layout, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,

@@ -145,8 +145,9 @@ def choose_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, n_threads: 
     return int(max(1, min(wanted, by_length, MAX_SPLITS)))
 
 
-def _host_ints(name: str, x: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
-    """``x`` (an integer array of any kind) as a read-only int64 host copy of ``shape``."""
+def host_ints(name: str, x: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
+    """``x`` (an integer array of any kind, int32 or int64) as a read-only int64 host copy of ``shape``, or
+    AttentionInputError naming ``name``; ``what`` describes the shape in the message ("(B, max_blocks)")."""
     kind = array_kind(x)
     if kind is None:
         raise bad_arg(name, f"an int32 array {what} (numpy, torch or a device array)", f"an object of type "
@@ -264,7 +265,7 @@ def _check_paging(block_table: Any, cache_batch_idx: Any, cache_leftpad: Any, ba
     if kind is None or len(block_table.shape) != 2 or int(block_table.shape[0]) != batch:
         got = f"shape {tuple(int(s) for s in block_table.shape)}" if kind else type(block_table).__name__
         raise bad_arg("block_table", f"an int32 array (B, max_blocks) with B = {batch}", got)
-    table = _host_ints("block_table", block_table, (batch, int(block_table.shape[1])), "(B, max_blocks)")
+    table = host_ints("block_table", block_table, (batch, int(block_table.shape[1])), "(B, max_blocks)")
     page_size = kc_shape[1]
     return table, page_size, table.shape[1] * page_size
 
@@ -276,7 +277,7 @@ def _cache_lengths(cache_seqlens: Any, batch: int, capacity: int, seqlen_new: in
     elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)
     else:
-        seqlens = _host_ints("cache_seqlens", cache_seqlens, (batch,), "(B,) or an int")
+        seqlens = host_ints("cache_seqlens", cache_seqlens, (batch,), "(B,) or an int")
     _first_bad("cache_seqlens", seqlens, seqlens >= 0, "every entry >= 0")
     _first_bad("cache_seqlens", seqlens, seqlens + seqlen_new <= capacity,
                f"room for the {seqlen_new} new keys: cache_seqlens[b] + S_new <= the cache's capacity {capacity}")
@@ -289,7 +290,7 @@ def _cache_rows(cache_batch_idx: Any, batch: int, kc_shape: tuple[int, ...], seq
         if kc_shape[0] < batch:
             raise bad_arg("k_cache", f"at least B = {batch} cache rows (or cache_batch_idx)", f"shape {kc_shape}")
         return np.arange(batch, dtype=np.int64)
-    rows = _host_ints("cache_batch_idx", cache_batch_idx, (batch,), "(B,)")
+    rows = host_ints("cache_batch_idx", cache_batch_idx, (batch,), "(B,)")
     _first_bad("cache_batch_idx", rows, (rows >= 0) & (rows < kc_shape[0]),
                f"cache rows in [0, {kc_shape[0]})")
     if seqlen_new and len(np.unique(rows)) != batch:
@@ -302,10 +303,22 @@ def _key_starts(cache_leftpad: Any, batch: int, seqlens: np.ndarray) -> np.ndarr
     """The first key each sequence attends to, (B,) host int64: ``cache_leftpad`` or 0."""
     starts = np.zeros(batch, dtype=np.int64)
     if cache_leftpad is not None:
-        starts = _host_ints("cache_leftpad", cache_leftpad, (batch,), "(B,)")
+        starts = host_ints("cache_leftpad", cache_leftpad, (batch,), "(B,)")
         _first_bad("cache_leftpad", starts, (starts >= 0) & (starts <= seqlens), "0 <= cache_leftpad[b] <= "
                    "cache_seqlens[b]")
     return starts
+
+
+def check_block_indices(table: np.ndarray, pages_used: np.ndarray, num_blocks: int) -> None:
+    """AttentionInputError naming ``block_table`` unless the first ``pages_used[b]`` entries of each row b of
+    ``table`` (B, max_blocks) int64 name blocks of a paged cache of ``num_blocks``. Entries past them are never
+    read and may hold anything (-1 padding, as vLLM's tables do)."""
+    used = np.arange(table.shape[1]) < np.asarray(pages_used)[:, None]   # one pass, not one per sequence
+    bad = np.argwhere(used & ((table < 0) | (table >= num_blocks)))       # row-major: the first sequence's first
+    if len(bad):
+        b, n = (int(i) for i in bad[0])
+        raise bad_arg("block_table", f"block indices in [0, {num_blocks}) for the pages sequence {b} uses",
+                      f"block_table[{b}, {n}] = {int(table[b, n])}")
 
 
 def _check_pages_used(table: np.ndarray, num_blocks: int, page_size: int, seqlens: np.ndarray,
@@ -314,13 +327,7 @@ def _check_pages_used(table: np.ndarray, num_blocks: int, page_size: int, seqlen
     batch = len(seqlens)
     ends = seqlens + seqlen_new
     pages_used = -(-ends // page_size)
-    for b in range(batch):
-        used = table[b, :pages_used[b]]
-        out_of_range = np.flatnonzero((used < 0) | (used >= num_blocks))
-        if out_of_range.size:
-            n = int(out_of_range[0])
-            raise bad_arg("block_table", f"block indices in [0, {num_blocks}) for the pages sequence {b} uses",
-                          f"block_table[{b}, {n}] = {int(used[n])}")
+    check_block_indices(table, pages_used, num_blocks)
     if seqlen_new:
         written = [table[b, seqlens[b] // page_size:pages_used[b]] for b in range(batch)]
         flat = np.concatenate(written)

@@ -21,7 +21,8 @@ time, never through numba. Dropout (``dropout_p``, ``dropout_seed``) multiplies 
 softmax by the factors of ``numba_flash.dropout_mask``; the lse stays that of the softmax before dropout.
 
 Packed sequences (layout "thd") have functions of their own, ``attention_ref_varlen`` and its backward: the same
-rules hold within each sequence, and nothing crosses from one sequence to another.
+rules hold within each sequence, and nothing crosses from one sequence to another. Their ``block_table`` reads
+the keys from paged caches (``reference_pages``).
 
 The backward is the chain rule through exactly these operations, so a gradient is NaN where it depends on a
 non-finite value and equal to the clean run's elsewhere (dv, which does not depend on v, stays finite for a NaN in
@@ -36,6 +37,7 @@ import numpy as np
 
 from .arguments import checked_arguments
 from .arrays import as_float64, to_numpy
+from .reference_pages import page_grads_ref, unpage_ref
 from .semantics import default_scale, effective_window, packed_visible_mask, visible_mask
 
 
@@ -330,7 +332,7 @@ def _packed_alibi(alibi_slopes: Any, cu_q: np.ndarray, cu_k: np.ndarray, h: int)
 def attention_ref_varlen(
     q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *, causal: bool = False,
     softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-    alibi_slopes: Any = None,
+    alibi_slopes: Any = None, block_table: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Exact attention over packed sequences (layout "thd") in float64.
 
@@ -347,11 +349,14 @@ def attention_ref_varlen(
             A sequence may be empty on either side.
         causal, window_size: aligned to the bottom-right corner of each sequence's own (Sq_b, Sk_b) block.
         alibi_slopes: None, (Hq,) or (B, Hq): ALiBi with each sequence's own distances (``_packed_alibi``).
+        block_table: None, or (B, max_blocks) integers: k and v are then paged caches (num_blocks, page_size,
+            Hkv, D) and sequence b's key j is ``k[block_table[b, j // page_size], j % page_size]``.
     Returns:
         out: (total_q, Hq, D) float64; 0 for rows that see no key (every row of a sequence without keys).
         lse: (Hq, total_q) float64, +inf for a row that sees no key, NaN for a poisoned row. The non-finite rule of
             this module holds within each sequence: a bad value never reaches another sequence.
     """
+    k, v = unpage_ref(k, v, block_table, cu_seqlens_k)
     qp, kp, vp = as_float64(q), as_float64(k), as_float64(v)
     total_q, hq, d = qp.shape
     hkv = kp.shape[1]
@@ -372,13 +377,15 @@ def attention_ref_varlen(
 def attention_ref_varlen_backward(
     dout: Any, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *, causal: bool = False,
     softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-    alibi_slopes: Any = None,
+    alibi_slopes: Any = None, block_table: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Gradients of ``sum(attention_ref_varlen(q, k, v, ...)[0] * dout)`` in float64.
 
     Arguments as for ``attention_ref_varlen``; dout (total_q, Hq, D). Returns dq (total_q, Hq, D), dk and dv
-    (total_k, Hkv, D), float64; dk, dv summed over each group's query heads and 0 for keys no row sees.
+    (total_k, Hkv, D), float64; dk, dv summed over each group's query heads and 0 for keys no row sees. With
+    ``block_table``, dk and dv are shaped like the paged k and v, each key's gradient at its page row, 0 elsewhere.
     """
+    shapes, (k, v) = (np.shape(k), np.shape(v)), unpage_ref(k, v, block_table, cu_seqlens_k)
     qp, kp, vp, dop = (as_float64(x) for x in (q, k, v, dout))
     hq, d, hkv = qp.shape[1], qp.shape[2], kp.shape[1]
     scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
@@ -393,6 +400,7 @@ def attention_ref_varlen_backward(
                                                      _packed_alibi(alibi_slopes, cu_q, cu_k, h))
             dk[:, kv] += dk_h
             dv[:, kv] += dv_h
+    dk, dv = page_grads_ref(dk, dv, block_table, cu_seqlens_k, *shapes)
     return tuple(_nan_if_not_finite(g) for g in (dq, dk, dv))
 
 

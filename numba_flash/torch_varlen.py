@@ -13,6 +13,7 @@ import torch
 
 from numba_flash import backend_registry
 from numba_flash.arguments import checked_arguments
+from numba_flash.paged_keys import PagedKeys, check_paged_keys
 from numba_flash.torch_common import (SEEDS, check_flash_attn_extras, check_tensors, lse_dtype, no_double_backward,
                                       owned_output)
 from numba_flash.validation import check_precision, validate_forward
@@ -27,14 +28,17 @@ def flash_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
                      softcap: float, backend: Optional[str], alibi_slopes: Optional[torch.Tensor] = None,
                      dropout_p: float = 0.0, dropout_seed: int = 0,
-                     precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor]:
+                     precision: str = "ieee",
+                     block_table: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed forward through the registry. Returns out (total_q, Hq, D), q's dtype, and lse (Hq, total_q) float32
-    (float64 for float64 inputs), both contiguous."""
+    (float64 for float64 inputs), both contiguous. With block_table (B, max_blocks) int32, k and v are paged caches
+    (num_blocks, page_size, Hkv, D)."""
     out, lse = backend_registry.get("flash").forward(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
         window_size=(window_left, window_right), softcap=softcap, layout="thd", return_lse=True, backend=backend,
-        alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed % SEEDS, precision=precision)
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed % SEEDS, precision=precision,
+        block_table=block_table)
     inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k)
     return owned_output(out, q, q.dtype, inputs), owned_output(lse, q, lse_dtype(q.dtype), inputs)
 
@@ -42,7 +46,7 @@ def flash_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 @flash_varlen_fwd.register_fake
 def _flash_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                            window_left, window_right, softcap, backend, alibi_slopes=None, dropout_p=0.0,
-                           dropout_seed=0, precision="ieee"):
+                           dropout_seed=0, precision="ieee", block_table=None):
     out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q.dtype), device=q.device)
     return out, lse
@@ -54,13 +58,15 @@ def flash_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                      max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool,
                      softmax_scale: Optional[float], window_left: int, window_right: int, softcap: float,
                      backend: Optional[str], alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                     dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Packed backward through the registry. Returns dq, dk, dv shaped like q, k, v, q's dtype, contiguous."""
+                     dropout_seed: int = 0,
+                     block_table: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed backward through the registry. Returns dq, dk, dv shaped like q, k, v (paged k and v with
+    block_table: 0 in the rows no sequence reads), q's dtype, contiguous."""
     dq, dk, dv = backend_registry.get("flash").backward(
         dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
         window_size=(window_left, window_right), softcap=softcap, layout="thd", backend=backend,
-        alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed % SEEDS)
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed % SEEDS, block_table=block_table)
     inputs = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     return tuple(owned_output(g, q, q.dtype, inputs) for g in (dq, dk, dv))
 
@@ -68,7 +74,7 @@ def flash_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 @flash_varlen_bwd.register_fake
 def _flash_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                            softmax_scale, window_left, window_right, softcap, backend, alibi_slopes=None,
-                           dropout_p=0.0, dropout_seed=0):
+                           dropout_p=0.0, dropout_seed=0, block_table=None):
     return tuple(torch.empty(x.shape, dtype=q.dtype, device=q.device) for x in (q, k, v))
 
 
@@ -77,19 +83,20 @@ flash_varlen_bwd.register_autograd(no_double_backward("the backward of flash_att
 
 class FlashAttnVarlenFunc(torch.autograd.Function):
     """Autograd glue over ``flash_varlen_fwd`` / ``flash_varlen_bwd``. Returns ``(out, lse)``; lse has no gradient,
-    and neither have the cumulative lengths."""
+    and neither have the cumulative lengths and the block table. With paged k and v, their gradients are paged too
+    (the backward op scatters them), so the gather stays inside the ops and torch.compile sees opaque nodes."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                 window_left, window_right, softcap, backend, alibi_slopes=None, dropout_p=0.0, dropout_seed=0,
-                precision="ieee"):
+                precision="ieee", block_table=None):
         out, lse = torch.ops.numba_flash.flash_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                           max_seqlen_k, causal, softmax_scale, window_left,
                                                           window_right, softcap, backend, alibi_slopes, dropout_p,
-                                                          dropout_seed, precision)
+                                                          dropout_seed, precision, block_table)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.params = (max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap, backend,
-                      alibi_slopes, dropout_p, dropout_seed)
+                      alibi_slopes, dropout_p, dropout_seed, block_table)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -99,7 +106,17 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
         # as in FlashAttnFunc: a broadcast dout (from a sum()) becomes one contiguous copy
         dq, dk, dv = torch.ops.numba_flash.flash_varlen_bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens_q,
                                                             cu_seqlens_k, *ctx.params)
-        return (dq, dk, dv) + (None,) * 14
+        return (dq, dk, dv) + (None,) * 15
+
+
+def _packed_stand_ins(paged: Optional[PagedKeys], k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """k and v as the face's checks see them: themselves, or for paged caches views shaped like the packed keys
+    (total_k, Hkv, D) with rows of stride 0. The checks read only shapes, dtypes and devices; the gather itself
+    runs once, inside the op."""
+    if paged is None:
+        return k, v
+    total_k = len(paged.blocks)
+    return tuple(x.as_strided((total_k,) + tuple(x.shape[2:]), (0,) + tuple(x.stride()[2:])) for x in (k, v))
 
 
 @checked_arguments
@@ -119,6 +136,7 @@ def flash_attn_varlen_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    block_table: Optional[torch.Tensor] = None,
     *,
     return_lse: bool = False,
     backend: Optional[str] = None,
@@ -152,6 +170,14 @@ def flash_attn_varlen_func(
             in ``flash_attn_func`` (alibi_slopes (nheads,) or (batch_size, nheads), one row per sequence, with each
             sequence's own distances; return_attn_probs=True is refused until it is implemented). Dropout keys
             sequence b's mask by b, with rows and keys counted within the sequence.
+        block_table: (batch_size, max_num_blocks_per_seq) int32 (int64 accepted), or None: paged keys (flash-attn's
+            paged prefill). k and v are then paged caches (num_blocks, page_block_size, nheads_k, headdim), and
+            sequence b's keys are the first ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` rows of its pages in table
+            order: its key j is ``k[block_table[b, j // page_block_size], j % page_block_size]``. Any
+            page_block_size >= 1 is accepted (flash-attn asks for a multiple of 256, a constraint of its kernels'
+            tiles; here the pages are gathered into the packed layout once per call, so the kernels never see
+            them). Gradients of k and v are paged like them: each row a sequence reads gets its key's gradient,
+            every other row 0. Entries past the pages a sequence uses are never read. Read on the host.
         return_lse: keyword-only bool. Also return the log-sum-exp of each query row.
         backend: keyword-only str or None. Force one backend ("cuda", "rocm", "cpu", ...).
         dropout_seed: keyword-only int in [0, 2**64) or None, as in ``flash_attn_func``.
@@ -170,21 +196,24 @@ def flash_attn_varlen_func(
     precision = check_precision(precision)
     if not torch.compiler.is_compiling():
         check_tensors("flash_attn_varlen_func", q, k, v)
-        validate_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                         softcap=softcap, layout="thd", return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
-                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                         alibi_slopes=alibi_slopes)
+        paged = None if block_table is None else check_paged_keys(k, v, block_table, cu_seqlens_k)
+        validate_forward(q, *_packed_stand_ins(paged, k, v), causal=causal, softmax_scale=softmax_scale,
+                         window_size=window_size, softcap=softcap, layout="thd", return_lse=return_lse,
+                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                         max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes)
         # The ops' schema takes tensors; a numpy prefix sum (already checked) becomes one without a copy.
         # (a copy where its strides are negative, which torch tensors cannot have)
-        cu_seqlens_q, cu_seqlens_k = (c if isinstance(c, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(c))
-                                      for c in (cu_seqlens_q, cu_seqlens_k))
+        cu_seqlens_q, cu_seqlens_k, block_table = (
+            c if c is None or isinstance(c, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(c))
+            for c in (cu_seqlens_q, cu_seqlens_k, block_table))
         if backend is None:
             backend = backend_registry.get("flash").forced_backend()   # see flash_attn_func
     scale = None if softmax_scale is None else float(softmax_scale)
     mq, mk = (None if m is None else int(m) for m in (max_seqlen_q, max_seqlen_k))
     left, right = (int(w) for w in window_size)
     out, lse = FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, bool(causal), scale, left,
-                                         right, float(softcap), backend, alibi_slopes, dropout_p, seed, precision)
+                                         right, float(softcap), backend, alibi_slopes, dropout_p, seed, precision,
+                                         block_table)
     return (out, lse) if return_lse else out
 
 

@@ -5,7 +5,9 @@ A packed batch stores B sequences one after another: q is ``(total_q, Hq, D)``, 
 sequence b holds rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q and keys ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``
 of k and v. Each sequence attends only within itself, with causal masks and windows aligned to the bottom-right
 corner of its own ``(Sq_b, Sk_b)`` block; lse is ``(Hq, total_q)``. A sequence may be empty on either side: with no
-rows it has nothing to compute, with no keys its rows see nothing (out 0, lse +inf, gradients 0).
+rows it has nothing to compute, with no keys its rows see nothing (out 0, lse +inf, gradients 0). With
+``block_table`` the keys are read from paged caches instead (``numba_flash.paged_keys``, which gathers them into
+this layout before any backend sees the call).
 
 What is accepted, and why:
 
@@ -83,8 +85,10 @@ class Packing:
             yield SequenceSpan(b, cq[b], cq[b + 1], ck[b], ck[b + 1])
 
 
-def _check_cu_seqlens(name: str, x: Any, total: int, total_name: str) -> np.ndarray:
-    """The prefix sums in ``x`` as a read-only int64 host array, or AttentionInputError naming ``name``."""
+def check_cu_seqlens(name: str, x: Any, total: int | None = None, total_name: str = "") -> np.ndarray:
+    """The prefix sums in ``x`` (B + 1,) as a read-only int64 host array, or AttentionInputError naming ``name``.
+    With ``total`` the last one must equal it (the rows of the array ``total_name`` counts); paged keys
+    (``numba_flash.paged_keys``) have no such total: their last prefix sum says how many keys are read."""
     what = "a 1-D int32 array (B + 1,) of prefix sums"
     kind = array_kind(x)
     if kind is None:
@@ -106,7 +110,7 @@ def _check_cu_seqlens(name: str, x: Any, total: int, total_name: str) -> np.ndar
         b = int(drops[0])
         raise bad_arg(name, "non-decreasing values (every sequence length >= 0)",
                       f"{name}[{b + 1}] = {values[b + 1]} < {name}[{b}] = {values[b]}")
-    if values[-1] != total:
+    if total is not None and values[-1] != total:
         raise bad_arg(name, f"{name}[-1] == {total_name} = {total}", f"{name}[-1] = {values[-1]}")
     return values
 
@@ -140,8 +144,8 @@ def check_packing(total_q: int, total_k: int, cu_seqlens_q: Any, cu_seqlens_k: A
                   max_seqlen_k: Any) -> Packing:
     """The ``Packing`` of a "thd" call whose q holds ``total_q`` rows and k ``total_k`` keys, after
     ``check_arguments``; AttentionInputError naming the first argument that does not fit."""
-    cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q")
-    ck = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "total_k")
+    cq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q")
+    ck = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "total_k")
     if len(ck) != len(cq):
         raise bad_arg("cu_seqlens_k", f"B + 1 = {len(cq)} entries like cu_seqlens_q (one per sequence, plus one)",
                       f"{len(ck)} entries")

@@ -33,7 +33,7 @@ EXPECTED = {
     "docs/guide/bias-and-mods.md": 3,
     "docs/guide/cuda.md": 1,
     "docs/guide/kvcache.md": 1,
-    "docs/guide/packed-sequences.md": 1,
+    "docs/guide/packed-sequences.md": 2,
     "docs/guide/ring-attention.md": 2,
 }
 
@@ -58,7 +58,7 @@ def test_the_pages_hold_the_examples_this_file_runs():
     assert counts == EXPECTED
     # Each check below is keyed on what its example says; each must still find its example.
     for key in ("merge_attention_states", "attn_bias=bias", "with_kvcache", 'precision="tf32"', "block_mask(",
-                "cu_seqlens_q", 'device="cuda"', "check_mods_on_host", "host_overhead.measure"):
+                "cu_seqlens_q", 'device="cuda"', "check_mods_on_host", "host_overhead.measure", "block_table="):
         assert any(key in code for _, code in BLOCKS), key
 
 
@@ -88,7 +88,9 @@ def test_example_runs_on_its_own(label, code):
         assert scope["out"].shape == (1, 4096, 8, 64) and np.isfinite(scope["out"]).all()
     if "check_mods_on_host" in code:   # the table read past its end is named, as the comment says
         assert "same_doc raised IndexError" in str(scope["problem"]) and "kv_idx=250" in str(scope["problem"])
-    if "cu_seqlens_q" in code:   # the comment's shapes
+    if "block_table=" in code:   # paged keys: the gradients are paged like the caches
+        assert scope["dk"].shape == scope["k_cache"].shape and scope["dv"].shape == scope["v_cache"].shape
+    elif "cu_seqlens_q" in code:   # the comment's shapes
         assert scope["out"].shape == (1217, 8, 64) and scope["lse"].shape == (8, 1217)
         assert scope["dq"].shape == scope["q"].shape
 

@@ -62,3 +62,41 @@ def check_empty_sequences(out, lse, grads, cu_q, cu_k):
             assert np.all(out[rows] == 0) and np.all(np.isposinf(lse[:, rows])) and np.all(dq[rows] == 0)
         if rows.stop == rows.start:
             assert np.all(dk[keys] == 0) and np.all(dv[keys] == 0)
+
+
+def page_keys(rng, k, v, cu_k, page_size, spare=3, fill=np.nan, extra_columns=1):
+    """Paged caches holding the packed keys and values ``k``, ``v`` (total_k, Hkv, D) of the sequences of ``cu_k``:
+    each sequence's keys fill its own pages (shared by no two sequences) in table order, the pages in shuffled block
+    order among ``spare`` pages no sequence lists. Every row no sequence reads (the tail of a sequence's last page,
+    the spare pages) holds ``fill`` ("garbage": large random values; NaN by default, which poisons whatever reads
+    it), and each table row has ``extra_columns`` more entries than it needs, all -1. Returns k_cache, v_cache
+    (num_blocks, page_size, Hkv, D) and block_table (B, max_blocks) int32."""
+    lengths = np.diff(cu_k)
+    pages = [-(-int(n) // page_size) for n in lengths]
+    num_blocks = sum(pages) + spare
+    order = rng.permutation(num_blocks)
+    table = np.full((len(lengths), max(pages) + extra_columns), -1, np.int32)
+    caches = []
+    for x in (k, v):
+        if isinstance(fill, str):
+            cache = (rng.standard_normal((num_blocks, page_size) + x.shape[1:]) * 1e3).astype(x.dtype)
+        else:
+            cache = np.full((num_blocks, page_size) + x.shape[1:], fill, x.dtype)
+        caches.append(cache)
+    used = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = order[used:used + n]
+        used += n
+        for j in range(int(lengths[b])):
+            for cache, x in zip(caches, (k, v)):
+                cache[table[b, j // page_size], j % page_size] = x[cu_k[b] + j]
+    return caches[0], caches[1], table
+
+
+def unread_rows(table, cu_k, num_blocks, page_size):
+    """A (num_blocks, page_size) bool mask of the cache rows no sequence reads."""
+    unread = np.ones((num_blocks, page_size), bool)
+    for b in range(len(cu_k) - 1):
+        for j in range(int(cu_k[b + 1] - cu_k[b])):
+            unread[table[b, j // page_size], j % page_size] = False
+    return unread

@@ -60,7 +60,7 @@ def test_a_keyword_like_none_lists_what_the_function_takes(rng):
     q, k, v = _qkv(rng)
     with pytest.raises(UnknownKeywordError, match=r"^zzz: not an argument of Dispatcher\.forward\(\); it takes "
                                                   r"q, k, v, causal, softmax_scale, window_size, "
-                                                  r".*dropout_seed, deterministic, precision$"):
+                                                  r".*dropout_seed, deterministic, precision, block_table$"):
         backend_registry.get("flash").forward(q, k, v, zzz=1)
 
 

@@ -328,7 +328,7 @@ def test_explain_and_backends_without_packed_sequences(rng):
 FLASH_ATTN_VARLEN_PARAMETERS = [
     "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", ("dropout_p", 0.0),
     ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
-    ("deterministic", False), ("return_attn_probs", False),
+    ("deterministic", False), ("return_attn_probs", False), ("block_table", None),
 ]
 
 

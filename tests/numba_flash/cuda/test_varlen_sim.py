@@ -1,7 +1,7 @@
 """Packed sequences (layout "thd") on the CUDA backend, under the Numba CUDA simulator with toy tiles (8 x 8, 16
 threads) and tiny shapes: forward and backward against the float64 reference, the rows and keys of empty
-sequences, float16, a NaN that stays in its sequence, and torch tensors in and out. The same cases run on the CPU
-and ROCm backends in tests/numba_flash/test_varlen.py.
+sequences, float16, a NaN that stays in its sequence, torch tensors in and out, and paged keys (block_table). The
+same cases run on the CPU and ROCm backends in tests/numba_flash/test_varlen.py and test_paged_varlen.py.
 
 Run: NUMBA_ENABLE_CUDASIM=1 .venv/bin/python -m pytest -q -m cudasim tests/numba_flash/cuda/test_varlen_sim.py
 """
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from varlen_cases import NAMES, check_empty_sequences, check_float32, f64, packed_inputs, reference, rel_l2
+from varlen_cases import (NAMES, check_empty_sequences, check_float32, f64, packed_inputs, page_keys, reference,
+                          rel_l2, unread_rows)
 
 from backends import backend_registry
 from numba_flash import attention_ref_varlen
@@ -90,3 +91,19 @@ def test_torch_tensors_in_and_out(rng):
     assert isinstance(lse, torch.Tensor) and lse.dtype == torch.float32 and lse.shape == (2, q.shape[0])
     ref_out, _ = attention_ref_varlen(q, k, v, cu_q, cu_k, causal=True)
     assert np.abs(out.numpy() - ref_out).max() <= 1e-5
+
+
+def test_paged_keys(rng):
+    """block_table: the keys on pages of 5 in shuffled blocks, NaN in every row nobody reads; the packed kernels
+    run on the gathered keys, and dk, dv come back on the pages (0 where nobody reads)."""
+    q, k, v, dout, cu_q, cu_k = _inputs(rng, 2, 1, 4)
+    k_cache, v_cache, table = page_keys(rng, k, v, cu_k, 5)
+    got = _run(q, k_cache, v_cache, dout, cu_q, cu_k, causal=True, block_table=table)
+    ref = reference(q, k, v, dout, cu_q, cu_k, causal=True)
+    unread = unread_rows(table, cu_k, *k_cache.shape[:2])
+    for name in ("dk", "dv"):
+        assert np.all(got[name][unread] == 0), name
+        paged = got[name]
+        got[name] = np.array([paged[table[b, j // 5], j % 5] for b in range(len(cu_k) - 1)
+                              for j in range(cu_k[b + 1] - cu_k[b])])
+    check_float32(got, ref)
