@@ -33,6 +33,7 @@ from typing import Any, Iterator
 from numba_flash.arguments import checked_arguments
 from numba_flash.errors import AttentionInputError, BackendDeclined, NoBackendError
 from numba_flash.paged_keys import gather_paged_keys
+from numba_flash.plan import make_plan
 from numba_flash.validation import (AttentionCall, check_deterministic, check_precision, validate_backward,
                                     validate_forward)
 
@@ -269,6 +270,9 @@ class Dispatcher:
                          " (forced)" if forced else " (last resort)" if table.get(chosen.name) else "",
                          f"; passed over {passed}" if passed else "")
         return chosen
+
+    plan = make_plan
+    """``plan(q, k, v, **forward's keywords)``: the call checked once, for a loop (``numba_flash.plan.make_plan``)."""
 
     def _run(self, call: AttentionCall, backend: str | None, method: str) -> Any:
         """Run ``call`` on the backend ``select`` picks; when that backend declines while running, on the next one.
