@@ -28,7 +28,7 @@ EXPECTED = {
     "README.md": 2,
     "docs/AMD.md": 1,
     "docs/BENCHMARKING.md": 1,
-    "docs/guide/basics.md": 2,
+    "docs/guide/basics.md": 3,
     "docs/guide/bench.md": 2,
     "docs/guide/bias-and-mods.md": 3,
     "docs/guide/cuda.md": 1,
@@ -58,7 +58,8 @@ def test_the_pages_hold_the_examples_this_file_runs():
     assert counts == EXPECTED
     # Each check below is keyed on what its example says; each must still find its example.
     for key in ("merge_attention_states", "attn_bias=bias", "with_kvcache", 'precision="tf32"', "block_mask(",
-                "cu_seqlens_q", 'device="cuda"', "check_mods_on_host", "host_overhead.measure", "block_table="):
+                "cu_seqlens_q", 'device="cuda"', "check_mods_on_host", "host_overhead.measure", "block_table=",
+                "plan.run("):
         assert any(key in code for _, code in BLOCKS), key
 
 
@@ -88,6 +89,10 @@ def test_example_runs_on_its_own(label, code):
         assert scope["out"].shape == (1, 4096, 8, 64) and np.isfinite(scope["out"]).all()
     if "check_mods_on_host" in code:   # the table read past its end is named, as the comment says
         assert "same_doc raised IndexError" in str(scope["problem"]) and "kv_idx=250" in str(scope["problem"])
+    if "plan.run(" in code:   # the last step's bits are forward's; the other shape was refused by name
+        q, k, v = scope["q"], scope["k"], scope["v"]
+        np.testing.assert_array_equal(scope["out"], scope["op"].forward(q, k, v, causal=True))
+        assert scope["refused"].startswith("q: expected the planned array, a numpy.ndarray of shape (1, 96, 8, 64)")
     if "block_table=" in code:   # paged keys: the gradients are paged like the caches
         assert scope["dk"].shape == scope["k_cache"].shape and scope["dv"].shape == scope["v_cache"].shape
     elif "cu_seqlens_q" in code:   # the comment's shapes
