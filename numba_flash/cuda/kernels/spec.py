@@ -58,9 +58,9 @@ class KernelSpec:
     the common list (``TAIL_ARGS``); ``max_head_dim``: its largest bucket; ``warp_rows``: tensor-core kernels run
     one warp per 16 of these (a tile config's field); ``fragments``: how many 16-row fragments of ``warp_rows``
     one warp may own (a tile config's ``fragments``: ``rows / (16 * warps)``; more than one lets each K or V
-    fragment loaded from shared memory feed that many independent mma); ``products``: matrix products per tile pair (the performance
-    model); ``dbias_sum``: the gradient sum it can build for a broadcast attn_bias ("per_key", "per_row"; the
-    compile check builds those apart)."""
+    fragment loaded from shared memory feed that many independent mma); ``products``: matrix products per tile
+    pair (the performance model); ``dbias_sum``: the gradient sum it can build for a broadcast attn_bias
+    ("per_key", "per_row"; the compile check builds those apart)."""
 
     name: str
     role: str
