@@ -210,9 +210,18 @@ class FlashAttentionConfig:
         return self.spec.tensor_cores
 
     @property
+    def fragments(self) -> int:
+        """Tensor-core kernels: the 16-row fragments of ``spec.warp_rows`` each warp owns, ``rows / (16 * warps)``
+        (the kernel's ``FRAGMENTS``); 1 for the SIMT kernels."""
+        if not self.tensor_cores or self.threads < 32:
+            return 1
+        return max(1, getattr(self, self.spec.warp_rows) // (16 * (self.threads // 32)))
+
+    @property
     def q_in_registers(self) -> bool:
-        """Tensor-core forward: Q's fragments stay in registers for the whole key loop (else in shared memory)."""
-        return self.head_dim_bucket <= 128
+        """Tensor-core forward: Q's fragments stay in registers for the whole key loop (else in shared memory):
+        D / 2 words a fragment beside its D / 2 accumulators, so up to 128 columns of fragments a warp."""
+        return self.head_dim_bucket * self.fragments <= 128
 
     def smem_floats(self) -> int:
         """float32 words of static shared memory the kernel declares (tensor-core tiles: half as many bytes per
@@ -260,12 +269,16 @@ class FlashAttentionConfig:
             owned = self.spec.warp_rows
             other = "block_m" if owned == "block_n" else "block_n"
             rows, cols = getattr(self, owned), getattr(self, other)
+            # Each warp owns F of them, F one of the kernel's ``fragments``: threads = 32 * rows / (16 * F).
+            threads = [32 * rows // (16 * f) for f in self.spec.fragments if rows >= 16 * f]
             if rows < 16:
                 why.append(f"tensor-core kernels run one warp per 16 rows of {owned}: {owned} must be at least 16, "
                            f"got {rows}")
-            elif self.threads != 32 * (rows // 16):
-                why.append(f"tensor-core kernels run one warp per 16 rows of {owned}: {owned}={rows} needs "
-                           f"{32 * (rows // 16)} threads, got {self.threads}")
+            elif self.threads not in threads:
+                per = "16 rows" if self.spec.fragments == (1,) else \
+                    " or ".join(str(16 * f) for f in self.spec.fragments) + " rows"
+                why.append(f"tensor-core kernels run one warp per {per} of {owned}: {owned}={rows} needs "
+                           f"{' or '.join(map(str, threads))} threads, got {self.threads}")
             if cols < 16:
                 why.append(f"{other} must be at least 16 (one mma k-step), got {cols}")
             return why

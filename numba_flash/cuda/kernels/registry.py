@@ -126,9 +126,12 @@ SPECS: tuple[KernelSpec, ...] = (
     # softcap, ALiBi, dropout: the compile check's worst case) they spill up to 320 bytes, so 32 it stays. Blocks
     # of 8 warps were slower at both. At D = 256, Q's fragments would take 64 registers next to 128 accumulators,
     # so Q stays in shared memory beside 16-key K and V tiles: 48 KiB. D = 16 and 32 keep the model's choice.
+    # A warp may own two 16-row fragments (fragments=(1, 2): threads = 32 * block_m / 32), so that each K and V
+    # fragment it loads feeds two mma (issue 45); Q then stays in registers only while 2 x D <= 128
+    # (config.q_in_registers), and the words here follow.
     KernelSpec(
         name="tc_forward", role="forward", kind="mma", module="tc_forward", smem_words=_tc_forward_words,
-        products=2, bits=True, dtypes=("float16", "bfloat16"), max_head_dim=256,
+        products=2, bits=True, dtypes=("float16", "bfloat16"), max_head_dim=256, fragments=(1, 2),
         tiles={16: (64, 64, 128), 32: (64, 64, 128), 64: (64, 32, 128), 128: (64, 32, 128), 256: (64, 16, 128)}),
     # dK/dV: warps own 16 keys each (block_n = 16 x warps), block_m queries per step; K and V stay in shared
     # memory for the whole loop beside the step's Q and dO.

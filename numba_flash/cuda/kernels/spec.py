@@ -56,9 +56,11 @@ class KernelSpec:
     those past 48 KiB (dynamic shared memory, host/smem.py; a kernel without them never takes it); ``bits``: its
     16-bit data travels as uint16 bits; ``dtypes``: what it is built for; ``tail``: the arguments it takes past
     the common list (``TAIL_ARGS``); ``max_head_dim``: its largest bucket; ``warp_rows``: tensor-core kernels run
-    one warp per 16 of these (a tile config's field); ``products``: matrix products per tile pair (the performance
-    model); ``dbias_sum``: the gradient sum it can build for a broadcast attn_bias ("per_key", "per_row"; the
-    compile check builds those apart)."""
+    one warp per 16 of these (a tile config's field); ``fragments``: how many 16-row fragments of ``warp_rows``
+    one warp may own (a tile config's ``fragments``: ``rows / (16 * warps)``; more than one lets each K or V
+    fragment loaded from shared memory feed that many independent mma); ``products``: matrix products per tile
+    pair (the performance model); ``dbias_sum``: the gradient sum it can build for a broadcast attn_bias
+    ("per_key", "per_row"; the compile check builds those apart)."""
 
     name: str
     role: str
@@ -72,6 +74,7 @@ class KernelSpec:
     tail: tuple[str, ...] = ()
     max_head_dim: int = 576
     warp_rows: str = "block_m"
+    fragments: tuple[int, ...] = (1,)
     products: int = 0
     dbias_sum: str = ""
 

@@ -1,15 +1,20 @@
 """The tensor-core forward kernel (float16 and bfloat16, compute capability >= 8.0), FlashAttention-2's shape.
 
-One block per (query tile, query head, batch). Each warp owns 16 query rows and computes, per key tile,
-``S = Q K^T`` and ``O += P V`` with ``mma.sync.m16n8k16`` (float32 accumulation). The online softmax runs on the
-accumulator fragments themselves: a lane holds two rows (``g`` and ``g + 8``, ``g = lane // 4``) and two columns
-per 8-wide tile, so a row's max needs only the 4 lanes of its quad (two ``shfl_xor``), and its sum stays a
-per-lane partial until the end. The probabilities never leave registers: the C fragments of two neighbouring
+One block per (query tile, query head, batch). Each warp owns ``FRAGMENTS`` fragments of 16 query rows (the tile
+config's ``fragments``: ``block_m / (16 * warps)``, 1 or 2) and computes, per key tile, ``S = Q K^T`` and
+``O += P V`` with ``mma.sync.m16n8k16`` (float32 accumulation). Each K or V fragment a warp loads from shared
+memory feeds the mma of every fragment it owns: with two, two independent mma per ``ldmatrix`` (FlashAttention-2
+gives each warp 32 or more rows for that), each fragment keeping its own row statistics (``m_i``, ``l_i``),
+accumulators and probabilities; the second fragment's arrays are the first's names with a 1. The online softmax
+runs on the accumulator fragments themselves: a lane holds two rows of a fragment (``g`` and ``g + 8``, ``g = lane
+// 4``) and two columns per 8-wide tile, so a row's max needs only the 4 lanes of its quad (two ``shfl_xor``), and
+its sum stays a per-lane partial until the end. The probabilities never leave registers: the C fragments of two neighbouring
 8-key tiles are, element for element, the A fragment of one 16-key step of ``P V`` (warp.py), packed to 16 bits.
 
 K and V tiles are 16-bit in shared memory, swizzled (tc_tiles.py) and filled with ``cp.async``: V's copy runs
 while the warp computes the scores, the next K tile's while it computes ``P V``. With D <= 128 the warps keep Q's
-fragments in registers for the whole loop and Q's tile shares V's buffer; at D = 256 Q stays in shared memory.
+fragments in registers for the whole loop and Q's tile shares V's buffer; at D = 256 (at D = 128 with two
+fragments) Q stays in shared memory.
 
 Semantics are the float32 kernels' (forward.py): scores in log2 units (``raw * scale * log2(e)``, after the
 product, so Q is multiplied exactly by the tensor cores), bottom-right causal/window masks, softcap, ALiBi,
@@ -51,7 +56,7 @@ QUIET_NAN_BITS = {False: 0x7E00, True: 0x7FC0}
 
 def _checked(cfg: FlashAttentionConfig) -> None:
     why = cfg.problems(1 << 62)
-    if why or (cfg.spec.role, cfg.spec.kind) != ("forward", "mma"):
+    if why or (cfg.spec.role, cfg.spec.kind) != ("forward", "mma") or cfg.fragments not in (1, 2):
         raise ValueError(f"{cfg}: " + ("; ".join(why) or "not a tensor-core forward config"))
 
 
@@ -85,6 +90,10 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
     KEY_STEPS = BLOCK_N // 16        # k-steps of P V
     D_TILES = HEAD_DIM // 8          # 8-column tiles of a warp's output
     Q_IN_REGS = cfg.q_in_registers
+    # A warp's 16-row fragments: the second one's arrays (named ``...1``) are declared and used only with two.
+    FRAGMENTS = cfg.fragments
+    TWO_FRAGMENTS = FRAGMENTS == 2
+    WARP_ROWS = 16 * FRAGMENTS
     QV_ROWS = max(BLOCK_M, BLOCK_N) if Q_IN_REGS else BLOCK_N
     K_WORDS, V_WORDS = BLOCK_N * HEAD_DIM, QV_ROWS * HEAD_DIM
     Q_WORDS = CHUNK if Q_IN_REGS else BLOCK_M * HEAD_DIM   # Q's own tile only when it stays in shared memory
@@ -107,18 +116,34 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
     softmax = make_online_softmax(N_TILES, D_TILES, dropout)
     start_rows = make_row_start(D_TILES)
     tile_start = make_tile_start(N_TILES, NT, dropout, mods)
-    MOD_WORDS = staged_words(N_TILES, NT, mods)
+    # The second fragment's staged mods sit past the first's: its scores read slot (e, t + SLOT_SHIFT).
+    SLOT_SHIFT = staged_words(N_TILES, NT, mods)
+    MOD_WORDS = FRAGMENTS * SLOT_SHIFT
     BLOCK_TILES = mods.block_tiles
     tile_skip = make_tile_skip(BLOCK_TILES)
     locate = make_locate(varlen)
     score_mod_hides = make_score_mod_hides(softcap, alibi, has_bias, mods, load_bf16 if bf16 else load_f16_bits)
+
+    # The main loop's products stay written out on its own lines, both fragments', not in helpers: the performance
+    # model counts each line's instructions per iteration from the kernel's source (perf_model/counts.py).
+
+    @cuda.jit(device=True, inline="always")
+    def stage_out(tile, acc, inv, first_row, g, tq):
+        """A fragment's output rows ``first_row + g`` and ``+ 8`` (``acc`` times ``inv``), 16-bit, into ``tile``."""
+        for jd in range(D_TILES):
+            for half in range(2):
+                # x + x * 0: an inf becomes NaN (the contract reports every non-finite result as NaN).
+                x0 = acc[jd, 2 * half] * inv[half]
+                x1 = acc[jd, 2 * half + 1] * inv[half]
+                warp.sts_u32(tile, smem_index(first_row + int32(g) + 8 * half, jd) + 2 * tq,
+                             PACK(x0 + x0 * float32(0.0), x1 + x1 * float32(0.0)))
 
     def flash_tc_forward_kernel(q, k, v, out, lse, seqlen_q, seqlen_k, head_dim, group, window_left,
                                 window_right, qmult, capmult, slopes, bias, seed_lo, seed_hi, threshold, dscale,
                                 batch0, tiles, seqs):
         t = cuda.threadIdx.x
         lane = uint32(t % 32)
-        warp_row0 = 16 * (t // 32)                 # this warp's first row in the tile
+        warp_row0 = WARP_ROWS * (t // 32)          # this warp's first row in the tile; its second fragment's + 16
         g, tq = lane >> uint32(2), lane & uint32(3)
         lm, lr = lane >> uint32(3), lane & uint32(7)   # which 8x8 matrix and row this lane addresses for ldmatrix
         # b: the sequence (masks, ALiBi, dropout); the arrays' rows of it start at (ab, q0) and keys at (ab, k0).
@@ -131,6 +156,7 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
             slope = slopes[b, h]
         bias_h = bias_head(bias, b, h)
         row_top = m0 + warp_row0 + int32(g)        # the rows of registers 0, 1; registers 2, 3 hold row_top + 8
+        row_top1 = row_top + 16                    # the same, of the second fragment
 
         k_tile = cuda.shared.array(K_WORDS, uint16, alignment=ALIGN)
         v_tile = cuda.shared.array(V_WORDS, uint16, alignment=ALIGN)
@@ -145,9 +171,21 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
         m_i = cuda.local.array(2, float32)         # running max of rows top and top + 8, log2 units
         l_i = cuda.local.array(2, float32)         # this lane's part of their running sums
         start_rows(acc, m_i, l_i)
+        q_frag1 = cuda.local.array((D_STEPS, 4), uint32)
+        p_frag1 = cuda.local.array((KEY_STEPS, 4), uint32)
+        s1 = cuda.local.array((N_TILES, 4), float32)
+        acc1 = cuda.local.array((D_TILES, 4), float32)
+        m_i1 = cuda.local.array(2, float32)
+        l_i1 = cuda.local.array(2, float32)
+        if TWO_FRAGMENTS:
+            start_rows(acc1, m_i1, l_i1)
 
         offset, lo, hi, n_start, full_lo, full_hi = key_range(m0, m0 + warp_row0, BLOCK_M, seqlen_q, seqlen_k,
                                                               window_left, window_right)
+        full_lo1, full_hi1 = full_lo, full_hi      # the key tiles every row of the second fragment sees whole
+        if TWO_FRAGMENTS:
+            _, _, _, _, full_lo1, full_hi1 = key_range(m0, m0 + warp_row0 + 16, BLOCK_M, seqlen_q, seqlen_k,
+                                                       window_left, window_right)
         lane_col = 2 * int32(tq)                   # this lane's first column in every 8-key tile
 
         # This thread's share of every tile copy: chunk column c0 of rows r0, r0 + ROW_STEP, ...; byte offsets of
@@ -181,6 +219,10 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                 a0, a1, a2, a3 = warp.ldmatrix_x4(q_tile, smem_index(warp_row0 + 8 * (lm & 1) + lr,
                                                                     2 * kk + (lm >> 1)))
                 q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3] = a0, a1, a2, a3
+                if TWO_FRAGMENTS:
+                    a0, a1, a2, a3 = warp.ldmatrix_x4(q_tile, smem_index(warp_row0 + 16 + 8 * (lm & 1) + lr,
+                                                                        2 * kk + (lm >> 1)))
+                    q_frag1[kk, 0], q_frag1[kk, 1], q_frag1[kk, 2], q_frag1[kk, 3] = a0, a1, a2, a3
             cuda.syncthreads()                     # V's copies overwrite Q's rows next
         v_nonfinite_seen = False
 
@@ -199,13 +241,23 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
 
             kept = tile_start(s, mod_slots, t, b, h, row_top, n0 + lane_col, seqlen_q, seqlen_k, full_tile, seed_lo,
                               seed_hi, threshold, batch0)
-            # S = Q K^T: per 16-wide step of the head dim, one ldmatrix gives two 8-key tiles' B fragments.
+            kept1 = kept
+            if TWO_FRAGMENTS:
+                kept1 = tile_start(s1, mod_slots, t + SLOT_SHIFT, b, h, row_top1, n0 + lane_col, seqlen_q, seqlen_k,
+                                   full_tile, seed_lo, seed_hi, threshold, batch0)
+            # S = Q K^T: per 16-wide step of the head dim, one ldmatrix gives two 8-key tiles' B fragments, which
+            # every fragment's A multiplies.
             for kk in range(D_STEPS):
                 if Q_IN_REGS:
                     a0, a1, a2, a3 = q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3]
+                    if TWO_FRAGMENTS:
+                        e0, e1, e2, e3 = q_frag1[kk, 0], q_frag1[kk, 1], q_frag1[kk, 2], q_frag1[kk, 3]
                 else:
                     a0, a1, a2, a3 = warp.ldmatrix_x4(q_tile, smem_index(warp_row0 + 8 * (lm & 1) + lr,
                                                                         2 * kk + (lm >> 1)))
+                    if TWO_FRAGMENTS:
+                        e0, e1, e2, e3 = warp.ldmatrix_x4(q_tile, smem_index(warp_row0 + 16 + 8 * (lm & 1) + lr,
+                                                                            2 * kk + (lm >> 1)))
                 for jp in range(N_TILES // 2):
                     b0, b1, b2, b3 = warp.ldmatrix_x4(k_tile, smem_index(16 * jp + 8 * (lm >> 1) + lr,
                                                                         2 * kk + (lm & 1)))
@@ -214,6 +266,11 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                                                              s[j, 0], s[j, 1], s[j, 2], s[j, 3])
                     s[j + 1, 0], s[j + 1, 1], s[j + 1, 2], s[j + 1, 3] = MMA(
                         a0, a1, a2, a3, b2, b3, s[j + 1, 0], s[j + 1, 1], s[j + 1, 2], s[j + 1, 3])
+                    if TWO_FRAGMENTS:   # the same B fragments, the second fragment's rows
+                        s1[j, 0], s1[j, 1], s1[j, 2], s1[j, 3] = MMA(e0, e1, e2, e3, b0, b1,
+                                                                     s1[j, 0], s1[j, 1], s1[j, 2], s1[j, 3])
+                        s1[j + 1, 0], s1[j + 1, 1], s1[j + 1, 2], s1[j + 1, 3] = MMA(
+                            e0, e1, e2, e3, b2, b3, s1[j + 1, 0], s1[j + 1, 1], s1[j + 1, 2], s1[j + 1, 3])
 
             scores(s, mod_slots, t, row_top, n0, lane_col, offset, full_lo, full_hi, qmult, capmult, slope, bias_h,
                    b, h, seqlen_q, seqlen_k, window_left, window_right)
@@ -224,6 +281,15 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                 p_frag[kk, 1] = PACK(s[2 * kk, 2], s[2 * kk, 3])
                 p_frag[kk, 2] = PACK(s[2 * kk + 1, 0], s[2 * kk + 1, 1])
                 p_frag[kk, 3] = PACK(s[2 * kk + 1, 2], s[2 * kk + 1, 3])
+            if TWO_FRAGMENTS:   # the second fragment's rows: their own statistics, accumulators and mods' slots
+                scores(s1, mod_slots, t + SLOT_SHIFT, row_top1, n0, lane_col, offset, full_lo1, full_hi1, qmult,
+                       capmult, slope, bias_h, b, h, seqlen_q, seqlen_k, window_left, window_right)
+                softmax(s1, acc1, m_i1, l_i1, kept1, dscale)
+                for kk in range(KEY_STEPS):
+                    p_frag1[kk, 0] = PACK(s1[2 * kk, 0], s1[2 * kk, 1])
+                    p_frag1[kk, 1] = PACK(s1[2 * kk, 2], s1[2 * kk, 3])
+                    p_frag1[kk, 2] = PACK(s1[2 * kk + 1, 0], s1[2 * kk + 1, 1])
+                    p_frag1[kk, 3] = PACK(s1[2 * kk + 1, 2], s1[2 * kk + 1, 3])
 
             cuda.syncthreads()                     # every warp is done with this K tile: the next one may land
             n_next = n0 + BLOCK_N
@@ -261,7 +327,8 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                                 v_tile[at + uint32(e)] = uint16(0)
                 cuda.syncthreads()
 
-            # O += P V: one transposing ldmatrix gives the B fragments of two 8-column tiles of V.
+            # O += P V: one transposing ldmatrix gives the B fragments of two 8-column tiles of V, for every
+            # fragment's P.
             for kk in range(KEY_STEPS):
                 for jdp in range(D_TILES // 2):
                     b0, b1, b2, b3 = warp.ldmatrix_x4_trans(v_tile, smem_index(16 * kk + 8 * (lm & 1) + lr,
@@ -273,25 +340,31 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                     acc[jd + 1, 0], acc[jd + 1, 1], acc[jd + 1, 2], acc[jd + 1, 3] = MMA(
                         p_frag[kk, 0], p_frag[kk, 1], p_frag[kk, 2], p_frag[kk, 3], b2, b3,
                         acc[jd + 1, 0], acc[jd + 1, 1], acc[jd + 1, 2], acc[jd + 1, 3])
+                    if TWO_FRAGMENTS:   # the same B fragments, the second fragment's P
+                        acc1[jd, 0], acc1[jd, 1], acc1[jd, 2], acc1[jd, 3] = MMA(
+                            p_frag1[kk, 0], p_frag1[kk, 1], p_frag1[kk, 2], p_frag1[kk, 3], b0, b1,
+                            acc1[jd, 0], acc1[jd, 1], acc1[jd, 2], acc1[jd, 3])
+                        acc1[jd + 1, 0], acc1[jd + 1, 1], acc1[jd + 1, 2], acc1[jd + 1, 3] = MMA(
+                            p_frag1[kk, 0], p_frag1[kk, 1], p_frag1[kk, 2], p_frag1[kk, 3], b2, b3,
+                            acc1[jd + 1, 0], acc1[jd + 1, 1], acc1[jd + 1, 2], acc1[jd + 1, 3])
 
         # The output goes through shared memory (Q's tile, free now) so that a thread stores whole 16-byte chunks
         # of a row, and so that the accumulators are read once, at constant indices, by a short loop.
         inv = cuda.local.array(2, float32)
         finish_rows(m_i, l_i, inv, lse, ab, h, q0, row_top, tq, seqlen_q)
+        inv1 = cuda.local.array(2, float32)
+        if TWO_FRAGMENTS:
+            finish_rows(m_i1, l_i1, inv1, lse, ab, h, q0, row_top1, tq, seqlen_q)
         cuda.syncthreads()                         # every warp is done reading V's tile, which Q's may share
-        for jd in range(D_TILES):
-            for half in range(2):
-                # x + x * 0: an inf becomes NaN (the contract reports every non-finite result as NaN).
-                x0 = acc[jd, 2 * half] * inv[half]
-                x1 = acc[jd, 2 * half + 1] * inv[half]
-                warp.sts_u32(q_tile, smem_index(warp_row0 + int32(g) + 8 * half, jd) + 2 * tq,
-                             PACK(x0 + x0 * float32(0.0), x1 + x1 * float32(0.0)))
+        stage_out(q_tile, acc, inv, warp_row0, g, tq)
+        if TWO_FRAGMENTS:
+            stage_out(q_tile, acc1, inv1, warp_row0 + 16, g, tq)
         if v_nonfinite_seen:
             # Each row that sees a key whose V holds an inf or NaN gets NaN in that column (p * inf or p * NaN is
             # not finite whatever p is), read again from global memory: once per block, and only then. Written
             # over the staged output by the lane that staged it.
             for key in range(lo, hi):
-                for half in range(2):
+                for half in range(2 * FRAGMENTS):   # 8-row halves: fragment half // 2, its rows g or g + 8
                     row = warp_row0 + int32(g) + 8 * half
                     if sees(m0 + row, key, seqlen_q, seqlen_k, offset, window_left, window_right, bias_h, b, h) and \
                             not score_mod_hides(q, k, b, h, hk, m0 + row, key, head_dim, qmult, capmult, slope,
