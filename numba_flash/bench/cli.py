@@ -124,7 +124,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                      help="the host cost of tiny calls (B=1 H=8 D=64, Sq x Sk = 1x16 and 64x64): forward, "
                           "forward+backward and a KV-cache decode step on the cpu backend (numpy) and the torch "
                           "faces (CPU tensors), each against torch SDPA on the same call: P50/P95 us and the "
-                          "ratio. 30 x --repeats calls per row; --backend cpu,torch; --json")
+                          "ratio. 30 x --repeats calls per row; and the cuda backend's host path with a stub for the "
+                          "driver's launch (P95 us against its goal); --backend cpu,torch,cuda; --json")
     modes.add_argument("--cache-lens", type=_positive_ints, metavar="L1,L2,...",
                        help="--decode's cache lengths (default " + ",".join(map(str, DEFAULT_CACHE_LENS)) + ")")
     modes.add_argument("--total-tokens", type=positive_int, metavar="N",
@@ -213,7 +214,8 @@ def _host_overhead_cases(parser: argparse.ArgumentParser, args: argparse.Namespa
         if value:
             parser.error(f"{flag} does not apply to --host-overhead")
     try:
-        return [], [(n, "backend") for n in host_backends(args.backend)]
+        # cuda's rows time its host path with a stub for the driver's launch: they need no GPU, so not a backend's
+        return [], [(n, "stub" if n == "cuda" else "backend") for n in host_backends(args.backend)]
     except ValueError as exc:
         parser.error(str(exc))
 

@@ -7,7 +7,10 @@ inputs in the same run, interleaved in rounds so that a neighbour's load falls o
 * backend ``cpu``: ``backend_registry.get("flash", backend="cpu")`` on numpy arrays (``op.forward``,
   ``op.forward`` then ``op.backward``, ``op.with_kvcache``);
 * backend ``torch``: the torch faces on CPU tensors (``flash_attn_func``, with ``loss.backward()``,
-  ``flash_attn_with_kvcache``), on whichever backend the registry picks for them.
+  ``flash_attn_with_kvcache``), on whichever backend the registry picks for them;
+* backend ``cuda``: the cuda backend's planned calls with torch tensors and the driver's launch replaced by a
+  recording stub (``host_overhead_cuda``, float16, run in a subprocess under the simulator); no GPU, so no SDPA:
+  their goal is a P95 in microseconds (``host_overhead_cuda.GOALS_US``), not a ratio.
 
 Calls: ``forward``; ``forward_backward`` (a training step's attention: forward, then backward; SDPA's the same
 through autograd); ``decode`` (one query token appended to a KV cache at a fixed position, so every call does the
@@ -225,30 +228,57 @@ def format_host_table(records: Sequence[dict[str, Any]]) -> str:
     body = []
     for r in records:
         ratio = r.get("ratio")
-        goal = "-" if ratio is None else ("yes" if ratio <= GOAL_RATIO else "no")
+        goal = "-" if meets_goal(r) is None else ("yes" if meets_goal(r) else "no")
         body.append((r["backend"], r["call"], f"{r['seqlen_q']}x{r['seqlen_k']}", fmt(r.get("p50_us"), ".1f"),
                      fmt(r.get("p95_us"), ".1f"), fmt(r.get("min_us"), ".1f"), fmt(r.get("torch_sdpa_p50_us"), ".1f"),
                      fmt(r.get("torch_sdpa_min_us"), ".1f"), fmt(ratio, ".2f"), fmt(r.get("ratio_min"), ".2f"), goal,
                      r["status"] if r["status"] != "ok" else ""))
     return tabulate(body, headers=("backend", "call", "Sq x Sk", "p50 us", "p95 us", "min us", "sdpa p50", "sdpa min",
-                                   "x sdpa", "x sdpa (min)", f"p50 <= {GOAL_RATIO:g}x", "status"))
+                                   "x sdpa", "x sdpa (min)", "goal met", "status"))
 
 
-HOST_BACKENDS = ("cpu", "torch")
+def meets_goal(record: dict[str, Any]) -> bool | None:
+    """Whether a row meets its goal: P50 <= ``GOAL_RATIO`` x SDPA's where SDPA ran beside it, else P95 <= the
+    row's ``goal_p95_us`` (the cuda stub's rows); None for a row with neither (or one that failed)."""
+    if record.get("ratio") is not None:
+        return record["ratio"] <= GOAL_RATIO
+    if record.get("goal_p95_us") is not None and record.get("p95_us") is not None:
+        return record["p95_us"] <= record["goal_p95_us"]
+    return None
+
+
+def cuda_stub_records(calls: int) -> list[dict[str, Any]]:
+    """The cuda backend's host path (``host_overhead_cuda.host_overhead_records``: planned calls, a recording stub
+    for the driver's launch) as rows of this table, each with ``seqlen_q``, ``seqlen_k`` and ``status``; one
+    failed row naming the error when it cannot run."""
+    from . import host_overhead_cuda as stub
+
+    sizes = {"forward": (stub.SEQLEN, stub.SEQLEN), "backward": (stub.SEQLEN, stub.SEQLEN),
+             "decode": (1, stub.CACHE_LEN)}
+    try:
+        records = stub.host_overhead_records(calls)
+    except Exception as exc:   # reported as a row, as measure reports a failing row
+        return [dict(backend="cuda", call="forward", seqlen_q=stub.SEQLEN, seqlen_k=stub.SEQLEN,
+                     status=f"error: {type(exc).__name__}: {str(exc).splitlines()[-1] if str(exc) else ''}")]
+    return [dict(r, seqlen_q=sizes[r["call"]][0], seqlen_k=sizes[r["call"]][1], dtype=stub.DTYPE, status="ok")
+            for r in records]
+
+
+HOST_BACKENDS = ("cpu", "torch", "cuda")
 
 
 def host_backends(names: str | None) -> list[str]:
-    """--backend's comma-separated names for --host-overhead (default: cpu, and torch where installed); ValueError
-    naming the unknown ones."""
+    """--backend's comma-separated names for --host-overhead (default: cpu, and torch and the cuda stub where torch
+    is installed: the stub's planned calls take torch tensors); ValueError naming the unknown ones."""
     from .harness import optional_torch
 
     chosen = [n.strip() for n in names.split(",") if n.strip()] if names else list(HOST_BACKENDS)
     unknown = [n for n in chosen if n not in HOST_BACKENDS]
     if unknown:
-        raise ValueError(f"--backend: --host-overhead times {' and '.join(HOST_BACKENDS)} (the torch faces on CPU "
-                         f"tensors), got {', '.join(unknown)}")
+        raise ValueError(f"--backend: --host-overhead times cpu, torch (the torch faces on CPU tensors) and cuda "
+                         f"(its host path with a stub for the driver's launch), got {', '.join(unknown)}")
     if names is None and optional_torch() is None:
-        chosen.remove("torch")
+        chosen = ["cpu"]
     return chosen
 
 
@@ -263,7 +293,8 @@ def run_command(args: Any) -> int:
     from .report import machine_info
 
     torch_ok = optional_torch() is not None
-    cases = host_cases(host_backends(args.backend), torch_available=torch_ok)
+    backends = host_backends(args.backend)
+    cases = host_cases([b for b in backends if b != "cuda"], torch_available=torch_ok)
     repeats = 30 * args.repeats
     meta = machine_info()
     meta.update(mode="host-overhead", repeats=repeats, seed=args.seed, goal_ratio=GOAL_RATIO)
@@ -272,9 +303,18 @@ def run_command(args: Any) -> int:
           + (f", torch {meta['torch']}" if "torch" in meta else ", torch not installed (no SDPA column)"))
     print(f"timing: {repeats} calls per row (30 x --repeats) in 5 rounds alternating with torch SDPA on the same "
           f"call, after 20 untimed calls; goal: P50 <= {GOAL_RATIO:g}x SDPA's")
+    if "cuda" in backends:
+        from .host_overhead_cuda import GOALS_US
+
+        goals = ", ".join(f"{call} {us:g}" for call, us in GOALS_US.items())
+        print(f"cuda rows: float16, the driver's launch a recording stub, {200 * args.repeats} calls each (200 x "
+              f"--repeats); goal: P95 <= {goals} us")
     sys.stdout.flush()
-    with progress_bar(len(cases), enabled=True) as tick:
+    with progress_bar(len(cases) + ("cuda" in backends), enabled=True) as tick:
         records = run_host_overhead(cases, repeats=repeats, seed=args.seed or 0, tick=tick)
+        if "cuda" in backends:
+            records += cuda_stub_records(200 * args.repeats)
+            tick()
     print()
     print(format_host_table(records))
     if args.json:
@@ -285,4 +325,4 @@ def run_command(args: Any) -> int:
 
 
 __all__ = ["HostCase", "host_cases", "measure", "run_host_overhead", "format_host_table", "host_backends",
-           "run_command", "GOAL_RATIO", "CALLS", "SIZES", "HOST_BACKENDS"]
+           "run_command", "meets_goal", "cuda_stub_records", "GOAL_RATIO", "CALLS", "SIZES", "HOST_BACKENDS"]

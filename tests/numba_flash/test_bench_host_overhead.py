@@ -69,10 +69,44 @@ def test_the_command_writes_one_record_per_row(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--seqlen", "5"], "--seqlen does not apply to --host-overhead"),
     (["--causal"], "--causal does not apply to --host-overhead"),
-    (["--backend", "cuda"], "--host-overhead times cpu and torch"),
+    (["--backend", "rocm"], "--host-overhead times cpu, torch"),
     (["--decode"], "not allowed with argument"),
 ])
 def test_flags_that_do_not_apply_exit_2(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", "--host-overhead", *args])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_each_row_is_judged_by_its_own_goal():
+    assert host_overhead.meets_goal({"ratio": 2.9}) and not host_overhead.meets_goal({"ratio": 3.1})
+    # the cuda stub's rows have no SDPA beside them: their P95 against their goal in microseconds
+    assert host_overhead.meets_goal({"p95_us": 19.0, "goal_p95_us": 20.0})
+    assert host_overhead.meets_goal({"p95_us": 21.0, "goal_p95_us": 20.0}) is False
+    assert host_overhead.meets_goal({"p95_us": 21.0}) is None and host_overhead.meets_goal({}) is None
+
+
+def test_the_cuda_stub_s_records_join_the_table(monkeypatch, capsys, tmp_path):
+    """The cuda rows come from host_overhead_cuda's subprocess (faked here; the real one is test_thin_launch's):
+    they get their sizes and a status, are judged by their P95 goal, and a failure is a row saying why."""
+    from numba_flash.bench import host_overhead_cuda
+
+    fake = [{"backend": "cuda", "call": c, "p50_us": p, "p95_us": p + 1, "launches": n, "goal_p95_us": g}
+            for c, p, n, g in (("forward", 9.0, 1, 20.0), ("backward", 60.0, 3, 50.0), ("decode", 8.0, 2, 20.0))]
+    asked = []
+    monkeypatch.setattr(host_overhead_cuda, "host_overhead_records", lambda calls: asked.append(calls) or fake)
+    path = tmp_path / "host.json"
+    assert cli.main(["bench", "--host-overhead", "--backend", "cuda", "--repeats", "2", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["results"]
+    assert asked == [400]
+    assert [(r["call"], r["seqlen_q"], r["seqlen_k"], r["status"]) for r in rows] == [
+        ("forward", 64, 64, "ok"), ("backward", 64, 64, "ok"), ("decode", 1, 1024, "ok")]
+    table = host_overhead.format_host_table(rows)
+    goal_column = [line.split()[-1] for line in table.splitlines()[2:]]
+    assert goal_column == ["yes", "no", "yes"], table
+
+    def broken(calls):
+        raise RuntimeError("host overhead (cuda, stub) failed: no torch")
+    monkeypatch.setattr(host_overhead_cuda, "host_overhead_records", broken)
+    (row,) = host_overhead.cuda_stub_records(10)
+    assert row["backend"] == "cuda" and row["status"] == "error: RuntimeError: host overhead (cuda, stub) failed: no torch"
