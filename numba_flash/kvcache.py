@@ -240,14 +240,20 @@ def _check_new_keys(k: Any, v: Any, q_info: tuple, k_cache: Any, v_cache: Any,
         if news[name][2] != want:
             raise bad_arg(name, f"shape (B, S_new, Hkv, D) = {want} (B of q, Hkv and D of the cache)",
                           f"shape {news[name][2]}")
-    seqlen_new = want[1]
+    check_append_caches(k_cache, v_cache, qkind, qdev)
+    return k, v, want[1]
+
+
+def check_append_caches(k_cache: Any, v_cache: Any, kind: str, device: str) -> None:
+    """AttentionInputError naming the cache unless both caches (validated, of array kind ``kind`` on ``device``)
+    can take an append: writable, and apart from each other. What no array signature holds (a numpy array's
+    writable flag, where two arrays lie), so a plan checks it again each step."""
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if qkind in ("numpy", "dlpack") and qdev == "cpu" and not to_numpy(x).flags.writeable:
+        if kind in ("numpy", "dlpack") and device == "cpu" and not to_numpy(x).flags.writeable:
             raise bad_arg(name, "a writable array (k/v are appended to it in place)", "a read-only array")
-    if _share_elements(k_cache, v_cache, qkind, qdev):
+    if _share_elements(k_cache, v_cache, kind, device):
         raise bad_arg("v_cache", "an array apart from k_cache when k/v are appended (each new position would be "
                       "written twice, the value over the key)", "an array sharing k_cache's memory")
-    return k, v, seqlen_new
 
 
 def _check_paging(block_table: Any, cache_batch_idx: Any, cache_leftpad: Any, batch: int,
@@ -270,7 +276,7 @@ def _check_paging(block_table: Any, cache_batch_idx: Any, cache_leftpad: Any, ba
     return table, page_size, table.shape[1] * page_size
 
 
-def _cache_lengths(cache_seqlens: Any, batch: int, capacity: int, seqlen_new: int) -> np.ndarray:
+def cache_lengths(cache_seqlens: Any, batch: int, capacity: int, seqlen_new: int) -> np.ndarray:
     """``cache_seqlens`` as (B,) host int64 (the whole capacity when None), with room for the new keys."""
     if cache_seqlens is None:
         seqlens = np.full(batch, capacity, dtype=np.int64)
@@ -299,7 +305,7 @@ def _cache_rows(cache_batch_idx: Any, batch: int, kc_shape: tuple[int, ...], seq
     return rows
 
 
-def _key_starts(cache_leftpad: Any, batch: int, seqlens: np.ndarray) -> np.ndarray:
+def key_starts(cache_leftpad: Any, batch: int, seqlens: np.ndarray) -> np.ndarray:
     """The first key each sequence attends to, (B,) host int64: ``cache_leftpad`` or 0."""
     starts = np.zeros(batch, dtype=np.int64)
     if cache_leftpad is not None:
@@ -321,7 +327,7 @@ def check_block_indices(table: np.ndarray, pages_used: np.ndarray, num_blocks: i
                       f"block_table[{b}, {n}] = {int(table[b, n])}")
 
 
-def _check_pages_used(table: np.ndarray, num_blocks: int, page_size: int, seqlens: np.ndarray,
+def check_pages_used(table: np.ndarray, num_blocks: int, page_size: int, seqlens: np.ndarray,
                       seqlen_new: int) -> None:
     """Every page a sequence reads names a block of the cache, and no page written by the append is shared."""
     batch = len(seqlens)
@@ -367,7 +373,12 @@ def _check_rotary(rotary_cos: Any, rotary_sin: Any, k: Any, q_info: tuple, causa
     if half < 1 or 2 * half > d:
         raise bad_arg("rotary_cos", f"(seqlen_ro, rotary_dim / 2) with 2 <= rotary_dim <= D = {d}",
                       f"shape {tables['rotary_cos']}")
-    q_span = sq if (causal or tuple(window_size) != (-1, -1)) else 1
+    check_rotary_rows(seqlen_ro, sq if (causal or tuple(window_size) != (-1, -1)) else 1, seqlens, seqlen_new)
+
+
+def check_rotary_rows(seqlen_ro: int, q_span: int, seqlens: np.ndarray, seqlen_new: int) -> None:
+    """AttentionInputError naming ``rotary_cos`` unless its ``seqlen_ro`` rows reach every position rotated: the
+    new keys' and q's (``q_span`` of them: Sq when causal or local, else 1) from ``seqlens`` (B,) int64 on."""
     needed = int(seqlens.max()) + max(seqlen_new, q_span)
     if seqlen_ro < needed:
         raise bad_arg("rotary_cos", f"at least {needed} rows (the new keys' and q's positions reach "
@@ -396,12 +407,12 @@ def validate_kvcache(
     hkv = kc_shape[2]
     k, v, seqlen_new = _check_new_keys(k, v, q_info, k_cache, v_cache, hkv)
     table, page_size, capacity = _check_paging(block_table, cache_batch_idx, cache_leftpad, batch, kc_shape)
-    seqlens = _cache_lengths(cache_seqlens, batch, capacity, seqlen_new)
+    seqlens = cache_lengths(cache_seqlens, batch, capacity, seqlen_new)
     alibi = check_alibi(alibi_slopes, qkind, qdev, batch, hq, sq, capacity, compute_dtype_name(qdt))
     rows = None if paged else _cache_rows(cache_batch_idx, batch, kc_shape, seqlen_new)
-    starts = _key_starts(cache_leftpad, batch, seqlens)
+    starts = key_starts(cache_leftpad, batch, seqlens)
     if paged:
-        _check_pages_used(table, kc_shape[0], page_size, seqlens, seqlen_new)
+        check_pages_used(table, kc_shape[0], page_size, seqlens, seqlen_new)
     _check_rotary(rotary_cos, rotary_sin, k, q_info, causal, window_size, seqlens, seqlen_new)
 
     left, right = effective_window(causal, window_size)

@@ -25,9 +25,8 @@ array kinds without a signature (numba device arrays, ``__cuda_array_interface__
 tensors with a pending negation or conjugation bit), which ``op.forward`` serves; and ``dropout_p > 0``, since a
 plan would fix ``dropout_seed`` and every step would drop the same entries.
 
-``with_kvcache`` has no plan yet: a decode step differs from the last in ``cache_seqlens`` (the append position)
-and so in the validated ``KVCacheCall`` itself, not only in its arrays. ``_PlannedCall`` runs any backend method
-with a call's arrays replaced, so a plan of it needs only a step's fields put in place.
+``with_kvcache``'s plan, for decode loops, is ``numba_flash.plan_kvcache``: a step differs from the last in
+``cache_seqlens`` too, and so in the validated ``KVCacheCall`` itself; it runs on a ``PlannedCall`` as well.
 """
 
 from __future__ import annotations
@@ -78,7 +77,7 @@ def _unsigned(x: Any) -> str:
     return text + (f" of shape {tuple(shape)}" if shape is not None else "")
 
 
-def _signature_of(name: str, x: Any) -> tuple:
+def planned_signature(name: str, x: Any) -> tuple:
     """``array_signature(x)``, or AttentionInputError naming ``name`` for an array kind a plan does not take."""
     signature = array_signature(x)
     if signature is None:
@@ -86,7 +85,7 @@ def _signature_of(name: str, x: Any) -> tuple:
     return signature
 
 
-def _check(name: str, x: Any, planned: tuple) -> None:
+def check_planned(name: str, x: Any, planned: tuple) -> None:
     """AttentionInputError naming ``name`` unless ``x`` has the planned signature: the step's own arrays only."""
     signature = array_signature(x)
     if signature == planned:
@@ -102,7 +101,7 @@ def _check(name: str, x: Any, planned: tuple) -> None:
                   got)
 
 
-class _PlannedCall:
+class PlannedCall:
     """A validated call and the backend that serves it; runs it again with a step's arrays in place."""
 
     def __init__(self, dispatcher: Any, call: AttentionCall, backend: str | None, method: str) -> None:
@@ -114,6 +113,10 @@ class _PlannedCall:
         """The backend's result on the planned call with ``arrays`` (q, k, v; dout, out, lse) in its place."""
         call = object.__new__(AttentionCall)   # frozen: the fields are set as call_signature.recalled sets them
         call.__dict__.update(self.fields, extra={}, **arrays)
+        return self.run_call(call)
+
+    def run_call(self, call: AttentionCall) -> Any:
+        """The backend's result on ``call``, a step's call of this plan (one the planned backend was chosen for)."""
         declined: dict[str, list[str]] = {}
         while True:
             try:
@@ -142,10 +145,10 @@ class AttentionPlan:
         if call.dropout_p:
             raise bad_arg("dropout_p", "0 in a plan (a plan fixes dropout_seed, so every step would drop the same "
                           "entries: call op.forward with a seed per step)", call.dropout_p)
-        self._signatures = {name: _signature_of(name, x) for name, x in (("q", q), ("k", k), ("v", v))}
+        self._signatures = {name: planned_signature(name, x) for name, x in (("q", q), ("k", k), ("v", v))}
         self._dispatcher = dispatcher
-        self._forward = _PlannedCall(dispatcher, call, options["backend"], "forward")
-        self._backward: _PlannedCall | None = None
+        self._forward = PlannedCall(dispatcher, call, options["backend"], "forward")
+        self._backward: PlannedCall | None = None
         self._result_signatures: dict[str, tuple] = {}
 
     @property
@@ -174,9 +177,9 @@ class AttentionPlan:
         AttentionInputError naming the argument for an array of another signature.
         """
         planned = self._signatures
-        _check("q", q, planned["q"])
-        _check("k", k, planned["k"])
-        _check("v", v, planned["v"])
+        check_planned("q", q, planned["q"])
+        check_planned("k", k, planned["k"])
+        check_planned("v", v, planned["v"])
         k, v = self._step_keys(k, v)
         out, lse = self._forward.run({"q": q, "k": k, "v": v})
         return (out, lse) if self._forward.call.return_lse else out
@@ -192,20 +195,20 @@ class AttentionPlan:
         ``score_mod`` plan has none (its backward needs ``score_mod_grad``: use ``op.backward``).
         """
         planned = self._signatures
-        _check("q", q, planned["q"])
-        _check("k", k, planned["k"])
-        _check("v", v, planned["v"])
+        check_planned("q", q, planned["q"])
+        check_planned("k", k, planned["k"])
+        check_planned("v", v, planned["v"])
         packed_k, packed_v = self._step_keys(k, v)
         if self._backward is None:
             options = self._options
             call = validate_backward(dout, q, packed_k, packed_v, out, lse,
                                      **{n: options[n] for n in _BACKWARD_OPTIONS})
-            signatures = {name: _signature_of(name, x) for name, x in (("dout", dout), ("out", out), ("lse", lse))}
-            self._backward = _PlannedCall(self._dispatcher, call, options["backend"], "backward")
+            signatures = {name: planned_signature(name, x) for name, x in (("dout", dout), ("out", out), ("lse", lse))}
+            self._backward = PlannedCall(self._dispatcher, call, options["backend"], "backward")
             self._result_signatures = signatures
         else:
             for name, x in (("dout", dout), ("out", out), ("lse", lse)):
-                _check(name, x, self._result_signatures[name])
+                check_planned(name, x, self._result_signatures[name])
         dq, dk, dv = self._backward.run({"dout": dout, "q": q, "k": packed_k, "v": packed_v, "out": out,
                                          "lse": lse})[:3]
         if self._paged is not None:
@@ -245,4 +248,4 @@ def make_plan(self: Any, q: Any, k: Any, v: Any, *, causal: bool = False, softma
 make_plan.__qualname__ = "Dispatcher.plan"   # bound as that method: an unknown keyword's error names it so
 make_plan = checked_arguments(make_plan)
 
-__all__ = ["AttentionPlan", "make_plan"]
+__all__ = ["AttentionPlan", "PlannedCall", "check_planned", "make_plan", "planned_signature"]
