@@ -34,6 +34,7 @@ from numba_flash.arguments import checked_arguments
 from numba_flash.errors import AttentionInputError, BackendDeclined, NoBackendError
 from numba_flash.paged_keys import gather_paged_keys
 from numba_flash.plan import make_plan
+from numba_flash.plan_kvcache import make_kvcache_plan
 from numba_flash.validation import (AttentionCall, check_deterministic, check_precision, validate_backward,
                                     validate_forward)
 
@@ -273,6 +274,7 @@ class Dispatcher:
 
     plan = make_plan
     """``plan(q, k, v, **forward's keywords)``: the call checked once, for a loop (``numba_flash.plan.make_plan``)."""
+    plan_kvcache = make_kvcache_plan   # with_kvcache checked once, for a decode loop (numba_flash.plan_kvcache)
 
     def _run(self, call: AttentionCall, backend: str | None, method: str) -> Any:
         """Run ``call`` on the backend ``select`` picks; when that backend declines while running, on the next one.
