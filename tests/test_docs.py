@@ -32,7 +32,7 @@ EXPECTED = {
     "docs/guide/bench.md": 2,
     "docs/guide/bias-and-mods.md": 3,
     "docs/guide/cuda.md": 1,
-    "docs/guide/kvcache.md": 1,
+    "docs/guide/kvcache.md": 2,
     "docs/guide/packed-sequences.md": 2,
     "docs/guide/ring-attention.md": 2,
 }
@@ -59,7 +59,7 @@ def test_the_pages_hold_the_examples_this_file_runs():
     # Each check below is keyed on what its example says; each must still find its example.
     for key in ("merge_attention_states", "attn_bias=bias", "with_kvcache", 'precision="tf32"', "block_mask(",
                 "cu_seqlens_q", 'device="cuda"', "check_mods_on_host", "host_overhead.measure", "block_table=",
-                "plan.run("):
+                "plan.run(", "plan_kvcache("):
         assert any(key in code for _, code in BLOCKS), key
 
 
@@ -93,6 +93,10 @@ def test_example_runs_on_its_own(label, code):
         q, k, v = scope["q"], scope["k"], scope["v"]
         np.testing.assert_array_equal(scope["out"], scope["op"].forward(q, k, v, causal=True))
         assert scope["refused"].startswith("q: expected the planned array, a numpy.ndarray of shape (1, 96, 8, 64)")
+    if "plan_kvcache(" in code:   # each step appended at its lens; the overflowing one was refused by name
+        for b in range(len(scope["lens"])):
+            np.testing.assert_array_equal(scope["k_cache"][b, scope["lens"][b] - 1], scope["k_new"][b, 0])
+        assert scope["out"].shape == (2, 1, 8, 64) and scope["refused"].startswith("cache_seqlens: expected room")
     if "block_table=" in code:   # paged keys: the gradients are paged like the caches
         assert scope["dk"].shape == scope["k_cache"].shape and scope["dv"].shape == scope["v_cache"].shape
     elif "cu_seqlens_q" in code:   # the comment's shapes
