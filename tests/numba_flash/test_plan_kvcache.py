@@ -1,8 +1,8 @@
 """Plans for decode loops (``op.plan_kvcache`` / ``plan.run``, ``numba_flash.plan_kvcache``): a loop of decoding
 steps through a plan gives the bits the same loop through ``op.with_kvcache`` gives on copies of the caches, for
 the outputs and the caches after every step, and matches the float64 reference; a step the caches cannot hold, or
-whose arrays have another signature, is refused by name before anything is written or run; a run does not check
-the call again.
+whose arrays have another signature, or that breaks a rule following from cache_seqlens (left padding, pages, rotary
+rows), is refused by name before anything is written or run; a run does not check the call again.
 
 Sizes are odd on purpose: B = 2, Hq = 4, Hkv = 2 (grouped-query), D = 24, capacity 37 (paged: 8 pages of 5).
 """
@@ -282,3 +282,32 @@ def test_a_decode_loop_of_torch_tensors(op):
         q, k, v = (torch.from_numpy(x) for x in _step(rng))
     with pytest.raises(AttentionInputError, match=r"^q: .*differs in type"):
         plan.run(q.numpy(), k_cache, v_cache, k, v, cache_seqlens=lens)
+
+
+@pytest.mark.parametrize("name, lens, argument", [
+    ("rows_leftpad", np.array([0, 29], np.int32), "cache_leftpad"),     # leftpad 1 past the keys held
+    ("rotary", np.array([6, 35], np.int32), "rotary_cos"),              # the new key's position past the table
+    ("paged", np.array([6, 39], np.int32), "block_table"),              # a page no sequence may share
+])
+def test_the_rules_that_follow_cache_seqlens_are_checked_each_step(op, monkeypatch, name, lens, argument):
+    """Each step's lengths against the planned leftpad, rotary tables and block table, word for word as
+    with_kvcache checks them."""
+    rng = np.random.default_rng(12)
+    opts = _options(rng, name)
+    if name == "rotary":
+        opts.update(rotary_cos=opts["rotary_cos"][:35], rotary_sin=opts["rotary_sin"][:35])
+    if name == "paged":        # sequence 1's last page is sequence 0's first: written twice once both append there
+        opts["block_table"][1, 7] = opts["block_table"][0, 1]
+    k_cache, v_cache = _caches(rng, name)
+    q, k, v = _step(rng)
+    plan = op.plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=LENS, **opts)
+    k_copy, v_copy = k_cache.copy(), v_cache.copy()
+    calls = _counting(monkeypatch)
+    with pytest.raises(AttentionInputError, match=rf"^{argument}: ") as planned:
+        plan.run(q, k_cache, v_cache, k, v, cache_seqlens=lens)
+    with pytest.raises(AttentionInputError) as direct:
+        op.with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, **opts)
+    assert str(planned.value) == str(direct.value)
+    assert calls == []
+    np.testing.assert_array_equal(k_cache, k_copy)
+    np.testing.assert_array_equal(v_cache, v_copy)
