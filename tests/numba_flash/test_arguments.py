@@ -31,6 +31,7 @@ def _entry_points():
         ("with_kvcache", op.with_kvcache, "cache_seqlen", "cache_seqlens"),
         ("explain", op.explain, "windows_size", "window_size"),
         ("plan", op.plan, "casual", "causal"),
+        ("plan_kvcache", op.plan_kvcache, "cache_seqlen", "cache_seqlens"),
         ("attention_ref", numba_flash.attention_ref, "causl", "causal"),
         ("attention_ref_backward", numba_flash.attention_ref_backward, "soft_cap", "softcap"),
         ("attention_ref_varlen", numba_flash.attention_ref_varlen, "cu_seqlen_q", "cu_seqlens_q"),
