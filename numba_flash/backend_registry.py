@@ -30,6 +30,7 @@ import os
 import threading
 from typing import Any, Iterator
 
+from numba_flash import kvcache_plans
 from numba_flash.arguments import checked_arguments
 from numba_flash.errors import AttentionInputError, BackendDeclined, NoBackendError
 from numba_flash.paged_keys import gather_paged_keys
@@ -67,12 +68,14 @@ def register(op: str, name: str, target: str | type | Backend, *, replace: bool 
             raise ValueError(f"backend {name!r} is already registered for op {op!r} (pass replace=True)")
         backends[name] = target
         _instances.pop((op, name), None)
+    kvcache_plans.clear()   # a kept plan's backend was chosen among the backends then registered
 
 
 def unregister(op: str, name: str) -> None:
     with _lock:
         _targets.get(op, {}).pop(name, None)
         _instances.pop((op, name), None)
+    kvcache_plans.clear()
 
 
 def _load_entry_points(refresh: bool = False) -> None:
@@ -89,6 +92,7 @@ def _load_entry_points(refresh: bool = False) -> None:
                 backends.setdefault(ep.name, ep.value)
             _targets.setdefault("*", {}).setdefault(ep.name, ep.value)
         _entry_points_loaded = True
+    kvcache_plans.clear()
 
 
 class _Unloadable(Backend):
@@ -384,13 +388,16 @@ class Dispatcher:
         from the work and the machine's parallelism).
         Returns out (B, Sq, Hq, D) like q, and with ``return_lse`` also lse (B, Hq, Sq) float32.
         """
-        from numba_flash.kvcache import validate_kvcache
+        # Checked in full once per call signature; later calls of it run its kept plan (numba_flash.kvcache_plans).
+        options = dict(locals())
+        del options["self"], options["backend"]
+        arrays = {name: options.pop(name) for name in ("q", "k_cache", "v_cache", "k", "v")}
+        forced = self.forced_backend(backend)
 
-        kv = validate_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                              cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                              rotary_interleaved, alibi_slopes, num_splits, return_lse)
-        out, lse = self._run(kv.dense_call(), backend, "with_kvcache")
-        return (out, lse) if return_lse else out
+        def run_checked(kv: Any) -> Any:
+            out, lse = self._run(kv.dense_call(), backend, "with_kvcache")
+            return (out, lse) if return_lse else out
+        return kvcache_plans.run_with_plans(self, forced, arrays, options, run_checked)
 
     @checked_arguments
     def explain(self, q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,

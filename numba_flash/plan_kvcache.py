@@ -39,9 +39,21 @@ from .kvcache import (KVCacheCall, cache_lengths, check_append_caches, check_pag
 from .plan import PlannedCall, check_planned, planned_signature
 
 # validate_kvcache's arguments after q, k_cache, v_cache, k, v, in its order.
-_KVCACHE_OPTIONS = ("rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table",
-                    "softmax_scale", "causal", "window_size", "softcap", "rotary_interleaved", "alibi_slopes",
-                    "num_splits", "return_lse")
+KVCACHE_OPTIONS = ("rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table",
+                   "softmax_scale", "causal", "window_size", "softcap", "rotary_interleaved", "alibi_slopes",
+                   "num_splits", "return_lse")
+_HELD = {"q": "q", "k_cache": "k_cache", "v_cache": "v_cache", "k": "k_new", "v": "v_new"}
+
+
+def kvcache_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``validate_kvcache``'s keywords (``KVCACHE_OPTIONS``) taken from ``options``."""
+    return {n: options[n] for n in KVCACHE_OPTIONS}
+
+
+def holds_given(kv: KVCacheCall, name: str, x: Any) -> bool:
+    """Whether validated call ``kv`` holds the caller's array ``x`` as argument ``name`` (q, k_cache, v_cache, k,
+    v) itself, not a copy the checks converted it into (a plan, which runs on a step's own arrays, needs that)."""
+    return getattr(kv, _HELD[name]) is x
 
 
 class KVCachePlan:
@@ -49,15 +61,18 @@ class KVCachePlan:
     ``run(q, k_cache, v_cache, k, v, cache_seqlens=...)`` runs one decoding step (the module says what a plan fixes
     and what each step checks)."""
 
-    def __init__(self, dispatcher: Any, arrays: dict[str, Any], options: dict[str, Any]) -> None:
-        kv = validate_kvcache(*arrays.values(), **{n: options[n] for n in _KVCACHE_OPTIONS})
-        held = {"q": kv.q, "k_cache": kv.k_cache, "v_cache": kv.v_cache, "k": kv.k_new, "v": kv.v_new}
+    def __init__(self, dispatcher: Any, arrays: dict[str, Any], options: dict[str, Any],
+                 validated: KVCacheCall | None = None) -> None:
+        """``arrays``: q, k_cache, v_cache, k, v by name; ``options``: ``make_kvcache_plan``'s keywords;
+        ``validated``: ``validate_kvcache``'s result for exactly these (the plan cache of ``with_kvcache`` has it
+        already), else the checks run here."""
+        kv = validated if validated is not None else validate_kvcache(*arrays.values(), **kvcache_options(options))
         self._signatures: dict[str, tuple] = {}
         for name, x in arrays.items():
             if x is None:
                 continue
             self._signatures[name] = planned_signature(name, x)
-            if held[name] is not x:   # the checks handed on a converted copy, which a step's array would not be
+            if not holds_given(kv, name, x):   # a converted copy, which a step's array would not be
                 raise bad_arg(name, "an array the checks take as it is (a plan runs on the caller's arrays)",
                               "one they convert into a copy; op.with_kvcache serves it")
         self._kv = kv
@@ -94,6 +109,35 @@ class KVCachePlan:
             check_rotary_rows(self._seqlen_ro, self._q_span, seqlens, kv.seqlen_new)
         return seqlens, table
 
+    def check_step(self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *,
+                   cache_seqlens: Any = None, block_table: Any = None) -> KVCacheCall:
+        """The checks ``run`` makes of a step (arguments as ``run`` takes them), without running it: the step's
+        ``KVCacheCall`` (the planned one with the step's arrays and lengths in place), or AttentionInputError
+        naming the argument. Nothing is written either way."""
+        planned = self._signatures
+        check_planned("q", q, planned["q"])
+        check_planned("k_cache", k_cache, planned["k_cache"])
+        check_planned("v_cache", v_cache, planned["v_cache"])
+        kv = self._kv
+        if "k" in planned:
+            check_planned("k", k, planned["k"])
+            check_planned("v", v, planned["v"])
+            check_append_caches(k_cache, v_cache, kv.kind, kv.device)
+        elif k is not None or v is not None:
+            raise bad_arg("k" if k is not None else "v", "None, as planned (a plan without new keys; one that "
+                          "appends needs a plan of its own)", "an array")
+        seqlens, table = self._step_lengths(cache_seqlens, block_table)
+        return dataclasses.replace(kv, q=q, k_cache=k_cache, v_cache=v_cache, k_new=k, v_new=v,
+                                   cache_seqlens=seqlens, block_table=table)
+
+    def step(self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *, cache_seqlens: Any = None,
+             block_table: Any = None) -> Any:
+        """``run`` without its check of the arguments' names and masks, for callers that made it already (the
+        plan cache of ``Dispatcher.with_kvcache``, whose own arguments were checked so)."""
+        out, lse = self._planned.run_call(self.check_step(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                                          block_table=block_table).dense_call())
+        return (out, lse) if self._kv.return_lse else out
+
     def run(self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *, cache_seqlens: Any = None,
             block_table: Any = None) -> Any:
         """One decoding step: what ``op.with_kvcache`` with the planned arguments returns for these, and the same
@@ -108,23 +152,7 @@ class KVCachePlan:
         (B, Hq, Sq) float32. AttentionInputError naming the argument for an array of another signature or a
         length the caches cannot hold.
         """
-        planned = self._signatures
-        check_planned("q", q, planned["q"])
-        check_planned("k_cache", k_cache, planned["k_cache"])
-        check_planned("v_cache", v_cache, planned["v_cache"])
-        kv = self._kv
-        if "k" in planned:
-            check_planned("k", k, planned["k"])
-            check_planned("v", v, planned["v"])
-            check_append_caches(k_cache, v_cache, kv.kind, kv.device)
-        elif k is not None or v is not None:
-            raise bad_arg("k" if k is not None else "v", "None, as planned (a plan without new keys; one that "
-                          "appends needs a plan of its own)", "an array")
-        seqlens, table = self._step_lengths(cache_seqlens, block_table)
-        step = dataclasses.replace(kv, q=q, k_cache=k_cache, v_cache=v_cache, k_new=k, v_new=v,
-                                   cache_seqlens=seqlens, block_table=table)
-        out, lse = self._planned.run_call(step.dense_call())
-        return (out, lse) if kv.return_lse else out
+        return self.step(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table)
 
     run = checked_arguments(run)   # an unknown keyword named with the closest one; masked arrays refused by name
 
@@ -161,4 +189,4 @@ def make_kvcache_plan(self: Any, q: Any, k_cache: Any, v_cache: Any, k: Any = No
 make_kvcache_plan.__qualname__ = "Dispatcher.plan_kvcache"   # bound as that method: an unknown keyword names it
 make_kvcache_plan = checked_arguments(make_kvcache_plan)
 
-__all__ = ["KVCachePlan", "make_kvcache_plan"]
+__all__ = ["KVCachePlan", "KVCACHE_OPTIONS", "holds_given", "kvcache_options", "make_kvcache_plan"]

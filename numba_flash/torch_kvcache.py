@@ -10,10 +10,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from numba_flash import backend_registry
+from numba_flash import backend_registry, kvcache_plans
 from numba_flash.arguments import checked_arguments
 from numba_flash.arrays import to_numpy
-from numba_flash.kvcache import validate_kvcache
+from numba_flash.plan_kvcache import KVCACHE_OPTIONS
 from numba_flash.torch_common import check_tensors, lse_dtype, owned_output
 
 
@@ -59,6 +59,11 @@ class _KVCacheNoBackward(torch.autograd.Function):
         raise RuntimeError("numba_flash: flash_attn_with_kvcache does not support backward (as in flash-attn: it "
                            "serves decoding, and writes the caches in place); for gradients, attend with "
                            "flash_attn_func over the cached keys")
+
+
+def _face_options(arguments: dict[str, Any]) -> dict[str, Any]:
+    """``validate_kvcache``'s keywords from ``flash_attn_with_kvcache``'s arguments (its lse flag has its own name)."""
+    return {name: arguments["return_softmax_lse" if name == "return_lse" else name] for name in KVCACHE_OPTIONS}
 
 
 @checked_arguments
@@ -121,11 +126,15 @@ def flash_attn_with_kvcache(
     (a cache too short for the append, a block index out of range, a rotary table of the wrong shape, ...).
     """
     check_tensors("flash_attn_with_kvcache", q, k_cache, v_cache)
+    op = backend_registry.get("flash")
+    if backend is None:
+        backend = op.forced_backend()
     if not torch.compiler.is_compiling():
-        # Fail fast, before the op's schema turns the arguments into ints and tensors (as flash_attn_func does).
-        validate_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-                         alibi_slopes, num_splits, return_softmax_lse)
+        # Fail fast, before the op's schema turns the arguments into ints and tensors (as flash_attn_func does):
+        # in full for a call of a new signature, with a kept plan's step checks for one seen before (the op then
+        # runs its own kept plan: numba_flash.kvcache_plans).
+        kvcache_plans.check_with_plans(op, backend, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v},
+                                       _face_options(locals()))
         if isinstance(cache_seqlens, (int, np.integer)):
             # The op's schema takes a tensor; an int is every sequence's length.
             cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
@@ -134,8 +143,6 @@ def flash_attn_with_kvcache(
             x if x is None or isinstance(x, torch.Tensor) else
             torch.from_numpy(np.ascontiguousarray(to_numpy(x))).to(q.device)
             for x in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
-    if backend is None:
-        backend = backend_registry.get("flash").forced_backend()
     scale = None if softmax_scale is None else float(softmax_scale)
     out, lse = flash_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                              cache_leftpad, block_table, scale, causal, int(window_size[0]), int(window_size[1]),
