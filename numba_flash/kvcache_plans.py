@@ -171,12 +171,11 @@ def check_with_plans(dispatcher: Any, forced: str | None, arrays: dict[str, Any]
 
 
 def set_enabled(enabled: bool) -> bool:
-    """Turn the cache on or off (off: every call checked in full, nothing kept); returns the previous setting."""
+    """Turn the cache on or off (off: every call checked in full, nothing kept or read; the plans kept stay for
+    when it is on again); returns the previous setting."""
     global _enabled
     with _lock:
         previous, _enabled = _enabled, bool(enabled)
-        if not _enabled:
-            _plans.clear()
     return previous
 
 
