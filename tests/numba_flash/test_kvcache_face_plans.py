@@ -233,3 +233,34 @@ def test_the_plans_kept_are_bounded_and_dropped_when_the_backends_change():
         assert kvcache_plans.kept_count() == 0
     finally:
         backend_registry.unregister("flash", "plans_test_backend")
+
+
+VALUES = {
+    "cache_batch_idx": (torch.tensor([3, 0, 1], dtype=torch.int32), [1, 3, 2]),
+    "cache_leftpad": (torch.tensor([1, 2, 0], dtype=torch.int32), [3, 0, 2]),
+    "alibi_slopes": (torch.tensor([0.3, 0.1, 0.05, 0.5, 0.2, 0.7]), [0.9, 0.0, 0.4, 0.1, 0.6, 0.2]),
+}
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_index_arrays_and_slopes_given_new_values_in_place_are_planned_anew(name):
+    """A plan reads these values once; the same tensor with new values is another call (a stale plan would attend
+    with the old rows, padding or slopes)."""
+    rng = np.random.default_rng(6)
+    given, new_values = VALUES[name]
+    x = given.clone()
+    k_cache, v_cache = _caches(rng, "rows_leftpad_alibi")
+    lens = torch.tensor([5, 9, 4], dtype=torch.int32)
+    for step in range(3):
+        if step == 2:
+            x.copy_(torch.tensor(new_values, dtype=x.dtype))   # same object, same signature, other values
+        q, k, v = _step(rng)
+        k_copy, v_copy = k_cache.clone(), v_cache.clone()
+        got = numba_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True,
+                                                  return_softmax_lse=True, **{name: x})
+        want = _uncached(q, k_copy, v_copy, k, v, cache_seqlens=lens, causal=True, return_softmax_lse=True,
+                         **{name: x})
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+        assert torch.equal(k_cache, k_copy) and torch.equal(v_cache, v_copy)
+        lens = lens + 1
