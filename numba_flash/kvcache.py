@@ -116,6 +116,18 @@ class KVCacheCall:
                              window_right=right, softcap=self.softcap, return_lse=self.return_lse,
                              alibi=self.alibi, extra={"kvcache": self})
 
+    def dense_call_like(self, planned: AttentionCall) -> AttentionCall:
+        """``dense_call()`` of this call, a step of the plan whose ``dense_call()`` was ``planned`` (same options,
+        dtype, sizes but Sk): the fields that differ from step to step set here, the rest copied from
+        ``planned`` rather than derived again by ``AttentionCall.__init__`` (a decode step's microseconds)."""
+        ends = self.cache_seqlens + self.seqlen_new
+        sk = max(1, int((ends - self.key_start).max()))
+        left, right = self.window_for(sk)
+        call = object.__new__(AttentionCall)   # frozen: set as plan.PlannedCall.run sets a planned call's fields
+        call.__dict__.update(planned.__dict__, q=self.q, k=self.k_cache, v=self.v_cache, seqlen_k=sk,
+                             window_left=left, window_right=right, extra={"kvcache": self})
+        return call
+
 
 # choose_num_splits: a split shorter than this costs more in its fixed overhead (a unit's setup, a partial
 # written and merged) than its parallelism earns. Measured on 2 threads, B = 1, Hkv = 1, Sk = 8192, D = 128:
@@ -281,9 +293,16 @@ def cache_lengths(cache_seqlens: Any, batch: int, capacity: int, seqlen_new: int
     if cache_seqlens is None:
         seqlens = np.full(batch, capacity, dtype=np.int64)
     elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)
+        held = int(cache_seqlens)
+        seqlens = np.full(batch, held, dtype=np.int64)
+        if batch and 0 <= held <= capacity - seqlen_new:   # every entry is this one: checked as one
+            return seqlens
     else:
         seqlens = host_ints("cache_seqlens", cache_seqlens, (batch,), "(B,) or an int")
+    # A decode loop runs this every step (a plan's run too): one min and max when all is well (microseconds), the
+    # element-wise checks below, which find the first bad entry to name it, only when not.
+    if batch and int(seqlens.min()) >= 0 and int(seqlens.max()) + seqlen_new <= capacity:
+        return seqlens
     _first_bad("cache_seqlens", seqlens, seqlens >= 0, "every entry >= 0")
     _first_bad("cache_seqlens", seqlens, seqlens + seqlen_new <= capacity,
                f"room for the {seqlen_new} new keys: cache_seqlens[b] + S_new <= the cache's capacity {capacity}")

@@ -153,7 +153,8 @@ def run_with_plans(dispatcher: Any, forced: str | None, arrays: dict[str, Any], 
     arrays: q, k_cache, v_cache, k, v by name (shapes in ``plan_key``); options: the call's keywords by name."""
     key, plan, kv = _lookup(("run", dispatcher.op, forced), arrays, options)
     if plan is not None:
-        return plan.step(*arrays.values(), cache_seqlens=options["cache_seqlens"], block_table=options["block_table"])
+        return plan.step(*arrays.values(), cache_seqlens=options["cache_seqlens"], block_table=options["block_table"],
+                         signatures_known=True)
     result = run_checked(kv)
     _keep_new(key, dispatcher, forced, arrays, options, kv)
     return result
@@ -165,7 +166,8 @@ def check_with_plans(dispatcher: Any, forced: str | None, arrays: dict[str, Any]
     Arguments as ``run_with_plans`` takes them."""
     key, plan, kv = _lookup(("check", dispatcher.op, forced), arrays, options)
     if plan is not None:
-        plan.check_step(*arrays.values(), cache_seqlens=options["cache_seqlens"], block_table=options["block_table"])
+        plan.check_step(*arrays.values(), cache_seqlens=options["cache_seqlens"],
+                        block_table=options["block_table"], signatures_known=True)
     else:
         _keep_new(key, dispatcher, forced, arrays, options, kv)
 

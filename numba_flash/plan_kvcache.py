@@ -23,13 +23,12 @@ What ``run`` checks each step, before anything is written (a refused step leaves
   an int, each >= 0, room for the new keys in the capacity), then those that depend on it: ``cache_leftpad`` within
   it, the pages used named in the block table and none written twice, rotary tables long enough.
 
-Then the planned ``KVCacheCall`` with the step's arrays and lengths in place (``dataclasses.replace``) goes to the
+Then the planned ``KVCacheCall`` with the step's arrays and lengths in place (a copy of its fields) goes to the
 planned backend's ``with_kvcache``, which appends and attends exactly as ``op.with_kvcache`` would.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from .arguments import checked_arguments
@@ -76,6 +75,7 @@ class KVCachePlan:
                 raise bad_arg(name, "an array the checks take as it is (a plan runs on the caller's arrays)",
                               "one they convert into a copy; op.with_kvcache serves it")
         self._kv = kv
+        self._fields = dict(kv.__dict__)
         self._leftpad = options["cache_leftpad"] is not None
         self._num_blocks = int(kv.k_cache.shape[0])
         self._seqlen_ro = 0 if kv.rotary_cos is None else int(kv.rotary_cos.shape[0])
@@ -110,32 +110,43 @@ class KVCachePlan:
         return seqlens, table
 
     def check_step(self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *,
-                   cache_seqlens: Any = None, block_table: Any = None) -> KVCacheCall:
+                   cache_seqlens: Any = None, block_table: Any = None,
+                   signatures_known: bool = False) -> KVCacheCall:
         """The checks ``run`` makes of a step (arguments as ``run`` takes them), without running it: the step's
         ``KVCacheCall`` (the planned one with the step's arrays and lengths in place), or AttentionInputError
-        naming the argument. Nothing is written either way."""
+        naming the argument. Nothing is written either way. ``signatures_known``: the caller found the arrays'
+        signatures equal to the planned ones already (``kvcache_plans``, whose key holds them), so they are not
+        compared again."""
         planned = self._signatures
-        check_planned("q", q, planned["q"])
-        check_planned("k_cache", k_cache, planned["k_cache"])
-        check_planned("v_cache", v_cache, planned["v_cache"])
+        if not signatures_known:
+            check_planned("q", q, planned["q"])
+            check_planned("k_cache", k_cache, planned["k_cache"])
+            check_planned("v_cache", v_cache, planned["v_cache"])
         kv = self._kv
         if "k" in planned:
-            check_planned("k", k, planned["k"])
-            check_planned("v", v, planned["v"])
+            if not signatures_known:
+                check_planned("k", k, planned["k"])
+                check_planned("v", v, planned["v"])
             check_append_caches(k_cache, v_cache, kv.kind, kv.device)
         elif k is not None or v is not None:
             raise bad_arg("k" if k is not None else "v", "None, as planned (a plan without new keys; one that "
                           "appends needs a plan of its own)", "an array")
         seqlens, table = self._step_lengths(cache_seqlens, block_table)
-        return dataclasses.replace(kv, q=q, k_cache=k_cache, v_cache=v_cache, k_new=k, v_new=v,
-                                   cache_seqlens=seqlens, block_table=table)
+        # dataclasses.replace would run __init__ again (9 us a step); the fields are the validated ones but these,
+        # set as plan.PlannedCall sets a frozen call's.
+        step = object.__new__(KVCacheCall)
+        step.__dict__.update(self._fields, q=q, k_cache=k_cache, v_cache=v_cache, k_new=k, v_new=v,
+                             cache_seqlens=seqlens, block_table=table)
+        return step
 
     def step(self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *, cache_seqlens: Any = None,
-             block_table: Any = None) -> Any:
+             block_table: Any = None, signatures_known: bool = False) -> Any:
         """``run`` without its check of the arguments' names and masks, for callers that made it already (the
-        plan cache of ``Dispatcher.with_kvcache``, whose own arguments were checked so)."""
-        out, lse = self._planned.run_call(self.check_step(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
-                                                          block_table=block_table).dense_call())
+        plan cache of ``Dispatcher.with_kvcache``, whose own arguments were checked so); ``signatures_known`` as
+        ``check_step`` takes it."""
+        call = self.check_step(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+                               signatures_known=signatures_known)
+        out, lse = self._planned.run_call(call.dense_call_like(self._planned.call))
         return (out, lse) if self._kv.return_lse else out
 
     def run(self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *, cache_seqlens: Any = None,

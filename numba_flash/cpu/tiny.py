@@ -217,7 +217,7 @@ def _entry(dtype: np.dtype, layout: str) -> Any:
     """``tiny_forward_kernel`` compiled for ``dtype`` with arrays of numba ``layout``: "C" for contiguous inputs
     (their rows vectorise; 3x faster at D = 64), "A" for any strides. Two compilations per dtype, kept in numba's
     disk cache, whatever mix of layouts callers pass."""
-    key = (np.dtype(dtype).name, layout)
+    key = (np.dtype(dtype).char, layout)   # .name would do, but computes a string each call (a microsecond)
     fn = _entries.get(key)
     if fn is None:
         with _entries_lock:
