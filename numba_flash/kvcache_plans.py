@@ -143,6 +143,7 @@ def _keep_new(key: tuple | None, dispatcher: Any, forced: str | None, arrays: di
         plan = KVCachePlan(dispatcher, arrays, dict(options, backend=forced), validated=kv)
     except NoBackendError:
         return
+    plan.drop_planned_arrays()   # kept for calls to come: it must not hold this call's caches alive
     keep(key, plan)
 
 

@@ -82,6 +82,20 @@ class KVCachePlan:
         self._q_span = kv.seqlen_q if (kv.causal or kv.local) else 1
         self._planned = PlannedCall(dispatcher, kv.dense_call(), options["backend"], "with_kvcache")
 
+    def drop_planned_arrays(self) -> None:
+        """Let go of the arrays given at plan time (q, the caches, k, v), which no step reads (each step brings
+        its own): a plan kept for later calls (``numba_flash.kvcache_plans``) must not keep a cache alive that
+        its caller has released. ``call`` then holds None in their place."""
+        gone = dict(q=None, k_cache=None, v_cache=None, k_new=None, v_new=None)
+        kv = object.__new__(KVCacheCall)   # frozen: a copy with those fields set, as check_step makes its steps
+        kv.__dict__.update(self._kv.__dict__, **gone)
+        self._kv = kv
+        self._fields.update(gone)
+        planned = self._planned
+        call = object.__new__(type(planned.call))
+        call.__dict__.update(planned.call.__dict__, q=None, k=None, v=None, extra={"kvcache": kv})
+        planned.call, planned.fields = call, dict(call.__dict__)
+
     @property
     def backend(self) -> str:
         """The name of the backend that runs this plan's steps."""

@@ -264,3 +264,26 @@ def test_index_arrays_and_slopes_given_new_values_in_place_are_planned_anew(name
             assert torch.equal(g, w)
         assert torch.equal(k_cache, k_copy) and torch.equal(v_cache, v_copy)
         lens = lens + 1
+
+
+def test_a_kept_plan_does_not_keep_the_caches_of_its_first_call_alive():
+    """A kept plan is reused for every later call of its signature, other caches included: holding the first
+    call's caches would keep a released (possibly large, possibly GPU) cache alive for as long as the plan is kept."""
+    import gc
+    import weakref
+
+    rng = np.random.default_rng(8)
+    k_cache, v_cache = _caches(rng, "causal_lse")
+    q, k, v = _step(rng)
+    numba_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=1, causal=True)
+    assert kvcache_plans.kept_count() == 2
+    refs = [weakref.ref(x) for x in (q, k_cache, v_cache, k, v)]
+    del q, k_cache, v_cache, k, v
+    gc.collect()
+    assert [r() for r in refs] == [None] * 5
+    k_cache, v_cache = _caches(rng, "causal_lse")    # the kept plans serve new caches of the signature
+    k_copy, v_copy = k_cache.clone(), v_cache.clone()
+    q, k, v = _step(rng)
+    got = numba_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=2, causal=True)
+    assert torch.equal(got, _uncached(q, k_copy, v_copy, k, v, cache_seqlens=2, causal=True))
+    assert torch.equal(k_cache, k_copy) and torch.equal(v_cache, v_copy)
