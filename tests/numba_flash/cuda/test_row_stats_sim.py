@@ -5,8 +5,10 @@ so dV was 0.5-1.5% off, and at 1e7 wrong by up to 5x. Now the SIMT forward keeps
 (host/row_stats.py), its scores are summed as the backward's are (config.SCORE_PARTS), and delta is summed as dP
 is: P of a dominant score is exactly 1 and dS of a one-hot row exactly 0, as in naive attention.
 
-Compared with the float64 reference on the same float32 inputs: dV within the contract's 1e-5 (relative L2) at any
-scale; dQ and dK exactly 0 where the reference is. Run:
+Compared with the float64 reference on the same float32 inputs: dV within the contract's 1e-5 (relative L2), or where
+several keys share a row's softmax at scores of 1e3, within 3x naive float32 attention's error (the low-precision
+rule, with room for the order of the sums: one ulp of such a score moves P by 1e-4 in any float32 computation); dQ and dK exactly 0 where the reference
+is. Run:
 NUMBA_ENABLE_CUDASIM=1 .venv/bin/python -m pytest -q -m cudasim tests/numba_flash/cuda/test_row_stats_sim.py
 """
 
@@ -25,6 +27,22 @@ B, SQ, SK, HQ, HKV = 1, 19, 23, 2, 1
 def _rel_l2(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _naive_float32_dv(dout, q, k, v):
+    """Causal attention's dV as textbook float32 code computes it: the low-precision rule's yardstick, for rows
+    where several keys share the softmax at scores of 1e3 (one ulp of such a score moves P by 1e-4 in any float32
+    computation)."""
+    scale = np.float32(1.0 / np.sqrt(q.shape[-1]))
+    group = q.shape[2] // k.shape[2]
+    qh = np.swapaxes(q, 1, 2)                                     # (B, Hq, Sq, D)
+    kh, vh = (np.swapaxes(np.repeat(x, group, axis=2), 1, 2) for x in (k, v))
+    s = (qh @ np.swapaxes(kh, -1, -2)) * scale
+    s = np.where(np.tril(np.ones(s.shape[-2:], bool), SK - SQ), s, np.float32(-np.inf))
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    dv = np.swapaxes(p, -1, -2) @ np.swapaxes(dout, 1, 2)        # (B, Hq, Sk, D)
+    return np.swapaxes(dv, 1, 2).reshape(B, SK, HKV, group, -1).sum(3)
 
 
 def _inputs(rng, d, factor):
@@ -48,7 +66,11 @@ def test_large_scores_hold_the_contract(rng, d, factor):
     want = attention_ref_backward(dout, q, k, v, causal=True)
     for name, got, w in zip(("dq", "dk", "dv"), grads, want):
         assert np.all(np.isfinite(got)), name
-    assert _rel_l2(grads[2], want[2]) <= 1e-5, _rel_l2(grads[2], want[2])
+    err = lambda x: float(np.linalg.norm(np.asarray(x, np.float64) - want[2]))   # noqa: E731
+    naive = err(_naive_float32_dv(dout, q, k, v))
+    # 3x, not flash-attn's 2x: the kernels sum a score's products one by one, BLAS in blocks (seen up to 1.9x
+    # over 80 draws at 1e3 and 1e4; 0.01x at 1e5, where every row is one key's)
+    assert err(grads[2]) <= max(1e-5 * np.linalg.norm(want[2]), 3 * naive), (err(grads[2]), naive)
     # One-hot rows: dS is exactly 0, and so are the gradients the reference makes exactly 0 (every one at 1e5 and
     # past). Where they are not 0 at these scales, dQ and dK are differences of nearly equal terms in any backend
     # (dP - delta); the suite holds them to the contract at ordinary scales (test_production_tiles_sim.py).
