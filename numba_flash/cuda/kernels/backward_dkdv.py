@@ -178,7 +178,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     E = BLOCK_M * BLOCK_N // NT
     R = min(E, 4, BLOCK_N)
     RUNS, RUNS_PER_ROW = E // R, BLOCK_N // R
-    ROWS = RUNS if SPLIT > 1 else S_TM                # query rows whose lse and delta a thread needs
+    ROWS = RUNS if SPLIT > 1 else S_TM                # query rows whose delta a thread needs
     # dbias="per_key": the keys a thread holds scores of, and the threads that hold scores of one key (the slots
     # of the sum, rows of dS's buffer)
     KEYS, KEY_SLOTS = (RUNS * R, BLOCK_M) if SPLIT > 1 else (S_TN, S_TR)
@@ -190,8 +190,9 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     V4, ALIGN = FETCH_VECTOR, SMEM_ALIGN
     DYNAMIC = cfg.dynamic_smem
     USED_PARTS = PARTS_WORDS if SPLIT > 1 else 0
-    K_AT, V_AT, Q_AT, DO_AT, P_AT, DS_AT, SP_AT, DP_AT = carve(KV_WORDS, KV_WORDS, X_WORDS, X_WORDS, P_WORDS, P_WORDS,
-                                                               USED_PARTS, USED_PARTS)
+    RS_WORDS = 2 * BLOCK_M                            # each query row's max and log2 sum
+    K_AT, V_AT, Q_AT, DO_AT, P_AT, DS_AT, SP_AT, DP_AT, RS_AT = carve(KV_WORDS, KV_WORDS, X_WORDS, X_WORDS, P_WORDS,
+                                                                      P_WORDS, USED_PARTS, USED_PARTS, RS_WORDS)
     D_STEP, M_STEP = product_steps(S_TM * S_TN, DK), product_steps(G_TN * G_TD, BLOCK_M, 1)
     HAS_LEFT, HAS_RIGHT, ALIBI, STAGED, DROPOUT = has_left, has_right, alibi, has_bias or mods.stages_tile, dropout
     LOAD, STORE = element_io(bf16)
@@ -228,6 +229,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
             ds_s = smem[DS_AT[0]:DS_AT[1]]
             s_parts = smem[SP_AT[0]:SP_AT[1]]
             dp_parts = smem[DP_AT[0]:DP_AT[1]]
+            row_terms = smem[RS_AT[0]:RS_AT[1]]
         else:
             k_s = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
             v_s = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
@@ -237,13 +239,14 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
             ds_s = cuda.shared.array(P_WORDS, float32, alignment=ALIGN)   # attn_bias, then dS
             s_parts = cuda.shared.array(PARTS_WORDS, float32, alignment=ALIGN)
             dp_parts = cuda.shared.array(PARTS_WORDS, float32, alignment=ALIGN)
+            # Each query row's max, then log2 of its sum (masks.row_softmax_terms): read beside every score of the
+            # row, from shared memory rather than two registers a row, which spill with every mods on (sm_75, 80).
+            row_terms = cuda.shared.array(RS_WORDS, float32)
 
         dk_acc = cuda.local.array((G_TN, G_TD), float32)
         dv_acc = cuda.local.array((G_TN, G_TD), float32)
         s = cuda.local.array((S_TM, S_TN), float32)       # scores, then P
         dp = cuda.local.array((S_TM, S_TN), float32)      # dP, then dS
-        lse_i = cuda.local.array(ROWS, float32)           # each row's max, log2 units (masks.row_softmax_terms)
-        l2_i = cuda.local.array(ROWS, float32)            # and log2 of its sum
         delta_i = cuda.local.array(ROWS, float32)
         s_run = cuda.local.array(R, float32)
         dp_run = cuda.local.array(R, float32)
@@ -334,15 +337,15 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                     load_bias(ds_s, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t, not full_tile)
                 if DROPOUT:    # P's buffer holds the factors until P times them overwrites them
                     dropout_factors(p_s, seed_lo, seed_hi, threshold, dscale, b + batch0, h, m0, n0, t)
+                for r in range(t, BLOCK_M, NT):
+                    m2, l2 = float32(math.inf), float32(0.0)   # P = 0 and dS = 0 past the sequence
+                    if m0 + r < seqlen_q:
+                        m2, l2 = row_softmax_terms(lse, row_stats, stats_on, ab, h, q0 + m0 + r)
+                    row_terms[r] = m2
+                    row_terms[BLOCK_M + r] = l2
                 for i in range(ROWS):
                     row = m0 + ((t + NT * i) // RUNS_PER_ROW if SPLIT > 1 else s_tr + S_TR * i)
-                    if row < seqlen_q:
-                        lse_i[i], l2_i[i] = row_softmax_terms(lse, row_stats, stats_on, ab, h, q0 + row)
-                        delta_i[i] = delta[ab, h, q0 + row]
-                    else:   # P = 0 and dS = 0 past the sequence
-                        lse_i[i] = float32(math.inf)
-                        l2_i[i] = float32(0.0)
-                        delta_i[i] = float32(0.0)
+                    delta_i[i] = delta[ab, h, q0 + row] if row < seqlen_q else float32(0.0)
                 # A Q or dO tile with an inf or NaN goes through the products that skip masked pairs.
                 x_nonfinite = cuda.syncthreads_or(int32(probe != probe))
 
@@ -400,10 +403,10 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                         for e in range(R):
                             z = p_s[at + uint64(e)] if DROPOUT else float32(1.0)
                             bias_value = ds_s[at + uint64(e)] if STAGED else float32(0.0)
-                            s_run[e], dp_run[e], dx = grads(s_run[e], dp_run[e], m0 + m, n0 + n + e, lse_i[u],
-                                                            l2_i[u], delta_i[u], z, bias_value, slope, float32(1.0),
-                                                            capmult, offset, seqlen_q, seqlen_k, window_left,
-                                                            window_right, b, h)
+                            s_run[e], dp_run[e], dx = grads(s_run[e], dp_run[e], m0 + m, n0 + n + e, row_terms[m],
+                                                            row_terms[BLOCK_M + m], delta_i[u], z, bias_value, slope,
+                                                            float32(1.0), capmult, offset, seqlen_q, seqlen_k,
+                                                            window_left, window_right, b, h)
                             if DBIAS_PER_KEY:
                                 key_part[u * R + e] += dx
                         for e in range(R):   # a run is one 128-bit store
@@ -416,10 +419,11 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                             at = p_at0 + uint64(i * S_TR * LP + (j // S_RN) * S_GAP_N + j % S_RN)
                             z = p_s[at] if DROPOUT else float32(1.0)
                             bias_value = ds_s[at] if STAGED else float32(0.0)
-                            s[i, j], dp[i, j], dx = grads(s[i, j], dp[i, j], m0 + s_tr + S_TR * i, n0 + c, lse_i[i],
-                                                          l2_i[i], delta_i[i], z, bias_value, slope, float32(1.0),
-                                                          capmult, offset, seqlen_q, seqlen_k, window_left,
-                                                          window_right, b, h)
+                            s[i, j], dp[i, j], dx = grads(s[i, j], dp[i, j], m0 + s_tr + S_TR * i, n0 + c,
+                                                          row_terms[s_tr + S_TR * i],
+                                                          row_terms[BLOCK_M + s_tr + S_TR * i], delta_i[i], z,
+                                                          bias_value, slope, float32(1.0), capmult, offset, seqlen_q,
+                                                          seqlen_k, window_left, window_right, b, h)
                             if DBIAS_PER_KEY:
                                 key_part[j] += dx
                     for i in range(S_TM):   # a run of columns is one 128-bit store

@@ -362,7 +362,8 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
             row = m0 + r
             if row < seqlen_q:
                 total = row_sum[r]
-                log2_total = float32(math.log2(total))   # float32 under the simulator too, as on a GPU
+                # float32 under the simulator too, as on a GPU; -inf where no key was seen (Python's log2 raises)
+                log2_total = float32(math.log2(total)) if total > float32(0.0) else float32(-math.inf)
                 if stats_on:   # the backward takes them where lse is what they give (spec.TAIL_ARGS)
                     row_stats[0, ab, h, q0 + row] = row_max[r]
                     row_stats[1, ab, h, q0 + row] = log2_total

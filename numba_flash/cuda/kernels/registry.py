@@ -28,8 +28,8 @@ def _score_parts(cfg: Any) -> int:
 
 def _dkdv_words(cfg: Any) -> int:
     bm, bn, ld = cfg.block_m, cfg.block_n, padded_stride(cfg.head_dim_bucket)
-    # K, V, Q and dO tiles; P and dS, query-major, and their parts
-    return 2 * (bn + bm) * ld + 2 * (1 + _score_parts(cfg)) * bm * padded_stride(bn)
+    # K, V, Q and dO tiles; P and dS, query-major, and their parts; each query row's max and log2 sum
+    return 2 * (bn + bm) * ld + 2 * (1 + _score_parts(cfg)) * bm * padded_stride(bn) + 2 * bm
 
 
 def _dq_words(cfg: Any) -> int:
