@@ -31,6 +31,7 @@ import numpy as np
 
 from numba_flash.arrays import is_torch_tensor
 from numba_flash.cuda.host.config import MIN_COMPUTE_CAPABILITY, dtype_supported_on
+from numba_flash.cuda.host import row_stats
 from numba_flash.errors import AttentionInputError
 from numba_flash.validation import AttentionCall
 
@@ -254,20 +255,29 @@ class CudaBackend(Backend):
     def forward(self, call: AttentionCall) -> tuple[Any, Any]:
         """out like q (same kind, dtype, layout); lse (B, Hq, Sq) float32."""
         if cuda_thin.enabled():   # opt-in: launches planned per call signature, replayed through the driver
-            return cuda_thin.forward(call, self.config, self._dispatch_forward)
+            # Without the row statistics: a replay would write the one buffer the plan kept for every call.
+            return cuda_thin.forward(call, self.config, lambda c: self._dispatch_forward(c, keep_stats=False))
         return self._dispatch_forward(call)
 
-    def _dispatch_forward(self, call: AttentionCall) -> tuple[Any, Any]:
-        """``forward`` through numba's dispatcher."""
+    def _dispatch_forward(self, call: AttentionCall, keep_stats: bool = True) -> tuple[Any, Any]:
+        """``forward`` through numba's dispatcher; ``keep_stats``: keep the SIMT forward's row statistics for the
+        backward given the lse it returns (host/row_stats.py)."""
         io = Session(call)
         with io.on_device():
-            return self._forward(call, io)
+            return self._forward(call, io, keep_stats)
 
-    def _forward_runner(self, io: Session) -> Any:
-        """``run(call, q, k, v, out, lse)``: the forward kernel on (B, S, H, D) device views, on io's stream."""
+    def _forward_runner(self, io: Session, kept: list | None = None) -> Any:
+        """``run(call, q, k, v, out, lse)``: the forward kernel on (B, S, H, D) device views, on io's stream. With
+        ``kept`` (a list), the SIMT kernel also writes the row statistics into an array it allocates, appended to
+        ``kept`` as (the array's owner, the device array)."""
         from numba_flash.cuda.host.flash import flash_forward
         from numba_flash.cuda.host.launch import alibi_arg, dropout_arg
         from numba_flash.cuda.device.user_mods import cuda_mods
+
+        def alloc(shape: tuple[int, ...]) -> Any:
+            owner, dev = io.empty(shape, "float32")
+            kept.append((owner, dev))
+            return dev
 
         def run(c: AttentionCall, q: Any, k: Any, v: Any, out: Any, lse: Any) -> None:
             flash_forward(q, k, v, out, lse, softmax_scale=c.softmax_scale, window_left=c.window_left,
@@ -275,16 +285,18 @@ class CudaBackend(Backend):
                           alibi=alibi_arg(c.alibi, io.stream), bias=io.bias(c),
                           dropout=dropout_arg(c.dropout_p, c.dropout_seed, c.dropout_batch0),
                           mods=cuda_mods(c.mods), block_mask=c.mods and c.mods.block_mask, override=self.config,
-                          packed=_packed(c), stream=io.stream, precision=c.precision)
+                          packed=_packed(c), stream=io.stream, precision=c.precision,
+                          stats_alloc=None if kept is None else alloc)
 
         return run
 
-    def _forward(self, call: AttentionCall, io: Session) -> tuple[Any, Any]:
+    def _forward(self, call: AttentionCall, io: Session, keep_stats: bool = True) -> tuple[Any, Any]:
         q, k, v = (io.device(x, n) for x, n in ((call.q, "q"), (call.k, "k"), (call.v, "v")))
         out_shape = tuple(int(s) for s in call.q.shape[:-1]) + (call.head_dim_v,)
         out_user, out = io.empty(out_shape, call.dtype)
         lse_user, lse = io.empty(call.lse_shape, "float32")
-        run = self._forward_runner(io)
+        kept: list | None = [] if keep_stats else None
+        run = self._forward_runner(io, kept)
 
         if call.is_varlen:   # one launch over every sequence's tiles
             varlen.forward_once(call, run, q, k, v, out, lse, lead_axis=lead_axis, fill=io.fill)
@@ -292,6 +304,8 @@ class CudaBackend(Backend):
             lay = call.layout
             run(call, bshd_view(q, lay), bshd_view(k, lay), bshd_view(v, lay), bshd_view(out, lay), lse)
         result = io.result(out_user, out), io.result(lse_user, lse)
+        if kept and len(kept) == 1:
+            row_stats.keep(result[1], kept[0][1], owner=kept[0][0])
         io.finish()
         return result
 
@@ -384,6 +398,7 @@ class CudaBackend(Backend):
         names = ("dout", "q", "k", "v", "out")
         dout, q, k, v, out = (io.device(getattr(call, n), n) for n in names)
         lse = io.lse_in(call.lse)
+        stats = row_stats.find(call.lse, (1, *lse.shape) if call.is_varlen else tuple(lse.shape))
         grads = [io.empty(tuple(int(s) for s in x.shape), call.dtype) for x in (call.q, call.k, call.v)]
         (dq_user, dq), (dk_user, dk), (dv_user, dv) = grads
         # Summed in float32 whatever the bias's dtype; zeros first: the kernel adds into it.
@@ -398,7 +413,7 @@ class CudaBackend(Backend):
                            dtype=c.dtype, alibi=alibi_arg(c.alibi, io.stream), bias=io.bias(c),
                            dropout=dropout_arg(c.dropout_p, c.dropout_seed, c.dropout_batch0),
                            mods=cuda_mods(c.mods), block_mask=c.mods and c.mods.block_mask, override=self.config,
-                           packed=_packed(c), dbias=dbias, stream=io.stream)
+                           packed=_packed(c), dbias=dbias, stream=io.stream, row_stats=stats)
 
         if call.is_varlen:   # one launch of each backward kernel over every sequence's tiles
             varlen.backward_once(call, run, dout, q, k, v, out, lse, dq, dk, dv, lead_axis=lead_axis, fill=io.fill)

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from numba_flash.append_target import apart_from
 from numba_flash.arrays import is_torch_tensor, to_numpy
 from numba_flash import kvcache as kvcache_call
 from numba_flash.kvcache import KVCacheCall
@@ -67,7 +68,9 @@ def _slots(kv: KVCacheCall, b: int, p0: int, p1: int) -> list[tuple[Any, slice, 
 
 def append(kv: KVCacheCall, k_cache: Any, v_cache: Any, k_new: Any, v_new: Any) -> None:
     """Write the new keys and values into the caches at ``cache_seqlens``. k_new, v_new: (B, S_new, Hkv, D) arrays
-    the caches accept in an assignment (the caches' kind; numpy casts on assignment, torch callers cast first)."""
+    the caches accept in an assignment (the caches' kind; numpy casts on assignment, torch callers cast first).
+    New keys or values that share memory with a cache are copied first, so the append lands as given."""
+    k_new, v_new = (apart_from(x, k_cache, v_cache) for x in (k_new, v_new))
     for b in range(kv.batch):
         p0 = int(kv.cache_seqlens[b])
         for where, there, here in _slots(kv, b, p0, p0 + kv.seqlen_new):

@@ -10,7 +10,10 @@ The KV cache is the one argument written in place, so what is harmless for a rea
   do is decided from the arrays' addresses, shapes and strides, exactly and without reading either, for every
   kind of array (a torch or device array's first address alone misses two views at an offset of one buffer).
 
-Each check raises ``AttentionInputError`` naming the cache; nothing is written before they pass.
+* a torch inference tensor outside inference mode: torch refuses the write, after the other cache's.
+
+Each check raises ``AttentionInputError`` naming the cache; nothing is written before they pass. New keys and
+values that are views of a cache are copied before the append (``apart_from``), so that it lands as given.
 """
 
 from __future__ import annotations
@@ -70,6 +73,31 @@ def shares_elements(a: Any, b: Any) -> bool:
         return bool(np.may_share_memory(va, vb))
 
 
+def _span(layout: tuple[int, tuple[int, ...], tuple[int, ...], int]) -> tuple[int, int]:
+    """The byte range [first, end) an array's elements lie in."""
+    address, shape, strides, itemsize = layout
+    if 0 in shape:
+        return address, address
+    low = address + sum(s * (n - 1) for s, n in zip(strides, shape) if s < 0)
+    high = address + sum(s * (n - 1) for s, n in zip(strides, shape) if s > 0) + itemsize
+    return low, high
+
+
+def apart_from(x: Any, *arrays: Any) -> Any:
+    """``x``, or a copy of it where it shares memory with one of ``arrays`` (new keys or values that are views of
+    the cache they are appended to: written one sequence at a time, a later write would read what an earlier one
+    wrote). A byte-range test first, the exact one only where the ranges meet: a decode step calls this four times."""
+    lx = _memory_layout(x)
+    for a in arrays:
+        la = _memory_layout(a)
+        if lx is None or la is None:
+            continue
+        (x0, x1), (a0, a1) = _span(lx), _span(la)
+        if x0 < a1 and a0 < x1 and shares_elements(x, a):
+            return x.clone() if array_kind(x) == "torch" else np.array(x, copy=True)
+    return x
+
+
 def overlaps_itself(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
     """Whether two elements of an array may share memory. Axes in order of stride: each stride must step past
     everything the smaller ones span; this holds for every slice, transpose or packed half, and fails for a stride
@@ -92,6 +120,14 @@ def check_append_target(name: str, x: Any) -> None:
             f"{name}: expected a tensor without torch's lazy {bit} bit when k/v are appended (the cache is written "
             f"in place; resolving the bit makes a copy, which the caller would then have to keep as its cache), "
             f"got a tensor with {name}.is_{bit[:3]}() True")
+    if array_kind(x) == "torch" and x.is_inference():
+        import torch
+
+        if not torch.is_inference_mode_enabled():   # torch refuses the write only after the other cache's
+            raise AttentionInputError(
+                f"{name}: expected a cache torch lets this call write in place when k/v are appended, got an "
+                f"inference tensor outside torch.inference_mode() (make the cache outside inference mode, or call "
+                f"inside it)")
     layout = _memory_layout(x)
     if layout is None:  # the simulator's device arrays: numba's strides are in bytes
         layout = (0, tuple(x.shape), getattr(x, "strides", None), getattr(getattr(x, "dtype", None), "itemsize", 0))

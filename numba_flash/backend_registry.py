@@ -211,6 +211,9 @@ class Dispatcher:
 
         Callers that hand work to another thread (autograd may run the backward on a thread of its own) read it
         once and pass it on, since ``use()``'s choice lives in a context variable of the calling thread."""
+        if backend is not None and not isinstance(backend, str):
+            raise AttentionInputError(f"backend: expected a backend's name (str) or None, got {backend!r} of type "
+                                      f"{type(backend).__name__}")
         for choice in (backend, self.backend, _forced.get(), os.environ.get(ENV_VAR) or None):
             if choice:
                 return choice

@@ -164,6 +164,8 @@ def host_ints(name: str, x: Any, shape: tuple[int, ...], what: str) -> np.ndarra
     if kind is None:
         raise bad_arg(name, f"an int32 array {what} (numpy, torch or a device array)", f"an object of type "
                       f"{type(x).__name__}")
+    if kind == "torch" and x.device.type == "meta":
+        raise bad_arg(name, f"an int32 array {what} with values to read", "a meta tensor (shapes only)")
     got = tuple(int(s) for s in x.shape)
     if got != shape:
         raise bad_arg(name, f"shape {shape} {what}", f"shape {got}")

@@ -223,6 +223,23 @@ def nonfinite(ctx: Ctx, dtype: str, d: int = 64) -> dict[str, Any]:
     return _judge(measured, {"nan_pattern": 0.0, "finite_rows": 1e-5 if dtype == "float32" else LOW_REL_L2[dtype]})
 
 
+def large_scores(ctx: Ctx, d: int = 64, factor: float = 1e5) -> dict[str, Any]:
+    """float32 backward with q scaled so that every row is one key's (issue 47, finding 5): the forward's row
+    statistics make P exactly 1 and dS exactly 0 only if the GPU computes the backward's scores and dP with the
+    forward's and delta's bits (FMA contraction alike in every kernel). dV within 1e-5; dQ and dK exactly 0 where
+    the reference is."""
+    b, sq, sk, h = 1, 131, 150, 2
+    q = ctx.tensor((b, sq, h, d), "float32", scale=factor)
+    k, v, dout = (ctx.tensor(s, "float32") for s in ((b, sk, h, d), (b, sk, h, d), (b, sq, h, d)))
+    out, lse = ctx.op.forward(q, k, v, causal=True, return_lse=True)
+    dq, dk, dv = (f64(g) for g in ctx.op.backward(dout, q, k, v, out, lse, causal=True))
+    want = attention_ref_backward(f64(dout), f64(q), f64(k), f64(v), causal=True)
+    measured = {"dv": rel_l2(dv, want[2])}
+    for name, got, w in (("dq", dq, want[0]), ("dk", dk, want[1])):
+        measured[f"{name}_nonzero_where_ref_0"] = float(np.abs(got[w == 0]).max(initial=0.0))
+    return _judge(measured, {"dv": 1e-5, "dq_nonzero_where_ref_0": 0.0, "dk_nonzero_where_ref_0": 0.0})
+
+
 def threads(ctx: Ctx, dtype: str, d: int = 64) -> dict[str, Any]:
     """Four Python threads calling the same forward at once get the single-threaded answer, bit for bit."""
     import concurrent.futures as cf

@@ -51,7 +51,8 @@ def jobs(device: str) -> list[dict[str, Any]]:
                                            "kvcache-float32", "kvcache-bfloat16-flat"]),
             dict(name="features-b", extra=["bias-float32", "bias-float16", "dropout-float16", "dropout-float32"]),
             dict(name="features-c", extra=["mods-float32", "mods-bfloat16", "nonfinite-float32",
-                                           "nonfinite-float16", "threads-float16"]
+                                           "nonfinite-float16", "threads-float16", "largescores-float32-d64",
+                                           "largescores-float32-d128"]
                  + (["foreign-float32"] if device == "cuda" else [])),
             dict(name="dbias-a", extra=["dbias-float32-full", "dbias-float32-rows", "dbias-float32-keys",
                                         "dbias-float32-heads-dropout", "dbias-float16-full"]),
@@ -78,6 +79,7 @@ def extra_case(name: str):
              "dropout": lambda c: gc.variants(c, dtype, "dropout"),
              "mods": lambda c: gc.variants(c, dtype, "mods"),
              "nonfinite": lambda c: gc.nonfinite(c, dtype),
+             "largescores": lambda c: gc.large_scores(c, 128 if dtype.endswith("d128") else 64),
              "threads": lambda c: gc.threads(c, dtype),
              "foreign": lambda c: gc.foreign_arrays(c, dtype),
              # Dv != D below 256: the tensor cores' forward for 16-bit inputs

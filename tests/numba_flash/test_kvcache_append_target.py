@@ -102,3 +102,80 @@ def test_aliased_caches_are_still_read_when_nothing_is_appended(rng):
     given["k_cache"] = given["k_cache"][:1].expand(args["v_cache"].shape)
     got = _op("rocm").with_kvcache(**given)
     np.testing.assert_allclose(got.numpy(), want, atol=3e-5, rtol=0)
+
+
+def _aliased_case(rng, batch=1):
+    """A cache of 16 rows holding 3 keys a sequence, and q for one new row (D = 16)."""
+    q = rng.standard_normal((batch, 1, 2, 16)).astype(np.float32)
+    k_cache = rng.standard_normal((batch, 16, 1, 16)).astype(np.float32)
+    v_cache = rng.standard_normal((batch, 16, 1, 16)).astype(np.float32)
+    return q, k_cache, v_cache
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_new_values_that_are_a_view_of_the_slot_written_land_as_given(backend, rng):
+    """A hostile pass (2026-12-07): v a view of the k_cache rows the append writes got the new key instead."""
+    q, k_cache, v_cache = _aliased_case(rng)
+    k = rng.standard_normal((1, 1, 1, 16)).astype(np.float32)
+    v = k_cache[:, 3:4]                     # the slot k is written to
+    given_v = v.copy()
+    want_out, _, want_k, want_v = attention_ref_kvcache(q, k_cache.copy(), v_cache.copy(), k, given_v,
+                                                        cache_seqlens=3, causal=True)
+    out = _op(backend).with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=3, causal=True)
+    np.testing.assert_array_equal(v_cache[0, 3], given_v[0, 0])
+    np.testing.assert_allclose(k_cache, want_k, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(out, want_out, atol=3e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_new_keys_that_are_another_sequences_rows_land_as_given(backend, rng):
+    """Sequence 1's new keys are rows of sequence 0's cache that sequence 0's append overwrites first."""
+    q, k_cache, v_cache = _aliased_case(rng, batch=2)
+    k = k_cache[::-1, 2:4]                  # sequence 1 reads k_cache[0, 2:4]; sequence 0 writes k_cache[0, 3:5]
+    v = rng.standard_normal((2, 2, 1, 16)).astype(np.float32)
+    given_k = k.copy()
+    want_out, _, want_k, _ = attention_ref_kvcache(q, k_cache.copy(), v_cache.copy(), given_k, v, cache_seqlens=3,
+                                                   causal=True)
+    out = _op(backend).with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=np.array([3, 3]), causal=True)
+    np.testing.assert_allclose(k_cache, want_k, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(out, want_out, atol=3e-5, rtol=0)
+
+
+def test_torch_new_keys_overlapping_their_own_slots_land_as_given(rng):
+    from numba_flash.torch_api import flash_attn_with_kvcache
+
+    q, k_cache, v_cache = (torch.from_numpy(a) for a in _aliased_case(rng))
+    k = k_cache[:, 2:4]                     # written to rows 3 and 4: row 3 is k's own second row
+    v = torch.from_numpy(rng.standard_normal((1, 2, 1, 16)).astype(np.float32))
+    given_k = k.clone()
+    want_out, _, want_k, _ = attention_ref_kvcache(q.numpy().copy(), k_cache.numpy().copy(),
+                                                   v_cache.numpy().copy(), given_k.numpy(), v.numpy(),
+                                                   cache_seqlens=3, causal=True)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=3, causal=True)
+    assert torch.equal(k_cache[0, 3:5], given_k[0])
+    np.testing.assert_allclose(k_cache.numpy(), want_k, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(out.numpy(), want_out, atol=3e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inference_tensor_caches_are_refused_before_any_write(backend, rng):
+    """torch refuses an in-place write to an inference tensor outside inference mode, after the k_cache's."""
+    q, k_cache, v_cache = (torch.from_numpy(a) for a in _aliased_case(rng, batch=2))
+    with torch.inference_mode():
+        k_inf, v_inf = k_cache.clone(), v_cache.clone()
+    k, v = (torch.from_numpy(rng.standard_normal((2, 1, 1, 16)).astype(np.float32)) for _ in range(2))
+    with pytest.raises(AttentionInputError, match="k_cache: .*inference tensor"):
+        _op(backend).with_kvcache(q, k_inf, v_inf, k, v, cache_seqlens=torch.tensor([3, 5], dtype=torch.int32))
+    assert torch.equal(k_inf, k_cache) and torch.equal(v_inf, v_cache)
+    with torch.inference_mode():            # inside it the append is allowed, and lands
+        _op(backend).with_kvcache(q, k_inf, v_inf, k, v, cache_seqlens=torch.tensor([3, 5], dtype=torch.int32))
+    assert torch.equal(k_inf[0, 3], k[0, 0]) and torch.equal(v_inf[1, 5], v[1, 0])
+
+
+def test_meta_index_arrays_and_a_backend_that_is_not_a_name_are_refused_by_name(rng):
+    q, k_cache, v_cache = (torch.from_numpy(a) for a in _aliased_case(rng))
+    lengths = torch.tensor([3], dtype=torch.int32).to("meta")
+    with pytest.raises(AttentionInputError, match="cache_seqlens: .*meta tensor"):
+        _op("cpu").with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths)
+    with pytest.raises(AttentionInputError, match="backend: expected a backend's name"):
+        backend_registry.get("flash").with_kvcache(q, k_cache, v_cache, cache_seqlens=3, backend=3)

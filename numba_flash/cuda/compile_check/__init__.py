@@ -128,7 +128,7 @@ def kernel_signature(kernel: str, dtype: str) -> Any:
             return types.void(types.Array(types.float32, 5, "C"), types.Array(types.float32, 4, "C"), x, rows)
         if role == "bias_grad_sum":   # the sums, then the caller's gradient (any strides)
             return types.void(dbias, types.Array(types.float32, 4, "A"))
-        return types.void(x, x, rows, i64, i64, i64, i64)   # the delta pre-pass
+        return types.void(x, x, rows, *(i64,) * 6)   # the delta pre-pass
     spec = kernel_spec(name)
     if spec.role == "decode":
         ints = types.Array(types.int32, 2, "C")
@@ -144,8 +144,10 @@ def kernel_signature(kernel: str, dtype: str) -> Any:
     seqs = types.Array(types.int32, 2, "C")                # packed sequences' block table (sequences.py)
     # ALiBi, attn_bias, dropout's five scalars, tiles, seqs
     variants = (slopes, bias_type(), u64, u64, u64, f32, i64, tiles, seqs)
-    # K and V as 16-bit slots; attn_bias's gradient; the call's batch entry and head of the launch's first
-    tail_types = {"kv_slots": (bits, bits), "dbias": (dbias,), "base": (i64, i64)}
+    # K and V as 16-bit slots; attn_bias's gradient; the call's batch entry and head of the launch's first; the
+    # row statistics and their switch
+    tail_types = {"kv_slots": (bits, bits), "dbias": (dbias,), "base": (i64, i64),
+                  "row_stats": (types.Array(types.float32, 4, "C"), i64)}
     tail = tuple(t for arg in spec.tail for t in tail_types[arg])
     return types.void(*arrays, *scalars, *variants, *tail)
 

@@ -90,7 +90,7 @@ def launch_argtypes(label: str, variant: Variant | None, dtype: str) -> tuple:
     rows = types.Array(types.float32, 3, "C")
     i64, f32, u64 = types.int64, types.float32, types.uint64
     if label == DELTA:
-        return (data, data, rows, i64, i64, i64, i64)
+        return (data, data, rows) + (i64,) * 6
     part_out, part_lse = types.Array(f32, 5, "C"), types.Array(f32, 4, "C")
     if label == MERGE:
         return (part_out, part_lse, data, rows)
@@ -106,7 +106,7 @@ def launch_argtypes(label: str, variant: Variant | None, dtype: str) -> tuple:
              types.Array(types.int8, 4, "C"), types.Array(types.int32, 2, "C"))
     for name in spec.tail:
         args += {"kv_slots": (types.Array(types.uint16, 4, "C"),) * 2, "dbias": (types.Array(f32, 4, "C"),),
-                 "base": (i64, i64)}[name]
+                 "base": (i64, i64), "row_stats": (types.Array(f32, 4, "C"), i64)}[name]
     return args
 
 

@@ -34,7 +34,7 @@ from numba import cuda, float32, uint64
 from numba_flash.dropout import compile_with
 
 from numba_flash.cuda.device.score_terms import make_pipeline
-from numba_flash.cuda.device.user_mods import LOG2E  # noqa: F401  (the kernels take it from here)
+from numba_flash.cuda.device.user_mods import LN2, LOG2E  # noqa: F401  (the kernels take them from here)
 from numba_flash.cuda.device.user_mods import (NO_MODS, CudaMods, make_hidden_by_mods, make_index_terms,
                                                make_tile_index_terms)
 
@@ -43,6 +43,26 @@ from numba_flash.cuda.device.user_mods import (NO_MODS, CudaMods, make_hidden_by
 def nan_if_not_finite(x):
     """``x`` if it is finite, else NaN (float32)."""
     return x if abs(x) < float32(math.inf) else float32(math.nan)
+
+
+@cuda.jit(device=True, inline="always")
+def row_softmax_terms(lse, row_stats, stats_on, b, h, row):
+    """``(m2, l2)`` with ``P = exp2((s2 - m2) - l2)`` for row ``row`` of batch ``b``, head ``h``: the forward's row
+    max (log2 units) and log2 of its sum from ``row_stats`` (2, B, Hq, Sq) where ``stats_on`` and they give that
+    row's ``lse`` (B, Hq, Sq) bit for bit, as the forward computed it; else ``lse`` in log2 units and 0 (an lse from
+    elsewhere: ring attention's, a user's, one the caller changed). A max taken from the same scores the backward
+    recomputes makes P of a dominant score exactly 1, where lse's round trip through natural units is off by an
+    ulp of the score: 1% of P at a score of 1e5."""
+    lse_row = lse[b, h, row]
+    m2 = lse_row * float32(LOG2E)
+    l2 = float32(0.0)
+    if stats_on and abs(lse_row) < float32(math.inf):   # rows the forward saw no key of were never written
+        row_max = row_stats[0, b, h, row]
+        log2_sum = row_stats[1, b, h, row]
+        if (row_max + log2_sum) * float32(LN2) == lse_row:
+            m2 = row_max
+            l2 = log2_sum
+    return m2, l2
 
 
 @cuda.jit(device=True, inline="always")
@@ -266,28 +286,29 @@ def make_score_mod_hides(softcap: bool, alibi: bool, has_bias: bool, mods: CudaM
 @functools.lru_cache(maxsize=None)
 def make_score_grads(has_left: bool, has_right: bool, softcap: bool, alibi: bool, has_bias: bool,
                      dropout: bool, mods: CudaMods = NO_MODS) -> Any:
-    """``grads(raw, dp, row, col, lse2, delta, z, bias_value, slope, qmult, capmult, offset, seqlen_q, seqlen_k,
+    """``grads(raw, dp, row, col, m2, l2, delta, z, bias_value, slope, qmult, capmult, offset, seqlen_q, seqlen_k,
     window_left, window_right, b, h) -> (p, ds, dbias)``: the backward's pipeline for one score of query ``row`` and key
-    ``col`` of batch ``b``, query head ``h``, as both backward kernels run it. ``raw`` is the unscaled Q K^T, ``dp``
-    the dO V^T, ``lse2`` the row's lse in log2 units, ``z`` dropout's factor (read only with ``dropout``) and
+    ``col`` of batch ``b``, query head ``h``, as both backward kernels run it. ``raw`` is Q K^T (``qmult`` 1 where Q
+    was scaled on load, as the forward does), ``dp`` the dO V^T, ``m2`` and ``l2`` the row's ``row_softmax_terms``
+    (``P = exp2((s2 - m2) - l2)``), ``z`` dropout's factor (read only with ``dropout``) and
     ``bias_value`` the pair's entry of the staged tile (``make_bias_tile``: attn_bias, bias_mod and mask_mod; read
     only with ``has_bias`` or such mods). ``p`` is the probability dV takes (times ``z`` with dropout); ``ds`` is
     ``P (z dP - delta)`` times softcap's derivative and score_mod_grad's, 0 for a masked pair by a select (its dP
     may be NaN: a non-finite V or dO). ``dbias`` is the same without softcap's derivative, the gradient of a bias
     added after the cap and before score_mod (attn_bias's); the kernels that do not need it leave it to dead-code
-    elimination. A poisoned row has ``lse2`` NaN, so its visible P and dS are NaN."""
+    elimination. A poisoned row has ``m2`` NaN, so its visible P and dS are NaN."""
     STAGED, DROPOUT = has_bias or mods.stages_tile, dropout
     visible = make_visible(has_left, has_right)
     pipeline = make_pipeline(softcap, alibi, STAGED, mods)   # the staged value holds attn_bias and the mods
 
     @cuda.jit(device=True, inline="always")
-    def grads(raw, dp, row, col, lse2, delta, z, bias_value, slope, qmult, capmult, offset, seqlen_q, seqlen_k,
+    def grads(raw, dp, row, col, m2, l2, delta, z, bias_value, slope, qmult, capmult, offset, seqlen_q, seqlen_k,
               window_left, window_right, b, h):
         ok = visible(row, col, seqlen_q, seqlen_k, offset, window_left, window_right, 0, b, h)
         x, dcap, dmod, shown, _ = pipeline(raw, qmult, capmult, slope, float32(row + offset - col), bias_value,
                                            float32(0.0), False, ok, b, h, row, col, seqlen_q - 1, seqlen_k - 1)
         ok = ok & shown
-        p = math.exp2(x - lse2) if ok else float32(0.0)
+        p = math.exp2((x - m2) - l2) if ok else float32(0.0)
         if DROPOUT:
             kept = p * z
             dx = kept * dp - p * delta

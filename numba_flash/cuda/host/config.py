@@ -36,6 +36,12 @@ HEAD_DIM_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 576)
 #: memory, smem.py); the decode kernel, whose query tile is a few rows, fits 48 KiB everywhere.
 WIDE_HEAD_DIM_BUCKETS: tuple[int, ...] = (512, 576)
 WIDE_HEAD_DIM_MIN_COMPUTE_CAPABILITY = (8, 0)
+#: Parts each bucket's score dot products are summed in, in order, each part over D / parts consecutive columns
+#: summed from 0: the SIMT forward sums its scores so, and the SIMT backward kernels' default tiles split their
+#: score products so (``FlashAttentionConfig.score_split``). The three kernels then compute every score with the
+#: same bits, so the backward can take the forward's row max and sum (the row statistics, ``row_stats`` in
+#: kernels/spec.py): P of a row whose max dominates is exactly 1 whatever the scores' size.
+SCORE_PARTS: dict[int, int] = {16: 1, 32: 1, 64: 1, 128: 4, 256: 4, 512: 16, 576: 16}
 #: Accumulators a thread may keep at the wide buckets, checked free of spills by the compile check (the forward and
 #: the dK/dV kernel at 576 keep 2 x 36: 576 splits over 16 threads into whole 4-column runs of 36 columns, not 32).
 WIDE_MAX_ACCUMULATORS_PER_THREAD = 72
@@ -174,6 +180,11 @@ class FlashAttentionConfig:
             while (scores * split < 16 * nt and db // (2 * split) >= 8 and (db // (2 * split)) % 4 == 0
                    and 2 * split <= nt):
                 split *= 2
+            # A tile that splits at all takes the bucket's parts where its threads allow, so that its scores are
+            # summed as the forward's are (SCORE_PARTS): the same bits, which the row statistics need.
+            parts = SCORE_PARTS[db]
+            if split > 1 and parts <= nt // 2 and thread_grid(self.block_m, self.block_n, nt // parts) is not None:
+                split = parts
         return split
 
     @property

@@ -7,7 +7,7 @@ bfloat16 as int16 bits.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from numba_flash.cuda import selfcheck
 from numba_flash.cuda.device.user_mods import NO_MODS, CudaMods
@@ -26,7 +26,7 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
                   window_right: int, softcap: float, dtype: str, alibi: Any = None, bias: Any = None,
                   dropout: tuple | None = None, mods: CudaMods = NO_MODS, block_mask: Any = None,
                   override: TileOverride | None = None, packed: tuple | None = None, stream: Any = 0,
-                  precision: str = "ieee") -> None:
+                  precision: str = "ieee", stats_alloc: Callable[[tuple[int, ...]], Any] | None = None) -> Any:
     """Launch the forward kernel.
 
     q: (B, Sq, Hq, D); k: (B, Sk, Hkv, D); v: (B, Sk, Hkv, Dv); out: (B, Sq, Hq, Dv) (D up to 576, Dv up to 512;
@@ -39,7 +39,10 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
     (block_tiles.py). precision: "tf32" lets float32 run on the TF32 kernel (``plan.forward_kernel``). packed: None,
     or packed sequences' (cu_seqlens_q, cu_seqlens_k) int host arrays (B + 1,), with q, k, v, out their packed
     arrays as a batch of one ((1, total, H, D), lse (1, Hq, total_q)): one launch over every sequence's tiles
-    (sequences.py). Writes out and lse. The self-check
+    (sequences.py). Writes out and lse. ``stats_alloc``: None, or ``stats_alloc(shape)`` giving a float32
+    C-contiguous device array of that shape: on the SIMT kernel, the forward then fills one (2, *lse.shape) with
+    the row statistics (kernels/spec.py) and returns it, for ``flash_backward``'s ``row_stats``; None otherwise.
+    The self-check
     vouches for the kernels without mods (the mods only change which scores go in); a mod that numba-cuda cannot
     compile raises AttentionInputError naming it.
     Raises ``selfcheck.SelfCheckFailed`` (a ``BackendDeclined``), having written nothing, when no forward config
@@ -55,16 +58,20 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
     cfg = selfcheck.choose(picked, *flags, dtype, like=dict(q=q, k=k, v=v, out=out, lse=lse, bias=bias),
                            alibi=alibi is not None, bias=bias is not None, dropout=dropout is not None,
                            async_copy=copies, varlen=packed is not None)
+    keeps = stats_alloc is not None and "row_stats" in kernel_spec(kernel).tail
+    row_stats = stats_alloc((2, *(int(n) for n in lse.shape))) if keeps else None
     launch.launch_forward(cfg, q, k, v, out, lse, softmax_scale=softmax_scale, window_left=window_left,
                           window_right=window_right, softcap=softcap, bf16=dtype == "bfloat16", alibi=alibi,
-                          bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, packed=packed, stream=stream)
+                          bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, packed=packed, stream=stream,
+                          row_stats=row_stats)
+    return row_stats
 
 
 def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: Any, dk: Any, dv: Any,
                    delta: Any, *, softmax_scale: float, window_left: int, window_right: int, softcap: float,
                    dtype: str, alibi: Any = None, bias: Any = None, dropout: tuple | None = None,
                    mods: CudaMods = NO_MODS, block_mask: Any = None, override: TileOverride | None = None,
-                   packed: tuple | None = None, dbias: Any = None, stream: Any = 0) -> None:
+                   packed: tuple | None = None, dbias: Any = None, stream: Any = 0, row_stats: Any = None) -> None:
     """Launch the three backward kernels: delta pre-pass, dK/dV over key tiles, dQ over query tiles.
 
     q, dq: (B, Sq, Hq, D); dout, out: (B, Sq, Hq, Dv); k, dk: (B, Sk, Hkv, D); v, dv: (B, Sk, Hkv, Dv); device
@@ -76,7 +83,9 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
     the SIMT kernels and the same on every run: a bias with every row and key takes each pair's from the dQ
     kernel (once per batch entry, in order, when the batch shares it; once per query head when the heads do); one
     broadcast over the rows takes each key's sum from the dK/dV kernel, one broadcast over the keys each row's
-    from the dQ kernel, both into (B, Hq, ...) scratch that ``launch_dbias_sum`` then sums into dbias. Raises
+    from the dQ kernel, both into (B, Hq, ...) scratch that ``launch_dbias_sum`` then sums into dbias. row_stats:
+    None, or what ``flash_forward`` returned with this lse: the SIMT kernels read it (not the tensor-core ones, nor a
+    launch per slice of a shared bias's gradient). Raises
     ``selfcheck.SelfCheckFailed``, having written nothing, when no config of one of the two tiled kernels passes its
     self-check on this GPU.
     """
@@ -100,14 +109,21 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
     bf16 = dtype == "bfloat16"
     kw = dict(softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap,
               bf16=bf16, alibi=alibi, bias=bias, dropout=dropout, mods=mods, block_mask=block_mask, stream=stream)
-    launch.launch_delta(dout, out, delta, bf16=bf16, stream=stream)
-    launch.launch_dkdv(dkdv_cfg, q, k, v, dout, lse, delta, dk, dv, packed=packed, dbias=dkdv_dbias, **kw)
+    parts = dq_cfg.score_split   # delta summed as dP is (the dK/dV kernel's default tiles split alike)
+    launch.launch_delta(dout, out, delta, bf16=bf16, stream=stream, parts=parts,
+                        width=dq_cfg.head_dim_bucket // parts)
+    def stats_of(name: str) -> Any:   # the SIMT kernels read the row statistics, the tensor-core ones do not
+        return row_stats if "row_stats" in kernel_spec(name).tail else None
+
+    launch.launch_dkdv(dkdv_cfg, q, k, v, dout, lse, delta, dk, dv, packed=packed, dbias=dkdv_dbias,
+                       row_stats=stats_of(dkdv_kernel), **kw)
     shared_batch = dq_dbias is not None and dq_dbias.shape[0] == 1 and q.shape[0] > 1
     shared_head = dq_dbias is not None and dq_dbias.shape[1] == 1 and q.shape[2] > 1
     if shared_batch or shared_head:
         dq_per_shared_slice(dq_cfg, q, k, v, dout, lse, delta, dq, dq_dbias, shared_batch, shared_head, kw)
     else:
-        launch.launch_dq(dq_cfg, q, k, v, dout, lse, delta, dq, packed=packed, dbias=dq_dbias, **kw)
+        launch.launch_dq(dq_cfg, q, k, v, dout, lse, delta, dq, packed=packed, dbias=dq_dbias,
+                         row_stats=stats_of(dq_kernel), **kw)
     if sums is not None:
         launch_dbias_sum(sums, dbias, stream)
 

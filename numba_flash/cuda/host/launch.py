@@ -31,7 +31,7 @@ from numba_flash.cuda.host.devices import compute_capability, current_device
 from numba_flash.cuda.host.kernel_cache import disk_cached
 from numba_flash.cuda.host.mod_failures import named_mod_failures
 from numba_flash.cuda.host.picker import TileOverride, tile_config_for
-from numba_flash.cuda.kernels.backward_dkdv import DELTA_ROWS_PER_BLOCK, make_delta_kernel
+from numba_flash.cuda.kernels.backward_dkdv import DELTA_THREADS, make_delta_kernel
 from numba_flash.cuda.kernels.registry import AUX_KERNELS, kernel_spec
 from numba_flash.cuda.kernels.spec import ROLE_ARRAYS, ROLE_TILES, ROW_ARRAYS, KernelSpec
 from numba_flash.cuda.kernels.variant import Variant
@@ -240,6 +240,7 @@ class _Scalars:
     dbias: Any = None
     base: tuple[int, int] = (0, 0)
     stream: Any = 0
+    row_stats: Any = None
 
 
 def copied_arrays(spec: KernelSpec, arrays: dict[str, Any]) -> tuple[Any, ...]:
@@ -270,6 +271,8 @@ def _tail(spec: KernelSpec, arrays: dict[str, Any], variant: Variant, c: _Scalar
             tail += (_bias_arg(c.dbias),)
         elif name == "base":
             tail += (int(c.base[0]), int(c.base[1]))
+        elif name == "row_stats":   # the forward writes them, the backward reads them, where the switch is 1
+            tail += (_bias_arg(c.row_stats), int(c.row_stats is not None))
         else:
             raise ValueError(f"{spec.name}: unknown tail argument {name!r}")
     return tail
@@ -283,6 +286,8 @@ def _launch(cfg: FlashAttentionConfig, arrays: dict[str, Any], c: _Scalars, dbia
         raise ValueError(f"dbias: the {spec.name} kernel does not compute attn_bias's gradient")
     if tuple(c.base) != (0, 0) and "base" not in spec.tail:
         raise ValueError(f"base: the {spec.name} kernel runs whole calls only")
+    if c.row_stats is not None and "row_stats" not in spec.tail:
+        raise ValueError(f"row_stats: the {spec.name} kernel keeps no row statistics")
     variant = _variant(spec, arrays, c, dbias_mode)
     mods, tiles = _block_tiles(c.mods, c.block_mask, cfg, c.stream)
     variant = dataclasses.replace(variant, mods=mods)
@@ -323,33 +328,42 @@ def _tile_of(along: str, block: int, seqlen: int, packed: tuple | None, ctaid: t
 def launch_forward(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: float,
                    window_left: int, window_right: int, softcap: float, bf16: bool, alibi: Any = None,
                    bias: Any = None, dropout: tuple | None = None, mods: CudaMods = NO_MODS,
-                   block_mask: Any = None, packed: tuple | None = None, stream: Any = 0) -> None:
+                   block_mask: Any = None, packed: tuple | None = None, stream: Any = 0,
+                   row_stats: Any = None) -> None:
     """Launch the forward kernel of ``cfg`` (the SIMT one, or the tensor-core or TF32 one for such a config) as
-    it is, no self-check. Arrays as for ``flash.flash_forward``."""
+    it is, no self-check. Arrays as for ``flash.flash_forward``; ``row_stats``: None, or a (2, B, Hq, Sq) float32
+    C-contiguous device array (lse's rows) the SIMT kernel fills with each row's max score and log2 of its sum
+    (``spec.TAIL_ARGS``)."""
     _launch(cfg, dict(q=q, k=k, v=v, out=out, lse=lse),
             _Scalars(softmax_scale, window_left, window_right, softcap, bf16, alibi, bias, dropout, mods, block_mask,
-                     packed, stream=stream))
+                     packed, stream=stream, row_stats=row_stats))
 
 
-def launch_delta(dout: Any, out: Any, delta: Any, *, bf16: bool, stream: Any = 0) -> None:
-    """Launch the backward's delta pre-pass: delta (B, Hq, Sq) = rowsum(dout * out), dout and out (B, Sq, Hq, Dv)."""
+def launch_delta(dout: Any, out: Any, delta: Any, *, bf16: bool, stream: Any = 0, parts: int = 1,
+                 width: int | None = None) -> None:
+    """Launch the backward's delta pre-pass: delta (B, Hq, Sq) = rowsum(dout * out), dout and out (B, Sq, Hq, Dv),
+    summed in ``parts`` parts of ``width`` columns (default: the whole row), as the SIMT backward kernels of the call
+    sum dP (``cfg.score_split`` parts of the bucket): make_delta_kernel."""
     batch, sq, hq, d = dout.shape
     rows = batch * hq * sq
-    blocks = math.ceil(rows / DELTA_ROWS_PER_BLOCK)   # a warp per row
+    width = d if width is None else width
+    blocks = math.ceil(rows / (DELTA_THREADS // parts))   # a thread per row and part
     kernel = disk_cached(make_delta_kernel(bf16), DELTA_NAME, bf16)
-    kernel[blocks, 32 * DELTA_ROWS_PER_BLOCK, stream](dout, out, delta, sq, hq, d, rows)
+    kernel[blocks, DELTA_THREADS, stream](dout, out, delta, sq, hq, d, rows, parts, width)
 
 
 def launch_dkdv(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, dk: Any,
                 dv: Any, *, softmax_scale: float, window_left: int, window_right: int, softcap: float, bf16: bool,
                 alibi: Any = None, bias: Any = None, dropout: tuple | None = None, mods: CudaMods = NO_MODS,
-                block_mask: Any = None, packed: tuple | None = None, dbias: Any = None, stream: Any = 0) -> None:
+                block_mask: Any = None, packed: tuple | None = None, dbias: Any = None, stream: Any = 0,
+                row_stats: Any = None) -> None:
     """Launch the dK/dV kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_backward_dkdv``
     config) as it is, no self-check. Arrays as for ``flash.flash_backward``; ``dbias``: None, or (B, Hq, 1, Sk)
-    float32 zeros into which the SIMT kernel adds each key's gradient of a bias broadcast over the rows."""
+    float32 zeros into which the SIMT kernel adds each key's gradient of a bias broadcast over the rows;
+    ``row_stats``: None, or the forward's (``launch_forward``), read by the SIMT kernel."""
     _launch(cfg, dict(q=q, k=k, v=v, dout=dout, lse=lse, delta=delta, dk=dk, dv=dv),
             _Scalars(softmax_scale, window_left, window_right, softcap, bf16, alibi, bias, dropout, mods, block_mask,
-                     packed, dbias, stream=stream), "" if dbias is None else "per_key")
+                     packed, dbias, stream=stream, row_stats=row_stats), "" if dbias is None else "per_key")
 
 
 def dq_dbias_mode(dbias: Any, seqlen_k: int) -> str:
@@ -362,13 +376,14 @@ def launch_dq(cfg: FlashAttentionConfig, q: Any, k: Any, v: Any, dout: Any, lse:
               softmax_scale: float, window_left: int, window_right: int, softcap: float, bf16: bool,
               alibi: Any = None, bias: Any = None, dropout: tuple | None = None, mods: CudaMods = NO_MODS,
               block_mask: Any = None, packed: tuple | None = None, dbias: Any = None,
-              base: tuple[int, int] = (0, 0), stream: Any = 0) -> None:
+              base: tuple[int, int] = (0, 0), stream: Any = 0, row_stats: Any = None) -> None:
     """Launch the dQ kernel of ``cfg`` (the SIMT one, or the tensor-core one for a ``tc_backward_dq`` config) as it
     is, no self-check. Arrays as for ``flash.flash_backward``; attn_bias's gradient is added into ``dbias`` (SIMT
     only): each pair's when it has every key, (B or 1, Hq, Sq, Sk), or each row's sum over the keys into (B, Hq,
     Sq, 1). ``base``: the call's (batch entry, query head) of the arrays' first, for a launch of one slice of a
-    call: the user's mods, the BlockMask and dropout's mask see the call's indices."""
+    call: the user's mods, the BlockMask and dropout's mask see the call's indices. ``row_stats``: as for
+    ``launch_dkdv``."""
     _launch(cfg, dict(q=q, k=k, v=v, dout=dout, lse=lse, delta=delta, dq=dq),
             _Scalars(softmax_scale, window_left, window_right, softcap, bf16, alibi, bias, dropout, mods, block_mask,
-                     packed, dbias, base, stream),
+                     packed, dbias, base, stream, row_stats),
             "" if dbias is None else dq_dbias_mode(dbias, k.shape[1]))

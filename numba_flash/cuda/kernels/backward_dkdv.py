@@ -5,8 +5,10 @@ dQ gets its own pass instead of atomics from the dK/dV kernel: float atomics add
 finish, so dQ would change in its last bits from run to run, and the contract's backends are deterministic. The
 price is recomputing the scores once more (about 1.4x the work of an atomic dQ).
 
-Scores are recomputed in the log2 domain as the forward computed them: ``s = (Q K^T) * qmult`` (``qmult`` is
-``scale * log2(e)``, or ``scale / softcap`` with softcap), then ``P = exp2(s - lse * log2(e))``. Masked entries,
+Scores are recomputed in the log2 domain as the forward computed them, bit for bit: ``s = (Q * qmult) K^T``
+(``qmult`` is ``scale * log2(e)``, or ``scale / softcap`` with softcap), summed in ``config.SCORE_PARTS`` parts,
+then ``P = exp2((s - m) - log2(l))`` with the forward's row max ``m`` and sum ``l`` where the call has them
+(``masks.row_softmax_terms``), else ``P = exp2(s - lse * log2(e))``. Masked entries,
 padded rows and rows with ``lse = +inf`` (no visible key) get ``P = 0`` and ``dS = 0`` and contribute nothing;
 rows the forward poisoned (lse NaN) get NaN wherever they see a key, and a non-finite Q, dO or K tile goes through
 a product that skips masked pairs (the non-finite rule: masks.py).
@@ -45,19 +47,20 @@ from numba_flash.cuda.host.config import FlashAttentionConfig
 from numba_flash.cuda.kernels.layout import padded_stride
 from numba_flash.cuda.device.dtypes import element_io
 from numba_flash.cuda.kernels.forward import SMEM_ALIGN
-from numba_flash.cuda.device.masks import (LOG2E, bias_head, make_bias_tile, make_dropout_tile, make_score_grads,
-                                           make_score_mod_hides, make_slot_sums, make_visible, nan_if_not_finite)
+from numba_flash.cuda.device.masks import (bias_head, make_bias_tile, make_dropout_tile, make_score_grads,
+                                           make_score_mod_hides, make_slot_sums, make_visible, nan_if_not_finite,
+                                           row_softmax_terms)
 from numba_flash.cuda.device.sequences import make_locate
 from numba_flash.cuda.device.smem import carve
 from numba_flash.cuda.device.tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
 from numba_flash.cuda.device.user_mods import NO_MODS, CudaMods
 from numba_flash.cuda.kernels.variant import Variant
 
-__all__ = ["make_delta_kernel", "make_dkdv_kernel", "make_dq_kernel", "make_dbias_sum_kernel", "DELTA_ROWS_PER_BLOCK",
+__all__ = ["make_delta_kernel", "make_dkdv_kernel", "make_dq_kernel", "make_dbias_sum_kernel", "DELTA_THREADS",
            "DBIAS_SUM_THREADS"]
 
-#: Rows of the delta pre-pass per block of 128 threads: one warp per row.
-DELTA_ROWS_PER_BLOCK = 4
+#: Threads per block of the delta pre-pass (one per row and part of a row).
+DELTA_THREADS = 128
 #: Threads per block of the dbias sum (one per element of attn_bias's gradient).
 DBIAS_SUM_THREADS = 128
 
@@ -97,32 +100,38 @@ def make_dbias_sum_kernel() -> Any:
 
 @functools.lru_cache(maxsize=None)
 def make_delta_kernel(bf16: bool) -> Any:
-    """``delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d]`` in float32, one warp per row: consecutive lanes
-    read consecutive elements of the row (coalesced), then the warp's lane 0 adds the 32 partial sums in a fixed
-    order (the same bits every run). Launch with ``ceil(B * Hq * Sq / DELTA_ROWS_PER_BLOCK)`` blocks of 128
-    threads; arguments dout, out (B, Sq, Hq, D) float32 or float16 (int16 bfloat16 bits with ``bf16``), any
-    strides, delta (B, Hq, Sq) float32, then seqlen_q, nheads_q, head_dim, total rows (ints)."""
+    """``delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d]`` in float32, summed in the order the SIMT
+    backward kernels sum dP = dO V^T (``config.SCORE_PARTS``): in ``parts`` parts of ``width`` consecutive columns,
+    each part from 0 and the parts added in order (one part as it is). A row whose P is one key's alone has that
+    key's V as its output, bit for bit, so delta is that key's dP bit for bit and dS = P (dP - delta) exactly 0,
+    as in naive attention. One thread per (row, part), DELTA_THREADS per block, ``DELTA_THREADS // parts`` rows:
+    launch with ``ceil(B * Hq * Sq / (DELTA_THREADS // parts))`` blocks; arguments dout, out (B, Sq, Hq, D) float32
+    or float16 (int16 bfloat16 bits with ``bf16``), any strides, delta (B, Hq, Sq) float32, then seqlen_q,
+    nheads_q, head_dim, total rows, parts (a power of two <= DELTA_THREADS) and width (ints)."""
     LOAD = element_io(bf16)[0]
-    ROWS, WARP = DELTA_ROWS_PER_BLOCK, 32
+    NT = DELTA_THREADS
 
-    def flash_delta_kernel(dout, out, delta, seqlen_q, nheads_q, head_dim, rows):
-        partial = cuda.shared.array((ROWS, WARP), float32)
-        lane = cuda.threadIdx.x % WARP
-        w = cuda.threadIdx.x // WARP
-        idx = cuda.blockIdx.x * ROWS + w
+    def flash_delta_kernel(dout, out, delta, seqlen_q, nheads_q, head_dim, rows, parts, width):
+        partial = cuda.shared.array(NT, float32)
+        t = cuda.threadIdx.x
+        r = t // parts
+        part = t - r * parts
+        idx = cuda.blockIdx.x * (NT // parts) + r
         i = idx % seqlen_q
         bh = idx // seqlen_q
         h = bh % nheads_q
         b = bh // nheads_q
         total = float32(0.0)
         if idx < rows:
-            for d in range(lane, head_dim, WARP):
+            for d in range(part * width, min(part * width + width, head_dim)):
                 total += LOAD(dout[b, i, h, d]) * LOAD(out[b, i, h, d])
-        partial[w, lane] = total
+        partial[t] = total
         cuda.syncthreads()   # every thread reaches it: the row test is inside
-        if lane == 0 and idx < rows:
-            for j in range(1, WARP):
-                total += partial[w, j]
+        if part == 0 and idx < rows:
+            if parts > 1:   # 0 + part 0 + part 1 ..., as the kernels add their parts
+                total = float32(0.0)
+                for j in range(parts):
+                    total += partial[t + j]
             delta[b, h, i] = total
 
     return cuda.jit(flash_delta_kernel)
@@ -148,7 +157,10 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
       dbias: float32 (B, Hq, 1, Sk), C-contiguous, read only with ``dbias="per_key"``: each key's gradient of a bias
       broadcast over the query rows (the sum over the rows of the pairs' gradients) is added into it. A thread
       sums its own scores of a key across the query tiles of a head; after each head the block adds its threads'
-      partial sums of each key in a fixed order, so no atomics and the same bits every run.
+      partial sums of each key in a fixed order, so no atomics and the same bits every run;
+      row_stats, stats_on: the forward's row statistics (2, B, Hq, Sq) float32 and whether to read them
+      (masks.row_softmax_terms; any 4-dimensional float32 array and 0 otherwise).
+    Q is scaled by qmult on load and its scores summed in ``cfg.score_split`` parts, as the forward's are.
     """
     BLOCK_M, BLOCK_N, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
     assert dbias in ("", "per_key"), dbias
@@ -166,7 +178,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     E = BLOCK_M * BLOCK_N // NT
     R = min(E, 4, BLOCK_N)
     RUNS, RUNS_PER_ROW = E // R, BLOCK_N // R
-    ROWS = RUNS if SPLIT > 1 else S_TM                # query rows whose lse and delta a thread needs
+    ROWS = RUNS if SPLIT > 1 else S_TM                # query rows whose delta a thread needs
     # dbias="per_key": the keys a thread holds scores of, and the threads that hold scores of one key (the slots
     # of the sum, rows of dS's buffer)
     KEYS, KEY_SLOTS = (RUNS * R, BLOCK_M) if SPLIT > 1 else (S_TN, S_TR)
@@ -178,8 +190,9 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
     V4, ALIGN = FETCH_VECTOR, SMEM_ALIGN
     DYNAMIC = cfg.dynamic_smem
     USED_PARTS = PARTS_WORDS if SPLIT > 1 else 0
-    K_AT, V_AT, Q_AT, DO_AT, P_AT, DS_AT, SP_AT, DP_AT = carve(KV_WORDS, KV_WORDS, X_WORDS, X_WORDS, P_WORDS, P_WORDS,
-                                                               USED_PARTS, USED_PARTS)
+    RS_WORDS = 2 * BLOCK_M                            # each query row's max and log2 sum
+    K_AT, V_AT, Q_AT, DO_AT, P_AT, DS_AT, SP_AT, DP_AT, RS_AT = carve(KV_WORDS, KV_WORDS, X_WORDS, X_WORDS, P_WORDS,
+                                                                      P_WORDS, USED_PARTS, USED_PARTS, RS_WORDS)
     D_STEP, M_STEP = product_steps(S_TM * S_TN, DK), product_steps(G_TN * G_TD, BLOCK_M, 1)
     HAS_LEFT, HAS_RIGHT, ALIBI, STAGED, DROPOUT = has_left, has_right, alibi, has_bias or mods.stages_tile, dropout
     LOAD, STORE = element_io(bf16)
@@ -198,7 +211,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
 
     def flash_dkdv_kernel(q, k, v, dout, lse, delta, dk, dv, seqlen_q, seqlen_k, head_dim, group, window_left,
                           window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
-                          batch0, tiles, seqs, dbias):
+                          batch0, tiles, seqs, dbias, row_stats, stats_on):
         t = cuda.threadIdx.x
         # b: the sequence (masks, ALiBi, dropout); the arrays' rows of it start at (ab, q0) and keys at (ab, k0).
         b, ab, tile, q0, k0, seqlen_q, seqlen_k = locate(seqs, seqlen_q, seqlen_k)
@@ -216,6 +229,7 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
             ds_s = smem[DS_AT[0]:DS_AT[1]]
             s_parts = smem[SP_AT[0]:SP_AT[1]]
             dp_parts = smem[DP_AT[0]:DP_AT[1]]
+            row_terms = smem[RS_AT[0]:RS_AT[1]]
         else:
             k_s = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
             v_s = cuda.shared.array(KV_WORDS, float32, alignment=ALIGN)
@@ -225,12 +239,14 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
             ds_s = cuda.shared.array(P_WORDS, float32, alignment=ALIGN)   # attn_bias, then dS
             s_parts = cuda.shared.array(PARTS_WORDS, float32, alignment=ALIGN)
             dp_parts = cuda.shared.array(PARTS_WORDS, float32, alignment=ALIGN)
+            # Each query row's max, then log2 of its sum (masks.row_softmax_terms): read beside every score of the
+            # row, from shared memory rather than two registers a row, which spill with every mods on (sm_75, 80).
+            row_terms = cuda.shared.array(RS_WORDS, float32)
 
         dk_acc = cuda.local.array((G_TN, G_TD), float32)
         dv_acc = cuda.local.array((G_TN, G_TD), float32)
         s = cuda.local.array((S_TM, S_TN), float32)       # scores, then P
         dp = cuda.local.array((S_TM, S_TN), float32)      # dP, then dS
-        lse_i = cuda.local.array(ROWS, float32)           # log2 domain
         delta_i = cuda.local.array(ROWS, float32)
         s_run = cuda.local.array(R, float32)
         dp_run = cuda.local.array(R, float32)
@@ -301,10 +317,11 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                 if skip:   # mask_mod hides every pair: Q and dO never read
                     continue
                 cuda.syncthreads()   # the previous tile's readers of q_s, do_s, p_s and ds_s are done
-                # Q is loaded unscaled, once: the scores are scaled instead, and dK takes the plain Q.
+                # Q is scaled on load, as the forward's is, so that the scores are the forward's bit for bit; dK
+                # takes the scaled Q and kscale.
                 probe = float32(0.0)
                 for k_pass in range(X_PASSES):
-                    at, ok = fetch_x(fetched, q, ab, q0 + m0, h, q0 + seqlen_q, head_dim, float32(1.0), t, k_pass)
+                    at, ok = fetch_x(fetched, q, ab, q0 + m0, h, q0 + seqlen_q, head_dim, qmult, t, k_pass)
                     if ok:
                         for e in range(V4):
                             q_s[at + uint64(e)] = fetched[e]
@@ -320,14 +337,15 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                     load_bias(ds_s, bias_h, b, h, m0, n0, seqlen_q, seqlen_k, t, not full_tile)
                 if DROPOUT:    # P's buffer holds the factors until P times them overwrites them
                     dropout_factors(p_s, seed_lo, seed_hi, threshold, dscale, b + batch0, h, m0, n0, t)
+                for r in range(t, BLOCK_M, NT):
+                    m2, l2 = float32(math.inf), float32(0.0)   # P = 0 and dS = 0 past the sequence
+                    if m0 + r < seqlen_q:
+                        m2, l2 = row_softmax_terms(lse, row_stats, stats_on, ab, h, q0 + m0 + r)
+                    row_terms[r] = m2
+                    row_terms[BLOCK_M + r] = l2
                 for i in range(ROWS):
                     row = m0 + ((t + NT * i) // RUNS_PER_ROW if SPLIT > 1 else s_tr + S_TR * i)
-                    if row < seqlen_q:
-                        lse_i[i] = lse[ab, h, q0 + row] * float32(LOG2E)
-                        delta_i[i] = delta[ab, h, q0 + row]
-                    else:   # P = 0 and dS = 0 past the sequence
-                        lse_i[i] = float32(math.inf)
-                        delta_i[i] = float32(0.0)
+                    delta_i[i] = delta[ab, h, q0 + row] if row < seqlen_q else float32(0.0)
                 # A Q or dO tile with an inf or NaN goes through the products that skip masked pairs.
                 x_nonfinite = cuda.syncthreads_or(int32(probe != probe))
 
@@ -385,9 +403,10 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                         for e in range(R):
                             z = p_s[at + uint64(e)] if DROPOUT else float32(1.0)
                             bias_value = ds_s[at + uint64(e)] if STAGED else float32(0.0)
-                            s_run[e], dp_run[e], dx = grads(s_run[e], dp_run[e], m0 + m, n0 + n + e, lse_i[u],
-                                                            delta_i[u], z, bias_value, slope, qmult, capmult, offset,
-                                                            seqlen_q, seqlen_k, window_left, window_right, b, h)
+                            s_run[e], dp_run[e], dx = grads(s_run[e], dp_run[e], m0 + m, n0 + n + e, row_terms[m],
+                                                            row_terms[BLOCK_M + m], delta_i[u], z, bias_value, slope,
+                                                            float32(1.0), capmult, offset, seqlen_q, seqlen_k,
+                                                            window_left, window_right, b, h)
                             if DBIAS_PER_KEY:
                                 key_part[u * R + e] += dx
                         for e in range(R):   # a run is one 128-bit store
@@ -400,9 +419,11 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                             at = p_at0 + uint64(i * S_TR * LP + (j // S_RN) * S_GAP_N + j % S_RN)
                             z = p_s[at] if DROPOUT else float32(1.0)
                             bias_value = ds_s[at] if STAGED else float32(0.0)
-                            s[i, j], dp[i, j], dx = grads(s[i, j], dp[i, j], m0 + s_tr + S_TR * i, n0 + c, lse_i[i],
-                                                          delta_i[i], z, bias_value, slope, qmult, capmult, offset,
-                                                          seqlen_q, seqlen_k, window_left, window_right, b, h)
+                            s[i, j], dp[i, j], dx = grads(s[i, j], dp[i, j], m0 + s_tr + S_TR * i, n0 + c,
+                                                          row_terms[s_tr + S_TR * i],
+                                                          row_terms[BLOCK_M + s_tr + S_TR * i], delta_i[i], z,
+                                                          bias_value, slope, float32(1.0), capmult, offset, seqlen_q,
+                                                          seqlen_k, window_left, window_right, b, h)
                             if DBIAS_PER_KEY:
                                 key_part[j] += dx
                     for i in range(S_TM):   # a run of columns is one 128-bit store
@@ -463,13 +484,15 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
             if DBIAS_PER_KEY:   # each thread's partial sums of its keys into dS's buffer, then a key's in order
                 sum_key_slots(ds_s, key_part, p_at0, t, bias_head(dbias, b, h), n0, seqlen_k)
 
+        # dK summed the scaled Q: scale / qmult makes it the softmax scale's (Q is 0 where qmult is, and so is dK)
+        kscale = scale / qmult if qmult != float32(0.0) else float32(0.0)
         for i in range(G_TN):
             key = n0 + g_tr * G_RN + (i // G_RN) * G_GAP_N + i % G_RN
             if key < seqlen_k:
                 for j in range(G_TD):
                     d = g_tc * G_RD + (j // G_RD) * G_GAP_D + j % G_RD
                     if d < head_dim:
-                        dk[ab, k0 + key, hk, d] = STORE(nan_if_not_finite(dk_acc[i, j] * scale))
+                        dk[ab, k0 + key, hk, d] = STORE(nan_if_not_finite(dk_acc[i, j] * kscale))
                 for j in range(G_TD):
                     d = g_tc * G_RD + (j // G_RD) * G_GAP_D + j % G_RD
                     if d < head_dim_v:

@@ -19,8 +19,9 @@ from numba_flash.cuda.host.config import FlashAttentionConfig
 from numba_flash.cuda.kernels.layout import padded_stride
 from numba_flash.cuda.device.dtypes import element_io
 from numba_flash.cuda.kernels.forward import SMEM_ALIGN
-from numba_flash.cuda.device.masks import (LOG2E, bias_head, make_bias_tile, make_dbias_add, make_dropout_tile,
-                                           make_score_grads, make_slot_sums, nan_if_not_finite)
+from numba_flash.cuda.device.masks import (bias_head, make_bias_tile, make_dbias_add, make_dropout_tile,
+                                           make_score_grads, make_slot_sums, nan_if_not_finite,
+                                           row_softmax_terms)
 from numba_flash.cuda.device.sequences import make_locate
 from numba_flash.cuda.device.smem import carve
 from numba_flash.cuda.device.tiles import FETCH_VECTOR, checked_grids, make_tile_fetch, product_steps, tile_passes
@@ -51,7 +52,10 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
         threads' partial sums of each row in a fixed order, so no atomics and the same bits every run;
       batch_base, head_base: int, the call's batch entry and query head of this launch's first (a launch of one
         slice of a larger call, launch_dbias.dq_per_shared_slice; else 0): the indices the user's mods, the
-        BlockMask and dropout's mask see are the call's, not the slice's.
+        BlockMask and dropout's mask see are the call's, not the slice's;
+      row_stats, stats_on: the forward's row statistics (2, B, Hq, Sq) float32 and whether to read them
+        (masks.row_softmax_terms; any 4-dimensional float32 array and 0 otherwise).
+    Q is scaled by qmult on load and its scores summed in ``cfg.score_split`` parts, as the forward's are.
     """
     BLOCK_M, BLOCK_N, NT, DB = cfg.block_m, cfg.block_n, cfg.threads, cfg.head_dim_bucket
     (S_TR, S_TC), (O_TR, O_TC) = checked_grids(cfg, cfg.out_grid)
@@ -100,7 +104,7 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
 
     def flash_dq_kernel(q, k, v, dout, lse, delta, dq, seqlen_q, seqlen_k, head_dim, group, window_left,
                         window_right, qmult, capmult, scale, slopes, bias, seed_lo, seed_hi, threshold, dscale,
-                        batch0, tiles, seqs, dbias, batch_base, head_base):
+                        batch0, tiles, seqs, dbias, batch_base, head_base, row_stats, stats_on):
         t = cuda.threadIdx.x
         # b: the sequence (masks, ALiBi, dropout); the arrays' rows of it start at (ab, q0) and keys at (ab, k0).
         b, ab, tile, q0, k0, seqlen_q, seqlen_k = locate(seqs, seqlen_q, seqlen_k)
@@ -141,7 +145,8 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
         acc = cuda.local.array((O_TM, O_TD), float32)
         s = cuda.local.array((S_TM, S_TN), float32)       # scores, then P
         dp = cuda.local.array((S_TM, S_TN), float32)      # dP, then dS
-        lse_i = cuda.local.array(ROWS, float32)           # log2 domain
+        lse_i = cuda.local.array(ROWS, float32)           # each row's max, log2 units (masks.row_softmax_terms)
+        l2_i = cuda.local.array(ROWS, float32)            # and log2 of its sum
         delta_i = cuda.local.array(ROWS, float32)
         s_run = cuda.local.array(R, float32)
         dp_run = cuda.local.array(R, float32)
@@ -157,9 +162,9 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
         for i in range(ROWS):
             row_part[i] = float32(0.0)
 
-        # Q is loaded unscaled: the scores are scaled instead (as in the dK/dV kernel, so both see the same P).
+        # Q is scaled on load, as the forward's is, so that the scores are the forward's bit for bit.
         for k_pass in range(X_PASSES):
-            at, ok = fetch_x(fetched, q, ab, q0 + m0, h, q0 + seqlen_q, head_dim, float32(1.0), t, k_pass)
+            at, ok = fetch_x(fetched, q, ab, q0 + m0, h, q0 + seqlen_q, head_dim, qmult, t, k_pass)
             if ok:
                 for e in range(V4):
                     q_s[at + uint64(e)] = fetched[e]
@@ -190,10 +195,11 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
             else:
                 row = m0 + s_tr * S_RM + (i // S_RM) * S_GAP_M + i % S_RM
             if row < seqlen_q:
-                lse_i[i] = lse[ab, h, q0 + row] * float32(LOG2E)
+                lse_i[i], l2_i[i] = row_softmax_terms(lse, row_stats, stats_on, ab, h, q0 + row)
                 delta_i[i] = delta[ab, h, q0 + row]
             else:   # P = 0 and dS = 0 past the sequence
                 lse_i[i] = float32(math.inf)
+                l2_i[i] = float32(0.0)
                 delta_i[i] = float32(0.0)
 
         offset = seqlen_k - seqlen_q
@@ -287,8 +293,9 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                         z = z_t[at + uint64(e)] if DROPOUT else float32(1.0)
                         bias_value = ds_t[at + uint64(e)] if STAGED else float32(0.0)
                         _, dp_run[e], dx = grads(s_run[e], dp_run[e], m0 + m + e, n0 + n, lse_i[u * R + e],
-                                                 delta_i[u * R + e], z, bias_value, slope, qmult, capmult, offset,
-                                                 seqlen_q, seqlen_k, window_left, window_right, cb, ch)
+                                                 l2_i[u * R + e], delta_i[u * R + e], z, bias_value, slope,
+                                                 float32(1.0), capmult, offset, seqlen_q, seqlen_k, window_left,
+                                                 window_right, cb, ch)
                         add_dbias(dbias_h, m0 + m + e, n0 + n, dx, seqlen_q, seqlen_k)
                         if DBIAS_PER_ROW:
                             row_part[u * R + e] += dx
@@ -301,9 +308,9 @@ def make_dq_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool, s
                         at = t_at0 + uint64(j * S_TC * LM + (i // S_RM) * S_GAP_M + i % S_RM)
                         z = z_t[at] if DROPOUT else float32(1.0)
                         bias_value = ds_t[at] if STAGED else float32(0.0)
-                        _, dp[i, j], dx = grads(s[i, j], dp[i, j], row, n0 + s_tc + S_TC * j, lse_i[i], delta_i[i],
-                                                z, bias_value, slope, qmult, capmult, offset, seqlen_q, seqlen_k,
-                                                window_left, window_right, cb, ch)
+                        _, dp[i, j], dx = grads(s[i, j], dp[i, j], row, n0 + s_tc + S_TC * j, lse_i[i], l2_i[i],
+                                                delta_i[i], z, bias_value, slope, float32(1.0), capmult, offset,
+                                                seqlen_q, seqlen_k, window_left, window_right, cb, ch)
                         add_dbias(dbias_h, row, n0 + s_tc + S_TC * j, dx, seqlen_q, seqlen_k)
                         if DBIAS_PER_ROW:
                             row_part[i] += dx

@@ -27,10 +27,10 @@ from typing import Any
 from numba import config, cuda, float32, int32, uint32, uint64
 
 from numba_flash.cuda.device.block_tiles import make_tile_skip
-from numba_flash.cuda.host.config import FlashAttentionConfig
+from numba_flash.cuda.host.config import SCORE_PARTS, FlashAttentionConfig
 from numba_flash.cuda.kernels.layout import transposed_stride
 from numba_flash.cuda.device.dtypes import element_io
-from numba_flash.cuda.device.masks import (bias_head, dropout_factor, make_bias_tile, make_score_mod_hides,
+from numba_flash.cuda.device.masks import (LN2, bias_head, dropout_factor, make_bias_tile, make_score_mod_hides,
                                            make_visible, nan_if_not_finite)
 from numba_flash.cuda.device.sequences import make_locate
 from numba_flash.cuda.device.smem import carve
@@ -39,7 +39,6 @@ from numba_flash.cuda.device.score_terms import make_pipeline
 from numba_flash.cuda.device.user_mods import NO_MODS, CudaMods
 from numba_flash.cuda.kernels.variant import Variant
 
-LN2 = math.log(2.0)
 #: Alignment of the shared tiles: 16 bytes lets LLVM merge four consecutive float32 loads into one 128-bit load.
 #: The simulator refuses any alignment argument (and needs none).
 SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16
@@ -87,7 +86,10 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
       config's tiles (block_tiles.py), read only with ``mods.block_tiles`` (any 4-dimensional int8 array otherwise);
       seqs: int32 (n_blocks, 6), with ``varlen`` the packed sequences' block table (sequences.py; grid
       ``(n_blocks, Hq, 1)``, q/k/v/out a batch of one, seqlen_q/seqlen_k unused), read only then (any (1, 6) int32
-      array otherwise).
+      array otherwise);
+      row_stats: float32 (2, B, Hq, Sq) C-contiguous (lse's rows), written only where ``stats_on`` (int) is 1: each
+      row's max score (log2 units, scores summed in ``config.SCORE_PARTS`` parts as the backward's are) and log2 of
+      its sum of exponentials, for the backward (spec.TAIL_ARGS); any such array otherwise.
     float32 and float16 share one dispatcher (numba specialises it on the array types it is called with); bfloat16
     bits need their own, since an int16 element must be widened, not converted. ``mods``: the user's mods
     (user_mods.py): bias_mod and mask_mod go through the staged bias tile, score_mod applies per score; with
@@ -105,7 +107,11 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
     ALIGN = SMEM_ALIGN
     DYNAMIC = cfg.dynamic_smem
     Q_AT, KV_AT, P_AT, MAX_AT, SUM_AT, SCALE_AT = carve(Q_WORDS, KV_WORDS, P_WORDS, BM, BM, BM)
-    D_STEPS = min(DB, MAX_STEPS, max(1, SCORE_BODY_FMAS // (S_TM * S_TN)))
+    # The score dot products are summed in PARTS parts of D_PART columns, as the backward kernels sum theirs
+    # (config.SCORE_PARTS), so that a row's max is one of the backward's scores bit for bit.
+    PARTS = SCORE_PARTS[DB]
+    D_PART = DB // PARTS
+    D_STEPS = math.gcd(min(DB, MAX_STEPS, max(1, SCORE_BODY_FMAS // (S_TM * S_TN))), D_PART)
     N_STEPS = min(BN, MAX_STEPS, max(1, PV_BODY_FMAS // (O_TM * O_TD)))
     # Runs of consecutive rows (columns) a thread owns, and the distance from one of its runs to the next.
     S_RM, S_RN, O_RM, O_RD = min(S_TM, 4), min(S_TN, 4), min(O_TM, 4), min(O_TD, 4)
@@ -127,7 +133,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
 
     def flash_forward_kernel(q, k, v, out, lse, seqlen_q, seqlen_k, head_dim, group, window_left, window_right,
                              qmult, capmult, slopes, bias, seed_lo, seed_hi, threshold, dscale, batch0, tiles,
-                             seqs):
+                             seqs, row_stats, stats_on):
         neg_inf = float32(-math.inf)
         nan = float32(math.nan)
         t = cuda.threadIdx.x
@@ -160,6 +166,7 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
 
         acc = cuda.local.array((O_TM, O_TD), float32)
         s = cuda.local.array((S_TM, S_TN), float32)
+        s_part = cuda.local.array((S_TM, S_TN), float32)   # one part's sums (PARTS > 1)
         a_reg = cuda.local.array(O_TM, float32)
         b_reg = cuda.local.array(O_TD, float32)
         sa_reg = cuda.local.array(S_TM, float32)
@@ -223,20 +230,27 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
             cuda.syncthreads()
 
             # Scores of this thread's (S_TM x S_TN) block: s = Q K^T over the padded head dim, one outer product of
-            # a column of Q^T and a column of K^T per d.
+            # a column of Q^T and a column of K^T per d, part by part (PARTS).
             for i in range(S_TM):
                 for j in range(S_TN):
                     s[i, j] = float32(0.0)
-            for d0 in range(0, DB, D_STEPS):
-                q_d0, k_d0 = uint64(d0 * LQ) + s_row0, uint64(d0 * LK) + s_col0
-                for dd in range(D_STEPS):
-                    for i in range(S_TM):
-                        sa_reg[i] = q_t[q_d0 + uint64(dd * LQ + (i // S_RM) * S_GAP_M + i % S_RM)]
+            for part in range(PARTS):
+                for i in range(S_TM):
                     for j in range(S_TN):
-                        sb_reg[j] = kv[k_d0 + uint64(dd * LK + (j // S_RN) * S_GAP_N + j % S_RN)]
-                    for i in range(S_TM):
+                        s_part[i, j] = float32(0.0)
+                for d0 in range(part * D_PART, part * D_PART + D_PART, D_STEPS):
+                    q_d0, k_d0 = uint64(d0 * LQ) + s_row0, uint64(d0 * LK) + s_col0
+                    for dd in range(D_STEPS):
+                        for i in range(S_TM):
+                            sa_reg[i] = q_t[q_d0 + uint64(dd * LQ + (i // S_RM) * S_GAP_M + i % S_RM)]
                         for j in range(S_TN):
-                            s[i, j] += sa_reg[i] * sb_reg[j]
+                            sb_reg[j] = kv[k_d0 + uint64(dd * LK + (j // S_RN) * S_GAP_N + j % S_RN)]
+                        for i in range(S_TM):
+                            for j in range(S_TN):
+                                s_part[i, j] += sa_reg[i] * sb_reg[j]
+                for i in range(S_TM):
+                    for j in range(S_TN):   # one part: the sums as they are (adding them to 0 would cost an add)
+                        s[i, j] = s_part[i, j] if PARTS == 1 else s[i, j] + s_part[i, j]
             # Masked scores become -inf; a visible one that is not finite becomes NaN and poisons its row (the raw
             # score decides: tanh would turn an inf into a finite cap).
             for i in range(S_TM):
@@ -348,8 +362,13 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
             row = m0 + r
             if row < seqlen_q:
                 total = row_sum[r]
+                # float32 under the simulator too, as on a GPU; -inf where no key was seen (Python's log2 raises)
+                log2_total = float32(math.log2(total)) if total > float32(0.0) else float32(-math.inf)
+                if stats_on:   # the backward takes them where lse is what they give (spec.TAIL_ARGS)
+                    row_stats[0, ab, h, q0 + row] = row_max[r]
+                    row_stats[1, ab, h, q0 + row] = log2_total
                 if total > float32(0.0):
-                    lse[ab, h, q0 + row] = (row_max[r] + math.log2(total)) * float32(LN2)
+                    lse[ab, h, q0 + row] = (row_max[r] + log2_total) * float32(LN2)
                 elif total != total:   # poisoned
                     lse[ab, h, q0 + row] = nan
                 else:                  # sees no key

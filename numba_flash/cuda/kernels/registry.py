@@ -28,8 +28,8 @@ def _score_parts(cfg: Any) -> int:
 
 def _dkdv_words(cfg: Any) -> int:
     bm, bn, ld = cfg.block_m, cfg.block_n, padded_stride(cfg.head_dim_bucket)
-    # K, V, Q and dO tiles; P and dS, query-major, and their parts
-    return 2 * (bn + bm) * ld + 2 * (1 + _score_parts(cfg)) * bm * padded_stride(bn)
+    # K, V, Q and dO tiles; P and dS, query-major, and their parts; each query row's max and log2 sum
+    return 2 * (bn + bm) * ld + 2 * (1 + _score_parts(cfg)) * bm * padded_stride(bn) + 2 * bm
 
 
 def _dq_words(cfg: Any) -> int:
@@ -97,18 +97,19 @@ def _tf32_forward_words(cfg: Any) -> int:
 SPECS: tuple[KernelSpec, ...] = (
     KernelSpec(
         name="forward", role="forward", kind="simt", module="forward", smem_words=_forward_words, products=2,
+        tail=("row_stats",),
         tiles={16: (64, 64, 128), 32: (64, 64, 128), 64: (64, 32, 64), 128: (32, 32, 64), 256: (32, 8, 128)},
         wide_tiles={256: ((32, 32, 128),), 512: ((32, 32, 256), (16, 16, 128)),
                     576: ((32, 32, 256), (16, 16, 128))}),
     KernelSpec(
         name="backward_dkdv", role="dkdv", kind="simt", module="backward_dkdv", smem_words=_dkdv_words, products=4,
-        tail=("dbias",), dbias_sum="per_key",
+        tail=("dbias", "row_stats"), dbias_sum="per_key",
         tiles={16: (32, 64, 128), 32: (32, 64, 128), 64: (32, 32, 64), 128: (16, 16, 64), 256: (8, 8, 64)},
         wide_tiles={256: ((16, 32, 256), (16, 16, 128)), 512: ((16, 8, 128), (16, 4, 64)),
                     576: ((16, 8, 128), (16, 2, 32))}),
     KernelSpec(
         name="backward_dq", role="dq", kind="simt", module="backward_dq", smem_words=_dq_words, products=3,
-        tail=("dbias", "base"), dbias_sum="per_row",
+        tail=("dbias", "base", "row_stats"), dbias_sum="per_row",
         tiles={16: (64, 32, 128), 32: (64, 32, 128), 64: (32, 32, 64), 128: (16, 16, 64), 256: (8, 8, 64)},
         wide_tiles={256: ((32, 32, 256), (32, 16, 128), (16, 16, 128)), 512: ((16, 8, 128), (8, 8, 64)),
                     576: ((16, 8, 128), (8, 8, 64))}),
@@ -157,7 +158,7 @@ SPECS: tuple[KernelSpec, ...] = (
 REGISTRY: dict[str, KernelSpec] = {spec.name: spec for spec in SPECS}
 
 #: The kernels without a tile config. Their threads restate the kernels' own constants (backward_dkdv.py:
-#: 32 x DELTA_ROWS_PER_BLOCK and DBIAS_SUM_THREADS; decode.py: MERGE_THREADS) so that this imports no numba.cuda.
+#: DELTA_THREADS and DBIAS_SUM_THREADS; decode.py: MERGE_THREADS) so that this imports no numba.cuda.
 AUX_KERNELS: dict[str, AuxKernel] = {aux.name: aux for aux in (
     AuxKernel(name="backward_delta", role="delta", module="backward_dkdv", factory="make_delta_kernel", threads=128),
     AuxKernel(name="decode_merge", role="merge", module="decode", factory="make_split_merge_kernel", threads=64),

@@ -32,8 +32,11 @@ ROLE_TILES: dict[str, str] = {"forward": "q", "dkdv": "k", "dq": "q"}
 #: The arguments a kernel may take past the common list (``KernelSpec.tail``): K and V as 16-bit slots for the TF32
 #: kernel's cp.async (placeholders, never read, on its plain-load path); attn_bias's gradient target (a
 #: placeholder without one); the call's (batch entry, query head) of the arrays' first, two int64, for a launch of
-#: one slice of a call.
-TAIL_ARGS = ("kv_slots", "dbias", "base")
+#: one slice of a call; the row statistics, a (2, B, Hq, Sq) float32 array of each row's max of the scores (log2
+#: units) and log2 of its sum of exponentials, with an int64 switch: the SIMT forward writes them where the switch
+#: is 1, and the SIMT backward kernels read them where it is 1 and they give the row's lse bit for bit (else lse),
+#: so that P of a dominant score is exactly 1 (config.SCORE_PARTS; a placeholder when the switch is 0).
+TAIL_ARGS = ("kv_slots", "dbias", "base", "row_stats")
 #: What a kernel runs on: float32 FMAs ("simt"), mma.sync on 16-bit data ("mma"), mma.sync's TF32 ("tf32").
 KINDS = ("simt", "mma", "tf32")
 #: Roles of kernels without a tile config (``AuxKernel``): the backward's delta pre-pass, the sums of attn_bias's

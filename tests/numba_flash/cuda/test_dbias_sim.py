@@ -206,8 +206,9 @@ def test_the_self_check_judges_dbias_and_a_wrong_one_falls_back(rng, monkeypatch
     dbias is off by 0.1% fails it, and the call runs on the fallback config."""
     from numba_flash.cuda import selfcheck
 
-    # dbias is the last argument but two (the call's batch entry and head of the launch's first follow)
-    spoil(monkeypatch, "make_dq_kernel", -3, lambda cfg, kw: kw.get("dbias") and cfg.threads == 16)
+    # dbias is the last argument but four (the call's batch entry and head of the launch's first, then the row
+    # statistics and their switch, follow)
+    spoil(monkeypatch, "make_dq_kernel", -5, lambda cfg, kw: kw.get("dbias") and cfg.threads == 16)
     q, k, v, dout = random_inputs(rng, 2, SQ, SK, HQ, HKV, D)
     bias = _bias(rng, (2, HQ, SQ, SK))
     *_, dbias = _backward(q, k, v, dout, bias, BACKWARD_TILES["split"], causal=True)
@@ -219,8 +220,8 @@ def test_the_self_check_judges_dbias_and_a_wrong_one_falls_back(rng, monkeypatch
     assert len(failed) == 1 and "dbias: relative L2 error" in failed[0] and "attn_bias dbias pairs" in failed[0]
 
 
-@pytest.mark.parametrize("kernel,shape,mode,dbias_arg", [("make_dkdv_kernel", (1, SK), "per_key", -1),
-                                                         ("make_dq_kernel", (SQ, 1), "per_row", -3)])
+@pytest.mark.parametrize("kernel,shape,mode,dbias_arg", [("make_dkdv_kernel", (1, SK), "per_key", -3),
+                                                         ("make_dq_kernel", (SQ, 1), "per_row", -5)])
 def test_the_self_check_judges_the_broadcast_sums_and_a_wrong_one_falls_back(rng, monkeypatch, runs, kernel, shape,
                                                                                 mode, dbias_arg):
     """The kernels that sum a broadcast bias's gradient are checked on their own (against the reference's pairs'
