@@ -1,34 +1,26 @@
 """Backward kernels, FlashAttention-2 style: a delta pre-pass, a dK/dV kernel over key tiles (here), a dQ kernel over
-query tiles (backward_dq.py).
-
-dQ gets its own pass instead of atomics from the dK/dV kernel: float atomics add in whatever order the blocks
-finish, so dQ would change in its last bits from run to run, and the contract's backends are deterministic. The
-price is recomputing the scores once more (about 1.4x the work of an atomic dQ).
+query tiles (backward_dq.py). dQ gets its own pass, not atomics from the dK/dV kernel: float atomics add in whatever
+order the blocks finish, and the contract's backends are deterministic (the price: the scores once more, about 1.4x
+the work of an atomic dQ).
 
 Scores are recomputed in the log2 domain as the forward computed them, bit for bit: ``s = (Q * qmult) K^T``
 (``qmult`` is ``scale * log2(e)``, or ``scale / softcap`` with softcap), summed in ``config.SCORE_PARTS`` parts,
 then ``P = exp2((s - m) - log2(l))`` with the forward's row max ``m`` and sum ``l`` where the call has them
-(``masks.row_softmax_terms``), else ``P = exp2(s - lse * log2(e))``. Masked entries,
-padded rows and rows with ``lse = +inf`` (no visible key) get ``P = 0`` and ``dS = 0`` and contribute nothing;
-rows the forward poisoned (lse NaN) get NaN wherever they see a key, and a non-finite Q, dO or K tile goes through
-a product that skips masked pairs (the non-finite rule: masks.py).
+(``masks.row_softmax_terms``), else ``P = exp2(s - lse * log2(e))``. Masked entries, padded rows and rows with
+``lse = +inf`` (no visible key) get ``P = 0`` and ``dS = 0``; rows the forward poisoned (lse NaN) get NaN wherever
+they see a key, and a non-finite Q, dO or K tile goes through a product that skips masked pairs (masks.py).
 
 Layout. All four products of a tile read 128-bit words of shared memory (LDS.128) with every tile kept row-major,
-rows padded to a multiple of 4 words (``config.padded_stride``), so Q and dO are stored once:
-
-* the score products (S = Q K^T, dP = dO V^T) sum over the head dim, and each thread reads 4 consecutive head-dim
-  columns of each of its rows of both operands per load, then does the 4 outer products;
-* the accumulator products (dV += P^T dO, dK += dS^T Q; dQ += dS K) sum over queries (keys), one outer product per
-  query (key): a thread owns its key rows and head-dim columns in runs of 4 consecutive ones, so a run of P, dS,
-  dO, Q or K is one load.
+rows padded to a multiple of 4 words (``config.padded_stride``), so Q and dO are stored once: the score products
+(S = Q K^T, dP = dO V^T) sum over the head dim, a thread reading 4 consecutive head-dim columns of each of its rows
+of both operands per load; the accumulator products (dV += P^T dO, dK += dS^T Q; dQ += dS K) sum over queries
+(keys), a thread owning its key rows and head-dim columns in runs of 4, so a run of P, dS, dO, Q or K is one load.
 
 A thread's score rows are interleaved (row ``s_tr + S_TR * i``) and its score columns in runs: the 8 threads that
 share a 128-bit access then read 8 consecutive padded rows of Q (8 different 16-byte pieces of the banks) and one
 row of K (a broadcast), and store 8 rows of P. Per query tile the dK/dV kernel passes 3 barriers: before its loads,
-after them (which also ORs the tiles' non-finite probes), and after writing P and dS.
-
-Arrays reach the kernels as (B, S, H, D) views with any strides; lse and delta are (B, Hq, Sq) float32. bfloat16
-arrays arrive as int16 bit patterns, for kernels built with ``bf16`` (see dtypes.py).
+after them (which also ORs the tiles' non-finite probes), and after writing P and dS. Arrays come as (B, S, H, D)
+views with any strides; lse and delta (B, Hq, Sq) float32; bfloat16 as int16 bits, for ``bf16`` kernels (dtypes.py).
 """
 
 from __future__ import annotations
