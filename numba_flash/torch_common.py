@@ -42,10 +42,10 @@ def no_double_backward(what: str):
     return backward
 
 
-def check_tensors(function: str, q: Any, k: Any, v: Any) -> None:
+def check_tensors(function: str, q: Any, k: Any, v: Any, names: tuple[str, str, str] = ("q", "k", "v")) -> None:
     """numpy and other arrays pass validate_forward but cannot carry gradients; the registry's op.forward takes
-    them, and the error says so."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    them, and the error says so, naming the argument (``names``: the function's for q, k, v)."""
+    for name, x in zip(names, (q, k, v)):
         if not isinstance(x, torch.Tensor):
             raise AttentionInputError(
                 f"{name}: expected a torch.Tensor ({function} is the autograd entry point; use "

@@ -125,7 +125,7 @@ def flash_attn_with_kvcache(
     Raises ``numba_flash.AttentionInputError`` before anything is written when an argument breaks the contract
     (a cache too short for the append, a block index out of range, a rotary table of the wrong shape, ...).
     """
-    check_tensors("flash_attn_with_kvcache", q, k_cache, v_cache)
+    check_tensors("flash_attn_with_kvcache", q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
     op = backend_registry.get("flash")
     if backend is None:
         backend = op.forced_backend()

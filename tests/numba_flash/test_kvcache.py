@@ -292,6 +292,10 @@ def test_flash_attn_with_kvcache_refuses_numpy():
     with pytest.raises(AttentionInputError, match="^q: expected a torch.Tensor"):
         numba_flash.flash_attn_with_kvcache(args["q"], args["k_cache"], args["v_cache"])
     t = _as_torch(args)
+    for name in ("k_cache", "v_cache"):   # named as the function names them, not as flash_attn_func's k, v
+        given = dict(t, **{name: args[name]})
+        with pytest.raises(AttentionInputError, match=f"^{name}: expected a torch.Tensor"):
+            numba_flash.flash_attn_with_kvcache(given["q"], given["k_cache"], given["v_cache"])
     with pytest.raises(AttentionInputError, match="^alibi_slopes: expected a torch array"):
         numba_flash.flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], alibi_slopes=np.ones(4))
 
