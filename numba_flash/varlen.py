@@ -93,6 +93,8 @@ def check_cu_seqlens(name: str, x: Any, total: int | None = None, total_name: st
     kind = array_kind(x)
     if kind is None:
         raise bad_arg(name, f"{what} (numpy, torch, or a device array)", f"an object of type {type(x).__name__}")
+    if kind == "torch" and x.device.type == "meta":
+        raise bad_arg(name, f"{what} with values to read", "a meta tensor (shapes only)")
     shape = tuple(int(s) for s in x.shape)
     if len(shape) != 1:
         raise bad_arg(name, what, f"shape {shape}")

@@ -179,3 +179,16 @@ def test_meta_index_arrays_and_a_backend_that_is_not_a_name_are_refused_by_name(
         _op("cpu").with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths)
     with pytest.raises(AttentionInputError, match="backend: expected a backend's name"):
         backend_registry.get("flash").with_kvcache(q, k_cache, v_cache, cache_seqlens=3, backend=3)
+
+
+def test_meta_prefix_sums_and_page_tables_are_refused_by_name(rng):
+    from numba_flash.torch_api import flash_attn_varlen_func
+
+    q, k, v = (torch.from_numpy(rng.standard_normal((7, 2, 16)).astype(np.float32)) for _ in range(3))
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    with pytest.raises(AttentionInputError, match="cu_seqlens_q: .*meta tensor"):
+        flash_attn_varlen_func(q, k, v, cu.to("meta"), cu, 4, 4)
+    pages = torch.from_numpy(rng.standard_normal((3, 4, 2, 16)).astype(np.float32))
+    table = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)
+    with pytest.raises(AttentionInputError, match="block_table: .*meta tensor"):
+        flash_attn_varlen_func(q, pages, pages, cu, cu, 4, 4, block_table=table.to("meta"))
