@@ -215,6 +215,8 @@ def _check_caches(k_cache: Any, v_cache: Any, q_info: tuple, paged: bool,
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if array_kind(x) is not None and len(x.shape) != 4:
             raise bad_arg(name, f"4 dimensions {cache_dims}", f"shape {tuple(int(s) for s in x.shape)}")
+        if array_kind(x) == "torch" and x.device.type == "meta":   # read, and written in place: memory it needs
+            raise bad_arg(name, f"a cache {cache_dims} in memory", "a meta tensor (shapes only)")
         caches[name] = check_array(name, x, "bshd")
         check_same_as_q(name, caches[name], q_info)
         if appending:  # the caller's own cache, before check_array resolves torch's lazy bits into a copy

@@ -192,3 +192,10 @@ def test_meta_prefix_sums_and_page_tables_are_refused_by_name(rng):
     table = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)
     with pytest.raises(AttentionInputError, match="block_table: .*meta tensor"):
         flash_attn_varlen_func(q, pages, pages, cu, cu, 4, 4, block_table=table.to("meta"))
+
+
+def test_meta_caches_are_refused_by_name(rng):
+    q, k_cache, v_cache = (torch.from_numpy(a).to("meta") for a in _aliased_case(rng))
+    k = torch.empty((1, 1, 1, 16), device="meta")
+    with pytest.raises(AttentionInputError, match="k_cache: .*meta tensor"):
+        _op("cpu").with_kvcache(q, k_cache, v_cache, k, k, cache_seqlens=3)
