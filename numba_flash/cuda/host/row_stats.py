@@ -37,8 +37,10 @@ def _key(lse: Any) -> tuple | None:
     if interface is not None:
         return (int(interface["data"][0]), tuple(lse.shape), tuple(lse.strides), "host")
     interface = getattr(lse, "__cuda_array_interface__", None)
-    if interface is not None:
-        return (int(interface["data"][0]), tuple(lse.shape), tuple(lse.strides or ()), "cuda")
+    if interface is not None:   # its strides, None when C-contiguous
+        strides = interface.get("strides")
+        return (int(interface["data"][0]), tuple(interface["shape"]), None if strides is None else tuple(strides),
+                "cuda")
     return None
 
 
