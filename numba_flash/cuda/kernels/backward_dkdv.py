@@ -392,13 +392,14 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                             for e in range(R):
                                 s_run[e] += s_parts[uint64(kk * P_WORDS + e) + at]
                                 dp_run[e] += dp_parts[uint64(kk * P_WORDS + e) + at]
+                        m2, l2 = row_terms[m], row_terms[BLOCK_M + m]   # once a run: the stores below may alias
                         for e in range(R):
                             z = p_s[at + uint64(e)] if DROPOUT else float32(1.0)
                             bias_value = ds_s[at + uint64(e)] if STAGED else float32(0.0)
-                            s_run[e], dp_run[e], dx = grads(s_run[e], dp_run[e], m0 + m, n0 + n + e, row_terms[m],
-                                                            row_terms[BLOCK_M + m], delta_i[u], z, bias_value, slope,
-                                                            float32(1.0), capmult, offset, seqlen_q, seqlen_k,
-                                                            window_left, window_right, b, h)
+                            s_run[e], dp_run[e], dx = grads(s_run[e], dp_run[e], m0 + m, n0 + n + e, m2, l2,
+                                                            delta_i[u], z, bias_value, slope, float32(1.0), capmult,
+                                                            offset, seqlen_q, seqlen_k, window_left, window_right,
+                                                            b, h)
                             if DBIAS_PER_KEY:
                                 key_part[u * R + e] += dx
                         for e in range(R):   # a run is one 128-bit store
@@ -406,16 +407,15 @@ def make_dkdv_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bool,
                             ds_s[at + uint64(e)] = dp_run[e]
                 else:
                     for i in range(S_TM):
+                        m2, l2 = row_terms[s_tr + S_TR * i], row_terms[BLOCK_M + s_tr + S_TR * i]   # once a row
                         for j in range(S_TN):
                             c = s_tc * S_RN + (j // S_RN) * S_GAP_N + j % S_RN
                             at = p_at0 + uint64(i * S_TR * LP + (j // S_RN) * S_GAP_N + j % S_RN)
                             z = p_s[at] if DROPOUT else float32(1.0)
                             bias_value = ds_s[at] if STAGED else float32(0.0)
-                            s[i, j], dp[i, j], dx = grads(s[i, j], dp[i, j], m0 + s_tr + S_TR * i, n0 + c,
-                                                          row_terms[s_tr + S_TR * i],
-                                                          row_terms[BLOCK_M + s_tr + S_TR * i], delta_i[i], z,
-                                                          bias_value, slope, float32(1.0), capmult, offset, seqlen_q,
-                                                          seqlen_k, window_left, window_right, b, h)
+                            s[i, j], dp[i, j], dx = grads(s[i, j], dp[i, j], m0 + s_tr + S_TR * i, n0 + c, m2, l2,
+                                                          delta_i[i], z, bias_value, slope, float32(1.0), capmult,
+                                                          offset, seqlen_q, seqlen_k, window_left, window_right, b, h)
                             if DBIAS_PER_KEY:
                                 key_part[j] += dx
                     for i in range(S_TM):   # a run of columns is one 128-bit store

@@ -234,23 +234,25 @@ def make_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right: bo
             for i in range(S_TM):
                 for j in range(S_TN):
                     s[i, j] = float32(0.0)
-            for part in range(PARTS):
-                for i in range(S_TM):
-                    for j in range(S_TN):
-                        s_part[i, j] = float32(0.0)
-                for d0 in range(part * D_PART, part * D_PART + D_PART, D_STEPS):
-                    q_d0, k_d0 = uint64(d0 * LQ) + s_row0, uint64(d0 * LK) + s_col0
-                    for dd in range(D_STEPS):
-                        for i in range(S_TM):
-                            sa_reg[i] = q_t[q_d0 + uint64(dd * LQ + (i // S_RM) * S_GAP_M + i % S_RM)]
+                    s_part[i, j] = float32(0.0)
+            for d0 in range(0, DB, D_STEPS):
+                if PARTS > 1 and d0 % D_PART == 0:   # a part begins: the last one's sums into s, this one's from 0
+                    for i in range(S_TM):
                         for j in range(S_TN):
-                            sb_reg[j] = kv[k_d0 + uint64(dd * LK + (j // S_RN) * S_GAP_N + j % S_RN)]
-                        for i in range(S_TM):
-                            for j in range(S_TN):
-                                s_part[i, j] += sa_reg[i] * sb_reg[j]
-                for i in range(S_TM):
-                    for j in range(S_TN):   # one part: the sums as they are (adding them to 0 would cost an add)
-                        s[i, j] = s_part[i, j] if PARTS == 1 else s[i, j] + s_part[i, j]
+                            s[i, j] += s_part[i, j]
+                            s_part[i, j] = float32(0.0)
+                q_d0, k_d0 = uint64(d0 * LQ) + s_row0, uint64(d0 * LK) + s_col0
+                for dd in range(D_STEPS):
+                    for i in range(S_TM):
+                        sa_reg[i] = q_t[q_d0 + uint64(dd * LQ + (i // S_RM) * S_GAP_M + i % S_RM)]
+                    for j in range(S_TN):
+                        sb_reg[j] = kv[k_d0 + uint64(dd * LK + (j // S_RN) * S_GAP_N + j % S_RN)]
+                    for i in range(S_TM):
+                        for j in range(S_TN):
+                            s_part[i, j] += sa_reg[i] * sb_reg[j]
+            for i in range(S_TM):
+                for j in range(S_TN):   # one part: the sums as they are (adding them to 0 would cost an add)
+                    s[i, j] = s_part[i, j] if PARTS == 1 else s[i, j] + s_part[i, j]
             # Masked scores become -inf; a visible one that is not finite becomes NaN and poisons its row (the raw
             # score decides: tanh would turn an inf into a finite cap).
             for i in range(S_TM):

@@ -38,7 +38,7 @@ def _signature():
     from numba import types
 
     x, rows, i64 = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C"), types.int64
-    return (x, x, rows, i64, i64, i64, i64)
+    return (x, x, rows) + (i64,) * 6   # sizes, rows, and the parts delta is summed in (and their width)
 
 
 def _fresh_kernel():

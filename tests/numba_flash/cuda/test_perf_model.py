@@ -224,16 +224,21 @@ def test_model_of_the_backward_kernels(model_cache_dir, monkeypatch):
     d, warp_words = 64, 32 * 4            # words one warp moves with one 128-bit instruction
     for cc in ("8.0", "9.0"):
         r = records[("backward_dkdv", cc)]
-        # Per query tile: the Q and dO tiles (block_m x D each), then P and dS (block_m x block_n each).
-        assert r.per_iteration["sts"] == (2 * dkdv.block_m * d + 2 * dkdv.block_m * dkdv.block_n) / warp_words
-        assert r.per_iteration["sts"] == r.per_iteration["sts.128"]
+        # Per query tile: the Q and dO tiles (block_m x D each), then P and dS (block_m x block_n each); and each
+        # row's max and log2 sum, one 32-bit store each from the block's first block_m threads.
+        row_terms = 2 * -(-dkdv.block_m // 32)
+        assert r.per_iteration["sts.128"] == (2 * dkdv.block_m * d + 2 * dkdv.block_m * dkdv.block_n) / warp_words
+        assert r.per_iteration["sts"] == r.per_iteration["sts.128"] + row_terms
         # Loads: S and dP read, per 4 head-dim columns, one word-run of each of a thread's score rows and columns;
         # dV and dK read, per query, the thread's key runs of P (dS) and its head-dim runs of dO (Q).
         (s_tr, s_tc), (g_tr, g_tc) = dkdv.score_grid, dkdv.kv_grid
         s_rows, s_cols = dkdv.block_m // s_tr, dkdv.block_n // s_tc
         g_keys, g_cols = dkdv.block_n // g_tr, d // g_tc
         per_thread = 2 * (s_rows + s_cols) * d // 4 + 2 * dkdv.block_m * (g_keys + g_cols) // 4
-        assert r.per_iteration["lds.128"] == r.per_iteration["lds"] == per_thread * dkdv.threads / 32
+        assert r.per_iteration["lds.128"] == per_thread * dkdv.threads / 32
+        # and its score rows' max and log2 sum, once a row, not once a score (32-bit loads)
+        assert 0 < r.per_iteration["lds.32"] <= 2 * s_rows * dkdv.threads / 32
+        assert r.per_iteration["lds"] == r.per_iteration["lds.128"] + r.per_iteration["lds.32"]
         # The four products' multiply-adds, plus one for each loaded Q and dO element (the non-finite probe) and a
         # few in the score epilogue.
         assert 1.0 <= r.ffma_per_useful <= 1.03, r
