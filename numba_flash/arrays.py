@@ -29,6 +29,11 @@ def is_torch_tensor(x: Any) -> bool:
     return tensor is not None and isinstance(x, tensor)
 
 
+def is_meta_tensor(x: Any) -> bool:
+    """Whether ``x`` is a torch tensor on the meta device: shapes and dtypes, no values to read or memory to write."""
+    return is_torch_tensor(x) and x.device.type == "meta"
+
+
 def torch_result_type(x: Any) -> type:
     """The tensor type a torch operation on ``x`` returns: ``type(x)`` for a subclass that keeps torch's
     ``__torch_function__`` (its results stay that subclass), plain ``torch.Tensor`` for one that disables it

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from .append_target import check_append_target, shares_elements
-from .arrays import array_kind, device_of, dtype_name, to_numpy
+from .arrays import array_kind, device_of, dtype_name, is_meta_tensor, to_numpy
 from .errors import bad_arg
 from .semantics import clamp_window_bound, compute_dtype_name, default_scale, effective_softcap, effective_window
 from .validation import MAX_HEAD_DIM, AttentionCall, check_alibi, check_array, check_options, check_same_as_q
@@ -164,7 +164,7 @@ def host_ints(name: str, x: Any, shape: tuple[int, ...], what: str) -> np.ndarra
     if kind is None:
         raise bad_arg(name, f"an int32 array {what} (numpy, torch or a device array)", f"an object of type "
                       f"{type(x).__name__}")
-    if kind == "torch" and x.device.type == "meta":
+    if is_meta_tensor(x):
         raise bad_arg(name, f"an int32 array {what} with values to read", "a meta tensor (shapes only)")
     got = tuple(int(s) for s in x.shape)
     if got != shape:
@@ -215,7 +215,7 @@ def _check_caches(k_cache: Any, v_cache: Any, q_info: tuple, paged: bool,
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if array_kind(x) is not None and len(x.shape) != 4:
             raise bad_arg(name, f"4 dimensions {cache_dims}", f"shape {tuple(int(s) for s in x.shape)}")
-        if array_kind(x) == "torch" and x.device.type == "meta":   # read, and written in place: memory it needs
+        if is_meta_tensor(x):   # read, and written in place: memory it needs
             raise bad_arg(name, f"a cache {cache_dims} in memory", "a meta tensor (shapes only)")
         caches[name] = check_array(name, x, "bshd")
         check_same_as_q(name, caches[name], q_info)

@@ -28,7 +28,7 @@ from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
-from .arrays import array_kind, dtype_name, to_numpy
+from .arrays import array_kind, dtype_name, is_meta_tensor, to_numpy
 from .errors import bad_arg
 
 CU_SEQLENS_DTYPES = ("int32", "int64")
@@ -93,7 +93,7 @@ def check_cu_seqlens(name: str, x: Any, total: int | None = None, total_name: st
     kind = array_kind(x)
     if kind is None:
         raise bad_arg(name, f"{what} (numpy, torch, or a device array)", f"an object of type {type(x).__name__}")
-    if kind == "torch" and x.device.type == "meta":
+    if is_meta_tensor(x):
         raise bad_arg(name, f"{what} with values to read", "a meta tensor (shapes only)")
     shape = tuple(int(s) for s in x.shape)
     if len(shape) != 1:

@@ -112,6 +112,7 @@ def flash_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: An
     parts = dq_cfg.score_split   # delta summed as dP is (the dK/dV kernel's default tiles split alike)
     launch.launch_delta(dout, out, delta, bf16=bf16, stream=stream, parts=parts,
                         width=dq_cfg.head_dim_bucket // parts)
+
     def stats_of(name: str) -> Any:   # the SIMT kernels read the row statistics, the tensor-core ones do not
         return row_stats if "row_stats" in kernel_spec(name).tail else None
 
