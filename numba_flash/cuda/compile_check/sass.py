@@ -176,11 +176,14 @@ def nvdisasm_path() -> str:
     return found
 
 
-def link(ptx: str, cc: tuple[int, int], lineinfo: bool = False) -> tuple[bytes, str]:
-    """Assemble ``ptx`` for ``cc`` with nvJitLink: (cubin, verbose log with registers, spills and shared memory)."""
+def link(ptx: str, cc: tuple, lineinfo: bool = False) -> tuple[bytes, str]:
+    """Assemble ``ptx`` for ``cc`` with nvJitLink: (cubin, verbose log with registers, spills and shared memory).
+    ``cc`` is (major, minor) or (major, minor, suffix): (9, 0, "a") is sm_90a, whose wgmma and setmaxnreg plain
+    sm_90 lacks (numba-cuda compiles for it on a 9.0 device)."""
     from cuda.bindings import nvjitlink
 
-    options = [f"-arch=sm_{cc[0]}{cc[1]}", "-verbose"] + (["-lineinfo"] if lineinfo else [])
+    arch = "".join(str(part) for part in cc)
+    options = [f"-arch=sm_{arch}", "-verbose"] + (["-lineinfo"] if lineinfo else [])
     handle = nvjitlink.create(len(options), options)
     try:
         data = ptx.encode()
@@ -190,7 +193,7 @@ def link(ptx: str, cc: tuple[int, int], lineinfo: bool = False) -> tuple[bytes, 
         except Exception as exc:
             err = bytearray(nvjitlink.get_error_log_size(handle))
             nvjitlink.get_error_log(handle, err)
-            raise RuntimeError(f"nvJitLink failed for sm_{cc[0]}{cc[1]}: {err.decode(errors='replace')}") from exc
+            raise RuntimeError(f"nvJitLink failed for sm_{arch}: {err.decode(errors='replace')}") from exc
         log = bytearray(nvjitlink.get_info_log_size(handle))
         nvjitlink.get_info_log(handle, log)
         cubin = bytearray(nvjitlink.get_linked_cubin_size(handle))

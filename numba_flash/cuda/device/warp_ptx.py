@@ -26,16 +26,16 @@ def _cast_all(context, builder, values, from_types, to_type):
     return [context.cast(builder, v, t, to_type) for v, t in zip(values, from_types)]
 
 
-def _element_pointer(context, builder, array_type, array, indices):
+def element_pointer(context, builder, array_type, array, indices):
     """Generic pointer to ``array[indices]`` (any layout and strides; no wraparound: indices are non-negative)."""
     ary = context.make_array(array_type)(context, builder, value=array)
     return cgutils.get_item_pointer(context, builder, array_type, ary, indices, wraparound=False)
 
 
-def _shared_address(context, builder, array_type, array, index, index_type):
+def shared_address(context, builder, array_type, array, index, index_type):
     """32-bit shared-window address of element ``index`` of a 1-D shared array."""
     idx = context.cast(builder, index, index_type, types.intp)
-    ptr = _element_pointer(context, builder, array_type, array, [idx])
+    ptr = element_pointer(context, builder, array_type, array, [idx])
     shared_ptr = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, _SHARED))
     return builder.ptrtoint(shared_ptr, _I32)
 
@@ -119,7 +119,7 @@ def _make_ldmatrix(count, trans):
         sig = types.UniTuple(types.uint32, count)(smem, index)
 
         def codegen(context, builder, sig, args):
-            addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            addr = shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
             fnty = ir.FunctionType(ir.LiteralStructType([_I32] * count), [_I32])
             return _asm_tuple(context, builder, sig, fnty, text, constraints, [addr], reads_memory=True)
 
@@ -151,10 +151,10 @@ def cp_async_16(typingctx, dst, dst_index, src, src_index, src_bytes):
 
     def codegen(context, builder, sig, args):
         dst_ty, dst_index_ty, src_ty, src_index_ty, nbytes_ty = sig.args
-        addr = _shared_address(context, builder, dst_ty, args[0], args[1], dst_index_ty)
+        addr = shared_address(context, builder, dst_ty, args[0], args[1], dst_index_ty)
         raw = cgutils.unpack_tuple(builder, args[3], count=len(src_index_ty))
         indices = [context.cast(builder, i, t, types.intp) for i, t in zip(raw, src_index_ty)]
-        ptr = _element_pointer(context, builder, src_ty, args[2], indices)
+        ptr = element_pointer(context, builder, src_ty, args[2], indices)
         gaddr = builder.ptrtoint(ptr, ir.IntType(64))
         nbytes = context.cast(builder, args[4], nbytes_ty, types.uint32)
         fnty = ir.FunctionType(ir.VoidType(), [_I32, ir.IntType(64), _I32])
@@ -174,7 +174,7 @@ def lds_v4(typingctx, smem, index):
     sig = types.UniTuple(types.uint32, 4)(smem, index)
 
     def codegen(context, builder, sig, args):
-        addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        addr = shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
         fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
         asm = ir.InlineAsm(fnty, "ld.shared.v4.b32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
                            side_effect=True)
@@ -192,7 +192,7 @@ def lds_u32(typingctx, smem, index):
     sig = types.uint32(smem, index)
 
     def codegen(context, builder, sig, args):
-        addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        addr = shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
         asm = ir.InlineAsm(ir.FunctionType(_I32, [_I32]), "ld.shared.b32 $0, [$1];", "=r,r,~{memory}",
                            side_effect=True)
         return builder.call(asm, [addr])
@@ -210,7 +210,7 @@ def sts_u32(typingctx, smem, index, word):
     sig = types.void(smem, index, word)
 
     def codegen(context, builder, sig, args):
-        addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        addr = shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
         value = context.cast(builder, args[2], sig.args[2], types.uint32)
         asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, _I32]), "st.shared.b32 [$0], $1;",
                            "r,r,~{memory}", side_effect=True)
@@ -260,7 +260,7 @@ def cp_async_16_at(typingctx, dst, dst_index, src, byte_offset, src_bytes):
 
     def codegen(context, builder, sig, args):
         dst_ty, dst_index_ty, src_ty, offset_ty, nbytes_ty = sig.args
-        addr = _shared_address(context, builder, dst_ty, args[0], args[1], dst_index_ty)
+        addr = shared_address(context, builder, dst_ty, args[0], args[1], dst_index_ty)
         ary = context.make_array(src_ty)(context, builder, value=args[2])
         base = builder.ptrtoint(ary.data, ir.IntType(64))
         gaddr = builder.add(base, context.cast(builder, args[3], offset_ty, types.int64))

@@ -74,7 +74,7 @@ def _flat(table: Any, shape: tuple[int, int], regs: int, halves: int = 1) -> np.
     return out
 
 
-_A_AT = _flat(_a_position, (16, 16), 4, 2)
+A_AT = _flat(_a_position, (16, 16), 4, 2)
 _B_AT = _flat(_b_position, (16, 8), 2, 2)
 _C_AT = _flat(_c_position, (16, 8), 4)
 _A_TF32_AT = _flat(_a_tf32_position, (16, 8), 4)
@@ -82,22 +82,25 @@ _B_TF32_AT = _flat(_b_tf32_position, (8, 8), 2)
 # The C elements each lane owns, (lane, register) -> (row, col).
 _C_OWNED = {divmod(int(_C_AT[r, c]), 4): (r, c) for r in range(16) for c in range(8)}
 
-# ---- one exchange per warp of a simulated block ----
+# ---- one exchange per warp (or warpgroup) of a simulated block ----
 
 
-class _Warp:
-    """The lanes of one warp of one block: two exchange slots and a barrier of these lanes only."""
+class LaneGroup:
+    """The lanes of one warp (or warpgroup) of one block: two exchange slots and a barrier of these lanes only.
+    ``state`` holds what a group-wide primitive keeps between calls (hopper_sim's wgmma reads in flight)."""
 
     def __init__(self, lanes: int):
         self.lanes = lanes
         self.cond = threading.Condition()
         self.arrived = 0
         self.generation = 0
-        self.slots: list[list[Any]] = [[None] * 32, [None] * 32]
-        self.calls = [0] * 32
+        self.slots: list[list[Any]] = [[None] * lanes, [None] * lanes]
+        self.calls = [0] * lanes
+        self.state: dict[Any, Any] = {}
 
-    def exchange(self, lane: int, value: Any) -> list[Any]:
-        """Post ``value`` for ``lane``, wait for the warp, and return every lane's posted value."""
+    def exchange(self, lane: int, value: Any, on_complete: Any = None) -> list[Any]:
+        """Post ``value`` for ``lane``, wait for the group, and return every lane's posted value. The last lane to
+        arrive calls ``on_complete(slot)`` before it releases the others (group-wide bookkeeping, done once)."""
         slot = self.slots[self.calls[lane] & 1]
         self.calls[lane] += 1
         slot[lane] = value
@@ -105,6 +108,8 @@ class _Warp:
             generation = self.generation
             self.arrived += 1
             if self.arrived == self.lanes:
+                if on_complete is not None:
+                    on_complete(slot)
                 self.arrived = 0
                 self.generation += 1
                 self.cond.notify_all()
@@ -132,22 +137,23 @@ def _aborted() -> bool:
     return bool(getattr(th, "abort", False)) or (block is not None and getattr(block, "error", None) is not None)
 
 
-def _lane_and_warp() -> tuple[int, _Warp]:
-    """This thread's lane and its warp's exchange (made on first use, per launch and block)."""
+def lane_and_group(size: int = 32) -> tuple[int, LaneGroup]:
+    """This thread's lane in its group of ``size`` consecutive threads (32: its warp; 128: its warpgroup) and the
+    group's exchange (made on first use, per launch, block and group size)."""
     from numba.cuda.simulator.kernel import _get_kernel_context
 
     ctx = _get_kernel_context()
     tid, dim = ctx.threadIdx, ctx.blockDim
     linear = tid.x + dim.x * (tid.y + dim.y * tid.z)
     nthreads = dim.x * dim.y * dim.z
-    w = linear // 32
-    key = (tuple(ctx.blockIdx), w)
+    w = linear // size
+    key = (tuple(ctx.blockIdx), size, w)
     with _warps_lock:
         per_launch = _warps.setdefault(ctx, {})
-        warp = per_launch.get(key)
-        if warp is None:
-            warp = per_launch[key] = _Warp(min(32, nthreads - 32 * w))
-    return linear % 32, warp
+        group = per_launch.get(key)
+        if group is None:
+            group = per_launch[key] = LaneGroup(min(size, nthreads - size * w))
+    return linear % size, group
 
 
 # ---- bit conversions ----
@@ -165,7 +171,7 @@ def _bf16_bits(x: Any) -> int:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
 
 
-def _halves(regs: list[Any], kind: str) -> np.ndarray:
+def register_halves(regs: list[Any], kind: str) -> np.ndarray:
     """float64 values of the 16-bit halves of 32-bit registers (low half first), for 'f16' or 'bf16'."""
     words = np.asarray(regs, np.uint32).ravel()
     halves = np.stack([words & 0xFFFF, words >> 16], axis=-1).astype(np.uint16).ravel()
@@ -177,7 +183,7 @@ def _halves(regs: list[Any], kind: str) -> np.ndarray:
 # ---- the primitives ----
 
 def _mma(kind: str, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-    lane, warp = _lane_and_warp()
+    lane, warp = lane_and_group()
     posted = warp.exchange(lane, (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3))
     regs = [p[:6] for p in posted[:warp.lanes]]
     if kind == "tf32":
@@ -185,8 +191,8 @@ def _mma(kind: str, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         a = words[:, :4].view(np.float32).astype(np.float64).ravel()[_A_TF32_AT]
         b = words[:, 4:].view(np.float32).astype(np.float64).ravel()[_B_TF32_AT]
     else:
-        a = _halves([r[:4] for r in regs], kind)[_A_AT]
-        b = _halves([r[4:] for r in regs], kind)[_B_AT]
+        a = register_halves([r[:4] for r in regs], kind)[A_AT]
+        b = register_halves([r[4:] for r in regs], kind)[_B_AT]
     out = []
     for reg, c in enumerate((c0, c1, c2, c3)):
         row, col = _C_OWNED[(lane, reg)]
@@ -217,7 +223,7 @@ def _check_row_address(name: str, smem: Any, index: Any) -> None:
 
 
 def _ldmatrix(name: str, count: int, trans: bool, smem: Any, index: Any) -> tuple:
-    lane, warp = _lane_and_warp()
+    lane, warp = lane_and_group()
     _check_row_address(name, smem, index)
     rows = warp.exchange(lane, int(index))
     g, t = lane // 4, lane % 4
@@ -278,7 +284,7 @@ def sts_u32(smem, index, word):
 
 def _probe(kind: str, acc: Any, word: Any) -> np.uint32:
     """acc + word * 0 on each 16-bit half, in ``kind``'s arithmetic: a half turns NaN for an inf or NaN in word."""
-    a, w = _halves([acc], kind), _halves([word], kind)
+    a, w = register_halves([acc], kind), register_halves([word], kind)
     with np.errstate(invalid="ignore"):   # inf * 0 is the NaN the probe is for
         out = a + w * 0.0
     if kind == "f16":
@@ -336,7 +342,7 @@ def _host_array(src: Any) -> np.ndarray:
     return getattr(item, "_ary", item)
 
 
-class _OffsetSource:
+class OffsetSource:
     """A chunk at a byte offset of a device array, read like ``src[index]`` by ``_copy``: bounds-checked against the
     array's own elements (an offset between two strided rows, or past the end, raises)."""
 
@@ -364,7 +370,7 @@ def cp_async_16_at(dst, dst_index, src, byte_offset, src_bytes):
     nbytes = int(src_bytes)
     if not 0 <= nbytes <= 16 or nbytes % 2:
         raise RuntimeError(f"cp_async_16_at: src_bytes must be an even count from 0 to 16, got {nbytes}")
-    _copies.open.append((dst, int(dst_index), _OffsetSource(src, int(byte_offset)), (0,), nbytes))
+    _copies.open.append((dst, int(dst_index), OffsetSource(src, int(byte_offset)), (0,), nbytes))
 
 
 @cuda.jit(device=True)
@@ -412,7 +418,7 @@ def cp_async_wait_one():
 
 @cuda.jit(device=True)
 def shfl_xor(x, lane_mask):
-    lane, warp = _lane_and_warp()
+    lane, warp = lane_and_group()
     posted = warp.exchange(lane, x)
     return posted[lane ^ int(lane_mask)]
 

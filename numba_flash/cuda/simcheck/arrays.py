@@ -14,10 +14,14 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
-from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray, FakeWithinKernelCUDAArray
+from numba.cuda.simulator.cudadrv.devicearray import (
+    FakeCUDAArray,
+    FakeWithinKernelCUDAArray,
+)
 
 from numba_flash.cuda.simcheck import SimulatorCheckError
 
@@ -175,6 +179,11 @@ class LocalArray:
             raise_out_of_bounds(self.kind, self.name, idx, self._shape)
         return self._a
 
+    def raw(self) -> np.ndarray:
+        """The numpy array behind the proxy, for the simulator's emulation of asynchronous units (wgmma, bulk
+        copies), which read and write it as hardware does, outside any thread's records."""
+        return self._a
+
     def __len__(self) -> int:
         return len(self._a)
 
@@ -200,7 +209,7 @@ class SharedArray(LocalArray):
     itself before it looks at the other kind of record: whichever of a racing read and write comes second sees
     the first."""
 
-    __slots__ = ("_w", "_r", "_r2", "_flat", "_base_shape")
+    __slots__ = ("_async_r", "_async_w", "_base_shape", "_flat", "_r", "_r2", "_w")
     kind = "shared"
 
     def __init__(self, data: np.ndarray, name: str, base: SharedArray | None = None,
@@ -208,9 +217,11 @@ class SharedArray(LocalArray):
         super().__init__(data, name)
         if base is None:
             self._w, self._r, self._r2, self._flat, self._base_shape = {}, {}, {}, None, data.shape
+            self._async_r, self._async_w = {}, {}
         else:
             self._w, self._r, self._r2 = base._w, base._r, base._r2
             self._flat, self._base_shape = flat, base._base_shape
+            self._async_r, self._async_w = base._async_r, base._async_w
 
     def reset(self) -> None:
         """Forget every access: a barrier, or a new block (the simulator reuses one allocation for all blocks)."""
@@ -230,6 +241,8 @@ class SharedArray(LocalArray):
         return self._a[idx]
 
     def _record_read(self, key: int, th: Any) -> None:
+        if self._async_w and key in self._async_w:
+            self._async_race(key, self._async_w[key], "reads")
         tid = th.tid
         if self._r.setdefault(key, tid) != tid:   # a second reader; more add nothing a write could not see
             self._r2.setdefault(key, tid)
@@ -253,6 +266,8 @@ class SharedArray(LocalArray):
         self._a[idx] = value
 
     def _record_write(self, key: int, th: Any) -> None:
+        if (self._async_w and key in self._async_w) or (self._async_r and key in self._async_r):
+            self._async_race(key, self._async_w.get(key) or self._async_r[key][1], "writes")
         tid = th.tid
         w = self._w.setdefault(key, tid)
         if w != tid:
@@ -263,6 +278,49 @@ class SharedArray(LocalArray):
         r = self._r2.get(key)   # differs from _r's thread: set only by a reader that was not the first
         if r is not None and r != tid:
             self._race(key, r, "read", tid, "writes")
+
+    def begin_async(self, indices: np.ndarray, writes: bool, what: str) -> None:
+        """Elements ``indices`` of this 1-D view are in use by an asynchronous unit until ``end_async``: written by
+        a bulk copy (``writes``) or read by a wgmma. A thread's access that conflicts with them, a copy onto
+        elements still read or written, or a wgmma reading elements a copy has not finished, raises."""
+        for key in self._keys(indices):
+            if key in self._async_w:
+                self._async_race(key, self._async_w[key], what)
+            if writes:
+                if key in self._async_r:
+                    self._async_race(key, self._async_r[key][1], what)
+                self._async_w[key] = what
+            else:
+                count, first = self._async_r.get(key, (0, what))
+                self._async_r[key] = (count + 1, first)
+
+    def end_async(self, indices: np.ndarray, writes: bool) -> None:
+        """The asynchronous use ``begin_async`` recorded is over (the copy landed, the wgmma was waited for)."""
+        for key in self._keys(indices):
+            if writes:
+                self._async_w.pop(key, None)
+            else:
+                count, first = self._async_r.get(key, (1, ""))
+                if count <= 1:
+                    self._async_r.pop(key, None)
+                else:
+                    self._async_r[key] = (count - 1, first)
+
+    def _keys(self, indices: np.ndarray) -> list[int]:
+        flat = np.asarray(indices, np.int64).ravel()
+        if flat.size and (flat.min() < 0 or flat.max() >= self._a.size):
+            raise_out_of_bounds(self.kind, self.name, int(flat.max() if flat.max() >= self._a.size
+                                                          else flat.min()), self._shape)
+        return (flat if self._flat is None else self._flat[flat]).tolist()
+
+    def _async_race(self, key: int, what: str, does: str) -> None:
+        block = _current_thread().block
+        where = np.unravel_index(key, self._base_shape)
+        raise SimulatorCheckError(
+            f"asynchronous-unit race on {self.name!r}[{', '.join(str(int(i)) for i in where)}] in kernel "
+            f"{block.kernel!r}, block {block.block_idx}: {what} has not completed when this {does} it (at "
+            f"{format_site(caller_site())}); wait on its mbarrier phase (a bulk copy) or its wgmma_wait (a wgmma) "
+            "first")
 
     def _positions(self) -> np.ndarray:
         """Each element's position in the allocation, shaped like this view."""

@@ -1,0 +1,122 @@
+"""Hopper (sm_90a) primitives for FlashAttention-3's structure: ``wgmma.mma_async``, shared-memory matrix
+descriptors, mbarriers, bulk asynchronous copies and ``setmaxnreg``, as Numba intrinsics emitting inline PTX
+(``hopper_ptx.py``), or under the simulator (``NUMBA_ENABLE_CUDASIM=1``) as emulations written from the PTX ISA
+(``hopper_sim.py``), so kernels and tests run there unchanged.
+
+These need compute capability 9.0 compiled for ``sm_90a`` (numba-cuda does so on a 9.0 device; without one,
+``cuda.compile_ptx(..., cc=(9, 0, "a"))``). Plain ``sm_90`` rejects wgmma and setmaxnreg.
+
+**wgmma** (``make_wgmma(n, kind, a_in_registers, trans_b)``): a warpgroup (128 consecutive threads, the first a
+multiple of 128) computes ``D (64 x n) = A (64 x 16) B (16 x n) + D`` in float32, ``kind`` "f16" or "bf16",
+``n`` a multiple of 8 up to 256. Every thread of the warpgroup calls it together.
+
+* Accumulators: thread ``l`` of the warpgroup (warp ``w = l // 32``, ``g = (l % 32) // 4``, ``t = l % 4``)
+  holds ``n / 2`` floats, the first ``n / 2`` elements of a C-contiguous float32 local array, best shaped
+  ``(n / 8, 4)``: ``acc[j, 0], acc[j, 1] = D[16w + g, 8j + 2t], D[16w + g, 8j + 2t + 1]`` and ``acc[j, 2],
+  acc[j, 3]`` the same columns of row ``16w + g + 8``. This is ``mma.m16n8k16``'s C layout (warp.py) for the
+  warp's 16 rows, tile after tile, so the tensor-core kernels' softmax helpers apply unchanged.
+* A from shared memory (``wgmma(acc, desc_a, desc_b, scale_d)``, K-major), or from registers
+  (``wgmma(acc, a0, a1, a2, a3, desc_b, scale_d)``): each warp's 16 rows in ``mma.m16n8k16``'s A layout, which
+  two neighbouring accumulator tiles packed to 16 bits give (the probabilities of ``P V`` stay in registers).
+* B from shared memory: K-major (element ``B[k, j]`` at row ``j``, column ``k`` of the operand: ``K`` stored (keys,
+  d) for ``Q K^T``), or N-major with ``trans_b`` (``V`` stored (keys, d) for ``P V``).
+* ``scale_d``: 0 computes ``D = A B`` (the accumulators' old values are not read), anything else adds.
+* Descriptors (``smem_desc(smem, index, lbo_bytes, sbo_bytes, swizzle)``, the operand starting at element
+  ``index`` of a 1-D 16-bit shared array): the ISA's canonical layouts. With the 128-byte swizzle (code 1), a
+  K-major operand is 8-row atoms of 128-byte rows (64 elements of K), rows 8 apart ``sbo_bytes`` apart (1024 when
+  dense), the 16-byte chunk ``c`` of row ``r`` stored at chunk ``c ^ (r % 8)``; the next 16 elements of K start 32
+  bytes further (a new descriptor). An N-major operand is 8-row atoms along K of 128-byte rows along N, 64 columns
+  of N ``lbo_bytes`` apart, 8 rows of K ``sbo_bytes`` apart. The swizzle XORs address bits, so a swizzled tile
+  must start 1024-byte aligned. Under the simulator a descriptor must come from ``smem_desc`` unchanged.
+* Ordering: ``wgmma_fence()`` before the first wgmma that reads registers or accumulators written since the last
+  one; ``wgmma_commit()`` closes a group of issued wgmmas; ``make_wgmma_wait(k)()`` waits until at most ``k``
+  committed groups are in flight. Accumulators are undefined until the group that writes them is waited for: call
+  ``make_accumulator_fence(n // 2)(acc)`` after the wait and before reading them, so the compiler cannot move the
+  reads above it. Shared memory a wgmma reads must not be written until its wait, and generic-proxy stores must be
+  followed by ``fence_proxy_async()`` before a wgmma or bulk copy reads the same memory.
+
+**mbarriers** (1-D shared array of uint64, one barrier per element): ``mbarrier_init(bars, i, count)`` (one
+thread, then ``fence_mbarrier_init()`` and a ``syncthreads()``), ``mbarrier_arrive(bars, i)``,
+``mbarrier_arrive_expect_tx(bars, i, nbytes)`` (an arrival that also expects ``nbytes`` of bulk copies),
+``mbarrier_try_wait_parity(bars, i, parity)`` (1 once the phase of that parity has completed) and
+``mbarrier_wait(bars, i, parity)`` (spins on it). A phase completes when all ``count`` arrivals are in and the
+expected bytes have landed; waiting on parity ``p`` when the barrier has moved two phases past blocks forever.
+
+**Bulk copies**: ``bulk_copy_g2s(dst, dst_index, src, byte_offset, nbytes, bars, i)`` copies ``nbytes`` (a
+multiple of 16) from ``byte_offset`` bytes past the data pointer of the global array ``src`` into a 1-D 16-bit
+shared array, 16-byte aligned at both ends, completing its bytes on ``bars[i]``; read ``dst`` only after waiting on
+that barrier's phase.
+
+**setmaxnreg**: ``make_setmaxnreg(count, increase)()`` moves the calling warpgroup's register budget up (``inc``)
+or down (``dec``) to ``count`` (24 to 256, a multiple of 8): producer warpgroups give registers to the consumers.
+"""
+
+from __future__ import annotations
+
+from numba import config, cuda
+
+__all__ = [
+    "ARCH",
+    "MIN_COMPUTE_CAPABILITY",
+    "bulk_copy_g2s",
+    "fence_mbarrier_init",
+    "fence_proxy_async",
+    "make_accumulator_fence",
+    "make_setmaxnreg",
+    "make_wgmma",
+    "make_wgmma_wait",
+    "mbarrier_arrive",
+    "mbarrier_arrive_expect_tx",
+    "mbarrier_init",
+    "mbarrier_try_wait_parity",
+    "mbarrier_wait",
+    "smem_desc",
+    "wgmma_commit",
+    "wgmma_fence",
+]
+
+#: wgmma, setmaxnreg, mbarrier transaction counts and bulk copies: Hopper, compiled for the "a" target.
+MIN_COMPUTE_CAPABILITY = (9, 0)
+ARCH = (9, 0, "a")
+
+if config.ENABLE_CUDASIM:
+    from numba_flash.cuda.device.hopper_sim import (
+        bulk_copy_g2s,
+        fence_mbarrier_init,
+        fence_proxy_async,
+        make_accumulator_fence,
+        make_setmaxnreg,
+        make_wgmma,
+        make_wgmma_wait,
+        mbarrier_arrive,
+        mbarrier_arrive_expect_tx,
+        mbarrier_init,
+        mbarrier_try_wait_parity,
+        smem_desc,
+        wgmma_commit,
+        wgmma_fence,
+    )
+else:
+    from numba_flash.cuda.device.hopper_ptx import (
+        bulk_copy_g2s,
+        fence_mbarrier_init,
+        fence_proxy_async,
+        make_accumulator_fence,
+        make_setmaxnreg,
+        make_wgmma,
+        make_wgmma_wait,
+        mbarrier_arrive,
+        mbarrier_arrive_expect_tx,
+        mbarrier_init,
+        mbarrier_try_wait_parity,
+        smem_desc,
+        wgmma_commit,
+        wgmma_fence,
+    )
+
+
+@cuda.jit(device=True, inline="always")
+def mbarrier_wait(bars, index, parity):
+    """Spin until the phase of ``parity`` of ``bars[index]`` has completed."""
+    while mbarrier_try_wait_parity(bars, index, parity) == 0:
+        pass
