@@ -220,7 +220,7 @@ class CudaBackend(Backend):
         calls, which a training step's backward follows); for float32 that allows TF32, whether the forward runs
         on it. Other float32 calls always run on the SIMT kernels."""
         from numba_flash.cuda.host.config import TC_DTYPES
-        from numba_flash.cuda.host.plan import tensor_core_reason, tf32_reason
+        from numba_flash.cuda.host.plan import tensor_core_reason, tf32_reason, wgmma_reason
 
         if call.kvcache is not None:
             return []
@@ -248,9 +248,16 @@ class CudaBackend(Backend):
             return [str(exc)]
         if why is not None:
             return [f"SIMT kernels: {why}"]
+        try:   # the call raises where wgmma=True asks for what it cannot have: say so here too
+            wgmma_why = call.is_backward or wgmma_reason(call.dtype, call.head_dim, self.config, cc, call.head_dim_v)
+        except AttentionInputError as exc:
+            return [str(exc)]
+        wgmma = [] if wgmma_why else [
+            f"the forward on Hopper's wgmma kernel ({call.dtype}; asked for by tile_config_override(wgmma=True))"]
         if why_backward is not None:
-            return [f"tensor-core kernels (mma.sync, {call.dtype}); the backward on the SIMT kernels: {why_backward}"]
-        return [f"tensor-core kernels (mma.sync, {call.dtype}), forward and backward"]
+            return wgmma + [f"tensor-core kernels (mma.sync, {call.dtype}); the backward on the SIMT kernels: "
+                            f"{why_backward}"]
+        return wgmma + [f"tensor-core kernels (mma.sync, {call.dtype}), forward and backward"]
 
     def forward(self, call: AttentionCall) -> tuple[Any, Any]:
         """out like q (same kind, dtype, layout); lse (B, Hq, Sq) float32."""

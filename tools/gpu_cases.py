@@ -378,6 +378,19 @@ def tf32(ctx: Ctx, d: int = 64, causal: bool = True) -> dict[str, Any]:
     return _judge(measured, bounds)
 
 
+def wgmma(ctx: Ctx, dtype: str, d: int, causal: bool = True) -> dict[str, Any]:
+    """The Hopper wgmma forward (``tile_config_override(wgmma=True)``, compute capability 9.0 only) against the
+    float64 reference as ``dense`` judges it, and whether explain() names it (it ran, not mma.sync)."""
+    from numba_flash.cuda import tile_config_override
+
+    with tile_config_override(wgmma=True):
+        res = dense(ctx, dtype, d, sq=333, sk=301, causal=causal, backward=False)
+        q = ctx.tensor((1, 8, 2, d), dtype)
+        res["ran_wgmma"] = ctx.device == "cpu" or "wgmma kernel" in str(ctx.op.explain(q, q[:, :, :1], q[:, :, :1]))
+    res["ok"] = res["ok"] and res["ran_wgmma"]
+    return res
+
+
 def dense_cases(dtype: str, d: int) -> list[tuple[str, Callable[[Ctx], dict]]]:
     """The dense cases of one (dtype, head dim): the same specialisations the timings at that head dim use
     (plain and causal), then a window with softcap, and Sq = 1."""

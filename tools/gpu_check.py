@@ -59,6 +59,8 @@ def jobs(device: str) -> list[dict[str, Any]]:
             dict(name="dbias-b", extra=["dbias-float32-full-mods", "dbias-float32-rows-mods"]),
             dict(name="dbias-c", extra=["dbias-float32-keys-mods", "dbias-bfloat16-heads-mods-dropout"]),
             dict(name="tf32", extra=["tf32-d64", "tf32-d128", "tf32-d64-noncausal"]),
+            # Hopper's wgmma forward (opt-in, issue 46): right first; its timings ride along the dense jobs' perf
+            dict(name="wgmma", extra=["wgmma-float16-d64", "wgmma-bfloat16-d128", "wgmma-float16-d128-noncausal"]),
             # thin launch path vs numba's dispatcher, bit for bit, and host us per call (tools/gpu_thin_cases.py);
             # one worker per dtype: each compiles its own forward, backward and decode kernels (~2 min)
             *(dict(name=f"thin-{dt}", extra=[f"thin-{dt}"]) for dt in ("float16", "float32", "bfloat16"))]
@@ -88,6 +90,9 @@ def extra_case(name: str):
         import gpu_thin_cases
 
         return lambda c: gpu_thin_cases.thin_launch(c, dtype)
+    if what == "wgmma":   # wgmma-<dtype>-d<D>[-noncausal]
+        dt, d, *opts = dtype.split("-")
+        return lambda c: gc.wgmma(c, dt, int(d[1:]), causal="noncausal" not in opts)
     if what == "tf32":   # float32 inputs with precision="tf32"
         d, *opts = dtype.split("-")
         return lambda c: gc.tf32(c, int(d[1:]), causal="noncausal" not in opts)
@@ -191,6 +196,17 @@ def perf(sink: Sink, dtype: str, d: int, device: str, backend: str, seq: int) ->
 
             ours_fwd()                       # compiled already by the correctness cases; warm anyway
             rec["ours_fwd_s"] = synced_times(ours_fwd, device, reps)
+            if device == "cuda" and dtype != "float32" and torch.cuda.get_device_capability() == (9, 0):
+                # Hopper's wgmma forward beside mma.sync's, same inputs and process (opt-in, issue 46); its
+                # first call compiles it (not timed)
+                from numba_flash.cuda import tile_config_override
+
+                try:
+                    with tile_config_override(wgmma=True):
+                        ours_fwd()
+                        rec["ours_wgmma_fwd_s"] = synced_times(ours_fwd, device, reps)
+                except Exception as exc:
+                    rec["ours_wgmma_error"] = f"{type(exc).__name__}: {exc}"[:300]
             out, lse = res["o"]
             rec["ours_bwd_s"] = synced_times(lambda: op.backward(dout, q, k, v, out, lse, causal=causal), device, reps)
             grads = op.backward(dout, q, k, v, out, lse, causal=causal)

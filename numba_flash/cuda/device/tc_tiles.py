@@ -51,6 +51,24 @@ def make_smem_index(head_dim_bucket: int) -> Any:
     return smem_index
 
 
+@functools.lru_cache(maxsize=None)
+def make_wgmma_index(rows: int) -> Any:
+    """``wgmma_index(row, chunk) -> uint32``: as ``make_smem_index``'s, for a (rows x D) tile that wgmma reads
+    through a 128-byte-swizzle descriptor (hopper.py): 64-column blocks of rows x 128 bytes one after another,
+    chunk ``c`` of row ``r`` at chunk ``c ^ (r % 8)`` of its block. The same tile serves as a K-major operand (Q,
+    and K for ``Q K^T``: 1024 bytes between 8-row groups) and as an N-major one (V for ``P V``: 64-column blocks
+    ``rows * 128`` bytes apart). ``rows`` must be a multiple of 8, the tile 1024-byte aligned."""
+    BLOCK_WORDS = rows * 64
+
+    @cuda.jit(device=True, inline="always")
+    def wgmma_index(row, chunk):
+        r, c = uint32(row), uint32(chunk)
+        return uint32((c >> uint32(3)) * uint32(BLOCK_WORDS) + r * uint32(64)
+                      + uint32(CHUNK) * ((c & uint32(7)) ^ (r & uint32(7))))
+
+    return wgmma_index
+
+
 def copy_passes(rows: int, head_dim_bucket: int, threads: int) -> int:
     """Passes of ``threads`` threads, one chunk each, over a (rows x head_dim_bucket) tile."""
     return -(-rows * (head_dim_bucket // CHUNK) // threads)
@@ -62,11 +80,13 @@ def copy_row_step(head_dim_bucket: int, threads: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def make_tile_copy(rows: int, head_dim_bucket: int, threads: int, async_copy: bool, row_slots: int = 0) -> Any:
+def make_tile_copy(rows: int, head_dim_bucket: int, threads: int, async_copy: bool, row_slots: int = 0,
+                   wgmma: bool = False) -> Any:
     """``copy(dst, src, k, r0, c0, nbytes, row0, seqlen, tile_base, row_stride, b, h)``: pass ``k`` of a copy of
     rows ``row0 ..`` of head ``h`` of batch ``b`` of ``src`` (B, S, H, D), uint16, into the swizzled (rows x
     head_dim_bucket) shared tile ``dst`` (with ``row_slots``, into a row-major tile of that many elements per row,
-    unswizzled: the TF32 kernel's padded rows). The thread copies chunk column ``c0`` of tile row ``r0 + k * step``
+    unswizzled: the TF32 kernel's padded rows; with ``wgmma``, into ``make_wgmma_index``'s layout). The thread
+    copies chunk column ``c0`` of tile row ``r0 + k * step``
     (``copy_row_step``), of which ``nbytes`` are inside the head dim; rows at or past ``seqlen`` become zeros.
     With ``async_copy`` the chunk goes by ``cp.async`` from ``tile_base`` (the byte offset of row ``row0``,
     column 0) plus the row's and column's offsets, completed by ``cp_async_wait_*``; without, element by element
@@ -75,7 +95,7 @@ def make_tile_copy(rows: int, head_dim_bucket: int, threads: int, async_copy: bo
     ROWS, ASYNC, ROW_SLOTS = rows, async_copy, row_slots
     STEP = copy_row_step(head_dim_bucket, threads)
     RAGGED = rows % STEP != 0
-    smem_index = make_smem_index(head_dim_bucket)
+    smem_index = make_wgmma_index(rows) if wgmma else make_smem_index(head_dim_bucket)
 
     @cuda.jit(device=True, inline="always")
     def copy(dst, src, k, r0, c0, nbytes, row0, seqlen, tile_base, row_stride, b, h):

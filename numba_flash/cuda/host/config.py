@@ -231,8 +231,9 @@ class FlashAttentionConfig:
     @property
     def q_in_registers(self) -> bool:
         """Tensor-core forward: Q's fragments stay in registers for the whole key loop (else in shared memory):
-        D / 2 words a fragment beside its D / 2 accumulators, so up to 128 columns of fragments a warp."""
-        return self.head_dim_bucket * self.fragments <= 128
+        D / 2 words a fragment beside its D / 2 accumulators, so up to 128 columns of fragments a warp. wgmma reads
+        Q from shared memory, so never there."""
+        return self.spec.kind != "wgmma" and self.head_dim_bucket * self.fragments <= 128
 
     def smem_floats(self) -> int:
         """float32 words of static shared memory the kernel declares (tensor-core tiles: half as many bytes per
@@ -292,6 +293,10 @@ class FlashAttentionConfig:
                            f"{' or '.join(map(str, threads))} threads, got {self.threads}")
             if cols < 16:
                 why.append(f"{other} must be at least 16 (one mma k-step), got {cols}")
+            if self.spec.kind == "wgmma" and (rows % 64 or self.head_dim_bucket < 64):
+                why.append(f"wgmma kernels run one warpgroup per 64 rows of {owned} on 128-byte tile rows: {owned} "
+                           f"must be a multiple of 64 and the head-dim bucket at least 64, got {rows} and "
+                           f"{self.head_dim_bucket}")
             return why
         if self.spec.role == "decode":
             # Each query row's softmax is shared by threads // block_m threads; the products are strided loops

@@ -51,7 +51,8 @@ def flash_forward(q: Any, k: Any, v: Any, out: Any, lse: Any, *, softmax_scale: 
     check_storage(dtype, q=q, k=k, v=v, out=out)
     install_from_env()   # under the simulator with NUMBA_FLASH_SIMCHECK=1, check this and every later launch
     d, dv = q.shape[3], v.shape[3]
-    kernel = forward_kernel(dtype, d, override, head_dim_v=dv, precision=precision, bias=bias is not None)
+    kernel = forward_kernel(dtype, d, override, head_dim_v=dv, precision=precision, bias=bias is not None,
+                            staged_mods=mods is not None and mods.stages_tile)
     picked = configs_for(max(d, dv), dtype, override, (kernel,))[kernel]
     flags = kernel_flags(window_left, window_right, softcap)
     copies = not picked.tensor_cores or async_copy_ok(*copied_arrays(kernel_spec(kernel), dict(q=q, k=k, v=v)))

@@ -34,12 +34,15 @@ _TC_CANDIDATES: tuple[tuple[int, int, int], ...] = ((64, 32, 128), (32, 32, 64),
 class TileOverride:
     """Tile sizes a user wants instead of the picker's; None keeps the picker's value. Applies to every kernel.
     ``tensor_cores``: True to require the tensor-core kernels (float16/bfloat16 on compute capability >= 8.0),
-    False to keep the float32 SIMT kernels, None to let the backend choose (tensor cores wherever they apply)."""
+    False to keep the float32 SIMT kernels, None to let the backend choose (tensor cores wherever they apply).
+    ``wgmma``: True to run float16/bfloat16 forwards on Hopper's wgmma kernel (compute capability 9.0), which
+    the backend does not choose by itself until a GPU has timed it."""
 
     block_m: int | None = None
     block_n: int | None = None
     threads: int | None = None
     tensor_cores: bool | None = None
+    wgmma: bool | None = None
 
     def apply(self, cfg: FlashAttentionConfig) -> FlashAttentionConfig:
         return replace(cfg, **{k: v for k, v in (("block_m", self.block_m), ("block_n", self.block_n),
@@ -52,17 +55,20 @@ _override: contextvars.ContextVar[TileOverride | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def tile_config_override(block_m: int | None = None, block_n: int | None = None, threads: int | None = None,
-                         tensor_cores: bool | None = None) -> Iterator[TileOverride]:
+                         tensor_cores: bool | None = None, wgmma: bool | None = None) -> Iterator[TileOverride]:
     """Use these tile sizes for every CUDA kernel launched inside the block. Sizes are powers of two; a config
     that does not fit shared memory raises ``AttentionInputError`` at the call that would use it.
     ``tensor_cores=False`` keeps float16/bfloat16 calls on the float32 SIMT kernels; ``True`` requires the
-    tensor-core kernels (``AttentionInputError`` for a call they cannot serve)."""
+    tensor-core kernels (``AttentionInputError`` for a call they cannot serve). ``wgmma=True`` runs float16 and
+    bfloat16 forwards on the Hopper wgmma kernel (``AttentionInputError`` where it cannot serve: another GPU than
+    compute capability 9.0, a head dim outside 64..128)."""
     for name, v in (("block_m", block_m), ("block_n", block_n), ("threads", threads)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1)):
             raise AttentionInputError(f"{name}: expected a power of two >= 1, got {v!r}")
-    if tensor_cores is not None and not isinstance(tensor_cores, bool):
-        raise AttentionInputError(f"tensor_cores: expected True, False or None, got {tensor_cores!r}")
-    token = _override.set(TileOverride(block_m, block_n, threads, tensor_cores))
+    for name, flag in (("tensor_cores", tensor_cores), ("wgmma", wgmma)):
+        if flag is not None and not isinstance(flag, bool):
+            raise AttentionInputError(f"{name}: expected True, False or None, got {flag!r}")
+    token = _override.set(TileOverride(block_m, block_n, threads, tensor_cores, wgmma))
     try:
         yield _override.get()
     finally:

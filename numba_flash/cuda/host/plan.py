@@ -10,25 +10,61 @@ says why a call does not get the faster kernels (None when it does); the kernels
 from __future__ import annotations
 
 from numba_flash.cuda.host.config import (STATIC_SMEM_LIMIT, TC_BACKWARD_MAX_HEAD_DIM, TC_DTYPES, TC_MAX_HEAD_DIM,
-                                          TC_MIN_COMPUTE_CAPABILITY, TF32_BIAS_MAX_HEAD_DIM, TF32_MAX_HEAD_DIM)
+                                          TC_MIN_COMPUTE_CAPABILITY, TF32_BIAS_MAX_HEAD_DIM, TF32_MAX_HEAD_DIM,
+                                          head_dim_bucket)
 from numba_flash.cuda.host.devices import compute_capability
 from numba_flash.cuda.host.picker import TileOverride, active_override, tile_config_for
-from numba_flash.cuda.kernels.registry import kernel_name
+from numba_flash.cuda.kernels.registry import find, kernel_name
 from numba_flash.errors import AttentionInputError
 
 
 def forward_kernel(dtype: str, head_dim: int, override: TileOverride | None = None,
                    cc: tuple[int, int] | None = None, head_dim_v: int | None = None, precision: str = "ieee",
-                   bias: bool = False) -> str:
+                   bias: bool = False, staged_mods: bool = False) -> str:
     """The forward kernel a call of ``dtype`` and head dims (``head_dim``, v's ``head_dim_v``) runs on, on a GPU of
     compute capability ``cc`` (the current one by default), under ``override`` (or the active
-    ``tile_config_override``), with ``precision`` ("tf32" lets float32 run on TF32) and attn_bias (``bias``).
+    ``tile_config_override``), with ``precision`` ("tf32" lets float32 run on TF32), attn_bias (``bias``) and
+    mods whose values the tensor-core kernels stage in shared memory (``staged_mods``).
     Raises ``AttentionInputError`` where ``tensor_cores=True`` asks for what the call cannot have."""
     cc = compute_capability() if cc is None else cc
     if dtype == "float32" and precision == "tf32":
         return kernel_name("forward", "simt" if tf32_reason(head_dim, override, cc, head_dim_v, bias) else "tf32")
     why = tensor_core_reason(dtype, head_dim, override, cc, head_dim_v=head_dim_v)
-    return kernel_name("forward", "simt" if why else "mma")
+    if why:
+        return kernel_name("forward", "simt")
+    wgmma_why = wgmma_reason(dtype, head_dim, override, cc, head_dim_v, staged_mods)
+    return kernel_name("forward", "mma" if wgmma_why else "wgmma")
+
+
+def wgmma_reason(dtype: str, head_dim: int, override: TileOverride | None = None,
+                 cc: tuple[int, int] | None = None, head_dim_v: int | None = None,
+                 staged_mods: bool = False) -> str | None:
+    """Why a float16/bfloat16 forward on tensor cores runs on the mma.sync kernel rather than Hopper's wgmma one
+    (tc_forward.py's WGMMA path); None when it runs on wgmma. The wgmma kernel serves only where
+    ``tile_config_override(wgmma=True)`` asks for it (no GPU has timed it yet); then a reason is an
+    ``AttentionInputError`` instead."""
+    override, off = _override_in_force(override)
+    if off:
+        return off
+    cc = compute_capability() if cc is None else cc
+    spec = find("forward", "wgmma")
+    widest = max(head_dim, head_dim_v or 0)
+    if override is None or not override.wgmma:
+        reason = "the wgmma forward runs only where tile_config_override(wgmma=True) asks for it (not timed yet)"
+    elif dtype not in spec.dtypes:
+        reason = f"{dtype} (the wgmma forward takes float16 and bfloat16)"
+    elif tuple(cc) != spec.min_compute_capability:
+        reason = f"wgmma exists on compute capability 9.0 only (sm_90a), this GPU is {cc[0]}.{cc[1]}"
+    elif not 64 <= head_dim_bucket(widest) <= spec.max_head_dim:
+        reason = f"head dim {widest}: the wgmma forward takes head dims 33 to {spec.max_head_dim}"
+    elif staged_mods and head_dim_bucket(widest) > 64:
+        # Q, K and V tiles take 48 KiB at D = 128: the mods' staged values do not fit beside them.
+        reason = f"mods at head dim {widest}: their staged values do not fit beside the wgmma forward's tiles"
+    else:
+        reason = _override_misfit(override, (spec.name,), head_dim, dtype, cc)
+    if reason and override is not None and override.wgmma:
+        raise AttentionInputError(f"wgmma=True: {reason}")
+    return reason
 
 
 def backward_kernels(dtype: str, head_dim: int, override: TileOverride | None = None,

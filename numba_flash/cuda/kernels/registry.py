@@ -50,6 +50,10 @@ def _tc_forward_words(cfg: Any) -> int:
     return _ceil_half((bn + max(bm, bn)) * db if cfg.q_in_registers else (bm + 2 * bn) * db)
 
 
+def _wgmma_forward_words(cfg: Any) -> int:
+    return _ceil_half((cfg.block_m + 2 * cfg.block_n) * cfg.head_dim_bucket)   # 16-bit Q, K and V tiles
+
+
 def _tc_dkdv_words(cfg: Any) -> int:
     bm, bn, db = cfg.block_m, cfg.block_n, cfg.head_dim_bucket
     return _ceil_half((2 * bm + 2 * bn) * db) + 2 * bm   # 16-bit K, V, Q, dO tiles; each query's lse and delta
@@ -147,6 +151,13 @@ SPECS: tuple[KernelSpec, ...] = (
         name="tc_backward_dq", role="dq", kind="mma", module="tc_dq", smem_words=_tc_dq_words,
         products=3, bits=True, dtypes=("float16", "bfloat16"), max_head_dim=128,
         tiles={16: (64, 32, 128), 32: (64, 32, 128), 64: (64, 32, 128), 128: (64, 16, 128)}),
+    # Hopper (sm_90a): one warpgroup of 4 warps per 64 query rows, Q K^T and P V on wgmma from 16-bit tiles in
+    # shared memory (tc_forward.py's WGMMA path), the softmax as the mma.sync kernel's. Not warp-specialised yet,
+    # and not timed: the picker offers it only where asked for (plan.py, issue 46).
+    KernelSpec(
+        name="wgmma_forward", role="forward", kind="wgmma", module="tc_forward", smem_words=_wgmma_forward_words,
+        products=2, bits=True, dtypes=("float16", "bfloat16"), max_head_dim=128, min_compute_capability=(9, 0),
+        tiles={64: (64, 64, 128), 128: (64, 64, 128)}),
     # TF32: 4 warps of 16 query rows as above; float32 K and V tiles, 17 KiB at D = 64 and 33 KiB at D = 128 with
     # 32 keys (64 keys at D = 64 would leave no room for the mods' 16 KiB of staged values). Chosen by shared
     # memory, registers (compile check) and the performance model, not timed.

@@ -37,8 +37,9 @@ ROLE_TILES: dict[str, str] = {"forward": "q", "dkdv": "k", "dq": "q"}
 #: is 1, and the SIMT backward kernels read them where it is 1 and they give the row's lse bit for bit (else lse),
 #: so that P of a dominant score is exactly 1 (config.SCORE_PARTS; a placeholder when the switch is 0).
 TAIL_ARGS = ("kv_slots", "dbias", "base", "row_stats")
-#: What a kernel runs on: float32 FMAs ("simt"), mma.sync on 16-bit data ("mma"), mma.sync's TF32 ("tf32").
-KINDS = ("simt", "mma", "tf32")
+#: What a kernel runs on: float32 FMAs ("simt"), mma.sync on 16-bit data ("mma"), mma.sync's TF32 ("tf32"),
+#: Hopper's wgmma on 16-bit data ("wgmma", sm_90a only: ``KernelSpec.min_compute_capability``).
+KINDS = ("simt", "mma", "tf32", "wgmma")
 #: Roles of kernels without a tile config (``AuxKernel``): the backward's delta pre-pass, the sums of attn_bias's
 #: gradient, decoding's split merge.
 AUX_ROLES = ("delta", "bias_grad_sum", "merge")
@@ -63,7 +64,8 @@ class KernelSpec:
     one warp may own (a tile config's ``fragments``: ``rows / (16 * warps)``; more than one lets each K or V
     fragment loaded from shared memory feed that many independent mma); ``products``: matrix products per tile
     pair (the performance model); ``dbias_sum``: the gradient sum it can build for a broadcast attn_bias
-    ("per_key", "per_row"; the compile check builds those apart)."""
+    ("per_key", "per_row"; the compile check builds those apart); ``min_compute_capability``: the oldest GPU it
+    compiles for (9.0 for wgmma, whose instructions exist only on the "a" target of that one)."""
 
     name: str
     role: str
@@ -80,6 +82,7 @@ class KernelSpec:
     fragments: tuple[int, ...] = (1,)
     products: int = 0
     dbias_sum: str = ""
+    min_compute_capability: tuple[int, int] = (7, 5)
 
     @property
     def tensor_cores(self) -> bool:

@@ -35,7 +35,7 @@ from typing import Any
 
 from numba import config, cuda, float32, int32, int64, uint16, uint32
 
-from numba_flash.cuda.device import warp
+from numba_flash.cuda.device import hopper, warp
 from numba_flash.cuda.device.block_tiles import make_tile_skip, next_key_tile
 from numba_flash.cuda.host.config import FlashAttentionConfig
 from numba_flash.cuda.device.dtypes import load_bf16, load_f16_bits
@@ -44,11 +44,14 @@ from numba_flash.cuda.device.sequences import make_locate
 from numba_flash.cuda.device.tc_scores import staged_words
 from numba_flash.cuda.device.tc_softmax import (finish_rows, make_key_range, make_online_softmax, make_row_start,
                                                 make_tile_scores, make_tile_start)
-from numba_flash.cuda.device.tc_tiles import CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy
+from numba_flash.cuda.device.tc_tiles import (CHUNK, copy_passes, copy_row_step, make_smem_index, make_tile_copy,
+                                              make_wgmma_index)
 from numba_flash.cuda.device.user_mods import NO_MODS, CudaMods
 from numba_flash.cuda.kernels.variant import Variant
 
 SMEM_ALIGN = None if config.ENABLE_CUDASIM else 16   # cp.async and ldmatrix move 16-byte aligned chunks
+#: wgmma's 128-byte swizzle XORs address bits 4-6 with bits 7-9: its tiles start on 1024-byte boundaries.
+WGMMA_ALIGN = None if config.ENABLE_CUDASIM else 1024
 #: Exponent bits of a 16-bit float: all set means inf or NaN.
 EXPONENT_BITS = {False: 0x7C00, True: 0x7F80}        # float16, bfloat16
 QUIET_NAN_BITS = {False: 0x7E00, True: 0x7FC0}
@@ -56,7 +59,7 @@ QUIET_NAN_BITS = {False: 0x7E00, True: 0x7FC0}
 
 def _checked(cfg: FlashAttentionConfig) -> None:
     why = cfg.problems(1 << 62)
-    if why or (cfg.spec.role, cfg.spec.kind) != ("forward", "mma") or cfg.fragments not in (1, 2):
+    if why or cfg.spec.role != "forward" or cfg.spec.kind not in ("mma", "wgmma") or cfg.fragments not in (1, 2):
         raise ValueError(f"{cfg}: " + ("; ".join(why) or "not a tensor-core forward config"))
 
 
@@ -101,13 +104,26 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
     PER_ROW, ROW_STEP = HEAD_DIM // CHUNK, copy_row_step(HEAD_DIM, NT)
     ALIBI = alibi
     EXP, NAN_BITS = EXPONENT_BITS[bf16], QUIET_NAN_BITS[bf16]
-    ALIGN = SMEM_ALIGN
+    # wgmma (sm_90a): each warpgroup's 64 rows multiply Q K^T and P V with wgmma from shared-memory tiles in
+    # tc_tiles.make_wgmma_index's layout (Q stays there); its accumulators are, warp by warp, the mma layout the
+    # softmax helpers read, and P goes back as registers in mma's A layout.
+    WGMMA = cfg.spec.kind == "wgmma"
+    ALIGN = WGMMA_ALIGN if WGMMA else SMEM_ALIGN
+    KIND = "bf16" if bf16 else "f16"
+    WG_QK = hopper.make_wgmma(BLOCK_N, KIND, False, False) if WGMMA else None
+    WG_PV = hopper.make_wgmma(HEAD_DIM, KIND, True, True) if WGMMA else None
+    WG_WAIT = hopper.make_wgmma_wait(0)
+    FENCE_S, FENCE_O = hopper.make_accumulator_fence(4 * N_TILES), hopper.make_accumulator_fence(4 * D_TILES)
+    V_BLOCK_BYTES = 128 * BLOCK_N   # between V's 64-column blocks: the N-major operand's leading byte offset
+    MMA_D_STEPS, MMA_KEY_STEPS = (0, 0) if WGMMA else (D_STEPS, KEY_STEPS)   # the mma.sync loops' trip counts
     MMA = warp.mma_bf16 if bf16 else warp.mma_f16
     PACK = warp.pack_bf16x2 if bf16 else warp.pack_f16x2
     PROBE = warp.probe_bf16x2 if bf16 else warp.probe_f16x2
-    copy_q = make_tile_copy(BLOCK_M, HEAD_DIM, NT, async_copy)
-    copy_kv = make_tile_copy(BLOCK_N, HEAD_DIM, NT, async_copy)
+    copy_q = make_tile_copy(BLOCK_M, HEAD_DIM, NT, async_copy, wgmma=WGMMA)
+    copy_kv = make_tile_copy(BLOCK_N, HEAD_DIM, NT, async_copy, wgmma=WGMMA)
     smem_index = make_smem_index(HEAD_DIM)
+    q_index = make_wgmma_index(BLOCK_M) if WGMMA else smem_index   # Q's tile, and the output staged in it
+    kv_index = make_wgmma_index(BLOCK_N) if WGMMA else smem_index
     sees = make_visible(has_left, has_right, has_bias, mods)
     # The mods run outside the score loop (tc_scores.make_mod_stage): mask_mod and bias_mod staged ahead of it,
     # score_mod in a loop of its own after the masks (tc_softmax.make_tile_scores).
@@ -135,7 +151,7 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                 # x + x * 0: an inf becomes NaN (the contract reports every non-finite result as NaN).
                 x0 = acc[jd, 2 * half] * inv[half]
                 x1 = acc[jd, 2 * half + 1] * inv[half]
-                warp.sts_u32(tile, smem_index(first_row + int32(g) + 8 * half, jd) + 2 * tq,
+                warp.sts_u32(tile, q_index(first_row + int32(g) + 8 * half, jd) + 2 * tq,
                              PACK(x0 + x0 * float32(0.0), x1 + x1 * float32(0.0)))
 
     def flash_tc_forward_kernel(q, k, v, out, lse, seqlen_q, seqlen_k, head_dim, group, window_left,
@@ -213,6 +229,8 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                         tile_offset(k, ab, k0 + n_first, hk), k.strides[1], ab, hk)
         warp.cp_async_commit()
         warp.cp_async_wait_all()
+        if WGMMA:
+            hopper.fence_proxy_async()   # cp.async wrote through the generic proxy; wgmma reads through the async one
         cuda.syncthreads()
         if Q_IN_REGS:
             for kk in range(D_STEPS):
@@ -233,6 +251,8 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
             if skip:   # mask_mod hides every key: K and V never read, so a NaN there cannot poison
                 continue
             warp.cp_async_wait_all()               # this K tile; and every warp is past the last tile's P V
+            if WGMMA:
+                hopper.fence_proxy_async()
             cuda.syncthreads()
             for c_pass in range(KV_PASSES):
                 copy_kv(v_tile, v, c_pass, r0, c0, v_chunk_bytes, k0 + n0, k0 + seqlen_k,
@@ -246,8 +266,16 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                 kept1 = tile_start(s1, mod_slots, t + SLOT_SHIFT, b, h, row_top1, n0 + lane_col, seqlen_q, seqlen_k,
                                    full_tile, seed_lo, seed_hi, threshold, batch0)
             # S = Q K^T: per 16-wide step of the head dim, one ldmatrix gives two 8-key tiles' B fragments, which
-            # every fragment's A multiplies.
-            for kk in range(D_STEPS):
+            # every fragment's A multiplies. With wgmma, the warpgroup's 64 rows of Q against the whole K tile.
+            if WGMMA:
+                hopper.wgmma_fence()
+                for kk in range(D_STEPS):
+                    WG_QK(s, hopper.smem_desc(q_tile, q_index(warp_row0 & ~63, 2 * kk), 16, 1024, 1),
+                          hopper.smem_desc(k_tile, kv_index(0, 2 * kk), 16, 1024, 1), 1)
+                hopper.wgmma_commit()
+                WG_WAIT()
+                FENCE_S(s)
+            for kk in range(MMA_D_STEPS):
                 if Q_IN_REGS:
                     a0, a1, a2, a3 = q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3]
                     if TWO_FRAGMENTS:
@@ -309,8 +337,10 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
             for c_pass in range(KV_PASSES):
                 r = r0 + uint32(c_pass * ROW_STEP)
                 if r < uint32(BLOCK_N):
-                    w0, w1, w2, w3 = warp.lds_v4(v_tile, smem_index(r, c0))
+                    w0, w1, w2, w3 = warp.lds_v4(v_tile, kv_index(r, c0))
                     probe = PROBE(PROBE(PROBE(PROBE(probe, w0), w1), w2), w3)
+            if WGMMA:
+                hopper.fence_proxy_async()
             probe_nan = ((probe & uint32(0x7FFF)) > uint32(EXP)) | (((probe >> uint32(16)) & uint32(0x7FFF))
                                                                     > uint32(EXP))
             v_nonfinite = cuda.syncthreads_or(int32(probe_nan))
@@ -321,15 +351,25 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                 for c_pass in range(KV_PASSES):
                     r = r0 + uint32(c_pass * ROW_STEP)
                     if r < uint32(BLOCK_N):
-                        at = smem_index(r, c0)
+                        at = kv_index(r, c0)
                         for e in range(CHUNK):
                             if (v_tile[at + uint32(e)] & uint16(EXP)) == uint16(EXP):
                                 v_tile[at + uint32(e)] = uint16(0)
+                if WGMMA:
+                    hopper.fence_proxy_async()
                 cuda.syncthreads()
 
             # O += P V: one transposing ldmatrix gives the B fragments of two 8-column tiles of V, for every
-            # fragment's P.
-            for kk in range(KEY_STEPS):
+            # fragment's P. With wgmma, P from registers against the whole V tile (N-major), per 16 keys.
+            if WGMMA:
+                hopper.wgmma_fence()
+                for kk in range(KEY_STEPS):
+                    WG_PV(acc, p_frag[kk, 0], p_frag[kk, 1], p_frag[kk, 2], p_frag[kk, 3],
+                          hopper.smem_desc(v_tile, kv_index(16 * kk, 0), V_BLOCK_BYTES, 1024, 1), 1)
+                hopper.wgmma_commit()
+                WG_WAIT()
+                FENCE_O(acc)
+            for kk in range(MMA_KEY_STEPS):
                 for jdp in range(D_TILES // 2):
                     b0, b1, b2, b3 = warp.ldmatrix_x4_trans(v_tile, smem_index(16 * kk + 8 * (lm & 1) + lr,
                                                                               2 * jdp + (lm >> 1)))
@@ -371,13 +411,13 @@ def make_tc_forward_kernel(cfg: FlashAttentionConfig, has_left: bool, has_right:
                                                 offset, bias_h, seqlen_q, seqlen_k):
                         for d in range(lane_col, head_dim_v):
                             if (d - lane_col) % 8 < 2 and (v[ab, k0 + key, hk, d] & uint16(EXP)) == uint16(EXP):
-                                q_tile[smem_index(row, d // 8) + uint32(d % 8)] = uint16(NAN_BITS)
+                                q_tile[q_index(row, d // 8) + uint32(d % 8)] = uint16(NAN_BITS)
         cuda.syncthreads()
         for c_pass in range(Q_PASSES):
             r = r0 + uint32(c_pass * ROW_STEP)
             row = m0 + int32(r)
             if r < uint32(BLOCK_M) and row < seqlen_q:
-                at = smem_index(r, c0)
+                at = q_index(r, c0)
                 for e in range(CHUNK):
                     if d0 + e < head_dim_v:
                         out[ab, q0 + row, h, d0 + e] = q_tile[at + uint32(e)]

@@ -68,7 +68,7 @@ def test_every_role_and_kind_names_one_kernel_and_every_name_one_spec():
         assert spec.kind in KINDS and spec.role in ROLES
         assert find(spec.role, spec.kind) is spec and kernel_spec(spec.name) is spec
     assert set(names()) == set(REGISTRY)
-    assert sorted(names(kind="simt") + names(kind="mma") + names(kind="tf32")) == sorted(REGISTRY)
+    assert sorted(name for kind in KINDS for name in names(kind=kind)) == sorted(REGISTRY)
     with pytest.raises(ValueError, match="expected one of"):
         kernel_spec("no_such_kernel")
     with pytest.raises(ValueError, match="no tf32 kernel of role 'dq'"):
