@@ -16,15 +16,15 @@ import dataclasses
 from typing import Any, Optional
 
 import torch
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
-
 from numba_flash.arguments import checked_arguments
-from numba_flash import backend_registry
+from numba_flash import backend_registry, chosen_backends
+from numba_flash.call_signature import forward_signature
 from numba_flash.errors import BackendDeclined
 from numba_flash.torch_common import (SEEDS, check_flash_attn_extras, check_tensors, lse_dtype, no_double_backward,
                                       owned_output)
 # The packed and KV-cache faces live in modules of their own; importing them here registers their ops whenever
 # numba_flash hands out any of the three functions.
+from numba_flash.torch_eager import any_requires_grad, runs_eagerly
 from numba_flash.torch_kvcache import flash_attn_with_kvcache
 from numba_flash.torch_varlen import FlashAttnVarlenFunc, flash_attn_varlen_func
 from numba_flash.validation import check_precision, validate_forward
@@ -131,22 +131,22 @@ class FlashAttnFunc(torch.autograd.Function):
         return (dq, dk, dv) + (None,) * 8 + (dbias if return_dbias else None, None, None, None, None)
 
 
-def _eager(*tensors: torch.Tensor) -> bool:
-    """Whether a call may skip the custom ops' dispatcher and run their implementation directly: not traced by
-    torch.compile, no torch dispatch mode active (FakeTensorMode, FlopCounterMode...: they must see the op), and
-    plain tensors (a subclass may dispatch on the op). The ops stay what torch.compile and opcheck see."""
-    return (not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode()
-            and all(type(t) is torch.Tensor for t in tensors))
+def _eager(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a call may skip the custom ops' dispatcher and run their implementation directly
+    (``torch_eager.runs_eagerly``). The ops stay what torch.compile and opcheck see."""
+    return runs_eagerly(*tensors)
 
 
 def _forward_validated(call: Any, backend: Optional[str], q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """``flash_fwd``'s work for a call ``flash_attn_func`` validated already (checks run once per call): out and
-    lse as the op returns them, or None when the chosen backend declines (the op then runs it, and picks again)."""
-    be = backend_registry.get("flash").select(call, backend)
+    lse as the op returns them, or None when the chosen backend declines (the op then runs it, and picks again).
+    ``call``: the ``_Validated`` pair; the backend is ranked once per call signature."""
+    be = backend_registry.get("flash").select_kept(call.call, backend, call.signature)
     try:
-        out, lse = be.forward(call)
+        out, lse = be.forward(call.call)
     except BackendDeclined:
+        chosen_backends.clear()   # the choice kept for this signature is out of date
         return None
     return owned_output(out, q, q.dtype, (q, k, v)), owned_output(lse, q, lse_dtype(q.dtype), (q, k, v))
 
@@ -254,7 +254,7 @@ def flash_attn_func(
                                return_lse=True, alibi_slopes=alibi_slopes, attn_bias=attn_bias, bias_mod=bias_mod,
                                mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask, dropout_p=dropout_p,
                                dropout_seed=seed % SEEDS if dropout_p else None, precision=precision)
-        backend = _backend_for_both_halves(call, backend, attn_bias)
+        backend = _backend_for_both_halves(call.call, backend, attn_bias)
     else:
         call = None
     scale = None if softmax_scale is None else float(softmax_scale)
@@ -266,17 +266,35 @@ def flash_attn_func(
                       layout=layout, backend=backend, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                       dropout_seed=seed % SEEDS, precision=precision)
         out, lse = _forward_with_mods(q, k, v, attn_bias, params, mods)
+    elif (call is not None and not (torch.is_grad_enabled() and any_requires_grad(q, k, v, alibi_slopes, attn_bias))
+          and _eager(q, k, v, alibi_slopes, attn_bias)
+          and (found := _forward_validated(call, backend, q, k, v)) is not None):
+        # No autograd graph to record and nothing that needs the op: FlashAttnFunc.apply would record nothing and
+        # run this same work (its forward's eager branch); apply alone costs ~10 us a call here.
+        out, lse = found
     else:
         out, lse = FlashAttnFunc.apply(q, k, v, bool(causal), scale, left, right, float(softcap), layout, backend,
                                        alibi_slopes, attn_bias, dropout_p, seed, precision, call)
     return (out, lse) if return_lse else out
 
 
-def _validated_call(q: Any, k: Any, v: Any, **options: Any) -> Any:
+@dataclasses.dataclass(frozen=True)
+class _Validated:
+    """A call flash_attn_func checked: the ``AttentionCall`` and its ``call_signature`` signature (None: none)."""
+
+    call: Any
+    signature: Optional[tuple]
+
+
+_NO_SIGNATURE_PARTS = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None)
+
+
+def _validated_call(q: Any, k: Any, v: Any, **options: Any) -> _Validated:
     """flash_attn_func's first step: q, k, v must be tensors, and the call must keep the contract
-    (``validate_forward``'s checks and errors). Returns the ``AttentionCall``."""
+    (``validate_forward``'s checks and errors). Returns the ``AttentionCall`` with its signature."""
     check_tensors("flash_attn_func", q, k, v)
-    return validate_forward(q, k, v, **options)
+    call = validate_forward(q, k, v, **options)
+    return _Validated(call, forward_signature(dict(options, q=q, k=k, v=v, **_NO_SIGNATURE_PARTS)))
 
 
 def _backend_for_both_halves(call: Any, backend: Optional[str], attn_bias: Any) -> Optional[str]:
