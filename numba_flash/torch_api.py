@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 from numba_flash.arguments import checked_arguments
 from numba_flash import backend_registry, chosen_backends
-from numba_flash.call_signature import forward_signature
+from numba_flash.call_signature import copied_with, forward_signature
 from numba_flash.errors import BackendDeclined
 from numba_flash.torch_common import (SEEDS, check_flash_attn_extras, check_tensors, lse_dtype, no_double_backward,
                                       owned_output)
@@ -109,6 +109,7 @@ class FlashAttnFunc(torch.autograd.Function):
         found = _forward_validated(call, backend, q, k, v) if call is not None and _eager(q, k, v) else None
         out, lse = found if found is not None else torch.ops.numba_flash.flash_fwd(*args)
         ctx.eager = found is not None
+        ctx.signature = call.signature if found is not None else None   # a plain call's, for the backward
         ctx.save_for_backward(q, k, v, out, lse, attn_bias)
         ctx.params = (causal, softmax_scale, window_left, window_right, softcap, layout, backend, alibi_slopes)
         # the seed is kept, not the mask: the backward makes the same mask again from it
@@ -122,12 +123,20 @@ class FlashAttnFunc(torch.autograd.Function):
         return_dbias = attn_bias is not None and ctx.needs_input_grad[11]
         # Gradients arriving from a sum() or an expand() are broadcast views (stride 0); one contiguous copy of
         # dout, the size of q, spares every backend that case.
-        args = (dout.contiguous(), q, k, v, out, lse, *ctx.params, attn_bias, return_dbias, *ctx.dropout)
+        dout = dout.contiguous()
+        args = (dout, q, k, v, out, lse, *ctx.params, attn_bias, return_dbias, *ctx.dropout)
         # The op's dispatch costs ~140 us a call on the CPU; eager calls need none of what it does (see _eager),
         # but create_graph=True (grad mode on here) needs the op's autograd entry, which refuses a second derivative.
         eager = ctx.eager and not torch.is_grad_enabled() and _eager(dout, q, k, v)
-        run = _flash_bwd_impl if eager else torch.ops.numba_flash.flash_bwd
-        dq, dk, dv, dbias = run(*args)
+        found = None
+        if eager and ctx.signature is not None and not return_dbias:
+            found = _backward_of_plain_call(ctx.signature, ctx.params, ctx.dropout, dout, q, k, v, out, lse)
+        if found is not None:
+            dq, dk, dv = found
+            dbias = None
+        else:
+            run = _flash_bwd_impl if eager else torch.ops.numba_flash.flash_bwd
+            dq, dk, dv, dbias = run(*args)
         return (dq, dk, dv) + (None,) * 8 + (dbias if return_dbias else None, None, None, None, None)
 
 
@@ -149,6 +158,33 @@ def _forward_validated(call: Any, backend: Optional[str], q: torch.Tensor, k: to
         chosen_backends.clear()   # the choice kept for this signature is out of date
         return None
     return owned_output(out, q, q.dtype, (q, k, v)), owned_output(lse, q, lse_dtype(q.dtype), (q, k, v))
+
+
+def _backward_of_plain_call(signature: tuple, params: tuple, dropout: tuple[float, int], dout: torch.Tensor,
+                            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                            lse: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``flash_bwd``'s dq, dk, dv (shaped like q, k, v) for a plain call (one with a ``call_signature`` signature:
+    no ALiBi, bias, mods or dropout) whose forward ran eagerly, or None where the op's implementation must run.
+
+    ``validate_backward`` checks q, k, v and the options as the forward did (remembered per signature: the same
+    call) and then dout, out and lse. out and lse are the forward's own, saved (autograd refuses them if they were
+    modified in place); dout is autograd's gradient of out, contiguous: its shape, dtype and device are checked here
+    and any surprise goes the full way. The backend is ranked once per signature, as the forward's is."""
+    if (type(dout) is not torch.Tensor or dout.shape != out.shape or dout.dtype != out.dtype
+            or dout.device != out.device or dout.is_neg() or dout.is_conj()):
+        return None
+    causal, scale, left, right, softcap, layout, backend, _ = params
+    base = validate_forward(q, k, v, causal=causal, softmax_scale=scale, window_size=(left, right), softcap=softcap,
+                            layout=layout, dropout_p=dropout[0], dropout_seed=dropout[1] % SEEDS)
+    call = copied_with(base, dout=dout, out=out, lse=lse)   # validate_backward's call for these dout, out, lse
+    be = backend_registry.get("flash").select_kept(call, backend, (signature, "backward"))
+    try:
+        grads = be.backward(call)
+    except BackendDeclined:
+        chosen_backends.clear()   # the choice kept for this signature is out of date
+        return None
+    inputs = (dout, q, k, v, out, lse)
+    return tuple(owned_output(g, q, q.dtype, inputs) for g in grads[:3])
 
 
 @checked_arguments

@@ -140,3 +140,61 @@ def test_a_backend_that_declines_is_not_kept_chosen():
         assert torch.equal(numba_flash.flash_attn_func(q, k, v), want)
     finally:
         backend_registry.unregister("flash", "declines_once_test")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_eager_backward_gives_the_ops_bits_and_the_reference(causal):
+    """A plain call's backward runs its backend directly (the forward's checks, dout checked against out); under a
+    dispatch mode both halves go through the ops. Same gradients, bit for bit, and the float64 reference's."""
+    q, k, v = _qkv(int(causal) + 7)
+    dout = torch.randn(2, 3, 6, 20, dtype=torch.float32)
+    grads = []
+    for mode in (None, _SeesOps()):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        if mode is None:
+            numba_flash.flash_attn_func(*leaves, causal=causal).backward(dout)
+        else:
+            with mode:
+                numba_flash.flash_attn_func(*leaves, causal=causal).backward(dout)
+            assert any("numba_flash.flash_bwd" in name for name in mode.seen), mode.seen
+        grads.append([x.grad for x in leaves])
+    for fast, slow in zip(*grads, strict=True):
+        assert torch.equal(fast, slow)
+    qd, kd, vd = (x.double().requires_grad_(True) for x in (q, k, v))
+    _reference(qd, kd, vd, causal).backward(dout.double())
+    for got, want in zip(grads[0], (qd.grad, kd.grad, vd.grad)):
+        assert ((got.double() - want).norm() / want.norm()) < 1e-5
+    # a broadcast dout (from expand: stride 0) is made contiguous first, and gives the same gradients
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    numba_flash.flash_attn_func(*leaves, causal=causal).backward(torch.ones(()).expand(2, 3, 6, 20))
+    leaves2 = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    numba_flash.flash_attn_func(*leaves2, causal=causal).backward(torch.ones(2, 3, 6, 20))
+    for a, b in zip(leaves, leaves2):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_the_backward_ranks_the_backends_for_a_backward():
+    """The backward's kept choice is its own: a backend that serves this forward but no backward is never asked
+    for the gradients."""
+    ran: list[str] = []
+
+    class ForwardOnly(CpuBackend):
+        name = "forward_only_test"
+        PRIORITY = 1000
+        SUPPORTS_BACKWARD = False
+
+        def forward(self, call):
+            ran.append("forward")
+            return super().forward(call)
+
+        def backward(self, call):
+            raise AssertionError("a backend without a backward was asked for one")
+
+    q, k, v = (x.requires_grad_(True) for x in _qkv(9))
+    backend_registry.register("flash", "forward_only_test", ForwardOnly)
+    try:
+        for _ in range(2):
+            numba_flash.flash_attn_func(q, k, v).sum().backward()
+    finally:
+        backend_registry.unregister("flash", "forward_only_test")
+    assert ran == ["forward", "forward"] and q.grad is not None
