@@ -114,5 +114,5 @@ def forget_all() -> None:
     _memo.clear()
 
 
-__all__ = ["array_signature", "forward_signature", "recalled", "copied_with", "remember", "remembered_count", "forget_all",
-           "MAX_SIGNATURES"]
+__all__ = ["array_signature", "forward_signature", "recalled", "copied_with", "remember", "remembered_count",
+           "forget_all", "MAX_SIGNATURES"]
