@@ -10,12 +10,13 @@ has no bfloat16 dtype.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Iterator
 
 import numba
 import numpy as np
 
-from numba_flash.arrays import as_result_kind, dtype_name, is_torch_tensor, to_numpy
+from numba_flash.arrays import as_result_kind, dtype_name, is_plain_torch_tensor, is_torch_tensor, to_numpy
 from numba_flash.semantics import clamp_window_bound
 from numba_flash.validation import AttentionCall
 
@@ -44,21 +45,18 @@ def _host(x: Any, compute: type) -> np.ndarray:
 
 
 def _is_plain_cpu_tensor(x: Any) -> bool:
-    torch = _torch_if_imported()
-    return torch is not None and type(x) is torch.Tensor and x.device.type == "cpu" and x.dtype in (torch.float32,
-                                                                                                   torch.float64)
-
-
-def _torch_if_imported() -> Any:
-    import sys
-
-    return sys.modules.get("torch")
+    """A plain torch.Tensor on the CPU of float32 or float64 (the floating dtypes of 4 bytes or more), which numpy
+    views as it is. Called for every array of every call: no torch import, no dtype table."""
+    if not is_plain_torch_tensor(x):
+        return False
+    dtype = x.dtype
+    return dtype.is_floating_point and dtype.itemsize >= 4 and x.device.type == "cpu"
 
 
 def _like(ref: Any, a: np.ndarray, dtype: str) -> Any:
     """``a`` as the same array kind and dtype as ``ref`` (numpy for anything but torch)."""
     if _is_plain_cpu_tensor(ref) and a.dtype == np.dtype(dtype):
-        return _torch_if_imported().from_numpy(a)
+        return sys.modules["torch"].from_numpy(a)   # ref is a tensor: torch is imported
     if is_torch_tensor(ref):
         import torch
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
-from .arrays import is_torch_tensor
+from .arrays import is_plain_torch_tensor, is_torch_tensor
 from .errors import AttentionInputError, UnknownKeywordError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -44,7 +44,7 @@ def refuse_masked(name: str, x: Any) -> None:
     """AttentionInputError naming ``name`` for a numpy masked array with masked elements (the kernels read its data
     and would ignore the mask, silently) or a torch.masked MaskedTensor. A masked array with nothing masked is its
     data and passes."""
-    if type(x) in _PLAIN:
+    if type(x) in _PLAIN or is_plain_torch_tensor(x):   # neither can hold a mask
         return
     hide = "a key is hidden with attn_bias = -inf or a mask_mod"
     if isinstance(x, np.ma.MaskedArray) and np.ma.is_masked(x):

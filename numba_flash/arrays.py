@@ -29,6 +29,13 @@ def is_torch_tensor(x: Any) -> bool:
     return tensor is not None and isinstance(x, tensor)
 
 
+def is_plain_torch_tensor(x: Any) -> bool:
+    """Whether ``x`` is exactly a ``torch.Tensor`` (no subclass: not a Parameter, a MaskedTensor or a user's), asked
+    without importing torch; one type lookup, for the checks every call makes on every argument."""
+    tensor = _torch_tensor_type()
+    return tensor is not None and type(x) is tensor
+
+
 def is_meta_tensor(x: Any) -> bool:
     """Whether ``x`` is a torch tensor on the meta device: shapes and dtypes, no values to read or memory to write."""
     return is_torch_tensor(x) and x.device.type == "meta"

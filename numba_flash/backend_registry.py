@@ -29,7 +29,7 @@ import os
 import threading
 from typing import Any, Iterator
 
-from numba_flash import kvcache_plans
+from numba_flash import chosen_backends, kvcache_plans
 from numba_flash.arguments import checked_arguments
 from numba_flash.errors import AttentionInputError, BackendDeclined, NoBackendError
 from numba_flash.explanation import Candidate, Explanation
@@ -68,7 +68,8 @@ def register(op: str, name: str, target: str | type | Backend, *, replace: bool 
             raise ValueError(f"backend {name!r} is already registered for op {op!r} (pass replace=True)")
         backends[name] = target
         _instances.pop((op, name), None)
-    kvcache_plans.clear()   # a kept plan's backend was chosen among the backends then registered
+    kvcache_plans.clear()
+    chosen_backends.clear()   # a kept plan's backend was chosen among the backends then registered
 
 
 def unregister(op: str, name: str) -> None:
@@ -76,6 +77,7 @@ def unregister(op: str, name: str) -> None:
         _targets.get(op, {}).pop(name, None)
         _instances.pop((op, name), None)
     kvcache_plans.clear()
+    chosen_backends.clear()
 
 
 def _load_entry_points(refresh: bool = False) -> None:
@@ -93,6 +95,7 @@ def _load_entry_points(refresh: bool = False) -> None:
             _targets.setdefault("*", {}).setdefault(ep.name, ep.value)
         _entry_points_loaded = True
     kvcache_plans.clear()
+    chosen_backends.clear()
 
 
 class _Unloadable(Backend):
@@ -279,6 +282,17 @@ class Dispatcher:
                          f"; passed over {passed}" if passed else "")
         return chosen
 
+    def select_kept(self, call: AttentionCall, backend: str | None, signature: tuple | None) -> Backend:
+        """``select(call, backend)``, ranked once per call signature (``numba_flash.chosen_backends``; the registry
+        forgets the choices when the backends change or one declines). ``signature``: the call's
+        ``call_signature.forward_signature``, None for a call without one (ranked every time)."""
+        forced = self.forced_backend(backend)
+        be = chosen_backends.kept(self.op, forced, signature)
+        if be is None:
+            be = self.select(call, backend)
+            chosen_backends.keep(self.op, forced, signature, be)
+        return be
+
     plan = make_plan
     """``plan(q, k, v, **forward's keywords)``: the call checked once, for a loop (``numba_flash.plan.make_plan``)."""
     plan_kvcache = make_kvcache_plan   # with_kvcache checked once, for a decode loop (numba_flash.plan_kvcache)
@@ -295,6 +309,7 @@ class Dispatcher:
             except BackendDeclined as exc:
                 logger.warning("%s: backend %r declined %s: %s", self.op, be.name, call.describe(), exc)
                 declined[be.name] = exc.reasons or [str(exc) or "declined"]
+                chosen_backends.clear()   # a choice kept before may be this backend, which has learnt otherwise
 
     @checked_arguments
     def forward(self, q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,

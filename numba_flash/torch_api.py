@@ -16,15 +16,15 @@ import dataclasses
 from typing import Any, Optional
 
 import torch
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
-
 from numba_flash.arguments import checked_arguments
-from numba_flash import backend_registry
+from numba_flash import backend_registry, chosen_backends
+from numba_flash.call_signature import copied_with, forward_signature
 from numba_flash.errors import BackendDeclined
 from numba_flash.torch_common import (SEEDS, check_flash_attn_extras, check_tensors, lse_dtype, no_double_backward,
                                       owned_output)
 # The packed and KV-cache faces live in modules of their own; importing them here registers their ops whenever
 # numba_flash hands out any of the three functions.
+from numba_flash.torch_eager import any_requires_grad, runs_eagerly
 from numba_flash.torch_kvcache import flash_attn_with_kvcache
 from numba_flash.torch_varlen import FlashAttnVarlenFunc, flash_attn_varlen_func
 from numba_flash.validation import check_precision, validate_forward
@@ -109,6 +109,7 @@ class FlashAttnFunc(torch.autograd.Function):
         found = _forward_validated(call, backend, q, k, v) if call is not None and _eager(q, k, v) else None
         out, lse = found if found is not None else torch.ops.numba_flash.flash_fwd(*args)
         ctx.eager = found is not None
+        ctx.signature = call.signature if found is not None else None   # a plain call's, for the backward
         ctx.save_for_backward(q, k, v, out, lse, attn_bias)
         ctx.params = (causal, softmax_scale, window_left, window_right, softcap, layout, backend, alibi_slopes)
         # the seed is kept, not the mask: the backward makes the same mask again from it
@@ -122,33 +123,68 @@ class FlashAttnFunc(torch.autograd.Function):
         return_dbias = attn_bias is not None and ctx.needs_input_grad[11]
         # Gradients arriving from a sum() or an expand() are broadcast views (stride 0); one contiguous copy of
         # dout, the size of q, spares every backend that case.
-        args = (dout.contiguous(), q, k, v, out, lse, *ctx.params, attn_bias, return_dbias, *ctx.dropout)
+        dout = dout.contiguous()
+        args = (dout, q, k, v, out, lse, *ctx.params, attn_bias, return_dbias, *ctx.dropout)
         # The op's dispatch costs ~140 us a call on the CPU; eager calls need none of what it does (see _eager),
         # but create_graph=True (grad mode on here) needs the op's autograd entry, which refuses a second derivative.
         eager = ctx.eager and not torch.is_grad_enabled() and _eager(dout, q, k, v)
-        run = _flash_bwd_impl if eager else torch.ops.numba_flash.flash_bwd
-        dq, dk, dv, dbias = run(*args)
+        found = None
+        if eager and ctx.signature is not None and not return_dbias:
+            found = _backward_of_plain_call(ctx.signature, ctx.params, ctx.dropout, dout, q, k, v, out, lse)
+        if found is not None:
+            dq, dk, dv = found
+            dbias = None
+        else:
+            run = _flash_bwd_impl if eager else torch.ops.numba_flash.flash_bwd
+            dq, dk, dv, dbias = run(*args)
         return (dq, dk, dv) + (None,) * 8 + (dbias if return_dbias else None, None, None, None, None)
 
 
-def _eager(*tensors: torch.Tensor) -> bool:
-    """Whether a call may skip the custom ops' dispatcher and run their implementation directly: not traced by
-    torch.compile, no torch dispatch mode active (FakeTensorMode, FlopCounterMode...: they must see the op), and
-    plain tensors (a subclass may dispatch on the op). The ops stay what torch.compile and opcheck see."""
-    return (not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode()
-            and all(type(t) is torch.Tensor for t in tensors))
+def _eager(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a call may skip the custom ops' dispatcher and run their implementation directly
+    (``torch_eager.runs_eagerly``). The ops stay what torch.compile and opcheck see."""
+    return runs_eagerly(*tensors)
 
 
 def _forward_validated(call: Any, backend: Optional[str], q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """``flash_fwd``'s work for a call ``flash_attn_func`` validated already (checks run once per call): out and
-    lse as the op returns them, or None when the chosen backend declines (the op then runs it, and picks again)."""
-    be = backend_registry.get("flash").select(call, backend)
+    lse as the op returns them, or None when the chosen backend declines (the op then runs it, and picks again).
+    ``call``: the ``_Validated`` pair; the backend is ranked once per call signature."""
+    be = backend_registry.get("flash").select_kept(call.call, backend, call.signature)
     try:
-        out, lse = be.forward(call)
+        out, lse = be.forward(call.call)
     except BackendDeclined:
+        chosen_backends.clear()   # the choice kept for this signature is out of date
         return None
     return owned_output(out, q, q.dtype, (q, k, v)), owned_output(lse, q, lse_dtype(q.dtype), (q, k, v))
+
+
+def _backward_of_plain_call(signature: tuple, params: tuple, dropout: tuple[float, int], dout: torch.Tensor,
+                            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                            lse: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``flash_bwd``'s dq, dk, dv (shaped like q, k, v) for a plain call (one with a ``call_signature`` signature:
+    no ALiBi, bias, mods or dropout) whose forward ran eagerly, or None where the op's implementation must run.
+
+    ``validate_backward`` checks q, k, v and the options as the forward did (remembered per signature: the same
+    call) and then dout, out and lse. out and lse are the forward's own, saved (autograd refuses them if they were
+    modified in place); dout is autograd's gradient of out, contiguous: its shape, dtype and device are checked here
+    and any surprise goes the full way. The backend is ranked once per signature, as the forward's is."""
+    if (type(dout) is not torch.Tensor or dout.shape != out.shape or dout.dtype != out.dtype
+            or dout.device != out.device or dout.is_neg() or dout.is_conj()):
+        return None
+    causal, scale, left, right, softcap, layout, backend, _ = params
+    base = validate_forward(q, k, v, causal=causal, softmax_scale=scale, window_size=(left, right), softcap=softcap,
+                            layout=layout, dropout_p=dropout[0], dropout_seed=dropout[1] % SEEDS)
+    call = copied_with(base, dout=dout, out=out, lse=lse)   # validate_backward's call for these dout, out, lse
+    be = backend_registry.get("flash").select_kept(call, backend, (signature, "backward"))
+    try:
+        grads = be.backward(call)
+    except BackendDeclined:
+        chosen_backends.clear()   # the choice kept for this signature is out of date
+        return None
+    inputs = (dout, q, k, v, out, lse)
+    return tuple(owned_output(g, q, q.dtype, inputs) for g in grads[:3])
 
 
 @checked_arguments
@@ -254,7 +290,7 @@ def flash_attn_func(
                                return_lse=True, alibi_slopes=alibi_slopes, attn_bias=attn_bias, bias_mod=bias_mod,
                                mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask, dropout_p=dropout_p,
                                dropout_seed=seed % SEEDS if dropout_p else None, precision=precision)
-        backend = _backend_for_both_halves(call, backend, attn_bias)
+        backend = _backend_for_both_halves(call.call, backend, attn_bias)
     else:
         call = None
     scale = None if softmax_scale is None else float(softmax_scale)
@@ -266,17 +302,35 @@ def flash_attn_func(
                       layout=layout, backend=backend, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                       dropout_seed=seed % SEEDS, precision=precision)
         out, lse = _forward_with_mods(q, k, v, attn_bias, params, mods)
+    elif (call is not None and not (torch.is_grad_enabled() and any_requires_grad(q, k, v, alibi_slopes, attn_bias))
+          and _eager(q, k, v, alibi_slopes, attn_bias)
+          and (found := _forward_validated(call, backend, q, k, v)) is not None):
+        # No autograd graph to record and nothing that needs the op: FlashAttnFunc.apply would record nothing and
+        # run this same work (its forward's eager branch); apply alone costs ~10 us a call here.
+        out, lse = found
     else:
         out, lse = FlashAttnFunc.apply(q, k, v, bool(causal), scale, left, right, float(softcap), layout, backend,
                                        alibi_slopes, attn_bias, dropout_p, seed, precision, call)
     return (out, lse) if return_lse else out
 
 
-def _validated_call(q: Any, k: Any, v: Any, **options: Any) -> Any:
+@dataclasses.dataclass(frozen=True)
+class _Validated:
+    """A call flash_attn_func checked: the ``AttentionCall`` and its ``call_signature`` signature (None: none)."""
+
+    call: Any
+    signature: Optional[tuple]
+
+
+_NO_SIGNATURE_PARTS = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None)
+
+
+def _validated_call(q: Any, k: Any, v: Any, **options: Any) -> _Validated:
     """flash_attn_func's first step: q, k, v must be tensors, and the call must keep the contract
-    (``validate_forward``'s checks and errors). Returns the ``AttentionCall``."""
+    (``validate_forward``'s checks and errors). Returns the ``AttentionCall`` with its signature."""
     check_tensors("flash_attn_func", q, k, v)
-    return validate_forward(q, k, v, **options)
+    call = validate_forward(q, k, v, **options)
+    return _Validated(call, forward_signature(dict(options, q=q, k=k, v=v, **_NO_SIGNATURE_PARTS)))
 
 
 def _backend_for_both_halves(call: Any, backend: Optional[str], attn_bias: Any) -> Optional[str]:

@@ -1,7 +1,9 @@
 """``flash_attn_with_kvcache``: decoding with a KV cache on torch tensors, flash-attn's face, forward only.
 
 One custom op, ``numba_flash::flash_kvcache``, declares the two caches it writes, so that ``torch.compile`` knows
-about the append; the work goes through ``numba_flash.backend_registry.get("flash").with_kvcache``.
+about the append; the work goes through ``numba_flash.backend_registry.get("flash").with_kvcache``. An eager call
+that needs no autograd skips the op's dispatch (``numba_flash.torch_eager``) and bumps the caches' version counters
+itself, as the op's ``mutates_args`` has torch do.
 Annotations are evaluated (no ``from __future__ import annotations``) because ``custom_op`` reads them as its schema.
 """
 
@@ -15,25 +17,36 @@ from numba_flash.arguments import checked_arguments
 from numba_flash.arrays import to_numpy
 from numba_flash.plan_kvcache import KVCACHE_OPTIONS
 from numba_flash.torch_common import check_tensors, lse_dtype, owned_output
+from numba_flash.torch_eager import any_requires_grad, bump_versions, runs_eagerly
 
 
 # Decoding with a KV cache. Forward only (as in flash-attn); one op that declares the two caches it writes.
 
-@torch.library.custom_op("numba_flash::flash_kvcache", mutates_args=("k_cache", "v_cache"))
-def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
-                  v: Optional[torch.Tensor], rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor],
-                  cache_seqlens: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],
-                  cache_leftpad: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
-                  softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
-                  rotary_interleaved: bool, alibi_slopes: Optional[torch.Tensor], num_splits: int,
-                  backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
+                        v: Optional[torch.Tensor], rotary_cos: Optional[torch.Tensor],
+                        rotary_sin: Optional[torch.Tensor], cache_seqlens: Optional[torch.Tensor],
+                        cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
+                        block_table: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool,
+                        window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
+                        alibi_slopes: Optional[torch.Tensor], num_splits: int,
+                        backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """``with_kvcache`` through the registry; returns out (like q, contiguous) and lse (B, Hq, Sq) float32."""
     out, lse = backend_registry.get("flash").with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
         block_table, softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved, alibi_slopes,
         num_splits, True, backend=backend)
-    inputs = tuple(x for x in (q, k_cache, v_cache, k, v) if x is not None)
-    return owned_output(out, q, q.dtype, inputs), owned_output(lse, q, lse_dtype(q.dtype), inputs)
+    return _owned(out, lse, q, k_cache, v_cache, k, v)
+
+
+def _owned(out: Any, lse: Any, q: torch.Tensor, *inputs: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's outputs as its fake promises them: out like q, lse (B, Hq, Sq) float32, both fresh and contiguous
+    (q, the caches and the new k, v are the tensors they must not share memory with)."""
+    given = tuple(x for x in (q,) + inputs if x is not None)
+    return owned_output(out, q, q.dtype, given), owned_output(lse, q, lse_dtype(q.dtype), given)
+
+
+flash_kvcache = torch.library.custom_op("numba_flash::flash_kvcache",
+                                        mutates_args=("k_cache", "v_cache"))(_flash_kvcache_impl)
 
 
 @flash_kvcache.register_fake
@@ -129,6 +142,18 @@ def flash_attn_with_kvcache(
     op = backend_registry.get("flash")
     if backend is None:
         backend = op.forced_backend()
+    tensors = [x for x in (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                           cache_leftpad, block_table, alibi_slopes) if isinstance(x, torch.Tensor)]
+    if runs_eagerly(*tensors) and not any_requires_grad(*tensors):
+        # Nothing needs the op here (torch_eager): the registry checks the arguments as given, as the face's own
+        # check would (the same validate_kvcache, word for word, nothing written when it refuses), and runs the
+        # call once, on a kept plan for a signature seen before.
+        out, lse = op.with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                   cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                                   rotary_interleaved, alibi_slopes, num_splits, True, backend=backend)
+        bump_versions(k_cache, v_cache)   # what the op's mutates_args has torch do
+        out, lse = _owned(out, lse, q, k_cache, v_cache, k, v)
+        return (out, lse) if return_softmax_lse else out
     if not torch.compiler.is_compiling():
         # Fail fast, before the op's schema turns the arguments into ints and tensors (as flash_attn_func does):
         # in full for a call of a new signature, with a kept plan's step checks for one seen before (the op then
