@@ -58,6 +58,7 @@ from numba_flash.errors import BackendDeclined
 
 from numba_flash.cuda.host.config import STATIC_SMEM_LIMIT, FlashAttentionConfig
 from numba_flash.cuda.host.devices import current_device
+from numba_flash.cuda.kernels.registry import find
 from numba_flash.cuda.selfcheck.problem import (PACKED_INDEX, PACKED_KEYS, PACKED_ROWS, SEED, STRIDED, Problem,
                                                 ahead, draw_problem, judge, max_abs, nan_device_like, placed, rel_l2,
                                                 textbook_float32, to_device_like, to_storage, widen)
@@ -175,12 +176,17 @@ def verdicts() -> dict[tuple[int, Specialisation], Verdict]:
 
 
 def candidates(cfg: FlashAttentionConfig) -> list[FlashAttentionConfig]:
-    """``cfg``, then the ``FALLBACK_TILES`` configs of the same kernel and head-dim bucket that are valid for it."""
+    """``cfg``, then the ``FALLBACK_TILES`` configs of the same kernel and head-dim bucket that are valid for it. A
+    wgmma kernel's then gives way to the mma.sync kernel of its role and its candidates: Hopper's kernel is the
+    newest code, and mma.sync serves the same calls on the same GPU."""
     found = [cfg]
     for bm, bn, nt in TC_FALLBACK_TILES if cfg.tensor_cores else FALLBACK_TILES:
         cand = FlashAttentionConfig(cfg.kernel, bm, bn, nt, cfg.head_dim_bucket)
         if cand not in found and not cand.problems(STATIC_SMEM_LIMIT):
             found.append(cand)
+    if cfg.spec.kind == "wgmma":
+        mma = find(cfg.spec.role, "mma")
+        found += candidates(FlashAttentionConfig(mma.name, *mma.tiles[cfg.head_dim_bucket], cfg.head_dim_bucket))
     return found
 
 
@@ -256,7 +262,8 @@ def problems(cfgs: list[FlashAttentionConfig], has_left: bool, has_right: bool, 
                 break
             if verdict.passed:
                 if failures:
-                    notes.append(f"{'; '.join(failures)}; using {spec.tiles()} instead")
+                    other = f"{cand.kernel} " if cand.kernel != cfg.kernel else ""   # wgmma's mma.sync fallback
+                    notes.append(f"{'; '.join(failures)}; using {other}{spec.tiles()} instead")
                 break
             failures.append(verdict.reason)
         else:

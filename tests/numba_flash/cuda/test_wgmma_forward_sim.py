@@ -102,3 +102,41 @@ def test_explain_says_when_the_forward_runs_on_wgmma_and_why_it_cannot(rng):
     (q, k, v), _ = inputs(rng, "float16", 1, 5, 5, 1, 1, 256)
     with tile_config_override(wgmma=True):
         assert "wgmma=True: head dim 256" in str(op.explain(q, k, v))
+
+
+def test_a_wgmma_kernel_that_fails_its_self_check_gives_way_to_mma_sync(rng, monkeypatch):
+    """With the first-use check on, a broken wgmma specialisation (its output scaled by 1.01: float16's bound is
+    2e-3) gives way to the mma.sync forward, and explain() says so."""
+    from backends import backend_registry
+    from numba_flash.cuda import selfcheck, tile_config_override
+    from numba_flash.cuda.kernels import tc_forward
+
+    monkeypatch.setenv(selfcheck.ENV_VAR, "1")
+    real = tc_forward.make_tc_forward_kernel
+
+    class Broken:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, launch_config):
+            def run(*args):
+                self.kernel[launch_config](*args)
+                out = args[3]
+                out[...] = (out.copy_to_host().view(np.float16) * np.float16(1.01)).view(np.uint16)
+            return run
+
+    monkeypatch.setattr(tc_forward, "make_tc_forward_kernel", lambda cfg, *f, **kw: Broken(real(cfg, *f, **kw))
+                        if cfg.kernel == "wgmma_forward" else real(cfg, *f, **kw))
+    selfcheck.reset()
+    try:
+        (q, k, v), (q64, k64, v64) = inputs(rng, "float16", 1, 21, 37, 2, 1, 64)
+        out, lse = forward(q, k, v, tiles=WGMMA, causal=True)
+        judge(out, lse, q, k, v, q64, k64, v64, "float16", causal=True)
+        verdicts = {(s.cfg.kernel, s.cfg.block_m, s.cfg.block_n): v.passed
+                    for (_, s), v in selfcheck.verdicts().items()}
+        assert verdicts == {("wgmma_forward", 64, 64): False, ("tc_forward", 64, 32): True}
+        with tile_config_override(wgmma=True):
+            text = str(backend_registry.get("flash", backend="cuda").explain(q, k, v, causal=True))
+        assert "self-check failed for wgmma_forward 64x64/128" in text and "using tc_forward 64x32/128" in text
+    finally:
+        selfcheck.reset()
