@@ -23,6 +23,9 @@ _CLASSES: tuple[tuple[str, frozenset[str]], ...] = (
     ("fp32", frozenset({"FADD", "FMUL", "FFMA32I", "FADD32I", "FMUL32I"})),
     ("hfma2", frozenset({"HFMA2", "HADD2", "HMUL2", "HFMA2.MMA"})),
     ("hmma", frozenset({"HMMA", "IMMA", "DMMA"})),
+    # wgmma: a warpgroup's 64 x N x 16 product, each of its 4 warps issuing one; N is in the opcode
+    # (``hgmma_n``), which the parser leaves at "HGMMA.64" (the shape's lowercase x ends it)
+    ("hgmma", frozenset({"HGMMA"})),
     ("mufu", frozenset({"MUFU"})),
     ("conv", frozenset({"F2F", "F2I", "I2F", "I2I", "FRND"})),
     ("lds", frozenset({"LDS", "LDSM"})),
@@ -30,7 +33,7 @@ _CLASSES: tuple[tuple[str, frozenset[str]], ...] = (
     ("ldg", frozenset({"LDG", "LD", "LDC"})),
     ("stg", frozenset({"STG", "ST", "RED", "ATOM", "ATOMG"})),
     ("local", frozenset({"LDL", "STL"})),
-    ("bar", frozenset({"BAR", "WARPSYNC", "MEMBAR", "DEPBAR"})),
+    ("bar", frozenset({"BAR", "WARPSYNC", "MEMBAR", "DEPBAR", "WARPGROUP"})),
     ("branch", frozenset({"BRA", "BRX", "JMP", "CALL", "RET", "EXIT", "BSSY", "BSYNC", "BREAK", "BPT", "YIELD"})),
     ("imad", frozenset({"IMAD", "IMUL", "IMAD32I", "IMUL32I"})),
 )
@@ -104,6 +107,13 @@ def classify(opcode: str) -> str:
     if base in _ISSUE_ONLY or opcode in _ISSUE_ONLY or base.startswith("U"):
         return "issue"
     return "int"
+
+
+def hgmma_n(ins: Instruction) -> int:
+    """N of a wgmma (``HGMMA.64xNx16``), whose shape the parser splits between the opcode ("HGMMA.64") and the
+    operands ("xNx16.F32 R24, ..."); 0 for another instruction."""
+    m = re.match(r"x(\d+)x\d+", ins.operands) if ins.base == "HGMMA" else None
+    return int(m.group(1)) if m else 0
 
 
 def access_bits(opcode: str) -> int:

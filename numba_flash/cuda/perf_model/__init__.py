@@ -68,8 +68,7 @@ VARIANTS: dict[str, tuple[bool, ...]] = {
     "dropout": (False, True, False, False, False, True),
 }
 #: The kernels modelled: those whose registry entry counts their products.
-#: The model does not price wgmma yet (issue 46, item 4): its kernels stay out.
-MODEL_KERNELS: tuple[str, ...] = tuple(spec.name for spec in SPECS if spec.products and spec.kind != "wgmma")
+MODEL_KERNELS: tuple[str, ...] = tuple(spec.name for spec in SPECS if spec.products)
 #: Products (matrix multiplies over the tile) each kernel executes per main-loop iteration (its registry entry's
 #: ``products``): the forward's QK^T and PV; dK/dV recomputes QK^T and dP, then dV and dK; dQ recomputes QK^T and
 #: dP, then dQ. A single kernel's products all count as useful; the backward's useful work is five products per
@@ -137,7 +136,9 @@ def _cycles(spec: GpuSpec, per_warp: list[dict[str, float]], blocks: int) -> dic
         "alu pipe": total("int") * 32 / spec.int_lanes,
         "mufu pipe": (total("mufu") + total("conv")) * 32 / spec.mufu_lanes,
         "shared memory": total("smem_wavefronts"),
-        "tensor pipe": total("hmma") * 16 * 8 * 16 / spec.tensor_fma if spec.tensor_fma else 0.0,
+        # mma.sync's m16n8k16 is 2048 multiply-adds; a wgmma's are counted per warp (counts.py: "hgmma_fma")
+        "tensor pipe": (total("hmma") * 16 * 8 * 16 + total("hgmma_fma")) / spec.tensor_fma if spec.tensor_fma
+        else 0.0,
     }
 
 
@@ -157,7 +158,7 @@ def model_kernel(kernel: str, cfg: FlashAttentionConfig, dtype: str, variant: st
     blocks = max(occ.blocks_per_sm, 1)
     cycles = _cycles(spec, per_warp, blocks)
     bound = max(cycles, key=lambda k: cycles[k])
-    tensor = sum(w.get("hmma", 0.0) for w in per_warp) > 0
+    tensor = sum(w.get("hmma", 0.0) + w.get("hgmma", 0.0) for w in per_warp) > 0
     peak = spec.tensor_fma if tensor else spec.fp32_lanes
     if tensor and REGISTRY[kernel].kind == "tf32":
         peak *= TF32_PEAK_FRACTION
@@ -251,11 +252,13 @@ def model_specialisation(kernel: str, dtype: str, head_dim: int, variant: str,
         picked = cfg or tile_config_for(head_dim, dtype, cc, smem_limit_for(cc), kernel, override=TileOverride())
         by_config.setdefault(picked, []).append(cc)
     records = []
+    # wgmma kernels compile for the "a" target of 9.0 (hopper.ARCH), the only one with those instructions
+    arch = (lambda cc: (*cc, "a")) if REGISTRY[kernel].kind == "wgmma" else (lambda cc: cc)
     for picked, group in by_config.items():
         py_func = python_kernel(kernel, picked, dtype, flags)
-        ptx = kernel_ptx(kernel, picked, dtype, group[0], flags, lineinfo=True)
+        ptx = kernel_ptx(kernel, picked, dtype, arch(group[0]), flags, lineinfo=True)
         for cc in group:
-            cubin, log = link(ptx, cc, lineinfo=True)
+            cubin, log = link(ptx, arch(cc), lineinfo=True)
             try:
                 records.append(model_kernel(kernel, picked, dtype, variant, cc, disassemble(cubin), py_func, log))
             except ValueError as exc:
@@ -337,6 +340,11 @@ def _model_or_none(kernel: str, dtype: str, head_dim: int, variant: str, cc_ok: 
         if head_dim > spec.max_head_dim:
             return []
         return model_specialisation(kernel, dtype, head_dim, variant, cc_tc, use_cache) if cc_tc else []
+    if spec.kind == "wgmma":   # compute capability 9.0 only, head dims 64 and 128 (plan.wgmma_reason)
+        ccs = [cc for cc in cc_tc if tuple(cc) == spec.min_compute_capability]
+        if not ccs or head_dim not in spec.tiles:
+            return []
+        return model_specialisation(kernel, dtype, head_dim, variant, ccs, use_cache)
     cc_ok = [cc for cc in cc_ok if not head_dim_reason(head_dim, kernel, smem_limit_for(cc))]
     return model_specialisation(kernel, dtype, head_dim, variant, cc_ok, use_cache) if cc_ok else []
 

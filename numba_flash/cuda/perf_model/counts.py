@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from numba_flash.cuda.perf_model.latency import iteration_cycles
-from numba_flash.cuda.compile_check.sass import Function
+from numba_flash.cuda.compile_check.sass import Function, hgmma_n
 
 #: The key of ``dynamic_counts``'s per-warp dict that holds clocks (the latency-bound issue time), not counts.
 LATENCY_KEY = "latency_clocks"
@@ -334,6 +334,8 @@ def dynamic_counts(fn: Function, counts: LoopCounts) -> list[dict[str, float]]:
             c = ins[i].cls
             out[c] = out.get(c, 0.0) + m
             out["total"] += m
+            if c == "hgmma":   # a warp's quarter of the warpgroup's 64 x N x 16 multiply-adds
+                out["hgmma_fma"] = out.get("hgmma_fma", 0.0) + m * 16 * hgmma_n(ins[i]) * 16
             if c in ("lds", "sts", "ldg", "stg", "local"):   # memory instructions also by access width
                 key = f"{c}.{ins[i].bits}"
                 out[key] = out.get(key, 0.0) + m

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
-from numba_flash.cuda.compile_check.sass import Instruction
+from numba_flash.cuda.compile_check.sass import Instruction, hgmma_n
 
 #: Clocks from issue until the result can be read, by ``sass.classify`` class.
 CLASS_LATENCY: dict[str, int] = {
@@ -33,16 +33,22 @@ CLASS_LATENCY: dict[str, int] = {
 }
 #: Opcodes that differ from their class.
 OPCODE_LATENCY: dict[str, int] = {"SHFL": 26, "S2R": 22, "S2UR": 22, "CS2R": 22, "LDSM": 30, "F2FP": 5}
+#: A wgmma's result: a pipeline of about mma.sync's latency, then its 64 x N x 16 multiply-adds at the SM's dense
+#: rate (sm_90: 2048 a clock, so N / 2 clocks): a chain of k steps into one accumulator takes their sum. An
+#: assumption, as the table above; the wait (WARPGROUP.DEPBAR) is what the reading instructions wait behind.
+HGMMA_PIPELINE = 30
 
 # Opcodes that write no register (stores, barriers, branches, cp.async's copy).
 _NO_DEST = frozenset({"STS", "STG", "ST", "STL", "RED", "BAR", "BRA", "BRX", "JMP", "EXIT", "RET", "CALL", "BSSY",
                       "BSYNC", "BREAK", "WARPSYNC", "NOP", "YIELD", "MEMBAR", "DEPBAR", "LDGSTS", "LDGDEPBAR",
-                      "ERRBAR", "CCTL", "FENCE", "ARRIVES"})
+                      "ERRBAR", "CCTL", "FENCE", "ARRIVES", "WARPGROUP", "UBLKCP"})
 _REGISTER = re.compile(r"\b(U?R\d+|U?P\d)\b")
 
 
 def latency(ins: Instruction) -> int:
     """Clocks after ``ins`` issues until a dependent instruction can issue."""
+    if ins.base == "HGMMA":
+        return HGMMA_PIPELINE + hgmma_n(ins) // 2
     return OPCODE_LATENCY.get(ins.base, CLASS_LATENCY.get(ins.cls, 5))
 
 
@@ -53,6 +59,9 @@ def _widths(ins: Instruction) -> tuple[int, list[int]]:
         acc = 4 if "F32" in parts else 2
         k16 = "16816" in parts
         return acc, [4 if k16 else 2, 2 if k16 else 1, acc]
+    if ins.base == "HGMMA":   # D and C: N / 2 float32 registers; A: a descriptor, or 4 registers
+        acc = max(1, hgmma_n(ins) // 2)
+        return acc, [1, acc] if "gdesc" in ins.operands.split(",")[1] else [4, 1, acc]
     if ins.cls in ("lds", "ldg", "local"):
         return max(1, ins.bits // 32), []
     if ins.cls in ("sts", "stg"):   # the data operand, last

@@ -31,6 +31,12 @@ FMA, HMMA, LDSM = CLASS_LATENCY["ffma"], CLASS_LATENCY["hmma"], OPCODE_LATENCY["
     ("HMMA.16816.F32 R4, R12, R16, R4", ["R12", "R13", "R14", "R15", "R16", "R17", "R4", "R5", "R6", "R7"],
      ["R4", "R5", "R6", "R7"]),
     ("HMMA.16816.F16 R4, R12, R16, R4", ["R12", "R13", "R14", "R15", "R16", "R17", "R4", "R5"], ["R4", "R5"]),
+    # wgmma: N / 2 float32 accumulators written and read; A from a descriptor (uniform registers) or 4 registers
+    ("HGMMA.64x16x16.F32 R24, gdesc[UR4], R24, gsb0", ["UR4"] + [f"R{24 + i}" for i in range(8)],
+     [f"R{24 + i}" for i in range(8)]),
+    ("HGMMA.64x8x16.F32.BF16 R24, R56, gdesc[UR4].tnspB, R24, gsb0",
+     ["R56", "R57", "R58", "R59", "UR4", "R24", "R25", "R26", "R27"], ["R24", "R25", "R26", "R27"]),
+    ("WARPGROUP.DEPBAR.LE gsb0, 0x0", [], []),
     ("BAR.SYNC.DEFER_BLOCKING 0x0", [], []),
     ("MOV R2, UR4", ["UR4"], ["R2"]),
 ])
@@ -75,3 +81,14 @@ def test_dependencies_carry_across_stretches_loop_trips_and_iterations():
     assert iteration_cycles([(False, 0.5, wide)]) == pytest.approx(4)
     # Nothing runs, nothing costs.
     assert iteration_cycles([(True, 0.0, wide)]) == 0
+
+
+def test_a_chain_of_wgmmas_waits_for_each_ones_pipeline_and_multiply_adds():
+    """Four k steps into one accumulator (Q K^T over D = 64), then a read of it: each waits for the one before,
+    HGMMA_PIPELINE plus N / 2 clocks (the SM's 2048 multiply-adds a clock on a warpgroup's 64 x N x 16)."""
+    from numba_flash.cuda.perf_model.latency import HGMMA_PIPELINE
+
+    ins = _sass(*["HGMMA.64x64x16.F32 R24, gdesc[UR4], R24, gsb0"] * 4, "FMNMX R2, R24, R55, !PT")
+    step = HGMMA_PIPELINE + 64 // 2
+    assert latency(ins[0]) == step
+    assert run_cycles(ins) == 4 * step + 1

@@ -427,3 +427,24 @@ def test_the_tf32_forward_is_priced_against_half_the_float16_tensor_peak(model_c
     assert abs(r.ceiling - useful / (r.bounds[r.bound] * peak)) < 1e-3
     assert run_model(["tf32_forward"], ["float16"], [64], ["plain"], [(8, 0)]) == []   # float32 only
     assert run_model(["tf32_forward"], ["float32"], [64], ["plain"], [(7, 5)]) == []
+
+
+def test_the_wgmma_forward_is_priced_by_its_multiply_adds(model_cache_dir, monkeypatch):
+    """Each of a warpgroup's 4 warps issues every HGMMA (64 x N x 16): per key tile D / 16 of N = block_n for
+    Q K^T and block_n / 16 of N = D for P V. Its tensor-pipe bound is the block's multiply-adds, counted here from
+    the tile config alone, over the SM's dense rate; it is modelled on 9.0 only, compiled for sm_90a."""
+    _needs_toolchain()
+    from numba_flash.cuda.host.picker import tile_config_for
+    from numba_flash.cuda.host.gpus import gpu_spec
+    from numba_flash.cuda.perf_model import run_model
+
+    monkeypatch.setenv("NUMBA_FLASH_CACHE_DIR", str(model_cache_dir))
+    (r,) = run_model(["wgmma_forward"], ["float16"], [64], ["plain"], [(8, 0), (9, 0)])
+    cfg = tile_config_for(64, "float16", (9, 0), kernel="wgmma_forward")
+    d, n, warps = cfg.head_dim_bucket, cfg.block_n, cfg.threads // 32
+    assert r.kernel == "wgmma_forward" and r.cc == "9.0" and r.unit == "tensor" and r.spills == 0
+    assert r.per_iteration["hgmma"] == warps * (d // 16 + n // 16)
+    macs = 2 * cfg.block_m * n * d * r.blocks_per_sm
+    assert r.bounds["tensor pipe"] == round(macs / gpu_spec((9, 0)).tensor_fma, 1)
+    assert 0 < r.ceiling <= 1
+    assert run_model(["wgmma_forward"], ["float16"], [256], ["plain"], [(9, 0)]) == []
