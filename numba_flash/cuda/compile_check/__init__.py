@@ -421,14 +421,15 @@ def _mma_configs(kind: str, dtypes: tuple[str, ...], ccs: tuple[tuple[int, int],
 
 def format_table(results: list[KernelResources]) -> str:
     """The rows as the CLI prints them, one line each, the target as ``--cc`` names it (9.0, 9.0a)."""
-    head = (f"{'kernel':<15}{'cc':>5} {'D':>4} {'dtype':<9}{'tiles (m x n / thr)':<20}{'regs':>5}"
+    width = max([15] + [len(r.kernel) + 1 for r in results])   # the suffixed rows' names are the longest
+    head = (f"{'kernel':<{width}}{'cc':<5} {'D':>4} {'dtype':<9}{'tiles (m x n / thr)':<20}{'regs':>5}"
             f"{'spill':>7}{'smem':>7}{'blocks/SM':>10}  problems")
     lines = [head, "-" * len(head)]
     for r in results:
         cfg = r.config
         tiles = f"{cfg.block_m} x {cfg.block_n} / {cfg.threads}" if cfg else f"1 row / {r.threads} thr"
         bucket = str(cfg.head_dim_bucket) if cfg else "any"
-        lines.append(f"{r.kernel:<15}{target_label(r.cc):<5} {bucket:>4} {r.dtype:<9}{tiles:<20}{r.registers:>5}"
+        lines.append(f"{r.kernel:<{width}}{target_label(r.cc):<5} {bucket:>4} {r.dtype:<9}{tiles:<20}{r.registers:>5}"
                      f"{r.spill_stores + r.spill_loads:>7}{r.smem + r.dynamic_smem:>7}{r.occupancy.blocks_per_sm:>10}  "
                      f"{'; '.join(r.problems()) or 'ok'}")
     return "\n".join(lines)
