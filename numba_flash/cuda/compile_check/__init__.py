@@ -343,12 +343,12 @@ def arch_specific_configs(ccs: tuple[Target, ...] = COMPUTE_CAPABILITIES,
     """Every (target, dtype, config) of the kernels of ``ARCH_SPECIFIC_KINDS`` (the wgmma forward, on sm_90a) that
     ``ccs`` covers: each dtype of the spec, one config per head-dim bucket of its tiles."""
     found = []
-    for spec in SPECS:
-        for target in dict.fromkeys(kernel_target(spec, cc) for cc in ccs):
-            if spec.kind in ARCH_SPECIFIC_KINDS and target is not None:
-                found += [(target, dtype, tile_config_for(bucket, dtype, target[:2], kernel=spec.name,
-                                                          override=TileOverride()))
-                          for dtype in spec.dtypes for bucket in spec.tiles]
+    for spec in (spec for spec in SPECS if spec.kind in ARCH_SPECIFIC_KINDS):
+        targets = dict.fromkeys(kernel_target(spec, cc) for cc in ccs)   # 9.0 and 9.0a both give sm_90a: once
+        for target in (target for target in targets if target is not None):
+            found += [(target, dtype, tile_config_for(bucket, dtype, target[:2], kernel=spec.name,
+                                                      override=TileOverride()))
+                      for dtype in spec.dtypes for bucket in spec.tiles]
     return found
 
 
