@@ -25,10 +25,14 @@ import numpy as np
 from numba_flash.cuda.host.config import (COMPUTE_CAPABILITIES, TC_DTYPES, TC_MIN_COMPUTE_CAPABILITY,
                                           FlashAttentionConfig, head_dim_bucket, storage_dtype)
 from numba_flash.cuda.host.picker import TileOverride, all_tile_configs, tile_config_for
+from numba_flash.cuda.host.plan import wgmma_reason
 from numba_flash.cuda.compile_check.resources import KernelResources, parse_resources
+from numba_flash.cuda.compile_check.targets import (ARCH_SPECIFIC_KINDS, Target, kernel_target, parse_target,
+                                                   target_label)
 from numba_flash.cuda.kernels.registry import AUX_KERNELS, REGISTRY, SPECS, kernel_spec
 from numba_flash.cuda.kernels.spec import ROLE_ARRAYS, ROW_ARRAYS
 from numba_flash.cuda.kernels.variant import Variant
+from numba_flash.errors import AttentionInputError
 
 #: A row of a tensor-core kernel compiled for plain loads carries this suffix; the row without it is the cp.async
 #: path (the kernels copy with cp.async where launch.async_copy_ok says they can).
@@ -52,10 +56,11 @@ TC_COPY_PATHS: dict[str, bool] = _copy_paths("mma")
 #: three mods at once take the sm_90 dK/dV tensor-core kernel to 255 registers and an 8-byte spill (218 without
 #: attn_bias, 222 with ALiBi too; both measured before the table).
 MODS_SUFFIX = "+mods"
-# wgmma kernels are sm_90a only and checked apart (tests/numba_flash/cuda/test_wgmma_forward_compile.py) until the
-# table learns the "a" target.
-MODS_KERNELS = {spec.name: "float16" if spec.kind == "mma" else "float32" for spec in SPECS
-                if spec.role != "decode" and spec.kind != "wgmma"}
+#: kernel -> the dtype of its mods and packed-sequence rows: float32 where it takes it (SIMT, TF32), else its first
+#: (float16: the mma.sync and wgmma kernels). The wgmma forward's are built for sm_90a only (targets.py), and its
+#: mods row only where the plan lets mods run on it (``plan.wgmma_reason``: not past D = 64).
+MODS_KERNELS = {spec.name: "float32" if "float32" in spec.dtypes else spec.dtypes[0] for spec in SPECS
+                if spec.role != "decode"}
 #: The TF32 forward's two copy paths, as TC_COPY_PATHS.
 TF32_COPY_PATHS: dict[str, bool] = _copy_paths("tf32")
 MODS_HEAD_DIM = 64
@@ -202,9 +207,9 @@ def python_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
     return spec.build(cfg, variant).py_func
 
 
-def kernel_ptx(kernel: str, cfg: FlashAttentionConfig | None, dtype: str, cc: tuple[int, int],
+def kernel_ptx(kernel: str, cfg: FlashAttentionConfig | None, dtype: str, cc: Target,
                flags: tuple[bool, ...] = (True,) * 6, lineinfo: bool = False) -> str:
-    """PTX of one kernel specialisation for compute capability ``cc`` (types and lowers it: typing errors show).
+    """PTX of one kernel specialisation for target ``cc`` (targets.py; types and lowers it: typing errors show).
     ``lineinfo`` adds source-line directives (for the performance model), with inlined helpers' lines in their own
     files (``lineinfo.helper_lines_in_their_files``); the code is the same."""
     from numba import cuda
@@ -218,7 +223,7 @@ def kernel_ptx(kernel: str, cfg: FlashAttentionConfig | None, dtype: str, cc: tu
 
 
 @contextlib.contextmanager
-def device_functions_for(cc: tuple[int, int]) -> Iterator[None]:
+def device_functions_for(cc: Target) -> Iterator[None]:
     """numba-cuda compiles a device function that numba does not inline itself (the user's mods, user_mods.py) for
     the current GPU's compute capability, which needs a GPU; in here, for ``cc`` (its IR does not depend on it)."""
     from numba.cuda import dispatcher
@@ -232,7 +237,7 @@ def device_functions_for(cc: tuple[int, int]) -> Iterator[None]:
 
 
 def assemble(ptx: str, kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
-             cc: tuple[int, int]) -> KernelResources:
+             cc: Target) -> KernelResources:
     """Assemble PTX to SASS for ``cc`` with nvJitLink and read the kernel's resources from its log."""
     from numba_flash.cuda.compile_check.sass import link
 
@@ -243,7 +248,7 @@ def assemble(ptx: str, kernel: str, cfg: FlashAttentionConfig | None, dtype: str
 
 
 def compile_kernel(kernel: str, cfg: FlashAttentionConfig | None, dtype: str,
-                   cc: tuple[int, int]) -> KernelResources:
+                   cc: Target) -> KernelResources:
     """Compile one kernel to PTX and SASS for ``cc`` and report its resources."""
     return assemble(kernel_ptx(kernel, cfg, dtype, cc), kernel, cfg, dtype, cc)
 
@@ -260,17 +265,19 @@ def toolchain_ccs() -> tuple[tuple[int, int], ...]:
     return COMPUTE_CAPABILITIES if major >= 13 else ((7, 0),) + COMPUTE_CAPABILITIES
 
 
-#: One specialisation to lower: (kernel, tile config or None, dtype, the compute capabilities to assemble it for).
-Job = tuple[str, FlashAttentionConfig | None, str, tuple[tuple[int, int], ...]]
+#: One specialisation to lower: (kernel, tile config or None, dtype, the targets to assemble it for).
+Job = tuple[str, FlashAttentionConfig | None, str, tuple[Target, ...]]
 
 
-def check_all(progress: Any = None, ccs: tuple[tuple[int, int], ...] | None = None,
+def check_all(progress: Any = None, ccs: tuple[Target, ...] | None = None,
               workers: int | None = None) -> list[KernelResources]:
     """Every (compute capability, dtype, tile config) the picker produces, plus the kernels without a tile config
     (the backward's delta pre-pass, decoding's split merge) and those built with user mods (``MODS_KERNELS``) or
     for packed sequences (the same kernels, ``VARLEN_SUFFIX``); bfloat16 only for compute capabilities it is
-    offered on (``config.MIN_COMPUTE_CAPABILITY``). ``ccs`` narrows the targets (default:
-    ``config.COMPUTE_CAPABILITIES``); one the toolchain cannot build for raises ValueError saying why.
+    offered on (``config.MIN_COMPUTE_CAPABILITY``); the kernels of ``ARCH_SPECIFIC_KINDS`` (wgmma) for their
+    "a" target (sm_90a), each dtype and head-dim bucket of their spec. ``ccs`` narrows the targets (default:
+    ``config.COMPUTE_CAPABILITIES``): 9.0 covers the sm_90 and the sm_90a rows, (9, 0, "a") the sm_90a rows
+    alone; one the toolchain cannot build for, or an "a" target no kernel has, raises ValueError saying why.
 
     numba lowers each specialisation to PTX once, for the lowest compute capability that has that config (that
     is most of the time: numba's front end is the slow part); nvJitLink then assembles that PTX for every target
@@ -280,39 +287,82 @@ def check_all(progress: Any = None, ccs: tuple[tuple[int, int], ...] | None = No
     return run_jobs(compile_jobs(ccs), progress, workers)
 
 
-def compile_jobs(ccs: tuple[tuple[int, int], ...] | None = None) -> list[Job]:
+def compile_jobs(ccs: tuple[Target, ...] | None = None) -> list[Job]:
     """The specialisations ``check_all`` compiles, each with the targets it is assembled for."""
-    ccs = tuple(ccs) if ccs else COMPUTE_CAPABILITIES
-    missing = [cc for cc in ccs if cc not in toolchain_ccs()]
+    ccs = tuple(dict.fromkeys(tuple(cc) for cc in ccs)) if ccs else COMPUTE_CAPABILITIES
+    missing = [cc for cc in ccs if cc[:2] not in toolchain_ccs()]
     if missing:
-        raise ValueError(f"compute capability {', '.join(f'{a}.{b}' for a, b in missing)}: the installed CUDA "
+        raise ValueError(f"compute capability {', '.join(target_label(cc) for cc in missing)}: the installed CUDA "
                          "toolchain cannot assemble for it (CUDA 13 dropped 7.0; install the 'cuda12' extra, "
                          "numba-cuda[cu12], in a separate environment)")
-    configs = all_tile_configs(ccs)
-    targets: dict[tuple[str, str, FlashAttentionConfig | None], list[tuple[int, int]]] = {}
+    known = {target for target, _, _ in arch_specific_configs()}
+    unknown = [cc for cc in ccs if len(cc) > 2 and cc not in known]
+    if unknown:
+        raise ValueError(f"target {', '.join(target_label(cc) for cc in unknown)}: no kernel is built for it (those "
+                         f"with architecture-specific targets are: {', '.join(sorted(map(target_label, known)))})")
+    plain = tuple(cc for cc in ccs if len(cc) == 2)   # an "a" target selects the architecture-specific kernels only
+    configs = all_tile_configs(plain)
+    targets: dict[tuple[str, str, FlashAttentionConfig | None], list[Target]] = {}
+
+    def add(kernel: str, dtype: str, cfg: FlashAttentionConfig | None, cc: Target) -> None:
+        found = targets.setdefault((kernel, dtype, cfg), [])
+        if cc not in found:   # 9.0 and 9.0a both name sm_90a
+            found.append(cc)
+
     for cc, dtype, cfg in configs:
-        targets.setdefault((cfg.kernel, dtype, cfg), []).append(cc)
+        add(cfg.kernel, dtype, cfg, cc)
         if cfg.kernel in DBIAS_SUMS:
-            targets.setdefault((cfg.kernel + DBIAS_SUMS_SUFFIX, dtype, cfg), []).append(cc)
+            add(cfg.kernel + DBIAS_SUMS_SUFFIX, dtype, cfg, cc)
     for cc in sorted({cc for cc, _, _ in configs}):
         for dtype in sorted({dt for c, dt, _ in configs if c == cc}):
             for kernel in AUX_KERNELS:
-                targets.setdefault((kernel, dtype, None), []).append(cc)
-    for cc, dtype, cfg in tensor_core_configs(ccs):
+                add(kernel, dtype, None, cc)
+    for cc, dtype, cfg in tensor_core_configs(plain):
         for kernel in TC_COPY_PATHS:
             if base_kernel(kernel) == cfg.kernel:
-                targets.setdefault((kernel, dtype, cfg), []).append(cc)
-    for cc, dtype, cfg in tf32_configs(ccs):
+                add(kernel, dtype, cfg, cc)
+    for cc, dtype, cfg in tf32_configs(plain):
         for kernel in TF32_COPY_PATHS:
-            targets.setdefault((kernel, dtype, cfg), []).append(cc)
+            add(kernel, dtype, cfg, cc)
+    for target, dtype, cfg in arch_specific_configs(ccs):
+        add(cfg.kernel, dtype, cfg, target)
     for cc in ccs:
         for kernel, dtype in MODS_KERNELS.items():
-            if not REGISTRY[kernel].tensor_cores or tuple(cc) >= TC_MIN_COMPUTE_CAPABILITY:
-                cfg = tile_config_for(MODS_HEAD_DIM, dtype, cc, kernel=kernel, override=TileOverride())
-                targets.setdefault((kernel + MODS_SUFFIX, dtype, cfg), []).append(cc)
-                cfg = tile_config_for(VARLEN_HEAD_DIM, dtype, cc, kernel=kernel, override=TileOverride())
-                targets.setdefault((kernel + VARLEN_SUFFIX, dtype, cfg), []).append(cc)
+            target = kernel_target(REGISTRY[kernel], cc)
+            if target is None:
+                continue
+            for suffix, head_dim in ((MODS_SUFFIX, MODS_HEAD_DIM), (VARLEN_SUFFIX, VARLEN_HEAD_DIM)):
+                if served(kernel, dtype, head_dim, target, mods=suffix == MODS_SUFFIX):
+                    cfg = tile_config_for(head_dim, dtype, target[:2], kernel=kernel, override=TileOverride())
+                    add(kernel + suffix, dtype, cfg, target)
     return [(kernel, cfg, dtype, tuple(sorted(target_ccs))) for (kernel, dtype, cfg), target_ccs in targets.items()]
+
+
+def arch_specific_configs(ccs: tuple[Target, ...] = COMPUTE_CAPABILITIES,
+                          ) -> list[tuple[Target, str, FlashAttentionConfig]]:
+    """Every (target, dtype, config) of the kernels of ``ARCH_SPECIFIC_KINDS`` (the wgmma forward, on sm_90a) that
+    ``ccs`` covers: each dtype of the spec, one config per head-dim bucket of its tiles."""
+    found = []
+    for spec in (spec for spec in SPECS if spec.kind in ARCH_SPECIFIC_KINDS):
+        targets = dict.fromkeys(kernel_target(spec, cc) for cc in ccs)   # 9.0 and 9.0a both give sm_90a: once
+        for target in (target for target in targets if target is not None):
+            found += [(target, dtype, tile_config_for(bucket, dtype, target[:2], kernel=spec.name,
+                                                      override=TileOverride()))
+                      for dtype in spec.dtypes for bucket in spec.tiles]
+    return found
+
+
+def served(kernel: str, dtype: str, head_dim: int, target: Target, mods: bool = False) -> bool:
+    """Whether a call of ``dtype`` and ``head_dim`` (with mods whose values the kernels stage, ``mods``: the
+    SAMPLE_* mods have bias_mod and mask_mod, which do) can run on ``kernel`` on ``target``'s GPU. Only the wgmma
+    forward, which the plan refuses mods past D = 64 (``plan.wgmma_reason``), leaves a mods or packed-sequence row
+    out; the others serve the head dims those rows are built at."""
+    if REGISTRY[kernel].kind != "wgmma":
+        return True
+    try:   # wgmma=True asks for the kernel: a call it cannot serve raises, with the reason
+        return wgmma_reason(dtype, head_dim, TileOverride(wgmma=True), target[:2], staged_mods=mods) is None
+    except AttentionInputError:
+        return False
 
 
 def run_jobs(jobs: list[Job], progress: Any = None, workers: int | None = None) -> list[KernelResources]:
@@ -370,27 +420,32 @@ def _mma_configs(kind: str, dtypes: tuple[str, ...], ccs: tuple[tuple[int, int],
 
 
 def format_table(results: list[KernelResources]) -> str:
-    head = (f"{'kernel':<15}{'cc':>5} {'D':>4} {'dtype':<9}{'tiles (m x n / thr)':<20}{'regs':>5}"
+    """The rows as the CLI prints them, one line each, the target as ``--cc`` names it (9.0, 9.0a)."""
+    width = max([15] + [len(r.kernel) + 1 for r in results])   # the suffixed rows' names are the longest
+    head = (f"{'kernel':<{width}}{'cc':<5} {'D':>4} {'dtype':<9}{'tiles (m x n / thr)':<20}{'regs':>5}"
             f"{'spill':>7}{'smem':>7}{'blocks/SM':>10}  problems")
     lines = [head, "-" * len(head)]
     for r in results:
         cfg = r.config
         tiles = f"{cfg.block_m} x {cfg.block_n} / {cfg.threads}" if cfg else f"1 row / {r.threads} thr"
         bucket = str(cfg.head_dim_bucket) if cfg else "any"
-        lines.append(f"{r.kernel:<15}{r.cc[0]}.{r.cc[1]:<3} {bucket:>4} {r.dtype:<9}{tiles:<20}{r.registers:>5}"
+        lines.append(f"{r.kernel:<{width}}{target_label(r.cc):<5} {bucket:>4} {r.dtype:<9}{tiles:<20}{r.registers:>5}"
                      f"{r.spill_stores + r.spill_loads:>7}{r.smem + r.dynamic_smem:>7}{r.occupancy.blocks_per_sm:>10}  "
                      f"{'; '.join(r.problems()) or 'ok'}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI (``python -m numba_flash.cuda.compile_check``): 0 when every row is good, 1 when one is bad, 2
+    when the targets cannot be built."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m numba_flash.cuda.compile_check",
                                      description="Compile every CUDA kernel specialisation to SASS (no GPU needed) "
                                                  "and report registers, spills, shared memory and occupancy.")
     parser.add_argument("--cc", nargs="+", default=None, help="compute capabilities, e.g. 7.5 9.0 (default: "
-                        + " ".join(f"{a}.{b}" for a, b in COMPUTE_CAPABILITIES) + ")")
+                        + " ".join(map(target_label, COMPUTE_CAPABILITIES)) + "); 9.0 includes the sm_90a rows of "
+                        "the kernels only Hopper runs (wgmma), 9.0a compiles those alone")
     parser.add_argument("--write-table", action="store_true",
                         help="record the results in numba_flash/cuda/compile_table.json (every target; the test "
                              "suite then compiles only a sample of it while the kernels' code is unchanged)")
@@ -400,9 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     ccs = None
     if args.cc:
         try:
-            ccs = tuple(tuple(int(x) for x in c.split(".")) for c in args.cc)
-        except ValueError:
-            parser.error(f"--cc: expected versions like 8.0, got {args.cc}")
+            ccs = tuple(map(parse_target, args.cc))
+        except ValueError as exc:
+            parser.error(f"--cc: {exc}")
     try:
         results = check_all(ccs=ccs)
     except ValueError as exc:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from numba_flash.cuda.compile_check.targets import Target, target_name
 from numba_flash.cuda.host.config import STATIC_SMEM_LIMIT, FlashAttentionConfig, smem_limit_for
 from numba_flash.cuda.host.gpus import Occupancy, gpu_spec, occupancy
 from numba_flash.cuda.kernels.registry import AUX_KERNELS
@@ -18,8 +19,11 @@ UNTILED_THREADS = {name: aux.threads for name, aux in AUX_KERNELS.items()}
 
 @dataclass(frozen=True)
 class KernelResources:
+    """One row of the compile check: ``cc`` is the target it was assembled for (targets.py: (9, 0, "a") for a
+    wgmma kernel); the GPU it runs on is ``cc[:2]``."""
+
     kernel: str
-    cc: tuple[int, int]
+    cc: Target
     dtype: str
     config: FlashAttentionConfig | None
     registers: int
@@ -53,21 +57,21 @@ class KernelResources:
     def occupancy(self) -> Occupancy:
         """Blocks per SM on this compute capability, static and dynamic shared memory together; zero means the
         launch would fail with "too many resources requested for launch"."""
-        return occupancy(gpu_spec(self.cc), self.threads, self.registers, self.smem + self.dynamic_smem)
+        return occupancy(gpu_spec(self.cc[:2]), self.threads, self.registers, self.smem + self.dynamic_smem)
 
     def problems(self, smem_limit: int = STATIC_SMEM_LIMIT) -> list[str]:
         why = []
         occ = self.occupancy
         if not occ.launchable:
-            why.append(f"cannot launch on sm_{self.cc[0]}{self.cc[1]}: {occ.limited_by}")
+            why.append(f"cannot launch on {target_name(self.cc)}: {occ.limited_by}")
         if self.spill_stores or self.spill_loads or self.lmem or self.stack:
             why.append(f"local memory: {self.spill_stores} B spill stores, {self.spill_loads} B spill loads, "
                        f"{self.stack} B stack, {self.lmem} B lmem")
         if self.declared_smem > smem_limit:
             why.append(f"{self.declared_smem} B static shared memory > {smem_limit}")
-        if self.dynamic_smem and self.declared_smem + self.dynamic_smem > smem_limit_for(self.cc):
+        if self.dynamic_smem and self.declared_smem + self.dynamic_smem > smem_limit_for(self.cc[:2]):
             why.append(f"{self.declared_smem} B static + {self.dynamic_smem} B dynamic shared memory > the "
-                       f"{smem_limit_for(self.cc)} B opt-in limit of sm_{self.cc[0]}{self.cc[1]}")
+                       f"{smem_limit_for(self.cc[:2])} B opt-in limit of {target_name(self.cc)}")
         if self.registers > 255:
             why.append(f"{self.registers} registers")
         if self.f64_instructions:

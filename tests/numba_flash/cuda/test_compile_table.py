@@ -67,3 +67,7 @@ def test_the_table_reads_back_what_was_written(tmp_path):
     again = compile_table.load(path)
     assert again.rows == table.rows and again.fingerprint == compile_table.fingerprint()
     assert compile_table.load(tmp_path / "missing.json") is None
+    # The wgmma kernels' rows keep their target, sm_90a, as the 3-tuple the compiler takes (not sm_90's pair).
+    assert {r.kernel for r in again.rows if r.cc == (9, 0, "a")} == {"wgmma_forward", "wgmma_forward+mods",
+                                                                      "wgmma_forward+varlen"}
+    assert '"cc": [9, 0, "a"]' in path.read_text()

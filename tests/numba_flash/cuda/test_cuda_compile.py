@@ -1,10 +1,11 @@
 """Compile every CUDA kernel specialisation with the real compiler (numba-cuda -> PTX -> nvJitLink SASS) for sm_75,
-sm_80, sm_86, sm_89 and sm_90, print the resource table, and fail on spills, local memory, > 48 KiB static shared
-memory, float64 arithmetic, or a block that does not fit an SM of that GPU. The kernels are the forward, the
-backward's three and decoding's two (the split-KV decode kernel and the merge of its splits). Head dims are
-bucketed (16/32/64/128/256/512/576), so the table covers every D from 1 to 576; each kernel is compiled with both
-window bounds and softcap on, its most register-hungry variant, for float32, float16 and bfloat16 (int16 bit arrays). PTX
-does not depend on the target, so each specialisation is lowered once and assembled for each target.
+sm_80, sm_86, sm_89 and sm_90 (and Hopper's wgmma forward for sm_90a), print the resource table, and fail on
+spills, local memory, > 48 KiB static shared memory, float64 arithmetic, or a block that does not fit an SM of
+that GPU. The kernels are the forward, the backward's three and decoding's two (the split-KV decode kernel and the
+merge of its splits). Head dims are bucketed (16/32/64/128/256/512/576), so the table covers every D from 1 to
+576; each kernel is compiled with both window bounds and softcap on, its most register-hungry variant, for float32,
+float16 and bfloat16 (int16 bit arrays). PTX does not depend on the target, so each specialisation is lowered once
+and assembled for each target.
 
 While the kernels' code and the toolchain are those numba_flash/cuda/compile_table.json was recorded with, the
 matrix is read from it and a random sample of it (SPOT_CHECK specialisations, seed printed) is compiled again and
@@ -99,14 +100,20 @@ def test_every_specialisation_compiles_without_spills():
              for kern in ("tf32_forward", "tf32_forward_loads") for b in HEAD_DIM_BUCKETS if b <= TF32_MAX_HEAD_DIM}
     # The forward and both backward kernels again with user mods (compile_check.sample_mods), at head dim 64.
     mma = ("tc_", "tf32_")
+    mods_kernels = {kern: dt for kern, dt in MODS_KERNELS.items() if not kern.startswith("wgmma")}
     want |= {(cc, dt, kern + MODS_SUFFIX, MODS_HEAD_DIM) for cc in COMPUTE_CAPABILITIES
-             for kern, dt in MODS_KERNELS.items() if cc >= (8, 0) or not kern.startswith(mma)}
+             for kern, dt in mods_kernels.items() if cc >= (8, 0) or not kern.startswith(mma)}
     # And for packed sequences in one launch, at head dim 128.
     want |= {(cc, dt, kern + VARLEN_SUFFIX, VARLEN_HEAD_DIM) for cc in COMPUTE_CAPABILITIES
-             for kern, dt in MODS_KERNELS.items() if cc >= (8, 0) or not kern.startswith(mma)}
+             for kern, dt in mods_kernels.items() if cc >= (8, 0) or not kern.startswith(mma)}
+    # Hopper's wgmma forward, for sm_90a only (plain sm_90 rejects wgmma): every switch on at both of its buckets
+    # in both dtypes, with mods at D = 64 (the plan refuses them at 128) and for packed sequences at D = 128.
+    sm90a = (9, 0, "a")
+    want |= {(sm90a, dt, "wgmma_forward", b) for dt in ("float16", "bfloat16") for b in (64, 128)}
+    want |= {(sm90a, "float16", "wgmma_forward+mods", 64), (sm90a, "float16", "wgmma_forward+varlen", 128)}
     assert covered == want, want ^ covered
     # The T4 (7.5) through H100 (9.0), every one; bfloat16 from 8.0 on only.
-    assert {r.cc for r in results} == {(7, 5), (8, 0), (8, 6), (8, 9), (9, 0)}
+    assert {r.cc for r in results} == {(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), sm90a}
     assert not any(r.dtype == "bfloat16" and r.cc < (8, 0) for r in results)
     # Every specialisation launches on every listed GPU: a block's registers and shared memory fit an SM.
     assert all(r.occupancy.launchable for r in results), [r for r in results if not r.occupancy.launchable]
