@@ -1,5 +1,5 @@
-"""Helpers of the Hopper primitives' simulator tests (test_hopper_wgmma_sim.py, test_hopper_barriers_sim.py): a
-one-block launch with a deadline, random 16-bit matrices, and the PTX ISA's layouts written independently of
+"""Helpers of the warp and Hopper primitives' simulator tests (test_warp_sim.py, test_hopper_wgmma_sim.py,
+test_hopper_barriers_sim.py): a one-block launch with a deadline, random 16-bit matrices, and the PTX ISA's layouts written independently of
 ``numba_flash/cuda/device/hopper_sim.py``: the canonical shared-memory layouts as CuTe layouts (shape : stride, in
 16-bit elements) evaluated by a generic function, the swizzle applied to the byte address, and wgmma's float32 D
 fragment per register."""
@@ -15,6 +15,7 @@ T = 8   # 16-bit elements per 128-bit unit
 
 
 def launch(kernel, threads, *args, deadline=300.0):
+    """Launch one block on a helper thread with a deadline, so a hang fails the test; re-raise what it raised."""
     outcome = {}
 
     def go():

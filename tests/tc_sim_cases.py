@@ -98,10 +98,10 @@ def mod_grid(fn, batch, heads, sq, sk, scores=None):
     return grid
 
 
-def break_small_tiles(monkeypatch, factory_name, corrupt):
-    """Make the kernel factory ``factory_name`` build, for 16-row tiles, a kernel whose
-    output (argument 3) ``corrupt`` then spoils (given the device array, writing it in place): the self-check must
-    catch it and fall back to another tile config."""
+def break_small_tiles(monkeypatch, factory_name, corrupt, which=lambda cfg: cfg.block_m == 16):
+    """Make the kernel factory ``factory_name`` build, for the configs ``which`` picks (16-row tiles by default), a
+    kernel whose output (argument 3) ``corrupt`` then spoils (given the device array, writing it in place): the
+    self-check must catch it and fall back to another tile config."""
     from cuda_sim_cases import factory_home
 
     home = factory_home(factory_name)
@@ -118,7 +118,7 @@ def break_small_tiles(monkeypatch, factory_name, corrupt):
             return run
 
     monkeypatch.setattr(home, factory_name, lambda cfg, *f, **kw: Broken(real(cfg, *f, **kw))
-                        if cfg.block_m == 16 else real(cfg, *f, **kw))
+                        if which(cfg) else real(cfg, *f, **kw))
 
 
 def rel_l2(got, want):

@@ -18,6 +18,7 @@ from backends import backend_registry  # noqa: E402
 from numba_flash import chosen_backends  # noqa: E402
 from numba_flash.backends.cpu import CpuBackend  # noqa: E402
 from numba_flash.errors import BackendDeclined  # noqa: E402
+from torch_eager_cases import SeesOps  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -45,22 +46,12 @@ def _reference(q, k, v, causal):
     return (s.softmax(-1) @ vh).transpose(1, 2)
 
 
-class _SeesOps(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_a_call_without_autograd_gives_the_ops_bits_and_the_reference(causal):
     q, k, v = _qkv(int(causal) + 1)
     before = [x.clone() for x in (q, k, v)]
     fast, fast_lse = numba_flash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
-    mode = _SeesOps()
+    mode = SeesOps()
     with mode:
         slow, slow_lse = numba_flash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
     assert any("numba_flash.flash_fwd" in name for name in mode.seen), mode.seen
@@ -149,7 +140,7 @@ def test_the_eager_backward_gives_the_ops_bits_and_the_reference(causal):
     q, k, v = _qkv(int(causal) + 7)
     dout = torch.randn(2, 3, 6, 20, dtype=torch.float32)
     grads = []
-    for mode in (None, _SeesOps()):
+    for mode in (None, SeesOps()):
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
         if mode is None:
             numba_flash.flash_attn_func(*leaves, causal=causal).backward(dout)

@@ -16,20 +16,9 @@ torch = pytest.importorskip("torch")
 
 import numba_flash  # noqa: E402
 from numba_flash import AttentionInputError, attention_ref_kvcache  # noqa: E402
+from torch_eager_cases import SeesOps  # noqa: E402
 
 B, HQ, HKV, D, CAPACITY = 3, 6, 3, 24, 13
-
-
-class _SeesOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records every op it sees and runs it: under it the face must go through its op (the slow path)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _inputs(seed: int) -> tuple[torch.Tensor, ...]:
@@ -55,7 +44,7 @@ def test_the_eager_path_gives_the_ops_bits_and_the_reference(causal):
     before = _clones((k_cache, v_cache))
     fast = numba_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=LENS, causal=causal,
                                                return_softmax_lse=True)
-    mode = _SeesOps()
+    mode = SeesOps()
     with mode:
         slow = numba_flash.flash_attn_with_kvcache(*copies, cache_seqlens=LENS, causal=causal,
                                                    return_softmax_lse=True)

@@ -80,39 +80,17 @@ MIN_COMPUTE_CAPABILITY = (9, 0)
 ARCH = (9, 0, "a")
 
 if config.ENABLE_CUDASIM:
-    from numba_flash.cuda.device.hopper_sim import (
-        bulk_copy_g2s,
-        fence_mbarrier_init,
-        fence_proxy_async,
-        make_accumulator_fence,
-        make_setmaxnreg,
-        make_wgmma,
-        make_wgmma_wait,
-        mbarrier_arrive,
-        mbarrier_arrive_expect_tx,
-        mbarrier_init,
-        mbarrier_try_wait_parity,
-        smem_desc,
-        wgmma_commit,
-        wgmma_fence,
-    )
+    from numba_flash.cuda.device import hopper_sim as _impl
 else:
-    from numba_flash.cuda.device.hopper_ptx import (
-        bulk_copy_g2s,
-        fence_mbarrier_init,
-        fence_proxy_async,
-        make_accumulator_fence,
-        make_setmaxnreg,
-        make_wgmma,
-        make_wgmma_wait,
-        mbarrier_arrive,
-        mbarrier_arrive_expect_tx,
-        mbarrier_init,
-        mbarrier_try_wait_parity,
-        smem_desc,
-        wgmma_commit,
-        wgmma_fence,
-    )
+    from numba_flash.cuda.device import hopper_ptx as _impl
+
+smem_desc, make_wgmma, make_accumulator_fence = _impl.smem_desc, _impl.make_wgmma, _impl.make_accumulator_fence
+make_wgmma_wait, make_setmaxnreg = _impl.make_wgmma_wait, _impl.make_setmaxnreg
+wgmma_fence, wgmma_commit = _impl.wgmma_fence, _impl.wgmma_commit
+fence_proxy_async, fence_mbarrier_init = _impl.fence_proxy_async, _impl.fence_mbarrier_init
+mbarrier_init, mbarrier_arrive = _impl.mbarrier_init, _impl.mbarrier_arrive
+mbarrier_arrive_expect_tx, mbarrier_try_wait_parity = _impl.mbarrier_arrive_expect_tx, _impl.mbarrier_try_wait_parity
+bulk_copy_g2s = _impl.bulk_copy_g2s
 
 
 @cuda.jit(device=True, inline="always")

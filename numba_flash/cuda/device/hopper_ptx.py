@@ -260,20 +260,3 @@ def bulk_copy_g2s(typingctx, dst, dst_index, src, byte_offset, nbytes, bars, bar
 
     return sig, codegen
 
-
-__all__ = [
-    "bulk_copy_g2s",
-    "fence_mbarrier_init",
-    "fence_proxy_async",
-    "make_accumulator_fence",
-    "make_setmaxnreg",
-    "make_wgmma",
-    "make_wgmma_wait",
-    "mbarrier_arrive",
-    "mbarrier_arrive_expect_tx",
-    "mbarrier_init",
-    "mbarrier_try_wait_parity",
-    "smem_desc",
-    "wgmma_commit",
-    "wgmma_fence",
-]

@@ -36,14 +36,18 @@ def checker():
 
 # ---- wgmma ----
 
-def make_ss_kernel(n, kind, trans_b, steps):
-    wgmma = hopper.make_wgmma(n, kind, False, trans_b)
+def make_kernel(n, kind, trans_b, steps=1, a_in_registers=False):
+    """One warpgroup: ``image`` into shared memory, then ``steps`` wgmmas chained into one accumulator (the
+    descriptors' fields per step in ``params``), committed, waited for and written to ``out`` (128, n / 8, 4). A
+    from a descriptor (accumulators start as ``c``) or, with ``a_in_registers``, from ``a_words`` (128, 4) with
+    scale_d 0 (the accumulators are not read)."""
+    wgmma = hopper.make_wgmma(n, kind, a_in_registers, trans_b)
     wait0 = hopper.make_wgmma_wait(0)
     fence = hopper.make_accumulator_fence(n // 2)
-    NT = n // 8
+    NT, A_REGS = n // 8, a_in_registers
 
     @cuda.jit
-    def kernel(image, params, c, out):
+    def kernel(image, params, c, a_words, out):
         t = cuda.threadIdx.x
         smem = cuda.shared.array(32768, uint16)
         for e in range(t, 32768, 128):
@@ -56,9 +60,12 @@ def make_ss_kernel(n, kind, trans_b, steps):
                 acc[j, r] = c[t, j, r]
         hopper.wgmma_fence()
         for s in range(steps):
-            da = hopper.smem_desc(smem, params[s, 0], params[s, 1], params[s, 2], params[s, 3])
             db = hopper.smem_desc(smem, params[s, 4], params[s, 5], params[s, 6], params[s, 7])
-            wgmma(acc, da, db, 1)
+            if A_REGS:
+                wgmma(acc, a_words[t, 0], a_words[t, 1], a_words[t, 2], a_words[t, 3], db, 0)
+            else:
+                da = hopper.smem_desc(smem, params[s, 0], params[s, 1], params[s, 2], params[s, 3])
+                wgmma(acc, da, db, 1)
         hopper.wgmma_commit()
         wait0()
         fence(acc)
@@ -88,7 +95,7 @@ def test_wgmma_k_major_operands_are_read_by_the_isa_layouts(kind, layout, rng):
     place(image, bits16(b.T, kind), True, code, lbo, sbo, b_start)
     params = np.array([[a_start // 2, lbo, sbo, code, b_start // 2, lbo, sbo, code]], np.int64)
     out = np.zeros((128, n // 8, 4), np.float32)
-    launch(make_ss_kernel(n, kind, False, 1), 128, image, params, to_registers(c, n), out)
+    launch(make_kernel(n, kind, False), 128, image, params, to_registers(c, n), np.zeros((128, 4), np.uint32), out)
     want = a @ b + c
     np.testing.assert_allclose(from_registers(out, n), want, rtol=2e-7, atol=2e-7 * np.abs(want).max())
 
@@ -110,7 +117,7 @@ def test_wgmma_n_major_b_is_read_by_the_isa_layouts(kind, layout, rng):
     place(image, bits16(b.T, kind), False, code, lbo, sbo, b_start)
     params = np.array([[a_start // 2, 16, 1024, 1, b_start // 2, lbo, sbo, code]], np.int64)
     out = np.zeros((128, n // 8, 4), np.float32)
-    launch(make_ss_kernel(n, kind, True, 1), 128, image, params, to_registers(c, n), out)
+    launch(make_kernel(n, kind, True), 128, image, params, to_registers(c, n), np.zeros((128, 4), np.uint32), out)
     want = a @ b + c
     np.testing.assert_allclose(from_registers(out, n), want, rtol=2e-7, atol=2e-7 * np.abs(want).max())
 
@@ -128,36 +135,10 @@ def test_wgmma_k_steps_chain_through_a_swizzled_tile(rng):
         place(image, b_bits[:, 16 * s:16 * s + 16], True, 1, 16, 1024, 16384 + 32 * s)
     params = np.array([[16 * s, 16, 1024, 1, 8192 + 16 * s, 16, 1024, 1] for s in range(4)], np.int64)
     out = np.zeros((128, n // 8, 4), np.float32)
-    launch(make_ss_kernel(n, kind, False, 4), 128, image, params, np.zeros((128, n // 8, 4), np.float32), out)
+    launch(make_kernel(n, kind, False, steps=4), 128, image, params, np.zeros((128, n // 8, 4), np.float32),
+           np.zeros((128, 4), np.uint32), out)
     want = a @ b
     np.testing.assert_allclose(from_registers(out, n), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
-
-
-def make_rs_kernel(n, kind, trans_b):
-    wgmma = hopper.make_wgmma(n, kind, True, trans_b)
-    wait0 = hopper.make_wgmma_wait(0)
-    fence = hopper.make_accumulator_fence(n // 2)
-    NT = n // 8
-
-    @cuda.jit
-    def kernel(image, params, a_words, out):
-        t = cuda.threadIdx.x
-        smem = cuda.shared.array(32768, uint16)
-        for e in range(t, 32768, 128):
-            smem[e] = image[e]
-        cuda.syncthreads()
-        acc = cuda.local.array((NT, 4), float32)
-        db = hopper.smem_desc(smem, params[0], params[1], params[2], params[3])
-        hopper.wgmma_fence()
-        wgmma(acc, a_words[t, 0], a_words[t, 1], a_words[t, 2], a_words[t, 3], db, 0)   # scale_d 0: acc unread
-        hopper.wgmma_commit()
-        wait0()
-        fence(acc)
-        for j in range(NT):
-            for r in range(4):
-                out[t, j, r] = acc[j, r]
-
-    return kernel
 
 
 @pytest.mark.parametrize("kind", ["f16", "bf16"])
@@ -170,8 +151,9 @@ def test_wgmma_a_from_registers_is_the_mma_a_layout_per_warp(kind, trans_b, layo
     image = rng.integers(0, 1 << 16, 32768, dtype=np.uint16)
     place(image, bits16(b.T, kind), not trans_b, code, lbo, sbo, 4096)
     out = np.full((128, n // 8, 4), np.nan, np.float32)
-    launch(make_rs_kernel(n, kind, trans_b), 128, image, np.array([2048, lbo, sbo, code], np.int64),
-           a_register_words(a, kind), out)
+    params = np.array([[0, 0, 0, 0, 2048, lbo, sbo, code]], np.int64)
+    launch(make_kernel(n, kind, trans_b, a_in_registers=True), 128, image, params,
+           np.full((128, n // 8, 4), np.nan, np.float32), a_register_words(a, kind), out)
     want = a @ b
     np.testing.assert_allclose(from_registers(out, n), want, rtol=2e-7, atol=2e-7 * np.abs(want).max())
 
@@ -222,13 +204,15 @@ def test_wgmma_results_arrive_at_the_wait_that_retires_their_group(rng):
     np.testing.assert_allclose(late, 2 * first, rtol=1e-6)
 
 
-def test_accumulator_fence_before_the_wait_raises(rng):
-    n = 16
-    wgmma = hopper.make_wgmma(n, "bf16", False, False)
-    fence = hopper.make_accumulator_fence(n // 2)
+def make_early_kernel():
+    """One 64 x 16 x 16 wgmma, then (``mode``) nothing, a fence on its accumulators, or a write to its B, before the
+    wait; a write to B after the wait and a barrier in every case."""
+    wgmma = hopper.make_wgmma(16, "f16", False, False)
+    wait0 = hopper.make_wgmma_wait(0)
+    fence = hopper.make_accumulator_fence(8)
 
     @cuda.jit
-    def kernel(image):
+    def kernel(image, mode):
         t = cuda.threadIdx.x
         smem = cuda.shared.array(8192, uint16)
         for e in range(t, 8192, 128):
@@ -238,10 +222,22 @@ def test_accumulator_fence_before_the_wait_raises(rng):
         hopper.wgmma_fence()
         wgmma(acc, hopper.smem_desc(smem, 0, 16, 1024, 1), hopper.smem_desc(smem, 4096, 16, 1024, 1), 0)
         hopper.wgmma_commit()
-        fence(acc)
+        if mode[0] == 1:
+            fence(acc)                   # reads the accumulators before the wait
+        if mode[0] == 2:
+            smem[4096 + t] = uint16(0)   # writes B before the wait
+        wait0()
+        cuda.syncthreads()
+        smem[4096 + t] = uint16(1)       # after it: fine
 
+    return kernel
+
+
+def test_accumulator_fence_before_the_wait_raises(rng):
+    image = bits16(random_values(rng, 8192, "f16"), "f16")
+    launch(make_early_kernel(), 128, image, np.zeros(1, np.int64))
     with pytest.raises(Exception, match="has not been retired by wgmma_wait"):
-        launch(kernel, 128, bits16(random_values(rng, 8192, "bf16"), "bf16"))
+        launch(make_early_kernel(), 128, image, np.ones(1, np.int64))
 
 
 def test_smem_desc_fields_are_where_the_isa_puts_them():
@@ -262,27 +258,5 @@ def test_smem_desc_fields_are_where_the_isa_puts_them():
 
 
 def test_a_write_to_shared_memory_a_wgmma_still_reads_is_a_race(rng):
-    wgmma = hopper.make_wgmma(16, "f16", False, False)
-    wait0 = hopper.make_wgmma_wait(0)
-
-    @cuda.jit
-    def kernel(image, early):
-        t = cuda.threadIdx.x
-        smem = cuda.shared.array(8192, uint16)
-        for e in range(t, 8192, 128):
-            smem[e] = image[e]
-        cuda.syncthreads()
-        acc = cuda.local.array((2, 4), float32)
-        hopper.wgmma_fence()
-        wgmma(acc, hopper.smem_desc(smem, 0, 16, 1024, 1), hopper.smem_desc(smem, 4096, 16, 1024, 1), 0)
-        hopper.wgmma_commit()
-        if early[0]:
-            smem[4096 + t] = uint16(0)   # B, before the wait
-        wait0()
-        cuda.syncthreads()
-        smem[4096 + t] = uint16(1)       # after it: fine
-
-    image = bits16(random_values(rng, 8192, "f16"), "f16")
-    launch(kernel, 128, image, np.zeros(1, np.int64))
     with pytest.raises(SimulatorCheckError, match="wgmma issued at .* has not completed when this writes it"):
-        launch(kernel, 128, image, np.ones(1, np.int64))
+        launch(make_early_kernel(), 128, bits16(random_values(rng, 8192, "f16"), "f16"), np.full(1, 2, np.int64))

@@ -9,8 +9,6 @@ Run: NUMBA_ENABLE_CUDASIM=1 .venv/bin/python -m pytest -q -m cudasim tests/numba
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 from numba import cuda, float32, uint16, uint32
@@ -19,6 +17,7 @@ from numba_flash.cuda import SimulatorCheckError
 from numba_flash.cuda import simcheck
 from numba_flash.cuda.device import warp
 from numba_flash.cuda.device import warp_sim
+from hopper_sim_cases import bits16, launch, random_values
 
 pytestmark = pytest.mark.cudasim
 LANES = np.arange(32)
@@ -58,21 +57,6 @@ def pack_halves(lo_bits, hi_bits):
     return (lo_bits.astype(np.uint32) | (hi_bits.astype(np.uint32) << 16)).astype(np.uint32)
 
 
-def bits16(x, kind):
-    """16-bit patterns of float values exactly representable in ``kind``."""
-    if kind == "f16":
-        return np.asarray(x, np.float16).view(np.uint16)
-    return (np.asarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
-
-
-def random_values(rng, shape, kind):
-    """N(0, 1) values rounded to float16 or truncated to bfloat16, as float64."""
-    x = rng.standard_normal(shape).astype(np.float32)
-    if kind == "f16":
-        return x.astype(np.float16).astype(np.float64)
-    return (x.view(np.uint32) & 0xFFFF0000).view(np.float32).astype(np.float64)
-
-
 def a_registers(a, kind):
     """(32, 4) registers of every lane for a 16 x 16 A, by the ISA's table."""
     bits = bits16(a, kind)
@@ -96,25 +80,6 @@ def b_registers(b, kind):
 def checker():
     with simcheck.checking():
         yield
-
-
-def _launch(kernel, threads, *args, deadline=120.0):
-    """Launch one block on a helper thread with a deadline, so a hang fails the test; re-raise what it raised."""
-    outcome = {}
-
-    def go():
-        try:
-            kernel[1, threads](*args)
-        except BaseException as exc:
-            outcome["exc"] = exc
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    t.join(deadline)
-    if t.is_alive():
-        pytest.fail(f"{kernel} still running after {deadline} s")
-    if "exc" in outcome:
-        raise outcome["exc"]
 
 
 # ---- mma ----
@@ -142,7 +107,7 @@ def test_mma_m16n8k16_is_the_product_in_the_isa_layouts(kind, rng):
     c = rng.standard_normal((16, 8)).astype(np.float32)
     c_regs = np.stack([c[c_elements(i)] for i in range(4)], axis=1).astype(np.float32)
     d_regs = np.zeros((32, 4), np.float32)
-    _launch(mma_kernel, 32, a_registers(a, kind), b_registers(b, kind), c_regs, d_regs, 0 if kind == "f16" else 1)
+    launch(mma_kernel, 32, a_registers(a, kind), b_registers(b, kind), c_regs, d_regs, 0 if kind == "f16" else 1)
     d = np.empty((16, 8), np.float64)
     for i in range(4):
         d[c_elements(i)] = d_regs[:, i]
@@ -160,7 +125,7 @@ def test_mma_m16n8k8_tf32_is_the_product_in_the_isa_layouts(rng):
     b_regs = np.stack([b[b_tf32_elements(i)] for i in range(2)], axis=1).view(np.uint32)
     c_regs = np.stack([c[c_elements(i)] for i in range(4)], axis=1).astype(np.float32)
     d_regs = np.zeros((32, 4), np.float32)
-    _launch(mma_kernel, 32, np.ascontiguousarray(a_regs), np.ascontiguousarray(b_regs), c_regs, d_regs, 2)
+    launch(mma_kernel, 32, np.ascontiguousarray(a_regs), np.ascontiguousarray(b_regs), c_regs, d_regs, 2)
     d = np.empty((16, 8), np.float64)
     for i in range(4):
         d[c_elements(i)] = d_regs[:, i]
@@ -196,7 +161,7 @@ def test_ldmatrix_hands_each_lane_the_isa_elements(which, count, trans, rng):
     # Any 16-byte aligned row addresses, in any order: 64 rows of 8 elements, lanes pick 32 distinct ones.
     rows = (rng.permutation(64)[:32] * 8).astype(np.int64)
     out = np.zeros((32, 4), np.uint32)
-    _launch(ldmatrix_kernel, 32, tile, rows, out, which)
+    launch(ldmatrix_kernel, 32, tile, rows, out, which)
     for j in range(count):
         row_of = tile[rows[8 * j: 8 * j + 8, None] + np.arange(8)]   # matrix j, 8 x 8, row r from lane 8j + r
         if trans:   # ISA: with .trans each thread holds a column: rows 2(l % 4), 2(l % 4) + 1 of column l / 4
@@ -214,14 +179,14 @@ def test_ldmatrix_x4_of_a_row_major_tile_gives_the_mma_a_fragment(rng):
     j, r = LANES // 8, LANES % 8
     rows = ((r + 8 * (j % 2)) * 16 + 8 * (j // 2)).astype(np.int64)
     out = np.zeros((32, 4), np.uint32)
-    _launch(ldmatrix_kernel, 32, tile, rows, out, 0)
+    launch(ldmatrix_kernel, 32, tile, rows, out, 0)
     np.testing.assert_array_equal(out, a_registers(a, "f16"))
 
 
 def test_unaligned_ldmatrix_address_is_refused(rng):
     rows = (np.arange(32) * 8 + 2).astype(np.int64)
     with pytest.raises(Exception, match="16-byte aligned"):
-        _launch(ldmatrix_kernel, 32, np.zeros(512, np.uint16), rows, np.zeros((32, 4), np.uint32), 0)
+        launch(ldmatrix_kernel, 32, np.zeros(512, np.uint16), rows, np.zeros((32, 4), np.uint32), 0)
 
 
 # ---- cp.async ----
@@ -247,7 +212,7 @@ def test_cp_async_copies_at_the_wait_and_zero_fills_past_src_bytes(rng):
     src = rng.standard_normal((1, 32, 1, 8)).astype(np.float16)
     nbytes = (rng.integers(0, 9, 32) * 2).astype(np.int64)
     before, after = np.zeros((32, 8), np.uint16), np.zeros((32, 8), np.uint16)
-    _launch(cp_async_kernel, 32, src, nbytes, before, after)
+    launch(cp_async_kernel, 32, src, nbytes, before, after)
     assert np.all(before == 0xABCD)   # not there before the wait: a kernel that skips it reads stale data
     bits = src[0, :, 0, :].view(np.uint16)
     want = np.where(np.arange(8)[None, :] * 2 < nbytes[:, None], bits, 0)
@@ -276,7 +241,7 @@ def test_cp_async_at_reads_by_byte_offset_in_any_layout(rng):
     offsets = (b * src.strides[0] + s * src.strides[1] + h * src.strides[2] + 16 * c).astype(np.int64)
     nbytes = (rng.integers(0, 9, 32) * 2).astype(np.int64)
     out = np.zeros((32, 8), np.uint16)
-    _launch(cp_async_at_kernel, 32, dsrc, offsets, nbytes, out)
+    launch(cp_async_at_kernel, 32, dsrc, offsets, nbytes, out)
     for lane in range(32):
         want = src[b[lane], s[lane], h[lane], 8 * c[lane]: 8 * c[lane] + 8].view(np.uint16)
         n = nbytes[lane] // 2
@@ -288,7 +253,7 @@ def test_cp_async_at_refuses_an_offset_between_elements(rng):
     src = cuda.to_device(rng.standard_normal((1, 4, 1, 8)).astype(np.float16))[:, :, :, ::2]   # every other one
     offsets = np.full(32, 2, np.int64)                                          # the skipped element
     with pytest.raises(Exception, match="not an element"):
-        _launch(cp_async_at_kernel, 32, src, offsets, np.full(32, 2, np.int64), np.zeros((32, 8), np.uint16))
+        launch(cp_async_at_kernel, 32, src, offsets, np.full(32, 2, np.int64), np.zeros((32, 8), np.uint16))
 
 
 @cuda.jit
@@ -311,7 +276,7 @@ def test_exp2_reciprocal_tanh_and_sts_u32_stores_low_half_first(rng):
     words = rng.integers(0, 2 ** 32, 32, dtype=np.uint64).astype(np.uint32)
     out = np.zeros(64, np.uint16)
     with np.errstate(all="ignore"):
-        _launch(special_kernel, 32, x, ex2, rcp, tanh, words, out)
+        launch(special_kernel, 32, x, ex2, rcp, tanh, words, out)
         want_ex2 = np.exp2(x.astype(np.float64))
         want_rcp = 1.0 / x.astype(np.float64)
     # x is N(0, 40): about one run in 50 has an x past 128, where 2**x overflows float32 to inf (as ex2.approx
@@ -339,7 +304,7 @@ def test_shfl_xor_returns_the_partner_lanes_value(rng):
     x = rng.standard_normal(64).astype(np.float32)
     masks = np.array([1, 2, 4, 8, 16, 3], np.int64)
     out = np.zeros((len(masks), 64), np.float32)
-    _launch(shfl_kernel, 64, x, masks, out)   # two warps: each exchanges within itself
+    launch(shfl_kernel, 64, x, masks, out)   # two warps: each exchanges within itself
     for i, m in enumerate(masks):
         partner = (np.arange(64) & ~31) | ((np.arange(64) & 31) ^ m)
         np.testing.assert_array_equal(out[i], x[partner])
@@ -367,7 +332,7 @@ def test_packing_rounds_to_nearest_even_low_half_first(rng):
     x[2] = [1 + 2 ** -11, 1 + 3 * 2 ** -11]   # float16 ties: to even, 1.0 and 1 + 2**-9
     x[3, 0] = np.uint32(0x7F800001).view(np.float32)   # a NaN whose payload lies below TF32's bits: cut to inf
     f16, bf16, tf32, tf32_bits = (np.zeros(32, np.uint32) for _ in range(4))
-    _launch(pack_kernel, 32, x, f16, bf16, tf32, tf32_bits)
+    launch(pack_kernel, 32, x, f16, bf16, tf32, tf32_bits)
     lo, hi = (f16 & 0xFFFF).astype(np.uint16).view(np.float16), (f16 >> 16).astype(np.uint16).view(np.float16)
     with np.errstate(over="ignore"):
         np.testing.assert_array_equal(lo, x[:, 0].astype(np.float16))
@@ -409,7 +374,7 @@ def test_lds_v4_and_the_nonfinite_probes(rng):
     tile[8 * 7 + 0] = np.float16(np.nan).view(np.uint16)      # lane 7, word 0, low half: NaN
     tile[8 * 9 + 2] = 0xFF80                                   # lane 9, word 1, low half: -inf as bfloat16
     probes, words = np.zeros((32, 2), np.uint32), np.zeros((32, 4), np.uint32)
-    _launch(probe_kernel, 32, tile, probes, words)
+    launch(probe_kernel, 32, tile, probes, words)
     np.testing.assert_array_equal(words, pack_halves(tile[0::2], tile[1::2]).reshape(32, 4))
 
     def nan_halves(p, exp_bits):
@@ -443,9 +408,9 @@ def cross_warp_kernel(tile, out, with_barrier):
 def test_warp_exchange_does_not_hide_a_missing_block_barrier(rng):
     tile = rng.integers(0, 1 << 16, 256, dtype=np.uint16)
     out = np.zeros(64, np.uint32)
-    _launch(cross_warp_kernel, 64, tile, out, True)
+    launch(cross_warp_kernel, 64, tile, out, True)
     with pytest.raises(SimulatorCheckError, match="race"):
-        _launch(cross_warp_kernel, 64, tile, np.zeros(64, np.uint32), False)
+        launch(cross_warp_kernel, 64, tile, np.zeros(64, np.uint32), False)
 
 
 @cuda.jit
@@ -460,4 +425,4 @@ def divergent_kernel(x, out):
 def test_a_lane_that_skips_a_warp_primitive_fails_the_kernel(monkeypatch):
     monkeypatch.setattr(warp_sim, "WAIT_TIMEOUT", 1.0)
     with pytest.raises(Exception, match="other lanes of its warp"):
-        _launch(divergent_kernel, 32, np.ones(32, np.float32), np.zeros(32, np.float32), deadline=60.0)
+        launch(divergent_kernel, 32, np.ones(32, np.float32), np.zeros(32, np.float32), deadline=60.0)

@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.cudasim
 torch = pytest.importorskip("torch")
 
-from tc_sim_cases import forward, inputs, judge  # noqa: E402
+from tc_sim_cases import break_small_tiles, forward, inputs, judge  # noqa: E402
 
 WGMMA = dict(wgmma=True)
 
@@ -109,24 +109,13 @@ def test_a_wgmma_kernel_that_fails_its_self_check_gives_way_to_mma_sync(rng, mon
     2e-3) gives way to the mma.sync forward, and explain() says so."""
     from backends import backend_registry
     from numba_flash.cuda import selfcheck, tile_config_override
-    from numba_flash.cuda.kernels import tc_forward
 
     monkeypatch.setenv(selfcheck.ENV_VAR, "1")
-    real = tc_forward.make_tc_forward_kernel
 
-    class Broken:
-        def __init__(self, kernel):
-            self.kernel = kernel
+    def corrupt(out):   # uint16 bits of float16
+        out[...] = (out.copy_to_host().view(np.float16) * np.float16(1.01)).view(np.uint16)
 
-        def __getitem__(self, launch_config):
-            def run(*args):
-                self.kernel[launch_config](*args)
-                out = args[3]
-                out[...] = (out.copy_to_host().view(np.float16) * np.float16(1.01)).view(np.uint16)
-            return run
-
-    monkeypatch.setattr(tc_forward, "make_tc_forward_kernel", lambda cfg, *f, **kw: Broken(real(cfg, *f, **kw))
-                        if cfg.kernel == "wgmma_forward" else real(cfg, *f, **kw))
+    break_small_tiles(monkeypatch, "make_tc_forward_kernel", corrupt, lambda cfg: cfg.kernel == "wgmma_forward")
     selfcheck.reset()
     try:
         (q, k, v), (q64, k64, v64) = inputs(rng, "float16", 1, 21, 37, 2, 1, 64)
