@@ -111,6 +111,30 @@ def overlaps_itself(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: 
     return False
 
 
+def check_inference_write(name: str, x: Any) -> None:
+    """AttentionInputError unless torch lets this call write torch tensor ``x`` in place: an inference tensor
+    only inside ``torch.inference_mode()``. Not in an array signature, so a kept plan asks it each step (the
+    append writes through a numpy view, which torch would not stop)."""
+    if x.is_inference():
+        import torch
+
+        if not torch.is_inference_mode_enabled():   # torch refuses the write only after the other cache's
+            raise AttentionInputError(
+                f"{name}: expected a cache torch lets this call write in place when k/v are appended, got an "
+                f"inference tensor outside torch.inference_mode() (make the cache outside inference mode, or call "
+                f"inside it)")
+
+
+def first_address(x: Any) -> int | None:
+    """The address of element 0 of a numpy array or torch tensor, else None. With a shape, strides and dtype
+    known equal (an array signature), it decides where every element lies: what ``shares_elements`` answers."""
+    if type(x) is np.ndarray:
+        return x.__array_interface__["data"][0]
+    if array_kind(x) == "torch":
+        return x.data_ptr()
+    return None
+
+
 def check_append_target(name: str, x: Any) -> None:
     """AttentionInputError unless the cache ``x`` (the caller's own array, before validation) can take an append
     in place: no pending torch negation/conjugation bit, no two elements in one place."""
@@ -120,14 +144,8 @@ def check_append_target(name: str, x: Any) -> None:
             f"{name}: expected a tensor without torch's lazy {bit} bit when k/v are appended (the cache is written "
             f"in place; resolving the bit makes a copy, which the caller would then have to keep as its cache), "
             f"got a tensor with {name}.is_{bit[:3]}() True")
-    if array_kind(x) == "torch" and x.is_inference():
-        import torch
-
-        if not torch.is_inference_mode_enabled():   # torch refuses the write only after the other cache's
-            raise AttentionInputError(
-                f"{name}: expected a cache torch lets this call write in place when k/v are appended, got an "
-                f"inference tensor outside torch.inference_mode() (make the cache outside inference mode, or call "
-                f"inside it)")
+    if array_kind(x) == "torch":
+        check_inference_write(name, x)
     layout = _memory_layout(x)
     if layout is None:  # the simulator's device arrays: numba's strides are in bytes
         layout = (0, tuple(x.shape), getattr(x, "strides", None), getattr(getattr(x, "dtype", None), "itemsize", 0))

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .append_target import check_append_target, shares_elements
+from .append_target import check_append_target, check_inference_write, shares_elements
 from .arrays import array_kind, device_of, dtype_name, is_meta_tensor, to_numpy
 from .errors import bad_arg
 from .semantics import clamp_window_bound, compute_dtype_name, default_scale, effective_softcap, effective_window
@@ -260,14 +260,18 @@ def _check_new_keys(k: Any, v: Any, q_info: tuple, k_cache: Any, v_cache: Any,
     return k, v, want[1]
 
 
-def check_append_caches(k_cache: Any, v_cache: Any, kind: str, device: str) -> None:
+def check_append_caches(k_cache: Any, v_cache: Any, kind: str, device: str, known_apart: bool = False) -> None:
     """AttentionInputError naming the cache unless both caches (validated, of array kind ``kind`` on ``device``)
-    can take an append: writable, and apart from each other. What no array signature holds (a numpy array's
-    writable flag, where two arrays lie), so a plan checks it again each step."""
+    can take an append: writable (a torch inference tensor only inside inference mode), and apart from each other.
+    What no array signature holds (a numpy array's writable flag, inference tensors, where two arrays lie), so a
+    plan checks it again each step. ``known_apart``: the caller knows these two exact layouts (addresses, shapes,
+    strides, dtype) to be apart, so the overlap test, the costly one, is skipped."""
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if kind in ("numpy", "dlpack") and device == "cpu" and not to_numpy(x).flags.writeable:
             raise bad_arg(name, "a writable array (k/v are appended to it in place)", "a read-only array")
-    if _share_elements(k_cache, v_cache, kind, device):
+        if kind == "torch":
+            check_inference_write(name, x)
+    if not known_apart and _share_elements(k_cache, v_cache, kind, device):
         raise bad_arg("v_cache", "an array apart from k_cache when k/v are appended (each new position would be "
                       "written twice, the value over the key)", "an array sharing k_cache's memory")
 

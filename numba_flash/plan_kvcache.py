@@ -18,7 +18,9 @@ What ``run`` checks each step, before anything is written (a refused step leaves
 * q, k_cache, v_cache, and k, v when planned with new keys, each have the planned signature
   (``call_signature.array_signature``'s facts: exact type, shape, strides, dtype, device), or
   ``AttentionInputError`` names the argument with the planned facts and those that came (``plan.check_planned``);
-* what no signature holds: the caches are writable and apart from each other (``kvcache.check_append_caches``);
+* what no signature holds: the caches are writable and apart from each other (``kvcache.check_append_caches``;
+  the overlap test only for cache addresses other than the last step's, as the same signatures at the same
+  addresses lie in the same places);
 * ``cache_seqlens``, with the rules ``validate_kvcache`` applies (``kvcache.cache_lengths``: (B,) int32 / int64 or
   an int, each >= 0, room for the new keys in the capacity), then those that depend on it: ``cache_leftpad`` within
   it, the pages used named in the block table and none written twice, rotary tables long enough.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .append_target import first_address
 from .arguments import checked_arguments
 from .errors import bad_arg
 from .kvcache import (KVCacheCall, cache_lengths, check_append_caches, check_pages_used, check_rotary_rows,
@@ -75,6 +78,9 @@ class KVCachePlan:
                 raise bad_arg(name, "an array the checks take as it is (a plan runs on the caller's arrays)",
                               "one they convert into a copy; op.with_kvcache serves it")
         self._kv = kv
+        # The last pair of cache addresses found apart: the plan-time caches, when the checks tested them (k given).
+        self._apart: tuple[int | None, int | None] = (
+            (first_address(kv.k_cache), first_address(kv.v_cache)) if kv.k_new is not None else (None, None))
         self._fields = dict(kv.__dict__)
         self._leftpad = options["cache_leftpad"] is not None
         self._num_blocks = int(kv.k_cache.shape[0])
@@ -141,7 +147,12 @@ class KVCachePlan:
             if not signatures_known:
                 check_planned("k", k, planned["k"])
                 check_planned("v", v, planned["v"])
-            check_append_caches(k_cache, v_cache, kv.kind, kv.device)
+            # The overlap test once per pair of cache layouts: the signatures are the planned ones, so the same
+            # two addresses are the same two layouts, and the same answer (a new cache pair is tested anew).
+            addresses = first_address(k_cache), first_address(v_cache)
+            known = None not in addresses and addresses == self._apart
+            check_append_caches(k_cache, v_cache, kv.kind, kv.device, known_apart=known)
+            self._apart = addresses
         elif k is not None or v is not None:
             raise bad_arg("k" if k is not None else "v", "None, as planned (a plan without new keys; one that "
                           "appends needs a plan of its own)", "an array")
