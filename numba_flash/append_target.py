@@ -87,15 +87,30 @@ def apart_from(x: Any, *arrays: Any) -> Any:
     """``x``, or a copy of it where it shares memory with one of ``arrays`` (new keys or values that are views of
     the cache they are appended to: written one sequence at a time, a later write would read what an earlier one
     wrote). A byte-range test first, the exact one only where the ranges meet: a decode step calls this four times."""
-    lx = _memory_layout(x)
+    lx = span_x = None
     for a in arrays:
-        la = _memory_layout(a)
-        if lx is None or la is None:
+        if type(x) is np.ndarray and type(a) is np.ndarray:   # host arrays: numpy's exact test, in C
+            if _numpy_overlap(x, a):
+                return np.array(x, copy=True)
             continue
-        (x0, x1), (a0, a1) = _span(lx), _span(la)
+        if lx is None:
+            lx = _memory_layout(x)
+            span_x = None if lx is None else _span(lx)
+        la = _memory_layout(a)
+        if span_x is None or la is None:
+            continue
+        (x0, x1), (a0, a1) = span_x, _span(la)
         if x0 < a1 and a0 < x1 and shares_elements(x, a):
             return x.clone() if array_kind(x) == "torch" else np.array(x, copy=True)
     return x
+
+
+def _numpy_overlap(a: np.ndarray, b: np.ndarray) -> bool:
+    """``shares_elements`` for two numpy arrays, asked of numpy directly (the same test on the same layouts)."""
+    try:
+        return bool(np.shares_memory(a, b, max_work=10**6))
+    except np.exceptions.TooHardError:  # bounds overlap and the exact answer is too costly: assume the worst
+        return bool(np.may_share_memory(a, b))
 
 
 def overlaps_itself(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
