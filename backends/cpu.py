@@ -50,7 +50,7 @@ def _is_plain_cpu_tensor(x: Any) -> bool:
     if not is_plain_torch_tensor(x):
         return False
     dtype = x.dtype
-    return dtype.is_floating_point and dtype.itemsize >= 4 and x.device.type == "cpu"
+    return dtype.is_floating_point and dtype.itemsize >= 4 and x.is_cpu   # is_cpu: 0.1 us, device.type 0.3-0.6
 
 
 def _like(ref: Any, a: np.ndarray, dtype: str) -> Any:
@@ -130,10 +130,14 @@ class CpuBackend(Backend):
     def with_kvcache(self, call: AttentionCall) -> tuple[Any, Any]:
         kv = call.kvcache
         compute = _compute_dtype(kv.dtype)
-        q = kvcache.rotate_and_append_host(kv, compute)
+        views = kvcache.cache_views(kv, compute)   # torch caches the append writes and the kernel reads in place
+        q = kvcache.rotate_and_append_host(kv, compute, views)
         # After the append, so that a float32 cache is read in place (a view) with its new keys. float16 caches
         # are widened once: numba has no float16 arithmetic on the CPU.
-        k_cache, v_cache = _host(kv.k_cache, compute), _host(kv.v_cache, compute)
+        if views is not None and views[0].dtype == compute:
+            k_cache, v_cache = views
+        else:
+            k_cache, v_cache = _host(kv.k_cache, compute), _host(kv.v_cache, compute)
         out = np.empty(q.shape, dtype=compute)
         lse = np.empty((kv.batch, kv.nheads_q, kv.seqlen_q), dtype=compute)
         from numba_flash.cpu.decode import decode_forward

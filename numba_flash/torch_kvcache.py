@@ -7,6 +7,7 @@ itself, as the op's ``mutates_args`` has torch do.
 Annotations are evaluated (no ``from __future__ import annotations``) because ``custom_op`` reads them as its schema.
 """
 
+import inspect
 from typing import Any, Optional
 
 import numpy as np
@@ -72,6 +73,11 @@ class _KVCacheNoBackward(torch.autograd.Function):
         raise RuntimeError("numba_flash: flash_attn_with_kvcache does not support backward (as in flash-attn: it "
                            "serves decoding, and writes the caches in place); for gradients, attend with "
                            "flash_attn_func over the cached keys")
+
+
+# The registry's with_kvcache without its checked_arguments wrapper (3 us a step): the face's own wrapper has
+# looked at the same values (masked arrays refused by name), and every argument goes on positionally.
+_with_kvcache = inspect.unwrap(backend_registry.Dispatcher.with_kvcache)
 
 
 def _face_options(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -148,9 +154,9 @@ def flash_attn_with_kvcache(
         # Nothing needs the op here (torch_eager): the registry checks the arguments as given, as the face's own
         # check would (the same validate_kvcache, word for word, nothing written when it refuses), and runs the
         # call once, on a kept plan for a signature seen before.
-        out, lse = op.with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                                   cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                                   rotary_interleaved, alibi_slopes, num_splits, True, backend=backend)
+        out, lse = _with_kvcache(op, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                 cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,
+                                 softcap, rotary_interleaved, alibi_slopes, num_splits, True, backend=backend)
         bump_versions(k_cache, v_cache)   # what the op's mutates_args has torch do
         out, lse = _owned(out, lse, q, k_cache, v_cache, k, v)
         return (out, lse) if return_softmax_lse else out
