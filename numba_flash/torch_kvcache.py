@@ -17,7 +17,7 @@ from numba_flash import backend_registry, kvcache_plans
 from numba_flash.arguments import checked_arguments
 from numba_flash.arrays import to_numpy
 from numba_flash.plan_kvcache import KVCACHE_OPTIONS
-from numba_flash.torch_common import check_tensors, lse_dtype, owned_output
+from numba_flash.torch_common import check_tensors, lse_dtype, owned_output, storage_pointers
 from numba_flash.torch_eager import any_requires_grad, bump_versions, runs_eagerly
 
 
@@ -43,7 +43,9 @@ def _owned(out: Any, lse: Any, q: torch.Tensor, *inputs: Optional[torch.Tensor])
     """The op's outputs as its fake promises them: out like q, lse (B, Hq, Sq) float32, both fresh and contiguous
     (q, the caches and the new k, v are the tensors they must not share memory with)."""
     given = tuple(x for x in (q,) + inputs if x is not None)
-    return owned_output(out, q, q.dtype, given), owned_output(lse, q, lse_dtype(q.dtype), given)
+    storages = storage_pointers(given)
+    return (owned_output(out, q, q.dtype, given, storages),
+            owned_output(lse, q, lse_dtype(q.dtype), given, storages))
 
 
 flash_kvcache = torch.library.custom_op("numba_flash::flash_kvcache",
