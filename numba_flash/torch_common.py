@@ -94,5 +94,5 @@ def seed_for_op(seed: int) -> int:
     return seed - SEEDS if seed >= SEEDS // 2 else seed
 
 
-__all__ = ["lse_dtype", "owned_output", "storage_pointers", "no_double_backward", "check_tensors", "check_flash_attn_extras", "SEEDS",
-           "seed_for_op"]
+__all__ = ["lse_dtype", "owned_output", "storage_pointers", "no_double_backward", "check_tensors",
+           "check_flash_attn_extras", "SEEDS", "seed_for_op"]
