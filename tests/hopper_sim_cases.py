@@ -1,5 +1,5 @@
-"""Helpers of the warp and Hopper primitives' simulator tests (test_warp_sim.py, test_hopper_wgmma_sim.py,
-test_hopper_barriers_sim.py): a one-block launch with a deadline, random 16-bit matrices, and the PTX ISA's layouts written independently of
+"""Helpers of the simulator tests of the checker and the warp and Hopper primitives (test_simcheck.py,
+test_warp_sim.py, test_hopper_wgmma_sim.py, test_hopper_barriers_sim.py): a launch with a deadline, random 16-bit matrices, and the PTX ISA's layouts written independently of
 ``numba_flash/cuda/device/hopper_sim.py``: the canonical shared-memory layouts as CuTe layouts (shape : stride, in
 16-bit elements) evaluated by a generic function, the swizzle applied to the byte address, and wgmma's float32 D
 fragment per register."""
@@ -14,23 +14,29 @@ import pytest
 T = 8   # 16-bit elements per 128-bit unit
 
 
-def launch(kernel, threads, *args, deadline=300.0):
-    """Launch one block on a helper thread with a deadline, so a hang fails the test; re-raise what it raised."""
+def run_in_time(call, deadline, what):
+    """Run ``call()`` on a helper thread with a deadline, so a hang fails the test (naming ``what``); re-raise what
+    it raised."""
     outcome = {}
 
     def go():
         try:
-            kernel[1, threads](*args)
-        except BaseException as exc:
+            call()
+        except BaseException as exc:   # handed to the test's thread
             outcome["exc"] = exc
 
     t = threading.Thread(target=go, daemon=True)
     t.start()
     t.join(deadline)
     if t.is_alive():
-        pytest.fail(f"{kernel} still running after {deadline} s")
+        pytest.fail(f"{what} still running after {deadline} s")
     if "exc" in outcome:
         raise outcome["exc"]
+
+
+def launch(kernel, threads, *args, deadline=300.0):
+    """Launch one block of ``kernel`` with a deadline (``run_in_time``)."""
+    run_in_time(lambda: kernel[1, threads](*args), deadline, kernel)
 
 
 # ---- the ISA's canonical layouts, as CuTe layouts ----

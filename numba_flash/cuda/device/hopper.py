@@ -53,6 +53,8 @@ or down (``dec``) to ``count`` (24 to 256, a multiple of 8): producer warpgroups
 
 from __future__ import annotations
 
+from typing import Any
+
 from numba import config, cuda
 
 __all__ = [
@@ -84,13 +86,33 @@ if config.ENABLE_CUDASIM:
 else:
     from numba_flash.cuda.device import hopper_ptx as _impl
 
-smem_desc, make_wgmma, make_accumulator_fence = _impl.smem_desc, _impl.make_wgmma, _impl.make_accumulator_fence
-make_wgmma_wait, make_setmaxnreg = _impl.make_wgmma_wait, _impl.make_setmaxnreg
+smem_desc, make_accumulator_fence = _impl.smem_desc, _impl.make_accumulator_fence
 wgmma_fence, wgmma_commit = _impl.wgmma_fence, _impl.wgmma_commit
 fence_proxy_async, fence_mbarrier_init = _impl.fence_proxy_async, _impl.fence_mbarrier_init
 mbarrier_init, mbarrier_arrive = _impl.mbarrier_init, _impl.mbarrier_arrive
 mbarrier_arrive_expect_tx, mbarrier_try_wait_parity = _impl.mbarrier_arrive_expect_tx, _impl.mbarrier_try_wait_parity
 bulk_copy_g2s = _impl.bulk_copy_g2s
+
+
+def make_wgmma(n: int, kind: str, a_in_registers: bool, trans_b: bool) -> Any:
+    """The wgmma of one shape (see above), for either implementation; ValueError for a shape the ISA lacks."""
+    if n % 8 or not 8 <= n <= 256 or kind not in ("f16", "bf16"):
+        raise ValueError(f"wgmma: N must be a multiple of 8 from 8 to 256 and kind f16 or bf16, got {n}, {kind}")
+    return _impl.make_wgmma(n, kind, a_in_registers, trans_b)
+
+
+def make_wgmma_wait(pending: int) -> Any:
+    """``wgmma.wait_group <pending>`` (0 to 7)."""
+    if not 0 <= pending <= 7:
+        raise ValueError(f"wgmma_wait: pending must be 0 to 7, got {pending}")
+    return _impl.make_wgmma_wait(pending)
+
+
+def make_setmaxnreg(count: int, increase: bool) -> Any:
+    """``setmaxnreg`` to ``count`` registers (24 to 256, a multiple of 8), up or down."""
+    if count % 8 or not 24 <= count <= 256:
+        raise ValueError(f"setmaxnreg: the count must be a multiple of 8 from 24 to 256, got {count}")
+    return _impl.make_setmaxnreg(count, increase)
 
 
 @cuda.jit(device=True, inline="always")

@@ -17,20 +17,12 @@ from numba import types
 from numba.core.errors import TypingError
 from numba.cuda.extending import intrinsic
 
-from numba_flash.cuda.device.warp_ptx import shared_address
+from numba_flash.cuda.device.warp_ptx import check_shared_array, shared_address
 
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 _F32 = ir.FloatType()
 _VOID = ir.VoidType()
-
-
-def _check_shared(name: str, array: Any, index: Any, bits: int | None = None) -> None:
-    if not isinstance(array, types.Array) or array.ndim != 1 or (bits and array.dtype.bitwidth != bits):
-        want = f"{bits}-bit elements" if bits else "elements"
-        raise TypingError(f"{name}: expected a 1-D shared array of {want}, got {array}")
-    if not isinstance(index, types.Integer):
-        raise TypingError(f"{name}: expected an integer element index, got {index}")
 
 
 def _check_accumulator(name: str, acc: Any) -> None:
@@ -50,7 +42,7 @@ def smem_desc(typingctx, smem, index, lbo_bytes, sbo_bytes, swizzle):
     """The 64-bit shared-memory matrix descriptor of a wgmma operand that starts at ``smem[index]``: start address,
     leading and stride byte offsets (each ``(x & 0x3FFFF) >> 4``), base offset 0 and the swizzle code (0 none, 1
     128-byte, 2 64-byte, 3 32-byte)."""
-    _check_shared("smem_desc", smem, index, 16)
+    check_shared_array("smem_desc", smem, index)
     for name, arg in (("lbo_bytes", lbo_bytes), ("sbo_bytes", sbo_bytes), ("swizzle", swizzle)):
         if not isinstance(arg, types.Integer):
             raise TypingError(f"smem_desc: expected an integer {name}, got {arg}")
@@ -77,8 +69,6 @@ def make_wgmma(n: int, kind: str, a_in_registers: bool, trans_b: bool) -> Any:
     thread, the first ``n / 2`` elements of a C-contiguous local array) become ``A B + acc`` (or ``A B`` where
     ``scale_d`` is 0). A from a descriptor (``wgmma(acc, desc_a, desc_b, scale_d)``, K-major) or from four registers
     per thread (``wgmma(acc, a0, a1, a2, a3, desc_b, scale_d)``); B K-major, or N-major with ``trans_b``."""
-    if n % 8 or not 8 <= n <= 256 or kind not in ("f16", "bf16"):
-        raise ValueError(f"wgmma: N must be a multiple of 8 from 8 to 256 and kind f16 or bf16, got {n}, {kind}")
     count = n // 2
     outs = ",".join(f"${i}" for i in range(count))
     a_regs = 4 if a_in_registers else 1
@@ -173,16 +163,12 @@ fence_mbarrier_init = _void_asm("fence_mbarrier_init", "fence.mbarrier_init.rele
 @functools.cache
 def make_wgmma_wait(pending: int) -> Any:
     """``wgmma.wait_group.sync.aligned <pending>``: wait until at most ``pending`` committed groups are in flight."""
-    if not 0 <= pending <= 7:
-        raise ValueError(f"wgmma_wait: pending must be 0 to 7, got {pending}")
     return _void_asm(f"wgmma_wait{pending}", f"wgmma.wait_group.sync.aligned {pending};")
 
 
 @functools.cache
 def make_setmaxnreg(count: int, increase: bool) -> Any:
     """``setmaxnreg.{inc,dec}.sync.aligned.u32 <count>`` for the calling warpgroup (24 to 256, a multiple of 8)."""
-    if count % 8 or not 24 <= count <= 256:
-        raise ValueError(f"setmaxnreg: the count must be a multiple of 8 from 24 to 256, got {count}")
     way = "inc" if increase else "dec"
     return _void_asm(f"setmaxnreg_{way}_{count}", f"setmaxnreg.{way}.sync.aligned.u32 {count};")
 
@@ -238,7 +224,7 @@ def bulk_copy_g2s(typingctx, dst, dst_index, src, byte_offset, nbytes, bars, bar
     """``cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes``: ``nbytes`` (a multiple of 16) from
     ``byte_offset`` bytes past the data pointer of the global array ``src`` into ``dst[dst_index]`` (1-D shared,
     16-byte aligned), completing ``nbytes`` of transaction count on ``bars[bar_index]``."""
-    _check_shared("bulk_copy_g2s", dst, dst_index)
+    check_shared_array("bulk_copy_g2s", dst, dst_index)
     _check_barrier("bulk_copy_g2s", bars, bar_index)
     if not isinstance(src, types.Array) or not isinstance(byte_offset, types.Integer) \
             or not isinstance(nbytes, types.Integer):

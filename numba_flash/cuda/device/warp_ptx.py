@@ -40,7 +40,7 @@ def shared_address(context, builder, array_type, array, index, index_type):
     return builder.ptrtoint(shared_ptr, _I32)
 
 
-def _check_shared_array(name, array, index):
+def check_shared_array(name, array, index):
     if not isinstance(array, types.Array) or array.ndim != 1 or array.dtype.bitwidth != 16:
         raise TypingError(f"{name}: expected a 1-D shared array of 16-bit elements, got {array}")
     if not isinstance(index, types.Integer):
@@ -115,7 +115,7 @@ def _make_ldmatrix(count, trans):
 
     @intrinsic
     def ldmatrix(typingctx, smem, index):
-        _check_shared_array(name, smem, index)
+        check_shared_array(name, smem, index)
         sig = types.UniTuple(types.uint32, count)(smem, index)
 
         def codegen(context, builder, sig, args):
@@ -140,7 +140,7 @@ def cp_async_16(typingctx, dst, dst_index, src, src_index, src_bytes):
     ``src_index`` a tuple with one integer per axis) to ``dst[dst_index]`` (1-D shared, 16-bit elements), without
     waiting; bytes past ``src_bytes`` (0 to 16) are filled with zeros instead of read. Both addresses must be
     16-byte aligned. Completes at ``cp_async_wait_*`` for this thread, at the barrier after it for the block."""
-    _check_shared_array("cp_async_16", dst, dst_index)
+    check_shared_array("cp_async_16", dst, dst_index)
     if not isinstance(src, types.Array) or not isinstance(src_index, types.BaseTuple) \
             or len(src_index) != src.ndim or not all(isinstance(i, types.Integer) for i in src_index):
         raise TypingError(f"cp_async_16: expected a global array and one integer index per axis, got {src}, "
@@ -170,7 +170,7 @@ def cp_async_16(typingctx, dst, dst_index, src, src_index, src_bytes):
 def lds_v4(typingctx, smem, index):
     """``ld.shared.v4.b32``: the 16 bytes at element ``index`` (a multiple of 8) of a 1-D shared array of 16-bit
     elements, as four 32-bit words (two elements each, the lower-indexed one in the low half)."""
-    _check_shared_array("lds_v4", smem, index)
+    check_shared_array("lds_v4", smem, index)
     sig = types.UniTuple(types.uint32, 4)(smem, index)
 
     def codegen(context, builder, sig, args):
@@ -188,7 +188,7 @@ def lds_v4(typingctx, smem, index):
 def lds_u32(typingctx, smem, index):
     """``ld.shared.b32``: the 32-bit word at elements ``index`` (even: 4-byte aligned) and ``index + 1`` of a 1-D
     shared array of 16-bit elements, the lower-indexed one in the low half (a float32 kept as two halves)."""
-    _check_shared_array("lds_u32", smem, index)
+    check_shared_array("lds_u32", smem, index)
     sig = types.uint32(smem, index)
 
     def codegen(context, builder, sig, args):
@@ -204,7 +204,7 @@ def lds_u32(typingctx, smem, index):
 def sts_u32(typingctx, smem, index, word):
     """``st.shared.b32``: ``word`` into elements ``index`` (even: 4-byte aligned) and ``index + 1`` of a 1-D shared
     array of 16-bit elements, low half first (two packed float16 or bfloat16 values in one store)."""
-    _check_shared_array("sts_u32", smem, index)
+    check_shared_array("sts_u32", smem, index)
     if not isinstance(word, types.Integer):
         raise TypingError(f"sts_u32: expected a 32-bit integer word, got {word}")
     sig = types.void(smem, index, word)
@@ -251,7 +251,7 @@ def cp_async_16_at(typingctx, dst, dst_index, src, byte_offset, src_bytes):
     """``cp_async_16`` from ``byte_offset`` bytes past the data pointer of the global array ``src`` (the kernel
     keeps each chunk's offset for the whole loop and adds a tile's base, instead of four index-times-stride
     products per chunk)."""
-    _check_shared_array("cp_async_16_at", dst, dst_index)
+    check_shared_array("cp_async_16_at", dst, dst_index)
     if not isinstance(src, types.Array) or not isinstance(byte_offset, types.Integer) \
             or not isinstance(src_bytes, types.Integer):
         raise TypingError(f"cp_async_16_at: expected a global array, an integer byte offset and an integer byte "

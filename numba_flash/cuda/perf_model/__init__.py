@@ -58,6 +58,7 @@ from numba_flash.cuda.host.picker import TileOverride, tile_config_for
 from numba_flash.cuda.host.gpus import GPUS, GpuSpec, gpu_spec, occupancy
 from numba_flash.cuda.perf_model.counts import LATENCY_KEY, dynamic_counts, loop_counts
 from numba_flash.cuda.compile_check.sass import FP32_PIPE, disassemble, kernel_function, link, parse
+from numba_flash.cuda.compile_check.targets import kernel_target
 from numba_flash.cuda.kernels.registry import REGISTRY, SPECS, kernel_name
 
 #: Variants: (has_left, has_right, softcap[, alibi, attn_bias, dropout]) flags of the kernel factories. "dropout" is
@@ -252,13 +253,13 @@ def model_specialisation(kernel: str, dtype: str, head_dim: int, variant: str,
         picked = cfg or tile_config_for(head_dim, dtype, cc, smem_limit_for(cc), kernel, override=TileOverride())
         by_config.setdefault(picked, []).append(cc)
     records = []
-    # wgmma kernels compile for the "a" target of 9.0 (hopper.ARCH), the only one with those instructions
-    arch = (lambda cc: (*cc, "a")) if REGISTRY[kernel].kind == "wgmma" else (lambda cc: cc)
+    # the target each GPU assembles the kernel for: sm_90a for the wgmma kernels (compile_check.targets)
+    spec = REGISTRY[kernel]
     for picked, group in by_config.items():
         py_func = python_kernel(kernel, picked, dtype, flags)
-        ptx = kernel_ptx(kernel, picked, dtype, arch(group[0]), flags, lineinfo=True)
+        ptx = kernel_ptx(kernel, picked, dtype, kernel_target(spec, group[0]), flags, lineinfo=True)
         for cc in group:
-            cubin, log = link(ptx, arch(cc), lineinfo=True)
+            cubin, log = link(ptx, kernel_target(spec, cc), lineinfo=True)
             try:
                 records.append(model_kernel(kernel, picked, dtype, variant, cc, disassemble(cubin), py_func, log))
             except ValueError as exc:
@@ -341,7 +342,7 @@ def _model_or_none(kernel: str, dtype: str, head_dim: int, variant: str, cc_ok: 
             return []
         return model_specialisation(kernel, dtype, head_dim, variant, cc_tc, use_cache) if cc_tc else []
     if spec.kind == "wgmma":   # compute capability 9.0 only, head dims 64 and 128 (plan.wgmma_reason)
-        ccs = [cc for cc in cc_tc if tuple(cc) == spec.min_compute_capability]
+        ccs = [cc for cc in cc_tc if kernel_target(spec, cc) is not None]
         if not ccs or head_dim not in spec.tiles:
             return []
         return model_specialisation(kernel, dtype, head_dim, variant, ccs, use_cache)

@@ -5,14 +5,13 @@ Every launch runs on a helper thread with a deadline, so that a barrier bug that
 test instead of blocking CI. Run: NUMBA_ENABLE_CUDASIM=1 .venv/bin/python -m pytest -q -m cudasim <this file>
 """
 
-import threading
-
 import numpy as np
 import pytest
 from numba import cuda, float32, int32
 
 from numba_flash.cuda import SimulatorCheckError
 from numba_flash.cuda import simcheck
+from hopper_sim_cases import run_in_time
 
 pytestmark = pytest.mark.cudasim
 
@@ -29,21 +28,8 @@ def checker():
 def _launch(kernel, blocks, threads, *args):
     """Run ``kernel[blocks, threads](*args)`` (``kernel(*args)`` when blocks is None: a configured launch); re-raise
     what it raised; fail if it does not return in time."""
-    outcome = {}
-
-    def go():
-        try:
-            (kernel if blocks is None else kernel[blocks, threads])(*args)
-        except BaseException as exc:   # handed to the test's thread
-            outcome["exc"] = exc
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    t.join(DEADLINE)
-    if t.is_alive():
-        pytest.fail(f"launch of {kernel} still running after {DEADLINE} s: the simulator hangs")
-    if "exc" in outcome:
-        raise outcome["exc"]
+    run_in_time(lambda: (kernel if blocks is None else kernel[blocks, threads])(*args), DEADLINE,
+                f"launch of {kernel} (the simulator hangs)")
 
 
 # ---- kernels: each bug next to its fix ----
