@@ -37,8 +37,8 @@ def _host(x: Any, compute: type) -> np.ndarray:
     """``x`` (validated: no lazy torch bit left) as a host array of the ``compute`` dtype; a view where it can be."""
     if type(x) is np.ndarray:
         a = x
-    elif _is_plain_cpu_tensor(x):   # a tiny call's microseconds: skip to_numpy's general case
-        a = x.detach().numpy()
+    elif _is_plain_cpu_tensor(x):   # a tiny call's microseconds: skip to_numpy's general case (and detach)
+        a = x.detach().numpy() if x.requires_grad else x.numpy()
     else:
         a = to_numpy(x)
     return a if a.dtype == compute else a.astype(compute)

@@ -15,11 +15,18 @@ import numpy as np
 _DLPACK_DEVICES = {1: "cpu", 2: "cuda", 3: "cpu", 10: "hip"}
 
 
+_tensor_type: Any = None   # torch.Tensor once torch is imported (a class that never changes after)
+
+
 def _torch_tensor_type() -> Any:
     """``torch.Tensor`` when torch is imported, else None: no object can be a tensor before torch is imported, so
-    this never imports it. (A half-initialised torch module may lack the attribute.)"""
-    torch = sys.modules.get("torch")
-    return getattr(torch, "Tensor", None) if torch is not None else None
+    this never imports it. (A half-initialised torch module may lack the attribute.) Asked several times a call:
+    once found, the class is kept."""
+    global _tensor_type
+    if _tensor_type is None:
+        torch = sys.modules.get("torch")
+        _tensor_type = getattr(torch, "Tensor", None) if torch is not None else None
+    return _tensor_type
 
 
 def is_torch_tensor(x: Any) -> bool:

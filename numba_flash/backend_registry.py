@@ -29,7 +29,7 @@ import os
 import threading
 from typing import Any, Iterator
 
-from numba_flash import chosen_backends, kvcache_plans
+from numba_flash import chosen_backends, dense_plans, kvcache_plans
 from numba_flash.arguments import checked_arguments
 from numba_flash.errors import AttentionInputError, BackendDeclined, NoBackendError
 from numba_flash.explanation import Candidate, Explanation
@@ -59,6 +59,14 @@ _entry_points_loaded = False
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("numba_flash_forced_backend", default=None)
 
 
+def _forget_choices() -> None:
+    """Drop every backend choice kept (the kept plans' and the signatures'): each was made among the backends
+    registered then."""
+    kvcache_plans.clear()
+    dense_plans.store.clear()
+    chosen_backends.clear()
+
+
 def register(op: str, name: str, target: str | type | Backend, *, replace: bool = False) -> None:
     """Register ``target`` (a ``"module:Class"`` string, a Backend subclass or instance) as backend ``name`` of
     ``op``. A string is imported only when the backend is first used."""
@@ -68,16 +76,14 @@ def register(op: str, name: str, target: str | type | Backend, *, replace: bool 
             raise ValueError(f"backend {name!r} is already registered for op {op!r} (pass replace=True)")
         backends[name] = target
         _instances.pop((op, name), None)
-    kvcache_plans.clear()
-    chosen_backends.clear()   # a kept plan's backend was chosen among the backends then registered
+    _forget_choices()
 
 
 def unregister(op: str, name: str) -> None:
     with _lock:
         _targets.get(op, {}).pop(name, None)
         _instances.pop((op, name), None)
-    kvcache_plans.clear()
-    chosen_backends.clear()
+    _forget_choices()
 
 
 def _load_entry_points(refresh: bool = False) -> None:
@@ -94,8 +100,7 @@ def _load_entry_points(refresh: bool = False) -> None:
                 backends.setdefault(ep.name, ep.value)
             _targets.setdefault("*", {}).setdefault(ep.name, ep.value)
         _entry_points_loaded = True
-    kvcache_plans.clear()
-    chosen_backends.clear()
+    _forget_choices()
 
 
 class _Unloadable(Backend):

@@ -21,14 +21,13 @@ own key, so the step's arrays have the planned signatures and its other argument
 checks would pass them and derive the same call, and run would go to the backend it chose. The registry clears the
 plans when a backend is registered or removed, as that may change the choice.
 
-At most ``MAX_PLANS``, least recently used dropped first; a lock guards them (decode loops in several threads).
-``set_enabled(False)`` turns the cache off (every call checked in full), ``clear()`` empties it.
+At most ``MAX_PLANS``, least recently used dropped first, in a ``plan_cache.PlanCache`` (a lock guards it: decode
+loops in several threads). ``set_enabled(False)`` turns the cache off (every call checked in full), ``clear()``
+empties it.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from typing import Any, Callable
 
 import numpy as np
@@ -36,12 +35,11 @@ import numpy as np
 from .call_signature import array_signature
 from .errors import NoBackendError
 from .kvcache import KVCacheCall, validate_kvcache
+from .plan_cache import PlanCache
 from .plan_kvcache import KVCachePlan, holds_given, kvcache_options
 
 MAX_PLANS = 32   # a model's decode loop needs one per (layer shape, batch); more than that is another workload
-_lock = threading.Lock()
-_plans: OrderedDict[tuple, KVCachePlan] = OrderedDict()
-_enabled = True
+_cache = PlanCache(MAX_PLANS)
 
 _BY_VALUE = ("cache_batch_idx", "cache_leftpad", "alibi_slopes")
 _BY_IDENTITY = ("rotary_cos", "rotary_sin")
@@ -103,24 +101,12 @@ def plan_key(scope: tuple, arrays: dict[str, Any], options: dict[str, Any]) -> t
 
 def cached(key: tuple | None) -> KVCachePlan | None:
     """The plan kept for ``key``, or None (no key, none kept, or the cache turned off)."""
-    if key is None or not _enabled:
-        return None
-    with _lock:
-        plan = _plans.get(key)
-        if plan is not None:
-            _plans.move_to_end(key)
-    return plan
+    return _cache.cached(key)
 
 
 def keep(key: tuple | None, plan: KVCachePlan) -> None:
     """Keep ``plan`` for ``key`` (nothing for None or with the cache off), dropping the least recently used."""
-    if key is None or not _enabled:
-        return
-    with _lock:
-        _plans[key] = plan
-        _plans.move_to_end(key)
-        while len(_plans) > MAX_PLANS:
-            _plans.popitem(last=False)
+    _cache.keep(key, plan)
 
 
 def _lookup(scope: tuple, arrays: dict[str, Any],
@@ -137,7 +123,7 @@ def _keep_new(key: tuple | None, dispatcher: Any, forced: str | None, arrays: di
               options: dict[str, Any], kv: KVCacheCall) -> None:
     """Keep a plan of checked call ``kv`` for ``key``, unless the checks handed on a copy of an array (a plan runs
     on the step's own arrays) or no backend serves it (the call says so where it always did)."""
-    if key is None or not _enabled or not all(holds_given(kv, n, x) for n, x in arrays.items() if x is not None):
+    if key is None or not _cache.enabled or not all(holds_given(kv, n, x) for n, x in arrays.items() if x is not None):
         return
     try:
         plan = KVCachePlan(dispatcher, arrays, dict(options, backend=forced), validated=kv)
@@ -176,21 +162,17 @@ def check_with_plans(dispatcher: Any, forced: str | None, arrays: dict[str, Any]
 def set_enabled(enabled: bool) -> bool:
     """Turn the cache on or off (off: every call checked in full, nothing kept or read; the plans kept stay for
     when it is on again); returns the previous setting."""
-    global _enabled
-    with _lock:
-        previous, _enabled = _enabled, bool(enabled)
-    return previous
+    return _cache.set_enabled(enabled)
 
 
 def clear() -> None:
     """Drop every kept plan (the registry calls it when the backends change)."""
-    with _lock:
-        _plans.clear()
+    _cache.clear()
 
 
 def kept_count() -> int:
     """How many plans are kept now (at most ``MAX_PLANS``)."""
-    return len(_plans)
+    return _cache.kept_count()
 
 
 __all__ = ["MAX_PLANS", "plan_key", "cached", "keep", "run_with_plans", "check_with_plans", "set_enabled", "clear",

@@ -180,9 +180,23 @@ class AttentionPlan:
         check_planned("q", q, planned["q"])
         check_planned("k", k, planned["k"])
         check_planned("v", v, planned["v"])
+        return self.step(q, k, v)
+
+    def step(self, q: Any, k: Any, v: Any) -> Any:
+        """``run`` for a caller that found q, k and v of the planned signatures already (``dense_plans``, whose key
+        holds them), so they are not compared again. Arguments and result as ``run``'s."""
         k, v = self._step_keys(k, v)
         out, lse = self._forward.run({"q": q, "k": k, "v": v})
-        return (out, lse) if self._forward.call.return_lse else out
+        return (out, lse) if self._forward.fields["return_lse"] else out
+
+    def drop_planned_arrays(self) -> None:
+        """Let go of the q, k and v given at plan time, which no run reads (each brings its own): a plan kept for
+        later calls (``numba_flash.dense_plans``) must not keep its first call's tensors alive. ``call`` then holds
+        None in their place."""
+        planned = self._forward
+        call = object.__new__(AttentionCall)   # frozen: a copy with those fields set, as run makes its calls
+        call.__dict__.update(planned.call.__dict__, q=None, k=None, v=None)
+        planned.call, planned.fields = call, dict(call.__dict__)
 
     def backward(self, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any) -> tuple[Any, Any, Any]:
         """The planned call's backward on this step's arrays, what ``op.backward`` with the planned options returns.

@@ -17,11 +17,11 @@ from typing import Any, Optional
 
 import torch
 from numba_flash.arguments import checked_arguments
-from numba_flash import backend_registry, chosen_backends
+from numba_flash import backend_registry, chosen_backends, dense_plans
 from numba_flash.call_signature import copied_with, forward_signature
 from numba_flash.errors import BackendDeclined
 from numba_flash.torch_common import (SEEDS, check_flash_attn_extras, check_tensors, lse_dtype, no_double_backward,
-                                      owned_output)
+                                      owned_output, owned_pair)
 # The packed and KV-cache faces live in modules of their own; importing them here registers their ops whenever
 # numba_flash hands out any of the three functions.
 from numba_flash.torch_eager import any_requires_grad, runs_eagerly
@@ -48,7 +48,7 @@ def _flash_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
         softcap=softcap, layout=layout, return_lse=True, backend=backend, alibi_slopes=alibi_slopes,
         attn_bias=attn_bias, dropout_p=dropout_p, dropout_seed=dropout_seed % SEEDS, precision=precision)
-    return owned_output(out, q, q.dtype, (q, k, v)), owned_output(lse, q, lse_dtype(q.dtype), (q, k, v))
+    return owned_pair(out, lse, q, k, v)
 
 
 flash_fwd = torch.library.custom_op("numba_flash::flash_fwd", mutates_args=())(_flash_fwd_impl)
@@ -157,7 +157,7 @@ def _forward_validated(call: Any, backend: Optional[str], q: torch.Tensor, k: to
     except BackendDeclined:
         chosen_backends.clear()   # the choice kept for this signature is out of date
         return None
-    return owned_output(out, q, q.dtype, (q, k, v)), owned_output(lse, q, lse_dtype(q.dtype), (q, k, v))
+    return owned_pair(out, lse, q, k, v)
 
 
 def _backward_of_plain_call(signature: tuple, params: tuple, dropout: tuple[float, int], dout: torch.Tensor,
@@ -276,6 +276,13 @@ def flash_attn_func(
     Raises ``numba_flash.AttentionInputError`` for arguments that break the contract or ask for a feature not
     implemented yet, and ``numba_flash.NoBackendError`` when no backend can serve the call.
     """
+    key = _plain_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                     return_attn_probs, layout, backend, attn_bias, bias_mod, mask_mod, score_mod, score_mod_grad,
+                     block_mask, dropout_seed, precision)
+    if (plan := dense_plans.kept(key)) is not None:
+        # A call of a signature seen before (numba_flash.dense_plans): the checks passed for it, and its plan runs it.
+        out, lse = owned_pair(*plan.step(q, k, v), q, k, v)
+        return (out, lse) if return_lse else out
     # Plain Python values: checking them costs no graph break under torch.compile, so they are checked always.
     dropout_p, seed = check_flash_attn_extras(dropout_p, dropout_seed, alibi_slopes, deterministic,
                                               return_attn_probs, alibi_ok=True)
@@ -308,10 +315,32 @@ def flash_attn_func(
         # No autograd graph to record and nothing that needs the op: FlashAttnFunc.apply would record nothing and
         # run this same work (its forward's eager branch); apply alone costs ~10 us a call here.
         out, lse = found
+        dense_plans.keep_new(key, backend_registry.get("flash"), q, k, v, dict(
+            causal=causal, softmax_scale=scale, window_size=(left, right), softcap=softcap, layout=layout,
+            return_lse=True, backend=backend, deterministic=deterministic, precision=precision))
     else:
         out, lse = FlashAttnFunc.apply(q, k, v, bool(causal), scale, left, right, float(softcap), layout, backend,
                                        alibi_slopes, attn_bias, dropout_p, seed, precision, call)
     return (out, lse) if return_lse else out
+
+
+def _plain_key(q: Any, k: Any, v: Any, dropout_p: Any, softmax_scale: Any, causal: Any, window_size: Any,
+               softcap: Any, alibi_slopes: Any, deterministic: Any, return_attn_probs: Any, layout: Any, backend: Any,
+               attn_bias: Any, bias_mod: Any, mask_mod: Any, score_mod: Any, score_mod_grad: Any, block_mask: Any,
+               dropout_seed: Any, precision: Any) -> Optional[tuple]:
+    """``dense_plans.plain_key`` of a flash_attn_func call that could run on a kept plan: no ALiBi, bias, mods or
+    dropout, no autograd graph to record, nothing that needs the op (``_eager``), a backend named by a str or
+    None. None for any other call (and under torch.compile)."""
+    if (alibi_slopes is not None or attn_bias is not None or bias_mod is not None or mask_mod is not None
+            or score_mod is not None or score_mod_grad is not None or block_mask is not None
+            or type(dropout_p) not in (int, float) or dropout_p != 0 or not (backend is None or type(backend) is str)):
+        return None
+    if not _eager(q, k, v) or (torch.is_grad_enabled() and any_requires_grad(q, k, v)):
+        return None
+    forced = backend_registry.get("flash").forced_backend(backend)
+    return dense_plans.plain_key(forced, q, k, v, window_size, (dropout_p, softmax_scale, causal, softcap,
+                                                                deterministic, return_attn_probs, layout,
+                                                                dropout_seed, precision))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,6 +37,17 @@ def owned_output(t, like: torch.Tensor, dtype: torch.dtype, inputs: tuple,
     return t
 
 
+def owned_pair(out: Any, lse: Any, q: torch.Tensor,
+               *inputs: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A forward op's outputs as its fake promises them: out like q (q's dtype), lse float32 (float64 for float64
+    q), both fresh and contiguous on q's device; q and ``inputs`` (None entries skipped) are the tensors they must
+    not share memory with."""
+    given = tuple(x for x in (q,) + inputs if x is not None)
+    storages = storage_pointers(given)
+    return (owned_output(out, q, q.dtype, given, storages),
+            owned_output(lse, q, lse_dtype(q.dtype), given, storages))
+
+
 def storage_pointers(inputs: tuple) -> frozenset:
     """The data pointers of the storages of ``inputs`` (tensors), as ``owned_output`` compares them."""
     return frozenset(x.untyped_storage().data_ptr() for x in inputs)
@@ -94,5 +105,5 @@ def seed_for_op(seed: int) -> int:
     return seed - SEEDS if seed >= SEEDS // 2 else seed
 
 
-__all__ = ["lse_dtype", "owned_output", "storage_pointers", "no_double_backward", "check_tensors",
+__all__ = ["lse_dtype", "owned_output", "owned_pair", "storage_pointers", "no_double_backward", "check_tensors",
            "check_flash_attn_extras", "SEEDS", "seed_for_op"]

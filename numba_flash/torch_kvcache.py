@@ -17,7 +17,7 @@ from numba_flash import backend_registry, kvcache_plans
 from numba_flash.arguments import checked_arguments
 from numba_flash.arrays import to_numpy
 from numba_flash.plan_kvcache import KVCACHE_OPTIONS
-from numba_flash.torch_common import check_tensors, lse_dtype, owned_output, storage_pointers
+from numba_flash.torch_common import check_tensors, lse_dtype, owned_pair
 from numba_flash.torch_eager import any_requires_grad, bump_versions, runs_eagerly
 
 
@@ -36,16 +36,7 @@ def _flash_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
         block_table, softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved, alibi_slopes,
         num_splits, True, backend=backend)
-    return _owned(out, lse, q, k_cache, v_cache, k, v)
-
-
-def _owned(out: Any, lse: Any, q: torch.Tensor, *inputs: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's outputs as its fake promises them: out like q, lse (B, Hq, Sq) float32, both fresh and contiguous
-    (q, the caches and the new k, v are the tensors they must not share memory with)."""
-    given = tuple(x for x in (q,) + inputs if x is not None)
-    storages = storage_pointers(given)
-    return (owned_output(out, q, q.dtype, given, storages),
-            owned_output(lse, q, lse_dtype(q.dtype), given, storages))
+    return owned_pair(out, lse, q, k_cache, v_cache, k, v)
 
 
 flash_kvcache = torch.library.custom_op("numba_flash::flash_kvcache",
@@ -160,7 +151,7 @@ def flash_attn_with_kvcache(
                                  cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,
                                  softcap, rotary_interleaved, alibi_slopes, num_splits, True, backend=backend)
         bump_versions(k_cache, v_cache)   # what the op's mutates_args has torch do
-        out, lse = _owned(out, lse, q, k_cache, v_cache, k, v)
+        out, lse = owned_pair(out, lse, q, k_cache, v_cache, k, v)
         return (out, lse) if return_softmax_lse else out
     if not torch.compiler.is_compiling():
         # Fail fast, before the op's schema turns the arguments into ints and tensors (as flash_attn_func does):
