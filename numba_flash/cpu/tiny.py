@@ -209,29 +209,29 @@ def fits_tiny(work: int, has_bias: bool, has_mods: bool, dropout_p: float, packe
 
 
 _NO_SLOPES = np.zeros((0, 0))
-_entries: dict[tuple[str, str], Any] = {}
+_entries: dict[tuple[Any, str, str], Any] = {}
 _entries_lock = threading.Lock()
+_F64, _I64, _SLOPES = types.float64, types.int64, types.Array(types.float64, 2, "A")
+_FORWARD_ARGS = ("4", "4", "4", "4", "3", _F64, _I64, _I64, _F64, _SLOPES, types.boolean)
+_BACKWARD_ARGS = ("4",) * 5 + ("3",) + ("4",) * 3 + (_F64, _I64, _I64, _F64, _SLOPES, _F64)
 
 
-def _entry(dtype: np.dtype, layout: str) -> Any:
-    """``tiny_forward_kernel`` compiled for ``dtype`` with arrays of numba ``layout``: "C" for contiguous inputs
-    (their rows vectorise; 3x faster at D = 64), "A" for any strides. Two compilations per dtype, kept in numba's
-    disk cache, whatever mix of layouts callers pass."""
-    key = (np.dtype(dtype).char, layout)   # .name would do, but computes a string each call (a microsecond)
+def _entry(kernel: Any, dtype: np.dtype, layout: str) -> Any:
+    """``kernel`` (``tiny_forward_kernel`` or ``tiny_backward_kernel``) compiled for ``dtype`` with its 4-d arrays
+    of numba ``layout``: "C" for contiguous ones (their rows vectorise: 3x faster at D = 64), "A" for any strides.
+    Two compilations per kernel and dtype, kept in numba's disk cache, whatever mix of layouts callers pass."""
+    key = (kernel, np.dtype(dtype).char, layout)   # .name would do, but computes a string each call (a microsecond)
     fn = _entries.get(key)
     if fn is None:
         with _entries_lock:
             fn = _entries.get(key)
             if fn is None:
                 nb = numba.from_dtype(np.dtype(dtype))
-                a4, a3 = types.Array(nb, 4, layout), types.Array(nb, 3, "A")
-                f64, i64 = types.float64, types.int64
-                sig = (a4, a4, a4, a4, a3, f64, i64, i64, f64, types.Array(f64, 2, "A"), types.boolean)
-                fn = _entries[key] = tiny_forward_kernel.compile(sig)
+                ranks = {"4": types.Array(nb, 4, layout), "3": types.Array(nb, 3, "A")}
+                args = _FORWARD_ARGS if kernel is tiny_forward_kernel else _BACKWARD_ARGS
+                fn = _entries[key] = kernel.compile(tuple(ranks.get(a, a) if isinstance(a, str) else a
+                                                          for a in args))
     return fn
-
-
-_backward_entries: dict[str, Any] = {}
 
 
 def tiny_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: np.ndarray,
@@ -242,19 +242,11 @@ def tiny_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
     dout, q, dq: (B, Sq, Hq, D / Dv); k, dk: (B, Sk, Hkv, D); v, dv: (B, Sk, Hkv, Dv); out: (B, Sq, Hq, Dv);
     lse: (B, Hq, Sq) as the forward wrote it; (B, S, H, D) views with any strides, all float32 or all float64.
     Options as ``tiny_forward``'s. Inputs not modified."""
-    name = q.dtype.name
-    fn = _backward_entries.get(name)
-    if fn is None:
-        with _entries_lock:
-            fn = _backward_entries.get(name)
-            if fn is None:
-                nb = numba.from_dtype(q.dtype)
-                a4, a3, f64, i64 = types.Array(nb, 4, "A"), types.Array(nb, 3, "A"), types.float64, types.int64
-                sig = (a4,) * 5 + (a3,) + (a4,) * 3 + (f64, i64, i64, f64, types.Array(f64, 2, "A"), f64)
-                fn = _backward_entries[name] = tiny_backward_kernel.compile(sig)
+    contiguous = all(x.flags.c_contiguous for x in (dout, q, k, v, out, dq, dk, dv))
     slopes = _NO_SLOPES if alibi is None else alibi
-    fn(dout, q, k, v, out, lse, dq, dk, dv, float(scale), int(window_left), int(window_right), float(softcap), slopes,
-       float(np.finfo(q.dtype).eps))
+    _entry(tiny_backward_kernel, q.dtype, "C" if contiguous else "A")(
+        dout, q, k, v, out, lse, dq, dk, dv, float(scale), int(window_left), int(window_right), float(softcap),
+        slopes, float(np.finfo(q.dtype).eps))
 
 
 def tiny_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: np.ndarray, scale: float,
@@ -272,5 +264,5 @@ def tiny_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, l
     if not contiguous and heads_first:   # the "A" entry takes (B, S, H, D) views
         q, k, v, out = (x.transpose(0, 2, 1, 3) for x in (q, k, v, out))
         heads_first = False
-    _entry(q.dtype, "C" if contiguous else "A")(q, k, v, out, lse, float(scale), int(window_left),
-                                                int(window_right), float(softcap), slopes, heads_first)
+    _entry(tiny_forward_kernel, q.dtype, "C" if contiguous else "A")(
+        q, k, v, out, lse, float(scale), int(window_left), int(window_right), float(softcap), slopes, heads_first)

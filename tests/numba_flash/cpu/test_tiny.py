@@ -166,9 +166,10 @@ def test_small_decode_steps_run_one_tiny_forward_per_sequence(served):
         assert np.abs(out[b:b + 1] - ref).max() <= 1e-5
 
 
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "strided"])   # the kernel's "C" entry, then its "A" one
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:7])))
-def test_backward_matches_the_float64_reference(case, dtype, monkeypatch):
+def test_backward_matches_the_float64_reference(case, dtype, layout, monkeypatch):
     b, sq, sk, hq, hkv, d, dv, options = case
     calls = []
     real = tiny.tiny_backward
@@ -178,12 +179,21 @@ def test_backward_matches_the_float64_reference(case, dtype, monkeypatch):
     v, dout = rng.standard_normal((b, sk, hkv, dv)).astype(dtype), rng.standard_normal((b, sq, hq, dv)).astype(dtype)
     options = dict(options)
     slopes = rng.uniform(0.1, 1.0, hq).astype(np.float32) if options.pop("alibi", False) else None
-    out, lse = OP.forward(q, k, v, return_lse=True, alibi_slopes=slopes, **options)
-    before = [x.copy() for x in (dout, q, k, v, out, lse)]
-    grads = OP.backward(dout, q, k, v, out, lse, alibi_slopes=slopes, **options)
+    if layout == "bhsd":
+        given = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (dout, q, k, v)]
+    elif layout == "strided":   # every other element of the head dim: no array is contiguous
+        given = [np.repeat(x, 2, axis=-1)[..., ::2] for x in (dout, q, k, v)]
+    else:
+        given = [dout, q, k, v]
+    kw = dict(layout="bhsd" if layout == "bhsd" else "bshd", alibi_slopes=slopes, **options)
+    out, lse = OP.forward(*given[1:], return_lse=True, **kw)
+    before = [x.copy() for x in (*given, out, lse)]
+    grads = OP.backward(given[0], *given[1:], out, lse, **kw)
     assert calls, "the tiny path did not serve this call"
-    for x, was in zip((dout, q, k, v, out, lse), before):
+    for x, was in zip((*given, out, lse), before):
         np.testing.assert_array_equal(x, was)
+    if layout == "bhsd":
+        grads = [g.transpose(0, 2, 1, 3) for g in grads]
     want = attention_ref_backward(*(x.astype(np.float64) for x in (dout, q, k, v)), alibi_slopes=slopes, **options)
     for got, want in zip(grads, want):
         assert got.shape == want.shape and got.dtype == dtype
