@@ -7,7 +7,7 @@ is the only place that knows its device, and it imports torch or numba.cuda insi
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from numba_flash.validation import AttentionCall
 
@@ -116,6 +116,14 @@ class Backend:
         its new keys to the caches in place, then return ``(out, lse)``: out (B, Sq, Hq, D) like q, lse
         (B, Hq, Sq) float32. ``backends.kvcache`` has the pieces. Raise ``BackendDeclined`` only before writing."""
         raise NotImplementedError
+
+    def kvcache_step(self, kv: Any) -> Callable[[Any], tuple[Any, Any]] | None:
+        """A function that runs the steps of a ``with_kvcache`` plan made for validated call ``kv`` (a
+        ``KVCacheCall``) faster than ``with_kvcache``, having decided once what the plan fixes; or None (the
+        default) where ``with_kvcache`` serves every step. The function takes a step's ``KVCacheCall`` (the
+        plan's, with the step's arrays and lengths: the same signatures) and returns what ``with_kvcache`` would,
+        writing the same append; it must not hold ``kv``'s arrays (a kept plan lets go of them)."""
+        return None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} priority={self.PRIORITY}>"

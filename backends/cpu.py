@@ -10,8 +10,9 @@ has no bfloat16 dtype.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numba
 import numpy as np
@@ -138,16 +139,14 @@ class CpuBackend(Backend):
             k_cache, v_cache = views
         else:
             k_cache, v_cache = _host(kv.k_cache, compute), _host(kv.v_cache, compute)
+        if _tiny_decode_serves(kv):
+            return _tiny_decode(kv, q, k_cache, v_cache, compute)
         out = np.empty(q.shape, dtype=compute)
         lse = np.empty((kv.batch, kv.nheads_q, kv.seqlen_q), dtype=compute)
-        rows = kv.cache_rows if kv.cache_rows is not None else np.zeros(kv.batch, np.int64)
         work = kv.batch * kv.nheads_q * kv.seqlen_q * kv.capacity * 2 * kv.head_dim   # at most; the keys held
-        if not kv.paged and _tiny().fits_tiny(work, False, False, 0.0, False):
-            _tiny_decode(kv, q, k_cache, v_cache, rows, out, lse)
-            lse_dtype = "float64" if kv.dtype == "float64" else "float32"
-            return _like(kv.q, out, kv.dtype), _like(kv.q, lse, lse_dtype)
         from numba_flash.cpu.decode import decode_forward   # not on the tiny path above: 0.8 us a step
 
+        rows = kv.cache_rows if kv.cache_rows is not None else np.zeros(kv.batch, np.int64)
         table = kv.block_table if kv.paged else np.zeros((1, 1), np.int64)
         with _serial_if_small(work):
             splits = kvcache.choose_num_splits(kv, numba.get_num_threads())
@@ -155,6 +154,31 @@ class CpuBackend(Backend):
                            kv.softmax_scale, kv.window_left, kv.window_right, kv.softcap, splits, kv.alibi)
         lse_dtype = "float64" if kv.dtype == "float64" else "float32"
         return _like(kv.q, out, kv.dtype), _like(kv.q, lse, lse_dtype)
+
+    def kvcache_step(self, kv: Any) -> Callable[[Any], tuple[Any, Any]] | None:
+        """A plan's steps without ``with_kvcache``'s per-step decisions, where they cannot change between steps:
+        a tiny decode (``_tiny_decode_serves``) without rotary, on float32 or float64 numpy arrays or plain CPU
+        tensors throughout, read and written in place (a plan fixes every array's type, dtype and device). None
+        otherwise. Decided on ``kv``'s facts alone; the function holds none of its arrays."""
+        if kv.rotary_cos is not None or not _tiny_decode_serves(kv):
+            return None
+        compute = _compute_dtype(kv.dtype)
+        arrays = (kv.q, kv.k_cache, kv.v_cache) + ((kv.k_new, kv.v_new) if kv.seqlen_new else ())
+        # float16 numpy arrays differ from the compute dtype, and a plain CPU tensor is float32 or float64
+        if not all((type(x) is np.ndarray and x.dtype == compute) or _is_plain_cpu_tensor(x) for x in arrays):
+            return None
+        return functools.partial(_in_place_decode_step, compute=compute)
+
+
+def _in_place_decode_step(kv: Any, compute: type) -> tuple[Any, Any]:
+    """``with_kvcache`` of a step that ``CpuBackend.kvcache_step`` serves: the append through numpy views of the
+    caches (torch's version counters bumped as its own assignment would), then ``_tiny_decode`` reading them."""
+    q, k_cache, v_cache = (_host(x, compute) for x in (kv.q, kv.k_cache, kv.v_cache))
+    if kv.seqlen_new:
+        kvcache.append(kv, k_cache, v_cache, _host(kv.k_new, compute), _host(kv.v_new, compute))
+        if type(kv.k_cache) is not np.ndarray:
+            kvcache.bump_cache_versions(kv)
+    return _tiny_decode(kv, q, k_cache, v_cache, compute)
 
 
 _tiny_module: Any = None
@@ -192,19 +216,31 @@ def _serial_if_small(work: int) -> Iterator[None]:
         numba.set_num_threads(before)
 
 
-def _tiny_decode(kv: Any, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, rows: np.ndarray,
-                 out: np.ndarray, lse: np.ndarray) -> None:
-    """A small decode step (not paged) as one tiny forward per sequence, ``decode_forward``'s semantics: batch b
-    attends to positions [key_start[b], key_end[b]) of cache row rows[b], bottom-right aligned. q, out (B, Sq, Hq,
-    D); caches (B_cache, capacity, Hkv, D); lse (B, Hq, Sq); all of the compute dtype. Window bounds are capped per
-    sequence, as ``decode_forward`` caps them."""
+def _tiny_decode_serves(kv: Any) -> bool:
+    """Whether ``_tiny_decode`` serves a decode step: an unpaged cache, and work (at most: the whole capacity
+    attended) within ``numba_flash.cpu.tiny``'s bound."""
+    work = kv.batch * kv.nheads_q * kv.seqlen_q * kv.capacity * 2 * kv.head_dim
+    return not kv.paged and _tiny().fits_tiny(work, False, False, 0.0, False)
+
+
+def _tiny_decode(kv: Any, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, compute: type) -> tuple[Any, Any]:
+    """A small decode step (``_tiny_decode_serves``) as one tiny forward per sequence, ``decode_forward``'s
+    semantics: batch b attends to positions [key_start[b], key_end[b]) of its cache row, bottom-right aligned.
+    q (B, Sq, Hq, D) and the caches (B_cache, capacity, Hkv, D), appended to already, all of numpy dtype
+    ``compute``. Window bounds are capped per sequence, as ``decode_forward`` caps them. Returns out like kv.q and
+    lse (B, Hq, Sq) float32 (float64 for float64)."""
     tiny = _tiny()
-    for b in range(kv.batch):
-        r, k0, k1 = int(rows[b]), int(kv.key_start[b]), int(kv.key_end[b])
+    out = np.empty(q.shape, dtype=compute)
+    lse = np.empty((kv.batch, kv.nheads_q, kv.seqlen_q), dtype=compute)
+    # Python ints, once (indexing the arrays per sequence costs a microsecond a step)
+    rows, starts, ends = kv.cache_rows.tolist(), kv.key_start.tolist(), kv.key_end.tolist()
+    for b, r, k0, k1 in zip(range(kv.batch), rows, starts, ends):
         left, right = (clamp_window_bound(int(w), kv.seqlen_q, k1 - k0) for w in (kv.window_left, kv.window_right))
         slopes = None if kv.alibi is None else kv.alibi[b:b + 1]
         tiny.tiny_forward(q[b:b + 1], k_cache[r:r + 1, k0:k1], v_cache[r:r + 1, k0:k1], out[b:b + 1], lse[b:b + 1],
                           kv.softmax_scale, left, right, kv.softcap, slopes)
+    lse_dtype = "float64" if kv.dtype == "float64" else "float32"
+    return _like(kv.q, out, kv.dtype), _like(kv.q, lse, lse_dtype)
 
 
 def _call_work(call: AttentionCall) -> int:

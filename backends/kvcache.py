@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any, Callable
 
 import numpy as np
@@ -121,6 +122,14 @@ def _host_values(cache: Any, values: np.ndarray) -> Any:
     return values
 
 
+def bump_cache_versions(kv: KVCacheCall) -> None:
+    """What torch's own assignment does after an append into torch caches through numpy views: bump their version
+    counters, so that autograd sees the caches written in place (the checks refused an inference tensor outside
+    inference mode, whose counter torch would not let this bump)."""
+    # the caches are torch tensors, so torch is imported (an import statement costs a microsecond a step)
+    sys.modules["torch"].autograd.graph.increment_version((kv.k_cache, kv.v_cache))
+
+
 def cache_views(kv: KVCacheCall, compute: Any) -> tuple[np.ndarray, np.ndarray] | None:
     """Numpy views (B_cache, capacity, Hkv, D) of both caches where they are plain float32 / float64 torch CPU
     tensors that take values of numpy dtype ``compute`` without rounding, else None. The same memory: read after
@@ -149,11 +158,7 @@ def rotate_and_append_host(kv: KVCacheCall, compute: Any,
         views = cache_views(kv, compute)
     if views is not None:
         append(kv, *views, k_new, host(kv.v_new))
-        # what torch's own assignment would have done: autograd sees the caches written in place (the checks
-        # refused an inference tensor outside inference mode, whose counter torch would not let this bump)
-        import torch
-
-        torch.autograd.graph.increment_version((kv.k_cache, kv.v_cache))
+        bump_cache_versions(kv)
     else:
         append(kv, _host_cache(kv.k_cache), _host_cache(kv.v_cache), _host_values(kv.k_cache, k_new),
                _host_values(kv.v_cache, host(kv.v_new)))

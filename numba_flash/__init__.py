@@ -66,7 +66,10 @@ def __getattr__(name: str) -> Any:
     if name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"):
         from . import torch_api
 
-        return getattr(torch_api, name)
+        # kept as the module's own attribute: a decode loop that calls numba_flash.flash_attn_with_kvcache would
+        # pay this lookup (a microsecond) every step
+        globals()[name] = face = getattr(torch_api, name)
+        return face
     if name == "ring_attention":   # numba_flash.distributed, which imports torch.distributed
         from . import distributed
 

@@ -24,14 +24,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .call_signature import array_signature
 from .errors import AttentionInputError, NoBackendError
 from .plan import AttentionPlan
-from .plan_cache import PlanCache
+from .plan_cache import PlanCache, exact_key
 
 MAX_PLANS = 64   # a model's layers share a few shapes; more than this is another workload
 store = PlanCache(MAX_PLANS)   # the plans, by key
-_PLAIN_TYPES = frozenset({bool, int, float, str, type(None)})
 
 
 def plain_key(forced: str | None, q: Any, k: Any, v: Any, window_size: Any, values: tuple) -> tuple | None:
@@ -40,15 +38,9 @@ def plain_key(forced: str | None, q: Any, k: Any, v: Any, window_size: Any, valu
     forced: the backend the call is forced to, or None; q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv)
     (or their "bhsd" forms) as given; window_size as given; values: every other argument of the call as given
     (the face's own order; the same order every call)."""
-    if type(window_size) is not tuple or len(window_size) != 2:
+    if q is None or k is None or v is None:
         return None
-    types = tuple(map(type, values)) + (type(window_size[0]), type(window_size[1]))
-    if types[-1] is not int or types[-2] is not int or not _PLAIN_TYPES.issuperset(types):
-        return None
-    arrays = array_signature(q), array_signature(k), array_signature(v)
-    if arrays[0] is None or arrays[1] is None or arrays[2] is None:
-        return None
-    return forced, arrays, types, values, window_size
+    return exact_key(("flash_attn_func", forced), (q, k, v), window_size, values)
 
 
 def kept(key: tuple | None) -> AttentionPlan | None:

@@ -40,9 +40,14 @@ from .plan_kvcache import KVCachePlan, holds_given, kvcache_options
 
 MAX_PLANS = 32   # a model's decode loop needs one per (layer shape, batch); more than that is another workload
 _cache = PlanCache(MAX_PLANS)
+# The same plans by a face's own key (``plan_cache.exact_key`` of its plain calls: no dicts to build, one
+# signature per array), so that a face's decode step goes straight to its plan (``face_plan``).
+_face = PlanCache(MAX_PLANS)
 
 _BY_VALUE = ("cache_batch_idx", "cache_leftpad", "alibi_slopes")
 _BY_IDENTITY = ("rotary_cos", "rotary_sin")
+_NEW = ("k", "v")
+_OPTIONAL = _NEW + ("block_table",) + _BY_VALUE + _BY_IDENTITY   # the key's parts after the plain ones, in order
 _NUMBERS = (int, float)
 
 
@@ -87,8 +92,8 @@ def plan_key(scope: tuple, arrays: dict[str, Any], options: dict[str, Any]) -> t
     if plain is None or None in given:
         return None
     parts: list[Any] = [scope, plain, given]
-    for name, x in (("k", arrays["k"]), ("v", arrays["v"]), ("block_table", options["block_table"])) + tuple(
-            (name, options[name]) for name in _BY_VALUE + _BY_IDENTITY):
+    for name in _OPTIONAL:
+        x = arrays[name] if name in _NEW else options[name]
         if x is None:
             parts.append(None)
             continue
@@ -159,14 +164,33 @@ def check_with_plans(dispatcher: Any, forced: str | None, arrays: dict[str, Any]
         _keep_new(key, dispatcher, forced, arrays, options, kv)
 
 
+def face_plan(face_key: tuple | None) -> KVCachePlan | None:
+    """The plan kept for a face's key (``keep_for_face``), or None."""
+    return _face.cached(face_key)
+
+
+def keep_for_face(face_key: tuple | None, dispatcher: Any, forced: str | None, arrays: dict[str, Any],
+                  options: dict[str, Any]) -> None:
+    """After a face's call ran through ``run_with_plans``: keep the plan that call kept (for its full key: the
+    dispatcher's op, ``forced``, arrays and options as ``run_with_plans`` took them) for ``face_key`` too. The
+    face's key must hold what the full key holds of such a call; nothing is kept for a call that kept no plan."""
+    if face_key is None or not _face.enabled:
+        return
+    plan = cached(plan_key(("run", dispatcher.op, forced), arrays, options))
+    if plan is not None:
+        _face.keep(face_key, plan)
+
+
 def set_enabled(enabled: bool) -> bool:
     """Turn the cache on or off (off: every call checked in full, nothing kept or read; the plans kept stay for
     when it is on again); returns the previous setting."""
+    _face.set_enabled(enabled)
     return _cache.set_enabled(enabled)
 
 
 def clear() -> None:
     """Drop every kept plan (the registry calls it when the backends change)."""
+    _face.clear()
     _cache.clear()
 
 
@@ -175,5 +199,5 @@ def kept_count() -> int:
     return _cache.kept_count()
 
 
-__all__ = ["MAX_PLANS", "plan_key", "cached", "keep", "run_with_plans", "check_with_plans", "set_enabled", "clear",
-           "kept_count"]
+__all__ = ["MAX_PLANS", "plan_key", "cached", "keep", "run_with_plans", "check_with_plans", "face_plan",
+           "keep_for_face", "set_enabled", "clear", "kept_count"]

@@ -1,5 +1,6 @@
 """A bounded store of plans kept by key, least recently used dropped first, shared by the faces that run a loop's
-calls on kept plans (``kvcache_plans`` for ``with_kvcache``, ``dense_plans`` for ``flash_attn_func``).
+calls on kept plans (``kvcache_plans`` for ``with_kvcache``, ``dense_plans`` for ``flash_attn_func``), and the
+exact keys of plain calls (``exact_key``).
 
 A lock guards each store (decode loops and training steps may run in several threads). ``set_enabled(False)``
 turns a store off: nothing is kept or read, every call is checked in full; the plans kept stay for when it is on
@@ -13,6 +14,29 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from typing import Any
+
+from .call_signature import array_signature
+
+_PLAIN_TYPES = frozenset({bool, int, float, str, type(None)})
+
+
+def exact_key(scope: tuple, arrays: tuple, window_size: Any, values: tuple) -> tuple | None:
+    """A key that holds everything a call's checks read, for calls whose arguments are all plain; None otherwise.
+
+    scope: who asks, the op and the backend the call is forced to; arrays: the call's arrays as given, each by
+    ``call_signature.array_signature`` (exact type, shape, strides, dtype, device; None stays None, an array kind
+    without a signature means no key); window_size as given (a tuple of two ints, else no key); values: every
+    other argument as given, each by its exact type and value (``bool``, ``int``, ``float``, ``str`` or ``None``,
+    else no key), in the same order every call."""
+    if type(window_size) is not tuple or len(window_size) != 2:
+        return None
+    types = tuple(map(type, values)) + (type(window_size[0]), type(window_size[1]))
+    if types[-1] is not int or types[-2] is not int or not _PLAIN_TYPES.issuperset(types):
+        return None
+    signatures = tuple(None if x is None else array_signature(x) for x in arrays)
+    if any(s is None and x is not None for s, x in zip(signatures, arrays)):
+        return None
+    return scope, signatures, types, values, window_size
 
 
 class PlanCache:

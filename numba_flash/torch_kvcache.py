@@ -17,6 +17,7 @@ from numba_flash import backend_registry, kvcache_plans
 from numba_flash.arguments import checked_arguments
 from numba_flash.arrays import to_numpy
 from numba_flash.plan_kvcache import KVCACHE_OPTIONS
+from numba_flash.plan_cache import exact_key
 from numba_flash.torch_common import check_tensors, lse_dtype, owned_pair
 from numba_flash.torch_eager import any_requires_grad, bump_versions, runs_eagerly
 
@@ -146,10 +147,22 @@ def flash_attn_with_kvcache(
     if runs_eagerly(*tensors) and not any_requires_grad(*tensors):
         # Nothing needs the op here (torch_eager): the registry checks the arguments as given, as the face's own
         # check would (the same validate_kvcache, word for word, nothing written when it refuses), and runs the
-        # call once, on a kept plan for a signature seen before.
-        out, lse = _with_kvcache(op, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                 cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,
-                                 softcap, rotary_interleaved, alibi_slopes, num_splits, True, backend=backend)
+        # call once, on a kept plan for a signature seen before; a plain call's plan is kept by the face's own
+        # key too, and later calls of it go straight to that plan's step checks.
+        key = None
+        if (rotary_cos is None and rotary_sin is None and cache_batch_idx is None and cache_leftpad is None
+                and block_table is None and alibi_slopes is None):
+            key = exact_key(("flash_attn_with_kvcache", backend), (q, k_cache, v_cache, k, v), window_size,
+                            (softmax_scale, causal, softcap, rotary_interleaved, num_splits))
+        plan = kvcache_plans.face_plan(key)
+        if plan is not None:
+            out, lse = plan.step(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, signatures_known=True)
+        else:
+            out, lse = _with_kvcache(op, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,
+                                     softcap, rotary_interleaved, alibi_slopes, num_splits, True, backend=backend)
+            kvcache_plans.keep_for_face(key, op, backend, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k,
+                                                          "v": v}, dict(_face_options(locals()), return_lse=True))
         bump_versions(k_cache, v_cache)   # what the op's mutates_args has torch do
         out, lse = owned_pair(out, lse, q, k_cache, v_cache, k, v)
         return (out, lse) if return_softmax_lse else out
