@@ -7,8 +7,10 @@ These need compute capability 9.0 compiled for ``sm_90a`` (numba-cuda does so on
 ``cuda.compile_ptx(..., cc=(9, 0, "a"))``). Plain ``sm_90`` rejects wgmma and setmaxnreg.
 
 **wgmma** (``make_wgmma(n, kind, a_in_registers, trans_b)``): a warpgroup (128 consecutive threads, the first a
-multiple of 128) computes ``D (64 x n) = A (64 x 16) B (16 x n) + D`` in float32, ``kind`` "f16" or "bf16",
-``n`` a multiple of 8 up to 256. Every thread of the warpgroup calls it together.
+multiple of 128) computes ``D (64 x n) = A (64 x K) B (K x n) + D`` in float32, ``kind`` "f16" or "bf16" (K = 16)
+or the 8-bit floats "e4m3" and "e5m2" (K = 32: the same 32 bytes of K per row), ``n`` a multiple of 8 up to 256.
+Every thread of the warpgroup calls it together. 8-bit operands live in the same 16-bit shared arrays, two to an
+element (byte ``2 e`` the low half of element ``e``); the ISA reads them K-major only (no ``trans_b``).
 
 * Accumulators: thread ``l`` of the warpgroup (warp ``w = l // 32``, ``g = (l % 32) // 4``, ``t = l % 4``)
   holds ``n / 2`` floats, the first ``n / 2`` elements of a C-contiguous float32 local array, best shaped
@@ -17,7 +19,9 @@ multiple of 128) computes ``D (64 x n) = A (64 x 16) B (16 x n) + D`` in float32
   warp's 16 rows, tile after tile, so the tensor-core kernels' softmax helpers apply unchanged.
 * A from shared memory (``wgmma(acc, desc_a, desc_b, scale_d)``, K-major), or from registers
   (``wgmma(acc, a0, a1, a2, a3, desc_b, scale_d)``): each warp's 16 rows in ``mma.m16n8k16``'s A layout, which
-  two neighbouring accumulator tiles packed to 16 bits give (the probabilities of ``P V`` stay in registers).
+  two neighbouring accumulator tiles packed to 16 bits give (the probabilities of ``P V`` stay in registers). For
+  8-bit kinds the same bytes: register ``r`` of lane ``(g, t)`` holds row ``g + 8 (r % 2)``, columns
+  ``16 (r // 2) + 4 t`` to ``+ 3``, lowest byte first (``mma.m16n8k32``'s A layout).
 * B from shared memory: K-major (element ``B[k, j]`` at row ``j``, column ``k`` of the operand: ``K`` stored (keys,
   d) for ``Q K^T``), or N-major with ``trans_b`` (``V`` stored (keys, d) for ``P V``).
 * ``scale_d``: 0 computes ``D = A B`` (the accumulators' old values are not read), anything else adds.
@@ -60,6 +64,7 @@ from numba import config, cuda
 __all__ = [
     "ARCH",
     "MIN_COMPUTE_CAPABILITY",
+    "WGMMA_K",
     "bulk_copy_g2s",
     "fence_mbarrier_init",
     "fence_proxy_async",
@@ -94,10 +99,17 @@ mbarrier_arrive_expect_tx, mbarrier_try_wait_parity = _impl.mbarrier_arrive_expe
 bulk_copy_g2s = _impl.bulk_copy_g2s
 
 
+#: wgmma's operand kinds and the K of one instruction for each (32 bytes of K per row either way).
+WGMMA_K = {"f16": 16, "bf16": 16, "e4m3": 32, "e5m2": 32}
+
+
 def make_wgmma(n: int, kind: str, a_in_registers: bool, trans_b: bool) -> Any:
     """The wgmma of one shape (see above), for either implementation; ValueError for a shape the ISA lacks."""
-    if n % 8 or not 8 <= n <= 256 or kind not in ("f16", "bf16"):
-        raise ValueError(f"wgmma: N must be a multiple of 8 from 8 to 256 and kind f16 or bf16, got {n}, {kind}")
+    if n % 8 or not 8 <= n <= 256 or kind not in WGMMA_K:
+        raise ValueError(f"wgmma: N must be a multiple of 8 from 8 to 256 and kind one of {', '.join(WGMMA_K)}, "
+                         f"got {n}, {kind}")
+    if trans_b and WGMMA_K[kind] != 16:
+        raise ValueError(f"wgmma: {kind} operands are read K-major only (trans_b is for f16 and bf16)")
     return _impl.make_wgmma(n, kind, a_in_registers, trans_b)
 
 

@@ -65,23 +65,29 @@ def smem_desc(typingctx, smem, index, lbo_bytes, sbo_bytes, swizzle):
 
 @functools.cache
 def make_wgmma(n: int, kind: str, a_in_registers: bool, trans_b: bool) -> Any:
-    """``wgmma.mma_async.sync.aligned.m64n<n>k16.f32.<kind>.<kind>``: the accumulators ``acc`` (``n / 2`` float32 per
-    thread, the first ``n / 2`` elements of a C-contiguous local array) become ``A B + acc`` (or ``A B`` where
-    ``scale_d`` is 0). A from a descriptor (``wgmma(acc, desc_a, desc_b, scale_d)``, K-major) or from four registers
-    per thread (``wgmma(acc, a0, a1, a2, a3, desc_b, scale_d)``); B K-major, or N-major with ``trans_b``."""
+    """``wgmma.mma_async.sync.aligned.m64n<n>k<K>.f32.<kind>.<kind>`` (K = 16 for f16 and bf16, 32 for e4m3 and
+    e5m2): the accumulators ``acc`` (``n / 2`` float32 per thread, the first ``n / 2`` elements of a C-contiguous
+    local array) become ``A B + acc`` (or ``A B`` where ``scale_d`` is 0). A from a descriptor
+    (``wgmma(acc, desc_a, desc_b, scale_d)``, K-major) or from four registers per thread
+    (``wgmma(acc, a0, a1, a2, a3, desc_b, scale_d)``); B K-major, or N-major with ``trans_b`` (16-bit kinds: the
+    8-bit ones take no transpose immediates)."""
     count = n // 2
     outs = ",".join(f"${i}" for i in range(count))
     a_regs = 4 if a_in_registers else 1
     a_text = "{" + ",".join(f"${count + i}" for i in range(4)) + "}" if a_in_registers else f"${count}"
     b_at, p_at = count + a_regs, count + a_regs + 1
-    imm = f"1, 1, {int(trans_b)}" if a_in_registers else f"1, 1, 0, {int(trans_b)}"
+    k = 16 if kind in ("f16", "bf16") else 32
+    if k == 32:
+        imm = "1, 1"
+    else:
+        imm = f"1, 1, {int(trans_b)}" if a_in_registers else f"1, 1, 0, {int(trans_b)}"
     text = (f"{{ .reg .pred p; setp.ne.b32 p, ${p_at}, 0; "
-            f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{{outs}}}, {a_text}, ${b_at}, p, {imm}; }}")
+            f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{kind}.{kind} {{{outs}}}, {a_text}, ${b_at}, p, {imm}; }}")
     constraints = ",".join(["=f"] * count + (["r"] * 4 if a_in_registers else ["l"]) + ["l", "r"]
                            + [str(i) for i in range(count)])
     a_types = [_I32] * 4 if a_in_registers else [_I64]
     fnty = ir.FunctionType(ir.LiteralStructType([_F32] * count), a_types + [_I64, _I32] + [_F32] * count)
-    name = f"wgmma_m64n{n}k16_{kind}_{'rs' if a_in_registers else 'ss'}{'_tb' if trans_b else ''}"
+    name = f"wgmma_m64n{n}k{k}_{kind}_{'rs' if a_in_registers else 'ss'}{'_tb' if trans_b else ''}"
 
     def codegen(context, builder, sig, args):
         acc_type = sig.args[0]

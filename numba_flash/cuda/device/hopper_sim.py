@@ -76,19 +76,21 @@ def smem_desc(smem, index, lbo_bytes, sbo_bytes, swizzle):
     return SharedDescriptor(bits, smem)
 
 
-def operand_addresses(desc: int, mn: int, k_major: bool) -> np.ndarray:
-    """(mn, 16) byte addresses of a wgmma operand's 16-bit elements (row i of M or N, column k of K) in shared
-    memory, from its descriptor, by the ISA's canonical layouts (T = 8 elements of 16 bits a 16-byte chunk)."""
+def operand_addresses(desc: int, mn: int, k_major: bool, elem_bytes: int = 2) -> np.ndarray:
+    """(mn, K) byte addresses of a wgmma operand's elements (row i of M or N, column k of K; ``elem_bytes`` 2 for
+    16-bit kinds, K = 16, or 1 for 8-bit ones, K = 32, K-major only) in shared memory, from its descriptor, by the
+    ISA's canonical layouts (a 16-byte chunk holds T = 16 / ``elem_bytes`` elements)."""
     start, lbo = (desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4
     sbo, mode = ((desc >> 32) & 0x3FFF) << 4, (desc >> 62) & 3
     if (desc >> 49) & 7:
         raise RuntimeError("wgmma: a descriptor's matrix base offset is not emulated (it must be 0)")
     width = SWIZZLE_BYTES[mode]
-    i, k = np.arange(mn)[:, None], np.arange(16)[None, :]
+    i, k = np.arange(mn)[:, None], np.arange(32 // elem_bytes)[None, :]
     if k_major:   # ((8, m), (T, 2k)) : ((W or T, SBO), (1, T or LBO))
         row_bytes = width or 16
         chunk_step = 16 if width else lbo
-        offset = (i % 8) * row_bytes + (i // 8) * sbo + (k % 8) * 2 + (k // 8) * chunk_step
+        kb = k * elem_bytes   # the element's byte within the row's 32 bytes of K
+        offset = (i % 8) * row_bytes + (i // 8) * sbo + kb % 16 + (kb // 16) * chunk_step
     elif width:   # ((T, W / 16, m), (8, k)) : ((1, T, LBO), (W / 16 * T, SBO))
         per_row = width // 16
         offset = (i % 8) * 2 + ((i // 8) % per_row) * 16 + (i // (8 * per_row)) * lbo + (k % 8) * width \
@@ -102,19 +104,71 @@ def operand_addresses(desc: int, mn: int, k_major: bool) -> np.ndarray:
     return address
 
 
+def _fp8_table(exponent_bits: int) -> np.ndarray:
+    """float64 value of each of the 256 bytes of an 8-bit float with ``exponent_bits`` (4: e4m3, bias 7, no
+    infinity, S.1111.111 NaN, largest 448; 5: e5m2, bias 15, IEEE's infinities and NaNs), from the PTX ISA's
+    format description."""
+    mantissa_bits = 7 - exponent_bits
+    bias = (1 << (exponent_bits - 1)) - 1
+    b = np.arange(256)
+    sign = np.where(b >> 7, -1.0, 1.0)
+    e, m = (b >> mantissa_bits) & ((1 << exponent_bits) - 1), b & ((1 << mantissa_bits) - 1)
+    fraction = m / (1 << mantissa_bits)
+    value = np.where(e == 0, fraction * 2.0 ** (1 - bias), (1 + fraction) * 2.0 ** (e - bias)) * sign
+    top = (1 << exponent_bits) - 1
+    if exponent_bits == 4:
+        value[(e == top) & (m == (1 << mantissa_bits) - 1)] = np.nan
+    else:
+        value[(e == top) & (m == 0)] = sign[(e == top) & (m == 0)] * np.inf
+        value[(e == top) & (m != 0)] = np.nan
+    return value
+
+
+FP8_VALUES = {"e4m3": _fp8_table(4), "e5m2": _fp8_table(5)}
+
+
+def element_values(bits: np.ndarray, kind: str) -> np.ndarray:
+    """float64 values of wgmma operand elements given as unsigned integers of their width (16 or 8 bits)."""
+    if kind in FP8_VALUES:
+        return FP8_VALUES[kind][np.asarray(bits, np.uint8)]
+    bits = np.asarray(bits, np.uint16)
+    if kind == "f16":
+        return bits.view(np.float16).astype(np.float64)
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
 def _operand(desc: Any, mn: int, k_major: bool, kind: str) -> tuple[np.ndarray, np.ndarray]:
-    """(float64 values (mn, 16), element indices) of a descriptor's operand."""
+    """(float64 values (mn, K), 16-bit element indices) of a descriptor's operand."""
     if not isinstance(desc, SharedDescriptor):
         raise TypeError("wgmma: under the simulator a descriptor must come from smem_desc unchanged (it carries "
                         "its shared array); build one per operand tile instead of adding to its bits")
     raw = _raw(desc.array)
-    index = operand_addresses(int(desc), mn, k_major) // 2
+    elem_bytes = 1 if kind in FP8_VALUES else 2
+    address = operand_addresses(int(desc), mn, k_major, elem_bytes)
+    index = address // 2
     if index.max() >= raw.size:
         raise IndexError(f"wgmma: the operand reaches element {int(index.max())} of a shared array of {raw.size}")
-    bits = raw[index].astype(np.uint16)
-    if kind == "f16":
-        return bits.view(np.float16).astype(np.float64), index
-    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64), index
+    if elem_bytes == 1:   # byte 2e is the low half of 16-bit element e (little-endian, as on the GPU)
+        bits = raw.view(np.uint8)[address]
+    else:
+        bits = raw[index].view(np.uint16)
+    return element_values(bits, kind), index
+
+
+def _a_from_registers(words: list[int], kind: str) -> np.ndarray:
+    """(16, K) float64 A of one warp from its 32 lanes' four registers each, ``mma.m16n8k16``'s A layout for 16-bit
+    kinds and ``mma.m16n8k32``'s for 8-bit ones: register r of lane (g, t) holds row g + 8 (r % 2) at bytes
+    16 (r // 2) + 4 t to + 3 of the row's 32 bytes of K."""
+    if kind not in FP8_VALUES:
+        return register_halves(words, kind)[A_AT]
+    a = np.empty((16, 32))
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for r in range(4):
+            word = int(words[4 * lane + r])
+            for byte in range(4):
+                a[g + 8 * (r % 2), 16 * (r // 2) + 4 * t + byte] = FP8_VALUES[kind][(word >> (8 * byte)) & 0xFF]
+    return a
 
 
 class _Pending(threading.local):
@@ -165,9 +219,9 @@ def _wgmma(n: int, kind: str, rs: bool, trans_b: bool, acc: Any, a: tuple, desc_
     number = _issue_number(group, lane)
     w, g, t = lane // 32, (lane % 32) // 4, lane % 4
     rows = [16 * w + g, 16 * w + g + 8]
-    if rs:   # warp w's 32 lanes hold rows 16w..16w+15 in mma.m16n8k16's A layout
-        words = [posted[32 * w + i] for i in range(32)]
-        a_rows = register_halves(words, kind)[A_AT][[g, g + 8]]
+    if rs:   # warp w's 32 lanes hold rows 16w..16w+15 in mma's A layout
+        words = [word for i in range(32) for word in posted[32 * w + i]]
+        a_rows = _a_from_registers(words, kind)[[g, g + 8]]
     else:
         a_rows = a_vals[rows]
     with np.errstate(all="ignore"):   # an inf or NaN operand gives what the hardware gives, without a warning

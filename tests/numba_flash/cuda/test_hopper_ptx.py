@@ -112,3 +112,39 @@ def test_plain_sm_90_refuses_wgmma():
     ptx = _compile((9, 0))
     with pytest.raises(RuntimeError, match="not supported on .target 'sm_90'"):
         link(ptx, (9, 0))
+
+
+@pytest.mark.parametrize("kind", ["e4m3", "e5m2"])
+def test_8_bit_wgmma_becomes_a_k32_qgmma(kind):
+    """The 8-bit kinds: k32, no transpose immediates (the ISA reads them K-major only), A from a descriptor or from
+    four registers; ptxas assembles both into QGMMA (Hopper's 8-bit-float HGMMA) of K = 32 on those types."""
+    pytest.importorskip("cuda.bindings.nvjitlink")
+    from numba import cuda, float32, types, uint16
+
+    from numba_flash.cuda.compile_check.sass import disassemble, link
+    from numba_flash.cuda.device import hopper
+
+    wgmma_ss, wgmma_rs = hopper.make_wgmma(N, kind, False, False), hopper.make_wgmma(N, kind, True, False)
+    wait0 = hopper.make_wgmma_wait(0)
+    fence = hopper.make_accumulator_fence(N // 2)
+
+    def kernel(out):
+        t = cuda.threadIdx.x
+        smem = cuda.shared.array(8192, uint16, alignment=1024)
+        acc = cuda.local.array((NT, 4), float32)
+        hopper.wgmma_fence()
+        wgmma_ss(acc, hopper.smem_desc(smem, 0, 16, 1024, 1), hopper.smem_desc(smem, 4096, 16, 1024, 1), 0)
+        wgmma_rs(acc, t, t + 1, t + 2, t + 3, hopper.smem_desc(smem, 4096, 16, 1024, 1), 1)
+        hopper.wgmma_commit()
+        wait0()
+        fence(acc)
+        out[t] = acc[0, 0] + acc[NT - 1, 3]
+
+    ptx = cuda.compile_ptx(kernel, types.void(types.float32[:]), cc=hopper.ARCH)[0]
+    op = rf"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.{kind}\.{kind}"
+    assert re.search(op + r" \{[^}]*\}, %rd\d+, %rd\d+, p, 1, 1;", ptx)
+    assert re.search(op + r" \{[^}]*\}, \{(%r\d+,){3}%r\d+\}, %rd\d+, p, 1, 1;", ptx)
+    cubin, log = link(ptx, hopper.ARCH)
+    qgmma = re.findall(r"QGMMA\.64x64x32\.F32\.(\S+) ", disassemble(cubin))
+    assert qgmma == [f"{kind.upper()}.{kind.upper()}"] * 2, qgmma
+    assert "0 bytes stack frame" in log

@@ -13,6 +13,7 @@ import pytest
 from hopper_sim_cases import (
     a_register_words,
     bits16,
+    chained_wgmma_kernel,
     d_position,
     from_registers,
     launch,
@@ -37,43 +38,8 @@ def checker():
 # ---- wgmma ----
 
 def make_kernel(n, kind, trans_b, steps=1, a_in_registers=False):
-    """One warpgroup: ``image`` into shared memory, then ``steps`` wgmmas chained into one accumulator (the
-    descriptors' fields per step in ``params``), committed, waited for and written to ``out`` (128, n / 8, 4). A
-    from a descriptor (accumulators start as ``c``) or, with ``a_in_registers``, from ``a_words`` (128, 4) with
-    scale_d 0 (the accumulators are not read)."""
-    wgmma = hopper.make_wgmma(n, kind, a_in_registers, trans_b)
-    wait0 = hopper.make_wgmma_wait(0)
-    fence = hopper.make_accumulator_fence(n // 2)
-    NT, A_REGS = n // 8, a_in_registers
-
-    @cuda.jit
-    def kernel(image, params, c, a_words, out):
-        t = cuda.threadIdx.x
-        smem = cuda.shared.array(32768, uint16)
-        for e in range(t, 32768, 128):
-            smem[e] = image[e]
-        cuda.syncthreads()
-        hopper.fence_proxy_async()
-        acc = cuda.local.array((NT, 4), float32)
-        for j in range(NT):
-            for r in range(4):
-                acc[j, r] = c[t, j, r]
-        hopper.wgmma_fence()
-        for s in range(steps):
-            db = hopper.smem_desc(smem, params[s, 4], params[s, 5], params[s, 6], params[s, 7])
-            if A_REGS:
-                wgmma(acc, a_words[t, 0], a_words[t, 1], a_words[t, 2], a_words[t, 3], db, 0)
-            else:
-                da = hopper.smem_desc(smem, params[s, 0], params[s, 1], params[s, 2], params[s, 3])
-                wgmma(acc, da, db, 1)
-        hopper.wgmma_commit()
-        wait0()
-        fence(acc)
-        for j in range(NT):
-            for r in range(4):
-                out[t, j, r] = acc[j, r]
-
-    return kernel
+    """``hopper_sim_cases.chained_wgmma_kernel`` with 64 KiB of shared memory."""
+    return chained_wgmma_kernel(n, kind, trans_b, steps, a_in_registers)
 
 
 # (code, lbo, sbo) per operand: dense and padded strides for every swizzle mode.
