@@ -61,6 +61,8 @@ def jobs(device: str) -> list[dict[str, Any]]:
             dict(name="tf32", extra=["tf32-d64", "tf32-d128", "tf32-d64-noncausal"]),
             # Hopper's wgmma forward (opt-in, issue 46): right first; its timings ride along the dense jobs' perf
             dict(name="wgmma", extra=["wgmma-float16-d64", "wgmma-bfloat16-d128", "wgmma-float16-d128-noncausal"]),
+            # the simulator's wgmma lane tests on the hardware: its reading of the ISA, checked (tools/gpu_hopper_cases)
+            dict(name="hopper-lanes", extra=["lanes-f16", "lanes-bf16", "lanes-e4m3", "lanes-e5m2"]),
             # thin launch path vs numba's dispatcher, bit for bit, and host us per call (tools/gpu_thin_cases.py);
             # one worker per dtype: each compiles its own forward, backward and decode kernels (~2 min)
             *(dict(name=f"thin-{dt}", extra=[f"thin-{dt}"]) for dt in ("float16", "float32", "bfloat16"))]
@@ -90,6 +92,10 @@ def extra_case(name: str):
         import gpu_thin_cases
 
         return lambda c: gpu_thin_cases.thin_launch(c, dtype)
+    if what == "lanes":   # lanes-<wgmma kind>
+        import gpu_hopper_cases
+
+        return lambda c: gpu_hopper_cases.lanes(c, dtype)
     if what == "wgmma":   # wgmma-<dtype>-d<D>[-noncausal]
         dt, d, *opts = dtype.split("-")
         return lambda c: gc.wgmma(c, dt, int(d[1:]), causal="noncausal" not in opts)
