@@ -33,10 +33,13 @@ def exact_key(scope: tuple, arrays: tuple, window_size: Any, values: tuple) -> t
     types = tuple(map(type, values)) + (type(window_size[0]), type(window_size[1]))
     if types[-1] is not int or types[-2] is not int or not _PLAIN_TYPES.issuperset(types):
         return None
-    signatures = tuple(None if x is None else array_signature(x) for x in arrays)
-    if any(s is None and x is not None for s, x in zip(signatures, arrays)):
-        return None
-    return scope, signatures, types, values, window_size
+    signatures = []
+    for x in arrays:
+        signature = None if x is None else array_signature(x)
+        if signature is None and x is not None:
+            return None
+        signatures.append(signature)
+    return scope, tuple(signatures), types, values, window_size
 
 
 class PlanCache:

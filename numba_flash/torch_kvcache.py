@@ -151,7 +151,7 @@ def flash_attn_with_kvcache(
         # key too, and later calls of it go straight to that plan's step checks.
         key = None
         if (rotary_cos is None and rotary_sin is None and cache_batch_idx is None and cache_leftpad is None
-                and block_table is None and alibi_slopes is None):
+                and block_table is None and alibi_slopes is None and (backend is None or type(backend) is str)):
             key = exact_key(("flash_attn_with_kvcache", backend), (q, k_cache, v_cache, k, v), window_size,
                             (softmax_scale, causal, softcap, rotary_interleaved, num_splits))
         plan = kvcache_plans.face_plan(key)

@@ -221,3 +221,12 @@ def test_calls_without_a_key_are_checked_in_full_every_time(monkeypatch):
         numba_flash.flash_attn_func(q, k, v, window_size=[3, 0])
         numba_flash.flash_attn_func(q, k, v, causal=np.bool_(True))
     assert len(calls) == 4 and dense_plans.store.kept_count() == 0
+
+
+def test_a_backend_that_is_not_a_name_is_refused_by_name_even_unhashable():
+    rng = np.random.default_rng(10)
+    q, k, v = _inputs(rng)
+    numba_flash.flash_attn_func(q, k, v)
+    for bad in ([1], 5):
+        with pytest.raises(AttentionInputError, match="backend"):
+            numba_flash.flash_attn_func(q, k, v, backend=bad)

@@ -287,3 +287,13 @@ def test_a_kept_plan_does_not_keep_the_caches_of_its_first_call_alive():
     got = numba_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=2, causal=True)
     assert torch.equal(got, _uncached(q, k_copy, v_copy, k, v, cache_seqlens=2, causal=True))
     assert torch.equal(k_cache, k_copy) and torch.equal(v_cache, v_copy)
+
+
+def test_a_backend_that_is_not_a_name_is_refused_by_name_even_unhashable():
+    rng = np.random.default_rng(9)
+    k_cache, v_cache = _caches(rng, "causal_lse")
+    q, k, v = _step(rng)
+    numba_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=1)
+    for bad in ([1], 5):
+        with pytest.raises(AttentionInputError, match="backend"):
+            numba_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=2, backend=bad)
