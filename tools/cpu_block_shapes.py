@@ -2,7 +2,7 @@
 
     NUMBA_FLASH_CPU_SIMD=256 NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=... python tools/cpu_block_shapes.py 128
 
-Each shape (rows x vectors of columns) is built from ``mm_block_codegen`` with the head-dim chunking of
+Each shape (rows x vectors of columns) is built by ``register_block`` with the head-dim chunking of
 ``mm_dot`` and covers one C of 96 x 12 vectors of columns, which every shape tiles exactly (a C it does not
 would be written past its end).
 Repeats interleave the shapes. Prints each shape's stack moves in the compiled code (the copies of the arguments
@@ -18,9 +18,8 @@ import time
 
 import numpy as np
 from numba import njit
-from numba.extending import intrinsic
 
-from numba_flash.cpu.microkernels import DOT_CHUNK, _block_sig, mm_block_codegen
+from numba_flash.cpu.microkernels import DOT_CHUNK, register_block
 from numba_flash.cpu.simd import LANES
 
 SHAPES = [(4, 2), (6, 2), (4, 3), (8, 2), (3, 4)]
@@ -28,10 +27,7 @@ SHAPES = [(4, 2), (6, 2), (4, 3), (8, 2), (3, 4)]
 
 def _timed_loop(rows: int, nvec: int):
     """A jitted ``loop(c, a, b, kdim, n)``: n times C = A @ B over the whole of C in rows x nvec-vector blocks."""
-    @intrinsic
-    def block(typingctx, c, a, b, i, j, kdim, accumulate):
-        return _block_sig(c, a, b, i, j, kdim, accumulate), mm_block_codegen(False, nvec, rows, chunk=DOT_CHUNK)
-
+    block = register_block(False, nvec, rows, chunk=DOT_CHUNK)   # its accumulate flag is ignored with a chunk
     width = nvec * LANES
 
     @njit

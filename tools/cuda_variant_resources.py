@@ -5,7 +5,7 @@ compiled with one switch on at a time (ALiBi, attn_bias, dropout) and with every
 softcap, ALiBi, attn_bias, dropout: the compile check's worst case). Prints a Markdown table: registers per thread,
 and "spill" where the kernel keeps anything in local memory (spills or a stack frame).
 
-Run: .venv/bin/python tools/cuda_variant_resources.py [--cc 9.0] [--head-dim 32 64 128 256]
+Run: .venv/bin/python tools/cuda_variant_resources.py [--cc 9.0 | 9.0a] [--head-dim 32 64 128 256]
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from numba_flash.cuda import compile_check as cc
+from numba_flash.cuda.compile_check.targets import parse_target
 from numba_flash.cuda.host.config import STATIC_SMEM_LIMIT
 from numba_flash.cuda.host.picker import tile_config_for
 from numba_flash.cuda.kernels.registry import SPECS
@@ -27,10 +28,11 @@ KERNELS = tuple(spec.name for spec in SPECS if spec.kind == "simt" and spec.role
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cc", default="9.0", help="compute capability, e.g. 8.0 (default 9.0)")
+    parser.add_argument("--cc", default="9.0", type=parse_target,
+                        help="compute capability, e.g. 8.0, or an architecture-specific target, 9.0a (default 9.0)")
     parser.add_argument("--head-dim", nargs="+", type=int, default=[32, 64, 128, 256])
     args = parser.parse_args()
-    target = tuple(int(x) for x in args.cc.split("."))
+    target = args.cc
     print(f"| kernel | D | tiles | {' | '.join(VARIANTS)} |")
     print("|---|---|---|" + "---|" * len(VARIANTS))
     for kernel in KERNELS:

@@ -151,7 +151,7 @@ def rows_f32(*arrays) -> bool:
     return all(isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 2 for x in arrays)
 
 
-def _block(a_transposed: bool, nvec: int, mr: int = MR, chunk: int = 0, epilogue: str = ""):
+def register_block(a_transposed: bool, nvec: int, mr: int = MR, chunk: int = 0, epilogue: str = "") -> Callable:
     """The intrinsic for one register block, (c, a, b, i, j, kdim, extra) -> None on float32 2-D arrays:
     C[i:i+mr, j:j+nvec*LANES] (+)= A[i:i+mr, :kdim] @ B[:kdim, j:j+nvec*LANES], A given as A^T (shape (kdim, >= i+mr))
     where ``a_transposed``; ``chunk`` and ``epilogue`` as in ``mm_block_codegen``. ``extra`` is the accumulate flag
@@ -253,7 +253,7 @@ def _block_panels(a_transposed: bool, chunk: int = 0, epilogue: str = "", wide: 
     """``_panels`` over the blocks of one kind (``_block``): MR_TALL x NR, MR x NR and MR x LANES, and with ``wide``
     the 4 x 64 one."""
     def kind(nvec, mr):
-        return _block(a_transposed, nvec, mr, chunk=chunk, epilogue=epilogue)
+        return register_block(a_transposed, nvec, mr, chunk=chunk, epilogue=epilogue)
     return _panels(kind(2, MR_TALL), kind(2, MR), kind(1, MR), wide_block=kind(4, 4) if wide else None)
 
 
