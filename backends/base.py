@@ -117,6 +117,13 @@ class Backend:
         (B, Hq, Sq) float32. ``backends.kvcache`` has the pieces. Raise ``BackendDeclined`` only before writing."""
         raise NotImplementedError
 
+    def forward_step(self, call: AttentionCall) -> Callable[..., tuple[Any, Any]] | None:
+        """A function that runs the forwards of a plan made for validated ``call`` faster than ``forward``, having
+        decided once what the plan fixes; or None (the default) where ``forward`` serves every call. The function
+        takes ``(q, k, v)`` of the planned signatures and returns what ``forward`` would for the planned call with
+        them in place; it must not hold ``call``'s arrays (a kept plan lets go of them)."""
+        return None
+
     def kvcache_step(self, kv: Any) -> Callable[[Any], tuple[Any, Any]] | None:
         """A function that runs the steps of a ``with_kvcache`` plan made for validated call ``kv`` (a
         ``KVCacheCall``) faster than ``with_kvcache``, having decided once what the plan fixes; or None (the

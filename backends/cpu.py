@@ -155,12 +155,31 @@ class CpuBackend(Backend):
         lse_dtype = "float64" if kv.dtype == "float64" else "float32"
         return _like(kv.q, out, kv.dtype), _like(kv.q, lse, lse_dtype)
 
+    def forward_step(self, call: AttentionCall) -> Callable[..., tuple[Any, Any]] | None:
+        """A plan's forwards without ``forward``'s per-call decisions, where they cannot change between calls: a
+        tiny forward (``_is_tiny``: no packed sequences, bias, mods or dropout) on float32 or float64 numpy arrays or
+        plain CPU tensors (a plan fixes every array's type, dtype and strides). None otherwise. The function takes
+        ``(q, k, v)`` and holds none of ``call``'s arrays, only its options. It stands in for this class's
+        ``forward``: a subclass that overrides ``forward`` gets none."""
+        if type(self).forward is not CpuBackend.forward or call.is_varlen or not _is_tiny(call):
+            return None
+        compute = _compute_dtype(call.dtype)
+        # float16 numpy arrays differ from the compute dtype, and a plain CPU tensor is float32 or float64
+        if not all((type(x) is np.ndarray and x.dtype == compute) or _is_plain_cpu_tensor(x)
+                   for x in (call.q, call.k, call.v)):
+            return None
+        options = (call.softmax_scale, call.window_left, call.window_right, call.softcap, call.alibi, call.layout)
+        return functools.partial(_tiny_forward_step, compute=compute, lse_shape=call.lse_shape, options=options,
+                                 to_torch=type(call.q) is not np.ndarray)
+
     def kvcache_step(self, kv: Any) -> Callable[[Any], tuple[Any, Any]] | None:
         """A plan's steps without ``with_kvcache``'s per-step decisions, where they cannot change between steps:
         a tiny decode (``_tiny_decode_serves``) without rotary, on float32 or float64 numpy arrays or plain CPU
         tensors throughout, read and written in place (a plan fixes every array's type, dtype and device). None
-        otherwise. Decided on ``kv``'s facts alone; the function holds none of its arrays."""
-        if kv.rotary_cos is not None or not _tiny_decode_serves(kv):
+        otherwise. Decided on ``kv``'s facts alone; the function holds none of its arrays. It stands in for this
+        class's ``with_kvcache``: a subclass that overrides ``with_kvcache`` gets none."""
+        if type(self).with_kvcache is not CpuBackend.with_kvcache or kv.rotary_cos is not None \
+                or not _tiny_decode_serves(kv):
             return None
         compute = _compute_dtype(kv.dtype)
         arrays = (kv.q, kv.k_cache, kv.v_cache) + ((kv.k_new, kv.v_new) if kv.seqlen_new else ())
@@ -168,6 +187,21 @@ class CpuBackend(Backend):
         if not all((type(x) is np.ndarray and x.dtype == compute) or _is_plain_cpu_tensor(x) for x in arrays):
             return None
         return functools.partial(_in_place_decode_step, compute=compute)
+
+
+def _tiny_forward_step(q: Any, k: Any, v: Any, compute: type, lse_shape: tuple[int, ...], options: tuple,
+                       to_torch: bool) -> tuple[Any, Any]:
+    """``forward`` of a call that ``CpuBackend.forward_step`` serves: q, k, v as the plan fixed them (read in
+    place), ``options`` the planned (scale, window_left, window_right, softcap, alibi, layout). out like q with v's
+    head dim and lse ``lse_shape``, both of ``compute``, as torch tensors for torch inputs."""
+    q, k, v = (_host(x, compute) for x in (q, k, v))
+    out = np.empty(q.shape[:-1] + (v.shape[-1],), dtype=compute)
+    lse = np.empty(lse_shape, dtype=compute)
+    _tiny().tiny_forward(q, k, v, out, lse, *options)
+    if to_torch:
+        from_numpy = sys.modules["torch"].from_numpy   # the inputs are tensors: torch is imported
+        return from_numpy(out), from_numpy(lse)
+    return out, lse
 
 
 def _in_place_decode_step(kv: Any, compute: type) -> tuple[Any, Any]:

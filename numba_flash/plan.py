@@ -108,9 +108,15 @@ class PlannedCall:
         self.dispatcher, self.call, self.backend, self.method = dispatcher, call, backend, method
         self.chosen = dispatcher.select(call, backend)
         self.fields = dict(call.__dict__)
+        # The chosen backend's own runner of this plan's forwards, where it has one (Backend.forward_step): kept
+        # with that backend, and used only while it is the one chosen (a backend that declines is replaced).
+        self.prepared = (self.chosen, self.chosen.forward_step(call) if method == "forward" else None)
 
     def run(self, arrays: dict[str, Any]) -> Any:
         """The backend's result on the planned call with ``arrays`` (q, k, v; dout, out, lse) in its place."""
+        backend, step = self.prepared
+        if step is not None and backend is self.chosen:
+            return step(**arrays)
         call = object.__new__(AttentionCall)   # frozen: the fields are set as call_signature.recalled sets them
         call.__dict__.update(self.fields, extra={}, **arrays)
         return self.run_call(call)

@@ -98,3 +98,12 @@ def test_a_plans_loop_gives_the_general_paths_bits_and_the_reference(rng, monkey
         np.testing.assert_array_equal(np.asarray(k_cache), ref_k.astype(dtype))
         np.testing.assert_array_equal(np.asarray(v_cache), ref_v.astype(dtype))
         lens = lens + 1
+
+
+def test_a_subclass_that_overrides_with_kvcache_gets_no_prepared_step(rng):
+    class Own(CpuBackend):
+        def with_kvcache(self, call):
+            return super().with_kvcache(call)
+
+    kv = validate_kvcache(*_arrays(rng), cache_seqlens=2)
+    assert CpuBackend().kvcache_step(kv) is not None and Own().kvcache_step(kv) is None
