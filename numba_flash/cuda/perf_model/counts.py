@@ -334,7 +334,9 @@ def dynamic_counts(fn: Function, counts: LoopCounts) -> list[dict[str, float]]:
             c = ins[i].cls
             out[c] = out.get(c, 0.0) + m
             out["total"] += m
-            if c == "hgmma":   # a warp's quarter of the warpgroup's 64 x N x 16 multiply-adds
+            # a warp's quarter of the warpgroup's 64 x N x 16 multiply-adds; a QGMMA's 64 x N x 32 8-bit ones count
+            # as that many 16-bit ones, the time they take at the 16-bit rate
+            if c == "hgmma":
                 out["hgmma_fma"] = out.get("hgmma_fma", 0.0) + m * 16 * hgmma_n(ins[i]) * 16
             if c in ("lds", "sts", "ldg", "stg", "local"):   # memory instructions also by access width
                 key = f"{c}.{ins[i].bits}"

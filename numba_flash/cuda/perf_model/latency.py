@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
-from numba_flash.cuda.compile_check.sass import Instruction, hgmma_n
+from numba_flash.cuda.compile_check.sass import WGMMA_OPCODES, Instruction, hgmma_n
 
 #: Clocks from issue until the result can be read, by ``sass.classify`` class.
 CLASS_LATENCY: dict[str, int] = {
@@ -47,7 +47,7 @@ _REGISTER = re.compile(r"\b(U?R\d+|U?P\d)\b")
 
 def latency(ins: Instruction) -> int:
     """Clocks after ``ins`` issues until a dependent instruction can issue."""
-    if ins.base == "HGMMA":
+    if ins.base in WGMMA_OPCODES:
         return HGMMA_PIPELINE + hgmma_n(ins) // 2
     return OPCODE_LATENCY.get(ins.base, CLASS_LATENCY.get(ins.cls, 5))
 
@@ -59,7 +59,7 @@ def _widths(ins: Instruction) -> tuple[int, list[int]]:
         acc = 4 if "F32" in parts else 2
         k16 = "16816" in parts
         return acc, [4 if k16 else 2, 2 if k16 else 1, acc]
-    if ins.base == "HGMMA":   # D and C: N / 2 float32 registers; A: a descriptor, or 4 registers
+    if ins.base in WGMMA_OPCODES:   # D and C: N / 2 float32 registers; A: a descriptor, or 4 registers
         acc = max(1, hgmma_n(ins) // 2)
         return acc, [1, acc] if "gdesc" in ins.operands.split(",")[1] else [4, 1, acc]
     if ins.cls in ("lds", "ldg", "local"):

@@ -36,6 +36,11 @@ FMA, HMMA, LDSM = CLASS_LATENCY["ffma"], CLASS_LATENCY["hmma"], OPCODE_LATENCY["
      [f"R{24 + i}" for i in range(8)]),
     ("HGMMA.64x8x16.F32.BF16 R24, R56, gdesc[UR4].tnspB, R24, gsb0",
      ["R56", "R57", "R58", "R59", "UR4", "R24", "R25", "R26", "R27"], ["R24", "R25", "R26", "R27"]),
+    # its 8-bit-float form (k32): the same registers
+    ("QGMMA.64x16x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24, gsb0", ["UR4"] + [f"R{24 + i}" for i in range(8)],
+     [f"R{24 + i}" for i in range(8)]),
+    ("QGMMA.64x8x32.F32.E5M2.E5M2 R24, R56, gdesc[UR4], R24, gsb0",
+     ["R56", "R57", "R58", "R59", "UR4", "R24", "R25", "R26", "R27"], ["R24", "R25", "R26", "R27"]),
     ("WARPGROUP.DEPBAR.LE gsb0, 0x0", [], []),
     ("BAR.SYNC.DEFER_BLOCKING 0x0", [], []),
     ("MOV R2, UR4", ["UR4"], ["R2"]),
@@ -92,3 +97,6 @@ def test_a_chain_of_wgmmas_waits_for_each_ones_pipeline_and_multiply_adds():
     step = HGMMA_PIPELINE + 64 // 2
     assert latency(ins[0]) == step
     assert run_cycles(ins) == 4 * step + 1
+    # QGMMA's 64 x N x 32 8-bit products at twice the 16-bit rate: the same clocks as HGMMA's 64 x N x 16
+    q8 = _sass(*["QGMMA.64x64x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24, gsb0"] * 4, "FMNMX R2, R24, R55, !PT")
+    assert q8[0].cls == "hgmma" and latency(q8[0]) == step and run_cycles(q8) == 4 * step + 1
