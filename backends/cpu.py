@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterator
 import numba
 import numpy as np
 
-from numba_flash.arrays import as_result_kind, dtype_name, is_plain_torch_tensor, is_torch_tensor, to_numpy
+from numba_flash.arrays import (as_result_kind, dtype_name, host_tensor_view, is_host_float_tensor, is_torch_tensor,
+                                to_numpy)
 from numba_flash.semantics import clamp_window_bound
 from numba_flash.validation import AttentionCall
 
@@ -38,31 +39,27 @@ def _host(x: Any, compute: type) -> np.ndarray:
     """``x`` (validated: no lazy torch bit left) as a host array of the ``compute`` dtype; a view where it can be."""
     if type(x) is np.ndarray:
         a = x
-    elif _is_plain_cpu_tensor(x):   # a tiny call's microseconds: skip to_numpy's general case (and detach)
-        a = x.detach().numpy() if x.requires_grad else x.numpy()
+    elif is_host_float_tensor(x):   # a tiny call's microseconds: skip to_numpy's general case (and detach)
+        a = host_tensor_view(x)
     else:
         a = to_numpy(x)
     return a if a.dtype == compute else a.astype(compute)
 
 
-def _is_plain_cpu_tensor(x: Any) -> bool:
-    """A plain torch.Tensor on the CPU of float32 or float64 (the floating dtypes of 4 bytes or more), which numpy
-    views as it is. Called for every array of every call: no torch import, no dtype table."""
-    if not is_plain_torch_tensor(x):
-        return False
-    dtype = x.dtype
-    return dtype.is_floating_point and dtype.itemsize >= 4 and x.is_cpu   # is_cpu: 0.1 us, device.type 0.3-0.6
-
-
 def _like(ref: Any, a: np.ndarray, dtype: str) -> Any:
     """``a`` as the same array kind and dtype as ``ref`` (numpy for anything but torch)."""
-    if _is_plain_cpu_tensor(ref) and a.dtype == np.dtype(dtype):
+    if is_host_float_tensor(ref) and a.dtype == np.dtype(dtype):
         return sys.modules["torch"].from_numpy(a)   # ref is a tensor: torch is imported
     if is_torch_tensor(ref):
         import torch
 
         return as_result_kind(ref, torch.from_numpy(a).to(getattr(torch, dtype)))
     return a if a.dtype == np.dtype(dtype) else a.astype(dtype)
+
+
+def _outputs_like(q: Any, out: np.ndarray, lse: np.ndarray, dtype: str) -> tuple[Any, Any]:
+    """A forward's (out, lse) as q's array kind: out in the inputs' ``dtype``, lse float32 (float64 for float64)."""
+    return _like(q, out, dtype), _like(q, lse, "float64" if dtype == "float64" else "float32")
 
 
 class CpuBackend(Backend):
@@ -100,8 +97,7 @@ class CpuBackend(Backend):
         else:
             with _serial_if_small(_call_work(call)):
                 _run_forward(call, *(_bshd(x, call.layout) for x in (q, k, v, out)), lse)
-        lse_dtype = "float64" if call.dtype == "float64" else "float32"
-        return _like(call.q, out, call.dtype), _like(call.q, lse, lse_dtype)
+        return _outputs_like(call.q, out, lse, call.dtype)
 
     def backward(self, call: AttentionCall) -> tuple[Any, ...]:
         """(dq, dk, dv), and dbias shaped like attn_bias in its dtype when ``call.return_dbias``."""
@@ -143,7 +139,7 @@ class CpuBackend(Backend):
             return _tiny_decode(kv, q, k_cache, v_cache, compute)
         out = np.empty(q.shape, dtype=compute)
         lse = np.empty((kv.batch, kv.nheads_q, kv.seqlen_q), dtype=compute)
-        work = kv.batch * kv.nheads_q * kv.seqlen_q * kv.capacity * 2 * kv.head_dim   # at most; the keys held
+        work = _decode_work(kv)
         from numba_flash.cpu.decode import decode_forward   # not on the tiny path above: 0.8 us a step
 
         rows = kv.cache_rows if kv.cache_rows is not None else np.zeros(kv.batch, np.int64)
@@ -152,8 +148,7 @@ class CpuBackend(Backend):
             splits = kvcache.choose_num_splits(kv, numba.get_num_threads())
             decode_forward(q, k_cache, v_cache, rows, kv.key_start, kv.key_end, table, kv.page_size, out, lse,
                            kv.softmax_scale, kv.window_left, kv.window_right, kv.softcap, splits, kv.alibi)
-        lse_dtype = "float64" if kv.dtype == "float64" else "float32"
-        return _like(kv.q, out, kv.dtype), _like(kv.q, lse, lse_dtype)
+        return _outputs_like(kv.q, out, lse, kv.dtype)
 
     def forward_step(self, call: AttentionCall) -> Callable[..., tuple[Any, Any]] | None:
         """A plan's forwards without ``forward``'s per-call decisions, where they cannot change between calls: a
@@ -164,9 +159,7 @@ class CpuBackend(Backend):
         if type(self).forward is not CpuBackend.forward or call.is_varlen or not _is_tiny(call):
             return None
         compute = _compute_dtype(call.dtype)
-        # float16 numpy arrays differ from the compute dtype, and a plain CPU tensor is float32 or float64
-        if not all((type(x) is np.ndarray and x.dtype == compute) or _is_plain_cpu_tensor(x)
-                   for x in (call.q, call.k, call.v)):
+        if not _read_in_place(compute, call.q, call.k, call.v):
             return None
         options = (call.softmax_scale, call.window_left, call.window_right, call.softcap, call.alibi, call.layout)
         return functools.partial(_tiny_forward_step, compute=compute, lse_shape=call.lse_shape, options=options,
@@ -182,11 +175,15 @@ class CpuBackend(Backend):
                 or not _tiny_decode_serves(kv):
             return None
         compute = _compute_dtype(kv.dtype)
-        arrays = (kv.q, kv.k_cache, kv.v_cache) + ((kv.k_new, kv.v_new) if kv.seqlen_new else ())
-        # float16 numpy arrays differ from the compute dtype, and a plain CPU tensor is float32 or float64
-        if not all((type(x) is np.ndarray and x.dtype == compute) or _is_plain_cpu_tensor(x) for x in arrays):
+        if not _read_in_place(compute, kv.q, kv.k_cache, kv.v_cache, *((kv.k_new, kv.v_new) if kv.seqlen_new else ())):
             return None
         return functools.partial(_in_place_decode_step, compute=compute)
+
+
+def _read_in_place(compute: type, *arrays: Any) -> bool:
+    """Whether every one of ``arrays`` is read (and written) in place in numpy's ``compute`` dtype: a numpy array of
+    that dtype, or a plain float32 / float64 CPU tensor (float16 numpy arrays differ from the compute dtype)."""
+    return all((type(x) is np.ndarray and x.dtype == compute) or is_host_float_tensor(x) for x in arrays)
 
 
 def _tiny_forward_step(q: Any, k: Any, v: Any, compute: type, lse_shape: tuple[int, ...], options: tuple,
@@ -250,11 +247,15 @@ def _serial_if_small(work: int) -> Iterator[None]:
         numba.set_num_threads(before)
 
 
+def _decode_work(kv: Any) -> int:
+    """Multiply-adds of a decode step at most (every sequence attending the whole capacity)."""
+    return kv.batch * kv.nheads_q * kv.seqlen_q * kv.capacity * 2 * kv.head_dim
+
+
 def _tiny_decode_serves(kv: Any) -> bool:
-    """Whether ``_tiny_decode`` serves a decode step: an unpaged cache, and work (at most: the whole capacity
-    attended) within ``numba_flash.cpu.tiny``'s bound."""
-    work = kv.batch * kv.nheads_q * kv.seqlen_q * kv.capacity * 2 * kv.head_dim
-    return not kv.paged and _tiny().fits_tiny(work, False, False, 0.0, False)
+    """Whether ``_tiny_decode`` serves a decode step: an unpaged cache, and work within ``numba_flash.cpu.tiny``'s
+    bound."""
+    return not kv.paged and _tiny().fits_tiny(_decode_work(kv), False, False, 0.0, False)
 
 
 def _tiny_decode(kv: Any, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, compute: type) -> tuple[Any, Any]:
@@ -273,8 +274,7 @@ def _tiny_decode(kv: Any, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarra
         slopes = None if kv.alibi is None else kv.alibi[b:b + 1]
         tiny.tiny_forward(q[b:b + 1], k_cache[r:r + 1, k0:k1], v_cache[r:r + 1, k0:k1], out[b:b + 1], lse[b:b + 1],
                           kv.softmax_scale, left, right, kv.softcap, slopes)
-    lse_dtype = "float64" if kv.dtype == "float64" else "float32"
-    return _like(kv.q, out, kv.dtype), _like(kv.q, lse, lse_dtype)
+    return _outputs_like(kv.q, out, lse, kv.dtype)
 
 
 def _call_work(call: AttentionCall) -> int:

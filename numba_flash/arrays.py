@@ -43,6 +43,22 @@ def is_plain_torch_tensor(x: Any) -> bool:
     return tensor is not None and type(x) is tensor
 
 
+def is_host_float_tensor(x: Any) -> bool:
+    """Whether ``x`` is a plain ``torch.Tensor`` on the CPU of float32 or float64 (the floating dtypes of 4 bytes or
+    more), which ``numpy()`` views as it is (validated tensors: no lazy negation or conjugation bit). Asked of every
+    array of a tiny call: no torch import, no dtype table."""
+    if not is_plain_torch_tensor(x):
+        return False
+    dtype = x.dtype
+    return dtype.is_floating_point and dtype.itemsize >= 4 and x.is_cpu   # is_cpu: 0.1 us, device.type 0.3-0.6
+
+
+def host_tensor_view(x: Any) -> np.ndarray:
+    """The numpy view of an ``is_host_float_tensor`` tensor: the same memory (detached first only where it requires
+    grad, 0.4 us)."""
+    return x.detach().numpy() if x.requires_grad else x.numpy()
+
+
 def is_meta_tensor(x: Any) -> bool:
     """Whether ``x`` is a torch tensor on the meta device: shapes and dtypes, no values to read or memory to write."""
     return is_torch_tensor(x) and x.device.type == "meta"
