@@ -108,14 +108,23 @@ class PlannedCall:
         self.dispatcher, self.call, self.backend, self.method = dispatcher, call, backend, method
         self.chosen = dispatcher.select(call, backend)
         self.fields = dict(call.__dict__)
-        # The chosen backend's own runner of this plan's forwards, where it has one (Backend.forward_step): kept
-        # with that backend, and used only while it is the one chosen (a backend that declines is replaced).
-        self.prepared = (self.chosen, self.chosen.forward_step(call) if method == "forward" else None)
+        # The chosen backend's own runner of this plan's calls, where it has one (Backend.forward_step for a
+        # forward, Backend.kvcache_step for with_kvcache): kept with that backend (``prepared_step``).
+        step = (self.chosen.forward_step(call) if method == "forward" else
+                self.chosen.kvcache_step(call.kvcache) if method == "with_kvcache" else None)
+        self._prepared = (self.chosen, step)
+
+    def prepared_step(self) -> Any:
+        """The chosen backend's prepared runner of this plan's calls while that backend is still the one chosen (a
+        backend that declines is replaced), else None: a forward's takes ``(q, k, v)``, a with_kvcache's a step's
+        ``KVCacheCall``."""
+        backend, step = self._prepared
+        return step if backend is self.chosen else None
 
     def run(self, arrays: dict[str, Any]) -> Any:
         """The backend's result on the planned call with ``arrays`` (q, k, v; dout, out, lse) in its place."""
-        backend, step = self.prepared
-        if step is not None and backend is self.chosen:
+        step = self.prepared_step() if self.method == "forward" else None
+        if step is not None:
             return step(**arrays)
         call = object.__new__(AttentionCall)   # frozen: the fields are set as call_signature.recalled sets them
         call.__dict__.update(self.fields, extra={}, **arrays)

@@ -87,10 +87,6 @@ class KVCachePlan:
         self._seqlen_ro = 0 if kv.rotary_cos is None else int(kv.rotary_cos.shape[0])
         self._q_span = kv.seqlen_q if (kv.causal or kv.local) else 1
         self._planned = PlannedCall(dispatcher, kv.dense_call(), options["backend"], "with_kvcache")
-        # The chosen backend's own runner of this plan's steps, where it has one (Backend.kvcache_step): kept with
-        # that backend, and used only while it is the one chosen (a backend that declines is replaced).
-        chosen = self._planned.chosen
-        self._fast_step = (chosen, chosen.kvcache_step(kv))
 
     def drop_planned_arrays(self) -> None:
         """Let go of the arrays given at plan time (q, the caches, k, v), which no step reads (each step brings
@@ -175,9 +171,9 @@ class KVCachePlan:
         ``check_step`` takes it."""
         call = self.check_step(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
                                signatures_known=signatures_known)
-        backend, fast_step = self._fast_step
-        if fast_step is not None and backend is self._planned.chosen:
-            out, lse = fast_step(call)
+        prepared = self._planned.prepared_step()   # the chosen backend's runner of the steps, if it has one
+        if prepared is not None:
+            out, lse = prepared(call)
         else:
             out, lse = self._planned.run_call(call.dense_call_like(self._planned.call))
         return (out, lse) if self._kv.return_lse else out
