@@ -315,9 +315,10 @@ def flash_attn_func(
         # No autograd graph to record and nothing that needs the op: FlashAttnFunc.apply would record nothing and
         # run this same work (its forward's eager branch); apply alone costs ~10 us a call here.
         out, lse = found
-        dense_plans.keep_new(key, backend_registry.get("flash"), q, k, v, dict(
-            causal=causal, softmax_scale=scale, window_size=(left, right), softcap=softcap, layout=layout,
-            return_lse=True, backend=backend, deterministic=deterministic, precision=precision))
+        if key is not None:   # a call without one builds no plan arguments each time
+            dense_plans.keep_new(key, backend_registry.get("flash"), q, k, v, dict(
+                causal=causal, softmax_scale=scale, window_size=(left, right), softcap=softcap, layout=layout,
+                return_lse=True, backend=backend, deterministic=deterministic, precision=precision))
     else:
         out, lse = FlashAttnFunc.apply(q, k, v, bool(causal), scale, left, right, float(softcap), layout, backend,
                                        alibi_slopes, attn_bias, dropout_p, seed, precision, call)

@@ -161,8 +161,10 @@ def flash_attn_with_kvcache(
             out, lse = _with_kvcache(op, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                      cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,
                                      softcap, rotary_interleaved, alibi_slopes, num_splits, True, backend=backend)
-            kvcache_plans.keep_for_face(key, op, backend, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k,
-                                                          "v": v}, dict(_face_options(locals()), return_lse=True))
+            if key is not None:   # a call without one (rotary, paged, ...) builds no arguments for it each step
+                kvcache_plans.keep_for_face(key, op, backend, {"q": q, "k_cache": k_cache, "v_cache": v_cache,
+                                                               "k": k, "v": v},
+                                            dict(_face_options(locals()), return_lse=True))
         bump_versions(k_cache, v_cache)   # what the op's mutates_args has torch do
         out, lse = owned_pair(out, lse, q, k_cache, v_cache, k, v)
         return (out, lse) if return_softmax_lse else out
