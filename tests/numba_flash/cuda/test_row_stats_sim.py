@@ -53,17 +53,29 @@ def _inputs(rng, d, factor):
     return q, k, v, dout
 
 
+def _mostly_one_key_rows(rng, d, factor):
+    """``_inputs`` and the reference's gradients, drawn again (up to 20 times) while fewer than 90% of dQ's or dK's
+    entries are exactly 0 in the reference: at q x 1e5 about 1 draw in 80 (D = 64 and 100, 300 seeds each) has
+    rows where two keys' scores land close enough that the float64 softmax is not one key's, which the one-hot
+    checks below are not about. 1e7 drew none in 300; at 1e3 the draw is taken as it comes."""
+    for _ in range(20):
+        q, k, v, dout = _inputs(rng, d, factor)
+        want = attention_ref_backward(dout, q, k, v, causal=True)
+        if factor < 1e5 or min(float((w == 0).mean()) for w in want[:2]) > 0.9:
+            break
+    return (q, k, v, dout), want
+
+
 # D = 64 sums its scores in one part, D = 100 (bucket 128) in four (config.SCORE_PARTS). q x 1e3 makes the scores
-# about 1e3 to 1e4 with a few keys sharing each row; 1e5 and 1e7 make every row one key's.
+# about 1e3 to 1e4 with a few keys sharing each row; 1e5 and 1e7 make nearly every row one key's.
 @pytest.mark.parametrize("d", [64, 100])
 @pytest.mark.parametrize("factor", [1e3, 1e5, 1e7])
 def test_large_scores_hold_the_contract(rng, d, factor):
-    q, k, v, dout = _inputs(rng, d, factor)
+    (q, k, v, dout), want = _mostly_one_key_rows(rng, d, factor)
     op = backend_registry.get("flash", backend="cuda")
     with simcheck.checking():
         out, lse = op.forward(q, k, v, causal=True, return_lse=True)
         grads = op.backward(dout, q, k, v, out, lse, causal=True)
-    want = attention_ref_backward(dout, q, k, v, causal=True)
     for name, got, w in zip(("dq", "dk", "dv"), grads, want):
         assert np.all(np.isfinite(got)), name
     err = lambda x: float(np.linalg.norm(np.asarray(x, np.float64) - want[2]))   # noqa: E731
